@@ -1,0 +1,13 @@
+"""Stiefel-constrained attention for PyTorch, built on geoopt.
+
+Query/key projections live on the Stiefel manifold :math:`\\mathrm{St}(d, r)` and are trained by
+:class:`StiefelAdam`: Riemannian Adam with one second moment per frame, a per-frame trust region and the
+polar retraction, with AdamW for every other parameter.
+"""
+
+from .manifolds import PolarStiefel, is_frame
+from .optim import StiefelAdam, stiefel_adam_update
+
+__version__ = "0.1.0"
+
+__all__ = ["PolarStiefel", "StiefelAdam", "is_frame", "stiefel_adam_update", "__version__"]

@@ -1,0 +1,158 @@
+"""Small pure helpers for frames ``W`` of shape ``(..., d, r)`` with orthonormal columns.
+
+Every function here is pure (no in-place update of its inputs), works on stacks of frames, and does
+only ``d x r x r`` and ``r x r x r`` work: no ``d x d`` matrix is ever formed and no SVD of a ``d x r``
+matrix is taken except in :func:`polar_svd`, the exact fallback used by ``projx``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "sym",
+    "proju",
+    "frame_sq_norm",
+    "frame_norm",
+    "orthonormality_error",
+    "inv_sqrt_spd",
+    "inv_sqrt_series",
+    "series_order",
+    "polar",
+    "polar_svd",
+    "cap_step",
+    "compute_dtype",
+]
+
+
+def sym(a: torch.Tensor) -> torch.Tensor:
+    r"""Symmetric part :math:`\operatorname{sym}(A) = (A + A^\top)/2` of a stack of square matrices."""
+    return 0.5 * (a + a.transpose(-1, -2))
+
+
+def proju(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    r"""Orthogonal projection onto :math:`T_W\mathrm{St}(d, r)` in the embedded metric.
+
+    .. math:: P_W(U) = U - W\,\operatorname{sym}(W^\top U)
+    """
+    return u - w @ sym(w.transpose(-1, -2) @ u)
+
+
+def frame_sq_norm(u: torch.Tensor) -> torch.Tensor:
+    r"""Squared Frobenius norm of each frame, :math:`\|U\|_F^2`, kept at shape ``(..., 1, 1)``."""
+    return u.square().sum(dim=(-2, -1), keepdim=True)
+
+
+def frame_norm(u: torch.Tensor) -> torch.Tensor:
+    r"""Frobenius norm of each frame, :math:`\|U\|_F`, kept at shape ``(..., 1, 1)``."""
+    return frame_sq_norm(u).sqrt()
+
+
+def orthonormality_error(w: torch.Tensor) -> torch.Tensor:
+    r"""Largest entry of :math:`|W^\top W - I_r|` over the whole stack (a 0-d tensor, computed in float64)."""
+    w64 = w.detach().to(torch.float64)
+    eye = torch.eye(w.shape[-1], dtype=torch.float64, device=w.device)
+    return (w64.transpose(-1, -2) @ w64 - eye).abs().amax()
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the frame arithmetic runs in: float32 for bf16/fp16 parameters, else the dtype itself."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def inv_sqrt_spd(gram: torch.Tensor) -> torch.Tensor:
+    r"""Exact inverse square root :math:`A^{-1/2}` of a stack of symmetric positive definite matrices.
+
+    Uses the symmetric eigendecomposition :math:`A = V \Lambda V^\top`, so
+    :math:`A^{-1/2} = V \Lambda^{-1/2} V^\top`. Eigenvalues are clamped at the dtype's tiny value so that
+    a rank-deficient input gives large but finite entries instead of ``inf``.
+    """
+    evals, evecs = torch.linalg.eigh(gram)
+    inv_root = evals.clamp_min(torch.finfo(evals.dtype).tiny).rsqrt()
+    return (evecs * inv_root.unsqueeze(-2)) @ evecs.transpose(-1, -2)
+
+
+def _series_coefficients(order: int) -> list[float]:
+    r"""Taylor coefficients :math:`c_k = \binom{-1/2}{k} = (-1)^k \binom{2k}{k} / 4^k` of :math:`(1+x)^{-1/2}`."""
+    return [(-1) ** k * math.comb(2 * k, k) / 4**k for k in range(order + 1)]
+
+
+def series_order(radius_sq: float, dtype: torch.dtype, max_order: int = 12) -> int | None:
+    r"""Smallest Taylor order that makes :func:`inv_sqrt_series` exact to rounding.
+
+    For :math:`A = I + E` with spectral norm :math:`\|E\|_2 \le \rho`, truncating the series of
+    :math:`(I+E)^{-1/2}` after order :math:`K` leaves an error of at most
+    :math:`\sum_{k > K} |c_k| \rho^k \le \rho^{K+1} / (1 - \rho)` (every :math:`|c_k| \le 1`). The order
+    returned is the smallest one for which that bound is below a quarter of the unit roundoff of
+    ``dtype``; ``None`` when ``rho >= 0.5`` or more than ``max_order`` terms would be needed (callers then
+    use the exact :func:`inv_sqrt_spd`).
+    """
+    if not 0.0 <= radius_sq < 0.5:
+        return None
+    unit = torch.finfo(dtype).eps / 2
+    if radius_sq == 0.0:
+        return 1
+    for order in range(1, max_order + 1):
+        if radius_sq ** (order + 1) / (1.0 - radius_sq) <= unit / 4:
+            return order
+    return None
+
+
+def inv_sqrt_series(gram: torch.Tensor, order: int) -> torch.Tensor:
+    r"""Inverse square root of :math:`A = I + E` by its Taylor series, truncated after ``order`` terms.
+
+    .. math:: (I + E)^{-1/2} \approx \sum_{k=0}^{K} \binom{-1/2}{k} E^k
+              = I - \tfrac12 E + \tfrac38 E^2 - \tfrac{5}{16} E^3 + \dots
+
+    evaluated by Horner's rule (``order - 1`` products of ``r x r`` matrices). Valid when
+    :math:`\|E\|_2 < 1`; see :func:`series_order` for the truncation bound.
+    """
+    r = gram.shape[-1]
+    eye = torch.eye(r, dtype=gram.dtype, device=gram.device)
+    e = gram - eye
+    coeffs = _series_coefficients(order)
+    x = coeffs[order] * e + coeffs[order - 1] * eye
+    for c in reversed(coeffs[: order - 1]):
+        x = e @ x + c * eye
+    return x
+
+
+def polar(y: torch.Tensor, *, order: int | None = None) -> torch.Tensor:
+    r"""Orthonormal polar factor :math:`Y (Y^\top Y)^{-1/2}` of a stack of full-rank ``d x r`` matrices.
+
+    The Gram matrix :math:`Y^\top Y` is formed from the actual ``Y`` (not from the identity
+    :math:`I + s^\top s` that holds in exact arithmetic for ``Y = W - s`` with tangent ``s``): this way
+    each retraction also removes the rounding drift left by the previous one.
+
+    Parameters
+    ----------
+    y : torch.Tensor
+        Shape ``(..., d, r)`` with ``r <= d`` and full column rank.
+    order : int or None
+        ``None`` computes :math:`(Y^\top Y)^{-1/2}` exactly by an ``r x r`` eigendecomposition; an
+        integer uses :func:`inv_sqrt_series` of that order, which callers may choose only when they know
+        a bound on :math:`\|Y^\top Y - I\|_2` (see :func:`series_order`).
+    """
+    gram = y.transpose(-1, -2) @ y
+    x = inv_sqrt_spd(gram) if order is None else inv_sqrt_series(gram, order)
+    return y @ x
+
+
+def polar_svd(x: torch.Tensor) -> torch.Tensor:
+    r"""Closest frame to ``x`` in Frobenius norm, :math:`U V^\top` from the thin SVD :math:`x = U \Sigma V^\top`."""
+    u, _, vh = torch.linalg.svd(x, full_matrices=False)
+    return u @ vh
+
+
+def cap_step(s: torch.Tensor, radius: float | None) -> torch.Tensor:
+    r"""Trust-region cap applied per frame: :math:`s \leftarrow s \cdot \min(1, \Delta / \|s\|_F)`.
+
+    ``radius=None`` returns ``s`` unchanged. A zero step stays zero (no division by zero).
+    """
+    if radius is None:
+        return s
+    norm = frame_norm(s)
+    scale = (radius / norm.clamp_min(torch.finfo(norm.dtype).tiny)).clamp(max=1.0)
+    return s * scale

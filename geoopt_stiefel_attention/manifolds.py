@@ -1,0 +1,97 @@
+"""The Stiefel manifold with the embedded metric and the polar retraction."""
+
+from __future__ import annotations
+
+import torch
+from geoopt.manifolds import EuclideanStiefel
+
+from . import _linalg
+
+__all__ = ["PolarStiefel", "is_frame"]
+
+
+class PolarStiefel(EuclideanStiefel):
+    r"""Stiefel manifold :math:`\mathrm{St}(d, r) = \{W \in \mathbb{R}^{d\times r} : W^\top W = I_r\}`
+    with the embedded (Euclidean) metric and the polar retraction.
+
+    Everything but the retraction is inherited from :class:`geoopt.manifolds.EuclideanStiefel`:
+
+    .. math::
+
+        \langle U, V \rangle_W = \operatorname{tr}(U^\top V), \qquad
+        P_W(G) = G - W \operatorname{sym}(W^\top G), \qquad
+        \operatorname{sym}(A) = \tfrac12 (A + A^\top).
+
+    The retraction is the polar factor of the moved point,
+
+    .. math::
+
+        R_W(Z) = (W + Z)\,\big((W + Z)^\top (W + Z)\big)^{-1/2},
+
+    an ``r x r`` inverse square root (eigendecomposition) and :math:`O(d r^2)` products: no ``d x d``
+    work and no SVD of the ``d x r`` matrix (geoopt's ``EuclideanStiefel`` uses a QR factorisation, its
+    default ``Stiefel()`` a ``d x d`` Cayley solve). For tangent ``Z`` the Gram matrix equals
+    :math:`I + Z^\top Z` in exact arithmetic; the code forms the Gram of the actual ``W + Z`` so that each
+    retraction also corrects the rounding drift of the previous one. Vector transport is projection onto
+    the new tangent space, :math:`\mathcal{T}_{W\to W'}(V) = P_{W'}(V)`. ``projx`` is the exact closest
+    frame :math:`U V^\top` from a thin SVD.
+
+    Points are stacks of frames of shape ``(..., d, r)`` with ``r <= d``: a stack of attention heads is
+    one tensor. ``float32`` and ``float64`` compute in their own dtype; ``bfloat16``/``float16`` points are
+    retracted in ``float32`` and rounded back.
+
+    Examples
+    --------
+    >>> import torch, geoopt
+    >>> from geoopt_stiefel_attention import PolarStiefel
+    >>> st = PolarStiefel()
+    >>> w = geoopt.ManifoldParameter(st.random(4, 16, 8, dtype=torch.float64), manifold=st)
+    >>> z = st.proju(w, torch.randn_like(w))
+    >>> st.check_point_on_manifold(st.retr(w, 0.1 * z))
+    True
+    """
+
+    name = "Stiefel(euclidean)"
+
+    def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        ct = _linalg.compute_dtype(x.dtype)
+        y = x.to(ct) + u.to(ct)
+        return _linalg.polar(y).to(x.dtype)
+
+    def retr_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.retr(x, u)
+        return y, self.transp(x, y, v)
+
+    def projx(self, x: torch.Tensor) -> torch.Tensor:
+        ct = _linalg.compute_dtype(x.dtype)
+        return _linalg.polar_svd(x.to(ct)).to(x.dtype)
+
+    def random(self, *size, dtype=None, device=None, generator: torch.Generator | None = None) -> torch.Tensor:
+        r"""A random frame: the polar factor of a Gaussian matrix, i.e. Haar-distributed on :math:`\mathrm{St}(d, r)`.
+
+        Parameters
+        ----------
+        *size : int
+            ``(..., d, r)`` with ``r <= d``.
+        dtype, device
+            As for :func:`torch.randn`.
+        generator : torch.Generator, optional
+            Source of randomness, for reproducible draws.
+        """
+        import geoopt
+        from geoopt.utils import size2shape
+
+        shape = size2shape(*size)
+        self._assert_check_shape(shape, "x")
+        gauss = torch.randn(shape, dtype=dtype, device=device, generator=generator)
+        return geoopt.ManifoldTensor(self.projx(gauss), manifold=self)
+
+    random_naive = random
+
+    def extra_repr(self) -> str:
+        return "polar"
+
+
+def is_frame(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a stack of Stiefel frames in the embedded metric (a geoopt tensor on ``EuclideanStiefel``)."""
+    return isinstance(getattr(p, "manifold", None), EuclideanStiefel)

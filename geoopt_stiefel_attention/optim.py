@@ -1,0 +1,440 @@
+"""``StiefelAdam``: Riemannian Adam with one second moment per frame, a trust region and polar retraction."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Callable, Iterable
+
+import geoopt
+import torch
+import torch.optim.adamw as _torch_adamw
+from geoopt.manifolds import CanonicalStiefel, Euclidean, EuclideanStiefel
+
+from . import _linalg
+from .manifolds import is_frame as _is_frame
+
+__all__ = ["StiefelAdam", "stiefel_adam_update", "SECOND_MOMENTS", "ORTHONORMALITY_TOLERANCE"]
+
+#: The accepted values of the ``second_moment`` option.
+SECOND_MOMENTS = ("frame", "column", "element", None)
+
+#: Largest ``max |W^T W - I|`` accepted for a frame at its first step, per parameter dtype. A bf16-rounded
+#: orthonormal frame is already about 1e-3 off, so the low-precision tolerances are loose.
+ORTHONORMALITY_TOLERANCE = {
+    torch.float64: 1e-8,
+    torch.float32: 1e-4,
+    torch.bfloat16: 3e-2,
+    torch.float16: 5e-3,
+}
+
+_DEFAULT_TRUST_REGION = 0.1
+
+
+def _require(ok: bool, message: str, exc: type[Exception] = ValueError) -> None:
+    if not ok:
+        raise exc(message)
+
+
+def _validate_hyperparameters(group: dict[str, Any]) -> None:
+    """Raise a ``ValueError`` that names the option and the fix when a group option is out of range."""
+    lr = group["lr"]
+    if not isinstance(lr, torch.Tensor):
+        _require(isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr),
+                 f"StiefelAdam: lr={lr!r} is invalid; pass a finite float > 0 (e.g. lr=1e-3).")
+    eps = group["eps"]
+    _require(isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps),
+             f"StiefelAdam: eps={eps!r} is invalid; pass a finite float > 0 (e.g. eps=1e-8).")
+    betas = group["betas"]
+    _require(isinstance(betas, (tuple, list)) and len(betas) == 2
+             and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas),
+             f"StiefelAdam: betas={betas!r} is invalid; pass two floats in [0, 1), e.g. betas=(0.9, 0.999).")
+    wd = group["weight_decay"]
+    _require(isinstance(wd, (int, float)) and wd >= 0 and math.isfinite(wd),
+             f"StiefelAdam: weight_decay={wd!r} is invalid; pass a finite float >= 0.")
+    tr = group["trust_region"]
+    _require(tr is None or (isinstance(tr, (int, float)) and not isinstance(tr, bool) and tr > 0 and math.isfinite(tr)),
+             f"StiefelAdam: trust_region={tr!r} is invalid; pass a finite float > 0 "
+             f"(default {_DEFAULT_TRUST_REGION}) or None to disable the cap.")
+    sm = group["second_moment"]
+    _require(sm in SECOND_MOMENTS,
+             f"StiefelAdam: second_moment={sm!r} is unknown; use one of 'frame' (default), 'column', "
+             f"'element', or None (fixed-step Riemannian SGD with momentum).")
+    st = group["stabilize"]
+    _require(st is None or (isinstance(st, int) and not isinstance(st, bool) and st > 0),
+             f"StiefelAdam: stabilize={st!r} is invalid; pass a positive int (re-project every that many "
+             f"steps) or None.")
+
+
+def _check_parameter(p: torch.Tensor) -> None:
+    """Reject parameters the optimizer cannot train, naming the fix."""
+    manifold = getattr(p, "manifold", None)
+    if manifold is None or isinstance(manifold, Euclidean):
+        return
+    if isinstance(manifold, CanonicalStiefel):
+        raise ValueError(
+            f"StiefelAdam: parameter of shape {tuple(p.shape)} is on geoopt's CanonicalStiefel (the default "
+            f"of geoopt.Stiefel()), whose canonical metric this optimizer does not implement. Create it on "
+            f"geoopt_stiefel_attention.PolarStiefel() (or geoopt.EuclideanStiefel()) instead, or train it "
+            f"with geoopt.optim.RiemannianAdam."
+        )
+    if not isinstance(manifold, EuclideanStiefel):
+        raise ValueError(
+            f"StiefelAdam: parameter of shape {tuple(p.shape)} is on {manifold!r}; StiefelAdam trains "
+            f"Stiefel frames (PolarStiefel / EuclideanStiefel) and Euclidean parameters only. Use "
+            f"geoopt.optim.RiemannianAdam for other manifolds."
+        )
+    if p.is_complex():
+        raise TypeError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} is complex; Stiefel frames "
+                        f"must be real (float64, float32, bfloat16 or float16).")
+
+
+def stiefel_adam_update(
+    w: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor | None,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    trust_region: float | None,
+    second_moment: str | None = "frame",
+    series_order: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    r"""One StiefelAdam update of a stack of frames; pure (returns new tensors, changes none of its inputs).
+
+    For each frame :math:`W \in \mathrm{St}(d, r)` of the stack with Euclidean gradient :math:`G`:
+
+    1. :math:`\xi = G - W \operatorname{sym}(W^\top G)`
+    2. :math:`m \leftarrow \beta_1 m + (1 - \beta_1)\xi`
+    3. :math:`v \leftarrow \beta_2 v + (1 - \beta_2)\|\xi\|_F^2` (``second_moment="frame"``; ``"column"``
+       sums :math:`\xi^2` over rows, ``"element"`` keeps :math:`\xi^2`; ``None`` keeps no :math:`v`)
+    4. :math:`s = \mathrm{lr}\,\hat m / (\sqrt{\hat v} + \epsilon)` with
+       :math:`\hat m = m/(1-\beta_1^t)`, :math:`\hat v = v/(1-\beta_2^t)`; ``None``: :math:`s = \mathrm{lr}\,\hat m`.
+       For ``"column"`` and ``"element"``, :math:`s \leftarrow P_W(s)` (their scaling leaves the tangent space).
+    5. :math:`s \leftarrow s \min(1, \Delta/\|s\|_F)` (``trust_region=None`` skips it)
+    6. :math:`W \leftarrow (W - s)\big((W - s)^\top (W - s)\big)^{-1/2}`
+    7. :math:`m \leftarrow m - W \operatorname{sym}(W^\top m)`
+
+    A frame whose gradient has a non-finite entry (or whose :math:`\|\xi\|_F^2` overflows) is skipped: its
+    ``W``, ``m`` and ``v`` come back unchanged, and the returned mask is ``False`` there.
+
+    Parameters
+    ----------
+    w, grad, exp_avg : torch.Tensor
+        Shape ``(..., d, r)``, one dtype (the compute dtype).
+    exp_avg_sq : torch.Tensor or None
+        ``(..., 1, 1)`` for ``"frame"``, ``(..., 1, r)`` for ``"column"``, ``(..., d, r)`` for
+        ``"element"``, ``None`` for ``second_moment=None``.
+    step : int
+        The step count ``t >= 1`` after this update (for the bias corrections).
+    lr, beta1, beta2, eps, trust_region : float
+        Hyper-parameters as in :class:`StiefelAdam`.
+    second_moment : {"frame", "column", "element", None}
+        Which second moment scales the step.
+    series_order : int or None
+        ``None`` retracts with an exact ``r x r`` eigendecomposition; an integer uses the Taylor series of
+        that order, valid only when it was chosen by :func:`_linalg.series_order` for ``trust_region**2``.
+
+    Returns
+    -------
+    w_new, exp_avg_new, exp_avg_sq_new, finite : torch.Tensor
+        The updated frames and moments, and a boolean ``(..., 1, 1)`` mask of the frames that were updated.
+    """
+    wt = w.transpose(-1, -2)
+    xi = grad - w @ _linalg.sym(wt @ grad)
+    xi_sq = _linalg.frame_sq_norm(xi)
+    finite = torch.isfinite(xi_sq)
+    xi = torch.where(finite, xi, torch.zeros((), dtype=xi.dtype, device=xi.device))
+
+    m = torch.where(finite, beta1 * exp_avg + (1.0 - beta1) * xi, exp_avg)
+    bias1 = 1.0 - beta1**step
+    if second_moment is None:
+        v = None
+        s = (lr / bias1) * m
+    else:
+        if second_moment == "frame":
+            sq = xi_sq
+        elif second_moment == "column":
+            sq = xi.square().sum(dim=-2, keepdim=True)
+        elif second_moment == "element":
+            sq = xi.square()
+        else:
+            raise ValueError(f"second_moment={second_moment!r} is unknown; use one of {SECOND_MOMENTS}.")
+        v = torch.where(finite, beta2 * exp_avg_sq + (1.0 - beta2) * sq, exp_avg_sq)
+        bias2 = 1.0 - beta2**step
+        s = (lr / bias1) * m / ((v / bias2).sqrt() + eps)
+        if second_moment != "frame":
+            s = _linalg.proju(w, s)
+    s = _linalg.cap_step(s, trust_region) * finite
+    w_new = _linalg.polar(w - s, order=series_order)
+    m = _linalg.proju(w_new, m)
+    return w_new, m, v, finite
+
+
+class StiefelAdam(geoopt.optim.RiemannianAdam):
+    r"""Riemannian Adam for Stiefel frames with one second moment per frame, a trust region and the
+    polar retraction; AdamW for every other parameter.
+
+    A parameter that is a :class:`geoopt.ManifoldParameter` on :class:`~geoopt_stiefel_attention.PolarStiefel`
+    (or any :class:`geoopt.manifolds.EuclideanStiefel`) is a stack of frames ``(..., d, r)``. With step
+    count :math:`t`, each frame :math:`W \in \mathrm{St}(d, r)` with Euclidean gradient :math:`G` is updated by
+
+    .. math::
+
+        \xi &= G - W \operatorname{sym}(W^\top G) \\
+        m &\leftarrow \beta_1 m + (1 - \beta_1)\,\xi \\
+        v &\leftarrow \beta_2 v + (1 - \beta_2)\,\|\xi\|_F^2 \qquad \text{(one scalar per frame)} \\
+        s &= \mathrm{lr}\cdot \frac{m / (1 - \beta_1^t)}{\sqrt{v / (1 - \beta_2^t)} + \epsilon} \\
+        s &\leftarrow s \cdot \min\!\big(1, \Delta / \|s\|_F\big) \qquad \text{(trust region)} \\
+        W &\leftarrow \operatorname{polar}(W - s) = (W - s)\big((W - s)^\top (W - s)\big)^{-1/2} \\
+        m &\leftarrow m - W \operatorname{sym}(W^\top m) \qquad \text{(transport by projection)}
+
+    where :math:`\operatorname{sym}(A) = (A + A^\top)/2`. The second moment ``v`` is stored at its true
+    shape ``(..., 1, 1)``, so a frame's state is its first moment plus one number. Every other parameter
+    (plain tensors, and geoopt tensors on ``Euclidean``) is updated exactly as by
+    :class:`torch.optim.AdamW` with the group's ``lr``, ``betas``, ``eps`` and ``weight_decay``.
+
+    Parameters
+    ----------
+    params : iterable
+        Parameters or dicts defining parameter groups; frames and Euclidean parameters may be mixed.
+    lr : float, default 1e-3
+        Learning rate. For a frame, :math:`\|s\|_F \approx \mathrm{lr}` per step for a steady gradient.
+    betas : (float, float), default (0.9, 0.999)
+        Decay rates of the first and second moments, each in ``[0, 1)``.
+    eps : float, default 1e-8
+        Added to :math:`\sqrt{\hat v}`.
+    weight_decay : float, default 0
+        Decoupled (AdamW) weight decay for Euclidean parameters. On frames it has no effect, by design:
+        the Riemannian gradient of :math:`\tfrac{\lambda}{2}\|W\|_F^2` is
+        :math:`P_W(\lambda W) = \lambda (W - W \operatorname{sym}(W^\top W)) = 0` identically on
+        :math:`\mathrm{St}(d, r)`, and decaying the point itself would only be undone by the retraction.
+    trust_region : float or None, default 0.1
+        Per-frame cap :math:`\Delta` on :math:`\|s\|_F`; ``None`` disables it. Inside the trust region the
+        matrix inverted by the retraction has condition number at most :math:`1 + \Delta^2`, which lets the
+        retraction use a short Taylor series, exact to rounding, instead of an eigendecomposition.
+    second_moment : {"frame", "column", "element", None}, default "frame"
+        ``"frame"``: one scalar per frame (the method). ``"column"``: one per column. ``"element"``: a
+        full-size tensor, the direction then projected onto the tangent space. ``None``: fixed-step
+        Riemannian SGD with momentum, :math:`s = \mathrm{lr}\,\hat m` (a step of degree one in the
+        gradient). The variants exist for the analysis and the ablation studies.
+    stabilize : int or None, default None
+        Re-project frames (exact SVD polar factor) and their first moments every ``stabilize`` steps.
+        Not needed in practice: the retraction forms the Gram matrix of the actual iterate.
+    amsgrad, maximize, foreach : bool
+        As in :class:`torch.optim.AdamW`; ``amsgrad`` applies to Euclidean parameters only.
+
+    Scope and warnings
+    ------------------
+    - Frames must be on the manifold at their first step (:math:`\max|W^\top W - I|` within
+      :data:`ORTHONORMALITY_TOLERANCE` for their dtype) or a ``ValueError`` suggests ``.proj_()``.
+    - ``CanonicalStiefel`` (geoopt's default ``Stiefel()``) and other manifolds are rejected with a
+      ``ValueError``; sparse gradients with a ``ValueError``; complex frames with a ``TypeError``.
+      Validation happens before anything is changed.
+    - A frame whose gradient has a NaN or Inf entry is skipped for that step (its frame and moments are
+      left untouched) and counted in ``state["skipped_frames"]``; the step counter still advances.
+      Euclidean parameters follow torch's AdamW, which does not skip.
+    - bf16/fp16 frames compute in float32 and round back; their moments are kept in float32.
+    - Frames of the same shape, dtype and device in one group are stacked and updated by batched
+      tensor operations; the update itself is :func:`stiefel_adam_update`.
+
+    Examples
+    --------
+    >>> import torch, geoopt
+    >>> from geoopt_stiefel_attention import PolarStiefel, StiefelAdam
+    >>> st = PolarStiefel()
+    >>> w = geoopt.ManifoldParameter(st.random(4, 32, 8), manifold=st)
+    >>> b = torch.nn.Parameter(torch.zeros(8))
+    >>> opt = StiefelAdam([w, b], lr=1e-2, weight_decay=0.1)
+    >>> ((w.sum(dim=1) + b) ** 2).sum().backward()
+    >>> opt.step()
+    >>> st.check_point_on_manifold(w)
+    True
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        trust_region: float | None = _DEFAULT_TRUST_REGION,
+        second_moment: str | None = "frame",
+        stabilize: int | None = None,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+    ) -> None:
+        self._extra_defaults = {"trust_region": trust_region, "second_moment": second_moment}
+        _validate_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                       stabilize=stabilize, **self._extra_defaults))
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         maximize=maximize, foreach=foreach, stabilize=stabilize,
+                         decoupled_weight_decay=True)
+        self.defaults.update(self._extra_defaults)
+
+    # ------------------------------------------------------------------ groups and checkpoints
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            _check_parameter(p)
+        extra = getattr(self, "_extra_defaults", {"trust_region": _DEFAULT_TRUST_REGION, "second_moment": "frame"})
+        for key, value in extra.items():
+            param_group.setdefault(key, value)
+        param_group.setdefault("stabilize", self._stabilize)
+        merged = {**self.defaults, **param_group} if self.defaults else param_group
+        _validate_hyperparameters(merged)
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("trust_region", _DEFAULT_TRUST_REGION)
+            group.setdefault("second_moment", "frame")
+            group.setdefault("stabilize", None)
+
+    # ------------------------------------------------------------------ the step
+    def _validate_step(self) -> None:
+        """Check every gradient and every fresh frame before anything is changed."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError(f"StiefelAdam: parameter of shape {tuple(p.shape)} has a sparse gradient, "
+                                     f"which is not supported; use a dense gradient (e.g. nn.Embedding("
+                                     f"sparse=False)) or geoopt.optim.SparseRiemannianAdam.")
+                if not _is_frame(p):
+                    continue
+                if p.grad.is_complex():
+                    raise TypeError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} has a complex "
+                                    f"gradient; frames and their gradients must be real.")
+                if len(self.state[p]) == 0:
+                    err = float(_linalg.orthonormality_error(p))
+                    tol = ORTHONORMALITY_TOLERANCE.get(p.dtype, 1e-4)
+                    if not err <= tol:
+                        raise ValueError(
+                            f"StiefelAdam: frame parameter of shape {tuple(p.shape)} ({p.dtype}) is off the "
+                            f"Stiefel manifold at its first step: max|W^T W - I| = {err:.3g} > {tol:g}. "
+                            f"Project it first with `param.proj_()` (inside torch.no_grad())."
+                        )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Perform one optimisation step.
+
+        Parameters
+        ----------
+        closure : callable, optional
+            Re-evaluates the model and returns the loss (run with gradients enabled).
+
+        Returns
+        -------
+        torch.Tensor or None
+            The closure's loss, if a closure was given.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._validate_step()
+        for group in self.param_groups:
+            frames, euclidean = [], []
+            for p in group["params"]:
+                if p.grad is not None:
+                    (frames if _is_frame(p) else euclidean).append(p)
+            if frames:
+                self._step_frames(group, frames)
+            if euclidean:
+                self._step_euclidean(group, euclidean)
+        return loss
+
+    def _init_frame_state(self, p: torch.Tensor, second_moment: str | None) -> dict[str, Any]:
+        state = self.state[p]
+        ct = _linalg.compute_dtype(p.dtype)
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros(p.shape, dtype=ct, device=p.device)
+        if second_moment is not None:
+            shape = {"frame": p.shape[:-2] + (1, 1), "column": p.shape[:-2] + (1, p.shape[-1]),
+                     "element": p.shape}[second_moment]
+            state["exp_avg_sq"] = torch.zeros(shape, dtype=ct, device=p.device)
+        state["skipped_frames"] = torch.zeros((), dtype=torch.int64, device=p.device)
+        return state
+
+    def _step_frames(self, group: dict[str, Any], frames: list[torch.Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        sm = group["second_moment"]
+        radius = group["trust_region"]
+        buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for p in frames:
+            state = self.state[p]
+            if len(state) == 0:
+                state = self._init_frame_state(p, sm)
+            state["step"] += 1
+            buckets[(p.shape, p.dtype, p.device, int(state["step"]))].append(p)
+        stabilize = group["stabilize"]
+        for (shape, dtype, _device, step), params in buckets.items():
+            ct = _linalg.compute_dtype(dtype)
+            order = None if radius is None else _linalg.series_order(float(radius) ** 2, ct)
+            states = [self.state[p] for p in params]
+            w = torch.stack([p.detach() for p in params]).to(ct)
+            g = torch.stack([p.grad for p in params]).to(ct)
+            if group["maximize"]:
+                g = -g
+            m = torch.stack([s["exp_avg"] for s in states])
+            v = torch.stack([s["exp_avg_sq"] for s in states]) if sm is not None else None
+            w_new, m_new, v_new, finite = stiefel_adam_update(
+                w, g, m, v, step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                trust_region=radius, second_moment=sm, series_order=order)
+            if stabilize is not None and step % stabilize == 0:
+                w_new = _linalg.polar_svd(w_new)
+                m_new = _linalg.proju(w_new, m_new)
+            skipped = (~finite).flatten(1).sum(dim=1)
+            torch._foreach_copy_(params, list(w_new.to(dtype).unbind(0)))
+            torch._foreach_copy_([s["exp_avg"] for s in states], list(m_new.unbind(0)))
+            if v_new is not None:
+                torch._foreach_copy_([s["exp_avg_sq"] for s in states], list(v_new.unbind(0)))
+            torch._foreach_add_([s["skipped_frames"] for s in states], list(skipped.unbind(0)))
+
+    def _step_euclidean(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], []
+        for p in params:
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            if group["amsgrad"]:
+                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        _torch_adamw.adamw(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+            foreach=group["foreach"], capturable=False, differentiable=False, fused=None,
+            has_complex=any(torch.is_complex(p) for p in params),
+            amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+        )
+
+    @torch.no_grad()
+    def stabilize_group(self, group: dict[str, Any]) -> None:
+        """Re-project the group's frames onto the manifold (exact SVD) and their first moments onto the
+        tangent spaces."""
+        for p in group["params"]:
+            if not _is_frame(p) or not self.state[p]:
+                continue
+            p.copy_(p.manifold.projx(p))
+            m = self.state[p]["exp_avg"]
+            m.copy_(_linalg.proju(p.to(m.dtype), m))
