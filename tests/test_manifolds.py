@@ -1,0 +1,133 @@
+"""PolarStiefel: geoopt's manifold contract (as geoopt's own test_manifold_basic checks it), in float64."""
+
+import geoopt
+import numpy as np
+import pytest
+import torch
+
+from geoopt_stiefel_attention import PolarStiefel, is_frame
+
+TOL = 1e-10  # float64 contract checks
+SHAPES = [(10, 3), (6, 6), (4, 12, 5), (2, 3, 8, 2)]
+
+
+@pytest.fixture
+def st():
+    return PolarStiefel()
+
+
+def _point_and_tangents(st, shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = st.random(*shape, dtype=torch.float64, generator=g)
+    u = st.proju(x, torch.randn(shape, dtype=torch.float64, generator=g))
+    v = st.proju(x, torch.randn(shape, dtype=torch.float64, generator=g))
+    return x, u, v
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_random_point_is_on_manifold(st, shape):
+    x, _, _ = _point_and_tangents(st, shape)
+    assert isinstance(x, geoopt.ManifoldTensor) and x.manifold is st
+    st.assert_check_point_on_manifold(x, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_projection_idempotent_and_tangent(st, shape):
+    x, u, _ = _point_and_tangents(st, shape)
+    st.assert_check_vector_on_tangent(x, u, atol=TOL, rtol=TOL)
+    np.testing.assert_allclose(st.proju(x, u).numpy(), u.numpy(), atol=TOL)
+    np.testing.assert_allclose(st.egrad2rgrad(x, u).numpy(), u.numpy(), atol=TOL)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_retraction_is_polar_factor_and_on_manifold(st, shape):
+    x, u, _ = _point_and_tangents(st, shape)
+    y = st.retr(x, u)
+    st.assert_check_point_on_manifold(y, atol=TOL, rtol=TOL)
+    a, _, bh = np.linalg.svd((x + u).numpy(), full_matrices=False)  # independent reference: U V^T
+    np.testing.assert_allclose(y.numpy(), a @ bh, atol=TOL)
+
+
+def test_retraction_first_order_agreement(st):
+    x, u, _ = _point_and_tangents(st, (12, 4))
+    errs = [float((st.retr(x, t * u) - (x + t * u)).abs().max()) for t in (1e-1, 1e-2, 1e-3)]
+    # second-order error: shrinking t by 10 shrinks the error by ~100
+    assert errs[0] / errs[1] > 50 and errs[1] / errs[2] > 50
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_transp_and_retr_transp_consistent(st, shape):
+    x, u, v = _point_and_tangents(st, shape)
+    y, v_new = st.retr_transp(x, u, v)
+    np.testing.assert_allclose(y.numpy(), st.retr(x, u).numpy(), atol=TOL)
+    np.testing.assert_allclose(v_new.numpy(), st.transp(x, y, v).numpy(), atol=TOL)
+    st.assert_check_vector_on_tangent(y, v_new, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_expmap_and_inner(st, shape):
+    x, u, v = _point_and_tangents(st, shape)
+    st.assert_check_point_on_manifold(st.expmap(x, u), atol=TOL, rtol=TOL)
+    np.testing.assert_allclose(st.inner(x, u, v).numpy(), (u * v).sum(dim=(-2, -1)).numpy(), atol=TOL)
+    assert (st.inner(x, u) > 0).all()
+
+
+def test_projx_is_closest_frame(st):
+    a = torch.randn(3, 9, 4, dtype=torch.float64)
+    p = st.projx(a)
+    st.assert_check_point_on_manifold(p, atol=TOL, rtol=TOL)
+    uu, _, vh = np.linalg.svd(a.numpy(), full_matrices=False)
+    np.testing.assert_allclose(p.numpy(), uu @ vh, atol=TOL)
+
+
+def test_origin(st):
+    o = st.origin(2, 5, 3, dtype=torch.float64)
+    st.assert_check_point_on_manifold(o)
+
+
+def test_check_point_detects_off_manifold(st):
+    x, u, _ = _point_and_tangents(st, (8, 3))
+    ok, reason = st.check_point_on_manifold(x + 0.1 * u, explain=True)
+    assert not ok and "X^T X" in reason
+    assert not st.check_vector_on_tangent(x, x)  # the point itself is normal, not tangent
+
+
+def test_rejects_r_greater_than_d_at_parameter_creation(st):
+    with pytest.raises(ValueError, match="shape"):
+        geoopt.ManifoldParameter(torch.randn(3, 5), manifold=st)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_retraction_computes_in_float32(st, dtype):
+    x = st.random(4, 32, 8, dtype=torch.float32)
+    u = st.proju(x, 0.05 * torch.randn_like(x))
+    y = st.retr(x.to(dtype), u.to(dtype))
+    assert y.dtype == dtype
+    y32 = y.float()
+    err = (y32.transpose(-1, -2) @ y32 - torch.eye(8)).abs().max()
+    assert err < 3e-2  # a bf16-rounded orthonormal frame is ~1e-3..1e-2 off
+    exact = st.retr(x, u)
+    assert (y32 - exact).abs().max() < 2e-2
+
+
+def test_retraction_corrects_previous_drift(st):
+    """Forming the Gram of the actual W + Z removes rounding drift; assuming I + Z^T Z would not."""
+    x, u, _ = _point_and_tangents(st, (16, 4))
+    drifted = x * (1 + 1e-4)  # a point 2e-4 off the manifold
+    y = st.retr(drifted, 0.01 * u)
+    assert float((y.transpose(-1, -2) @ y - torch.eye(4, dtype=torch.float64)).abs().max()) < TOL
+    # companion: the shortcut Gram I + Z^T Z keeps the drift
+    z = 0.01 * u
+    gram = torch.eye(4, dtype=torch.float64) + z.transpose(-1, -2) @ z
+    evals, evecs = torch.linalg.eigh(gram)
+    shortcut = (drifted + z) @ (evecs * evals.rsqrt().unsqueeze(-2)) @ evecs.transpose(-1, -2)
+    assert float((shortcut.transpose(-1, -2) @ shortcut - torch.eye(4, dtype=torch.float64)).abs().max()) > 1e-4
+
+
+def test_is_frame():
+    st = PolarStiefel()
+    assert is_frame(geoopt.ManifoldParameter(st.random(5, 2), manifold=st))
+    plain = geoopt.EuclideanStiefel()
+    assert is_frame(geoopt.ManifoldParameter(plain.random(5, 2), manifold=plain))
+    assert not is_frame(torch.nn.Parameter(torch.randn(5, 2)))
+    assert not is_frame(geoopt.ManifoldParameter(torch.randn(5, 2)))
