@@ -6,8 +6,19 @@ polar retraction, with AdamW for every other parameter.
 """
 
 from .manifolds import PolarStiefel, is_frame
+from .models import PatchViT, TinyTransformer
+from .nn import (
+    EuclideanMultiheadAttention,
+    StiefelMultiheadAttention,
+    frame_parameters,
+    param_groups,
+    query_key_projections,
+    stiefelize,
+)
 from .optim import StiefelAdam, stiefel_adam_update
 
 __version__ = "0.1.0"
 
-__all__ = ["PolarStiefel", "StiefelAdam", "is_frame", "stiefel_adam_update", "__version__"]
+__all__ = ["PolarStiefel", "StiefelAdam", "is_frame", "stiefel_adam_update", "__version__",
+           "StiefelMultiheadAttention", "EuclideanMultiheadAttention", "stiefelize", "param_groups",
+           "frame_parameters", "query_key_projections", "TinyTransformer", "PatchViT"]

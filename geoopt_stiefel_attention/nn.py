@@ -1,0 +1,790 @@
+r"""Multi-head attention with query/key projections on the Stiefel manifold, and helpers to use it.
+
+Two modules share one constructor, one parameter layout, one initialisation and one forward pass:
+
+- :class:`StiefelMultiheadAttention`: ``w_q`` and ``w_k`` are :class:`geoopt.ManifoldParameter` s on
+  :class:`~geoopt_stiefel_attention.PolarStiefel` (stacks of frames with orthonormal columns);
+- :class:`EuclideanMultiheadAttention`: the same tensors as plain :class:`torch.nn.Parameter` s.
+
+Built with the same ``generator`` seed, the two differ only in ``w_q`` and ``w_k``, and the Stiefel frames are
+the polar factors of the Euclidean matrices: an experiment's two arms start from the same random numbers.
+
+Helpers: :func:`stiefelize` converts the attention of an existing model in place, :func:`param_groups`
+splits a model's parameters into frames / decayed matrices / no-decay parameters for an optimizer,
+:func:`frame_parameters` lists the frames and :func:`query_key_projections` lists ``(path, w_q, w_k)`` of
+every attention module of this library.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import geoopt
+import torch
+import torch.nn.functional as F
+from geoopt.manifolds import Stiefel as _GeooptStiefel
+from torch import Tensor, nn
+
+from .manifolds import PolarStiefel
+
+__all__ = [
+    "FRAME_LAYOUTS",
+    "StiefelMultiheadAttention",
+    "EuclideanMultiheadAttention",
+    "stiefelize",
+    "param_groups",
+    "frame_parameters",
+    "query_key_projections",
+]
+
+#: The accepted values of the ``frames`` option.
+FRAME_LAYOUTS = ("head", "layer")
+
+#: Names of the three groups returned by :func:`param_groups`, in order.
+GROUP_NAMES = ("frames", "decay", "no_decay")
+
+
+# ---------------------------------------------------------------------------------------------- layout helpers
+def _heads_to_flat(w: Tensor) -> Tensor:
+    """``(H, d, Dh)`` per-head blocks -> ``(d, H*Dh)`` matrix whose columns ``h*Dh:(h+1)*Dh`` are head ``h``."""
+    h, d, dh = w.shape
+    return w.permute(1, 0, 2).reshape(d, h * dh)
+
+
+def _flat_to_heads(m: Tensor, num_heads: int) -> Tensor:
+    """Inverse of :func:`_heads_to_flat`."""
+    d, n = m.shape
+    return m.reshape(d, num_heads, n // num_heads).permute(1, 0, 2).contiguous()
+
+
+def _check_int(owner: str, name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}: {name}={value!r} is invalid; pass an int >= {minimum}.")
+    return value
+
+
+def _is_stiefel_parameter(p: Tensor) -> bool:
+    """Whether ``p`` is a geoopt tensor on any Stiefel manifold (embedded or canonical metric)."""
+    return isinstance(getattr(p, "manifold", None), _GeooptStiefel)
+
+
+# ---------------------------------------------------------------------------------------------- the modules
+class _MultiheadAttentionBase(nn.Module):
+    """Shared configuration, layout, initialisation and forward pass of the two attention modules."""
+
+    #: Read by ``nn.TransformerEncoder``/``nn.TransformerEncoderLayer``: inputs are ``(batch, seq, embed)``.
+    batch_first = True
+    #: ``None`` tells ``nn.TransformerEncoderLayer`` that there is no fused ``in_proj`` (so its fused
+    #: inference fast path, which would read these tensors, is never taken).
+    in_proj_weight = None
+    in_proj_bias = None
+
+    _owner = "MultiheadAttention"
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        head_dim: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        frames: str = "head",
+        logit_gain: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        self._configure(embed_dim, num_heads, head_dim=head_dim, dropout=dropout, bias=bias, kdim=kdim,
+                        vdim=vdim, frames=frames, logit_gain=logit_gain)
+        self._install(self._draw(generator=generator, device=device, dtype=dtype))
+
+    # -------------------------------------------------------------------------------- configuration
+    def _configure(self, embed_dim, num_heads, *, head_dim, dropout, bias, kdim, vdim, frames, logit_gain) -> None:
+        owner = type(self).__name__
+        embed_dim = _check_int(owner, "embed_dim", embed_dim)
+        num_heads = _check_int(owner, "num_heads", num_heads)
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(f"{owner}: embed_dim={embed_dim} is not divisible by num_heads={num_heads}; "
+                                 f"change one of them or pass head_dim explicitly.")
+            head_dim = embed_dim // num_heads
+        head_dim = _check_int(owner, "head_dim", head_dim)
+        kdim = embed_dim if kdim is None else _check_int(owner, "kdim", kdim)
+        vdim = embed_dim if vdim is None else _check_int(owner, "vdim", vdim)
+        if frames not in FRAME_LAYOUTS:
+            raise ValueError(f"{owner}: frames={frames!r} is unknown; use 'head' (one frame per head) or "
+                             f"'layer' (one frame for all heads).")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"{owner}: dropout={dropout!r} is invalid; pass a float in [0, 1).")
+        r = head_dim if frames == "head" else num_heads * head_dim
+        what = "head_dim" if frames == "head" else "num_heads * head_dim"
+        for name, d in (("embed_dim", embed_dim), ("kdim", kdim)):
+            if r > d:
+                raise ValueError(
+                    f"{owner}: a frame in St({name}={d}, {r}) needs {what}={r} <= {name}; orthonormal columns "
+                    f"cannot outnumber rows. Use fewer/smaller heads"
+                    + (" or frames='head'." if frames == "layer" else "."))
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.kdim = kdim
+        self.vdim = vdim
+        self.frames = frames
+        self.dropout = float(dropout)
+        self.bias = bool(bias)
+
+    @property
+    def _qkv_same_embed_dim(self) -> bool:
+        # read by nn.TransformerEncoderLayer's fast-path checks
+        return self.kdim == self.embed_dim and self.vdim == self.embed_dim
+
+    def _config(self) -> dict[str, Any]:
+        return dict(embed_dim=self.embed_dim, num_heads=self.num_heads, head_dim=self.head_dim,
+                    dropout=self.dropout, bias=self.bias, kdim=self.kdim, vdim=self.vdim, frames=self.frames,
+                    logit_gain=self.logit_gain is not None)
+
+    # -------------------------------------------------------------------------------- parameters
+    def _draw(self, *, generator, device, dtype) -> dict[str, Tensor | None]:
+        """The Euclidean initialisation in flat layout (identical for both classes).
+
+        Each projection ``(fan_in, fan_out)`` is drawn, in the order Q, K, V, O, from
+        :math:`U(-a, a)` with :math:`a = \\sqrt{6 / (\\text{fan_in} + \\text{fan_out})}` (Xavier-uniform per
+        projection); biases are zero and log-gains zero.
+        """
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        draw_device = generator.device if generator is not None else device
+        n = self.num_heads * self.head_dim
+
+        def uniform(fan_in: int, fan_out: int) -> Tensor:
+            bound = math.sqrt(6.0 / (fan_in + fan_out))
+            u = torch.rand((fan_in, fan_out), generator=generator, dtype=dtype, device=draw_device)
+            w = (2.0 * u - 1.0) * bound
+            return w if device is None else w.to(device)
+
+        weights: dict[str, Tensor | None] = {
+            "q": uniform(self.embed_dim, n),
+            "k": uniform(self.kdim, n),
+            "v": uniform(self.vdim, n),
+            "o": uniform(n, self.embed_dim),
+        }
+        zeros = dict(dtype=dtype, device=weights["q"].device)
+        weights["b_v"] = torch.zeros(n, **zeros) if self.bias else None
+        weights["b_o"] = torch.zeros(self.embed_dim, **zeros) if self.bias else None
+        weights["gain"] = None
+        return weights
+
+    def _frame_layout(self, flat: Tensor) -> Tensor:
+        """Flat ``(d, H*Dh)`` -> ``(H, d, Dh)`` (frames='head') or ``(1, d, H*Dh)`` (frames='layer')."""
+        return _flat_to_heads(flat, self.num_heads) if self.frames == "head" else flat.unsqueeze(0).contiguous()
+
+    def _flat(self, w: Tensor) -> Tensor:
+        """Inverse of :meth:`_frame_layout`."""
+        return _heads_to_flat(w) if self.frames == "head" else w[0]
+
+    def _wrap_frame(self, w: Tensor) -> nn.Parameter:
+        raise NotImplementedError
+
+    def _install(self, weights: dict[str, Tensor | None], *, logit_gain: bool = False) -> None:
+        """Create the parameters from flat weights (``q, k, v, o, b_v, b_o, gain``)."""
+        h = self.num_heads
+        with torch.no_grad():
+            self.w_q = self._wrap_frame(self._frame_layout(weights["q"].detach()))
+            self.w_k = self._wrap_frame(self._frame_layout(weights["k"].detach()))
+            self.w_v = nn.Parameter(_flat_to_heads(weights["v"].detach(), h).clone())
+            self.w_o = nn.Parameter(weights["o"].detach().clone())
+            if self.bias:
+                self.b_v = nn.Parameter(weights["b_v"].detach().clone())
+                self.b_o = nn.Parameter(weights["b_o"].detach().clone())
+            else:
+                self.register_parameter("b_v", None)
+                self.register_parameter("b_o", None)
+            gain = weights.get("gain")
+            if gain is None and logit_gain:
+                gain = torch.zeros(h, dtype=self.w_o.dtype, device=self.w_o.device)
+            if gain is not None:
+                self.logit_gain = nn.Parameter(gain.detach().clone())
+            else:
+                self.register_parameter("logit_gain", None)
+
+    def _export(self) -> dict[str, Tensor | None]:
+        """The current parameters in flat layout (detached clones)."""
+        with torch.no_grad():
+            return {
+                "q": self._flat(self.w_q.detach()).clone(),
+                "k": self._flat(self.w_k.detach()).clone(),
+                "v": _heads_to_flat(self.w_v.detach()).clone(),
+                "o": self.w_o.detach().clone(),
+                "b_v": None if self.b_v is None else self.b_v.detach().clone(),
+                "b_o": None if self.b_o is None else self.b_o.detach().clone(),
+                "gain": None if self.logit_gain is None else self.logit_gain.detach().clone(),
+            }
+
+    @classmethod
+    def _build(cls, config: dict[str, Any], weights: dict[str, Tensor | None], *, training: bool = True):
+        obj = cls.__new__(cls)
+        nn.Module.__init__(obj)
+        cfg = dict(config)
+        logit_gain = cfg.pop("logit_gain")
+        obj._configure(**cfg, logit_gain=logit_gain)
+        obj._install(weights, logit_gain=logit_gain)
+        obj.train(training)
+        return obj
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Redraw every parameter as the constructor does (from ``generator``, or torch's global RNG)."""
+        self._install(self._draw(generator=generator, device=self.w_o.device, dtype=self.w_o.dtype),
+                      logit_gain=self.logit_gain is not None)
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"kdim={self.kdim}, vdim={self.vdim}, frames={self.frames!r}, dropout={self.dropout}, "
+                f"bias={self.bias}, logit_gain={self.logit_gain is not None}")
+
+    # -------------------------------------------------------------------------------- forward
+    def _masks(self, key_padding_mask, attn_mask, batch: int, tq: int, tk: int, dtype) -> Tensor | None:
+        """Merge the masks into one additive float mask broadcastable to ``(B, H, Tq, Tk)``, or ``None``."""
+        owner = type(self).__name__
+        h = self.num_heads
+
+        def additive(mask: Tensor, name: str) -> Tensor:
+            if mask.dtype == torch.bool:
+                return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+            if not torch.is_floating_point(mask):
+                raise TypeError(f"{owner}: {name} has dtype {mask.dtype}; pass a bool mask (True = masked out) "
+                                f"or a floating-point mask (added to the logits).")
+            return mask.to(dtype)
+
+        merged = None
+        if key_padding_mask is not None:
+            if tuple(key_padding_mask.shape) != (batch, tk):
+                raise ValueError(f"{owner}: key_padding_mask has shape {tuple(key_padding_mask.shape)}; expected "
+                                 f"(batch, key_len) = {(batch, tk)}.")
+            merged = additive(key_padding_mask, "key_padding_mask").view(batch, 1, 1, tk)
+        if attn_mask is not None:
+            if attn_mask.dim() == 2 and tuple(attn_mask.shape) == (tq, tk):
+                am = attn_mask.view(1, 1, tq, tk)
+            elif attn_mask.dim() == 3 and tuple(attn_mask.shape) == (batch * h, tq, tk):
+                am = attn_mask.view(batch, h, tq, tk)
+            else:
+                raise ValueError(f"{owner}: attn_mask has shape {tuple(attn_mask.shape)}; expected "
+                                 f"(query_len, key_len) = {(tq, tk)} or (batch * num_heads, query_len, key_len) "
+                                 f"= {(batch * h, tq, tk)}.")
+            am = additive(am, "attn_mask")
+            merged = am if merged is None else merged + am
+        return merged
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = False,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        owner = type(self).__name__
+        unbatched = query.dim() == 2
+        if unbatched:
+            if key.dim() != 2 or value.dim() != 2:
+                raise ValueError(f"{owner}: unbatched query (2-D) needs 2-D key and value, got key.dim()="
+                                 f"{key.dim()}, value.dim()={value.dim()}.")
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+            raise ValueError(f"{owner}: query, key and value must be (batch, seq, features) (batch_first) or "
+                             f"unbatched (seq, features); got dims {query.dim()}, {key.dim()}, {value.dim()}.")
+        b, tq, e = query.shape
+        tk = key.shape[1]
+        if e != self.embed_dim or key.shape[-1] != self.kdim or value.shape[-1] != self.vdim:
+            raise ValueError(f"{owner}: feature sizes (query, key, value) = ({e}, {key.shape[-1]}, "
+                             f"{value.shape[-1]}) do not match (embed_dim, kdim, vdim) = "
+                             f"({self.embed_dim}, {self.kdim}, {self.vdim}).")
+        if key.shape[0] != b or value.shape[0] != b or value.shape[1] != tk:
+            raise ValueError(f"{owner}: batch/sequence sizes disagree: query {tuple(query.shape)}, key "
+                             f"{tuple(key.shape)}, value {tuple(value.shape)}.")
+        h, dh = self.num_heads, self.head_dim
+        n = h * dh
+
+        w_q = self._flat(self.w_q)
+        w_k = self._flat(self.w_k)
+        w_v = _heads_to_flat(self.w_v)
+        q = (query @ w_q).view(b, tq, h, dh).transpose(1, 2)
+        k = (key @ w_k).view(b, tk, h, dh).transpose(1, 2)
+        v = value @ w_v
+        if self.b_v is not None:
+            v = v + self.b_v
+        v = v.view(b, tk, h, dh).transpose(1, 2)
+        if self.logit_gain is not None:
+            q = q * self.logit_gain.exp().view(1, h, 1, 1)
+
+        if is_causal and attn_mask is None and (key_padding_mask is not None or need_weights):
+            attn_mask = torch.ones(tq, tk, dtype=torch.bool, device=query.device).triu(diagonal=1)
+        use_sdpa_causal = is_causal and attn_mask is None
+        mask = self._masks(key_padding_mask, attn_mask, b, tq, tk, q.dtype)
+        dropout_p = self.dropout if self.training else 0.0
+
+        weights = None
+        if need_weights:
+            scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(dh))
+            if mask is not None:
+                scores = scores + mask
+            weights = torch.softmax(scores, dim=-1)
+            if dropout_p > 0.0:
+                weights = F.dropout(weights, p=dropout_p, training=True)
+            heads = weights @ v
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+            if unbatched:
+                weights = weights.squeeze(0)
+        else:
+            heads = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                   is_causal=use_sdpa_causal)
+        out = heads.transpose(1, 2).reshape(b, tq, n) @ self.w_o
+        if self.b_o is not None:
+            out = out + self.b_o
+        if unbatched:
+            out = out.squeeze(0)
+        return out, weights
+
+
+_FORWARD_DOC = r"""
+    Forward pass, batch first: ``query (B, Tq, embed_dim)``, ``key (B, Tk, kdim)``, ``value (B, Tk, vdim)``
+    (or unbatched ``(T, features)``). For each head :math:`h`,
+
+    .. math::
+
+        Q_h = X_q W_{Q,h}\,e^{g_h}, \quad K_h = X_k W_{K,h}, \quad V_h = X_v W_{V,h} + b_{V,h}, \\
+        A_h = \operatorname{softmax}\!\Big(\frac{Q_h K_h^\top}{\sqrt{d_h}} + M\Big), \qquad
+        Y = [A_1 V_1, \dots, A_H V_H]\, W_O + b_O,
+
+    with :math:`e^{g_h} = 1` unless ``logit_gain=True``. Computed by
+    :func:`torch.nn.functional.scaled_dot_product_attention`, or written out when ``need_weights=True``.
+
+    Parameters
+    ----------
+    query, key, value : Tensor
+        ``(B, Tq, embed_dim)``, ``(B, Tk, kdim)``, ``(B, Tk, vdim)``.
+    key_padding_mask : Tensor, optional
+        ``(B, Tk)``; bool ``True`` = that key is ignored, or a float mask added to the logits.
+    need_weights : bool, default False
+        Also return the attention probabilities (computed explicitly rather than by SDPA). As in
+        :class:`torch.nn.MultiheadAttention` they are the probabilities multiplied into ``V``, i.e. after
+        attention dropout in training mode.
+    attn_mask : Tensor, optional
+        ``(Tq, Tk)`` or ``(B * num_heads, Tq, Tk)``; bool ``True`` = not allowed to attend, or float added.
+        Combined with ``key_padding_mask`` by addition (bool masks become ``-inf``).
+    average_attn_weights : bool, default True
+        Return weights averaged over heads, ``(B, Tq, Tk)``, instead of ``(B, num_heads, Tq, Tk)``.
+    is_causal : bool, default False
+        Without ``attn_mask``: apply the causal mask (query ``i`` sees keys ``j <= i``, top-left aligned as in
+        SDPA). With ``attn_mask``: a hint, as in torch; ``attn_mask`` is the mask applied. (Unlike
+        ``nn.MultiheadAttention``, ``is_causal=True`` without a mask is allowed.)
+
+    Returns
+    -------
+    output : Tensor
+        ``(B, Tq, embed_dim)``.
+    weights : Tensor or None
+        Attention probabilities when ``need_weights``, else ``None``.
+
+    Notes
+    -----
+    A query whose keys are all masked gets NaN, as in :class:`torch.nn.MultiheadAttention`.
+"""
+
+_LAYOUT_DOC = r"""
+    Parameters (the layout is the same in :class:`StiefelMultiheadAttention` and
+    :class:`EuclideanMultiheadAttention`; ``H = num_heads``, ``Dh = head_dim``):
+
+    - ``w_q``: ``(H, embed_dim, Dh)`` for ``frames="head"`` (head ``h`` computes ``q_h = x @ w_q[h]``), or
+      ``(1, embed_dim, H*Dh)`` for ``frames="layer"`` (head ``h`` uses columns ``h*Dh:(h+1)*Dh``);
+    - ``w_k``: the same with ``kdim`` rows;
+    - ``w_v``: ``(H, vdim, Dh)``; ``b_v``: ``(H*Dh,)`` (entries ``h*Dh:(h+1)*Dh`` for head ``h``) or ``None``;
+    - ``w_o``: ``(H*Dh, embed_dim)``, rows ``h*Dh:(h+1)*Dh`` belong to head ``h`` (``y = concat_h(o_h) @ w_o``);
+      ``b_o``: ``(embed_dim,)`` or ``None``;
+    - ``logit_gain``: ``(H,)`` log-gains :math:`g_h` (initialised to 0) when ``logit_gain=True``, else ``None``.
+
+    There are no query/key biases.
+"""
+
+_CONSTRUCTOR_DOC = r"""
+    Parameters
+    ----------
+    embed_dim : int
+        Width of the query (and of the output).
+    num_heads : int
+        Number of heads ``H``.
+    head_dim : int, optional
+        ``Dh``; default ``embed_dim // num_heads`` (which must then divide exactly).
+    dropout : float, default 0
+        Dropout on the attention probabilities (training mode only).
+    bias : bool, default True
+        Biases on the value and output projections (never on queries and keys).
+    kdim, vdim : int, optional
+        Feature sizes of ``key`` and ``value`` (cross-attention); default ``embed_dim``. Key frames lie in
+        :math:`\mathrm{St}(\text{kdim}, r)`.
+    frames : {"head", "layer"}, default "head"
+        ``"head"``: each head's ``(d, Dh)`` block is one frame (needs ``Dh <= embed_dim, kdim``).
+        ``"layer"``: the whole ``(d, H*Dh)`` projection is one frame, so heads are also mutually orthogonal
+        (needs ``H*Dh <= embed_dim, kdim``).
+    logit_gain : bool, default False
+        Learn a per-head logit gain :math:`e^{g_h}`. Orthonormal frames cannot scale the logits:
+        :math:`|q_h^\top k_h| \le \|x_q\|\,\|x_k\|` for every frame, so with LayerNorm'd inputs the attention
+        cannot sharpen beyond what the input norms allow, whereas a Euclidean ``W_Q`` can grow its singular
+        values. The gain restores that one degree of freedom per head; it is off by default so that the
+        module is a pure Stiefel constraint.
+    device, dtype
+        Where and in which dtype the parameters live (default: torch's defaults).
+    generator : torch.Generator, optional
+        Source of the initialisation (torch's global RNG if ``None``). Q, K, V and O are drawn in that order
+        from the Xavier-uniform law :math:`U(\pm\sqrt{6/(\text{fan_in}+\text{fan_out})})` of each
+        ``(fan_in, fan_out)`` projection; biases and log-gains start at 0. Both classes draw the same numbers.
+"""
+
+
+class StiefelMultiheadAttention(_MultiheadAttentionBase):
+    __doc__ = r"""Multi-head attention whose query and key projections are Stiefel frames.
+
+    ``w_q`` and ``w_k`` are :class:`geoopt.ManifoldParameter` s on
+    :class:`~geoopt_stiefel_attention.PolarStiefel`: every frame :math:`W` satisfies :math:`W^\top W = I`.
+    Train them with :class:`~geoopt_stiefel_attention.StiefelAdam` (or any geoopt Riemannian optimizer);
+    a stock torch optimizer would move them off the manifold. The initial frames are the polar factors
+    :math:`W = A (A^\top A)^{-1/2}` of the Euclidean draw :math:`A` that :class:`EuclideanMultiheadAttention`
+    makes from the same generator; everything else is identical.
+
+    The call interface is that of :class:`torch.nn.MultiheadAttention` with ``batch_first=True``, so a
+    :class:`torch.nn.TransformerEncoderLayer` accepts the module as its ``self_attn`` (see :func:`stiefelize`).
+""" + _LAYOUT_DOC + _CONSTRUCTOR_DOC + r"""
+    Examples
+    --------
+    >>> import torch
+    >>> from geoopt_stiefel_attention import StiefelMultiheadAttention
+    >>> attn = StiefelMultiheadAttention(32, 4, generator=torch.Generator().manual_seed(0))
+    >>> x = torch.randn(2, 5, 32)
+    >>> y, _ = attn(x, x, x, is_causal=True)
+    >>> y.shape, attn.w_q.shape
+    (torch.Size([2, 5, 32]), torch.Size([4, 32, 8]))
+    >>> attn.w_q.manifold.check_point_on_manifold(attn.w_q)
+    True
+"""
+
+    def _wrap_frame(self, w: Tensor) -> nn.Parameter:
+        manifold = PolarStiefel()
+        return geoopt.ManifoldParameter(manifold.projx(w), manifold=manifold)
+
+    @classmethod
+    def from_euclidean(
+        cls,
+        source: nn.Module,
+        *,
+        frames: str | None = None,
+        logit_gain: bool | None = None,
+        drop_qk_bias: bool = False,
+        ignore_batch_first: bool = False,
+    ) -> StiefelMultiheadAttention:
+        r"""A Stiefel module from a :class:`torch.nn.MultiheadAttention` or an :class:`EuclideanMultiheadAttention`.
+
+        Every query/key frame is the polar factor :math:`A (A^\top A)^{-1/2}` of the source's corresponding
+        block :math:`A` (per head for ``frames="head"``, the whole projection for ``"layer"``): the closest
+        frame in Frobenius norm. Values, output projection, biases and gains are copied exactly; device,
+        dtype, dropout and training mode follow the source. When the source's blocks are already
+        orthonormal the converted module computes the same function.
+
+        Parameters
+        ----------
+        source : nn.MultiheadAttention or EuclideanMultiheadAttention
+            The module to convert (left unchanged).
+        frames : {"head", "layer"}, optional
+            Frame layout; default the source's (``"head"`` for ``nn.MultiheadAttention``).
+        logit_gain : bool, optional
+            Add per-head log-gains (initialised to 0, so the function is unchanged); default the source's
+            (``False`` for ``nn.MultiheadAttention``).
+        drop_qk_bias : bool, default False
+            ``nn.MultiheadAttention`` may carry query/key biases, which this module does not have. The key
+            bias is always dropped, exactly: it adds :math:`q_i^\top b_K` to every logit of query ``i``, a
+            constant the softmax ignores. A non-zero query bias :math:`b_Q` adds :math:`b_Q^\top k_j`, which
+            does change the attention, so conversion is refused unless ``drop_qk_bias=True``.
+        ignore_batch_first : bool, default False
+            This module is batch-first only. A source with ``batch_first=False`` is refused (its callers pass
+            ``(seq, batch, embed)``), unless ``ignore_batch_first=True`` (then transpose the inputs yourself).
+
+        Raises
+        ------
+        ValueError
+            For ``add_bias_kv``, ``add_zero_attn``, a non-zero query bias without ``drop_qk_bias``,
+            ``batch_first=False`` without ``ignore_batch_first``, or a layout whose frames cannot exist.
+        TypeError
+            For another kind of source.
+        """
+        config, weights = _source_parts(source, drop_qk_bias=drop_qk_bias, ignore_batch_first=ignore_batch_first)
+        if frames is not None:
+            config["frames"] = frames
+        if logit_gain is not None:
+            config["logit_gain"] = bool(logit_gain)
+            if not logit_gain:
+                weights["gain"] = None
+        return cls._build(config, weights, training=source.training)
+
+
+_MultiheadAttentionBase.forward.__doc__ = _FORWARD_DOC
+
+
+class EuclideanMultiheadAttention(_MultiheadAttentionBase):
+    __doc__ = r"""Multi-head attention with the layout and initialisation of :class:`StiefelMultiheadAttention`,
+    every parameter a plain :class:`torch.nn.Parameter`: the Euclidean arm of a paired experiment.
+
+    Built from the same ``generator`` seed, it holds exactly the same ``w_v``, ``w_o``, biases and gains as
+    the Stiefel module, and ``w_q``/``w_k`` whose polar factors are the Stiefel frames.
+""" + _LAYOUT_DOC + _CONSTRUCTOR_DOC + r"""
+    Examples
+    --------
+    >>> import torch
+    >>> from geoopt_stiefel_attention import EuclideanMultiheadAttention, StiefelMultiheadAttention
+    >>> e = EuclideanMultiheadAttention(32, 4, generator=torch.Generator().manual_seed(0))
+    >>> s = StiefelMultiheadAttention(32, 4, generator=torch.Generator().manual_seed(0))
+    >>> torch.equal(e.w_v, s.w_v), torch.equal(e.w_o, s.w_o)
+    (True, True)
+"""
+
+    def _wrap_frame(self, w: Tensor) -> nn.Parameter:
+        return nn.Parameter(w.clone())
+
+    @classmethod
+    def from_stiefel(cls, source: StiefelMultiheadAttention) -> EuclideanMultiheadAttention:
+        """A Euclidean module holding exactly the parameters of ``source`` (frames become plain matrices)."""
+        if not isinstance(source, StiefelMultiheadAttention):
+            raise TypeError(f"EuclideanMultiheadAttention.from_stiefel: expected a StiefelMultiheadAttention, "
+                            f"got {type(source).__name__}.")
+        return cls._build(source._config(), source._export(), training=source.training)
+
+    @classmethod
+    def from_torch(cls, source: nn.MultiheadAttention, *, frames: str = "head", drop_qk_bias: bool = False,
+                   ignore_batch_first: bool = False) -> EuclideanMultiheadAttention:
+        """A Euclidean module computing what the :class:`torch.nn.MultiheadAttention` ``source`` computes.
+
+        Weights are copied exactly (re-laid out); the options and refusals are those of
+        :meth:`StiefelMultiheadAttention.from_euclidean`.
+        """
+        if not isinstance(source, nn.MultiheadAttention):
+            raise TypeError(f"EuclideanMultiheadAttention.from_torch: expected nn.MultiheadAttention, got "
+                            f"{type(source).__name__}.")
+        config, weights = _source_parts(source, drop_qk_bias=drop_qk_bias, ignore_batch_first=ignore_batch_first)
+        config["frames"] = frames
+        return cls._build(config, weights, training=source.training)
+
+
+
+# ---------------------------------------------------------------------------------------------- conversion
+def _source_parts(source: nn.Module, *, drop_qk_bias: bool, ignore_batch_first: bool,
+                  path: str | None = None) -> tuple[dict[str, Any], dict[str, Tensor | None]]:
+    """Configuration and flat weights of a module that can be converted; ``ValueError`` naming why not."""
+    where = f"module {path!r} " if path is not None else ""
+    if isinstance(source, _MultiheadAttentionBase):
+        return source._config(), source._export()
+    if not isinstance(source, nn.MultiheadAttention):
+        raise TypeError(f"{where}({type(source).__name__}) is not an nn.MultiheadAttention or an "
+                        f"EuclideanMultiheadAttention; nothing to convert.")
+    name = f"{where}(nn.MultiheadAttention)"
+    if source.bias_k is not None or source.bias_v is not None:
+        raise ValueError(f"{name} has add_bias_kv=True (learned extra key/value rows), which the Stiefel "
+                         f"module does not implement; build the model without add_bias_kv.")
+    if source.add_zero_attn:
+        raise ValueError(f"{name} has add_zero_attn=True, which the Stiefel module does not implement; build "
+                         f"the model without add_zero_attn.")
+    if not source.batch_first and not ignore_batch_first:
+        raise ValueError(f"{name} has batch_first=False: its callers pass (seq, batch, embed), but the Stiefel "
+                         f"module is batch-first only, so the converted model would silently mix batch and "
+                         f"sequence. Build it with batch_first=True (nn.TransformerEncoderLayer(..., "
+                         f"batch_first=True)), or pass ignore_batch_first=True and transpose inputs yourself.")
+    e, h = source.embed_dim, source.num_heads
+    with torch.no_grad():
+        if source._qkv_same_embed_dim:
+            wq, wk, wv = source.in_proj_weight.detach().chunk(3, dim=0)
+        else:
+            wq, wk, wv = (source.q_proj_weight.detach(), source.k_proj_weight.detach(),
+                          source.v_proj_weight.detach())
+        b_v = b_o = None
+        if source.in_proj_bias is not None:
+            b_q, _b_k, b_v = source.in_proj_bias.detach().chunk(3)
+            if not drop_qk_bias and bool((b_q != 0).any()):
+                raise ValueError(
+                    f"{name} has a non-zero query bias (max |b_Q| = {float(b_q.abs().max()):.3g}); the Stiefel "
+                    f"module has no query/key biases and dropping b_Q changes the attention. Pass "
+                    f"drop_qk_bias=True to drop it anyway (the key bias is always dropped: it is "
+                    f"softmax-invariant).")
+            b_o = source.out_proj.bias.detach() if source.out_proj.bias is not None else torch.zeros_like(b_v)
+        weights = {"q": wq.t().clone(), "k": wk.t().clone(), "v": wv.t().clone(),
+                   "o": source.out_proj.weight.detach().t().clone(), "b_v": b_v, "b_o": b_o, "gain": None}
+    config = dict(embed_dim=e, num_heads=h, head_dim=e // h, dropout=float(source.dropout),
+                  bias=source.in_proj_bias is not None, kdim=source.kdim, vdim=source.vdim, frames="head",
+                  logit_gain=False)
+    return config, weights
+
+
+def stiefelize(
+    model: nn.Module,
+    *,
+    frames: str | None = None,
+    logit_gain: bool | None = None,
+    drop_qk_bias: bool = False,
+) -> nn.Module:
+    r"""Replace every ``nn.MultiheadAttention`` and :class:`EuclideanMultiheadAttention` in ``model`` by a
+    :class:`StiefelMultiheadAttention` (in place), and return the model.
+
+    Each module is converted by :meth:`StiefelMultiheadAttention.from_euclidean` (frames = polar factors of
+    the query/key blocks; values and output copied). Everything is checked before anything is replaced: if
+    one module cannot be converted, a ``ValueError`` names its path and the reason, and the model is left
+    unchanged. A module shared by several parents is converted once and stays shared. When ``model`` itself
+    is an attention module, the converted module is returned (nothing to modify in place).
+
+    ``nn.TransformerEncoder`` / ``nn.TransformerEncoderLayer``: the converted layers run through the layers'
+    ordinary Python path. The fused inference fast paths (``torch._transformer_encoder_layer_fwd`` and the
+    nested-tensor path) read ``in_proj_weight``/``out_proj`` directly and cannot run a Stiefel module, so
+    they are disabled: the module reports ``in_proj_bias = None`` (the layer then skips its fast path) and
+    ``use_nested_tensor`` is set to ``False`` on every ``nn.TransformerEncoder`` whose layers were converted.
+    Attention modules must be batch-first (``batch_first=True``).
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model to convert.
+    frames, logit_gain, drop_qk_bias
+        As in :meth:`StiefelMultiheadAttention.from_euclidean`, applied to every converted module.
+
+    Returns
+    -------
+    nn.Module
+        ``model`` (or the converted module when ``model`` is itself an attention module).
+
+    Raises
+    ------
+    ValueError
+        ``"cannot stiefelize module 'encoder.layers.0.self_attn' (nn.MultiheadAttention): ..."`` for
+        ``batch_first=False``, ``add_bias_kv``, ``add_zero_attn``, a non-zero query bias without
+        ``drop_qk_bias``, or a layout whose frames cannot exist.
+    """
+    targets = (nn.MultiheadAttention, EuclideanMultiheadAttention)
+    converted: dict[int, StiefelMultiheadAttention] = {}
+    sites: list[tuple[str, nn.Module]] = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, targets):
+            sites.append((path, module))
+            if id(module) in converted:
+                continue
+            try:
+                config, weights = _source_parts(module, drop_qk_bias=drop_qk_bias, ignore_batch_first=False,
+                                                path=path)
+                if frames is not None:
+                    config["frames"] = frames
+                if logit_gain is not None:
+                    config["logit_gain"] = bool(logit_gain)
+                    if not logit_gain:
+                        weights["gain"] = None
+                converted[id(module)] = StiefelMultiheadAttention._build(config, weights, training=module.training)
+            except ValueError as err:
+                msg = str(err)
+                if not msg.startswith("module "):
+                    msg = f"module {path!r} ({type(module).__name__}): {msg}"
+                raise ValueError(f"cannot stiefelize {msg}") from err
+    for path, module in sites:
+        if path == "":
+            return converted[id(module)]
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        setattr(parent, attr, converted[id(module)])
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoder) and any(
+            isinstance(getattr(layer, "self_attn", None), _MultiheadAttentionBase) for layer in module.layers
+        ):
+            module.use_nested_tensor = False
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frames: bool = True) -> list[dict]:
+    r"""Split the trainable parameters of ``model`` into three optimizer groups.
+
+    1. ``"frames"``: :class:`geoopt.ManifoldParameter` s on a Stiefel manifold, ``weight_decay=0`` (with
+       ``no_decay_frames=True``). For a Riemannian optimizer decay on a frame is a no-op anyway:
+       :math:`P_W(\lambda W) = \lambda (W - W\operatorname{sym}(W^\top W)) = 0`.
+    2. ``"decay"``: every other parameter with ``ndim >= 2`` (linear/attention/convolution weights,
+       token and position embeddings, class tokens, the unembedding), ``weight_decay=weight_decay``. As in
+       nanoGPT, embeddings are decayed: the weight-decay-driven dynamics the experiments study act on them.
+    3. ``"no_decay"``: parameters with ``ndim < 2`` (biases, LayerNorm weights and biases, logit gains),
+       ``weight_decay=0``.
+
+    Each group is a dict with ``"name"``, ``"params"`` and ``"weight_decay"``; all three are always present
+    (possibly with an empty ``params`` list, e.g. ``"frames"`` for a Euclidean model). Parameters with
+    ``requires_grad=False`` are left out; parameters shared between modules appear once.
+
+    The groups suit :class:`~geoopt_stiefel_attention.StiefelAdam` (frames get the Riemannian update,
+    the rest AdamW) and stock optimizers such as :class:`torch.optim.AdamW`, which train the frames as plain
+    matrices: they leave the manifold, which is what a "Euclidean update of the same parameters" ablation
+    wants and otherwise is a mistake.
+
+    Parameters
+    ----------
+    model : nn.Module
+    weight_decay : float, default 0.01
+        Decoupled weight decay of the ``"decay"`` group (``>= 0``).
+    no_decay_frames : bool, default True
+        ``False`` gives the frames ``weight_decay`` too (a no-op under StiefelAdam, a real decay under AdamW).
+
+    Returns
+    -------
+    list of dict
+        ``[frames, decay, no_decay]`` in that order.
+
+    Examples
+    --------
+    >>> from geoopt_stiefel_attention import StiefelAdam, TinyTransformer, param_groups
+    >>> model = TinyTransformer(11, 4, width=16, heads=2, mlp=32, attention="stiefel")
+    >>> [(g["name"], len(g["params"])) for g in param_groups(model)]
+    [('frames', 2), ('decay', 6), ('no_decay', 9)]
+    >>> opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-3)
+    """
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not (
+            weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"param_groups: weight_decay={weight_decay!r} is invalid; pass a finite float >= 0.")
+    frames, decay, no_decay = [], [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if _is_stiefel_parameter(p):
+            frames.append(p)
+        elif p.dim() >= 2:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    wd = float(weight_decay)
+    return [
+        {"name": "frames", "params": frames, "weight_decay": 0.0 if no_decay_frames else wd},
+        {"name": "decay", "params": decay, "weight_decay": wd},
+        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def frame_parameters(model: nn.Module) -> list[geoopt.ManifoldParameter]:
+    """Every parameter of ``model`` on a Stiefel manifold (frozen ones included), in ``model.parameters()`` order."""
+    return [p for p in model.parameters() if _is_stiefel_parameter(p)]
+
+
+def query_key_projections(model: nn.Module) -> list[tuple[str, Tensor, Tensor]]:
+    """``(module path, w_q, w_k)`` for every :class:`StiefelMultiheadAttention` and
+    :class:`EuclideanMultiheadAttention` in ``model``, in ``named_modules()`` order.
+
+    ``w_q``/``w_k`` are the parameters themselves (same layout in both classes), so two arms of an
+    experiment can be compared entry by entry; clone them to record a starting point, e.g.
+    ``start = [w.detach().clone() for _, w, _ in query_key_projections(model)]``.
+    ``nn.MultiheadAttention`` modules are not listed (their projections are fused into ``in_proj_weight``).
+    """
+    return [(path, m.w_q, m.w_k) for path, m in model.named_modules()
+            if isinstance(m, _MultiheadAttentionBase)]
