@@ -91,6 +91,14 @@ class PolarStiefel(EuclideanStiefel):
     def extra_repr(self) -> str:
         return "polar"
 
+    # The manifold has no state, so two instances are the same manifold: this lets
+    # ``ManifoldParameter(PolarStiefel().random(...), manifold=PolarStiefel())`` work as users expect.
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
 
 def is_frame(p: torch.Tensor) -> bool:
     """Whether ``p`` is a stack of Stiefel frames in the embedded metric (a geoopt tensor on ``EuclideanStiefel``)."""

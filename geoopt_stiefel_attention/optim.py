@@ -169,10 +169,11 @@ def stiefel_adam_update(
         s = (lr / bias1) * m / ((v / bias2).sqrt() + eps)
         if second_moment != "frame":
             s = _linalg.proju(w, s)
-    s = _linalg.cap_step(s, trust_region) * finite
+    s = _linalg.cap_step(s, trust_region) * finite  # a zero step keeps NaNs out of the retraction
     w_new = _linalg.polar(w - s, order=series_order)
     m = _linalg.proju(w_new, m)
-    return w_new, m, v, finite
+    # skipped frames come back bit-identical (a zero-step retraction would still round them)
+    return torch.where(finite, w_new, w), torch.where(finite, m, exp_avg), v, finite
 
 
 class StiefelAdam(geoopt.optim.RiemannianAdam):
@@ -316,7 +317,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                 if p.grad.is_complex():
                     raise TypeError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} has a complex "
                                     f"gradient; frames and their gradients must be real.")
-                if len(self.state[p]) == 0:
+                if not self.state.get(p):
                     err = float(_linalg.orthonormality_error(p))
                     tol = ORTHONORMALITY_TOLERANCE.get(p.dtype, 1e-4)
                     if not err <= tol:

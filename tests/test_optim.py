@@ -1,0 +1,426 @@
+"""StiefelAdam: float64 step-by-step reference, AdamW equivalence, convergence, state, errors."""
+
+import io
+
+import geoopt
+import numpy as np
+import pytest
+import torch
+
+from geoopt_stiefel_attention import PolarStiefel, StiefelAdam
+
+REFERENCE_TOL = 1e-10  # float64 agreement with the written-out reference over >= 50 steps
+CONVERGENCE_TOL = 1e-5  # distance to the target frame
+DRIFT_TOL_F32 = 1e-6  # max |W^T W - I| after 10,000 float32 steps without stabilize
+ADAMW_TOL_F32 = 1e-6  # same trajectory as torch.optim.AdamW (float32 rounding)
+
+
+# ----------------------------------------------------------------------------- independent reference
+def _ref_sym(a):
+    return 0.5 * (a + a.T)
+
+
+def _ref_polar(y):
+    u, _, vh = np.linalg.svd(y, full_matrices=False)
+    return u @ vh
+
+
+def _ref_stiefel_adam(w0, grad_fn, steps, *, lr, b1, b2, eps, delta, mode):
+    """Steps 1-7 of the update written out frame by frame in numpy (DESIGN.md, 'The update')."""
+    w = [f.copy() for f in w0]
+    m = [np.zeros_like(f) for f in w0]
+    v = [np.zeros((1, 1)) if mode == "frame" else np.zeros((1, f.shape[1])) if mode == "column"
+         else np.zeros_like(f) for f in w0]
+    trajectory = []
+    for t in range(1, steps + 1):
+        grads = grad_fn(np.stack(w), t)
+        for k in range(len(w)):
+            wk, g = w[k], grads[k]
+            xi = g - wk @ _ref_sym(wk.T @ g)  # 1
+            m[k] = b1 * m[k] + (1 - b1) * xi  # 2
+            if mode == "frame":
+                v[k] = b2 * v[k] + (1 - b2) * np.sum(xi * xi)  # 3
+            elif mode == "column":
+                v[k] = b2 * v[k] + (1 - b2) * np.sum(xi * xi, axis=0, keepdims=True)
+            elif mode == "element":
+                v[k] = b2 * v[k] + (1 - b2) * xi * xi
+            mhat = m[k] / (1 - b1**t)
+            if mode is None:
+                s = lr * mhat
+            else:
+                s = lr * mhat / (np.sqrt(v[k] / (1 - b2**t)) + eps)  # 4
+                if mode != "frame":
+                    s = s - wk @ _ref_sym(wk.T @ s)
+            norm = np.sqrt(np.sum(s * s))
+            if delta is not None and norm > delta:  # 5
+                s = s * delta / norm
+            w[k] = _ref_polar(wk - s)  # 6
+            m[k] = m[k] - w[k] @ _ref_sym(w[k].T @ m[k])  # 7
+        trajectory.append(np.stack(w))
+    return trajectory
+
+
+def _frames(shape, seed, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    return PolarStiefel().random(*shape, dtype=dtype, generator=gen)
+
+
+def _grad_fn_factory(shape, seed):
+    """Gradient of f(W) = 1/2 ||W - C||^2 + <N_t, W>: depends on W and varies with t."""
+    rng = np.random.default_rng(seed)
+    c = rng.standard_normal(shape)
+    noise = rng.standard_normal((60,) + shape)
+
+    def grad_fn(w, t):
+        return (w - c) + noise[t - 1]
+
+    return grad_fn
+
+
+def _run_torch(w0, grad_fn, steps, **opt_kwargs):
+    st = PolarStiefel()
+    w = geoopt.ManifoldParameter(w0.clone(), manifold=st)
+    opt = StiefelAdam([w], **opt_kwargs)
+    trajectory = []
+    for t in range(1, steps + 1):
+        w.grad = torch.from_numpy(grad_fn(w.detach().numpy(), t))
+        opt.step()
+        trajectory.append(w.detach().clone().numpy())
+    return trajectory, opt, w
+
+
+@pytest.mark.parametrize(
+    ("lr", "delta", "mode"),
+    [
+        (0.05, 0.1, "frame"),  # trust region binds on some steps, not all
+        (0.5, 0.1, "frame"),  # trust region binds on every step
+        (0.02, None, "frame"),  # no trust region: exact eigendecomposition path
+        (0.03, 0.1, "column"),
+        (0.03, 0.1, "element"),
+        (0.03, 0.1, None),
+    ],
+)
+def test_matches_written_out_reference_for_50_steps(lr, delta, mode):
+    shape = (3, 12, 4)
+    w0 = _frames(shape, seed=1)
+    grad_fn = _grad_fn_factory(shape, seed=2)
+    kw = dict(lr=lr, b1=0.9, b2=0.99, eps=1e-8, delta=delta, mode=mode)
+    reference = _ref_stiefel_adam(list(w0.numpy()), grad_fn, 55, **kw)
+    ours, opt, w = _run_torch(w0, grad_fn, 55, lr=lr, betas=(0.9, 0.99), eps=1e-8, trust_region=delta,
+                              second_moment=mode)
+    worst = max(np.abs(a - b).max() for a, b in zip(ours, reference))
+    assert worst < REFERENCE_TOL
+    # the reference really moves the frames (a check that cannot pass vacuously)
+    assert np.abs(reference[-1] - w0.numpy()).max() > 0.05
+
+
+def test_reference_check_detects_a_wrong_update():
+    """Companion: the same comparison fails for an update without the trust region."""
+    shape = (3, 12, 4)
+    w0 = _frames(shape, seed=1)
+    grad_fn = _grad_fn_factory(shape, seed=2)
+    reference = _ref_stiefel_adam(list(w0.numpy()), grad_fn, 55, lr=0.5, b1=0.9, b2=0.99, eps=1e-8,
+                                  delta=0.1, mode="frame")
+    ours, _, _ = _run_torch(w0, grad_fn, 55, lr=0.5, betas=(0.9, 0.99), eps=1e-8, trust_region=None)
+    assert max(np.abs(a - b).max() for a, b in zip(ours, reference)) > 1e-3
+
+
+def test_state_shapes_per_second_moment():
+    w0 = _frames((3, 12, 4), seed=0)
+    expected = {"frame": (3, 1, 1), "column": (3, 1, 4), "element": (3, 12, 4)}
+    for mode, shape in expected.items():
+        _, opt, w = _run_torch(w0, _grad_fn_factory((3, 12, 4), 0), 2, second_moment=mode)
+        assert opt.state[w]["exp_avg_sq"].shape == shape
+        assert opt.state[w]["exp_avg"].shape == w.shape
+    _, opt, w = _run_torch(w0, _grad_fn_factory((3, 12, 4), 0), 2, second_moment=None)
+    assert "exp_avg_sq" not in opt.state[w]
+
+
+def test_frame_state_is_first_moment_plus_one_scalar():
+    _, opt, w = _run_torch(_frames((8, 64, 16), 0), _grad_fn_factory((8, 64, 16), 0), 1)
+    state_numel = opt.state[w]["exp_avg"].numel() + opt.state[w]["exp_avg_sq"].numel()
+    assert state_numel == w.numel() + 8
+    assert state_numel <= 1.01 * w.numel()
+
+
+# ----------------------------------------------------------------------------- weight decay
+def test_weight_decay_leaves_frames_untouched_but_decays_euclidean():
+    shape = (2, 10, 3)
+    w0 = _frames(shape, seed=3)
+    grad_fn = _grad_fn_factory(shape, seed=4)
+    runs = {}
+    for wd in (0.0, 1.0):
+        st = PolarStiefel()
+        w = geoopt.ManifoldParameter(w0.clone(), manifold=st)
+        e = torch.nn.Parameter(torch.ones(5, 5, dtype=torch.float64))
+        opt = StiefelAdam([w, e], lr=0.05, weight_decay=wd)
+        for t in range(1, 21):
+            w.grad = torch.from_numpy(grad_fn(w.detach().numpy(), t))
+            e.grad = torch.zeros_like(e)
+            opt.step()
+        runs[wd] = (w.detach().clone(), e.detach().clone())
+    assert torch.equal(runs[0.0][0], runs[1.0][0])  # frames bit-identical
+    assert not torch.allclose(runs[0.0][1], runs[1.0][1])  # Euclidean matrix decayed
+    assert float(runs[1.0][1].abs().max()) < 0.5
+
+
+# ----------------------------------------------------------------------------- AdamW equivalence
+def _train_linear_pair(ours_wd, ref_wd):
+    torch.manual_seed(0)
+    a = torch.nn.Linear(7, 5)
+    b = torch.nn.Linear(7, 5)
+    b.load_state_dict(a.state_dict())
+    frame = geoopt.ManifoldParameter(_frames((6, 2), 0, torch.float32), manifold=PolarStiefel())
+    ours = StiefelAdam([{"params": list(a.parameters()) + [frame]}], lr=1e-2, betas=(0.8, 0.95),
+                       weight_decay=ours_wd, eps=1e-6)
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=ref_wd, eps=1e-6)
+    x = torch.randn(16, 7)
+    for _ in range(30):
+        for model, opt in ((a, ours), (b, ref)):
+            opt.zero_grad()
+            loss = model(x).square().mean() + (frame.sum() if opt is ours else 0.0)
+            loss.backward()
+            opt.step()
+    return max(float((pa.detach() - pb.detach()).abs().max()) for pa, pb in zip(a.parameters(), b.parameters()))
+
+
+def test_euclidean_parameters_follow_torch_adamw():
+    assert _train_linear_pair(0.3, 0.3) <= ADAMW_TOL_F32
+    # companion: the comparison separates trajectories that differ only in weight decay
+    assert _train_linear_pair(0.3, 0.0) > 1e-4
+
+
+# ----------------------------------------------------------------------------- convergence and drift
+def test_converges_to_target_frame_float64():
+    """geoopt's test_adam_stiefel problem: min ||W - W*||^2 over St(20, 10)."""
+    st = PolarStiefel()
+    target = _frames((20, 10), seed=5)
+    w = geoopt.ManifoldParameter(_frames((20, 10), seed=6), manifold=st)
+    opt = StiefelAdam([w], lr=1e-2)
+    for _ in range(3000):
+        opt.zero_grad()
+        (w - target).square().sum().backward()
+        opt.step()
+    assert float((w.detach() - target).abs().max()) < CONVERGENCE_TOL
+
+
+def test_float32_frames_stay_on_manifold_for_10000_steps_without_stabilize():
+    st = PolarStiefel()
+    w = geoopt.ManifoldParameter(_frames((4, 32, 8), 7, torch.float32), manifold=st)
+    opt = StiefelAdam([w], lr=1e-2)
+    gen = torch.Generator().manual_seed(8)
+    grads = torch.randn(64, 4, 32, 8, generator=gen)
+    for k in range(10_000):
+        w.grad = grads[k % 64]
+        opt.step()
+    w64 = w.detach().double()
+    err = float((w64.transpose(-1, -2) @ w64 - torch.eye(8, dtype=torch.float64)).abs().max())
+    assert err < DRIFT_TOL_F32
+    assert float((w.detach() - _frames((4, 32, 8), 7, torch.float32)).abs().max()) > 0.1  # it moved
+
+
+# ----------------------------------------------------------------------------- state, groups, API
+def _toy_model(seed=0):
+    torch.manual_seed(seed)
+    st = PolarStiefel()
+    model = torch.nn.Module()
+    model.frames = geoopt.ManifoldParameter(_frames((3, 10, 4), seed, torch.float64), manifold=st)
+    model.lin = torch.nn.Linear(4, 2).double()
+    return model
+
+
+def _toy_loss(model, x):
+    return model.lin(torch.einsum("bd,hdr->bhr", x, model.frames)).square().mean()
+
+
+def test_state_dict_round_trip_continues_bit_identically():
+    x = torch.randn(8, 10, dtype=torch.float64)
+    model = _toy_model()
+    opt = StiefelAdam(model.parameters(), lr=0.05, weight_decay=0.1)
+    for _ in range(10):
+        opt.zero_grad()
+        _toy_loss(model, x).backward()
+        opt.step()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    for _ in range(10):
+        opt.zero_grad()
+        _toy_loss(model, x).backward()
+        opt.step()
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    resumed = _toy_model(seed=99)
+    resumed.load_state_dict(saved["model"])
+    opt2 = StiefelAdam(resumed.parameters(), lr=0.05, weight_decay=0.1)
+    opt2.load_state_dict(saved["opt"])
+    for _ in range(10):
+        opt2.zero_grad()
+        _toy_loss(resumed, x).backward()
+        opt2.step()
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_closure_zero_grad_and_parameters_without_grad():
+    model = _toy_model()
+    unused = torch.nn.Parameter(torch.ones(3))
+    opt = StiefelAdam(list(model.parameters()) + [unused], lr=0.01)
+    x = torch.randn(8, 10, dtype=torch.float64)
+
+    def closure():
+        opt.zero_grad(set_to_none=True)
+        loss = _toy_loss(model, x)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert torch.is_tensor(loss)
+    assert unused.grad is None and len(opt.state[unused]) == 0
+    assert torch.equal(unused, torch.ones(3))
+    opt.zero_grad(set_to_none=True)
+    assert model.frames.grad is None
+
+
+def test_param_groups_with_different_lr_and_trust_region():
+    st = PolarStiefel()
+    a = geoopt.ManifoldParameter(_frames((2, 16, 4), 1), manifold=st)
+    b = geoopt.ManifoldParameter(_frames((2, 16, 4), 2), manifold=st)
+    a0, b0 = a.detach().clone(), b.detach().clone()
+    opt = StiefelAdam([{"params": [a], "trust_region": 0.01}, {"params": [b], "lr": 1.0, "trust_region": 0.2}],
+                      lr=1.0)
+    g = torch.randn(2, 16, 4, dtype=torch.float64)
+    a.grad, b.grad = g.clone(), g.clone()
+    opt.step()
+    move_a = (a.detach() - a0).square().sum(dim=(-2, -1)).sqrt()
+    move_b = (b.detach() - b0).square().sum(dim=(-2, -1)).sqrt()
+    # the polar retraction moves a point by ||s|| (1 + O(||s||^2)); the caps bind in both groups
+    assert torch.allclose(move_a, torch.full_like(move_a, 0.01), rtol=1e-3)
+    assert torch.allclose(move_b, torch.full_like(move_b, 0.2), rtol=3e-2)
+    assert opt.param_groups[0]["lr"] == 1.0 and opt.param_groups[1]["trust_region"] == 0.2
+
+
+def test_lr_scheduler_changes_the_frame_step():
+    st = PolarStiefel()
+    w = geoopt.ManifoldParameter(_frames((1, 16, 4), 3), manifold=st)
+    opt = StiefelAdam([w], lr=0.02)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    g = torch.randn(1, 16, 4, dtype=torch.float64)
+    moves = []
+    for _ in range(2):
+        before = w.detach().clone()
+        w.grad = g.clone()
+        opt.step()
+        sched.step()
+        moves.append(float((w.detach() - before).norm()))
+    assert moves[1] < 0.2 * moves[0]
+
+
+def test_bf16_frames_train_in_float32_and_stay_near_manifold():
+    st = PolarStiefel()
+    w = geoopt.ManifoldParameter(_frames((4, 32, 8), 4, torch.float32).to(torch.bfloat16), manifold=st)
+    opt = StiefelAdam([w], lr=1e-2)
+    for _ in range(50):
+        w.grad = torch.randn_like(w)
+        opt.step()
+    assert w.dtype == torch.bfloat16
+    assert opt.state[w]["exp_avg"].dtype == torch.float32
+    w32 = w.detach().float()
+    assert float((w32.transpose(-1, -2) @ w32 - torch.eye(8)).abs().max()) < 3e-2
+
+
+def test_non_finite_gradient_skips_only_that_frame():
+    st = PolarStiefel()
+    w = geoopt.ManifoldParameter(_frames((3, 12, 4), 5), manifold=st)
+    opt = StiefelAdam([w], lr=0.05)
+    w.grad = torch.randn(3, 12, 4, dtype=torch.float64)
+    opt.step()
+    before = w.detach().clone()
+    m_before = opt.state[w]["exp_avg"].clone()
+    g = torch.randn(3, 12, 4, dtype=torch.float64)
+    g[1, 2, 0] = float("nan")
+    g[2, 0, 0] = float("inf")
+    w.grad = g
+    opt.step()
+    assert torch.equal(w.detach()[1:], before[1:]) and torch.equal(opt.state[w]["exp_avg"][1:], m_before[1:])
+    assert not torch.equal(w.detach()[0], before[0])
+    assert int(opt.state[w]["skipped_frames"]) == 2
+    assert torch.isfinite(opt.state[w]["exp_avg_sq"]).all()
+    w.grad = torch.randn(3, 12, 4, dtype=torch.float64)
+    opt.step()
+    assert not torch.equal(w.detach()[1], before[1])
+    assert st.check_point_on_manifold(w, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------- errors
+def test_canonical_stiefel_is_rejected_with_the_fix():
+    canonical = geoopt.Stiefel()
+    w = geoopt.ManifoldParameter(canonical.random(8, 3), manifold=canonical)
+    with pytest.raises(ValueError, match="PolarStiefel"):
+        StiefelAdam([w])
+
+
+def test_other_manifolds_are_rejected():
+    sphere = geoopt.Sphere()
+    w = geoopt.ManifoldParameter(sphere.random(8), manifold=sphere)
+    with pytest.raises(ValueError, match="RiemannianAdam"):
+        StiefelAdam([w])
+
+
+def test_off_manifold_frame_raises_at_first_step_and_changes_nothing():
+    st = PolarStiefel()
+    w = geoopt.ManifoldParameter(1.01 * _frames((2, 9, 3), 0), manifold=st)
+    e = torch.nn.Parameter(torch.ones(3))
+    opt = StiefelAdam([e, w], lr=0.1)
+    w.grad, e.grad = torch.randn_like(w), torch.ones(3)
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match=r"\(2, 9, 3\).*proj_\(\)"):
+        opt.step()
+    assert torch.equal(w.detach(), before) and torch.equal(e.detach(), torch.ones(3))
+    assert len(opt.state) == 0
+    with torch.no_grad():
+        w.proj_()
+    opt.step()  # the suggested fix works
+
+
+def test_sparse_gradient_is_rejected():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = StiefelAdam(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="sparse"):
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"lr": 0.0}, "lr"),
+        ({"lr": -1e-3}, "lr"),
+        ({"eps": 0.0}, "eps"),
+        ({"betas": (1.0, 0.999)}, "betas"),
+        ({"betas": (0.9, -0.1)}, "betas"),
+        ({"trust_region": 0.0}, "trust_region"),
+        ({"trust_region": float("inf")}, "trust_region"),
+        ({"second_moment": "row"}, "second_moment"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+        ({"stabilize": 0}, "stabilize"),
+    ],
+)
+def test_invalid_hyperparameters_name_the_option(kwargs, name):
+    p = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match=name):
+        StiefelAdam([p], **kwargs)
+    opt = StiefelAdam([p])
+    with pytest.raises(ValueError, match=name):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], **kwargs})
+    assert len(opt.param_groups) == 1
+
+
+def test_old_checkpoint_without_new_group_options_loads():
+    model = _toy_model()
+    opt = StiefelAdam(model.parameters(), lr=0.01)
+    sd = opt.state_dict()
+    for group in sd["param_groups"]:
+        del group["trust_region"], group["second_moment"]
+    opt2 = StiefelAdam(model.parameters(), lr=0.01)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["trust_region"] == 0.1 and opt2.param_groups[0]["second_moment"] == "frame"
