@@ -101,7 +101,7 @@ class _MultiheadAttentionBase(nn.Module):
         super().__init__()
         self._configure(embed_dim, num_heads, head_dim=head_dim, dropout=dropout, bias=bias, kdim=kdim,
                         vdim=vdim, frames=frames, logit_gain=logit_gain)
-        self._install(self._draw(generator=generator, device=device, dtype=dtype))
+        self._install(self._draw(generator=generator, device=device, dtype=dtype), logit_gain=logit_gain)
 
     # -------------------------------------------------------------------------------- configuration
     def _configure(self, embed_dim, num_heads, *, head_dim, dropout, bias, kdim, vdim, frames, logit_gain) -> None:

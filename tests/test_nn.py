@@ -1,0 +1,589 @@
+"""Tests of the attention modules, conversion helpers and parameter groups (float64 for numerics).
+
+Every numerical check compares with an independent reference: attention written out head by head with
+einsum and an explicit softmax, or torch's own ``nn.MultiheadAttention``; polar factors are checked by
+their characterisation (orthonormal ``U`` with ``U^T A`` symmetric positive definite), not by an SVD.
+"""
+
+from __future__ import annotations
+
+import math
+
+import geoopt
+import pytest
+import torch
+from torch import nn
+
+from geoopt_stiefel_attention import (
+    EuclideanMultiheadAttention,
+    StiefelAdam,
+    StiefelMultiheadAttention,
+    frame_parameters,
+    param_groups,
+    query_key_projections,
+    stiefelize,
+)
+
+F64 = torch.float64
+#: agreement of two float64 computations of the same attention (different association orders)
+REF_TOL = 1e-12
+#: max |W^T W - I| of a float64 frame
+ORTHO_TOL = 1e-12
+#: symmetry of U^T A for a float64 polar factor U of A
+POLAR_SYM_TOL = 1e-12
+#: a difference that a real change of the function must exceed
+DIFFER_MIN = 1e-4
+
+E, H, DH = 8, 2, 4  # embed_dim, heads, head_dim
+CLASSES = (StiefelMultiheadAttention, EuclideanMultiheadAttention)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------- reference attention
+def head_blocks(w: torch.Tensor, frames: str, num_heads: int) -> list[torch.Tensor]:
+    """The per-head (d, Dh) blocks of a query/key parameter, per the documented layout."""
+    if frames == "head":
+        return [w[h] for h in range(num_heads)]
+    dh = w.shape[-1] // num_heads
+    return [w[0][:, h * dh:(h + 1) * dh] for h in range(num_heads)]
+
+
+def reference_attention(m, xq, xk, xv, *, kpm=None, attn_mask=None, causal=False, head_order=None):
+    """Multi-head attention written out from ``m``'s parameters: returns (output, per-head weights)."""
+    nh, dh = m.num_heads, m.head_dim
+    b, tq, tk = xq.shape[0], xq.shape[1], xk.shape[1]
+    add = torch.zeros(b, nh, tq, tk, dtype=F64)
+    if kpm is not None:
+        kp = torch.where(kpm, -math.inf, 0.0) if kpm.dtype == torch.bool else kpm
+        add = add + kp[:, None, None, :]
+    if attn_mask is not None:
+        am = torch.where(attn_mask, -math.inf, 0.0) if attn_mask.dtype == torch.bool else attn_mask
+        add = add + (am.reshape(b, nh, tq, tk) if am.dim() == 3 else am[None, None])
+    elif causal:
+        i = torch.arange(tq)[:, None]
+        j = torch.arange(tk)[None, :]
+        add = add.masked_fill(j > i, -math.inf)
+    wq = head_blocks(m.w_q.detach(), m.frames, nh)
+    wk = head_blocks(m.w_k.detach(), m.frames, nh)
+    out = torch.zeros(b, tq, m.embed_dim, dtype=F64)
+    probs = []
+    order = head_order or list(range(nh))
+    for h in range(nh):
+        gain = math.exp(float(m.logit_gain.detach()[h])) if m.logit_gain is not None else 1.0
+        q = torch.einsum("bte,ed->btd", xq, wq[h]) * gain
+        k = torch.einsum("bte,ed->btd", xk, wk[h])
+        v = torch.einsum("bte,ed->btd", xv, m.w_v.detach()[h])
+        if m.b_v is not None:
+            v = v + m.b_v.detach()[h * dh:(h + 1) * dh]
+        logits = torch.einsum("bid,bjd->bij", q, k) / math.sqrt(dh) + add[:, h]
+        z = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+        p = z / z.sum(dim=-1, keepdim=True)
+        probs.append(p)
+        o = torch.einsum("bij,bjd->bid", p, v)
+        rows = slice(order[h] * dh, (order[h] + 1) * dh)
+        out = out + torch.einsum("btd,de->bte", o, m.w_o.detach()[rows])
+    if m.b_o is not None:
+        out = out + m.b_o.detach()
+    return out, torch.stack(probs, dim=1)
+
+
+def randomize_extras(m) -> None:
+    """Give biases and log-gains non-trivial values so that the reference checks them too."""
+    g = gen(123)
+    with torch.no_grad():
+        for p in (m.b_v, m.b_o, m.logit_gain):
+            if p is not None:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def make(cls, frames="head", **kw):
+    kw.setdefault("logit_gain", True)
+    m = cls(E, H, frames=frames, dtype=F64, generator=gen(0), **kw)
+    randomize_extras(m)
+    return m
+
+
+def inputs(b=2, tq=5, tk=None, kdim=E, vdim=E, seed=1):
+    g = gen(seed)
+    tk = tq if tk is None else tk
+    xq = torch.randn(b, tq, E, generator=g, dtype=F64)
+    if tk == tq and kdim == E and vdim == E:
+        return xq, xq, xq
+    return xq, torch.randn(b, tk, kdim, generator=g, dtype=F64), torch.randn(b, tk, vdim, generator=g, dtype=F64)
+
+
+def kpm_bool(b=2, tk=5):
+    mask = torch.zeros(b, tk, dtype=torch.bool)
+    mask[0, -2:] = True
+    mask[1, 2] = True
+    return mask
+
+
+SCENARIOS = {
+    "plain": {},
+    "kpm_bool": {"kpm": kpm_bool()},
+    "kpm_float": {"kpm": torch.randn(2, 5, generator=gen(7), dtype=F64)},
+    "attn_bool_2d": {"attn_mask": (torch.rand(5, 5, generator=gen(8)) < 0.4) & ~torch.eye(5, dtype=torch.bool)},
+    "attn_float_3d": {"attn_mask": torch.randn(2 * H, 5, 5, generator=gen(9), dtype=F64)},
+    "causal": {"causal": True},
+    "causal_kpm": {"causal": True, "kpm": kpm_bool()},
+    "attn_bool_and_kpm_float": {"attn_mask": torch.ones(5, 5, dtype=torch.bool).triu(1),
+                                "kpm": torch.randn(2, 5, generator=gen(10), dtype=F64)},
+}
+
+
+def call(m, xq, xk, xv, sc, **kw):
+    return m(xq, xk, xv, key_padding_mask=sc.get("kpm"), attn_mask=sc.get("attn_mask"),
+             is_causal=sc.get("causal", False), **kw)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("frames", ["head", "layer"])
+@pytest.mark.parametrize("cls", CLASSES, ids=["stiefel", "euclidean"])
+def test_forward_matches_written_out_reference(cls, frames, scenario):
+    m = make(cls, frames)
+    sc = SCENARIOS[scenario]
+    xq, xk, xv = inputs()
+    ref, ref_w = reference_attention(m, xq, xk, xv, kpm=sc.get("kpm"), attn_mask=sc.get("attn_mask"),
+                                     causal=sc.get("causal", False))
+    out, w = call(m, xq, xk, xv, sc)  # SDPA path
+    assert w is None
+    torch.testing.assert_close(out, ref, rtol=0, atol=REF_TOL)
+    out2, w_avg = call(m, xq, xk, xv, sc, need_weights=True)  # explicit path
+    torch.testing.assert_close(out2, ref, rtol=0, atol=REF_TOL)
+    assert w_avg.shape == (2, 5, 5)
+    torch.testing.assert_close(w_avg, ref_w.mean(dim=1), rtol=0, atol=REF_TOL)
+    _, w_all = call(m, xq, xk, xv, sc, need_weights=True, average_attn_weights=False)
+    assert w_all.shape == (2, H, 5, 5)
+    torch.testing.assert_close(w_all, ref_w, rtol=0, atol=REF_TOL)
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=["stiefel", "euclidean"])
+def test_cross_attention_matches_reference(cls):
+    m = make(cls, kdim=6, vdim=5)
+    assert m.w_k.shape == (H, 6, DH) and m.w_v.shape == (H, 5, DH)
+    xq, xk, xv = inputs(tq=3, tk=7, kdim=6, vdim=5)
+    kpm = torch.zeros(2, 7, dtype=torch.bool)
+    kpm[1, 4:] = True
+    ref, ref_w = reference_attention(m, xq, xk, xv, kpm=kpm, causal=True)
+    out, _ = m(xq, xk, xv, key_padding_mask=kpm, is_causal=True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=REF_TOL)
+    out, w = m(xq, xk, xv, key_padding_mask=kpm, is_causal=True, need_weights=True, average_attn_weights=False)
+    torch.testing.assert_close(out, ref, rtol=0, atol=REF_TOL)
+    assert w.shape == (2, H, 3, 7)
+    torch.testing.assert_close(w, ref_w, rtol=0, atol=REF_TOL)
+
+
+def test_reference_check_can_fail():
+    """Companion: a wrong head-to-output mapping, or an ignored mask, is far outside REF_TOL."""
+    m = make(StiefelMultiheadAttention)
+    xq, xk, xv = inputs()
+    out, _ = m(xq, xk, xv)
+    wrong, _ = reference_attention(m, xq, xk, xv, head_order=[1, 0])
+    assert (out - wrong).abs().max() > DIFFER_MIN
+    masked, _ = m(xq, xk, xv, key_padding_mask=kpm_bool())
+    assert (out - masked).abs().max() > DIFFER_MIN
+
+
+def test_unbatched_input_matches_batched():
+    m = make(StiefelMultiheadAttention)
+    xq, xk, xv = inputs(b=1)
+    out_b, w_b = m(xq, xk, xv, need_weights=True, is_causal=True)
+    out_u, w_u = m(xq[0], xk[0], xv[0], need_weights=True, is_causal=True)
+    assert out_u.shape == (5, E) and w_u.shape == (5, 5)
+    torch.testing.assert_close(out_u, out_b[0], rtol=0, atol=REF_TOL)
+    torch.testing.assert_close(w_u, w_b[0], rtol=0, atol=REF_TOL)
+
+
+def test_attention_dropout_only_in_training():
+    m = StiefelMultiheadAttention(E, H, dropout=0.5, dtype=F64, generator=gen(0))
+    xq, xk, xv = inputs()
+    m.eval()
+    a, _ = m(xq, xk, xv)
+    b, _ = m(xq, xk, xv)
+    assert torch.equal(a, b)
+    m.train()
+    c, _ = m(xq, xk, xv)
+    assert (a - c).abs().max() > DIFFER_MIN
+
+
+# ------------------------------------------------------------------------------------- against nn.MultiheadAttention
+def torch_mha(seed=0, **kw) -> nn.MultiheadAttention:
+    torch.manual_seed(seed)
+    kw.setdefault("batch_first", True)
+    mha = nn.MultiheadAttention(E, H, dtype=F64, **kw)
+    with torch.no_grad():
+        if mha.in_proj_bias is not None:
+            mha.in_proj_bias.normal_()
+            mha.in_proj_bias[:E].zero_()  # no query bias (conversion would refuse it)
+            mha.out_proj.bias.normal_()
+    return mha
+
+
+def orthonormalize_qk(mha: nn.MultiheadAttention, layout: str = "head") -> None:
+    """Make the torch module's per-head (or whole-layer) Q/K blocks orthonormal, in torch's row layout."""
+    with torch.no_grad():
+        for w in (mha.in_proj_weight[:E], mha.in_proj_weight[E:2 * E]):
+            if layout == "layer":
+                q, _ = torch.linalg.qr(torch.randn(E, E, dtype=F64))
+                w.copy_(q.t())
+            else:
+                for h in range(H):
+                    q, _ = torch.linalg.qr(torch.randn(E, DH, dtype=F64))
+                    w[h * DH:(h + 1) * DH].copy_(q.t())
+
+
+MHA_CASES = {
+    "plain": {},
+    "kpm_bool": {"key_padding_mask": kpm_bool()},
+    "causal_mask": {"attn_mask": nn.Transformer.generate_square_subsequent_mask(5, dtype=F64), "is_causal": True},
+    "float_3d_and_kpm": {"attn_mask": torch.randn(2 * H, 5, 5, generator=gen(3), dtype=F64),
+                         "key_padding_mask": torch.where(kpm_bool(), -math.inf, 0.0).to(F64)},
+}
+
+
+@pytest.mark.parametrize("case", list(MHA_CASES))
+def test_euclidean_from_torch_reproduces_nn_multihead_attention(case):
+    """Torch's own implementation is the reference for the layout mapping, masks and weight shapes
+    (the non-zero key bias is dropped, exactly: it is softmax-invariant)."""
+    mha = torch_mha()
+    m = EuclideanMultiheadAttention.from_torch(mha)
+    x, _, _ = inputs()
+    kw = MHA_CASES[case]
+    for avg in (True, False):
+        ref, ref_w = mha(x, x, x, need_weights=True, average_attn_weights=avg, **kw)
+        out, w = m(x, x, x, need_weights=True, average_attn_weights=avg, **kw)
+        torch.testing.assert_close(out, ref, rtol=0, atol=REF_TOL)
+        assert w.shape == ref_w.shape
+        torch.testing.assert_close(w, ref_w, rtol=0, atol=REF_TOL)
+    out, _ = m(x, x, x, **kw)
+    torch.testing.assert_close(out, ref, rtol=0, atol=REF_TOL)
+
+
+@pytest.mark.parametrize("layout", ["head", "layer"])
+def test_from_euclidean_is_exact_for_orthonormal_blocks(layout):
+    mha = torch_mha()
+    orthonormalize_qk(mha, layout)
+    s = StiefelMultiheadAttention.from_euclidean(mha, frames=layout)
+    x, _, _ = inputs()
+    for kw in MHA_CASES.values():
+        ref, _ = mha(x, x, x, **kw)
+        out, _ = s(x, x, x, **kw)
+        torch.testing.assert_close(out, ref, rtol=0, atol=REF_TOL)
+
+
+def test_from_euclidean_changes_non_orthonormal_blocks():
+    """Companion: a generic original's Q/K blocks are not frames, so the converted function differs."""
+    mha = torch_mha()
+    s = StiefelMultiheadAttention.from_euclidean(mha)
+    x, _, _ = inputs()
+    assert (s(x, x, x)[0] - mha(x, x, x)[0]).abs().max() > DIFFER_MIN
+
+
+def assert_polar_factor(u: torch.Tensor, a: torch.Tensor) -> None:
+    """``u`` is the polar factor of ``a``: U^T U = I and U^T A symmetric positive definite (per frame)."""
+    eye = torch.eye(u.shape[-1], dtype=u.dtype)
+    assert (u.transpose(-1, -2) @ u - eye).abs().max() < ORTHO_TOL
+    m = u.transpose(-1, -2) @ a
+    assert (m - m.transpose(-1, -2)).abs().max() < POLAR_SYM_TOL
+    assert torch.linalg.eigvalsh(0.5 * (m + m.transpose(-1, -2))).min() > 0
+
+
+def test_polar_characterisation_can_fail():
+    """Companion: the raw matrix and a sign-flipped frame both violate the characterisation."""
+    a = torch.randn(E, DH, generator=gen(5), dtype=F64)
+    u = StiefelMultiheadAttention(E, H, dtype=F64).w_q.manifold.projx(a)
+    assert_polar_factor(u, a)
+    with pytest.raises(AssertionError):
+        assert_polar_factor(a, a)
+    flipped = u.clone()
+    flipped[:, 0] *= -1
+    with pytest.raises(AssertionError):
+        assert_polar_factor(flipped, a)
+
+
+def test_from_euclidean_torch_layout_and_exact_copies():
+    mha = torch_mha()
+    s = StiefelMultiheadAttention.from_euclidean(mha)
+    w = mha.in_proj_weight.detach()
+    b = mha.in_proj_bias.detach()
+    assert isinstance(s.w_q, geoopt.ManifoldParameter) and isinstance(s.w_k, geoopt.ManifoldParameter)
+    for h in range(H):
+        rows = slice(h * DH, (h + 1) * DH)
+        assert_polar_factor(s.w_q[h].detach(), w[:E][rows].t())
+        assert_polar_factor(s.w_k[h].detach(), w[E:2 * E][rows].t())
+        assert torch.equal(s.w_v[h], w[2 * E:][rows].t())
+    assert torch.equal(s.b_v, b[2 * E:])
+    assert torch.equal(s.w_o, mha.out_proj.weight.t())
+    assert torch.equal(s.b_o, mha.out_proj.bias)
+    assert s.logit_gain is None and s.dropout == mha.dropout
+
+
+def test_from_euclidean_separate_kdim_vdim_projections():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, kdim=6, vdim=5, batch_first=True, dtype=F64)
+    assert not mha._qkv_same_embed_dim
+    with torch.no_grad():
+        mha.in_proj_bias[E:].normal_()
+        mha.out_proj.bias.normal_()
+        for w in (mha.q_proj_weight, mha.k_proj_weight):
+            for h in range(H):
+                q, _ = torch.linalg.qr(torch.randn(w.shape[1], DH, dtype=F64))
+                w[h * DH:(h + 1) * DH].copy_(q.t())
+    s = StiefelMultiheadAttention.from_euclidean(mha)
+    assert s.w_k.shape == (H, 6, DH) and s.w_v.shape == (H, 5, DH)
+    xq, xk, xv = inputs(tq=3, tk=4, kdim=6, vdim=5)
+    torch.testing.assert_close(s(xq, xk, xv)[0], mha(xq, xk, xv)[0], rtol=0, atol=REF_TOL)
+
+
+def test_from_euclidean_of_euclidean_module():
+    e = make(EuclideanMultiheadAttention)
+    s = StiefelMultiheadAttention.from_euclidean(e)
+    for name in ("w_v", "w_o", "b_v", "b_o", "logit_gain"):
+        assert torch.equal(getattr(s, name), getattr(e, name)), name
+    assert_polar_factor(s.w_q.detach(), e.w_q.detach())
+    assert_polar_factor(s.w_k.detach(), e.w_k.detach())
+    back = EuclideanMultiheadAttention.from_stiefel(s)
+    assert type(back.w_q) is nn.Parameter and torch.equal(back.w_q, s.w_q)
+    layer = StiefelMultiheadAttention.from_euclidean(e, frames="layer", logit_gain=False)
+    assert layer.w_q.shape == (1, E, H * DH) and layer.logit_gain is None
+    assert_polar_factor(layer.w_q.detach()[0], torch.cat(list(e.w_q.detach()), dim=1))
+
+
+def test_from_euclidean_refusals():
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        StiefelMultiheadAttention.from_euclidean(nn.MultiheadAttention(E, H, add_bias_kv=True, batch_first=True))
+    with pytest.raises(ValueError, match="add_zero_attn"):
+        StiefelMultiheadAttention.from_euclidean(nn.MultiheadAttention(E, H, add_zero_attn=True, batch_first=True))
+    seq_first = nn.MultiheadAttention(E, H)
+    with pytest.raises(ValueError, match="batch_first"):
+        StiefelMultiheadAttention.from_euclidean(seq_first)
+    assert StiefelMultiheadAttention.from_euclidean(seq_first, ignore_batch_first=True).embed_dim == E
+    with pytest.raises(TypeError, match="Linear"):
+        StiefelMultiheadAttention.from_euclidean(nn.Linear(E, E))
+    mha = torch_mha()
+    orthonormalize_qk(mha)
+    with torch.no_grad():
+        mha.in_proj_bias[:E].normal_()
+    with pytest.raises(ValueError, match="drop_qk_bias=True"):
+        StiefelMultiheadAttention.from_euclidean(mha)
+    s = StiefelMultiheadAttention.from_euclidean(mha, drop_qk_bias=True)
+    x, _, _ = inputs()
+    assert (s(x, x, x)[0] - mha(x, x, x)[0]).abs().max() > DIFFER_MIN  # the query bias mattered
+
+
+# ------------------------------------------------------------------------------------- configuration
+def test_configuration_errors():
+    with pytest.raises(ValueError, match="not divisible"):
+        StiefelMultiheadAttention(10, 3)
+    assert StiefelMultiheadAttention(10, 3, head_dim=3).w_q.shape == (3, 10, 3)
+    with pytest.raises(ValueError, match="head_dim"):
+        StiefelMultiheadAttention(8, 2, head_dim=9)
+    with pytest.raises(ValueError, match="kdim"):
+        EuclideanMultiheadAttention(8, 2, kdim=3)
+    with pytest.raises(ValueError, match="frames='head'"):
+        StiefelMultiheadAttention(8, 4, head_dim=4, frames="layer")
+    with pytest.raises(ValueError, match="frames"):
+        StiefelMultiheadAttention(8, 2, frames="row")
+    with pytest.raises(ValueError, match="dropout"):
+        StiefelMultiheadAttention(8, 2, dropout=1.0)
+    m = StiefelMultiheadAttention(8, 2)
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(ValueError, match="feature sizes"):
+        m(x, torch.randn(2, 5, 7), x)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        m(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask"):
+        m(x, x, x, attn_mask=torch.zeros(3, 5, 5))
+    with pytest.raises(TypeError, match="bool"):
+        m(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.long))
+
+
+def test_float32_frames_on_manifold_and_layouts():
+    s = StiefelMultiheadAttention(16, 4, frames="layer", bias=False)
+    assert s.w_q.shape == (1, 16, 16) and s.b_v is None and s.b_o is None
+    err = (s.w_q[0].t() @ s.w_q[0] - torch.eye(16)).abs().max()
+    assert err < 1e-5
+
+
+# ------------------------------------------------------------------------------------- paired starts
+@pytest.mark.parametrize("frames", ["head", "layer"])
+def test_paired_initialisation(frames):
+    kdim = 6 if frames == "head" else 10
+    s = StiefelMultiheadAttention(E, H, kdim=kdim, frames=frames, logit_gain=True, dtype=F64, generator=gen(3))
+    e = EuclideanMultiheadAttention(E, H, kdim=kdim, frames=frames, logit_gain=True, dtype=F64, generator=gen(3))
+    assert [n for n, _ in s.named_parameters()] == [n for n, _ in e.named_parameters()]
+    for name in ("w_v", "w_o", "b_v", "b_o", "logit_gain"):
+        assert torch.equal(getattr(s, name), getattr(e, name)), name
+    assert_polar_factor(s.w_q.detach(), e.w_q.detach())
+    assert_polar_factor(s.w_k.detach(), e.w_k.detach())
+    other = EuclideanMultiheadAttention(E, H, kdim=kdim, frames=frames, dtype=F64, generator=gen(4))
+    assert not torch.equal(other.w_v, e.w_v)  # companion: another seed, other weights
+
+
+# ------------------------------------------------------------------------------------- gradients and compile
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("frames", ["head", "layer"])
+@pytest.mark.parametrize("cls", CLASSES, ids=["stiefel", "euclidean"])
+def test_gradients_reach_every_parameter(cls, frames, need_weights):
+    kdim = 6 if frames == "head" else 10
+    m = make(cls, frames, kdim=kdim, vdim=5)
+    xq, xk, xv = inputs(tq=4, tk=6, kdim=kdim, vdim=5)
+    out, _ = m(xq, xk, xv, need_weights=need_weights, is_causal=True)
+    out.square().sum().backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and p.grad.abs().max() > 0, name
+
+
+def test_single_key_gives_query_key_no_gradient():
+    """Companion: with one key the softmax is constant, so W_Q, W_K and the gains get exactly zero gradient
+    (the check above can fail)."""
+    m = make(StiefelMultiheadAttention)
+    xq, xk, xv = inputs(tq=3, tk=1)
+    m(xq, xk, xv)[0].square().sum().backward()
+    for name in ("w_q", "w_k", "logit_gain"):
+        assert getattr(m, name).grad.abs().max() == 0, name
+    assert m.w_v.grad.abs().max() > 0
+
+
+def test_torch_compile_matches_eager():
+    m = make(StiefelMultiheadAttention)
+    xq, xk, xv = inputs()
+    kpm = kpm_bool()
+    eager, _ = m(xq, xk, xv, key_padding_mask=kpm)
+    eager.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    out, _ = compiled(xq, xk, xv, key_padding_mask=kpm)
+    torch.testing.assert_close(out, eager, rtol=0, atol=REF_TOL)
+    out.square().sum().backward()
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=0, atol=REF_TOL)
+
+
+# ------------------------------------------------------------------------------------- stiefelize
+def encoder(batch_first=True, layers=2) -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=batch_first, dtype=F64)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=batch_first)
+
+
+def test_stiefelize_transformer_encoder_runs_and_trains():
+    enc = encoder()
+    for layer in enc.layers:
+        orthonormalize_qk(layer.self_attn)
+    x, _, _ = inputs()
+    kpm = kpm_bool()
+    causal = nn.Transformer.generate_square_subsequent_mask(5, dtype=F64)
+    kpm_float = torch.where(kpm, -math.inf, 0.0).to(F64)  # same mask type as `causal` (torch warns otherwise)
+    ref = enc(x, mask=causal, src_key_padding_mask=kpm_float, is_causal=True)
+    assert stiefelize(enc) is enc
+    assert all(isinstance(layer.self_attn, StiefelMultiheadAttention) for layer in enc.layers)
+    assert enc.use_nested_tensor is False
+    out = enc(x, mask=causal, src_key_padding_mask=kpm_float, is_causal=True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=REF_TOL)  # orthonormal blocks: same function
+    # inference with grad disabled: the fused/nested fast paths must not be taken
+    enc.eval()
+    with torch.no_grad():
+        out_eval = enc(x, src_key_padding_mask=kpm)
+    enc.train()
+    torch.testing.assert_close(out_eval, enc(x, src_key_padding_mask=kpm), rtol=0, atol=REF_TOL)
+    # one StiefelAdam step with the parameter groups
+    groups = param_groups(enc, weight_decay=0.1)
+    assert [g["name"] for g in groups] == ["frames", "decay", "no_decay"]
+    assert len(groups[0]["params"]) == 4
+    before = [p.detach().clone() for p in enc.parameters()]
+    opt = StiefelAdam(groups, lr=1e-2)
+    loss = enc(x, src_key_padding_mask=kpm).square().mean()
+    loss.backward()
+    assert all(p.grad is not None for p in enc.parameters())
+    opt.step()
+    for p in frame_parameters(enc):
+        eye = torch.eye(p.shape[-1], dtype=F64)
+        assert (p.detach().transpose(-1, -2) @ p.detach() - eye).abs().max() < ORTHO_TOL
+    assert all(not torch.equal(b, p) for b, p in zip(before, enc.parameters(), strict=True))
+
+
+def test_stiefelize_refuses_atomically_with_path():
+    model = nn.Sequential(nn.MultiheadAttention(E, H, batch_first=True),
+                          nn.MultiheadAttention(E, H, add_bias_kv=True, batch_first=True))
+    with pytest.raises(ValueError, match=r"cannot stiefelize module '1'.*add_bias_kv"):
+        stiefelize(model)
+    assert type(model[0]) is nn.MultiheadAttention  # nothing replaced
+    with pytest.raises(ValueError, match=r"'layers\.0\.self_attn'.*batch_first=False"):
+        stiefelize(encoder(batch_first=False))
+    biased = nn.Sequential(torch_mha())
+    with torch.no_grad():
+        biased[0].in_proj_bias[:E].fill_(1.0)
+    with pytest.raises(ValueError, match="drop_qk_bias"):
+        stiefelize(biased)
+    assert isinstance(stiefelize(biased, drop_qk_bias=True)[0], StiefelMultiheadAttention)
+
+
+def test_stiefelize_shared_root_and_euclidean_modules():
+    shared = EuclideanMultiheadAttention(E, H, dtype=F64, generator=gen(0))
+    model = nn.ModuleDict({"a": shared, "b": nn.ModuleList([shared])})
+    stiefelize(model, frames="layer")
+    assert isinstance(model["a"], StiefelMultiheadAttention) and model["a"] is model["b"][0]
+    assert model["a"].frames == "layer"
+    assert torch.equal(model["a"].w_v, shared.w_v) and torch.equal(model["a"].w_o, shared.w_o)
+    root = stiefelize(nn.MultiheadAttention(E, H, batch_first=True))
+    assert isinstance(root, StiefelMultiheadAttention)
+
+
+# ------------------------------------------------------------------------------------- parameter helpers
+class TwoAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = StiefelMultiheadAttention(E, H, logit_gain=True, generator=gen(0))
+        self.norm = nn.LayerNorm(E)
+        self.second = EuclideanMultiheadAttention(E, H, generator=gen(1))
+        self.torch_attn = nn.MultiheadAttention(E, H, batch_first=True)
+
+    def forward(self, x):
+        x = self.norm(x + self.first(x, x, x)[0])
+        x = x + self.second(x, x, x)[0]
+        return x + self.torch_attn(x, x, x, need_weights=False)[0]
+
+
+def test_param_groups_partition_and_rules():
+    model = TwoAttention()
+    model.norm.bias.requires_grad_(False)
+    groups = param_groups(model, weight_decay=0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    got = {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in groups}
+    assert got["frames"] == ["first.w_k", "first.w_q"]
+    assert got["decay"] == sorted(["first.w_v", "first.w_o", "second.w_q", "second.w_k", "second.w_v",
+                                   "second.w_o", "torch_attn.in_proj_weight", "torch_attn.out_proj.weight"])
+    assert got["no_decay"] == sorted(["first.b_v", "first.b_o", "first.logit_gain", "norm.weight", "second.b_v",
+                                      "second.b_o", "torch_attn.in_proj_bias", "torch_attn.out_proj.bias"])
+    assert [g["weight_decay"] for g in groups] == [0.0, 0.05, 0.0]
+    assert param_groups(model, 0.05, no_decay_frames=False)[0]["weight_decay"] == 0.05
+    assert [id(p) for p in frame_parameters(model)] == [id(model.first.w_q), id(model.first.w_k)]
+    with pytest.raises(ValueError, match="weight_decay"):
+        param_groups(model, weight_decay=-1.0)
+
+
+def test_param_groups_work_with_adamw_and_stiefel_adam():
+    x = torch.randn(2, 5, E)
+    for opt_cls, stays_on in ((StiefelAdam, True), (torch.optim.AdamW, False)):
+        model = TwoAttention()
+        opt = opt_cls(param_groups(model), lr=1e-2)
+        model(x).square().sum().backward()
+        opt.step()
+        w = model.first.w_q.detach()
+        err = float((w.transpose(-1, -2) @ w - torch.eye(DH)).abs().max())
+        # StiefelAdam keeps the frames on St(d, r); AdamW trains them as plain matrices and leaves it
+        assert (err < 1e-5) == stays_on, (opt_cls.__name__, err)
+
+
+def test_query_key_projections():
+    model = TwoAttention()
+    got = query_key_projections(model)
+    assert [path for path, _, _ in got] == ["first", "second"]
+    assert got[0][1] is model.first.w_q and got[0][2] is model.first.w_k
+    assert got[1][1] is model.second.w_q and got[1][2] is model.second.w_k
