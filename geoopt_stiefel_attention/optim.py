@@ -12,6 +12,7 @@ import torch.optim.adamw as _torch_adamw
 from geoopt.manifolds import CanonicalStiefel, Euclidean, EuclideanStiefel
 
 from . import _linalg
+from . import distributed as _distributed
 from .manifolds import is_frame as _is_frame
 
 __all__ = ["StiefelAdam", "stiefel_adam_update", "SECOND_MOMENTS", "ORTHONORMALITY_TOLERANCE"]
@@ -68,6 +69,7 @@ def _validate_hyperparameters(group: dict[str, Any]) -> None:
 
 def _check_parameter(p: torch.Tensor) -> None:
     """Reject parameters the optimizer cannot train, naming the fix."""
+    _distributed.check_parameter(p)  # sharded (FSDP/DTensor) parameters: NotImplementedError
     manifold = getattr(p, "manifold", None)
     if manifold is None or isinstance(manifold, Euclidean):
         return
@@ -87,6 +89,10 @@ def _check_parameter(p: torch.Tensor) -> None:
     if p.is_complex():
         raise TypeError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} is complex; Stiefel frames "
                         f"must be real (float64, float32, bfloat16 or float16).")
+    if p.dim() < 2 or p.shape[-1] > p.shape[-2]:
+        raise ValueError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} is not a stack of d x r frames "
+                         f"with r <= d (orthonormal columns cannot outnumber rows). Store frames as (..., d, r), "
+                         f"e.g. transpose a (r, d) matrix, or use fewer columns.")
 
 
 def stiefel_adam_update(
@@ -300,6 +306,25 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             group.setdefault("trust_region", _DEFAULT_TRUST_REGION)
             group.setdefault("second_moment", "frame")
             group.setdefault("stabilize", None)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict (see :meth:`torch.optim.Optimizer.load_state_dict`), keeping frame state exact.
+
+        Torch casts every floating-point state tensor to its parameter's dtype, which would round the float32
+        moments of a bf16/fp16 frame to bf16/fp16 and turn the int64 ``skipped_frames`` counter into a float.
+        Frame state is therefore loaded in the dtype it was saved in, only moved to the frame's device; the
+        resumed run continues bit-identically. Euclidean state follows torch.
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(i)
+            if saved is None or not _is_frame(p):
+                continue
+            for key, value in saved.items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    self.state[p][key] = value.to(device=p.device, copy=True)
 
     # ------------------------------------------------------------------ the step
     def _validate_step(self) -> None:
