@@ -320,10 +320,10 @@ class _MultiheadAttentionBase(nn.Module):
         k = (key @ w_k).view(b, tk, h, dh).transpose(1, 2)
         v = value @ w_v
         if self.b_v is not None:
-            v = v + self.b_v
+            v = v + self.b_v.to(v.dtype)  # .to: keep autocast's dtype (SDPA needs q, k, v alike)
         v = v.view(b, tk, h, dh).transpose(1, 2)
         if self.logit_gain is not None:
-            q = q * self.logit_gain.exp().view(1, h, 1, 1)
+            q = q * self.logit_gain.exp().to(q.dtype).view(1, h, 1, 1)
 
         if is_causal and attn_mask is None and (key_padding_mask is not None or need_weights):
             attn_mask = torch.ones(tq, tk, dtype=torch.bool, device=query.device).triu(diagonal=1)
@@ -349,7 +349,7 @@ class _MultiheadAttentionBase(nn.Module):
                                                    is_causal=use_sdpa_causal)
         out = heads.transpose(1, 2).reshape(b, tq, n) @ self.w_o
         if self.b_o is not None:
-            out = out + self.b_o
+            out = out + self.b_o.to(out.dtype)
         if unbatched:
             out = out.squeeze(0)
         return out, weights
@@ -748,7 +748,7 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     >>> from geoopt_stiefel_attention import StiefelAdam, TinyTransformer, param_groups
     >>> model = TinyTransformer(11, 4, width=16, heads=2, mlp=32, attention="stiefel")
     >>> [(g["name"], len(g["params"])) for g in param_groups(model)]
-    [('frames', 2), ('decay', 6), ('no_decay', 9)]
+    [('frames', 2), ('decay', 7), ('no_decay', 10)]
     >>> opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-3)
     """
     if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not (

@@ -33,6 +33,8 @@ ORTHO_TOL = 1e-12
 POLAR_SYM_TOL = 1e-12
 #: a difference that a real change of the function must exceed
 DIFFER_MIN = 1e-4
+#: relative agreement of a bfloat16-autocast forward with the float32 one
+BF16_TOL = 3e-2
 
 E, H, DH = 8, 2, 4  # embed_dim, heads, head_dim
 CLASSES = (StiefelMultiheadAttention, EuclideanMultiheadAttention)
@@ -463,6 +465,22 @@ def test_torch_compile_matches_eager():
     out.square().sum().backward()
     for n, p in m.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], rtol=0, atol=REF_TOL)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_autocast_bfloat16_keeps_one_dtype(need_weights):
+    """Under autocast the float32 biases and gains must not promote q/k/v back to float32 (SDPA needs them
+    alike); the result is the float32 one up to bfloat16 rounding."""
+    m = StiefelMultiheadAttention(16, 2, logit_gain=True, generator=gen(0))
+    randomize_extras(m)
+    x = torch.randn(2, 5, 16, generator=gen(1))
+    ref, _ = m(x, x, x, is_causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = m(x, x, x, is_causal=True, need_weights=need_weights)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=BF16_TOL * ref.abs().max().item())
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())
 
 
 # ------------------------------------------------------------------------------------- stiefelize
