@@ -462,6 +462,10 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
 
     The call interface is that of :class:`torch.nn.MultiheadAttention` with ``batch_first=True``, so a
     :class:`torch.nn.TransformerEncoderLayer` accepts the module as its ``self_attn`` (see :func:`stiefelize`).
+
+    Frames are orthonormal to the precision of the dtype they were built in: build the module in the dtype
+    you train in (``dtype=``). After ``.to(torch.float64)`` of a float32 module, re-project the frames with
+    ``p.proj_()`` (under ``torch.no_grad()``); StiefelAdam otherwise refuses them at its first step.
 """ + _LAYOUT_DOC + _CONSTRUCTOR_DOC + r"""
     Examples
     --------

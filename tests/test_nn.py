@@ -7,6 +7,7 @@ their characterisation (orthonormal ``U`` with ``U^T A`` symmetric positive defi
 
 from __future__ import annotations
 
+import copy
 import math
 
 import geoopt
@@ -467,6 +468,16 @@ def test_torch_compile_matches_eager():
         torch.testing.assert_close(p.grad, grads[n], rtol=0, atol=REF_TOL)
 
 
+@pytest.mark.slow
+def test_torch_compile_inductor_matches_eager():
+    """The default backend (inductor) compiles the module too; slow (about 25 s on 2 CPU cores)."""
+    m = make(StiefelMultiheadAttention, "layer")
+    xq, xk, xv = inputs()
+    eager, _ = m(xq, xk, xv, is_causal=True)
+    out, _ = torch.compile(m)(xq, xk, xv, is_causal=True)
+    torch.testing.assert_close(out, eager, rtol=0, atol=REF_TOL)
+
+
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_autocast_bfloat16_keeps_one_dtype(need_weights):
     """Under autocast the float32 biases and gains must not promote q/k/v back to float32 (SDPA needs them
@@ -524,6 +535,30 @@ def test_stiefelize_transformer_encoder_runs_and_trains():
         eye = torch.eye(p.shape[-1], dtype=F64)
         assert (p.detach().transpose(-1, -2) @ p.detach() - eye).abs().max() < ORTHO_TOL
     assert all(not torch.equal(b, p) for b, p in zip(before, enc.parameters(), strict=True))
+
+
+def test_stiefelize_full_transformer_with_decoder_cross_attention():
+    torch.manual_seed(0)
+    model = nn.Transformer(E, H, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=16, dropout=0.0,
+                           batch_first=True, dtype=F64)
+    stiefelize(model)
+    assert len(query_key_projections(model)) == 3  # encoder self, decoder self, decoder cross
+    src, tgt = torch.randn(2, 6, E, dtype=F64), torch.randn(2, 4, E, dtype=F64)
+    out = model(src, tgt, tgt_mask=nn.Transformer.generate_square_subsequent_mask(4, dtype=F64), tgt_is_causal=True)
+    out.square().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_converted_model_survives_deepcopy_and_pickle(tmp_path):
+    model = stiefelize(encoder())
+    clone = copy.deepcopy(model)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    x, _, _ = inputs()
+    for other in (clone, loaded):
+        assert len(frame_parameters(other)) == 4
+        assert all(isinstance(p, geoopt.ManifoldParameter) for p in frame_parameters(other))
+        torch.testing.assert_close(other(x), model(x), rtol=0, atol=0)
 
 
 def test_stiefelize_refuses_atomically_with_path():
