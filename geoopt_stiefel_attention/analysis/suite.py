@@ -1,0 +1,103 @@
+"""Run every certificate for every optimizer column: the data behind ``stiefel-attention certify``."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from . import conditioning, equivariance, gauge, scale, steepest, weight_decay
+from ._result import Certificate
+from .optimizers import OptimizerColumn, default_columns
+
+__all__ = ["ROWS", "DEFAULT_STEPS", "DEFAULT_OTHER_STEPS", "run_certificates"]
+
+#: Certificate names in table order.
+ROWS = (
+    "1a steepest descent: projection",
+    "1b steepest descent: step direction",
+    "1c first step = retr(W, -lr xi/||xi||)",
+    "1d retraction is first order",
+    "2a scale-free (eps=0)",
+    "2b scale-free (default eps)",
+    "3a polar step cond <= 1 + D^2",
+    "3b no drift, float64",
+    "3c no drift, float32",
+    "4a left O(d)-equivariance",
+    "4b right O(r)-equivariance",
+    "5  rgrad of decay = 0",
+    "5a coupled decay: no effect",
+    "5b decay of retracted point: no effect",
+    "5c decay never enlarges the step",
+    "5d training: frames ignore decay",
+    "6a gauge: no gradient along symmetry",
+    "6b gauge: loss constant on orbit",
+)
+
+#: Steps of the long drift run (certificates 3a-3c) for the ``StiefelAdam`` column.
+DEFAULT_STEPS = 10_000
+#: Steps of the drift run for every other column (enough to show drift, or its absence, in seconds).
+DEFAULT_OTHER_STEPS = 2_000
+
+
+def run_certificates(columns: Sequence[OptimizerColumn] | None = None, *, seed: int = 0,
+                     steps: int = DEFAULT_STEPS, other_steps: int = DEFAULT_OTHER_STEPS,
+                     long_run_columns: Sequence[str] = ("StiefelAdam",),
+                     progress: Callable[[str], None] | None = None) -> list[Certificate]:
+    """Every certificate (rows :data:`ROWS`) for every column, in row-major order.
+
+    Parameters
+    ----------
+    columns : sequence of OptimizerColumn, optional
+        Defaults to :func:`~.optimizers.default_columns`.
+    seed : int
+        Seed of every random draw (frames, gradients, losses, orthogonal matrices).
+    steps : int
+        Length of the drift run (3a-3c) for the columns named in ``long_run_columns``.
+    other_steps : int
+        Length of the drift run for every other column.
+    progress : callable, optional
+        Called with the name of each column before it is certified (the CLI reports progress with it).
+
+    Returns
+    -------
+    list of Certificate
+        One per (row, column), ordered by row, then column.
+    """
+    columns = list(default_columns() if columns is None else columns)
+    if steps < 1 or other_steps < 1:
+        raise ValueError(f"run_certificates: steps={steps} and other_steps={other_steps} must be >= 1.")
+    gauge_cache: dict[bool, list[Certificate]] = {}
+    cells: dict[tuple[str, str], Certificate] = {}
+    for column in columns:
+        if progress is not None:
+            progress(column.name)
+        found = [
+            steepest.certify_projection(column, seed=seed),
+            steepest.certify_step_direction(column, seed=seed),
+            steepest.certify_first_step(column, seed=seed),
+            steepest.certify_retraction_order(column, seed=seed),
+            scale.certify_scale_invariance(column, seed=seed),
+            scale.certify_scale_with_eps(column, seed=seed),
+        ]
+        n = steps if column.name in long_run_columns else other_steps
+        runs = [conditioning.run_drift(column, steps=n, dtype=dt, seed=seed) for dt in (torch.float64, torch.float32)]
+        found.append(conditioning.certify_conditioning(column, runs))
+        found.extend(conditioning.certify_drift(column, run) for run in runs)
+        found.append(equivariance.certify_equivariance(column, "left", seed=seed))
+        found.append(equivariance.certify_equivariance(column, "right", seed=seed))
+        found.extend([
+            weight_decay.certify_decay_gradient(column, seed=seed),
+            weight_decay.certify_coupled_decay(column, seed=seed),
+            weight_decay.certify_point_decay(column, seed=seed),
+            weight_decay.certify_decay_in_retraction(column, seed=seed),
+            weight_decay.certify_decay_training(column, seed=seed),
+        ])
+        if column.on_manifold not in gauge_cache:
+            gauge_cache[column.on_manifold] = gauge.certify_gauge(column, seed=seed)
+        for cert in gauge_cache[column.on_manifold]:
+            found.append(Certificate(cert.name, cert.statement, cert.measured, cert.tolerance, cert.passed,
+                                     cert.details, column.name, cert.comparison))
+        for cert in found:
+            cells[(cert.name, column.name)] = cert
+    return [cells[(row, column.name)] for row in ROWS for column in columns if (row, column.name) in cells]
