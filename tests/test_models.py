@@ -172,3 +172,17 @@ def test_attention_modules_and_layouts():
     attn = [m for m in model.modules() if isinstance(m, StiefelMultiheadAttention)]
     assert len(attn) == VIT["depth"] and all(m.w_q.shape == (1, 16, 16) for m in attn)
     assert [p for p, _, _ in query_key_projections(model)] == ["blocks.0.attn", "blocks.1.attn"]
+
+
+@pytest.mark.parametrize("opt_cls", [StiefelAdam, torch.optim.AdamW])
+def test_euclidean_arm_groups_with_empty_frames_group(opt_cls):
+    """The Euclidean arm has an empty "frames" group; both optimizers accept it and train W_Q as a matrix."""
+    model = TinyTransformer(**TINY, attention="euclidean")
+    groups = param_groups(model)
+    assert groups[0]["name"] == "frames" and groups[0]["params"] == []
+    opt = opt_cls(groups, lr=1e-3)
+    (path, w_q, _), = query_key_projections(model)[:1]
+    start = w_q.detach().clone()
+    model(batch("tiny")).square().mean().backward()
+    opt.step()
+    assert not torch.equal(start, w_q)
