@@ -106,17 +106,20 @@ def inv_sqrt_series(gram: torch.Tensor, order: int) -> torch.Tensor:
     .. math:: (I + E)^{-1/2} \approx \sum_{k=0}^{K} \binom{-1/2}{k} E^k
               = I - \tfrac12 E + \tfrac38 E^2 - \tfrac{5}{16} E^3 + \dots
 
-    evaluated by Horner's rule (``order - 1`` products of ``r x r`` matrices). Valid when
+    evaluated by Horner's rule, :math:`X \leftarrow c_k I + E X`, one fused ``baddbmm`` per term
+    (``order - 1`` products of ``r x r`` matrices; ``order=1`` needs none). Valid when
     :math:`\|E\|_2 < 1`; see :func:`series_order` for the truncation bound.
     """
+    if order < 1:
+        raise ValueError(f"inv_sqrt_series: order={order!r} is invalid; pass an int >= 1 (see series_order).")
     r = gram.shape[-1]
     eye = torch.eye(r, dtype=gram.dtype, device=gram.device)
-    e = gram - eye
+    e = (gram - eye).reshape(-1, r, r)  # a 3-d stack, for the batched products
     coeffs = _series_coefficients(order)
-    x = coeffs[order] * e + coeffs[order - 1] * eye
+    x = torch.add(coeffs[order - 1] * eye, e, alpha=coeffs[order])
     for c in reversed(coeffs[: order - 1]):
-        x = e @ x + c * eye
-    return x
+        x = torch.baddbmm(eye, e, x, beta=c)  # c I + E X
+    return x.reshape(gram.shape)
 
 
 def polar(y: torch.Tensor, *, order: int | None = None) -> torch.Tensor:

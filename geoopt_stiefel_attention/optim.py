@@ -182,6 +182,122 @@ def stiefel_adam_update(
     return torch.where(finite, w_new, w), torch.where(finite, m, exp_avg), v, finite
 
 
+#: Frames whose stack holds fewer elements than this are stacked with other frames of the same shape, dtype,
+#: device and step count into one batch (one call per op for the whole batch: per-op dispatch dominates small
+#: problems); larger ones are updated in place one parameter at a time (no stacking copies).
+STACK_NUMEL = 1 << 18
+
+#: Second-moment modes with the fused in-place kernel; the ablation variants use :func:`stiefel_adam_update`.
+_FAST_MODES = ("frame", None)
+
+
+def _rounding_margin(dtype: torch.dtype) -> float:
+    """Slack added to ``||s||^2`` in the bound on ``||(W - s)^T (W - s) - I||_2``: the rounding drift of ``W^T W``
+    from the identity and of ``s`` from the tangent space (both a few units of roundoff)."""
+    return 64 * torch.finfo(dtype).eps
+
+
+def _frame_update_(
+    w: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor | None,
+    scratch: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    trust_region: float | None,
+    maximize: bool = False,
+) -> torch.Tensor:
+    r"""The update of :func:`stiefel_adam_update` for ``second_moment`` in ``("frame", None)``, in place.
+
+    ``w``, ``exp_avg`` (contiguous, shape ``(n, d, r)``, compute dtype) and ``exp_avg_sq`` (``(n, 1, 1)``) are
+    overwritten; ``grad`` is only read; ``scratch`` (contiguous ``(n, d, r)``) holds first :math:`\xi`, then
+    :math:`W - s`. Six ``d x r x r`` products per step: :math:`W^\top G`, :math:`W S`, the Gram matrix of the
+    actual :math:`W - s`, :math:`(W - s) X`, :math:`W_+^\top m` and :math:`W_+ S'`, the last four written
+    into their destinations (``baddbmm``/``out=``) so that no ``d x r`` temporary is allocated.
+
+    Skipped frames (non-finite :math:`\|\xi\|_F^2`) come back bit-identical: their :math:`\xi` is replaced by
+    their own :math:`m` (the moving average then returns :math:`m`), their step is zero and their
+    retraction and transport multiply by the identity and subtract zero. On CPU the masking runs only when a
+    frame is actually skipped and the series order follows the largest step actually taken (reading a CPU
+    tensor costs no synchronisation); on other devices the masking always runs and the order follows the
+    trust radius, so the step makes no host synchronisation.
+
+    Returns the boolean ``(n, 1, 1)`` mask of updated frames.
+    """
+    on_host = w.device.type == "cpu"
+    sign = -1.0 if maximize else 1.0
+    # 1. xi = sign * (G - W sym(W^T G)), into scratch
+    a = torch.bmm(w.mT, grad)
+    a = a + a.mT  # 2 sym(W^T G)
+    xi = torch.baddbmm(grad, w, a, beta=sign, alpha=-0.5 * sign, out=scratch)
+    xi_sq = torch.linalg.vector_norm(xi, dim=(-2, -1), keepdim=True).square_()
+    finite = torch.isfinite(xi_sq)
+    masked = not (on_host and bool(finite.all()))
+    if masked:
+        torch.where(finite, xi, exp_avg, out=xi)
+    # 2. m <- beta1 m + (1 - beta1) xi
+    exp_avg.lerp_(xi, 1.0 - beta1)
+    # 3.-4. v <- beta2 v + (1 - beta2) ||xi||^2; per-frame step size alpha, s = alpha m
+    bias1 = 1.0 - beta1**step
+    if exp_avg_sq is None:
+        alpha = torch.full_like(xi_sq, lr / bias1)
+    else:
+        if masked:
+            xi_sq = torch.where(finite, xi_sq, exp_avg_sq)
+        exp_avg_sq.lerp_(xi_sq, 1.0 - beta2)
+        alpha = exp_avg_sq.div(1.0 - beta2**step).sqrt_().add_(eps).reciprocal_().mul_(lr / bias1)
+    # 5. trust region: ||s|| = alpha ||m|| <= Delta
+    order = None
+    if trust_region is not None:
+        m_norm = torch.linalg.vector_norm(exp_avg, dim=(-2, -1), keepdim=True)
+        alpha = torch.minimum(alpha, trust_region / m_norm)  # Delta / 0 = inf leaves alpha as is
+        radius = trust_region
+        if on_host:
+            radius = min(radius, float((alpha * m_norm).amax()))
+        order = _linalg.series_order(radius**2 + _rounding_margin(w.dtype), w.dtype)
+    if masked:
+        alpha = alpha * finite
+    # 6. W <- (W - s) X with X = ((W - s)^T (W - s))^{-1/2}
+    y = torch.addcmul(w, exp_avg, alpha, value=-1.0, out=scratch)
+    gram = torch.bmm(y.mT, y)
+    x = _linalg.inv_sqrt_spd(gram) if order is None else _linalg.inv_sqrt_series(gram, order)
+    if masked:
+        x = torch.where(finite, x, torch.eye(x.shape[-1], dtype=x.dtype, device=x.device))
+    torch.bmm(y, x, out=w)
+    # 7. m <- m - W sym(W^T m)
+    b = torch.bmm(w.mT, exp_avg)
+    b = b + b.mT
+    if masked:
+        b = b * finite
+    exp_avg.baddbmm_(w, b, alpha=-0.5)
+    return finite
+
+
+def _frame_batches(frames: list[torch.Tensor], steps: list[int]) -> list[tuple[int, list[torch.Tensor]]]:
+    """Split frame parameters into update batches: same frame shape ``(d, r)``, dtype, device and step count;
+    parameters below :data:`STACK_NUMEL` elements are stacked together up to that many, larger ones go alone."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for p, step in zip(frames, steps):
+        groups[(p.shape[-2:], p.dtype, p.device, step)].append(p)
+    batches = []
+    for (_, _, _, step), params in groups.items():
+        chunk: list[torch.Tensor] = []
+        numel = 0
+        for p in params:
+            if chunk and numel + p.numel() > STACK_NUMEL:
+                batches.append((step, chunk))
+                chunk, numel = [], 0
+            chunk.append(p)
+            numel += p.numel()
+        batches.append((step, chunk))
+    return batches
+
+
 class StiefelAdam(geoopt.optim.RiemannianAdam):
     r"""Riemannian Adam for Stiefel frames with one second moment per frame, a trust region and the
     polar retraction; AdamW for every other parameter.
@@ -395,39 +511,107 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         return state
 
     def _step_frames(self, group: dict[str, Any], frames: list[torch.Tensor]) -> None:
-        beta1, beta2 = group["betas"]
         sm = group["second_moment"]
-        radius = group["trust_region"]
-        buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        states = []
         for p in frames:
             state = self.state[p]
-            if len(state) == 0:
-                state = self._init_frame_state(p, sm)
-            state["step"] += 1
-            buckets[(p.shape, p.dtype, p.device, int(state["step"]))].append(p)
+            states.append(state if state else self._init_frame_state(p, sm))
+        torch._foreach_add_([state["step"] for state in states], 1.0)
+        update = self._update_batch if sm in _FAST_MODES else self._update_batch_reference
+        for step, params in _frame_batches(frames, [int(state["step"]) for state in states]):
+            update(group, params, step)
+
+    def _workspace(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A reusable flat buffer of ``numel`` elements: one per (dtype, device), grown to the largest batch,
+        never part of the state (neither saved nor loaded)."""
+        workspaces = self.__dict__.setdefault("_workspaces", {})
+        buf = workspaces.get((dtype, device))
+        if buf is None or buf.numel() < numel:
+            buf = workspaces[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+    def _update_batch(self, group: dict[str, Any], params: list[torch.Tensor], step: int) -> None:
+        """Update frames of one ``(d, r)``, dtype, device and step count with :func:`_frame_update_`.
+
+        A lone contiguous parameter in its compute dtype is updated in place, with its state. Otherwise the
+        frames, gradients and moments are staged (stacked and cast to the compute dtype) in the workspace,
+        updated there, and copied back.
+        """
+        beta1, beta2 = group["betas"]
+        p0 = params[0]
+        d, r = p0.shape[-2:]
+        ct = _linalg.compute_dtype(p0.dtype)
+        states = [self.state[p] for p in params]
+        exp_avgs = [state["exp_avg"] for state in states]
+        exp_avg_sqs = [state["exp_avg_sq"] for state in states] if group["second_moment"] is not None else None
+        counts = [p.numel() // (d * r) for p in params]
+        n = sum(counts)
+        size = n * d * r
+
+        def pieces(stack: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [x.view(t.shape) for x, t in zip(stack.split(counts), like)]
+
+        direct = len(params) == 1 and p0.dtype == ct and p0.is_contiguous() and exp_avgs[0].is_contiguous()
+        ws = self._workspace(size if direct else 4 * size, ct, p0.device)
+        scratch = ws[:size].view(n, d, r)
+        if direct:
+            w, g, m = p0.detach().view(n, d, r), p0.grad.reshape(n, d, r), exp_avgs[0].view(n, d, r)
+            v = exp_avg_sqs[0].view(n, 1, 1) if exp_avg_sqs else None
+        else:
+            w, g, m = (ws[k * size:(k + 1) * size].view(n, d, r) for k in (1, 2, 3))
+            torch._foreach_copy_(pieces(w, params), params)
+            torch._foreach_copy_(pieces(g, params), [p.grad for p in params])
+            torch._foreach_copy_(pieces(m, params), exp_avgs)
+            v = torch.cat([t.reshape(-1, 1, 1) for t in exp_avg_sqs]) if exp_avg_sqs else None
+        finite = _frame_update_(
+            w, g, m, v, scratch, step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+            trust_region=group["trust_region"], maximize=group["maximize"])
         stabilize = group["stabilize"]
-        for (shape, dtype, _device, step), params in buckets.items():
-            ct = _linalg.compute_dtype(dtype)
-            order = None if radius is None else _linalg.series_order(float(radius) ** 2, ct)
-            states = [self.state[p] for p in params]
-            w = torch.stack([p.detach() for p in params]).to(ct)
-            g = torch.stack([p.grad for p in params]).to(ct)
-            if group["maximize"]:
-                g = -g
-            m = torch.stack([s["exp_avg"] for s in states])
-            v = torch.stack([s["exp_avg_sq"] for s in states]) if sm is not None else None
-            w_new, m_new, v_new, finite = stiefel_adam_update(
-                w, g, m, v, step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                trust_region=radius, second_moment=sm, series_order=order)
-            if stabilize is not None and step % stabilize == 0:
-                w_new = _linalg.polar_svd(w_new)
-                m_new = _linalg.proju(w_new, m_new)
-            skipped = (~finite).flatten(1).sum(dim=1)
-            torch._foreach_copy_(params, list(w_new.to(dtype).unbind(0)))
-            torch._foreach_copy_([s["exp_avg"] for s in states], list(m_new.unbind(0)))
-            if v_new is not None:
-                torch._foreach_copy_([s["exp_avg_sq"] for s in states], list(v_new.unbind(0)))
-            torch._foreach_add_([s["skipped_frames"] for s in states], list(skipped.unbind(0)))
+        if stabilize is not None and step % stabilize == 0:
+            w.copy_(_linalg.polar_svd(w))
+            m.copy_(_linalg.proju(w, m))
+        if not direct:
+            torch._foreach_copy_(params, pieces(w, params))
+            torch._foreach_copy_(exp_avgs, pieces(m, params))
+            if exp_avg_sqs:
+                torch._foreach_copy_(exp_avg_sqs, pieces(v, exp_avg_sqs))
+        if p0.device.type != "cpu" or not bool(finite.all()):  # (on CPU, count only when a frame was skipped)
+            skipped = [c.sum() for c in (~finite).reshape(n).split(counts)]
+            torch._foreach_add_([state["skipped_frames"] for state in states], skipped)
+
+    def _update_batch_reference(self, group: dict[str, Any], params: list[torch.Tensor], step: int) -> None:
+        """Update frames with the pure :func:`stiefel_adam_update` (the ``"column"`` and ``"element"`` variants)."""
+        beta1, beta2 = group["betas"]
+        radius = group["trust_region"]
+        d, r = params[0].shape[-2:]
+        ct = _linalg.compute_dtype(params[0].dtype)
+        order = None if radius is None else _linalg.series_order(float(radius) ** 2, ct)
+        states = [self.state[p] for p in params]
+        counts = [p.numel() // (d * r) for p in params]
+
+        def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([t.reshape((-1,) + t.shape[-2:]) for t in tensors]).to(ct)
+
+        def unstacked(stack: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [x.reshape(t.shape) for x, t in zip(stack.split(counts), like)]
+
+        g = stacked([p.grad for p in params])
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states] if group["second_moment"] is not None else None
+        w_new, m_new, v_new, finite = stiefel_adam_update(
+            stacked([p.detach() for p in params]), -g if group["maximize"] else g,
+            stacked([s["exp_avg"] for s in states]), stacked(exp_avg_sqs) if exp_avg_sqs else None,
+            step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+            trust_region=radius, second_moment=group["second_moment"], series_order=order)
+        stabilize = group["stabilize"]
+        if stabilize is not None and step % stabilize == 0:
+            w_new = _linalg.polar_svd(w_new)
+            m_new = _linalg.proju(w_new, m_new)
+        torch._foreach_copy_([p.detach() for p in params], unstacked(w_new, params))
+        torch._foreach_copy_([s["exp_avg"] for s in states], unstacked(m_new, params))
+        if exp_avg_sqs:
+            torch._foreach_copy_(exp_avg_sqs, unstacked(v_new, exp_avg_sqs))
+        skipped = [c.sum() for c in (~finite).reshape(-1).split(counts)]
+        torch._foreach_add_([s["skipped_frames"] for s in states], skipped)
 
     def _step_euclidean(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], []
