@@ -108,7 +108,7 @@ def test_matches_written_out_reference_for_50_steps(lr, delta, mode):
     reference = _ref_stiefel_adam(list(w0.numpy()), grad_fn, 55, **kw)
     ours, opt, w = _run_torch(w0, grad_fn, 55, lr=lr, betas=(0.9, 0.99), eps=1e-8, trust_region=delta,
                               second_moment=mode)
-    worst = max(np.abs(a - b).max() for a, b in zip(ours, reference))
+    worst = max(np.abs(a - b).max() for a, b in zip(ours, reference, strict=True))
     assert worst < REFERENCE_TOL
     # the reference really moves the frames (a check that cannot pass vacuously)
     assert np.abs(reference[-1] - w0.numpy()).max() > 0.05
@@ -122,7 +122,7 @@ def test_reference_check_detects_a_wrong_update():
     reference = _ref_stiefel_adam(list(w0.numpy()), grad_fn, 55, lr=0.5, b1=0.9, b2=0.99, eps=1e-8,
                                   delta=0.1, mode="frame")
     ours, _, _ = _run_torch(w0, grad_fn, 55, lr=0.5, betas=(0.9, 0.99), eps=1e-8, trust_region=None)
-    assert max(np.abs(a - b).max() for a, b in zip(ours, reference)) > 1e-3
+    assert max(np.abs(a - b).max() for a, b in zip(ours, reference, strict=True)) > 1e-3
 
 
 def test_state_shapes_per_second_moment():
@@ -181,7 +181,7 @@ def _train_linear_pair(ours_wd, ref_wd):
             loss = model(x).square().mean() + (frame.sum() if opt is ours else 0.0)
             loss.backward()
             opt.step()
-    return max(float((pa.detach() - pb.detach()).abs().max()) for pa, pb in zip(a.parameters(), b.parameters()))
+    return max(float((pa.detach() - pb.detach()).abs().max()) for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def test_euclidean_parameters_follow_torch_adamw():
@@ -257,7 +257,7 @@ def test_state_dict_round_trip_continues_bit_identically():
         opt2.zero_grad()
         _toy_loss(resumed, x).backward()
         opt2.step()
-    for p, q in zip(model.parameters(), resumed.parameters()):
+    for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q)
 
 
