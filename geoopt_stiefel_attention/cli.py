@@ -14,6 +14,7 @@ import sys
 SUBCOMMANDS: dict[str, str] = {
     "demo": "geoopt_stiefel_attention.demo",
     "certify": "geoopt_stiefel_attention.analysis.cli",
+    "grokking": "geoopt_stiefel_attention.experiments.grokking",
 }
 
 

@@ -1,0 +1,21 @@
+"""Reproducible experiments: one harness shared by every study, and the studies built on it.
+
+- :mod:`.config`: frozen, validated configs (:class:`TrainConfig`, :class:`OptimConfig`, :class:`RunSpec`);
+- :mod:`.arms`: the open registry of arms (``adamw``, ``stiefel``, ``geoopt-radam``, ``geoopt-rsgd``);
+- :mod:`.runner`: the one training loop (:func:`train_run`) and the parallel job runner (:func:`run_jobs`);
+- :mod:`.metrics`: per-evaluation hooks (weight norms, movement and principal angles of W_Q, W_K);
+- :mod:`.records`, :mod:`.plotting`, :mod:`.report`: JSON-lines records, summaries, seaborn figures,
+  markdown reports;
+- :mod:`.data`: batch sources and data sets; :mod:`.grokking`: the modular-arithmetic grokking study.
+
+Plotting libraries, pandas and tqdm are imported lazily, inside the functions that use them.
+"""
+
+from .arms import ARMS, Arm, OptimizerGroup, get_arm, register_arm
+from .config import OptimConfig, RunSpec, TrainConfig, to_dict
+from .metrics import MetricHook, QKGeometry, WeightNorms, principal_angles
+from .runner import RunResult, Task, run_jobs, train_run
+
+__all__ = ["ARMS", "Arm", "OptimizerGroup", "get_arm", "register_arm", "OptimConfig", "RunSpec", "TrainConfig",
+           "to_dict", "MetricHook", "QKGeometry", "WeightNorms", "principal_angles", "RunResult", "Task",
+           "run_jobs", "train_run"]

@@ -1,0 +1,277 @@
+r"""Arms: how a run's model is prepared and which optimizer trains it.
+
+An :class:`Arm` names the attention variant the study's model builder must build (``"euclidean"`` or
+``"stiefel"``), an optional in-place preparation of the built model, and a builder
+``build(model, groups, optim) -> optimizer`` that receives the study's parameter groups (already carrying
+their weight decay) and the run's :class:`~geoopt_stiefel_attention.experiments.config.OptimConfig`.
+The registry :data:`ARMS` is open: ``register_arm(Arm(...))`` adds a variant (an ablation, frozen frames, a
+different second moment) without touching the training loop.
+
+The built-in arms:
+
+========================  ===========  ==========================================================================
+arm                       attention    optimizer
+========================  ===========  ==========================================================================
+``adamw``                 euclidean    :class:`torch.optim.AdamW` on everything (the baseline)
+``stiefel``               stiefel      :class:`~geoopt_stiefel_attention.StiefelAdam`: frames by the frame-scalar
+                                       Riemannian Adam (lr ``frame_lr``), the rest by its AdamW branch
+``geoopt-radam``          stiefel      stock geoopt: frames moved to :class:`geoopt.manifolds.EuclideanStiefel`
+                                       (QR retraction) and trained by :class:`geoopt.optim.RiemannianAdam`
+                                       (element-wise second moment), the rest by :class:`torch.optim.AdamW`
+``geoopt-rsgd``           stiefel      stock geoopt: frames on ``EuclideanStiefel`` trained by
+                                       :class:`geoopt.optim.RiemannianSGD` with momentum, the rest by AdamW
+========================  ===========  ==========================================================================
+
+Frames never get weight decay (on :math:`\mathrm{St}(d, r)` its Riemannian gradient
+:math:`P_W(\lambda W)` is zero). The two stock-geoopt arms step two optimizers together through
+:class:`OptimizerGroup`; geoopt's own ``weight_decay`` is an L2 term added to the gradient, which is why
+the Euclidean parameters go to a separate, decoupled AdamW.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..manifolds import is_frame
+from .config import OptimConfig
+
+__all__ = ["Arm", "ARMS", "register_arm", "get_arm", "OptimizerGroup", "split_frame_groups",
+           "default_param_groups"]
+
+ATTENTIONS = ("euclidean", "stiefel")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm of a comparison.
+
+    Parameters
+    ----------
+    name : str
+        Registry key, used on the command line and in the records.
+    attention : {"euclidean", "stiefel"}
+        Which attention the study's model builder builds for this arm (same seed, same other weights).
+    build : callable
+        ``build(model, groups, optim) -> optimizer``; ``groups`` is the study's list of parameter-group dicts
+        (``params``, ``weight_decay``), ``optim`` the run's :class:`OptimConfig`. The returned object needs
+        ``zero_grad``, ``step``, ``state_dict``, ``load_state_dict`` and ``param_groups``.
+    description : str
+        One line for reports and ``--help``.
+    prepare : callable, optional
+        ``prepare(model)`` changes the built model in place before the optimizer is built (e.g. moves frames to
+        another manifold, or freezes them).
+    """
+
+    name: str
+    attention: str
+    build: Callable[[torch.nn.Module, list[dict[str, Any]], OptimConfig], Any]
+    description: str = ""
+    prepare: Callable[[torch.nn.Module], None] | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.name, str) and self.name):
+            raise ValueError(f"Arm: name={self.name!r} must be a non-empty str.")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"Arm {self.name!r}: attention={self.attention!r} must be one of {ATTENTIONS}.")
+        if not callable(self.build):
+            raise ValueError(f"Arm {self.name!r}: build must be callable (model, groups, optim) -> optimizer.")
+
+
+#: The arm registry: name -> :class:`Arm`. Extend it with :func:`register_arm`.
+ARMS: dict[str, Arm] = {}
+
+
+def register_arm(arm: Arm, *, replace: bool = False) -> Arm:
+    """Add ``arm`` to :data:`ARMS` (``replace=True`` to overwrite an existing name); returns it."""
+    if arm.name in ARMS and not replace:
+        raise ValueError(f"register_arm: an arm named {arm.name!r} exists already; pick another name or pass "
+                         f"replace=True.")
+    ARMS[arm.name] = arm
+    return arm
+
+
+def get_arm(name: str) -> Arm:
+    """The registered arm called ``name``; the error lists the known arms."""
+    try:
+        return ARMS[name]
+    except KeyError:
+        raise ValueError(f"unknown arm {name!r}; registered arms: {', '.join(sorted(ARMS))}.") from None
+
+
+# ---------------------------------------------------------------------------------------------- groups
+def default_param_groups(model: torch.nn.Module, weight_decay: float = 0.0) -> list[dict[str, Any]]:
+    """A simple grouping for models that bring none: frames without decay, other matrices (``ndim >= 2``)
+    with ``weight_decay``, vectors (biases, norms) without. Trainable parameters only; empty groups dropped."""
+    frames, decayed, plain = [], [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (frames if is_frame(p) else decayed if p.ndim >= 2 else plain).append(p)
+    groups = [{"params": frames, "weight_decay": 0.0}, {"params": decayed, "weight_decay": weight_decay},
+              {"params": plain, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def split_frame_groups(groups: Iterable[dict[str, Any]], optim: OptimConfig
+                       ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Split every group into its Stiefel frames and the rest.
+
+    Frame groups get ``lr = optim.effective_frame_lr`` and ``weight_decay = 0``; other keys of a group are
+    kept. Parameters that do not require a gradient are left out, and empty groups are dropped.
+
+    Returns
+    -------
+    frame_groups, other_groups : list of dict
+    """
+    frame_groups, other_groups = [], []
+    for group in groups:
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        params = [p for p in params if p.requires_grad]
+        rest = {k: v for k, v in group.items() if k != "params"}
+        frames = [p for p in params if is_frame(p)]
+        others = [p for p in params if not is_frame(p)]
+        if frames:
+            frame_groups.append({**rest, "params": frames, "lr": optim.effective_frame_lr, "weight_decay": 0.0})
+        if others:
+            other_groups.append({**rest, "params": others})
+    return frame_groups, other_groups
+
+
+def _restore_geoopt_int_steps(opt: torch.optim.Optimizer) -> None:
+    """Give a stock geoopt optimizer back the Python-int step counters it keeps itself.
+
+    ``geoopt.optim.RiemannianAdam`` subclasses ``torch.optim.Adam``, whose ``__setstate__`` (run by
+    ``load_state_dict``) turns every ``state["step"]`` into a float32 tensor; geoopt then computes its bias
+    corrections ``beta ** step`` in float32 instead of float64, so a resumed run would drift from an
+    uninterrupted one in the last bits. Converting the counters back keeps resumed runs bit-identical.
+    """
+    if not type(opt).__module__.startswith("geoopt"):
+        return
+    for state in opt.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor) and step.ndim == 0:
+            state["step"] = int(step.item())
+
+
+class OptimizerGroup:
+    """Several optimizers stepped together as one (each owns a disjoint set of parameters).
+
+    ``param_groups`` is the concatenation of the members' groups (the same dicts, so setting ``lr`` there
+    acts on the member); ``state_dict`` holds the members' state dicts in order.
+    """
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        if not optimizers:
+            raise ValueError("OptimizerGroup: pass at least one optimizer.")
+        self.optimizers = list(optimizers)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.optimizers:
+            opt.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        members = state.get("optimizers")
+        if not isinstance(members, list) or len(members) != len(self.optimizers):
+            raise ValueError(f"OptimizerGroup.load_state_dict: expected {len(self.optimizers)} member state dicts, "
+                             f"got {None if members is None else len(members)}; was it saved by another arm?")
+        for opt, sd in zip(self.optimizers, members, strict=True):
+            opt.load_state_dict(sd)
+            _restore_geoopt_int_steps(opt)
+
+    def __repr__(self) -> str:
+        return "OptimizerGroup(" + ", ".join(type(o).__name__ for o in self.optimizers) + ")"
+
+
+# ---------------------------------------------------------------------------------------------- builders
+def _require_frames(name: str, frame_groups: list, present: bool) -> None:
+    if present and not frame_groups:
+        raise ValueError(f"arm {name!r}: the model has no trainable Stiefel frames; build it with "
+                         f"attention='stiefel' (the arm's `attention` field says which model it needs).")
+    if not present and frame_groups:
+        raise ValueError(f"arm {name!r}: the model has Stiefel frames, but this arm trains a Euclidean model; "
+                         f"build it with attention='euclidean'.")
+
+
+def _adamw(groups: list[dict[str, Any]], optim: OptimConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+
+
+def build_adamw(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> torch.optim.AdamW:
+    """AdamW on every parameter (the model must have no frames)."""
+    frame_groups, others = split_frame_groups(groups, optim)
+    _require_frames("adamw", frame_groups, present=False)
+    return _adamw(others, optim)
+
+
+def build_stiefel(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig):
+    """:class:`~geoopt_stiefel_attention.StiefelAdam` on frames (lr ``frame_lr``) and AdamW on the rest."""
+    from ..optim import StiefelAdam
+
+    frame_groups, others = split_frame_groups(groups, optim)
+    _require_frames("stiefel", frame_groups, present=True)
+    return StiefelAdam(frame_groups + others, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                       weight_decay=optim.weight_decay, trust_region=optim.trust_region)
+
+
+def use_stock_euclidean_stiefel(model: torch.nn.Module) -> None:
+    """Move every frame of ``model`` to stock :class:`geoopt.manifolds.EuclideanStiefel` (QR retraction), in
+    place; the values and the parameter objects are unchanged."""
+    import geoopt
+
+    for p in model.parameters():
+        if is_frame(p):
+            p.manifold = geoopt.manifolds.EuclideanStiefel()
+
+
+def build_geoopt_radam(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> OptimizerGroup:
+    """Stock :class:`geoopt.optim.RiemannianAdam` on the frames, :class:`torch.optim.AdamW` on the rest."""
+    import geoopt
+
+    frame_groups, others = split_frame_groups(groups, optim)
+    _require_frames("geoopt-radam", frame_groups, present=True)
+    radam = geoopt.optim.RiemannianAdam(frame_groups, lr=optim.effective_frame_lr, betas=optim.betas,
+                                        eps=optim.eps, weight_decay=0.0)
+    return OptimizerGroup(radam, _adamw(others, optim)) if others else OptimizerGroup(radam)
+
+
+def build_geoopt_rsgd(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> OptimizerGroup:
+    """Stock :class:`geoopt.optim.RiemannianSGD` (momentum ``optim.momentum``) on the frames, AdamW on the rest."""
+    import geoopt
+
+    frame_groups, others = split_frame_groups(groups, optim)
+    _require_frames("geoopt-rsgd", frame_groups, present=True)
+    rsgd = geoopt.optim.RiemannianSGD(frame_groups, lr=optim.effective_frame_lr, momentum=optim.momentum,
+                                      weight_decay=0.0)
+    return OptimizerGroup(rsgd, _adamw(others, optim)) if others else OptimizerGroup(rsgd)
+
+
+register_arm(Arm("adamw", "euclidean", build_adamw, "AdamW on every parameter (Euclidean W_Q, W_K)"))
+register_arm(Arm("stiefel", "stiefel", build_stiefel,
+                 "W_Q, W_K on PolarStiefel trained by StiefelAdam (frame-scalar Riemannian Adam); AdamW on the rest"))
+register_arm(Arm("geoopt-radam", "stiefel", build_geoopt_radam,
+                 "W_Q, W_K on stock geoopt EuclideanStiefel trained by geoopt RiemannianAdam; AdamW on the rest",
+                 prepare=use_stock_euclidean_stiefel))
+register_arm(Arm("geoopt-rsgd", "stiefel", build_geoopt_rsgd,
+                 "W_Q, W_K on stock geoopt EuclideanStiefel trained by geoopt RiemannianSGD with momentum; "
+                 "AdamW on the rest", prepare=use_stock_euclidean_stiefel))

@@ -1,0 +1,174 @@
+"""Typed, frozen configuration of an experiment run.
+
+A study's config is a frozen dataclass that holds its own fields (task, model) plus two shared blocks,
+:class:`TrainConfig` (how long, how often to evaluate) and :class:`OptimConfig` (optimizer hyper-parameters
+that every arm reads). One run is a :class:`RunSpec`: a study config, an arm name and a seed. Everything is
+validated in ``__post_init__`` with an error that names the field and the fix, and serialises to plain JSON
+with :func:`to_dict` (the run directory's ``config.json``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["TrainConfig", "OptimConfig", "RunSpec", "to_dict", "require"]
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise ``ValueError(message)`` unless ``ok``; configs use it to validate their fields."""
+    if not ok:
+        raise ValueError(message)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The schedule of the shared training loop.
+
+    Parameters
+    ----------
+    epochs : int
+        Passes over the training data. A full-batch study takes one optimizer step per epoch.
+    eval_every : int
+        Evaluate (and write a record) at epoch 0, at every multiple of ``eval_every``, and at the last epoch.
+    """
+
+    epochs: int = 1000
+    eval_every: int = 10
+
+    def __post_init__(self) -> None:
+        require(_positive_int(self.epochs), f"TrainConfig: epochs={self.epochs!r} must be a positive int.")
+        require(_positive_int(self.eval_every),
+                f"TrainConfig: eval_every={self.eval_every!r} must be a positive int (e.g. 100).")
+
+    def eval_epochs(self) -> list[int]:
+        """The epochs at which a record is written: ``0, k, 2k, ..., epochs`` (the last one always)."""
+        out = list(range(0, self.epochs + 1, self.eval_every))
+        if out[-1] != self.epochs:
+            out.append(self.epochs)
+        return out
+
+    def is_eval_epoch(self, epoch: int) -> bool:
+        """Whether a record is written after ``epoch`` epochs."""
+        return epoch % self.eval_every == 0 or epoch == self.epochs
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    r"""Optimizer hyper-parameters shared by every arm (each arm reads the ones it uses).
+
+    Parameters
+    ----------
+    lr : float
+        Learning rate of the Euclidean parameters (AdamW) and, unless ``frame_lr`` is set, of the frames.
+    betas : (float, float)
+        Adam decay rates :math:`(\beta_1, \beta_2)`, used by every Adam-type optimizer of the arm.
+    eps : float
+        Adam's :math:`\epsilon`.
+    weight_decay : float
+        Decoupled weight decay :math:`\lambda` of the decayed Euclidean matrices (AdamW:
+        :math:`W \leftarrow W - \mathrm{lr}\,\lambda W` each step). Frames never get weight decay.
+    frame_lr : float or None
+        Learning rate of the Stiefel frames; ``None`` means ``lr``.
+    trust_region : float or None
+        :class:`~geoopt_stiefel_attention.StiefelAdam`'s per-frame cap :math:`\Delta` on the step.
+    momentum : float
+        Momentum of the ``geoopt-rsgd`` arm's :class:`geoopt.optim.RiemannianSGD` on the frames.
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    frame_lr: float | None = None
+    trust_region: float | None = 0.1
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        require(_finite(self.lr) and self.lr > 0, f"OptimConfig: lr={self.lr!r} must be a finite float > 0.")
+        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else self.betas
+        require(isinstance(betas, tuple) and len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas),
+                f"OptimConfig: betas={self.betas!r} must be two floats in [0, 1), e.g. (0.9, 0.98).")
+        object.__setattr__(self, "betas", tuple(float(b) for b in betas))
+        require(_finite(self.eps) and self.eps > 0, f"OptimConfig: eps={self.eps!r} must be a finite float > 0.")
+        require(_finite(self.weight_decay) and self.weight_decay >= 0,
+                f"OptimConfig: weight_decay={self.weight_decay!r} must be a finite float >= 0.")
+        require(self.frame_lr is None or (_finite(self.frame_lr) and self.frame_lr > 0),
+                f"OptimConfig: frame_lr={self.frame_lr!r} must be a finite float > 0, or None to use lr.")
+        require(self.trust_region is None or (_finite(self.trust_region) and self.trust_region > 0),
+                f"OptimConfig: trust_region={self.trust_region!r} must be a finite float > 0, or None.")
+        require(_finite(self.momentum) and 0 <= self.momentum < 1,
+                f"OptimConfig: momentum={self.momentum!r} must be a float in [0, 1).")
+
+    @property
+    def effective_frame_lr(self) -> float:
+        """The frames' learning rate: ``frame_lr`` when set, else ``lr``."""
+        return self.lr if self.frame_lr is None else self.frame_lr
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run: a study config, an arm and a seed.
+
+    The seed fixes everything random in the run (data split or order, initialisation); two runs with the
+    same config and seed but different arms start from the same weights and see the same data (paired
+    starts).
+
+    Parameters
+    ----------
+    config : dataclass
+        The study's frozen config; it must have the fields ``experiment`` (str), ``train``
+        (:class:`TrainConfig`) and ``optim`` (:class:`OptimConfig`).
+    arm : str
+        A name registered in :data:`geoopt_stiefel_attention.experiments.arms.ARMS`.
+    seed : int
+        A non-negative int.
+    """
+
+    config: Any
+    arm: str
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        require(dataclasses.is_dataclass(cfg) and not isinstance(cfg, type),
+                f"RunSpec: config must be a study config dataclass instance, got {type(cfg).__name__}.")
+        for name, kind in (("experiment", str), ("train", TrainConfig), ("optim", OptimConfig)):
+            require(isinstance(getattr(cfg, name, None), kind),
+                    f"RunSpec: config {type(cfg).__name__} needs a field {name!r} of type {kind.__name__}.")
+        require(isinstance(self.arm, str) and self.arm != "", f"RunSpec: arm={self.arm!r} must be an arm name.")
+        require(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
+                f"RunSpec: seed={self.seed!r} must be an int >= 0.")
+
+    @property
+    def experiment(self) -> str:
+        return self.config.experiment
+
+    @property
+    def name(self) -> str:
+        """``<arm>/seed<k>``: the run's sub-directory under a study's output folder."""
+        return f"{self.arm}/seed{self.seed}"
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain-JSON form of a (nested) config: dataclasses become dicts, tuples lists."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        if isinstance(obj, RunSpec):
+            out["config_class"] = f"{type(obj.config).__module__}.{type(obj.config).__qualname__}"
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {str(k): to_dict(v) for k, v in obj.items()}
+    return obj

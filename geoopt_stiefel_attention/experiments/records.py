@@ -1,0 +1,176 @@
+r"""Records of a study: JSON-lines files, and the per-arm summary the reports are made from.
+
+Each run writes ``metrics.jsonl``: one JSON object per evaluation with at least ``experiment``, ``arm``,
+``seed``, ``epoch``, ``step`` and ``<set>_loss``/``<set>_acc`` for every evaluation set, plus whatever
+the metric hooks add (``move_total/q``, ``norm/<name>``, ``angle_max_deg/q``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["METRICS_FILE", "append_record", "read_records", "truncate_records", "load_study_records",
+           "summarize", "paired_differences", "mean_std"]
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Append one record as a JSON line (and flush it to the OS)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record, sort_keys=False) + "\n")
+        f.flush()
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of one ``metrics.jsonl`` (an empty list when the file does not exist). A last line cut
+    short by a crash is ignored."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {i + 1} is not valid JSON; the file is corrupt.") from None
+    return out
+
+
+def truncate_records(path: str | os.PathLike, n: int) -> None:
+    """Keep the first ``n`` records of ``path`` (used on resume: later ones are written again)."""
+    path = Path(path)
+    records = read_records(path)
+    if len(records) < n:
+        raise ValueError(f"{path} has {len(records)} records, but its checkpoint counts {n}; the run folder is "
+                         f"inconsistent. Delete the folder to start the run afresh.")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records[:n]))
+    os.replace(tmp, path)
+
+
+def load_study_records(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every record of every run under ``out_dir/runs/<arm>/seed<k>/metrics.jsonl``."""
+    root = Path(out_dir) / "runs"
+    out: list[dict[str, Any]] = []
+    for path in sorted(root.glob(f"*/seed*/{METRICS_FILE}")):
+        out.extend(read_records(path))
+    return out
+
+
+def mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (``ddof=1``; ``None`` for fewer than two values)."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return None, None
+    mean = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return mean, None
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+
+
+def _runs(records: Iterable[dict[str, Any]]) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    for r in records:
+        runs.setdefault(r["arm"], {}).setdefault(int(r["seed"]), []).append(r)
+    for seeds in runs.values():
+        for recs in seeds.values():
+            recs.sort(key=lambda r: r["epoch"])
+    return runs
+
+
+def _stat(per_seed: dict[int, float | None]) -> dict[str, Any]:
+    mean, std = mean_std([v for v in per_seed.values() if v is not None])
+    return {"mean": mean, "std": std, "per_seed": {str(k): v for k, v in sorted(per_seed.items())}}
+
+
+def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", threshold: float = 0.95,
+              last_fraction: float = 0.1, final_keys: Sequence[str] = ("train_acc", "val_loss", "move_total/q",
+              "move_total/k", "move_total_rel/q", "angle_max_deg/q", "angle_max_deg/k", "norm/euclidean"),
+              mean_keys: Sequence[str] = ("move_step/q", "move_step/k")) -> dict[str, Any]:
+    r"""Per-arm summary of a study's records.
+
+    For each arm and seed, with :math:`E` the seed's last evaluated epoch:
+
+    - ``final``: ``metric`` at epoch :math:`E` (mean, sample std, every seed);
+    - ``first_epoch_reaching``: the first evaluated epoch with ``metric >= threshold`` (``None`` if never);
+      its resolution is the evaluation interval;
+    - ``stays_above``: whether every evaluation with epoch :math:`\ge (1 - \text{last\_fraction})E` has
+      ``metric >= threshold``; ``fraction`` is the share of seeds for which it holds;
+    - ``final_<key>`` for each of ``final_keys`` present in the records, and ``mean_<key>`` (the mean over
+      evaluations) for each of ``mean_keys``.
+
+    ``paired`` compares every other arm with the first one listed on the seeds they share
+    (:func:`paired_differences`).
+    """
+    runs = _runs(records)
+    arms: dict[str, Any] = {}
+    for arm, seeds in runs.items():
+        final, first, stays, last_epoch = {}, {}, {}, {}
+        extra_final: dict[str, dict[int, Any]] = {k: {} for k in final_keys}
+        extra_mean: dict[str, dict[int, Any]] = {k: {} for k in mean_keys}
+        for seed, recs in seeds.items():
+            end = recs[-1]["epoch"]
+            last_epoch[seed] = end
+            final[seed] = recs[-1].get(metric)
+            first[seed] = next((r["epoch"] for r in recs if (r.get(metric) or 0.0) >= threshold), None)
+            tail = [r for r in recs if r["epoch"] >= (1.0 - last_fraction) * end]
+            stays[seed] = bool(tail) and all((r.get(metric) or 0.0) >= threshold for r in tail)
+            for k in final_keys:
+                if k in recs[-1]:
+                    extra_final[k][seed] = recs[-1][k]
+            for k in mean_keys:
+                vals = [r[k] for r in recs if r.get(k) is not None]
+                if vals:
+                    extra_mean[k][seed] = sum(vals) / len(vals)
+        reached = [v for v in first.values() if v is not None]
+        entry: dict[str, Any] = {
+            "seeds": sorted(seeds),
+            "last_epoch": {str(k): v for k, v in sorted(last_epoch.items())},
+            "final": _stat(final),
+            "first_epoch_reaching": {**_stat(first), "n_reached": len(reached), "n": len(first)},
+            "stays_above": {"per_seed": {str(k): v for k, v in sorted(stays.items())},
+                            "fraction": sum(stays.values()) / len(stays)},
+        }
+        for k, per in extra_final.items():
+            if per:
+                entry[f"final_{k}"] = _stat(per)
+        for k, per in extra_mean.items():
+            if per:
+                entry[f"mean_{k}"] = _stat(per)
+        arms[arm] = entry
+    order = list(runs)
+    paired = {}
+    for other in order[1:]:
+        paired[f"{other} - {order[0]}"] = paired_differences(records_by_arm=runs, arm=other, baseline=order[0],
+                                                             metric=metric)
+    return {"metric": metric, "threshold": threshold, "last_fraction": last_fraction, "arms": arms,
+            "paired": paired}
+
+
+def paired_differences(*, records_by_arm: dict[str, dict[int, list[dict[str, Any]]]], arm: str, baseline: str,
+                       metric: str = "val_acc") -> dict[str, Any]:
+    r"""Per-seed difference :math:`\delta_s` of the final ``metric`` between ``arm`` and ``baseline`` on the
+    seeds both ran, with mean, sample std, the paired t statistic :math:`\bar\delta / (s_\delta/\sqrt{n})`
+    (``None`` for ``n < 2`` or zero spread) and the number of positive differences."""
+    a, b = records_by_arm.get(arm, {}), records_by_arm.get(baseline, {})
+    seeds = sorted(set(a) & set(b))
+    diffs = {s: a[s][-1].get(metric) - b[s][-1].get(metric) for s in seeds
+             if a[s][-1].get(metric) is not None and b[s][-1].get(metric) is not None}
+    mean, std = mean_std(list(diffs.values()))
+    t = None
+    if std is not None and std > 0:
+        t = mean / (std / math.sqrt(len(diffs)))
+    return {"n": len(diffs), "mean": mean, "std": std, "t": t,
+            "n_positive": sum(d > 0 for d in diffs.values()),
+            "per_seed": {str(k): v for k, v in diffs.items()}}

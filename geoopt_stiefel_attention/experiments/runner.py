@@ -1,0 +1,464 @@
+r"""The one training loop shared by every study, and the parallel runner of a study's (arm, seed) jobs.
+
+A study provides ``build_task(spec, arm, device) -> Task``: the model (built from ``spec.seed`` with the
+arm's attention), a training batch source, named evaluation sets, the parameter grouping, and metric
+hooks. :func:`train_run` does the rest:
+
+1. writes ``config.json`` (or checks it against the one already there) and ``environment.json`` (versions,
+   device, threads, git SHA, timing of each call);
+2. seeds torch's global generator with the run's seed, builds the task, lets the arm prepare the model,
+   calls every hook's ``on_start``, builds the optimizer;
+3. resumes from ``checkpoint.pt`` when there is one (model, optimizer, RNG state, epoch, number of records;
+   ``metrics.jsonl`` is cut back to the records the checkpoint had seen);
+4. trains: for each epoch, each batch: ``zero_grad``, loss of ``predict(model, x)`` against ``y``,
+   ``backward``, ``step``; after epoch 0, every ``eval_every`` epochs and after the last, evaluates every
+   named set under ``torch.inference_mode`` and appends one JSON line to ``metrics.jsonl``;
+5. checkpoints atomically at evaluations (at most every ``checkpoint_interval_s`` seconds), when stopped by
+   ``stop_after_epochs``, and at the end.
+
+Because the batches of an epoch depend only on ``(seed, epoch)`` and the checkpoint holds the complete
+state, a run resumed from any checkpoint writes the same records as an uninterrupted one (same device,
+same thread count).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .arms import Arm, default_param_groups, get_arm
+from .config import RunSpec, to_dict
+from .data.batches import BatchSource
+from .metrics import MetricHook
+from .records import METRICS_FILE, append_record, read_records, truncate_records
+
+__all__ = ["Task", "RunResult", "train_run", "run_jobs", "resolve_device", "environment_info", "CONFIG_FILE",
+           "CHECKPOINT_FILE", "ENVIRONMENT_FILE"]
+
+CONFIG_FILE = "config.json"
+CHECKPOINT_FILE = "checkpoint.pt"
+ENVIRONMENT_FILE = "environment.json"
+
+
+def _default_predict(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    return model(inputs)
+
+
+@dataclass
+class Task:
+    """What a study hands to the training loop for one run.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Built from the run's seed with the arm's attention (:attr:`Arm.attention`).
+    train_data : BatchSource
+        ``batches(epoch)`` yields the ``(inputs, targets)`` of training epoch ``epoch`` (0-based).
+    eval_data : mapping of str to BatchSource
+        Named evaluation sets, e.g. ``{"train": ..., "val": ...}``; each adds ``<name>_loss`` and
+        ``<name>_acc`` to the records.
+    predict : callable, optional
+        ``predict(model, inputs) -> logits (B, C)``; default ``model(inputs)``.
+    loss : callable, optional
+        ``loss(logits, targets) -> mean loss``; default cross-entropy.
+    param_groups : callable, optional
+        ``param_groups(model, weight_decay) -> list of group dicts``; default
+        :func:`~geoopt_stiefel_attention.experiments.arms.default_param_groups`.
+    hooks : sequence of MetricHook
+        Extra per-evaluation metrics.
+    lr_factor : callable, optional
+        ``lr_factor(step) -> float`` multiplies every group's initial ``lr`` before optimizer step ``step``
+        (0-based): warm-up or decay schedules.
+    """
+
+    model: torch.nn.Module
+    train_data: BatchSource
+    eval_data: Mapping[str, BatchSource]
+    predict: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = _default_predict
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.nn.functional.cross_entropy
+    param_groups: Callable[[torch.nn.Module, float], list[dict[str, Any]]] = default_param_groups
+    hooks: Sequence[MetricHook] = field(default_factory=tuple)
+    lr_factor: Callable[[int], float] | None = None
+
+
+#: ``build_task(spec, arm, device) -> Task``; must be a module-level function for ``workers > 1``.
+TaskBuilder = Callable[[RunSpec, Arm, torch.device], Task]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Outcome of one :func:`train_run` call.
+
+    ``completed`` is ``True`` once the run has reached its last epoch (possibly in an earlier call);
+    ``seconds`` and ``epochs_per_second`` time this call only (training and evaluation together).
+    """
+
+    name: str
+    run_dir: str
+    completed: bool
+    start_epoch: int
+    epoch: int
+    n_records: int
+    seconds: float
+    epochs_per_second: float | None
+    final_record: dict[str, Any] | None
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"``: CUDA when available, else CPU; anything else is passed to :class:`torch.device`."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} asks for CUDA, but torch sees no GPU; use --device cpu or auto.")
+    return dev
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def environment_info(device: torch.device) -> dict[str, Any]:
+    """Versions, device, threads and git state, for ``environment.json``."""
+    import geoopt
+    import numpy
+
+    from .. import __version__
+
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    info = {
+        "geoopt_stiefel_attention": __version__,
+        "git_sha": _git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "geoopt": geoopt.__version__,
+        "numpy": numpy.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    return info
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _normalise(obj: Any) -> Any:
+    return json.loads(json.dumps(obj))
+
+
+def _check_or_write_config(run_dir: Path, spec: RunSpec) -> None:
+    path = run_dir / CONFIG_FILE
+    want = _normalise(to_dict(spec))
+    if path.exists():
+        have = json.loads(path.read_text())
+        if have != want:
+            diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+            raise ValueError(f"{path} holds a run with a different configuration (differs in {diff}); use another "
+                             f"--out folder, or delete {run_dir} to start this run afresh.")
+    else:
+        _write_json_atomic(path, want)
+
+
+def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+@torch.inference_mode()
+def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
+    out: dict[str, float] = {}
+    model.eval()
+    for name, source in task.eval_data.items():
+        loss_sum, correct, n = 0.0, 0, 0
+        for x, y in source.batches(0):
+            logits = task.predict(model, x)
+            loss_sum += float(task.loss(logits, y)) * y.shape[0]
+            correct += int((logits.argmax(dim=-1) == y).sum())
+            n += y.shape[0]
+        out[f"{name}_loss"] = loss_sum / n
+        out[f"{name}_acc"] = correct / n
+    return out
+
+
+def _save_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: Any, epoch: int, step: int,
+                     n_records: int, completed: bool, device: torch.device) -> None:
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "epoch": epoch,
+        "step": step,
+        "n_records": n_records,
+        "completed": completed,
+        "rng_cpu": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _load_environment(path: Path) -> list[dict[str, Any]]:
+    if path.exists():
+        try:
+            calls = json.loads(path.read_text())
+            if isinstance(calls, list):
+                return calls
+        except json.JSONDecodeError:
+            pass
+    return []
+
+
+def train_run(spec: RunSpec, build_task: TaskBuilder, run_dir: str | os.PathLike, *, device: str = "auto",
+              threads: int | None = None, quiet: bool = False, stop_after_epochs: int | None = None,
+              checkpoint_interval_s: float = 30.0, progress_position: int | None = None) -> RunResult:
+    """Train one run (or resume it), writing records and checkpoints under ``run_dir``.
+
+    Parameters
+    ----------
+    spec : RunSpec
+        Study config, arm and seed.
+    build_task : callable
+        The study's ``build_task(spec, arm, device) -> Task``.
+    run_dir : path
+        The run's folder; created if missing. A folder with a checkpoint resumes; one whose
+        ``config.json`` differs from ``spec`` is refused.
+    device : str, default "auto"
+        ``"auto"`` (CUDA when present, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
+    threads : int, optional
+        ``torch.set_num_threads(threads)`` for this process; ``None`` keeps torch's setting.
+    quiet : bool, default False
+        No progress bar.
+    stop_after_epochs : int, optional
+        Train at most this many epochs in this call, then checkpoint and return (``completed=False``
+        unless the run ended): interruption on purpose, for tests and time-sliced jobs.
+    checkpoint_interval_s : float, default 30
+        Minimum seconds between the checkpoints taken at evaluations (the last one is always taken).
+    progress_position : int, optional
+        ``position`` of the tqdm bar (parallel bars).
+
+    Returns
+    -------
+    RunResult
+    """
+    if stop_after_epochs is not None and not (isinstance(stop_after_epochs, int) and stop_after_epochs > 0):
+        raise ValueError(f"train_run: stop_after_epochs={stop_after_epochs!r} must be a positive int or None.")
+    if threads is not None:
+        if not (isinstance(threads, int) and threads > 0):
+            raise ValueError(f"train_run: threads={threads!r} must be a positive int or None.")
+        torch.set_num_threads(threads)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _check_or_write_config(run_dir, spec)
+    dev = resolve_device(device)
+    arm = get_arm(spec.arm)
+    train_cfg = spec.config.train
+
+    torch.manual_seed(spec.seed)
+    task = build_task(spec, arm, dev)
+    model = task.model.to(dev)
+    if arm.prepare is not None:
+        arm.prepare(model)
+    for hook in task.hooks:
+        hook.on_start(model)
+    optimizer = arm.build(model, task.param_groups(model, spec.config.optim.weight_decay), spec.config.optim)
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+
+    metrics_path = run_dir / METRICS_FILE
+    ckpt_path = run_dir / CHECKPOINT_FILE
+    epoch = step = n_records = 0
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location=dev, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng_cpu"])
+        if state.get("rng_cuda") is not None and dev.type == "cuda":
+            torch.cuda.set_rng_state(state["rng_cuda"], dev)
+        epoch, step, n_records = int(state["epoch"]), int(state["step"]), int(state["n_records"])
+        truncate_records(metrics_path, n_records)
+    elif metrics_path.exists():
+        metrics_path.unlink()  # records without a checkpoint cannot be continued: start over
+    start_epoch = epoch
+
+    env_path = run_dir / ENVIRONMENT_FILE
+    calls = _load_environment(env_path)
+    call = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "start_epoch": start_epoch,
+            **environment_info(dev)}
+    calls.append(call)
+    _write_json_atomic(env_path, calls)
+
+    base = {"experiment": spec.experiment, "arm": spec.arm, "seed": spec.seed}
+    last_record: dict[str, Any] | None = None
+
+    def record(epoch_now: int) -> None:
+        nonlocal n_records, last_record
+        rec = {**base, "epoch": epoch_now, "step": step, **_evaluate(task, model)}
+        with torch.no_grad():
+            for hook in task.hooks:
+                rec.update(hook.metrics(model))
+        append_record(metrics_path, rec)
+        n_records += 1
+        last_record = rec
+
+    bar = None
+    if not quiet:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=train_cfg.epochs, initial=epoch, desc=f"{spec.arm} seed {spec.seed}", unit="ep",
+                   position=progress_position, leave=progress_position is None, mininterval=0.5, dynamic_ncols=True)
+
+    t0 = time.perf_counter()
+    last_ckpt = t0
+    if epoch == 0 and n_records == 0:
+        record(0)
+    completed = epoch >= train_cfg.epochs
+    try:
+        while epoch < train_cfg.epochs:
+            if stop_after_epochs is not None and epoch - start_epoch >= stop_after_epochs:
+                break
+            eval_now = train_cfg.is_eval_epoch(epoch + 1)
+            model.train()
+            for (x, y), last in _with_last(task.train_data.batches(epoch)):
+                if eval_now and last:
+                    for hook in task.hooks:
+                        hook.before_last_step(model)
+                if task.lr_factor is not None:
+                    factor = float(task.lr_factor(step))
+                    for group in optimizer.param_groups:
+                        group["lr"] = group["initial_lr"] * factor
+                optimizer.zero_grad(set_to_none=True)
+                loss = task.loss(task.predict(model, x), y)
+                loss.backward()
+                optimizer.step()
+                step += 1
+            epoch += 1
+            completed = epoch >= train_cfg.epochs
+            if eval_now:
+                record(epoch)
+                now = time.perf_counter()
+                if completed or now - last_ckpt >= checkpoint_interval_s:
+                    _save_checkpoint(ckpt_path, model=model, optimizer=optimizer, epoch=epoch, step=step,
+                                     n_records=n_records, completed=completed, device=dev)
+                    last_ckpt = now
+                if bar is not None:
+                    bar.set_postfix({k: f"{last_record[k]:.3f}" for k in ("train_acc", "val_acc")
+                                     if k in last_record}, refresh=False)
+            if bar is not None:
+                bar.update(1)
+        if not completed:
+            _save_checkpoint(ckpt_path, model=model, optimizer=optimizer, epoch=epoch, step=step,
+                             n_records=n_records, completed=completed, device=dev)
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - t0
+    done = epoch - start_epoch
+    call.update({"end_epoch": epoch, "seconds": round(seconds, 3),
+                 "epochs_per_second": round(done / seconds, 3) if done and seconds > 0 else None})
+    _write_json_atomic(env_path, calls)
+    if last_record is None:
+        recs = read_records(metrics_path)
+        last_record = recs[-1] if recs else None
+    return RunResult(name=spec.name, run_dir=str(run_dir), completed=completed, start_epoch=start_epoch,
+                     epoch=epoch, n_records=n_records, seconds=seconds,
+                     epochs_per_second=(done / seconds) if done and seconds > 0 else None,
+                     final_record=last_record)
+
+
+def _job(args: tuple) -> RunResult:
+    spec, build_task, run_dir, kwargs = args
+    return train_run(spec, build_task, run_dir, **kwargs)
+
+
+def run_jobs(specs: Sequence[RunSpec], build_task: TaskBuilder, out_dir: str | os.PathLike, *, workers: int = 1,
+             device: str = "auto", threads: int | None = None, quiet: bool = False,
+             stop_after_epochs: int | None = None, checkpoint_interval_s: float = 30.0) -> list[RunResult]:
+    """Run (or resume) every spec, each in ``out_dir/runs/<arm>/seed<k>``, ``workers`` at a time.
+
+    With ``workers > 1`` the runs go to separate processes (``spawn``); ``build_task`` must then be a
+    module-level function. ``threads=None`` gives each process ``max(1, cpu_count // workers)`` threads when
+    ``workers > 1`` and leaves torch's default otherwise. Per-run progress bars are shown for ``workers=1``;
+    with more workers one bar counts finished runs.
+
+    Returns
+    -------
+    list of RunResult
+        In the order of ``specs``.
+    """
+    if not (isinstance(workers, int) and workers >= 1):
+        raise ValueError(f"run_jobs: workers={workers!r} must be an int >= 1.")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"run_jobs: duplicate (arm, seed) jobs in {names}; each arm/seed pair must appear once.")
+    out_dir = Path(out_dir)
+    for s in specs:
+        get_arm(s.arm)  # fail before any work on an unknown arm
+    if workers > 1 and threads is None:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+    kwargs = {"device": device, "threads": threads, "stop_after_epochs": stop_after_epochs,
+              "checkpoint_interval_s": checkpoint_interval_s}
+    jobs = [(s, build_task, out_dir / "runs" / s.name, kwargs) for s in specs]
+    if workers == 1 or len(jobs) == 1:
+        return [_job((s, b, d, {**kw, "quiet": quiet})) for s, b, d, kw in jobs]
+
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    results: dict[int, RunResult] = {}
+    ctx = multiprocessing.get_context("spawn")
+    bar = None
+    if not quiet:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(jobs), desc="runs", unit="run", dynamic_ncols=True)
+    try:
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
+            futures = {pool.submit(_job, (s, b, d, {**kw, "quiet": True})): i for i, (s, b, d, kw) in enumerate(jobs)}
+            for fut in as_completed(futures):
+                results[futures[fut]] = fut.result()
+                if bar is not None:
+                    res = results[futures[fut]]
+                    acc = (res.final_record or {}).get("val_acc")
+                    bar.set_postfix_str(f"{res.name} val_acc={acc if acc is None else round(acc, 3)}")
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return [results[i] for i in range(len(jobs))]
+
+
+def epochs_per_second(results: Sequence[RunResult]) -> float | None:
+    """Mean epochs per second over the results that trained in this call (``None`` if none did)."""
+    rates = [r.epochs_per_second for r in results if r.epochs_per_second is not None]
+    return sum(rates) / len(rates) if rates else None
+

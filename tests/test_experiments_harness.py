@@ -1,0 +1,385 @@
+"""Tests of the experiment harness: configs, arms, batch sources, metric hooks, the training loop (resume
+and parallel runs reproduce an uninterrupted serial run exactly), records, plots and reports.
+
+The model is a small stand-in defined here (a bank of query/key frames feeding a linear read-out), so the
+harness is tested independently of the study models. Numerical references are written out independently
+(scipy's ``subspace_angles``, scipy's paired t-test, hand-computed movement).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import geoopt
+import numpy as np
+import pytest
+import scipy.linalg
+import scipy.stats
+import torch
+
+from geoopt_stiefel_attention import PolarStiefel
+from geoopt_stiefel_attention.experiments import (
+    ARMS,
+    Arm,
+    OptimConfig,
+    OptimizerGroup,
+    QKGeometry,
+    RunSpec,
+    Task,
+    TrainConfig,
+    WeightNorms,
+    get_arm,
+    principal_angles,
+    register_arm,
+    run_jobs,
+    train_run,
+)
+from geoopt_stiefel_attention.experiments.arms import build_stiefel, split_frame_groups
+from geoopt_stiefel_attention.experiments.data import FullBatch, MiniBatches
+from geoopt_stiefel_attention.experiments.plotting import plot_study
+from geoopt_stiefel_attention.experiments.records import read_records, summarize
+from geoopt_stiefel_attention.experiments.report import PaperReference, render_report
+from geoopt_stiefel_attention.experiments.study import finalize_study
+
+F64 = torch.float64
+#: float64 agreement of principal angles with scipy's (radians)
+ANGLE_TOL = 1e-10
+#: float64 agreement of hand-computed movement / norms
+NORM_TOL = 1e-12
+#: max |W^T W - I| of float32 frames after training
+ORTHO_TOL_F32 = 1e-5
+#: float64 agreement of summary statistics with their written-out values
+STAT_TOL = 1e-12
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models run fastest, and reproducibly, on one thread (and the test machine is shared)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+# ------------------------------------------------------------------------------------------ stand-in study
+@dataclass(frozen=True)
+class ToyConfig:
+    experiment: str = "toy"
+    n: int = 48
+    d: int = 6
+    heads: int = 2
+    r: int = 2
+    classes: int = 3
+    batch_size: int | None = 16
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=12, eval_every=4))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-2, weight_decay=0.1))
+
+
+class ToyModel(torch.nn.Module):
+    """Per head h: features (x W_q^h) * (x W_k^h), summed over r, then a linear read-out. Both attentions draw
+    the same Gaussian W_q, W_k from the seed; the Stiefel one keeps their polar factors."""
+
+    def __init__(self, cfg: ToyConfig, attention: str, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        wq = torch.randn(cfg.heads, cfg.d, cfg.r, generator=g)
+        wk = torch.randn(cfg.heads, cfg.d, cfg.r, generator=g)
+        self.readout = torch.nn.Linear(cfg.heads * cfg.r + cfg.d, cfg.classes)
+        with torch.no_grad():
+            self.readout.weight.copy_(0.3 * torch.randn(self.readout.weight.shape, generator=g))
+            self.readout.bias.zero_()
+        if attention == "stiefel":
+            st = PolarStiefel()
+            self.w_q = geoopt.ManifoldParameter(st.projx(wq), manifold=st)
+            self.w_k = geoopt.ManifoldParameter(st.projx(wk), manifold=st)
+        else:
+            self.w_q = torch.nn.Parameter(wq / math.sqrt(cfg.d))
+            self.w_k = torch.nn.Parameter(wk / math.sqrt(cfg.d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = torch.einsum("bd,hdr->bhr", x, self.w_q)
+        k = torch.einsum("bd,hdr->bhr", x, self.w_k)
+        return self.readout(torch.cat([(q * k).flatten(1), x], dim=1))
+
+
+def toy_qk(model: ToyModel):
+    return [("toy", model.w_q, model.w_k)]
+
+
+def toy_build_task(spec: RunSpec, arm: Arm, device: torch.device) -> Task:
+    cfg: ToyConfig = spec.config
+    g = torch.Generator().manual_seed(1000 + spec.seed)
+    x = torch.randn(cfg.n, cfg.d, generator=g)
+    y = (x @ torch.randn(cfg.d, cfg.classes, generator=g)).argmax(dim=1)
+    xv = torch.randn(cfg.n // 2, cfg.d, generator=g)
+    yv = (xv @ torch.randn(cfg.d, cfg.classes, generator=g)).argmax(dim=1)
+    train = (FullBatch(x, y) if cfg.batch_size is None
+             else MiniBatches(x, y, cfg.batch_size, seed=spec.seed))
+    return Task(model=ToyModel(cfg, arm.attention, spec.seed), train_data=train,
+                eval_data={"train": FullBatch(x, y), "val": MiniBatches(xv, yv, 10, shuffle=False)},
+                hooks=(WeightNorms(), QKGeometry(toy_qk)))
+
+
+# ------------------------------------------------------------------------------------------ configs
+def test_configs_validate_and_name_the_field():
+    with pytest.raises(ValueError, match="epochs"):
+        TrainConfig(epochs=0)
+    with pytest.raises(ValueError, match="eval_every"):
+        TrainConfig(eval_every=-1)
+    with pytest.raises(ValueError, match="betas"):
+        OptimConfig(betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="frame_lr"):
+        OptimConfig(frame_lr=0.0)
+    with pytest.raises(ValueError, match="dataclass"):
+        RunSpec(object(), "adamw", 0)
+    with pytest.raises(ValueError, match="needs a field 'experiment'"):
+        RunSpec(OptimConfig(), "adamw", 0)
+    with pytest.raises(ValueError, match="seed"):
+        RunSpec(ToyConfig(), "adamw", -1)
+    assert OptimConfig(betas=[0.9, 0.98]).betas == (0.9, 0.98)
+    assert OptimConfig(lr=1e-3).effective_frame_lr == 1e-3
+    assert OptimConfig(lr=1e-3, frame_lr=5e-4).effective_frame_lr == 5e-4
+
+
+def test_eval_epochs_include_zero_multiples_and_the_last():
+    assert TrainConfig(epochs=10, eval_every=4).eval_epochs() == [0, 4, 8, 10]
+    assert TrainConfig(epochs=8, eval_every=4).eval_epochs() == [0, 4, 8]
+
+
+# ------------------------------------------------------------------------------------------ arms
+def test_arm_registry_is_open_and_rejects_unknown_and_duplicate_names():
+    assert {"adamw", "stiefel", "geoopt-radam", "geoopt-rsgd"} <= set(ARMS)
+    with pytest.raises(ValueError, match="registered arms"):
+        get_arm("no-such-arm")
+    with pytest.raises(ValueError, match="exists already"):
+        register_arm(Arm("adamw", "euclidean", ARMS["adamw"].build))
+
+    def freeze(model):
+        for p in model.parameters():
+            if isinstance(getattr(p, "manifold", None), geoopt.manifolds.EuclideanStiefel):
+                p.requires_grad_(False)
+
+    arm = register_arm(Arm("test-frozen-frames", "stiefel", build_stiefel, "frames frozen", prepare=freeze))
+    try:
+        model = ToyModel(ToyConfig(), "stiefel", 0)
+        arm.prepare(model)
+        with pytest.raises(ValueError, match="no trainable Stiefel frames"):
+            arm.build(model, [{"params": list(model.parameters()), "weight_decay": 0.0}], OptimConfig())
+    finally:
+        del ARMS["test-frozen-frames"]
+
+
+def test_arms_check_the_attention_they_need():
+    cfg = OptimConfig()
+    eu, st = ToyModel(ToyConfig(), "euclidean", 0), ToyModel(ToyConfig(), "stiefel", 0)
+    with pytest.raises(ValueError, match="attention='euclidean'"):
+        get_arm("adamw").build(st, [{"params": list(st.parameters())}], cfg)
+    for name in ("stiefel", "geoopt-radam", "geoopt-rsgd"):
+        with pytest.raises(ValueError, match="attention='stiefel'"):
+            get_arm(name).build(eu, [{"params": list(eu.parameters())}], cfg)
+
+
+def test_split_frame_groups_gives_frames_their_lr_and_no_decay():
+    model = ToyModel(ToyConfig(), "stiefel", 0)
+    groups = [{"params": list(model.parameters()), "weight_decay": 0.5, "name": "all"}]
+    frames, others = split_frame_groups(groups, OptimConfig(lr=1e-3, frame_lr=2e-3))
+    assert [len(g["params"]) for g in frames] == [2] and frames[0]["lr"] == 2e-3 and frames[0]["weight_decay"] == 0
+    assert [len(g["params"]) for g in others] == [2] and others[0]["weight_decay"] == 0.5
+    assert "lr" not in others[0] and others[0]["name"] == "all"
+
+
+def test_stock_geoopt_arms_use_stock_manifold_and_two_optimizers():
+    model = ToyModel(ToyConfig(), "stiefel", 0)
+    arm = get_arm("geoopt-radam")
+    arm.prepare(model)
+    assert type(model.w_q.manifold) is geoopt.manifolds.EuclideanStiefel
+    opt = arm.build(model, [{"params": list(model.parameters()), "weight_decay": 0.1}], OptimConfig())
+    assert isinstance(opt, OptimizerGroup)
+    assert [type(o).__name__ for o in opt.optimizers] == ["RiemannianAdam", "AdamW"]
+    assert len(opt.param_groups) == 2
+
+
+# ------------------------------------------------------------------------------------------ batch sources
+def test_minibatch_order_depends_on_seed_and_epoch_only_and_covers_each_example_once():
+    x = torch.arange(23, dtype=torch.float32).unsqueeze(1)
+    y = torch.arange(23)
+    a, b = MiniBatches(x, y, 5, seed=3), MiniBatches(x.clone(), y.clone(), 5, seed=3)
+    ea = [yy for _, yy in a.batches(7)]
+    assert all(torch.equal(u, v) for u, v in zip(ea, [yy for _, yy in b.batches(7)], strict=True))
+    assert sorted(torch.cat(ea).tolist()) == list(range(23)) and len(ea) == len(a) == 5
+    assert not torch.equal(torch.cat(ea), torch.cat([yy for _, yy in a.batches(8)]))
+    assert not torch.equal(torch.cat(ea), torch.cat([yy for _, yy in MiniBatches(x, y, 5, seed=4).batches(7)]))
+    assert [int(t.shape[0]) for _, t in MiniBatches(x, y, 5, drop_last=True).batches(0)] == [5] * 4
+    with pytest.raises(ValueError, match="batch_size"):
+        MiniBatches(x, y, 0)
+
+
+# ------------------------------------------------------------------------------------------ metric hooks
+def test_principal_angles_match_scipy():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 9, 4, generator=g, dtype=F64)
+    b = a + 0.3 * torch.randn(3, 9, 4, generator=g, dtype=F64)
+    ours = principal_angles(a, b)
+    for h in range(3):
+        ref = np.sort(scipy.linalg.subspace_angles(a[h].numpy(), b[h].numpy()))
+        np.testing.assert_allclose(ours[h].numpy(), ref, atol=ANGLE_TOL, rtol=0)
+
+
+def test_principal_angles_see_the_subspace_not_the_basis():
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(8, 3, generator=g, dtype=F64)
+    mix = torch.randn(3, 3, generator=g, dtype=F64)  # invertible: same column space
+    assert float(principal_angles(a, a @ mix).max()) < ANGLE_TOL
+    # companion: a rotation of the ambient space moves the subspace, so the angles must not vanish
+    rot = torch.linalg.qr(torch.randn(8, 8, generator=g, dtype=F64)).Q
+    assert float(principal_angles(a, rot @ a).max()) > 0.1
+    # and orthogonal subspaces are at 90 degrees
+    e = torch.eye(8, dtype=F64)
+    np.testing.assert_allclose(principal_angles(e[:, :3], e[:, 3:6]).numpy(), [math.pi / 2] * 3, atol=ANGLE_TOL)
+
+
+def test_qk_geometry_movement_and_angles_written_out():
+    model = ToyModel(ToyConfig(), "euclidean", 0)
+    hook = QKGeometry(toy_qk)
+    hook.on_start(model)
+    w0 = model.w_q.detach().to(F64).clone()
+    rest = hook.metrics(model)
+    assert rest["move_total/q"] == 0 and rest["move_step/q"] is None and rest["angle_max_deg/q"] < 1e-6
+    with torch.no_grad():
+        model.w_q.mul_(2.0)  # same column spaces, moved by ||W0||
+    hook.before_last_step(model)
+    prev = model.w_q.detach().to(F64).clone()
+    with torch.no_grad():
+        model.w_q.add_(0.01)
+    out = hook.metrics(model)
+    w = model.w_q.detach().to(F64)
+    assert abs(out["move_total/q"] - float((w - w0).square().sum().sqrt())) < NORM_TOL
+    assert abs(out["move_step/q"] - float((w - prev).square().sum().sqrt())) < NORM_TOL
+    assert abs(out["move_step/q"] - 0.01 * math.sqrt(w.numel())) < 1e-6  # float32 rounding of the +0.01
+    assert abs(out["move_total_rel/q"] - float((w - w0).square().sum().sqrt() / w0.square().sum().sqrt())) < NORM_TOL
+    assert out["move_total/k"] == 0 and out["angle_max_deg/k"] < 1e-6
+    assert out["angle_max_deg/q"] > 0.01  # the added constant tilts the subspaces
+
+
+def test_weight_norms_written_out():
+    model = ToyModel(ToyConfig(), "stiefel", 0)
+    out = WeightNorms().metrics(model)
+    assert abs(out["norm/w_q"] - math.sqrt(2 * 2)) < 1e-6  # heads * r orthonormal columns
+    assert abs(out["norm/euclidean"] - float(model.readout.weight.detach().double().norm())) < NORM_TOL
+    assert "norm/readout.bias" not in out
+
+
+# ------------------------------------------------------------------------------------------ training loop
+ARM_NAMES = ("adamw", "stiefel", "geoopt-radam", "geoopt-rsgd")
+
+
+@pytest.mark.parametrize("arm", ARM_NAMES)
+def test_resume_reproduces_an_uninterrupted_run_exactly(tmp_path, arm):
+    spec = RunSpec(ToyConfig(), arm, seed=2)
+    full = train_run(spec, toy_build_task, tmp_path / "full", device="cpu", quiet=True)
+    assert full.completed and full.epoch == 12
+    part = train_run(spec, toy_build_task, tmp_path / "cut", device="cpu", quiet=True, stop_after_epochs=5)
+    assert not part.completed and part.epoch == 5
+    part = train_run(spec, toy_build_task, tmp_path / "cut", device="cpu", quiet=True, stop_after_epochs=2)
+    assert not part.completed and part.epoch == 7
+    rest = train_run(spec, toy_build_task, tmp_path / "cut", device="cpu", quiet=True)
+    assert rest.completed and rest.start_epoch == 7
+    a, b = read_records(tmp_path / "full" / "metrics.jsonl"), read_records(tmp_path / "cut" / "metrics.jsonl")
+    assert [r["epoch"] for r in a] == [0, 4, 8, 12]
+    assert a == b
+    # companion: a different seed gives different records, so the comparison above can fail
+    other = train_run(RunSpec(ToyConfig(), arm, seed=3), toy_build_task, tmp_path / "other", device="cpu", quiet=True)
+    assert read_records(tmp_path / "other" / "metrics.jsonl") != a and other.completed
+    # a finished run is not trained again
+    again = train_run(spec, toy_build_task, tmp_path / "full", device="cpu", quiet=True)
+    assert again.completed and again.start_epoch == 12 and read_records(tmp_path / "full" / "metrics.jsonl") == a
+
+
+def test_run_directory_contents_and_frames_stay_on_the_manifold(tmp_path):
+    spec = RunSpec(ToyConfig(batch_size=None), "stiefel", seed=0)
+    res = train_run(spec, toy_build_task, tmp_path, device="cpu", quiet=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["arm"] == "stiefel" and config["config"]["train"]["epochs"] == 12
+    env = json.loads((tmp_path / "environment.json").read_text())
+    assert env[-1]["torch"] == torch.__version__ and env[-1]["device"] == "cpu" and "git_sha" in env[-1]
+    assert env[-1]["end_epoch"] == 12 and env[-1]["epochs_per_second"] > 0
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    w = state["model"]["w_q"]
+    assert float((w.transpose(-1, -2) @ w - torch.eye(2)).abs().max()) < ORTHO_TOL_F32
+    rec = res.final_record
+    assert {"train_loss", "train_acc", "val_loss", "val_acc", "move_step/q", "angle_max_deg/k", "norm/euclidean"} <= set(rec)
+    assert rec["move_total/q"] > 0
+    with pytest.raises(ValueError, match="different configuration"):
+        train_run(RunSpec(ToyConfig(batch_size=None, n=50), "stiefel", 0), toy_build_task, tmp_path, quiet=True)
+
+
+def test_paired_arms_share_data_and_non_attention_weights(tmp_path):
+    results = [train_run(RunSpec(ToyConfig(), arm, seed=5), toy_build_task, tmp_path / arm, device="cpu", quiet=True,
+                         stop_after_epochs=1) for arm in ("adamw", "stiefel")]
+    first = [read_records(tmp_path / a / "metrics.jsonl")[0] for a in ("adamw", "stiefel")]
+    assert first[0]["norm/readout.weight"] == first[1]["norm/readout.weight"]
+    assert all(not r.completed for r in results)
+
+
+def test_parallel_workers_give_the_serial_records(tmp_path):
+    specs = [RunSpec(ToyConfig(), arm, seed=1) for arm in ("adamw", "stiefel")]
+    serial = run_jobs(specs, toy_build_task, tmp_path / "serial", workers=1, device="cpu", threads=1, quiet=True)
+    parallel = run_jobs(specs, toy_build_task, tmp_path / "parallel", workers=2, device="cpu", threads=1, quiet=True)
+    assert [r.name for r in parallel] == [s.name for s in specs] and all(r.completed for r in parallel + serial)
+    for s in specs:
+        assert (read_records(tmp_path / "serial" / "runs" / s.name / "metrics.jsonl")
+                == read_records(tmp_path / "parallel" / "runs" / s.name / "metrics.jsonl"))
+    with pytest.raises(ValueError, match="duplicate"):
+        run_jobs(specs + specs[:1], toy_build_task, tmp_path / "dup", quiet=True)
+
+
+# ------------------------------------------------------------------------------------------ records, plots, report
+def _synthetic_records():
+    recs = []
+    curves = {("a", 0): [0.1, 0.5, 0.96, 0.97, 0.99], ("a", 1): [0.1, 0.2, 0.3, 0.96, 0.90],
+              ("b", 0): [0.1, 0.96, 0.97, 0.98, 0.99], ("b", 1): [0.1, 0.4, 0.95, 0.96, 0.97]}
+    for (arm, seed), accs in curves.items():
+        for i, acc in enumerate(accs):
+            recs.append({"experiment": "t", "arm": arm, "seed": seed, "epoch": 10 * i, "step": 10 * i,
+                         "train_acc": 1.0, "val_acc": acc, "train_loss": 1 - acc, "val_loss": 1 - acc,
+                         "move_total/q": 0.1 * i, "move_step/q": None if i == 0 else 0.01 * i,
+                         "angle_max_deg/q": float(i), "angle_mean_deg/q": i / 2, "angle_max_deg/k": float(i),
+                         "angle_mean_deg/k": i / 2, "norm/w": 1.0 + i, "norm/euclidean": 1.0 + i})
+    return recs
+
+
+def test_summary_statistics_written_out():
+    s = summarize(_synthetic_records(), threshold=0.95, last_fraction=0.1)
+    a, b = s["arms"]["a"], s["arms"]["b"]
+    assert a["final"]["per_seed"] == {"0": 0.99, "1": 0.90}
+    assert abs(a["final"]["mean"] - 0.945) < STAT_TOL
+    assert abs(a["final"]["std"] - math.sqrt(((0.99 - 0.945) ** 2 + (0.90 - 0.945) ** 2) / 1)) < STAT_TOL
+    assert a["first_epoch_reaching"]["per_seed"] == {"0": 20, "1": 30}
+    assert b["first_epoch_reaching"]["per_seed"] == {"0": 10, "1": 20}
+    # last 10% of 40 epochs = the evaluation at epoch 40 only (>= 36)
+    assert a["stays_above"]["per_seed"] == {"0": True, "1": False} and a["stays_above"]["fraction"] == 0.5
+    assert b["stays_above"]["fraction"] == 1.0
+    assert abs(a["mean_move_step/q"]["per_seed"]["0"] - (0.01 + 0.02 + 0.03 + 0.04) / 4) < STAT_TOL
+    paired = s["paired"]["b - a"]
+    ref = scipy.stats.ttest_rel([0.99, 0.97], [0.99, 0.90])
+    assert abs(paired["t"] - ref.statistic) < 1e-9 and paired["n"] == 2 and paired["n_positive"] == 1
+
+
+def test_plots_report_and_finalize(tmp_path):
+    recs = _synthetic_records()
+    figs = plot_study(recs, tmp_path)
+    assert set(figs) == {"accuracy", "overview", "weight_norms", "principal_angles", "movement"}
+    assert all(p.stat().st_size > 5000 for p in figs.values())
+    paper = PaperReference("someone", 20000, {"a": 0.5, "b": 0.9}, "one run")
+    text = render_report(title="T", summary=summarize(recs), paper=paper, figures={"acc": "accuracy.png"})
+    assert "| a |" in text and "| b |" in text and "50.0%" in text and "90.0%" in text
+    assert "![acc](accuracy.png)" in text
+    # finalize from run folders written by the loop
+    run_jobs([RunSpec(ToyConfig(), arm, 0) for arm in ("adamw", "stiefel")], toy_build_task, tmp_path / "s",
+             quiet=True, device="cpu")
+    out = finalize_study(tmp_path / "s", title="toy", config=ToyConfig(), arms=["adamw", "stiefel"], paper=paper)
+    assert set(out.summary["summary"]["arms"]) == {"adamw", "stiefel"}
+    assert out.report_path.exists() and (tmp_path / "s" / "summary.json").exists()
+    assert set(out.summary["speed"]) == {"adamw/seed0", "stiefel/seed0"}
