@@ -13,6 +13,7 @@ import sys
 #: subcommand name -> module implementing it
 SUBCOMMANDS: dict[str, str] = {
     "demo": "geoopt_stiefel_attention.demo",
+    "bench": "geoopt_stiefel_attention.bench",
     "certify": "geoopt_stiefel_attention.analysis.cli",
     "grokking": "geoopt_stiefel_attention.experiments.grokking",
 }

@@ -1,0 +1,609 @@
+"""``stiefel-attention bench``: what a :class:`~geoopt_stiefel_attention.StiefelAdam` step costs, measured
+next to :class:`torch.optim.AdamW` and stock geoopt ``RiemannianAdam`` in the same process.
+
+Two benchmarks, both returning frozen result objects (the CLI and ``benchmarks/*.py`` print them):
+
+- :func:`step_time_benchmark`: the optimizer step alone on the query/key projections of transformer
+  configurations (:data:`CONFIGS`: one frame per head, parameters shaped ``(heads, width, head_dim)``, two per
+  layer), against ``AdamW(foreach=True)``, ``AdamW(fused=True)``, ``RiemannianAdam`` on
+  ``geoopt.EuclideanStiefel()`` (QR retraction) and on ``geoopt.Stiefel()`` (canonical metric, Cayley
+  retraction: a ``d x d`` solve per frame), and the *matrix-product floor*: the six batched ``d x r x r``
+  products a StiefelAdam step performs, run bare on tensors of the same shapes and batching.
+- :func:`train_step_benchmark`: a full training step (forward, backward, optimizer) of
+  :class:`~geoopt_stiefel_attention.TinyTransformer` and :class:`~geoopt_stiefel_attention.PatchViT`, the
+  ``"stiefel"`` arm (Stiefel attention, StiefelAdam) against the ``"adamw"`` arm (Euclidean attention,
+  ``torch.optim.AdamW``), both on :func:`~geoopt_stiefel_attention.param_groups`.
+
+Protocol. The arms are interleaved: every round runs each arm for a few steps, in an order that rotates from
+round to round, so slow drift of a shared machine hits all arms alike. Each step is timed on its own; an arm's
+time is the median over all its steps, and a ratio is the median over rounds of the per-round ratio of
+medians. ``clock="cpu"`` measures the process's CPU time instead of wall time: with one thread
+(``threads=1``) it is not inflated when other processes take the core, the usual situation on a shared
+machine. Timings are not assertions: nothing here decides pass or fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+HELP = "Time the StiefelAdam step against AdamW and stock geoopt RiemannianAdam (ratios, memory); --json."
+
+#: Benchmark configurations, width -> (depth, heads); head_dim = width // heads, one frame per head.
+CONFIGS: dict[int, tuple[int, int]] = {128: (2, 4), 256: (4, 4), 512: (8, 8), 768: (12, 12)}
+
+#: The arms of :func:`step_time_benchmark`, in display order.
+STEP_ARMS = ("stiefel", "adamw_foreach", "adamw_fused", "geoopt_euclidean", "geoopt_canonical", "matmul_floor")
+
+#: The models of :func:`train_step_benchmark`.
+TRAIN_MODELS = ("tiny_transformer", "patch_vit")
+
+CLOCKS = ("wall", "cpu")
+
+_SLOW_STEP_S = 0.25  # an arm whose warm-up step takes longer runs one step per round
+
+
+# ----------------------------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class ArmTiming:
+    """Step time of one arm: median and quartiles over every timed step (milliseconds)."""
+
+    arm: str
+    median_ms: float
+    q1_ms: float
+    q3_ms: float
+    steps: int
+    state_bytes: int | None = None
+    workspace_bytes: int | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class StepTimeResult:
+    """:func:`step_time_benchmark` for one configuration.
+
+    ``ratios[arm]`` is StiefelAdam's time over ``arm``'s (median over rounds), so ``ratios["adamw_foreach"]``
+    below 1.5 meets the AdamW target, ``ratios["matmul_floor"]`` below 1.3 the floor target, and
+    ``1 / ratios["geoopt_euclidean"]`` is the speed-up over stock geoopt. ``state_ratio`` is optimizer-state
+    bytes over parameter bytes per arm.
+    """
+
+    width: int
+    depth: int
+    heads: int
+    head_dim: int
+    frames: int
+    param_bytes: int
+    dtype: str
+    timings: dict[str, ArmTiming]
+    ratios: dict[str, float]
+    state_ratio: dict[str, float]
+    rounds: int
+    clock: str
+    threads: int
+
+
+@dataclass(frozen=True)
+class TrainStepResult:
+    """:func:`train_step_benchmark` for one model: full-step and optimizer-only times per arm, and the ratio
+    of the stiefel arm's full step to the adamw arm's (median over rounds)."""
+
+    model: str
+    config: dict[str, Any]
+    batch: int
+    full_step: dict[str, ArmTiming]
+    optimizer_step: dict[str, ArmTiming]
+    ratio: float
+    rounds: int
+    clock: str
+    threads: int
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where a benchmark ran."""
+
+    cpu: str
+    logical_cpus: int
+    torch_threads: int
+    torch: str
+    geoopt: str
+    python: str
+    platform: str
+    device: str
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def machine_info(device: str = "cpu") -> Machine:
+    """Describe the machine and library versions (the model name from ``/proc/cpuinfo`` where available)."""
+    import os
+
+    import geoopt
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    if device.startswith("cuda") and torch.cuda.is_available():
+        cpu = f"{cpu}; GPU {torch.cuda.get_device_name(torch.device(device))}"
+    return Machine(cpu=cpu, logical_cpus=os.cpu_count() or 0, torch_threads=torch.get_num_threads(),
+                   torch=torch.__version__, geoopt=geoopt.__version__, python=platform.python_version(),
+                   platform=platform.platform(), device=device)
+
+
+# ----------------------------------------------------------------------------------------------- timing
+def _clock(clock: str) -> Callable[[], float]:
+    if clock not in CLOCKS:
+        raise ValueError(f"bench: clock={clock!r} is unknown; use one of {CLOCKS}.")
+    return time.perf_counter if clock == "wall" else time.process_time
+
+
+def _synchronize(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _interleave(steps: dict[str, Callable[[], Any]], *, rounds: int, steps_per_round: int, warmup: int,
+                clock: str, device: str) -> tuple[dict[str, list[list[float]]], dict[str, int]]:
+    """Run every arm ``warmup`` times, then ``rounds`` rounds of ``steps_per_round`` timed steps per arm (one
+    step for arms slower than ``_SLOW_STEP_S``), rotating the arm order each round. Returns the per-round
+    lists of step times (seconds) and the steps per round used for each arm."""
+    now = _clock(clock)
+    per_round = {}
+    for name, fn in steps.items():
+        t0 = time.perf_counter()
+        for _ in range(max(warmup, 1)):
+            fn()
+        _synchronize(device)
+        slow = (time.perf_counter() - t0) / max(warmup, 1) > _SLOW_STEP_S
+        per_round[name] = 1 if slow else steps_per_round
+    names = list(steps)
+    samples: dict[str, list[list[float]]] = {name: [] for name in names}
+    for k in range(rounds):
+        order = names[k % len(names):] + names[: k % len(names)]
+        for name in order:
+            fn, times = steps[name], []
+            for _ in range(per_round[name]):
+                _synchronize(device)
+                t0 = now()
+                fn()
+                _synchronize(device)
+                times.append(now() - t0)
+            samples[name].append(times)
+    return samples, per_round
+
+
+def _timing(name: str, rounds: list[list[float]], **extra: Any) -> ArmTiming:
+    flat = sorted(t for r in rounds for t in r)
+    q = statistics.quantiles(flat, n=4) if len(flat) > 1 else [flat[0]] * 3
+    return ArmTiming(arm=name, median_ms=1e3 * statistics.median(flat), q1_ms=1e3 * q[0], q3_ms=1e3 * q[2],
+                     steps=len(flat), **extra)
+
+
+def _ratio(num: list[list[float]], den: list[list[float]]) -> float:
+    """Median over rounds of the ratio of per-round medians."""
+    return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(num, den))
+
+
+def _state_bytes(opt: Any) -> int:
+    import torch
+
+    return sum(v.numel() * v.element_size() for state in opt.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor))
+
+
+# ----------------------------------------------------------------------------------------------- step time
+def frame_shapes(width: int, depth: int, heads: int) -> list[tuple[int, int, int]]:
+    """Shapes of the query/key projections of a ``depth``-layer model, one frame per head: ``2 * depth``
+    parameters of shape ``(heads, width, width // heads)``."""
+    if width % heads:
+        raise ValueError(f"bench: width={width} is not a multiple of heads={heads}; pick heads dividing width.")
+    return [(heads, width, width // heads)] * (2 * depth)
+
+
+def _matmul_floor(params: list[Any], steps: list[int]) -> Callable[[], None]:
+    """The six ``d x r x r`` products of a StiefelAdam step, batched as StiefelAdam batches ``params``, on
+    preallocated tensors of the same shapes, with the same destinations (``out=`` / ``baddbmm``)."""
+    import torch
+
+    from .optim import _frame_batches
+
+    gen = torch.Generator(device=params[0].device).manual_seed(0)
+    work = []
+    for _, batch in _frame_batches(params, steps):
+        d, r = batch[0].shape[-2:]
+        n = sum(p.numel() for p in batch) // (d * r)
+        like = dict(dtype=batch[0].dtype, device=batch[0].device, generator=gen)
+        w, g, m = (torch.randn(n, d, r, **like) for _ in range(3))
+        x = torch.randn(n, r, r, **like)
+        y, w_new, m_new = (torch.empty_like(w) for _ in range(3))  # separate outputs: no feedback between runs
+        work.append((w, g, m, x, y, w_new, m_new))
+
+    def run() -> None:
+        for w, g, m, x, y, w_new, m_new in work:
+            a = torch.bmm(w.mT, g)  # W^T G
+            torch.baddbmm(g, w, a, alpha=-0.5, out=y)  # G - W S
+            torch.bmm(y.mT, y)  # Gram of W - s
+            torch.bmm(y, x, out=w_new)  # (W - s) X
+            b = torch.bmm(w_new.mT, m)  # W+^T m
+            torch.baddbmm(m, w_new, b, alpha=-0.5, out=m_new)  # m - W+ S'
+
+    return run
+
+
+def _step_arms(shapes: list[tuple[int, ...]], *, arms: tuple[str, ...], lr: float, dtype: Any, device: str,
+               seed: int) -> tuple[dict[str, Callable[[], Any]], dict[str, Any], dict[str, str]]:
+    """Build each arm's step function on its own copy of the same frames and gradients."""
+    import geoopt
+    import torch
+
+    from .manifolds import PolarStiefel
+    from .optim import StiefelAdam
+
+    gen = torch.Generator().manual_seed(seed)
+    st = PolarStiefel()
+    start = [st.random(*s, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device) for s in shapes]
+    grads = [(1e-2 * torch.randn(s, generator=gen, dtype=torch.float64)).to(dtype=dtype, device=device)
+             for s in shapes]
+
+    def params(manifold: Any | None) -> list[torch.Tensor]:
+        out = []
+        for w, g in zip(start, grads):
+            p = (torch.nn.Parameter(w.clone()) if manifold is None
+                 else geoopt.ManifoldParameter(w.clone(), manifold=manifold))
+            p.grad = g.clone()
+            out.append(p)
+        return out
+
+    steps: dict[str, Callable[[], Any]] = {}
+    opts: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    for arm in arms:
+        if arm == "stiefel":
+            opts[arm] = StiefelAdam(params(PolarStiefel()), lr=lr)
+        elif arm == "adamw_foreach":
+            opts[arm] = torch.optim.AdamW(params(None), lr=lr, weight_decay=0.0, foreach=True)
+        elif arm == "adamw_fused":
+            try:
+                opts[arm] = torch.optim.AdamW(params(None), lr=lr, weight_decay=0.0, fused=True)
+                opts[arm].step()
+            except (RuntimeError, ValueError) as exc:  # fused AdamW is not built for every device and dtype
+                notes[arm] = f"unavailable: {exc}".splitlines()[0][:120]
+                opts.pop(arm)
+                continue
+        elif arm == "geoopt_euclidean":
+            opts[arm] = geoopt.optim.RiemannianAdam(params(geoopt.EuclideanStiefel()), lr=lr)
+        elif arm == "geoopt_canonical":
+            opts[arm] = geoopt.optim.RiemannianAdam(params(geoopt.Stiefel()), lr=lr)
+        elif arm == "matmul_floor":
+            continue
+        else:
+            raise ValueError(f"bench: arm {arm!r} is unknown; use any of {STEP_ARMS}.")
+        steps[arm] = opts[arm].step
+    if "matmul_floor" in arms:
+        frames = params(PolarStiefel())
+        steps["matmul_floor"] = _matmul_floor(frames, [1] * len(frames))
+    return steps, opts, notes
+
+
+def step_time_benchmark(
+    widths: tuple[int, ...] = tuple(CONFIGS),
+    *,
+    arms: tuple[str, ...] = STEP_ARMS,
+    rounds: int = 7,
+    steps_per_round: int = 5,
+    warmup: int = 3,
+    lr: float = 1e-3,
+    dtype: str = "float32",
+    device: str = "cpu",
+    clock: str = "wall",
+    threads: int | None = None,
+    seed: int = 0,
+    configs: dict[int, tuple[int, int]] | None = None,
+) -> list[StepTimeResult]:
+    """Time one optimizer step on the query/key frames of each configuration, every arm in one process.
+
+    Parameters
+    ----------
+    widths : tuple of int
+        Keys of ``configs`` (default :data:`CONFIGS`: 128, 256, 512, 768).
+    arms : tuple of str
+        Any of :data:`STEP_ARMS`; ``"stiefel"`` must be among them (the ratios are relative to it).
+    rounds, steps_per_round, warmup : int
+        Interleaving protocol (see the module docstring). Arms slower than 0.25 s per step (geoopt's
+        canonical Stiefel at large widths) run one step per round.
+    lr : float
+        Learning rate of every optimizer (1e-3: a typical value; with it a StiefelAdam step is far inside its
+        trust region, and on CPU the retraction's series has order 1).
+    dtype, device : str
+        Of the parameters (``"float32"``, ``"cpu"`` by default).
+    clock : {"wall", "cpu"}
+        Wall time, or the process's CPU time (robust to other processes on a shared machine with one thread).
+    threads : int or None
+        ``torch.set_num_threads`` for the run (restored afterwards); ``None`` keeps the current setting.
+    seed : int
+        Seed of the frames and gradients (each arm gets identical copies).
+    configs : dict, optional
+        ``width -> (depth, heads)``; defaults to :data:`CONFIGS`.
+
+    Returns
+    -------
+    list of StepTimeResult
+        One per width, in the order given.
+    """
+    import torch
+
+    configs = CONFIGS if configs is None else configs
+    if "stiefel" not in arms:
+        raise ValueError("bench: arms must include 'stiefel' (every ratio is relative to it).")
+    bad = [w for w in widths if w not in configs]
+    if bad:
+        raise ValueError(f"bench: widths {bad} have no configuration; choose from {sorted(configs)} or pass configs.")
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        results = []
+        for width in widths:
+            depth, heads = configs[width]
+            shapes = frame_shapes(width, depth, heads)
+            tdtype = getattr(torch, dtype)
+            steps, opts, notes = _step_arms(shapes, arms=arms, lr=lr, dtype=tdtype, device=device, seed=seed)
+            samples, _ = _interleave(steps, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
+                                     clock=clock, device=device)
+            param_bytes = sum(math.prod(s) for s in shapes) * torch.tensor([], dtype=tdtype).element_size()
+            timings, state_ratio = {}, {}
+            for arm in steps:
+                state = workspace = None
+                if arm in opts:
+                    state = _state_bytes(opts[arm])
+                    state_ratio[arm] = state / param_bytes
+                    ws = getattr(opts[arm], "_workspaces", None)
+                    workspace = sum(b.numel() * b.element_size() for b in ws.values()) if ws is not None else None
+                timings[arm] = _timing(arm, samples[arm], state_bytes=state, workspace_bytes=workspace,
+                                       note=notes.get(arm, ""))
+            for arm, note in notes.items():
+                timings[arm] = ArmTiming(arm=arm, median_ms=math.nan, q1_ms=math.nan, q3_ms=math.nan, steps=0,
+                                         note=note)
+            ratios = {arm: _ratio(samples["stiefel"], samples[arm]) for arm in steps if arm != "stiefel"}
+            results.append(StepTimeResult(
+                width=width, depth=depth, heads=heads, head_dim=width // heads, frames=len(shapes) * heads,
+                param_bytes=param_bytes, dtype=dtype, timings=timings, ratios=ratios, state_ratio=state_ratio,
+                rounds=rounds, clock=clock, threads=torch.get_num_threads()))
+            del steps, opts
+        return results
+    finally:
+        torch.set_num_threads(previous)
+
+
+# ----------------------------------------------------------------------------------------------- train step
+#: Model settings of :func:`train_step_benchmark`: the defaults of the grokking and vision studies.
+TRAIN_SETTINGS: dict[str, dict[str, Any]] = {
+    "tiny_transformer": dict(vocab_size=99, seq_len=4, width=128, depth=1, heads=4, mlp=512, batch=512),
+    "patch_vit": dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, mlp=128, batch=128),
+}
+
+#: The same models shrunk to a smoke test (``scale="tiny"``).
+TINY_TRAIN_SETTINGS: dict[str, dict[str, Any]] = {
+    "tiny_transformer": dict(vocab_size=11, seq_len=4, width=16, depth=1, heads=2, mlp=32, batch=8),
+    "patch_vit": dict(image_size=8, patch_size=4, width=16, depth=1, heads=2, mlp=32, batch=4),
+}
+
+
+def _train_setup(model: str, attention: str, settings: dict[str, Any], *, seed: int,
+                 device: str) -> tuple[Any, Any, Any, Callable[[Any, Any], Any]]:
+    """Model, input batch, targets and loss of one arm (the same data for both arms)."""
+    import torch
+
+    from .models import PatchViT, TinyTransformer
+
+    gen = torch.Generator().manual_seed(seed)
+    kw = {k: v for k, v in settings.items() if k != "batch"}
+    batch = settings["batch"]
+    if model == "tiny_transformer":
+        net = TinyTransformer(attention=attention, seed=seed, **kw)
+        x = torch.randint(0, kw["vocab_size"], (batch, kw["seq_len"]), generator=gen)
+        y = torch.randint(0, kw["vocab_size"], (batch,), generator=gen)
+
+        def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(out[:, -1], target)  # the answer at the last position
+    elif model == "patch_vit":
+        net = PatchViT(in_channels=3, num_classes=10, attention=attention, seed=seed, **kw)
+        x = torch.randn(batch, 3, kw["image_size"], kw["image_size"], generator=gen)
+        y = torch.randint(0, 10, (batch,), generator=gen)
+        loss_fn = torch.nn.functional.cross_entropy
+    else:
+        raise ValueError(f"bench: model {model!r} is unknown; use one of {TRAIN_MODELS}.")
+    return net.to(device), x.to(device), y.to(device), loss_fn
+
+
+def train_step_benchmark(
+    models: tuple[str, ...] = TRAIN_MODELS,
+    *,
+    rounds: int = 7,
+    steps_per_round: int = 3,
+    warmup: int = 2,
+    lr: float = 1e-3,
+    weight_decay: float = 0.1,
+    device: str = "cpu",
+    clock: str = "wall",
+    threads: int | None = None,
+    seed: int = 0,
+    scale: str = "default",
+) -> list[TrainStepResult]:
+    """Time a full training step (zero_grad, forward, loss, backward, optimizer step) of each model for the
+    ``"adamw"`` arm (Euclidean attention, ``torch.optim.AdamW`` with its default implementation) and the
+    ``"stiefel"`` arm (Stiefel attention, :class:`~geoopt_stiefel_attention.StiefelAdam`), both on
+    ``param_groups(model, weight_decay)``, interleaved in one process.
+
+    ``scale="default"`` uses :data:`TRAIN_SETTINGS` (the grokking and vision studies' default models; the
+    grokking batch is 512 rather than the study's full batch, which only lowers the optimizer's share),
+    ``scale="tiny"`` :data:`TINY_TRAIN_SETTINGS`. The optimizer step is also timed on its own.
+    """
+    import torch
+
+    from .nn import param_groups
+    from .optim import StiefelAdam
+
+    table = {"default": TRAIN_SETTINGS, "tiny": TINY_TRAIN_SETTINGS}.get(scale)
+    if table is None:
+        raise ValueError(f"bench: scale={scale!r} is unknown; use 'default' or 'tiny'.")
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        results = []
+        for model in models:
+            if model not in table:
+                raise ValueError(f"bench: model {model!r} is unknown; use one of {TRAIN_MODELS}.")
+            steps: dict[str, Callable[[], Any]] = {}
+            opt_steps: dict[str, Callable[[], Any]] = {}
+            for arm, attention in (("adamw", "euclidean"), ("stiefel", "stiefel")):
+                net, x, y, loss_fn = _train_setup(model, attention, table[model], seed=seed, device=device)
+                groups = param_groups(net, weight_decay=weight_decay)
+                opt = torch.optim.AdamW(groups, lr=lr) if arm == "adamw" else StiefelAdam(groups, lr=lr)
+
+                def full(net=net, opt=opt, x=x, y=y, loss_fn=loss_fn) -> None:
+                    opt.zero_grad(set_to_none=True)
+                    loss_fn(net(x), y).backward()
+                    opt.step()
+
+                steps[arm], opt_steps[arm] = full, opt.step
+            samples, _ = _interleave(steps, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
+                                     clock=clock, device=device)
+            # the optimizer alone, on the gradients of the last full step
+            opt_samples, _ = _interleave(opt_steps, rounds=rounds, steps_per_round=steps_per_round, warmup=1,
+                                         clock=clock, device=device)
+            settings = dict(table[model])
+            results.append(TrainStepResult(
+                model=model, config={k: v for k, v in settings.items() if k != "batch"}, batch=settings["batch"],
+                full_step={arm: _timing(arm, samples[arm]) for arm in steps},
+                optimizer_step={arm: _timing(arm, opt_samples[arm]) for arm in opt_steps},
+                ratio=_ratio(samples["stiefel"], samples["adamw"]), rounds=rounds, clock=clock,
+                threads=torch.get_num_threads()))
+        return results
+    finally:
+        torch.set_num_threads(previous)
+
+
+# ----------------------------------------------------------------------------------------------- rendering
+_ARM_LABELS = {
+    "adamw_foreach": "AdamW foreach",
+    "adamw_fused": "AdamW fused",
+    "geoopt_euclidean": "geoopt ES",
+    "geoopt_canonical": "geoopt Stiefel()",
+    "matmul_floor": "matmul floor",
+}
+
+
+def format_step_table(results: list[StepTimeResult]) -> str:
+    """A Markdown table: StiefelAdam's median step time, and for each competitor its time and the ratio
+    (StiefelAdam / competitor for AdamW and the floor; competitor / StiefelAdam, the speed-up, for geoopt)."""
+    arms = [a for a in STEP_ARMS if a != "stiefel" and any(a in r.timings for r in results)]
+    head = ["width (layers x heads x head_dim)", "StiefelAdam ms"]
+    for arm in arms:
+        label = _ARM_LABELS[arm]
+        head += [f"{label} ms", f"speed-up vs {label}" if arm.startswith("geoopt") else f"x {label}"]
+    head += ["state / params (StiefelAdam, AdamW)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        row = [f"{r.width} ({r.depth} x {r.heads} x {r.head_dim})", f"{r.timings['stiefel'].median_ms:.3f}"]
+        for arm in arms:
+            t = r.timings.get(arm)
+            if t is None or arm not in r.ratios:
+                row += ["n/a", "n/a"]
+                continue
+            ratio = r.ratios[arm]
+            row += [f"{t.median_ms:.3f}", f"{1 / ratio:.1f}x" if arm.startswith("geoopt") else f"{ratio:.2f}"]
+        adamw = r.state_ratio.get("adamw_foreach", math.nan)
+        row += [f"{r.state_ratio.get('stiefel', math.nan):.4f}, {adamw:.2f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def format_train_table(results: list[TrainStepResult]) -> str:
+    """A Markdown table of full-step times per arm and the stiefel / adamw ratio."""
+    lines = ["| model | batch | adamw step ms (optimizer ms) | stiefel step ms (optimizer ms) | stiefel / adamw |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        cells = [f"{r.full_step[a].median_ms:.2f} ({r.optimizer_step[a].median_ms:.2f})" for a in ("adamw", "stiefel")]
+        cfg = ", ".join(f"{k}={v}" for k, v in r.config.items())
+        lines.append(f"| {r.model} ({cfg}) | {r.batch} | {cells[0]} | {cells[1]} | {r.ratio:.3f} |")
+    return "\n".join(lines)
+
+
+def to_json(results: list[Any], machine: Machine, **meta: Any) -> str:
+    """JSON document with the machine, the run's settings and every result."""
+    return json.dumps({"machine": asdict(machine), "settings": meta, "results": [asdict(r) for r in results]},
+                      indent=2, default=str)
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``stiefel-attention bench``."""
+    parser.add_argument("what", nargs="?", choices=("step", "train"), default="step",
+                        help="'step': optimizer step on Q/K frames (default); 'train': full training step")
+    parser.add_argument("--widths", type=int, nargs="+", default=list(CONFIGS),
+                        help=f"configurations for 'step' (default: {' '.join(map(str, CONFIGS))})")
+    parser.add_argument("--arms", nargs="+", default=list(STEP_ARMS), choices=STEP_ARMS,
+                        help="competitors for 'step' (default: all)")
+    parser.add_argument("--models", nargs="+", default=list(TRAIN_MODELS), choices=TRAIN_MODELS,
+                        help="models for 'train' (default: both)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per arm and round (default 5 for 'step', 3 for 'train')")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of every optimizer (default 1e-3)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--clock", default="wall", choices=CLOCKS,
+                        help="'wall' time, or process 'cpu' time (robust on a shared machine with --threads 1)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark and print a Markdown table (or JSON with ``--json``)."""
+    if args.rounds < 1 or (args.steps is not None and args.steps < 1):
+        raise SystemExit("bench: --rounds and --steps must be >= 1.")
+    if args.what == "step":
+        steps = 5 if args.steps is None else args.steps
+        results = step_time_benchmark(tuple(args.widths), arms=tuple(args.arms), rounds=args.rounds,
+                                      steps_per_round=steps, lr=args.lr, dtype=args.dtype, device=args.device,
+                                      clock=args.clock, threads=args.threads, seed=args.seed)
+        table = format_step_table(results)
+    else:
+        steps = 3 if args.steps is None else args.steps
+        results = train_step_benchmark(tuple(args.models), rounds=args.rounds, steps_per_round=steps, lr=args.lr,
+                                       device=args.device, clock=args.clock, threads=args.threads, seed=args.seed)
+        table = format_train_table(results)
+    import torch
+
+    previous = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    machine = machine_info(args.device)
+    torch.set_num_threads(previous)
+    if args.json:
+        print(to_json(results, machine, benchmark=args.what, rounds=args.rounds, steps_per_round=steps, lr=args.lr,
+                      dtype=args.dtype, clock=args.clock, threads=args.threads, seed=args.seed))
+    else:
+        print(table)
+        print(f"\n{machine.cpu}, {machine.logical_cpus} logical CPUs, torch {machine.torch} "
+              f"({machine.torch_threads} threads), geoopt {machine.geoopt}; clock={args.clock}, "
+              f"rounds={args.rounds}, steps/round={steps}, lr={args.lr}, {args.dtype} on {args.device}.")
+    return 0

@@ -1,0 +1,112 @@
+"""Smoke tests of the benchmark code (tiny sizes; no timing assertions)."""
+
+import json
+import math
+
+import geoopt
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, bench
+from geoopt_stiefel_attention.cli import main
+
+TINY = {64: (1, 2)}  # width 64, 1 layer, 2 heads of 32: two (2, 64, 32) frame stacks
+STATE_RATIO_MAX = 1.01  # StiefelAdam's state over parameter bytes (issue #7)
+
+
+def _tiny_step_results(arms=bench.STEP_ARMS):
+    return bench.step_time_benchmark((64,), arms=arms, rounds=2, steps_per_round=1, warmup=1, configs=TINY,
+                                     clock="cpu", threads=1)
+
+
+def test_step_time_benchmark_reports_every_arm_and_memory():
+    (res,) = _tiny_step_results()
+    assert (res.width, res.depth, res.heads, res.head_dim, res.frames) == (64, 1, 2, 32, 4)
+    assert res.param_bytes == 2 * 2 * 64 * 32 * 4
+    for arm in bench.STEP_ARMS:
+        t = res.timings[arm]
+        if t.note.startswith("unavailable"):  # fused AdamW where torch lacks it
+            assert math.isnan(t.median_ms) and arm not in res.ratios
+            continue
+        assert t.median_ms > 0 and t.steps >= 2 and t.q1_ms <= t.median_ms <= t.q3_ms
+        if arm != "stiefel":
+            assert res.ratios[arm] > 0
+    # state: first moment + one scalar per frame (+ step and skip counters) vs AdamW's two full buffers
+    assert res.state_ratio["stiefel"] <= STATE_RATIO_MAX
+    assert res.state_ratio["adamw_foreach"] > 1.99  # companion: the measure does see a 2x state
+    # one reusable buffer: the two small stacks are staged together (frames, gradients, moments) plus scratch
+    assert res.timings["stiefel"].workspace_bytes == 4 * res.param_bytes
+    table = bench.format_step_table([res])
+    assert table.count("\n") == 2 and "| 64 (1 x 2 x 32) |" in table
+
+
+def test_step_time_benchmark_validates_arguments():
+    with pytest.raises(ValueError, match="stiefel"):
+        bench.step_time_benchmark((64,), arms=("adamw_foreach",), configs=TINY)
+    with pytest.raises(ValueError, match="width"):
+        bench.step_time_benchmark((100,), configs=TINY)
+    with pytest.raises(ValueError, match="clock"):
+        bench.step_time_benchmark((64,), arms=("stiefel",), configs=TINY, clock="sundial", rounds=1)
+
+
+class _CountProducts(TorchDispatchMode):
+    """Counts batched products whose operands include a ``d x r`` matrix (the expensive ones)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.d, self.count = d, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.bmm.default, torch.ops.aten.bmm.out, torch.ops.aten.baddbmm.default,
+                    torch.ops.aten.baddbmm.out, torch.ops.aten.baddbmm_.default):
+            if any(isinstance(a, torch.Tensor) and self.d in a.shape[-2:] for a in args):
+                self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _products_of_one_step(**opt_kwargs):
+    st = PolarStiefel()
+    gen = torch.Generator().manual_seed(0)
+    params = [geoopt.ManifoldParameter(st.random(2, 64, 32, generator=gen), manifold=st) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt = StiefelAdam(params, lr=1e-3, **opt_kwargs)
+    opt.step()  # first step: orthonormality check, state
+    with _CountProducts(64) as counter:
+        opt.step()
+    floor = bench._matmul_floor(params, [2] * len(params))
+    with _CountProducts(64) as floor_counter:
+        floor()
+    return counter.count, floor_counter.count
+
+
+def test_matmul_floor_runs_the_products_a_step_performs():
+    step, floor = _products_of_one_step()
+    assert step == floor == 6  # three small stacks batched into one call per product
+    # companion: the per-column variant projects its step as well, two products the floor does not have
+    step, floor = _products_of_one_step(second_moment="column")
+    assert step > floor
+
+
+def test_train_step_benchmark_tiny_models():
+    results = bench.train_step_benchmark(rounds=1, steps_per_round=1, warmup=1, scale="tiny", clock="cpu",
+                                         threads=1)
+    assert [r.model for r in results] == list(bench.TRAIN_MODELS)
+    for r in results:
+        assert set(r.full_step) == set(r.optimizer_step) == {"adamw", "stiefel"}
+        assert r.ratio > 0 and all(t.median_ms > 0 for t in r.full_step.values())
+    assert "| tiny_transformer" in bench.format_train_table(results)
+    with pytest.raises(ValueError, match="scale"):
+        bench.train_step_benchmark(scale="huge")
+
+
+def test_cli_bench_json(capsys):
+    assert main(["bench", "step", "--widths", "128", "--arms", "stiefel", "adamw_foreach", "matmul_floor",
+                 "--rounds", "1", "--steps", "1", "--threads", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["settings"]["benchmark"] == "step" and doc["machine"]["torch"] == torch.__version__
+    (row,) = doc["results"]
+    assert row["width"] == 128 and set(row["ratios"]) == {"adamw_foreach", "matmul_floor"}
+    assert main(["bench", "step", "--widths", "128", "--arms", "stiefel", "--rounds", "1", "--steps", "1"]) == 0
+    assert "| 128 (2 x 4 x 32) |" in capsys.readouterr().out
