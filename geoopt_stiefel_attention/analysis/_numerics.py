@@ -6,8 +6,8 @@ definitions, so that a certificate compares the code under test with something e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -159,7 +159,7 @@ class QuadraticLoss:
     b: torch.Tensor  # (H, m, r)
 
     @classmethod
-    def random(cls, heads: int, d: int, r: int, *, generator: torch.Generator, m: int | None = None) -> "QuadraticLoss":
+    def random(cls, heads: int, d: int, r: int, *, generator: torch.Generator, m: int | None = None) -> QuadraticLoss:
         m = m or d
         a = torch.randn(heads, m, d, dtype=torch.float64, generator=generator) / m**0.5
         b = torch.randn(heads, m, r, dtype=torch.float64, generator=generator)
@@ -172,7 +172,7 @@ class QuadraticLoss:
     def value(self, w: torch.Tensor) -> float:
         return float(0.5 * (self.a @ w.to(torch.float64) - self.b).square().sum())
 
-    def transformed(self, q: torch.Tensor | None = None, r: torch.Tensor | None = None) -> "QuadraticLoss":
+    def transformed(self, q: torch.Tensor | None = None, r: torch.Tensor | None = None) -> QuadraticLoss:
         a = self.a if q is None else self.a @ q.transpose(-1, -2)
         b = self.b if r is None else self.b @ r
         return QuadraticLoss(a, b)

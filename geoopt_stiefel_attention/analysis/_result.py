@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = ["Certificate"]
 
@@ -51,7 +52,7 @@ class Certificate:
     @classmethod
     def check(cls, name: str, statement: str, measured: float, tolerance: float, *,
               optimizer: str | None = None, details: Mapping[str, Any] | None = None,
-              comparison: str = "<=") -> "Certificate":
+              comparison: str = "<=") -> Certificate:
         """Build a certificate whose ``passed`` is computed from ``measured`` and ``tolerance``."""
         measured = float(measured)
         if math.isnan(measured):
@@ -65,7 +66,7 @@ class Certificate:
 
     @classmethod
     def not_applicable(cls, name: str, statement: str, reason: str, *,
-                       optimizer: str | None = None) -> "Certificate":
+                       optimizer: str | None = None) -> Certificate:
         """A cell for a property that has no meaning for this optimizer, with the reason."""
         return cls(name, statement, None, None, None, {"reason": reason}, optimizer)
 

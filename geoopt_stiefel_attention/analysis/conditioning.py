@@ -24,9 +24,11 @@ __all__ = ["CONDITION_SLACK", "DRIFT_TOL", "DriftRun", "run_drift", "certify_con
 
 #: Relative slack on the bound 1 + Delta^2 for rounding in the recovered step (float32 iterates).
 CONDITION_SLACK = {torch.float64: 1e-9, torch.float32: 1e-4}
-#: "Rounding level" of max|W^T W - I| for St(16, 4): 64 r u (u = unit roundoff of the dtype).
-DRIFT_TOL = {torch.float64: 64 * 4 * torch.finfo(torch.float64).eps / 2,
-             torch.float32: 64 * 4 * torch.finfo(torch.float32).eps / 2}
+#: "Rounding level" of max|W^T W - I| for St(16, 4): 16 r u (u = unit roundoff of the dtype). A retraction
+#: that re-orthonormalises leaves an error of a few u whatever the number of steps; one that does not
+#: (a Cayley rotation of the current iterate) accumulates an error growing like sqrt(steps) u.
+DRIFT_TOL = {torch.float64: 16 * 4 * torch.finfo(torch.float64).eps / 2,
+             torch.float32: 16 * 4 * torch.finfo(torch.float32).eps / 2}
 
 _SHAPE = (8, 16, 4)
 _CHUNK = 500
@@ -129,7 +131,7 @@ def certify_drift(column: OptimizerColumn, run: DriftRun) -> Certificate:
     label = "3b" if dtype == torch.float64 else "3c"
     name = f"{label} no drift, {run.dtype}"
     statement = (f"max |W_t^T W_t - I| over {run.steps} steps in {run.dtype} (lr = 1, random gradients, no "
-                 f"re-projection) stays at rounding level, <= 64 r u")
+                 f"re-projection) stays at rounding level, <= 16 r u")
     details = {"steps": run.steps, "final": run.final_orthonormality_error, "lr": run.lr}
     if not column.on_manifold:
         details["note"] = "unconstrained matrix: the iterates leave St(d, r) (off-manifold drift)"

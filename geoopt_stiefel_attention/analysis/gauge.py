@@ -14,7 +14,7 @@ constraint; removing the gauge freedom cannot be what the constraint buys.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -142,7 +142,7 @@ def _gradients(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor):
     wk = w_k.detach().clone().requires_grad_(True)
     loss = loss_fn(wq, wk)
     g_q, g_k = torch.autograd.grad(loss, (wq, wk))
-    return float(loss), g_q, g_k
+    return float(loss.detach()), g_q, g_k
 
 
 def certify_gauge_gradient(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor, *, frames: bool,

@@ -8,8 +8,9 @@ optimizer is just another column, which is how the tests check that each certifi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 

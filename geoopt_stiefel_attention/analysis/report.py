@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ._result import Certificate
 
@@ -126,11 +126,11 @@ def format_text(certs: Sequence[Certificate], labels: Mapping[str, str] | None =
     first = max([len("certificate")] + [len(r) for r in rows]) + 2
     widths = [max(len(lab), 12, *(len(format_cell(cells[(r, c)])) for r in rows if (r, c) in cells)) + 2
               for lab, c in heads]
-    header = "certificate".ljust(first) + "".join(lab.rjust(w) for (lab, _), w in zip(heads, widths))
+    header = "certificate".ljust(first) + "".join(lab.rjust(w) for (lab, _), w in zip(heads, widths, strict=True))
     lines = [header, "-" * len(header)]
     for r in rows:
         line = r.ljust(first)
-        for (lab, c), w in zip(heads, widths):
+        for (_lab, c), w in zip(heads, widths, strict=True):
             line += (format_cell(cells[(r, c)]) if (r, c) in cells else "").rjust(w)
         lines.append(line)
     if legend:

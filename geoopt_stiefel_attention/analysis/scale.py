@@ -109,7 +109,7 @@ def certify_scale_with_eps(column: OptimizerColumn, *, seed: int = 0, steps: int
         if any(s is None for s in sigmas):
             bound = 0.0
         else:
-            bound = sum(h * abs(eps / c - eps) / (s + eps / c) for h, s in zip(step_len, sigmas))
+            bound = sum(h * abs(eps / c - eps) / (s + eps / c) for h, s in zip(step_len, sigmas, strict=True))
         devs[f"{c:g}"], bounds[f"{c:g}"] = dev, bound
         ratios[f"{c:g}"] = dev / bound if bound > 0 else (0.0 if dev == 0 else float("inf"))
     details = {"steps": steps, "lr": lr, "eps": eps, "deviation_by_scale": devs, "bound_by_scale": bounds,

@@ -21,8 +21,8 @@ from ._numerics import (
     polar_step,
     random_frames,
     recover_polar_step,
-    sym,
     skew,
+    sym,
     tangent_basis,
 )
 from ._result import Certificate
@@ -208,7 +208,7 @@ def certify_retraction_order(column: OptimizerColumn, *, seed: int = 0,
     logs_e = torch.tensor([math.log(max(e, 1e-300)) for e in errs], dtype=torch.float64)
     design = torch.stack([logs_t, torch.ones_like(logs_t)], dim=1)
     slope = float(torch.linalg.lstsq(design, logs_e.unsqueeze(1)).solution[0, 0])
-    ratios = [e / t**2 for e, t in zip(errs, ts)]
+    ratios = [e / t**2 for e, t in zip(errs, ts, strict=True)]
     details = {"ts": list(ts), "errors": errs, "min_err_over_t2": min(ratios), "max_err_over_t2": max(ratios)}
     return Certificate.check(name, statement, slope, RETRACTION_MIN_ORDER, optimizer=column.name, details=details,
                              comparison=">=")

@@ -1,0 +1,382 @@
+"""Tests of the certificates in ``geoopt_stiefel_attention.analysis``.
+
+Every certificate is run for ``StiefelAdam`` (it must pass) and for an optimizer, retraction or loss that
+breaks its property (it must report failure). The shared numerics are checked against independent
+written-out references in float64.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import geoopt
+import pytest
+import torch
+
+from geoopt_stiefel_attention import PolarStiefel, analysis
+from geoopt_stiefel_attention.analysis import _numerics as num
+from geoopt_stiefel_attention.analysis import conditioning, gauge, report, scale, steepest, weight_decay
+from geoopt_stiefel_attention.analysis.optimizers import OptimizerColumn, column_by_name, stiefel_adam_column
+
+EXACT_TOL = 1e-12  # float64 agreement of two exact formulas
+SHORT_DRIFT_STEPS = 300  # drift runs in tests (the CLI default is 10,000)
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def sa():
+    return stiefel_adam_column("frame")
+
+
+def _column(name, manifold_factory, optimizer_factory, trust_region=False):
+    return OptimizerColumn(name, name, manifold_factory, optimizer_factory, trust_region, name)
+
+
+# ------------------------------------------------------------------------------------- broken optimizers
+class _NonSymmetricProjection(PolarStiefel):
+    """'Projection' G - W W^T G: tangent, but its complement W (W^T G) is not in the normal space."""
+
+    def egrad2rgrad(self, x, u):
+        return u - x @ (x.transpose(-1, -2) @ u)
+
+    proju = egrad2rgrad
+
+
+class _NoProjection(PolarStiefel):
+    """Riemannian gradient = Euclidean gradient (not tangent)."""
+
+    def egrad2rgrad(self, x, u):
+        return u
+
+    proju = egrad2rgrad
+
+
+class _NoRetraction(geoopt.EuclideanStiefel):
+    """'Retraction' W + u: never returns to the manifold."""
+
+    def retr(self, x, u):
+        return x + u
+
+    def retr_transp(self, x, u, v):
+        y = x + u
+        return y, self.proju(y, v)
+
+
+class _DecayInsideRetraction(torch.optim.Optimizer):
+    """Normalised steepest step with decoupled decay applied inside the retraction:
+    W <- polar((1 - lr wd) W - lr xi/||xi||)."""
+
+    def __init__(self, params, lr, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                xi = num.embedded_projection(p, p.grad)
+                s = group["lr"] * xi / xi.norm(dim=(-2, -1), keepdim=True)
+                p.copy_(num.polar_factor((1 - group["lr"] * group["weight_decay"]) * p - s))
+
+
+def _polar_stiefel():
+    return PolarStiefel()
+
+
+def _radam(params, *, lr, betas, eps, weight_decay, trust_region):
+    return geoopt.optim.RiemannianAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+# ------------------------------------------------------------------------------------- shared numerics
+def test_random_frames_are_orthonormal_and_reproducible():
+    a = num.random_frames(3, 9, 4, generator=torch.Generator().manual_seed(1))
+    b = num.random_frames(3, 9, 4, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+    assert num.orthonormality_error(a) < EXACT_TOL
+
+
+def test_polar_step_matches_svd_polar_factor():
+    gen = torch.Generator().manual_seed(0)
+    w = num.random_frames(4, 10, 3, generator=gen)
+    s = num.embedded_projection(w, 0.3 * torch.randn(4, 10, 3, dtype=torch.float64, generator=gen))
+    assert (num.polar_step(w, s) - num.polar_factor(w - s)).abs().max() < EXACT_TOL
+
+
+def test_recover_polar_step_inverts_the_polar_retraction():
+    gen = torch.Generator().manual_seed(0)
+    w = num.random_frames(5, 12, 4, generator=gen)
+    s = num.embedded_projection(w, 0.2 * torch.randn(5, 12, 4, dtype=torch.float64, generator=gen))
+    s_rec, p = num.recover_polar_step(w, num.polar_step(w, s))
+    assert (s_rec - s).abs().max() < EXACT_TOL
+    eye = torch.eye(4, dtype=torch.float64)
+    reference = torch.linalg.cond(eye + s.transpose(-1, -2) @ s)  # independent: torch's SVD-based cond
+    assert (num.step_condition(p) - reference).abs().max() < EXACT_TOL
+
+
+def test_tangent_basis_is_an_orthonormal_basis_of_the_tangent_space():
+    w = num.random_frames(7, 3, generator=torch.Generator().manual_seed(2))
+    basis = num.tangent_basis(w)
+    assert basis.shape == (7 * 3 - 3 * 4 // 2, 7, 3)
+    gram = torch.einsum("aij,bij->ab", basis, basis)
+    assert (gram - torch.eye(basis.shape[0], dtype=torch.float64)).abs().max() < EXACT_TOL
+    wtb = w.T @ basis
+    assert (wtb + wtb.transpose(-1, -2)).abs().max() < EXACT_TOL
+
+
+def test_certificate_check_and_json_record():
+    ok = analysis.Certificate.check("x", "s", 1e-15, 1e-12, optimizer="StiefelAdam", details={"v": float("inf")})
+    assert ok.passed is True and ok.applicable
+    assert analysis.Certificate.check("x", "s", float("nan"), 1.0).passed is False
+    assert analysis.Certificate.check("x", "s", 1.5, 1.9, comparison=">=").passed is False
+    na = analysis.Certificate.not_applicable("x", "s", "because", optimizer="AdamW")
+    assert na.passed is None and not na.applicable
+    rec = ok.to_dict()
+    assert {"certificate", "optimizer", "passed", "measured", "tolerance", "details"} <= rec.keys()
+    json.dumps(rec)  # inf became a string
+    with pytest.raises(ValueError, match="comparison"):
+        analysis.Certificate("x", "s", 1.0, 1.0, True, comparison="<")
+
+
+# ------------------------------------------------------------------------------------- 1 steepest descent
+def test_projection_certificate_passes_and_fails_for_non_symmetric_projection(sa):
+    assert steepest.certify_projection(sa).passed
+    bad = _column("nonsym", _NonSymmetricProjection, stiefel_adam_column().optimizer_factory)
+    cert = steepest.certify_projection(bad)
+    assert cert.passed is False and cert.details["normality"] > 1e-3
+    assert steepest.certify_projection(column_by_name("AdamW")).passed is None
+
+
+def test_step_direction_passes_and_fails_for_per_column_second_moment(sa):
+    assert steepest.certify_step_direction(sa).passed
+    assert steepest.certify_step_direction(stiefel_adam_column("column")).passed is False
+
+
+def test_first_step_is_the_written_out_polar_step_and_fails_for_fixed_step_sgd(sa):
+    cert = steepest.certify_first_step(sa)
+    assert cert.passed and cert.measured < steepest.FIRST_STEP_TOL
+    assert steepest.certify_first_step(stiefel_adam_column(None)).passed is False
+
+
+def test_retraction_order_two_and_fails_for_wrong_first_order_term(sa):
+    cert = steepest.certify_retraction_order(sa)
+    assert cert.passed and abs(cert.measured - 2.0) < 0.05
+    bad = steepest.certify_retraction_order(sa, retr=lambda w, u: num.polar_factor(w + 1.1 * u))
+    assert bad.passed is False and abs(bad.measured - 1.0) < 0.1
+
+
+# ------------------------------------------------------------------------------------- 2 scale
+def test_scale_invariance_passes_and_fails_for_riemannian_sgd(sa):
+    assert scale.certify_scale_invariance(sa, steps=20).passed
+    assert scale.certify_scale_invariance(stiefel_adam_column(None), steps=20).passed is False
+
+
+def test_scale_with_eps_within_bound_and_fails_without_second_moment(sa):
+    cert = scale.certify_scale_with_eps(sa, steps=20)
+    assert cert.passed and cert.details["exact_equivalence_residual"] < EXACT_TOL
+    bad = scale.certify_scale_with_eps(stiefel_adam_column(None), steps=20)
+    assert bad.passed is False and math.isinf(bad.measured)
+
+
+# ------------------------------------------------------------------------------------- 3 conditioning, drift
+def test_conditioning_and_drift_pass_for_stiefel_adam(sa):
+    runs = [conditioning.run_drift(sa, steps=SHORT_DRIFT_STEPS, dtype=dt) for dt in (torch.float64, torch.float32)]
+    cond = conditioning.certify_conditioning(sa, runs)
+    assert cond.passed and 1.0 < cond.measured <= 1.0 + 0.1**2
+    for run in runs:
+        assert conditioning.certify_drift(sa, run).passed
+    assert abs(runs[0].max_step_norm - 0.1) < 1e-12  # lr = 1 >> Delta: the cap binds
+
+
+def test_conditioning_fails_without_trust_region():
+    column = _column("no-cap", _polar_stiefel, stiefel_adam_column().optimizer_factory, trust_region=True)
+    run = conditioning.run_drift(column, steps=50, trust_region=None)
+    assert conditioning.certify_conditioning(column, [run]).passed is False
+
+
+def test_drift_fails_for_a_retraction_that_does_not_correct():
+    column = _column("no-retraction", _NoRetraction, _radam)
+    run = conditioning.run_drift(column, steps=50)
+    assert conditioning.certify_drift(column, run).passed is False
+
+
+# ------------------------------------------------------------------------------------- 4 equivariance
+def test_equivariance_both_sides_for_stiefel_adam(sa):
+    assert analysis.certify_equivariance(sa, "left", steps=20).passed
+    assert analysis.certify_equivariance(sa, "right", steps=20).passed
+
+
+def test_per_column_second_moment_is_left_but_not_right_equivariant():
+    col = stiefel_adam_column("column")
+    assert analysis.certify_equivariance(col, "left", steps=20).passed
+    assert analysis.certify_equivariance(col, "right", steps=20).passed is False
+
+
+def test_element_wise_second_moment_is_not_equivariant():
+    col = stiefel_adam_column("element")
+    assert analysis.certify_equivariance(col, "left", steps=20).passed is False
+    assert analysis.certify_equivariance(col, "right", steps=20).passed is False
+    with pytest.raises(ValueError, match="side"):
+        analysis.certify_equivariance(col, "both")
+
+
+# ------------------------------------------------------------------------------------- 5 weight decay
+def test_decay_gradient_zero_and_fails_without_projection(sa):
+    assert weight_decay.certify_decay_gradient(sa).passed
+    bad = _column("no-proj", _NoProjection, stiefel_adam_column().optimizer_factory)
+    assert weight_decay.certify_decay_gradient(bad).passed is False
+
+
+def test_coupled_decay_no_effect_and_fails_for_unconstrained_adamw(sa):
+    assert weight_decay.certify_coupled_decay(sa, steps=20).passed
+    assert weight_decay.certify_coupled_decay(column_by_name("AdamW"), steps=20).passed is False
+
+
+def test_point_decay_no_effect_and_fails_without_the_polar_factor(sa):
+    assert weight_decay.certify_point_decay(sa, steps=20).passed
+    bad = weight_decay.certify_point_decay(sa, steps=20, project=lambda y: y)  # plain W <- (1 - lr lambda) W
+    assert bad.passed is False
+
+
+def test_decay_inside_retraction_enlarges_the_step_by_one_over_one_minus_lr_lambda(sa):
+    cert = weight_decay.certify_decay_in_retraction(sa)
+    assert cert.passed and cert.measured == 0.0
+    lr, lam = 0.05, 1.0
+    assert abs(cert.details["enlargement_if_decayed_inside_retraction"] - 1 / (1 - lr * lam)) < EXACT_TOL
+
+    def make(params, *, lr, betas, eps, weight_decay, trust_region):
+        return _DecayInsideRetraction(params, lr=lr, weight_decay=weight_decay)
+
+    bad = weight_decay.certify_decay_in_retraction(_column("inside", _polar_stiefel, make), lr=lr, decay=lam)
+    assert bad.passed is False
+    assert abs(bad.measured - lr * lam / (1 - lr * lam)) < 1e-10
+
+
+def test_training_with_decay_leaves_frames_identical_and_adamw_shrinks(sa):
+    cert = weight_decay.certify_decay_training(sa, steps=30)
+    assert cert.passed and cert.measured == 0.0
+    bad = weight_decay.certify_decay_training(column_by_name("AdamW"), steps=30)
+    assert bad.passed is False
+    assert bad.details["W_Q_norm_end_with_decay"] < bad.details["W_Q_norm_end_without_decay"]
+
+
+# ------------------------------------------------------------------------------------- 6 gauge
+@pytest.mark.parametrize("frames", [True, False])
+def test_gauge_gradient_zero_on_attention(frames):
+    prob = gauge.AttentionProblem(seed=3, frames=frames)
+    cert = gauge.certify_gauge_gradient(prob.loss, prob.w_q, prob.w_k, frames=frames)
+    assert cert.passed and cert.details["control_non_symmetry_component"] > 1e-3
+    # independent check: <grad, (W_Q B, -W_K B^T)> = <W_Q^T G_Q - G_K^T W_K, B> vanishes for every B
+    wq, wk = prob.w_q.clone().requires_grad_(True), prob.w_k.clone().requires_grad_(True)
+    g_q, g_k = torch.autograd.grad(prob.loss(wq, wk), (wq, wk))
+    m = prob.w_q.transpose(-1, -2) @ g_q - g_k.transpose(-1, -2) @ prob.w_k
+    assert m.abs().max() < EXACT_TOL * g_q.abs().max().clamp_min(1.0)
+    assert gauge.certify_gauge_moves(prob.loss, prob.w_q, prob.w_k, frames=frames).passed
+
+
+def test_gauge_fails_when_the_symmetry_is_broken():
+    prob = gauge.AttentionProblem(seed=3, frames=True)
+
+    def broken(w_q, w_k):  # a non-linearity on the queries breaks q k^T = x W_Q W_K^T x^T
+        return prob.loss(torch.tanh(3 * w_q), w_k)
+
+    assert gauge.certify_gauge_gradient(broken, prob.w_q, prob.w_k, frames=True).passed is False
+    assert gauge.certify_gauge_moves(broken, prob.w_q, prob.w_k, frames=True).passed is False
+    euc = gauge.AttentionProblem(seed=3, frames=False)
+
+    def penalised(w_q, w_k):  # an L2 penalty on W_Q alone is not invariant under W_Q -> W_Q M
+        return euc.loss(w_q, w_k) + 0.1 * w_q.square().sum()
+
+    assert gauge.certify_gauge_gradient(penalised, euc.w_q, euc.w_k, frames=False).passed is False
+
+
+def test_gauge_directions_are_tangent_for_frames():
+    prob = gauge.AttentionProblem(seed=0, frames=True)
+    dirs = gauge.gauge_directions(prob.w_q, prob.w_k, skew_only=True)
+    n = prob.w_q.numel()
+    for row in dirs:
+        for w, d in ((prob.w_q, row[:n].reshape(prob.w_q.shape)), (prob.w_k, row[n:].reshape(prob.w_k.shape))):
+            wtd = w.transpose(-1, -2) @ d
+            assert (wtd + wtd.transpose(-1, -2)).abs().max() < EXACT_TOL
+
+
+def test_gauge_on_a_module_with_w_q_w_k_attributes():
+    prob = gauge.AttentionProblem(seed=1, frames=True)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w_q = torch.nn.Parameter(prob.w_q.clone())
+            self.w_k = torch.nn.Parameter(prob.w_k.clone())
+
+        def forward(self, x):
+            return gauge.multihead_attention(x, self.w_q, self.w_k, prob.w_v, prob.w_o)
+
+    module = Tiny()
+    loss_fn = gauge.loss_from_module(module, prob.x, prob.target, forward=lambda m, x: m(x))
+    assert abs(float(loss_fn(module.w_q, module.w_k)) - float(prob.loss(prob.w_q, prob.w_k))) < EXACT_TOL
+    assert gauge.certify_gauge_gradient(loss_fn, module.w_q, module.w_k, frames=True).passed
+
+
+def test_gauge_on_the_library_attention_modules(sa):
+    pytest.importorskip("geoopt_stiefel_attention.nn")
+    for column in (sa, column_by_name("AdamW")):
+        certs = gauge.certify_gauge(column)
+        assert all(c.passed for c in certs)
+        assert certs[0].details["model"].endswith("MultiheadAttention")
+
+
+# ------------------------------------------------------------------------------------- report and CLI
+def test_table_json_and_markdown_from_a_reduced_suite():
+    columns = [stiefel_adam_column("frame"), column_by_name("AdamW")]
+    certs = analysis.run_certificates(columns, steps=30, other_steps=30)
+    assert len(certs) == len(analysis.ROWS) * len(columns)
+    assert [c.name for c in certs[::2]] == list(analysis.ROWS)
+    ours = [c for c in certs if c.optimizer == "StiefelAdam"]
+    assert all(c.passed for c in ours), [c.name for c in ours if not c.passed]
+    assert any(c.passed is None for c in certs if c.optimizer == "torch AdamW (unconstrained)")
+    text = report.format_text(certs)
+    assert "StiefelAdam" in text and "n/a" in text and "FAIL" in text
+    assert all(row in text for row in analysis.ROWS)
+    md = report.format_markdown(certs)
+    assert sum(line.startswith("| ") for line in md.splitlines()) == len(analysis.ROWS) + 1  # header + rows
+    records = json.loads(report.to_json(certs))
+    assert len(records) == len(certs)
+    assert {"certificate", "optimizer", "passed", "measured", "tolerance", "details"} <= records[0].keys()
+    assert report.stiefel_adam_failures(certs) == []
+
+
+def test_cli_certify_writes_json_and_markdown(tmp_path, capsys):
+    from geoopt_stiefel_attention.cli import main
+
+    out_json, out_md = tmp_path / "cert.json", tmp_path / "cert.md"
+    rc = main(["certify", "--steps", "20", "--other-steps", "20", "--optimizers", "StiefelAdam", "RAdam ES",
+               "--json", str(out_json), "--markdown", str(out_md), "--quiet"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "StiefelAdam" in printed and "RAdam ES" in printed
+    records = json.loads(out_json.read_text())
+    assert len(records) == 2 * len(analysis.ROWS)
+    assert {r["optimizer"] for r in records} == {"StiefelAdam", "geoopt RiemannianAdam (EuclideanStiefel)"}
+    assert out_md.read_text().startswith("| certificate |")
+
+
+def test_cli_exits_non_zero_when_a_stiefel_adam_certificate_fails(monkeypatch, capsys):
+    from geoopt_stiefel_attention.analysis import suite
+    from geoopt_stiefel_attention.cli import main
+
+    fake = [analysis.Certificate.check("1a x", "s", 1.0, 1e-12, optimizer="StiefelAdam"),
+            analysis.Certificate.check("1a x", "s", 0.0, 1e-12, optimizer="torch AdamW (unconstrained)")]
+    monkeypatch.setattr(suite, "run_certificates", lambda *a, **k: fake)
+    assert main(["certify", "--quiet"]) == 1
+    assert "StiefelAdam FAILED" in capsys.readouterr().err
+    fake_ok = [fake[1], analysis.Certificate.check("1a x", "s", 2.0, 1e-12, optimizer="torch AdamW (unconstrained)")]
+    monkeypatch.setattr(suite, "run_certificates", lambda *a, **k: fake_ok)
+    assert main(["certify", "--quiet"]) == 0
+
+
+def test_cli_rejects_unknown_optimizer():
+    from geoopt_stiefel_attention.cli import main
+
+    with pytest.raises(SystemExit, match="No optimizer column"):
+        main(["certify", "--optimizers", "Nope"])
