@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "geoopt_stiefel_attention.bench",
     "certify": "geoopt_stiefel_attention.analysis.cli",
     "grokking": "geoopt_stiefel_attention.experiments.grokking",
+    "vision": "geoopt_stiefel_attention.experiments.vision",
 }
 
 

@@ -1,0 +1,211 @@
+r"""Arms that take one ingredient of the Stiefel update away at a time, and frozen frames.
+
+Registered in :data:`~geoopt_stiefel_attention.experiments.arms.ARMS` on import (the vision study imports
+this module):
+
+=========================  ===========  =======================================================================
+arm                        attention    W_Q, W_K trained by (every other parameter: AdamW, same settings)
+=========================  ===========  =======================================================================
+``stiefel-frozen``         stiefel      nothing: the frames stay at their initialisation (no gradient)
+``stiefel-sgd``            stiefel      :class:`~geoopt_stiefel_attention.StiefelAdam` with
+                                        ``second_moment=None``: fixed-step Riemannian SGD with momentum,
+                                        :math:`s = \mathrm{lr}\,\hat m` (projector and retraction kept; the step
+                                        is of degree one in the gradient, not scale-free)
+``stiefel-element``        stiefel      StiefelAdam with ``second_moment="element"``: a second moment per
+                                        entry (scale-free per coordinate, not O(d)-equivariant)
+``framescalar-euclidean``  euclidean    :class:`FrameScalarAdam` on the unconstrained matrices: the per-frame
+                                        scalar Adam step (scale-free and O(d)-equivariant) with neither
+                                        projector nor retraction
+=========================  ===========  =======================================================================
+
+Like the frames of the ``stiefel`` arm, W_Q and W_K get no weight decay in every arm here, and their learning
+rate is ``OptimConfig.effective_frame_lr``; the trust region :math:`\Delta` applies where the method has one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .. import _linalg
+from ..manifolds import is_frame
+from .arms import ARMS, Arm, OptimizerGroup, _adamw, register_arm, split_frame_groups
+from .config import OptimConfig
+
+__all__ = ["FrameScalarAdam", "frame_scalar_adam_update", "freeze_frames", "build_frozen", "build_stiefel_sgd",
+           "build_stiefel_element", "build_framescalar_euclidean", "ABLATION_ARMS"]
+
+
+def frame_scalar_adam_update(w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                             step: int, lr: float, beta1: float, beta2: float, eps: float,
+                             trust_region: float | None, weight_decay: float = 0.0
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""One frame-scalar Adam step on unconstrained matrices; pure (returns new tensors).
+
+    For each matrix :math:`W \in \mathbb R^{d \times r}` of the stack ``(..., d, r)`` with gradient :math:`G`:
+
+    1. :math:`m \leftarrow \beta_1 m + (1 - \beta_1) G`
+    2. :math:`v \leftarrow \beta_2 v + (1 - \beta_2)\|G\|_F^2` (one scalar per matrix, shape ``(..., 1, 1)``)
+    3. :math:`s = \mathrm{lr}\,\dfrac{m/(1-\beta_1^t)}{\sqrt{v/(1-\beta_2^t)} + \epsilon}`
+    4. :math:`s \leftarrow s \min(1, \Delta/\|s\|_F)` (skipped for ``trust_region=None``)
+    5. :math:`W \leftarrow (1 - \mathrm{lr}\,\lambda) W - s`
+
+    This is the StiefelAdam step with the Riemannian gradient replaced by :math:`G`, without the retraction and
+    without the transport. It is scale-free (:math:`G \to cG`, :math:`c > 0`, leaves :math:`s` unchanged up to
+    :math:`\epsilon`) and O(d)-equivariant (:math:`G \to QG` maps :math:`s \to Qs`).
+    """
+    m = beta1 * exp_avg + (1.0 - beta1) * grad
+    v = beta2 * exp_avg_sq + (1.0 - beta2) * _linalg.frame_sq_norm(grad)
+    bias1, bias2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    s = _linalg.cap_step((lr / bias1) * m / ((v / bias2).sqrt() + eps), trust_region)
+    w_new = w * (1.0 - lr * weight_decay) - s if weight_decay else w - s
+    return w_new, m, v
+
+
+class FrameScalarAdam(torch.optim.Optimizer):
+    r"""The per-frame-scalar Adam step (:func:`frame_scalar_adam_update`) on plain matrices ``(..., d, r)``.
+
+    Every parameter is read as a stack of ``d x r`` matrices (its last two dimensions) with one second moment
+    each, e.g. a Euclidean ``w_q`` of shape ``(heads, d, head_dim)`` gets one scalar per head.
+
+    Parameters
+    ----------
+    params : iterable
+        Tensors with ``ndim >= 2``, or parameter-group dicts.
+    lr, betas, eps : float
+        As in Adam.
+    trust_region : float or None, default 0.1
+        Per-matrix cap :math:`\Delta` on :math:`\|s\|_F`.
+    weight_decay : float, default 0
+        Decoupled decay :math:`W \leftarrow (1 - \mathrm{lr}\,\lambda) W`.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, *, trust_region: float | None = 0.1, weight_decay: float = 0.0) -> None:
+        if not (lr > 0 and eps > 0 and weight_decay >= 0 and all(0 <= b < 1 for b in betas)):
+            raise ValueError(f"FrameScalarAdam: lr={lr!r}, eps={eps!r} must be > 0, weight_decay={weight_decay!r} "
+                             f">= 0 and betas={betas!r} in [0, 1).")
+        if trust_region is not None and not trust_region > 0:
+            raise ValueError(f"FrameScalarAdam: trust_region={trust_region!r} must be > 0 or None.")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, trust_region=trust_region,
+                                      weight_decay=weight_decay))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim < 2:
+                    raise ValueError(f"FrameScalarAdam: parameter of shape {tuple(p.shape)} is not a stack of "
+                                     f"matrices (ndim >= 2); train vectors with Adam/AdamW.")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros(p.shape[:-2] + (1, 1), dtype=p.dtype, device=p.device)
+                state["step"] += 1
+                w, m, v = frame_scalar_adam_update(
+                    p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"]), lr=float(group["lr"]),
+                    beta1=beta1, beta2=beta2, eps=group["eps"], trust_region=group["trust_region"],
+                    weight_decay=group["weight_decay"])
+                p.copy_(w)
+                state["exp_avg"].copy_(m)
+                state["exp_avg_sq"].copy_(v)
+        return loss
+
+
+# ---------------------------------------------------------------------------------------------- builders
+def freeze_frames(model: torch.nn.Module) -> None:
+    """Stop the gradient of every Stiefel frame of ``model`` (``requires_grad_(False)``), in place."""
+    frames = [p for p in model.parameters() if is_frame(p)]
+    if not frames:
+        raise ValueError("arm 'stiefel-frozen': the model has no Stiefel frames to freeze; build it with "
+                         "attention='stiefel'.")
+    for p in frames:
+        p.requires_grad_(False)
+
+
+def build_frozen(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> torch.optim.AdamW:
+    """AdamW on every trainable parameter; the frames, frozen by :func:`freeze_frames`, are left out."""
+    frame_groups, others = split_frame_groups(groups, optim)
+    if frame_groups or not any(is_frame(p) and not p.requires_grad for p in model.parameters()):
+        raise ValueError("arm 'stiefel-frozen': expected a Stiefel model whose frames are frozen "
+                         "(Arm.prepare=freeze_frames runs before the optimizer is built).")
+    return _adamw(others, optim)
+
+
+def _stiefel_variant(name: str, second_moment: str | None):
+    def build(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig):
+        from ..optim import StiefelAdam
+
+        frame_groups, others = split_frame_groups(groups, optim)
+        if not frame_groups:
+            raise ValueError(f"arm {name!r}: the model has no trainable Stiefel frames; build it with "
+                             f"attention='stiefel'.")
+        return StiefelAdam(frame_groups + others, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                           weight_decay=optim.weight_decay, trust_region=optim.trust_region,
+                           second_moment=second_moment)
+
+    build.__name__ = build.__qualname__ = f"build_{name.replace('-', '_')}"
+    build.__doc__ = (f"StiefelAdam with ``second_moment={second_moment!r}`` on the frames (lr ``frame_lr``), its "
+                     f"AdamW branch on the rest.")
+    return build
+
+
+build_stiefel_sgd = _stiefel_variant("stiefel-sgd", None)
+build_stiefel_element = _stiefel_variant("stiefel-element", "element")
+
+
+def build_framescalar_euclidean(model: torch.nn.Module, groups: list[dict[str, Any]],
+                                optim: OptimConfig) -> OptimizerGroup:
+    """:class:`FrameScalarAdam` (lr ``frame_lr``, no weight decay) on the unconstrained W_Q, W_K of every
+    attention module (:func:`~geoopt_stiefel_attention.nn.query_key_projections`), AdamW on the rest."""
+    from ..nn import query_key_projections
+
+    qk = {id(w) for _, wq, wk in query_key_projections(model) for w in (wq, wk)}
+    if not qk:
+        raise ValueError("arm 'framescalar-euclidean': the model has no attention module of this library "
+                         "(query_key_projections found none).")
+    frame_groups, others = split_frame_groups(groups, optim)
+    if frame_groups:
+        raise ValueError("arm 'framescalar-euclidean': the model has Stiefel frames; build it with "
+                         "attention='euclidean'.")
+    qk_params, rest = [], []
+    for group in others:
+        mine = [p for p in group["params"] if id(p) in qk]
+        theirs = [p for p in group["params"] if id(p) not in qk]
+        qk_params += mine
+        if theirs:
+            rest.append({**group, "params": theirs})
+    fs = FrameScalarAdam(qk_params, lr=optim.effective_frame_lr, betas=optim.betas, eps=optim.eps,
+                         trust_region=optim.trust_region, weight_decay=0.0)
+    return OptimizerGroup(fs, _adamw(rest, optim)) if rest else OptimizerGroup(fs)
+
+
+ABLATION_ARMS = (
+    Arm("stiefel-frozen", "stiefel", build_frozen,
+        "W_Q, W_K frozen at their initial frames (no gradient); AdamW on the rest", prepare=freeze_frames),
+    Arm("stiefel-sgd", "stiefel", build_stiefel_sgd,
+        "W_Q, W_K on PolarStiefel trained by fixed-step Riemannian SGD with momentum (StiefelAdam, "
+        "second_moment=None): projector + retraction, step of degree one in the gradient; AdamW on the rest"),
+    Arm("stiefel-element", "stiefel", build_stiefel_element,
+        "W_Q, W_K on PolarStiefel trained by StiefelAdam with an element-wise second moment (scale-free per "
+        "coordinate, not O(d)-equivariant); AdamW on the rest"),
+    Arm("framescalar-euclidean", "euclidean", build_framescalar_euclidean,
+        "unconstrained W_Q, W_K trained by the per-frame-scalar Adam step (scale-free, equivariant; no "
+        "projector, no retraction, no weight decay); AdamW on the rest"),
+)
+
+for _arm in ABLATION_ARMS:
+    if _arm.name not in ARMS:
+        register_arm(_arm)

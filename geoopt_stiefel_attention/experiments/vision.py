@@ -1,0 +1,1026 @@
+r"""The ViT-on-patches study: ``stiefel-attention vision``.
+
+A :class:`~geoopt_stiefel_attention.PatchViT` (default: 4×4 patches, width 64, 2 layers, 4 heads, MLP 128,
+class token) is trained on CIFAR-10, Fashion-MNIST or scikit-learn's digits (:mod:`.data.vision`) with
+minibatch AdamW (lr 1e-3, betas (0.9, 0.999), weight decay 0.05 on the Euclidean matrices, 5% linear warm-up
+then cosine decay). The ``stiefel`` arm keeps W_Q, W_K on the Stiefel manifold and trains them with
+:class:`~geoopt_stiefel_attention.StiefelAdam`; every other parameter is trained exactly as in the ``adamw``
+arm. A seed fixes the training subsample, the batch order and the initial weights, so the arms of a seed form a
+pair (the frames are the polar factors of the AdamW arm's initial W_Q, W_K).
+
+Studies (``--study``), each a grid of (arm, seed) runs of the shared training loop
+(:func:`~geoopt_stiefel_attention.experiments.runner.run_jobs`):
+
+- ``paired``: ``adamw`` vs ``stiefel``; per-pair differences of the final test accuracy, paired t-test, 95%
+  interval, count of positive pairs (:mod:`.stats`);
+- ``scaling``: the paired comparison at several training-set sizes (``--train-sizes``), gap against size;
+- ``movement``: per-step ‖ΔW_Q‖_F of the frames against the identically shaped W_Q of the AdamW arm (root mean
+  square over the steps between evaluations, :class:`StepMovement`), and the distance from initialisation;
+- ``frozen``: adds ``stiefel-frozen`` (frames fixed at initialisation); its cost against ``stiefel``;
+- ``decay``: the paired comparison at several weight decays (``--weight-decays``), gap against decay;
+- ``ablation``: adds ``stiefel-sgd``, ``stiefel-element`` and ``framescalar-euclidean``
+  (:mod:`.ablation_arms`), each taking one ingredient of the update away.
+
+Every study writes ``report.md``, ``summary.json`` and PNG figures into ``--out`` and the runs under
+``--out/runs`` (or ``--out/<cell>/runs`` for the sweeps). Every report names the data set it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import ablation_arms  # noqa: F401  (registers the ablation and frozen arms)
+from .arms import Arm
+from .config import OptimConfig, RunSpec, TrainConfig, require, to_dict
+from .data.batches import MiniBatches
+from .data.vision import DISPLAY_NAMES, canonical_dataset, load_vision, random_crop_flip, subsample
+from .metrics import MetricHook, QKGeometry, WeightNorms
+from .runner import Task
+
+__all__ = ["VisionConfig", "StepMovement", "build_task", "study_cells", "run_vision", "finalize_vision",
+           "analyze_cell", "STUDIES", "STUDY_ARMS", "PAPER", "HELP", "add_arguments", "run"]
+
+HELP = ("ViT on image patches (CIFAR-10, Fashion-MNIST, digits): paired Stiefel-vs-AdamW starts, data scaling, "
+        "movement, frozen frames, weight decay, ablation; records, plots, report.")
+
+STUDIES = ("paired", "scaling", "movement", "frozen", "decay", "ablation")
+
+#: The arms each study runs (the first is the baseline of the paired comparisons).
+STUDY_ARMS = {
+    "paired": ("adamw", "stiefel"),
+    "scaling": ("adamw", "stiefel"),
+    "movement": ("adamw", "stiefel"),
+    "frozen": ("adamw", "stiefel", "stiefel-frozen"),
+    "decay": ("adamw", "stiefel"),
+    "ablation": ("adamw", "stiefel", "stiefel-sgd", "stiefel-element", "framescalar-euclidean"),
+}
+
+#: What each ablation arm keeps of the Stiefel update.
+INGREDIENTS = {
+    "stiefel": "projector + retraction + scale-free, O(d)-equivariant step",
+    "stiefel-sgd": "projector + retraction; step of degree one in the gradient (not scale-free)",
+    "stiefel-element": "projector + retraction; scale-free per coordinate, not O(d)-equivariant",
+    "framescalar-euclidean": "scale-free, O(d)-equivariant step; no projector, no retraction",
+    "stiefel-frozen": "frames fixed at initialisation",
+}
+
+#: The paper's CIFAR-10 figures.
+PAPER = {
+    "source": 'R. D. Guerrero, "Stiefel Attention", arXiv, Sep 2026 (ViT on CIFAR-10 patches)',
+    "dataset": "CIFAR-10",
+    "paired_gap_pp": 8.98,
+    "paired_t": 60.6,
+    "paired_n": 12,
+    "paired_positive": 12,
+    "movement_ratio": (24.0, 40.0),
+    "frozen_cost_pp": 0.28,
+    "scaling": "the gap widens with more training data",
+    "ablation": "the whole gain comes from making the step scale-free; nothing measurable from the projector or "
+                "from O(d)-equivariance",
+}
+
+
+# ---------------------------------------------------------------------------------------------- config
+def _default_train() -> TrainConfig:
+    return TrainConfig(epochs=10, eval_every=1)
+
+
+def _default_optim() -> OptimConfig:
+    return OptimConfig(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.05)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Configuration of one cell of the vision study (data, model, schedule, optimizer).
+
+    The image size, channels and number of classes follow from ``dataset``; they are not fields.
+
+    Parameters
+    ----------
+    dataset : {"cifar10", "fashion-mnist", "digits"}
+    train_size : int or None
+        Training images per run, drawn per seed (:func:`~.data.vision.subsample`); ``None``: all.
+    patch_size, width, depth, heads, mlp, pool
+        The :class:`~geoopt_stiefel_attention.PatchViT`.
+    batch_size : int
+        Minibatch size; the last, smaller batch of an epoch is kept.
+    augment : bool
+        Random crop (4-pixel padding) and horizontal flip of each training batch.
+    lr_schedule : {"cosine", "constant"}
+        ``"cosine"``: linear warm-up over ``warmup_fraction`` of the steps, then cosine decay to 0.
+    warmup_fraction : float
+        In ``[0, 1)``.
+    eval_train_size : int or None
+        Training images (the first of the run's subsample) evaluated for ``train_acc``; ``None``: all.
+    amp : {None, "bf16"}
+        Mixed precision: the forward pass under ``torch.autocast(dtype=bfloat16)``; the weights and the
+        optimizer states stay float32.
+    sgd_frame_lr : float or None
+        Learning rate of the frames in the ``stiefel-sgd`` arm (a step of degree one in the gradient needs its
+        own scale); ``None``: ``optim.effective_frame_lr``.
+    """
+
+    experiment: str = "vision"
+    dataset: str = "cifar10"
+    train_size: int | None = None
+    patch_size: int = 4
+    width: int = 64
+    depth: int = 2
+    heads: int = 4
+    mlp: int = 128
+    pool: str = "cls"
+    batch_size: int = 128
+    augment: bool = False
+    lr_schedule: str = "cosine"
+    warmup_fraction: float = 0.05
+    eval_train_size: int | None = 2000
+    amp: str | None = None
+    sgd_frame_lr: float | None = None
+    train: TrainConfig = field(default_factory=_default_train)
+    optim: OptimConfig = field(default_factory=_default_optim)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dataset", canonical_dataset(self.dataset))
+        for name in ("patch_size", "width", "depth", "heads", "mlp", "batch_size"):
+            v = getattr(self, name)
+            require(isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                    f"VisionConfig: {name}={v!r} must be a positive int (--{name.replace('_', '-')}).")
+        for name in ("train_size", "eval_train_size"):
+            v = getattr(self, name)
+            require(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
+                    f"VisionConfig: {name}={v!r} must be a positive int or None (all images).")
+        require(self.width % self.heads == 0,
+                f"VisionConfig: width={self.width} must be divisible by heads={self.heads}.")
+        require(self.pool in ("cls", "mean"), f"VisionConfig: pool={self.pool!r} must be 'cls' or 'mean'.")
+        require(self.lr_schedule in ("cosine", "constant"),
+                f"VisionConfig: lr_schedule={self.lr_schedule!r} must be 'cosine' or 'constant'.")
+        require(isinstance(self.warmup_fraction, (int, float)) and 0 <= self.warmup_fraction < 1,
+                f"VisionConfig: warmup_fraction={self.warmup_fraction!r} must be in [0, 1).")
+        require(self.amp in (None, "bf16"), f"VisionConfig: amp={self.amp!r} must be None or 'bf16' (--amp).")
+        require(self.sgd_frame_lr is None or (isinstance(self.sgd_frame_lr, (int, float)) and self.sgd_frame_lr > 0),
+                f"VisionConfig: sgd_frame_lr={self.sgd_frame_lr!r} must be a float > 0 or None.")
+        require(isinstance(self.train, TrainConfig), "VisionConfig: train must be a TrainConfig.")
+        require(isinstance(self.optim, OptimConfig), "VisionConfig: optim must be an OptimConfig.")
+        image = {"cifar10": 32, "fashion-mnist": 28, "digits": 16}[self.dataset]
+        require(image % self.patch_size == 0,
+                f"VisionConfig: patch_size={self.patch_size} does not divide the {image}x{image} images of "
+                f"{self.dataset}; pick a divisor of {image} (--patch-size).")
+
+    @property
+    def display_name(self) -> str:
+        return DISPLAY_NAMES[self.dataset]
+
+
+def arm_config(config: VisionConfig, arm: str) -> VisionConfig:
+    """The config a run of ``arm`` uses: ``config`` itself, except that ``stiefel-sgd`` gets
+    ``optim.frame_lr = sgd_frame_lr`` when that is set."""
+    if arm == "stiefel-sgd" and config.sgd_frame_lr is not None:
+        return dataclasses.replace(config, optim=dataclasses.replace(config.optim, frame_lr=config.sgd_frame_lr))
+    return config
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+class StepMovement(MetricHook):
+    r"""Per-step movement of the query/key projections, from every optimizer step.
+
+    With :math:`\Delta_t W` the change of a projection in optimizer step :math:`t` and the norm taken over every
+    layer and head together, the record of an evaluation holds, for :math:`X \in \{q, k\}` and the :math:`T`
+    steps measured since the previous evaluation,
+
+    - ``move_step_rms/X`` :math:`= \big(\frac1T \sum_t \|\Delta_t W_X\|_F^2\big)^{1/2}`,
+    - ``move_step_rel_rms/X``: the same with each step divided by the current :math:`\|W_X\|_F`,
+    - ``move_steps``: :math:`T` (``None`` and 0 at epoch 0 and for projections without a gradient).
+
+    The change is read by a post-accumulate-grad hook on each projection: at the backward pass of step
+    :math:`t+1` the parameter holds the result of step :math:`t`, so the last step before an evaluation is
+    counted in the next window (and the first step after a resume is not counted).
+
+    Parameters
+    ----------
+    qk : callable
+        ``qk(model) -> [(path, w_q, w_k), ...]``, e.g. :func:`geoopt_stiefel_attention.nn.query_key_projections`.
+    """
+
+    def __init__(self, qk) -> None:
+        self.qk = qk
+        self._prev: dict[tuple[str, int], torch.Tensor] = {}
+        self._sq: dict[tuple[str, int], torch.Tensor] = {}
+        self._rel: dict[tuple[str, int], torch.Tensor] = {}
+        self._count: dict[tuple[str, int], int] = {}
+        self._keys: dict[str, list[tuple[str, int]]] = {"q": [], "k": []}
+        self._handles: list[Any] = []
+
+    def on_start(self, model: torch.nn.Module) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._prev, self._keys = [], {}, {"q": [], "k": []}
+        self._reset()
+        for i, (_, wq, wk) in enumerate(self.qk(model)):
+            for x, w in (("q", wq), ("k", wk)):
+                if w.requires_grad:
+                    key = (x, i)
+                    self._keys[x].append(key)
+                    self._handles.append(w.register_post_accumulate_grad_hook(functools.partial(self._seen, key)))
+
+    def _reset(self) -> None:
+        self._sq, self._rel, self._count = {}, {}, {}
+
+    @torch.no_grad()
+    def _seen(self, key: tuple[str, int], param: torch.Tensor) -> None:
+        now = param.detach().to(torch.float32).clone()
+        prev = self._prev.get(key)
+        self._prev[key] = now
+        if prev is None:
+            return
+        sq = (now - prev).square().sum()
+        self._sq[key] = self._sq.get(key, 0.0) + sq
+        self._rel[key] = self._rel.get(key, 0.0) + sq / now.square().sum().clamp_min(1e-30)
+        self._count[key] = self._count.get(key, 0) + 1
+
+    def metrics(self, model: torch.nn.Module) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        steps = 0
+        for x, keys in self._keys.items():
+            counts = [self._count.get(k, 0) for k in keys]
+            if not keys or min(counts) == 0:
+                out[f"move_step_rms/{x}"] = out[f"move_step_rel_rms/{x}"] = None
+                continue
+            steps = max(steps, min(counts))
+            out[f"move_step_rms/{x}"] = math.sqrt(sum(float(self._sq[k]) / self._count[k] for k in keys))
+            # relative: mean over layers of each layer's squared relative step, as one rms number
+            out[f"move_step_rel_rms/{x}"] = math.sqrt(sum(float(self._rel[k]) / self._count[k] for k in keys)
+                                                      / len(keys))
+        out["move_steps"] = steps
+        self._reset()
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- task
+def warmup_cosine(step: int, *, total: int, warmup: int) -> float:
+    r"""Learning-rate factor: :math:`(t+1)/w` for :math:`t < w`, then
+    :math:`\tfrac12\big(1 + \cos(\pi (t - w)/(T - w))\big)` (``total`` :math:`= T` steps, ``warmup`` :math:`= w`)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def predict_autocast(model: torch.nn.Module, images: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Logits from a forward pass under :func:`torch.autocast` (mixed precision), returned as float32."""
+    with torch.autocast(device_type=images.device.type, dtype=dtype):
+        return model(images).float()
+
+
+def _no_matrix(name: str, p: torch.Tensor) -> bool:
+    return False
+
+
+EVAL_BATCH = 1000
+
+
+def build_task(spec: RunSpec, arm: Arm, device: torch.device, *, data_dir: str = "data") -> Task:
+    """The vision task of one run: the seed's training subsample (minibatches in the seed's order), the test set,
+    and a PatchViT with the arm's attention built from the seed. Pass ``data_dir`` with
+    :func:`functools.partial` (the data set must be there already: download it first with
+    :func:`~.data.vision.load_vision`)."""
+    from ..models import PatchViT
+    from ..nn import param_groups, query_key_projections
+
+    cfg: VisionConfig = spec.config
+    data = load_vision(cfg.dataset, data_dir)
+    idx = subsample(data.train_inputs.shape[0], cfg.train_size, spec.seed)
+    xtr, ytr = (data.train_inputs, data.train_targets) if idx is None else (data.train_inputs[idx],
+                                                                             data.train_targets[idx])
+    xtr, ytr = xtr.to(device), ytr.to(device)
+    model = PatchViT(image_size=data.image_size, patch_size=cfg.patch_size, in_channels=data.in_channels,
+                     num_classes=data.num_classes, width=cfg.width, depth=cfg.depth, heads=cfg.heads, mlp=cfg.mlp,
+                     pool=cfg.pool, attention=arm.attention, seed=spec.seed)
+    train = MiniBatches(xtr, ytr, cfg.batch_size, seed=spec.seed, transform=random_crop_flip if cfg.augment else None)
+    n_eval = xtr.shape[0] if cfg.eval_train_size is None else min(cfg.eval_train_size, xtr.shape[0])
+    eval_data = {"train": MiniBatches(xtr[:n_eval], ytr[:n_eval], EVAL_BATCH, shuffle=False),
+                 "test": MiniBatches(data.test_inputs.to(device), data.test_targets.to(device), EVAL_BATCH,
+                                     shuffle=False)}
+    lr_factor = None
+    if cfg.lr_schedule == "cosine":
+        total = cfg.train.epochs * len(train)
+        lr_factor = functools.partial(warmup_cosine, total=total, warmup=int(cfg.warmup_fraction * total))
+    extra = {"predict": functools.partial(predict_autocast, dtype=torch.bfloat16)} if cfg.amp == "bf16" else {}
+    hooks = (QKGeometry(query_key_projections), StepMovement(query_key_projections), WeightNorms(include=_no_matrix))
+    return Task(model=model, train_data=train, eval_data=eval_data, param_groups=param_groups, hooks=hooks,
+                lr_factor=lr_factor, **extra)
+
+
+# ---------------------------------------------------------------------------------------------- cells
+@dataclass(frozen=True)
+class Cell:
+    """One configuration of a study: its runs live in ``out/<subdir>/runs`` (``subdir`` empty: ``out/runs``)."""
+
+    config: VisionConfig
+    subdir: str = ""
+    sweep: str | None = None
+    value: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.sweep is None:
+            return "all"
+        return f"{self.sweep}={self.value:g}"
+
+
+def _fraction_or_count(x: float, base: int) -> int:
+    n = round(x * base) if x <= 1 else int(x)
+    if not 1 <= n <= base:
+        raise ValueError(f"--train-sizes: {x:g} gives {n} images; use fractions in (0, 1] or counts in [1, {base}].")
+    return n
+
+
+def study_cells(study: str, config: VisionConfig, *, train_sizes: Sequence[float] = (0.1, 0.25, 0.5, 1.0),
+                weight_decays: Sequence[float] = (0.0, 0.05, 0.5), n_train: int | None = None) -> list[Cell]:
+    """The cells of ``study``: one for paired/movement/frozen/ablation; one per training-set size for
+    ``scaling`` (fractions ``<= 1`` of ``config.train_size`` or of all ``n_train`` images, or counts ``> 1``);
+    one per weight decay for ``decay``."""
+    if study not in STUDIES:
+        raise ValueError(f"study={study!r} is unknown; use one of {', '.join(STUDIES)} (--study).")
+    if study == "scaling":
+        base = config.train_size or n_train
+        if base is None:
+            raise ValueError("study_cells: scaling needs n_train (the size of the training set) or a train_size.")
+        sizes = sorted({_fraction_or_count(float(x), base) for x in train_sizes})
+        return [Cell(dataclasses.replace(config, train_size=n), f"size-{n}", "train_size", n) for n in sizes]
+    if study == "decay":
+        return [Cell(dataclasses.replace(config, optim=dataclasses.replace(config.optim, weight_decay=float(wd))),
+                     f"wd-{float(wd):g}", "weight_decay", float(wd)) for wd in sorted(set(map(float, weight_decays)))]
+    return [Cell(config)]
+
+
+# ---------------------------------------------------------------------------------------------- analysis
+def _runs(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[int, list[Mapping[str, Any]]]]:
+    runs: dict[str, dict[int, list[Mapping[str, Any]]]] = {}
+    for r in records:
+        runs.setdefault(r["arm"], {}).setdefault(int(r["seed"]), []).append(r)
+    for seeds in runs.values():
+        for recs in seeds.values():
+            recs.sort(key=lambda r: r["epoch"])
+    return runs
+
+
+def _describe(values: Sequence[float]) -> dict[str, Any] | None:
+    vals = sorted(float(v) for v in values if v is not None and math.isfinite(v))
+    if not vals:
+        return None
+    n = len(vals)
+    median = vals[n // 2] if n % 2 else 0.5 * (vals[n // 2 - 1] + vals[n // 2])
+    mean = sum(vals) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else None
+    return {"n": n, "min": vals[0], "max": vals[-1], "median": median, "mean": mean, "std": std}
+
+
+def _comparisons(final: Mapping[str, Mapping[int, float]], arms: Sequence[str]) -> dict[str, Any]:
+    from .stats import paired_from_mapping
+
+    out: dict[str, Any] = {}
+    base = arms[0]
+    for arm in arms[1:]:
+        if arm in final and base in final:
+            out[f"{arm} - {base}"] = paired_from_mapping(final[arm], final[base]).to_dict()
+    if "stiefel" in final:
+        for arm in arms:
+            if arm not in ("stiefel", base) and arm in final:
+                out[f"stiefel - {arm}"] = paired_from_mapping(final["stiefel"], final[arm]).to_dict()
+    return out
+
+
+def _movement(runs: Mapping[str, Mapping[int, list[Mapping[str, Any]]]], base: str = "adamw") -> dict[str, Any]:
+    """Ratios of the baseline's per-step rms movement to each other arm's, per (seed, evaluation)."""
+    out: dict[str, Any] = {}
+    if base not in runs:
+        return out
+    for arm, seeds in runs.items():
+        if arm == base:
+            continue
+        entry: dict[str, Any] = {}
+        for x in ("q", "k"):
+            key = f"move_step_rms/{x}"
+            ratios, per_seed = [], {}
+            for seed, recs in seeds.items():
+                theirs = {r["epoch"]: r.get(key) for r in runs[base].get(seed, [])}
+                rs = [theirs[r["epoch"]] / r[key] for r in recs
+                      if r.get(key) and theirs.get(r["epoch"]) is not None]
+                if rs:
+                    ratios += rs
+                    per_seed[str(seed)] = sum(rs) / len(rs)
+            if ratios:
+                entry[f"ratio_{x}"] = {**_describe(ratios), "per_seed_mean": per_seed,
+                                       "per_seed_range": [min(per_seed.values()), max(per_seed.values())]}
+        if entry:
+            out[f"{base} / {arm}"] = entry
+    return out
+
+
+def analyze_cell(records: Sequence[Mapping[str, Any]], arms: Sequence[str],
+                 metric: str = "test_acc") -> dict[str, Any]:
+    """Per-arm final accuracies, the paired comparisons and the movement of one cell's records.
+
+    ``comparisons`` holds ``"<arm> - <baseline>"`` for every arm against the first of ``arms``, and
+    ``"stiefel - <arm>"`` for every other arm when ``stiefel`` ran (the frozen cost, the ablation's losses), each a
+    :class:`~.stats.PairedStats` dict of the final ``metric``; ``movement`` holds ``"adamw / <arm>"`` ratios of
+    the per-step rms movement of W_Q (``ratio_q``) and W_K (``ratio_k``) over every (seed, evaluation) pair.
+    """
+    runs = _runs(records)
+    arms = [a for a in arms if a in runs]
+    per_arm: dict[str, Any] = {}
+    final: dict[str, dict[int, float]] = {}
+    for arm in arms:
+        seeds = runs[arm]
+        final[arm] = {s: recs[-1].get(metric) for s, recs in seeds.items()}
+        last = {s: recs[-1] for s, recs in seeds.items()}
+        entry: dict[str, Any] = {"seeds": sorted(seeds), "last_epoch": sorted({r["epoch"] for r in last.values()}),
+                                 f"final_{metric}": {**(_describe(final[arm].values()) or {}),
+                                                     "per_seed": {str(s): v for s, v in sorted(final[arm].items())}}}
+        for key in ("train_acc", "move_total_rel/q", "move_total_rel/k", "angle_max_deg/q", "angle_mean_deg/q",
+                    "norm/euclidean"):
+            vals = [r.get(key) for r in last.values()]
+            if any(v is not None for v in vals):
+                entry[f"final_{key}"] = _describe(vals)
+        for key in ("move_step_rms/q", "move_step_rms/k", "move_step_rel_rms/q"):
+            vals = [r[key] for recs in seeds.values() for r in recs if r.get(key) is not None]
+            if vals:
+                entry[f"all_{key}"] = _describe(vals)
+        per_arm[arm] = entry
+    return {"metric": metric, "arms": per_arm, "comparisons": _comparisons(final, arms),
+            "movement": _movement(runs, arms[0]) if arms else {}}
+
+
+# ---------------------------------------------------------------------------------------------- figures
+def _figure(width: float = 7.0, height: float = 4.0, ncols: int = 1):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width * ncols, height), layout="constrained")
+    return fig, fig.subplots(1, ncols, squeeze=False)[0]
+
+
+def plot_pairs(records: Sequence[Mapping[str, Any]], arms: Sequence[str], path: Path, *, title: str,
+               metric: str = "test_acc") -> Path | None:
+    """Final ``metric`` per arm, one grey line per seed joining its arms (the pairs), mean ± 95% CI in black."""
+    from .stats import mean_ci
+
+    runs = _runs(records)
+    arms = [a for a in arms if a in runs]
+    if not arms:
+        return None
+    fig, (ax,) = _figure(width=max(4.5, 1.8 * len(arms)))
+    seeds = sorted({s for a in arms for s in runs[a]})
+    for s in seeds:
+        xs = [i for i, a in enumerate(arms) if s in runs[a]]
+        ys = [100 * runs[arms[i]][s][-1][metric] for i in xs]
+        ax.plot(xs, ys, color="0.6", marker="o", markersize=3, linewidth=0.8, alpha=0.8)
+    for i, a in enumerate(arms):
+        m, lo, hi = mean_ci([100 * recs[-1][metric] for recs in runs[a].values()])
+        if lo is not None:
+            ax.errorbar([i], [m], yerr=[[m - lo], [hi - m]], color="black", marker="s", capsize=6, linewidth=1.6)
+        else:
+            ax.plot([i], [m], color="black", marker="s")
+    ax.set_xticks(range(len(arms)), arms, rotation=15 if len(arms) > 3 else 0)
+    ax.set_ylabel(f"final {metric} (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_movement_ratio(records: Sequence[Mapping[str, Any]], arms: Sequence[str], path: Path, *, title: str,
+                        paper_band: tuple[float, float] | None = PAPER["movement_ratio"]) -> Path | None:
+    """Left: per-step rms movement ‖ΔW_Q‖_F per arm over training (log scale). Right: its ratio, AdamW over each
+    other arm, per seed (thin) and the median over seeds (thick), with the paper's band shaded."""
+    runs = _runs(records)
+    if "adamw" not in runs:
+        return None
+    fig, (ax0, ax1) = _figure(width=6.0, ncols=2)
+    colours = dict(zip(arms, ["C0", "C1", "C2", "C3", "C4", "C5", "C6"], strict=False))
+    drawn = False
+    for arm in arms:
+        for s, recs in runs.get(arm, {}).items():
+            pts = [(r["epoch"], r["move_step_rms/q"]) for r in recs if r.get("move_step_rms/q")]
+            if pts:
+                ax0.plot(*zip(*pts, strict=True), color=colours.get(arm), linewidth=0.7, alpha=0.6,
+                         label=arm if s == min(runs[arm]) else None)
+                drawn = True
+    for arm in arms:
+        if arm == "adamw" or arm not in runs:
+            continue
+        per_epoch: dict[int, list[float]] = {}
+        for s, recs in runs[arm].items():
+            theirs = {r["epoch"]: r.get("move_step_rms/q") for r in runs["adamw"].get(s, [])}
+            pts = [(r["epoch"], theirs[r["epoch"]] / r["move_step_rms/q"]) for r in recs
+                   if r.get("move_step_rms/q") and theirs.get(r["epoch"])]
+            if pts:
+                ax1.plot(*zip(*pts, strict=True), color=colours.get(arm), linewidth=0.6, alpha=0.4)
+                for e, v in pts:
+                    per_epoch.setdefault(e, []).append(v)
+        if per_epoch:
+            es = sorted(per_epoch)
+            med = [sorted(per_epoch[e])[len(per_epoch[e]) // 2] for e in es]
+            ax1.plot(es, med, color=colours.get(arm), linewidth=2.0, label=f"adamw / {arm} (median)")
+    if not drawn:
+        return None
+    if paper_band is not None:
+        ax1.axhspan(*paper_band, color="grey", alpha=0.2, label=f"paper, CIFAR-10: {paper_band[0]:g}–{paper_band[1]:g}×")
+    ax0.set_yscale("log")
+    ax0.set_title("per-step movement ‖ΔW_Q‖_F (rms between evaluations)", fontsize=9)
+    ax0.set_xlabel("epoch")
+    ax0.legend(fontsize=7)
+    ax1.set_yscale("log")
+    ax1.set_title("ratio of per-step movement, AdamW W_Q over frames", fontsize=9)
+    ax1.set_xlabel("epoch")
+    ax1.legend(fontsize=7)
+    for ax in (ax0, ax1):
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def plot_distance(records: Sequence[Mapping[str, Any]], arms: Sequence[str], path: Path, *, title: str) -> Path | None:
+    """Distance from initialisation of W_Q over training: ‖W − W₀‖_F/‖W₀‖_F and the largest principal angle to
+    the initial subspace, per arm (mean over seeds, band ±1 sd)."""
+    import pandas as pd
+    import seaborn as sns
+
+    rows = [{"arm": r["arm"], "seed": r["seed"], "epoch": r["epoch"], "rel": r.get("move_total_rel/q"),
+             "angle": r.get("angle_max_deg/q")} for r in records if r["arm"] in arms]
+    df = pd.DataFrame(rows)
+    if df.empty or df["rel"].isna().all():
+        return None
+    fig, (ax0, ax1) = _figure(width=5.5, ncols=2)
+    sns.lineplot(data=df, x="epoch", y="rel", hue="arm", hue_order=[a for a in arms if a in set(df["arm"])],
+                 errorbar="sd", ax=ax0)
+    sns.lineplot(data=df, x="epoch", y="angle", hue="arm", hue_order=[a for a in arms if a in set(df["arm"])],
+                 errorbar="sd", ax=ax1, legend=False)
+    ax0.set_ylabel("‖W_Q − W_Q0‖_F / ‖W_Q0‖_F")
+    ax1.set_ylabel("largest principal angle to initial span (deg)")
+    for ax in (ax0, ax1):
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def plot_gap_sweep(rows: Sequence[tuple[float, Mapping[str, Any]]], path: Path, *, xlabel: str, title: str,
+                   logx: bool = False) -> Path | None:
+    """Mean paired gap (pp) with its 95% interval against the swept value, per-seed gaps as dots."""
+    rows = [(x, c) for x, c in rows if c and c.get("mean") is not None]
+    if not rows:
+        return None
+    fig, (ax,) = _figure(width=6.0)
+    xs = [x for x, _ in rows]
+    means = [100 * c["mean"] for _, c in rows]
+    lo = [100 * (c["mean"] - c["ci_low"]) if c["ci_low"] is not None else 0.0 for _, c in rows]
+    hi = [100 * (c["ci_high"] - c["mean"]) if c["ci_high"] is not None else 0.0 for _, c in rows]
+    for x, c in rows:
+        ax.scatter([x] * len(c["differences"]), [100 * d for d in c["differences"]], color="0.6", s=10, zorder=1)
+    ax.errorbar(xs, means, yerr=[lo, hi], color="black", marker="o", capsize=5, zorder=2, label="mean ± 95% CI")
+    ax.axhline(0.0, color="grey", linewidth=0.8, linestyle=":")
+    if logx:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("stiefel − adamw, final test accuracy (pp)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_ablation(comparisons: Mapping[str, Mapping[str, Any]], arms: Sequence[str], path: Path, *,
+                  title: str, base: str = "adamw") -> Path | None:
+    """Bar chart: each arm's mean paired gap over ``base`` (pp) with its 95% interval; per-seed gaps as dots."""
+    names = [a for a in arms if f"{a} - {base}" in comparisons]
+    if not names:
+        return None
+    fig, (ax,) = _figure(width=max(5.0, 1.6 * len(names)))
+    for i, a in enumerate(names):
+        c = comparisons[f"{a} - {base}"]
+        m = 100 * c["mean"]
+        ax.bar([i], [m], color=f"C{i + 1}", alpha=0.7)
+        if c["ci_low"] is not None:
+            ax.errorbar([i], [m], yerr=[[m - 100 * c["ci_low"]], [100 * c["ci_high"] - m]], color="black", capsize=6)
+        ax.scatter([i] * len(c["differences"]), [100 * d for d in c["differences"]], color="black", s=8, zorder=3)
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(names)), names, rotation=15)
+    ax.set_ylabel(f"final test accuracy − {base} (pp)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- report
+def _pp(x: float | None, digits: int = 2, sign: bool = True) -> str:
+    if x is None:
+        return "–"
+    return f"{100 * x:+.{digits}f}" if sign else f"{100 * x:.{digits}f}"
+
+
+def _g(x: float | None, fmt: str = ".3g") -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def _pval(p: float | None) -> str:
+    return "–" if p is None else (f"{p:.2g}" if p >= 1e-4 else f"{p:.1e}")
+
+
+def _dataset_paragraph(config: VisionConfig, n_train_full: int | None, n_test: int | None) -> str:
+    name = config.display_name
+    size = ("all training images" if config.train_size is None else
+            f"a training subset of {config.train_size:,} images drawn per seed")
+    counts = "" if n_train_full is None else f"{n_train_full:,} training / {n_test:,} test images; "
+    text = (f"**Dataset: {name}** ({counts}each run uses {size} and is evaluated on the whole test set).")
+    if config.dataset != "cifar10":
+        text += (" **This is not CIFAR-10.** The paper's figures quoted below were measured on CIFAR-10 and are "
+                 "shown for orientation only; they are not the same experiment.")
+    return text
+
+
+def _setup_paragraph(config: VisionConfig) -> str:
+    o = config.optim
+    sched = ("constant learning rate" if config.lr_schedule == "constant" else
+             f"{100 * config.warmup_fraction:g}% linear warm-up then cosine decay to 0")
+    return (f"PatchViT: {config.patch_size}×{config.patch_size} patches, width {config.width}, {config.depth} layer(s), "
+            f"{config.heads} heads, MLP {config.mlp}, {config.pool} pooling. Minibatches of {config.batch_size}, "
+            f"{config.train.epochs} epochs, augmentation {'on' if config.augment else 'off'}, "
+            f"{'bf16 autocast' if config.amp else 'float32'}. AdamW lr {o.lr:g}, betas {o.betas}, eps {o.eps:g}, "
+            f"weight decay {o.weight_decay:g} on the Euclidean matrices; {sched}. Frames: StiefelAdam lr "
+            f"{o.effective_frame_lr:g}, trust region {o.trust_region}, no weight decay. A seed fixes the training "
+            f"subsample, the batch order and the initial weights of every arm (paired starts).")
+
+
+def _comparison_rows(comparisons: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    lines = ["| comparison | pairs | mean Δ (pp) | sd (pp) | 95% CI (pp) | paired t | p (two-sided) | positive "
+             "| sign-test p |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, c in comparisons.items():
+        ci = "–" if c["ci_low"] is None else f"[{_pp(c['ci_low'])}, {_pp(c['ci_high'])}]"
+        lines.append(f"| {name} | {c['n']} | {_pp(c['mean'])} | {_pp(c['std'], sign=False)} | {ci} | {_g(c['t'])} "
+                     f"| {_pval(c['p_value'])} | {c['n_positive']}/{c['n']} | {_pval(c['sign_test_p'])} |")
+    return lines
+
+
+def _cell_sections(analysis: Mapping[str, Any], config: VisionConfig, study: str) -> list[str]:
+    arms = analysis["arms"]
+    lines = ["| arm | seeds | final test acc (mean ± sd) | min – max | final train acc (eval subset) "
+             "| ‖W_Q − W_Q0‖/‖W_Q0‖ | max angle to W_Q0 span (°) | per-step ‖ΔW_Q‖_F (median) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for arm, a in arms.items():
+        f = a["final_test_acc"]
+        tr = a.get("final_train_acc")
+        rel, ang, step = a.get("final_move_total_rel/q"), a.get("final_angle_max_deg/q"), a.get("all_move_step_rms/q")
+        sd = "" if f.get("std") is None else f" ± {_pp(f['std'], sign=False)}"
+        lines.append(f"| {arm} | {len(a['seeds'])} | {_pp(f['mean'], sign=False)}%{sd} | {_pp(f['min'], sign=False)} – "
+                     f"{_pp(f['max'], sign=False)} | {_pp(tr and tr['mean'], sign=False)}% | {_g(rel and rel['mean'])} "
+                     f"| {_g(ang and ang['mean'])} | {_g(step and step['median'])} |")
+    lines.append("")
+    if analysis["comparisons"]:
+        lines += ["Paired differences of the final test accuracy (same seed: same subsample, batch order and initial "
+                  "weights):", ""] + _comparison_rows(analysis["comparisons"]) + [""]
+    return lines
+
+
+def _paper_lines(study: str, cells: Sequence[tuple[Cell, Mapping[str, Any]]], config: VisionConfig) -> list[str]:
+    name = config.display_name
+    first = cells[0][1]
+    comp = first["comparisons"].get("stiefel - adamw")
+    lines = ["## Next to the paper", "",
+             f"Paper: {PAPER['source']}. **Paper on CIFAR-10; this study on {name}.**", "",
+             f"| quantity | paper (CIFAR-10) | this study ({name}) |", "|---|---|---|"]
+    if comp is not None and study not in ("scaling", "decay"):
+        lines.append(f"| gap stiefel − adamw, final test accuracy | {PAPER['paired_gap_pp']:+.2f} pp "
+                     f"| {_pp(comp['mean'])} pp (95% CI [{_pp(comp['ci_low'])}, {_pp(comp['ci_high'])}]) |")
+        lines.append(f"| paired t | {PAPER['paired_t']} (n = {PAPER['paired_n']}) | {_g(comp['t'])} (n = {comp['n']}, "
+                     f"p = {_pval(comp['p_value'])}) |")
+        lines.append(f"| positive pairs | {PAPER['paired_positive']}/{PAPER['paired_n']} | "
+                     f"{comp['n_positive']}/{comp['n']} |")
+    mv = first["movement"].get("adamw / stiefel", {}).get("ratio_q")
+    if mv is not None:
+        lo, hi = PAPER["movement_ratio"]
+        lines.append(f"| per-step movement, AdamW W_Q ÷ frames | {lo:g}–{hi:g}× | {mv['min']:.1f}–{mv['max']:.1f}× over "
+                     f"all (seed, evaluation) windows; median {mv['median']:.1f}×; per-seed means "
+                     f"{mv['per_seed_range'][0]:.1f}–{mv['per_seed_range'][1]:.1f}× |")
+    st = first["arms"].get("stiefel", {})
+    rel, ang = st.get("final_move_total_rel/q"), st.get("final_angle_max_deg/q")
+    if rel is not None:
+        lines.append(f"| frames' distance from initialisation at the end | \"barely leave their initialisation\" "
+                     f"| ‖W − W₀‖_F/‖W₀‖_F = {rel['mean']:.3g} (mean); largest principal angle {_g(ang and ang['mean'])}° |")
+    fz = first["comparisons"].get("stiefel - stiefel-frozen")
+    if fz is not None:
+        lines.append(f"| cost of freezing the frames (stiefel − stiefel-frozen) | {PAPER['frozen_cost_pp']:.2f} pp "
+                     f"| {_pp(fz['mean'])} pp (95% CI [{_pp(fz['ci_low'])}, {_pp(fz['ci_high'])}], "
+                     f"{fz['n_positive']}/{fz['n']} positive) |")
+    if study == "scaling":
+        gaps = ", ".join(f"{c.value:,.0f}: {_pp(a['comparisons'].get('stiefel - adamw', {}).get('mean'))} pp"
+                         for c, a in cells)
+        lines.append(f"| gap against training-set size | {PAPER['scaling']} | {gaps} |")
+    if study == "decay":
+        gaps = ", ".join(f"wd {c.value:g}: {_pp(a['comparisons'].get('stiefel - adamw', {}).get('mean'))} pp"
+                         for c, a in cells)
+        lines.append(f"| gap against weight decay | (not given) | {gaps} |")
+    if study == "ablation":
+        parts = []
+        for arm in ("stiefel-sgd", "stiefel-element", "framescalar-euclidean"):
+            c = first["comparisons"].get(f"{arm} - adamw")
+            if c is not None:
+                parts.append(f"{arm}: {_pp(c['mean'])} pp")
+        lines.append(f"| ablation: gap over adamw per arm | {PAPER['ablation']} | {'; '.join(parts)} |")
+    lines.append("")
+    return lines
+
+
+def _figure_lines(figures: Mapping[str, Path], out_dir: Path) -> list[str]:
+    lines = ["## Figures", ""]
+    for caption, p in figures.items():
+        rel = os.path.relpath(p, out_dir)
+        lines += [f"**{caption}**", "", f"![{caption}]({Path(rel).as_posix()})", ""]
+    return lines
+
+
+NOTES = (
+    "Accuracies are the final test accuracy after the last epoch (no early stopping, no model selection on the "
+    "test set).",
+    "Per-step movement is the root mean square of ‖ΔW‖_F over the optimizer steps between two evaluations, over all "
+    "layers and heads together; the AdamW arm's W_Q has exactly the frames' shape (heads, width, width/heads).",
+    "The t-test assumes normally distributed pair differences; the sign test does not.",
+)
+
+
+def finalize_vision(out_dir: str | os.PathLike, study: str, cells: Sequence[Cell], arms: Sequence[str],
+                    seeds: Sequence[int], *, data_dir: str = "data", command: str | None = None,
+                    wall_seconds: float | None = None) -> dict[str, Any]:
+    """Analyse the records of every cell under ``out_dir`` and write ``summary.json``, the figures and
+    ``report.md``; returns the summary."""
+    from .plotting import plot_accuracy
+    from .records import load_study_records
+    from .report import write_text
+    from .study import speed_from_environment
+
+    out_dir = Path(out_dir)
+    config = cells[0].config
+    name = config.display_name
+    try:
+        data = load_vision(config.dataset, data_dir)
+        n_train_full, n_test = int(data.train_inputs.shape[0]), int(data.test_inputs.shape[0])
+    except FileNotFoundError:
+        n_train_full = n_test = None
+    analysed: list[tuple[Cell, dict[str, Any]]] = []
+    figures: dict[str, Path] = {}
+    speed: dict[str, Any] = {}
+    for cell in cells:
+        cdir = out_dir / cell.subdir if cell.subdir else out_dir
+        records = [r for r in load_study_records(cdir) if r["arm"] in arms and r["seed"] in set(seeds)]
+        if not records:
+            raise ValueError(f"finalize_vision: no records under {cdir / 'runs'} for arms={list(arms)} "
+                             f"seeds={list(seeds)}; run the study first.")
+        analysis = analyze_cell(records, arms)
+        analysed.append((cell, analysis))
+        for k, v in speed_from_environment(cdir).items():
+            speed[f"{cell.subdir + '/' if cell.subdir else ''}{k}"] = v
+        tag = f" ({cell.label})" if cell.sweep else ""
+        stem = f"{cell.subdir}-" if cell.subdir else ""
+        made = {
+            f"Final test accuracy per arm{tag}; grey lines join the arms of one seed, black: mean ± 95% CI":
+                plot_pairs(records, arms, out_dir / f"{stem}pairs.png", title=f"{name}{tag}: final test accuracy"),
+        }
+        if not cell.sweep or cell is cells[-1]:
+            made[f"Accuracy over training{tag} (mean over seeds, band ±1 sd)"] = plot_accuracy(
+                records, out_dir / f"{stem}accuracy.png", sets=("train", "test"), threshold=None)
+            made[f"Per-step movement of W_Q and its AdamW/frame ratio{tag}"] = plot_movement_ratio(
+                records, arms, out_dir / f"{stem}movement_ratio.png", title=f"{name}{tag}")
+            made[f"Distance of W_Q from its initialisation{tag}"] = plot_distance(
+                records, arms, out_dir / f"{stem}distance.png", title=f"{name}{tag}")
+        if study == "ablation":
+            made["Ablation: gap over adamw per arm (bars: mean, whiskers: 95% CI, dots: seeds)"] = plot_ablation(
+                analysis["comparisons"], arms, out_dir / "ablation.png", title=f"{name}: ablation")
+        figures.update({k: v for k, v in made.items() if v is not None})
+    if study in ("scaling", "decay"):
+        rows = [(c.value, a["comparisons"].get("stiefel - adamw")) for c, a in analysed]
+        xlabel = "training images per run" if study == "scaling" else "weight decay"
+        p = plot_gap_sweep(rows, out_dir / f"gap_vs_{'size' if study == 'scaling' else 'decay'}.png", xlabel=xlabel,
+                           title=f"{name}: paired gap against {xlabel}", logx=study == "scaling")
+        if p is not None:
+            figures = {f"Paired gap (stiefel − adamw) against {xlabel}, mean ± 95% CI, dots: seeds": p, **figures}
+
+    title = f"ViT on {name}: {study} study (Stiefel W_Q/W_K vs AdamW)"
+    lines = [f"# {title}", "", _dataset_paragraph(config, n_train_full, n_test), "", _setup_paragraph(config), "",
+             "Arms: " + "; ".join(f"`{a}`" + (f" ({INGREDIENTS[a]})" if a in INGREDIENTS else "") for a in arms)
+             + f". Seeds: {', '.join(map(str, seeds))}.", ""]
+    if config.sgd_frame_lr is not None and "stiefel-sgd" in arms:
+        lines += [f"The `stiefel-sgd` arm's frames use lr {config.sgd_frame_lr:g} (`--sgd-frame-lr`).", ""]
+    lines += _paper_lines(study, analysed, config)
+    if study in ("scaling", "decay"):
+        key = "training images" if study == "scaling" else "weight decay"
+        lines += [f"## Gap against {key}", "", f"| {key} | pairs | stiefel (mean) | adamw (mean) | mean Δ (pp) "
+                  f"| 95% CI (pp) | paired t | p | positive |", "|---|---|---|---|---|---|---|---|---|"]
+        for c, a in analysed:
+            cmp = a["comparisons"].get("stiefel - adamw")
+            if cmp is None:
+                continue
+            s, b = a["arms"]["stiefel"]["final_test_acc"], a["arms"]["adamw"]["final_test_acc"]
+            lines.append(f"| {c.value:g} | {cmp['n']} | {_pp(s['mean'], sign=False)}% | {_pp(b['mean'], sign=False)}% "
+                         f"| {_pp(cmp['mean'])} | [{_pp(cmp['ci_low'])}, {_pp(cmp['ci_high'])}] | {_g(cmp['t'])} "
+                         f"| {_pval(cmp['p_value'])} | {cmp['n_positive']}/{cmp['n']} |")
+        lines.append("")
+    for c, a in analysed:
+        lines += [f"## Results{' — ' + c.label if c.sweep else ''}", ""] + _cell_sections(a, c.config, study)
+        for pair, mv in a["movement"].items():
+            for x, label in (("ratio_q", "W_Q"), ("ratio_k", "W_K")):
+                r = mv.get(x)
+                if r:
+                    lines.append(f"- per-step movement ratio {pair}, {label}: {r['min']:.1f}–{r['max']:.1f}× "
+                                 f"(median {r['median']:.1f}×, {r['n']} windows; per-seed means "
+                                 f"{r['per_seed_range'][0]:.1f}–{r['per_seed_range'][1]:.1f}×)")
+        lines.append("")
+    lines += _figure_lines(figures, out_dir)
+    rates = [v["epochs_per_second"] for v in speed.values() if v.get("epochs_per_second")]
+    secs = [v["seconds"] for v in speed.values() if v.get("seconds")]
+    lines += ["## Run", ""]
+    if command:
+        lines.append(f"- command: `{command}`")
+    if speed:
+        any_run = next(iter(speed.values()))
+        lines.append(f"- device: {any_run['device']}, {any_run['threads']} torch thread(s), torch {any_run['torch']}; "
+                     f"git {any_run['git_sha']}")
+    if secs:
+        lines.append(f"- {len(secs)} runs, {sum(secs) / 60:.1f} min of training in total, "
+                     f"{sum(secs) / len(secs):.1f} s per run on average ({sum(rates) / len(rates):.3g} epochs/s, "
+                     f"evaluation included)")
+    if wall_seconds is not None:
+        lines.append(f"- wall-clock time of this call: {wall_seconds / 60:.1f} min")
+    lines += ["", "## Configuration", "", "```json", json.dumps(to_dict(config), indent=2), "```", "",
+              "## Notes", ""] + [f"- {n}" for n in NOTES] + [""]
+    summary = {"title": title, "dataset": config.dataset, "dataset_name": name, "study": study, "arms": list(arms),
+               "seeds": list(seeds), "config": to_dict(config), "paper": dict(PAPER),
+               "cells": [{"label": c.label, "subdir": c.subdir, "sweep": c.sweep, "value": c.value,
+                          "config": to_dict(c.config), **a} for c, a in analysed],
+               "speed": speed, "command": command, "wall_seconds": wall_seconds,
+               "figures": {k: os.path.relpath(v, out_dir) for k, v in figures.items()}}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text(out_dir / "report.md", "\n".join(lines))
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------- running
+def run_vision(config: VisionConfig, out_dir: str | os.PathLike, *, study: str = "paired",
+               arms: Sequence[str] | None = None, seeds: Sequence[int] = tuple(range(12)),
+               train_sizes: Sequence[float] = (0.1, 0.25, 0.5, 1.0),
+               weight_decays: Sequence[float] = (0.0, 0.05, 0.5), data_dir: str | os.PathLike = "data",
+               download: bool = False, workers: int = 1, device: str = "auto", threads: int | None = None,
+               quiet: bool = False, stop_after_epochs: int | None = None, checkpoint_interval_s: float = 30.0,
+               report_only: bool = False, command: str | None = None) -> tuple[dict[str, Any], list[Any]]:
+    """Run (or resume) every (cell, arm, seed) of ``study`` and write the report; returns
+    ``(summary, run results)``. ``arms=None`` takes :data:`STUDY_ARMS` ``[study]``."""
+    from .arms import get_arm
+    from .runner import run_jobs
+
+    arms = list(STUDY_ARMS[study] if not arms else arms)
+    for a in arms:
+        get_arm(a)
+    data_dir = str(data_dir)
+    data = load_vision(config.dataset, data_dir, download=download)  # fails early, names --data-dir/--download
+    cells = study_cells(study, config, train_sizes=train_sizes, weight_decays=weight_decays,
+                        n_train=int(data.train_inputs.shape[0]))
+    out_dir = Path(out_dir)
+    builder = functools.partial(build_task, data_dir=data_dir)
+    results: list[Any] = []
+    t0 = time.perf_counter()
+    if not report_only:
+        for cell in cells:
+            specs = [RunSpec(arm_config(cell.config, a), a, s) for a in arms for s in seeds]
+            cdir = out_dir / cell.subdir if cell.subdir else out_dir
+            results += run_jobs(specs, builder, cdir, workers=workers, device=device, threads=threads, quiet=quiet,
+                                stop_after_epochs=stop_after_epochs, checkpoint_interval_s=checkpoint_interval_s)
+    wall = None if report_only else time.perf_counter() - t0
+    summary = finalize_vision(out_dir, study, cells, arms, seeds, data_dir=data_dir, command=command,
+                              wall_seconds=wall)
+    return summary, results
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.replace(",", " ").split()]
+
+
+def _none_or_int(text: str) -> int | None:
+    return None if text.lower() in ("none", "all") else int(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .cli_args import add_optim_arguments, add_runner_arguments, add_schedule_arguments
+
+    d = VisionConfig()
+    g = parser.add_argument_group("data")
+    g.add_argument("--dataset", default=d.dataset,
+                   help="cifar10 (the paper's), fashion-mnist (Debian's dataset-fashion-mnist, or torchvision), "
+                        "digits (scikit-learn, for smoke tests); default cifar10")
+    g.add_argument("--data-dir", default="data",
+                   help="folder holding the data set in torchvision's layout (default ./data)")
+    g.add_argument("--download", action="store_true", help="let torchvision download missing files (internet)")
+    g.add_argument("--train-size", type=_none_or_int, default=d.train_size, metavar="N",
+                   help="training images per run, drawn per seed (default: all)")
+    g.add_argument("--augment", action="store_true", help="random crop (pad 4) and horizontal flip (default off)")
+    g.add_argument("--eval-train-size", type=_none_or_int, default=d.eval_train_size, metavar="N",
+                   help=f"training images evaluated for train_acc (default {d.eval_train_size}; 'all')")
+    g = parser.add_argument_group("study")
+    g.add_argument("--study", choices=STUDIES, default="paired", help="which study (default paired)")
+    g.add_argument("--train-sizes", type=_floats, default=[0.1, 0.25, 0.5, 1.0],
+                   help="scaling: training-set sizes, fractions <= 1 of --train-size (or of all) or counts, "
+                        "comma-separated (default 0.1,0.25,0.5,1)")
+    g.add_argument("--weight-decays", type=_floats, default=[0.0, 0.05, 0.5],
+                   help="decay: weight decays, comma-separated (default 0,0.05,0.5)")
+    g.add_argument("--sgd-frame-lr", type=float, default=d.sgd_frame_lr,
+                   help="ablation: frame lr of the stiefel-sgd arm (default: the frame lr)")
+    g = parser.add_argument_group("model")
+    g.add_argument("--patch-size", type=int, default=d.patch_size, help=f"patch side (default {d.patch_size})")
+    g.add_argument("--width", type=int, default=d.width, help=f"model width (default {d.width})")
+    g.add_argument("--depth", type=int, default=d.depth, help=f"layers (default {d.depth})")
+    g.add_argument("--heads", type=int, default=d.heads, help=f"attention heads (default {d.heads})")
+    g.add_argument("--mlp", type=int, default=d.mlp, help=f"MLP hidden width (default {d.mlp})")
+    g.add_argument("--pool", choices=("cls", "mean"), default=d.pool, help="class token or mean pooling")
+    g = parser.add_argument_group("training")
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help=f"minibatch size (default {d.batch_size})")
+    g.add_argument("--lr-schedule", choices=("cosine", "constant"), default=d.lr_schedule,
+                   help="warm-up + cosine decay, or constant (default cosine)")
+    g.add_argument("--warmup-fraction", type=float, default=d.warmup_fraction,
+                   help=f"share of the steps spent warming up (default {d.warmup_fraction})")
+    g.add_argument("--amp", choices=("none", "bf16"), default="none", help="mixed precision (bf16 autocast; CUDA)")
+    add_schedule_arguments(parser, d.train)
+    add_optim_arguments(parser, d.optim)
+    add_runner_arguments(parser, arms=(), seeds=tuple(range(12)), out="runs/vision")
+    for action in parser._actions:
+        if action.dest == "arms":
+            action.help = ("arms to run (default: the study's: "
+                           + "; ".join(f"{k}: {' '.join(v)}" for k, v in STUDY_ARMS.items()) + ")")
+
+
+def config_from_args(args: argparse.Namespace) -> VisionConfig:
+    from .cli_args import optim_config_from_args, train_config_from_args
+
+    return VisionConfig(dataset=args.dataset, train_size=args.train_size, patch_size=args.patch_size,
+                        width=args.width, depth=args.depth, heads=args.heads, mlp=args.mlp, pool=args.pool,
+                        batch_size=args.batch_size, augment=args.augment, lr_schedule=args.lr_schedule,
+                        warmup_fraction=args.warmup_fraction, eval_train_size=args.eval_train_size,
+                        amp=None if args.amp == "none" else args.amp, sgd_frame_lr=args.sgd_frame_lr,
+                        train=train_config_from_args(args), optim=optim_config_from_args(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    import shlex
+    import sys
+
+    from .data.vision import DatasetNotFoundError
+
+    try:
+        config = config_from_args(args)
+    except ValueError as err:
+        raise SystemExit(f"stiefel-attention vision: {err}") from None
+    command = "stiefel-attention " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    t0 = time.perf_counter()
+    try:
+        summary, results = run_vision(
+            config, args.out, study=args.study, arms=args.arms or None, seeds=args.seeds,
+            train_sizes=args.train_sizes, weight_decays=args.weight_decays, data_dir=args.data_dir,
+            download=args.download, workers=args.workers, device=args.device, threads=args.threads,
+            quiet=args.quiet, stop_after_epochs=args.stop_after_epochs, checkpoint_interval_s=args.checkpoint_interval,
+            report_only=args.report_only, command=command)
+    except (DatasetNotFoundError, ValueError) as err:
+        raise SystemExit(f"stiefel-attention vision: {err}") from None
+    print(f"vision ({summary['dataset_name']}, study {args.study}): {len(results)} run(s) in "
+          f"{time.perf_counter() - t0:.1f} s -> {args.out}")
+    for cell in summary["cells"]:
+        prefix = f"  [{cell['label']}] " if cell["sweep"] else "  "
+        for arm, a in cell["arms"].items():
+            f = a["final_test_acc"]
+            sd = "" if f.get("std") is None else f" ± {100 * f['std']:.2f}"
+            print(f"{prefix}{arm:<22} final test acc {100 * f['mean']:.2f}%{sd} over {len(a['seeds'])} seed(s)")
+        for name, c in cell["comparisons"].items():
+            t = "–" if c["t"] is None else f"{c['t']:.2f}"
+            p = "–" if c["p_value"] is None else f"{c['p_value']:.2g}"
+            print(f"{prefix}{name:<34} {100 * c['mean']:+.2f} pp, t = {t}, p = {p}, {c['n_positive']}/{c['n']} positive")
+        for name, mv in cell["movement"].items():
+            r = mv.get("ratio_q")
+            if r:
+                print(f"{prefix}per-step movement {name} (W_Q): {r['min']:.1f}–{r['max']:.1f}x, median {r['median']:.1f}x")
+    pending = [r.name for r in results if not r.completed]
+    if pending:
+        print(f"  stopped before the end (rerun the same command to resume): {', '.join(pending)}")
+    print(f"  report: {Path(args.out) / 'report.md'}")
+    return 0
