@@ -42,8 +42,9 @@ __all__ = [
     "fully_shard_except_frames",
 ]
 
-# Sharded parameters known not to be frames (filled by fully_shard_except_frames / declare_sharded_euclidean).
-_DECLARED_EUCLIDEAN: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+# Sharded parameters known not to be frames (filled by fully_shard_except_frames / declare_sharded_euclidean),
+# keyed by id: tensors compare elementwise, so they cannot be members of a (Weak)Set.
+_DECLARED_EUCLIDEAN: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
 def is_sharded(p: torch.Tensor) -> bool:
@@ -64,7 +65,7 @@ def declare_sharded_euclidean(params: Iterable[torch.Tensor]) -> None:
     """
     for p in params:
         if is_sharded(p):
-            _DECLARED_EUCLIDEAN.add(p)
+            _DECLARED_EUCLIDEAN[id(p)] = p
 
 
 def check_parameter(p: torch.Tensor, owner: str = "StiefelAdam") -> None:
@@ -84,7 +85,7 @@ def check_parameter(p: torch.Tensor, owner: str = "StiefelAdam") -> None:
         raise NotImplementedError(
             f"{owner}: frame parameter of shape {tuple(p.shape)} is sharded (a DTensor); the polar retraction "
             f"and the per-frame second moment need whole frames. {fix}")
-    if p not in _DECLARED_EUCLIDEAN:
+    if _DECLARED_EUCLIDEAN.get(id(p)) is not p:
         raise NotImplementedError(
             f"{owner}: parameter of shape {tuple(p.shape)} is sharded (a DTensor, e.g. by FSDP's fully_shard), "
             f"and FSDP drops the Stiefel manifold of sharded frames, so it may be a frame that would silently "

@@ -65,6 +65,10 @@ def _validate_hyperparameters(group: dict[str, Any]) -> None:
     _require(st is None or (isinstance(st, int) and not isinstance(st, bool) and st > 0),
              f"StiefelAdam: stabilize={st!r} is invalid; pass a positive int (re-project every that many "
              f"steps) or None.")
+    mw = group.get("master_weights", False)
+    _require(isinstance(mw, bool),
+             f"StiefelAdam: master_weights={mw!r} is invalid; pass True (keep a float32 master copy of bf16/fp16 "
+             f"frames) or False.")
 
 
 def _check_parameter(p: torch.Tensor) -> None:
@@ -348,6 +352,13 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
     stabilize : int or None, default None
         Re-project frames (exact SVD polar factor) and their first moments every ``stabilize`` steps.
         Not needed in practice: the retraction forms the Gram matrix of the actual iterate.
+    master_weights : bool, default False
+        Keep a float32 master copy of every bf16/fp16 frame in ``state["master"]`` and update that: the
+        parameter is its rounding, :math:`W_{\mathrm{param}} = \mathrm{round}(W_{\mathrm{master}})`. Without
+        it a bf16 frame is re-rounded after every step and a step smaller than half a bf16 spacing (about
+        :math:`2^{-9}|W_{ij}|`) per entry is lost. Entries of the parameter changed outside the optimizer
+        (no longer the rounding of the master) are taken from the parameter. No effect on float32/float64
+        frames.
     amsgrad, maximize, foreach : bool
         As in :class:`torch.optim.AdamW`; ``amsgrad`` applies to Euclidean parameters only.
 
@@ -361,7 +372,10 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
     - A frame whose gradient has a NaN or Inf entry is skipped for that step (its frame and moments are
       left untouched) and counted in ``state["skipped_frames"]``; the step counter still advances.
       Euclidean parameters follow torch's AdamW, which does not skip.
-    - bf16/fp16 frames compute in float32 and round back; their moments are kept in float32.
+    - bf16/fp16 frames compute in float32 and round back; their moments are kept in float32 (also across
+      :meth:`load_state_dict`). Small steps are partly lost to bf16 rounding unless ``master_weights=True``.
+    - Sharded (FSDP/``DTensor``) parameters are refused with ``NotImplementedError``; see
+      :mod:`geoopt_stiefel_attention.distributed` for DDP and ``fully_shard_except_frames``.
     - Frames of the same shape, dtype and device in one group are stacked and updated by batched
       tensor operations; the update itself is :func:`stiefel_adam_update`.
 
@@ -390,11 +404,13 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         trust_region: float | None = _DEFAULT_TRUST_REGION,
         second_moment: str | None = "frame",
         stabilize: int | None = None,
+        master_weights: bool = False,
         amsgrad: bool = False,
         maximize: bool = False,
         foreach: bool | None = None,
     ) -> None:
-        self._extra_defaults = {"trust_region": trust_region, "second_moment": second_moment}
+        self._extra_defaults = {"trust_region": trust_region, "second_moment": second_moment,
+                                "master_weights": master_weights}
         _validate_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                        stabilize=stabilize, **self._extra_defaults))
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -408,7 +424,8 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for p in params:
             _check_parameter(p)
-        extra = getattr(self, "_extra_defaults", {"trust_region": _DEFAULT_TRUST_REGION, "second_moment": "frame"})
+        extra = getattr(self, "_extra_defaults", {"trust_region": _DEFAULT_TRUST_REGION, "second_moment": "frame",
+                                                  "master_weights": False})
         for key, value in extra.items():
             param_group.setdefault(key, value)
         param_group.setdefault("stabilize", self._stabilize)
@@ -422,6 +439,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             group.setdefault("trust_region", _DEFAULT_TRUST_REGION)
             group.setdefault("second_moment", "frame")
             group.setdefault("stabilize", None)
+            group.setdefault("master_weights", False)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict (see :meth:`torch.optim.Optimizer.load_state_dict`), keeping frame state exact.
@@ -551,6 +569,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         def pieces(stack: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
             return [x.view(t.shape) for x, t in zip(stack.split(counts), like)]
 
+        masters = self._master_copies(params) if group["master_weights"] and p0.dtype != ct else None
         direct = len(params) == 1 and p0.dtype == ct and p0.is_contiguous() and exp_avgs[0].is_contiguous()
         ws = self._workspace(size if direct else 4 * size, ct, p0.device)
         scratch = ws[:size].view(n, d, r)
@@ -559,7 +578,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             v = exp_avg_sqs[0].view(n, 1, 1) if exp_avg_sqs else None
         else:
             w, g, m = (ws[k * size:(k + 1) * size].view(n, d, r) for k in (1, 2, 3))
-            torch._foreach_copy_(pieces(w, params), params)
+            torch._foreach_copy_(pieces(w, params), masters or params)
             torch._foreach_copy_(pieces(g, params), [p.grad for p in params])
             torch._foreach_copy_(pieces(m, params), exp_avgs)
             v = torch.cat([t.reshape(-1, 1, 1) for t in exp_avg_sqs]) if exp_avg_sqs else None
@@ -572,6 +591,8 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             m.copy_(_linalg.proju(w, m))
         if not direct:
             torch._foreach_copy_(params, pieces(w, params))
+            if masters:
+                torch._foreach_copy_(masters, pieces(w, params))
             torch._foreach_copy_(exp_avgs, pieces(m, params))
             if exp_avg_sqs:
                 torch._foreach_copy_(exp_avg_sqs, pieces(v, exp_avg_sqs))
@@ -597,8 +618,9 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
 
         g = stacked([p.grad for p in params])
         exp_avg_sqs = [s["exp_avg_sq"] for s in states] if group["second_moment"] is not None else None
+        masters = self._master_copies(params) if group["master_weights"] and params[0].dtype != ct else None
         w_new, m_new, v_new, finite = stiefel_adam_update(
-            stacked([p.detach() for p in params]), -g if group["maximize"] else g,
+            stacked(masters or [p.detach() for p in params]), -g if group["maximize"] else g,
             stacked([s["exp_avg"] for s in states]), stacked(exp_avg_sqs) if exp_avg_sqs else None,
             step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
             trust_region=radius, second_moment=group["second_moment"], series_order=order)
@@ -607,6 +629,8 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             w_new = _linalg.polar_svd(w_new)
             m_new = _linalg.proju(w_new, m_new)
         torch._foreach_copy_([p.detach() for p in params], unstacked(w_new, params))
+        if masters:
+            torch._foreach_copy_(masters, unstacked(w_new, params))
         torch._foreach_copy_([s["exp_avg"] for s in states], unstacked(m_new, params))
         if exp_avg_sqs:
             torch._foreach_copy_(exp_avg_sqs, unstacked(v_new, exp_avg_sqs))
@@ -638,6 +662,21 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
         )
 
+    def _master_copies(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The float32 master copies of low-precision frames (``state["master"]``), made from the parameter at
+        first use; entries that the parameter no longer rounds to (changed outside the optimizer, e.g. by
+        ``proj_()`` or ``load_state_dict`` of the model alone) are re-read from the parameter."""
+        masters = []
+        for p in params:
+            state = self.state[p]
+            master = state.get("master")
+            if master is None:
+                master = state["master"] = p.detach().to(torch.float32, copy=True)
+            else:
+                torch.where(master.to(p.dtype) == p, master, p.detach().to(master.dtype), out=master)
+            masters.append(master)
+        return masters
+
     @torch.no_grad()
     def stabilize_group(self, group: dict[str, Any]) -> None:
         """Re-project the group's frames onto the manifold (exact SVD) and their first moments onto the
@@ -645,6 +684,11 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         for p in group["params"]:
             if not _is_frame(p) or not self.state[p]:
                 continue
-            p.copy_(p.manifold.projx(p))
+            master = self.state[p].get("master")
+            if master is not None:
+                master.copy_(_linalg.polar_svd(self._master_copies([p])[0]))
+                p.copy_(master)
+            else:
+                p.copy_(p.manifold.projx(p))
             m = self.state[p]["exp_avg"]
-            m.copy_(_linalg.proju(p.to(m.dtype), m))
+            m.copy_(_linalg.proju(p.to(m.dtype) if master is None else master, m))
