@@ -1,0 +1,358 @@
+"""The documentation cannot rot: the site builds with warnings as errors, and every code example runs.
+
+1. ``sphinx-build -W -b html docs <tmp>`` succeeds, and the API reference lists every public name;
+2. every Python example in ``README.md`` (```` ```python ```` fences) and in ``docs/**/*.rst``
+   (``.. code-block:: python``, ``.. testcode::``, ``.. doctest::`` and bare ``>>>`` blocks) runs; the
+   blocks of one file run in order in one namespace, so a page can build on its earlier examples;
+3. the doctests in the package's docstrings pass (``doctest`` over every module of the package).
+
+Each check is paired with a case where it must fail: a page with a reST error fails the ``-W`` build, a
+failing snippet and a wrong doctest output are reported.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import geoopt_stiefel_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+
+#: Flags of every doctest run here: ``...`` matches anything, runs of whitespace compare equal.
+DOCTEST_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+#: Languages of ``.. code-block::`` / fences that are executed as Python.
+PYTHON_LANGUAGES = {"python", "py", "python3"}
+#: Wall-clock limit of one Sphinx build, in seconds (the build itself takes about 10 s on 2 busy cores).
+SPHINX_TIMEOUT_S = 300
+#: A code block with ``:class: slow-example`` runs only with ``pytest -m slow`` (it must be self-contained).
+SLOW_CLASS = "slow-example"
+#: Modules whose docstrings are not collected: running them has side effects.
+SKIP_MODULES = {"geoopt_stiefel_attention.__main__"}
+
+
+# --------------------------------------------------------------------------------------- extracting examples
+@dataclass(frozen=True)
+class Example:
+    """One code example: ``kind`` is ``"code"`` (executed) or ``"doctest"`` (run by ``doctest``)."""
+
+    path: str
+    line: int
+    kind: str
+    source: str
+    slow: bool = False
+
+
+_RST_DIRECTIVE = re.compile(r"^(\s*)\.\.\s+(code-block|code|sourcecode|testcode|doctest|testsetup)::\s*(\S*)\s*$")
+_MD_FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
+
+
+def _indented_body(lines: list[str], start: int, indent: int) -> tuple[list[str], int]:
+    """Lines after ``start`` indented deeper than ``indent`` (blank lines included), and the next index."""
+    body: list[str] = []
+    i = start
+    while i < len(lines):
+        line = lines[i]
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        body.append(line)
+        i += 1
+    while body and not body[-1].strip():
+        body.pop()
+    return body, i
+
+
+def rst_examples(text: str, path: str) -> list[Example]:
+    """The Python examples of a reST text, in order."""
+    lines = text.splitlines()
+    found: list[Example] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        m = _RST_DIRECTIVE.match(line)
+        if m:
+            indent, directive, language = len(m.group(1)), m.group(2), m.group(3).lower()
+            body, nxt = _indented_body(lines, i + 1, indent)
+            options = []
+            while body and (re.match(r"^\s*:[\w-]+:", body[0]) or not body[0].strip()):  # directive options
+                options.append(body.pop(0).strip())
+            slow = any(o.startswith(":class:") and SLOW_CLASS in o.split() for o in options)
+            source = textwrap.dedent("\n".join(body))
+            if directive in ("testcode", "testsetup") or (directive != "doctest" and language in PYTHON_LANGUAGES):
+                found.append(Example(path, i + 1, "code", source, slow))
+            elif directive == "doctest" or language == "pycon":
+                found.append(Example(path, i + 1, "doctest", source, slow))
+            i = nxt
+            continue
+        if line.rstrip().endswith("::") and not line.lstrip().startswith(".."):  # literal block: not code
+            indent = len(line) - len(line.lstrip())
+            _, i = _indented_body(lines, i + 1, indent)
+            continue
+        if line.lstrip().startswith(".. ") and "::" not in line:  # comment: may hide anything
+            indent = len(line) - len(line.lstrip())
+            _, i = _indented_body(lines, i + 1, indent)
+            continue
+        if line.lstrip().startswith(">>>"):  # a bare doctest block runs to the next blank line
+            start = i
+            while i < len(lines) and lines[i].strip():
+                i += 1
+            found.append(Example(path, start + 1, "doctest", textwrap.dedent("\n".join(lines[start:i]))))
+            continue
+        i += 1
+    return found
+
+
+def markdown_examples(text: str, path: str) -> list[Example]:
+    """The ```` ```python ```` fenced blocks of a Markdown text, in order."""
+    lines = text.splitlines()
+    found: list[Example] = []
+    i = 0
+    while i < len(lines):
+        m = _MD_FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        marker, language = m.group(2), m.group(3).lower()
+        body = []
+        j = i + 1
+        while j < len(lines) and not lines[j].strip().startswith(marker):
+            body.append(lines[j])
+            j += 1
+        if language in PYTHON_LANGUAGES:
+            found.append(Example(path, i + 1, "code", textwrap.dedent("\n".join(body))))
+        elif language == "pycon":
+            found.append(Example(path, i + 1, "doctest", textwrap.dedent("\n".join(body))))
+        i = j + 1
+    return found
+
+
+def run_examples(examples: list[Example], namespace: dict | None = None) -> None:
+    """Run the examples of one file in order, in one namespace; raise ``AssertionError`` naming the first
+    example that fails."""
+    ns = {"__name__": "__docs_example__"} if namespace is None else namespace
+    parser = doctest.DocTestParser()
+    for ex in examples:
+        where = f"{ex.path}:{ex.line}"
+        if ex.kind == "code":
+            try:
+                exec(compile(ex.source, where, "exec"), ns)  # noqa: S102 - running the documented example
+            except Exception as err:  # report which example broke, with its source
+                raise AssertionError(f"example at {where} raised {type(err).__name__}: {err}\n"
+                                     f"{textwrap.indent(ex.source, '    ')}") from err
+        else:
+            test = parser.get_doctest(ex.source, ns, where, ex.path, ex.line - 1)
+            runner = doctest.DocTestRunner(optionflags=DOCTEST_FLAGS)
+            out: list[str] = []
+            result = runner.run(test, out=out.append, clear_globs=False)
+            if result.failed:
+                raise AssertionError(f"doctest at {where} failed:\n{''.join(out)}")
+
+
+def _doc_files() -> list[Path]:
+    return sorted(p for p in DOCS.rglob("*.rst") if "_build" not in p.parts and "generated" not in p.parts)
+
+
+def _package_modules() -> list[str]:
+    names = [geoopt_stiefel_attention.__name__]
+    for info in pkgutil.walk_packages(geoopt_stiefel_attention.__path__, prefix="geoopt_stiefel_attention."):
+        if info.name not in SKIP_MODULES:
+            names.append(info.name)
+    return sorted(names)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny examples on a shared 2-core machine: one intra-op thread is many times faster than two that
+    contend with other processes."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+# --------------------------------------------------------------------------------------- 1. the Sphinx build
+def _sphinx_build(src: Path, out: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", "-d", str(out / "doctrees"),
+           str(src), str(out / "html")]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=SPHINX_TIMEOUT_S, env=env, cwd=ROOT)
+
+
+def _hermetic_source(tmp: Path) -> Path:
+    """A copy of ``docs/`` inside a fresh tree whose other top-level entries link to the checkout.
+
+    The build writes autosummary stubs into its source directory; building a copy keeps the working tree
+    clean, lets two test runs build at once, and starts every build without stale stubs.
+    """
+    import shutil
+
+    root = tmp / "checkout"
+    root.mkdir()
+    shutil.copytree(DOCS, root / "docs", ignore=shutil.ignore_patterns("_build", "generated", "__pycache__"))
+    for entry in ROOT.iterdir():
+        if entry.name not in ("docs", ".git") and not (root / entry.name).exists():
+            (root / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    return root / "docs"
+
+
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory) -> Path:
+    pytest.importorskip("sphinx", reason="the docs extra is not installed (pip install -e '.[docs]')")
+    tmp = tmp_path_factory.mktemp("site")
+    proc = _sphinx_build(_hermetic_source(tmp), tmp / "out")
+    assert proc.returncode == 0, f"sphinx-build -W failed:\n{proc.stdout}\n{proc.stderr}"
+    return tmp / "out" / "html"
+
+
+def test_site_builds_with_warnings_as_errors(built_site):
+    for page in ("index", "quickstart", "from_geoopt", "propositions/index", "experiments/index", "benchmarks",
+                 "api"):
+        assert (built_site / f"{page}.html").is_file(), page
+
+
+def test_api_reference_lists_every_public_name(built_site):
+    api = (built_site / "api.html").read_text(encoding="utf-8")
+    missing = [name for name in geoopt_stiefel_attention.__all__
+               if name != "__version__" and f"geoopt_stiefel_attention.{name}" not in api]
+    assert not missing, f"add these to docs/api.rst: {missing}"
+    for name in geoopt_stiefel_attention.__all__:
+        if name != "__version__":
+            assert (built_site / "generated" / f"geoopt_stiefel_attention.{name}.html").is_file(), name
+
+
+def test_scope_and_warnings_section_is_rendered(built_site):
+    page = (built_site / "generated" / "geoopt_stiefel_attention.StiefelAdam.html").read_text(encoding="utf-8")
+    assert "Scope and warnings" in page and "skipped_frames" in page
+
+
+def test_sphinx_build_fails_on_a_rest_error(tmp_path):
+    """Companion: the same command fails on a page with a reST error, so the passing build means something."""
+    pytest.importorskip("sphinx")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "conf.py").write_text("project = 'broken'\n")
+    (src / "index.rst").write_text("Title\n=====\n\n.. this-directive-does-not-exist::\n\n`unclosed\n")
+    proc = _sphinx_build(src, tmp_path / "out")
+    assert proc.returncode != 0
+    assert "this-directive-does-not-exist" in proc.stderr + proc.stdout
+
+
+# --------------------------------------------------------------------------------------- 2. examples in pages
+def test_readme_has_python_examples():
+    assert markdown_examples(README.read_text(encoding="utf-8"), "README.md"), "README.md lost its example"
+
+
+def test_readme_examples_run():
+    run_examples(markdown_examples(README.read_text(encoding="utf-8"), "README.md"))
+
+
+@pytest.mark.parametrize("page", _doc_files(), ids=lambda p: str(p.relative_to(DOCS)))
+def test_doc_page_examples_run(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # an example that writes files writes them here
+    examples = rst_examples(page.read_text(encoding="utf-8"), str(page.relative_to(ROOT)))
+    run_examples([ex for ex in examples if not ex.slow])
+
+
+def _pages_with_slow_examples() -> list[Path]:
+    return [p for p in _doc_files() if any(ex.slow for ex in rst_examples(p.read_text(encoding="utf-8"), str(p)))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", _pages_with_slow_examples(), ids=lambda p: str(p.relative_to(DOCS)))
+def test_doc_page_slow_examples_run(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_examples(rst_examples(page.read_text(encoding="utf-8"), str(page.relative_to(ROOT))))
+
+
+def test_tutorial_pages_have_examples():
+    for page in ("quickstart.rst", "from_geoopt.rst"):
+        examples = rst_examples((DOCS / page).read_text(encoding="utf-8"), page)
+        assert len(examples) >= 4, f"{page} has only {len(examples)} runnable examples"
+
+
+def test_extraction_finds_every_kind_of_block():
+    text = textwrap.dedent("""\
+        Title
+        =====
+
+        .. code-block:: python
+
+           x = 1
+
+        .. code-block:: bash
+
+           echo not python
+
+        Literal block::
+
+           >>> this_is_not_run
+
+        .. doctest::
+
+           >>> x + 1
+           2
+
+        >>> x * 10
+        10
+
+        .. testcode::
+
+           y = x + 1
+
+        .. code-block:: python
+           :class: slow-example
+
+           z = 3
+    """)
+    kinds = [(ex.kind, ex.source.splitlines()[0], ex.slow) for ex in rst_examples(text, "t.rst")]
+    assert kinds == [("code", "x = 1", False), ("doctest", ">>> x + 1", False), ("doctest", ">>> x * 10", False),
+                     ("code", "y = x + 1", False), ("code", "z = 3", True)]
+    md = "text\n\n```python\na = 2\n```\n\n```bash\nls\n```\n"
+    assert [ex.source for ex in markdown_examples(md, "t.md")] == ["a = 2"]
+
+
+def test_failing_examples_are_reported():
+    """Companion: an example that raises, and a doctest with the wrong output, both fail the check."""
+    with pytest.raises(AssertionError, match=r"t\.rst:4 raised ZeroDivisionError"):
+        run_examples(rst_examples("Title\n=====\n\n.. code-block:: python\n\n   1 / 0\n", "t.rst"))
+    with pytest.raises(AssertionError, match="doctest at t.rst:1 failed"):
+        run_examples(rst_examples(">>> 1 + 1\n3\n", "t.rst"))
+
+
+# --------------------------------------------------------------------------------------- 3. docstring doctests
+@pytest.mark.parametrize("module_name", _package_modules())
+def test_docstring_doctests(module_name):
+    module = importlib.import_module(module_name)
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    runner = doctest.DocTestRunner(optionflags=DOCTEST_FLAGS)
+    out: list[str] = []
+    previous = torch.get_default_dtype()
+    try:
+        for test in finder.find(module, module_name, globs={}):
+            runner.run(test, out=out.append)
+    finally:
+        torch.set_default_dtype(previous)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, "".join(out)
+
+
+def test_public_api_docstrings_have_examples():
+    """The classes and helpers users meet first carry a runnable Examples section."""
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    for name in ("PolarStiefel", "StiefelAdam", "StiefelMultiheadAttention", "param_groups", "TinyTransformer"):
+        obj = getattr(geoopt_stiefel_attention, name)
+        tests = [t for t in finder.find(obj, name, globs={}) if t.examples]
+        assert tests, f"{name} has no doctest example"
