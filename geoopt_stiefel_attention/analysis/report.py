@@ -145,6 +145,11 @@ def format_text(certs: Sequence[Certificate], labels: Mapping[str, str] | None =
     return "\n".join(lines)
 
 
+def _md(text: str) -> str:
+    """Escape the characters that Markdown tables and emphasis would interpret."""
+    return text.replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
+
+
 def format_markdown(certs: Sequence[Certificate], labels: Mapping[str, str] | None = None) -> str:
     """The table as GitHub Markdown, followed by the legend and the findings."""
     labels = dict(_default_labels() if labels is None else labels)
@@ -154,13 +159,13 @@ def format_markdown(certs: Sequence[Certificate], labels: Mapping[str, str] | No
              "|---|" + "---:|" * len(heads)]
     for r in rows:
         line = [format_cell(cells[(r, c)]) if (r, c) in cells else "" for _, c in heads]
-        lines.append(f"| {r} | " + " | ".join(line) + " |")
+        lines.append(f"| {_md(r)} | " + " | ".join(line) + " |")
     lines += ["", "**Columns**", ""] + [f"- `{lab}`: {c}" for lab, c in heads]
     lines += ["", "**Certificates**", ""]
-    lines += [f"- **{n}**: {s}" + (f" (`{t}`)" if t else "") for n, s, t in _legend(certs)]
+    lines += [f"- **{_md(n)}**: {_md(s)}" + (f" (`{t}`)" if t else "") for n, s, t in _legend(certs)]
     found = conclusions(certs, labels)
     if found:
-        lines += ["", "**Findings**", ""] + [f"- {s}" for s in found]
+        lines += ["", "**Findings**", ""] + [f"- {_md(s)}" for s in found]
     return "\n".join(lines) + "\n"
 
 
