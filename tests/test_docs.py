@@ -42,6 +42,9 @@ SPHINX_TIMEOUT_S = 300
 SLOW_CLASS = "slow-example"
 #: Modules whose docstrings are not collected: running them has side effects.
 SKIP_MODULES = {"geoopt_stiefel_attention.__main__"}
+#: A valid 1x1 PNG, for a figure in a test build.
+_PNG_1X1 = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010802000000907753de0000000c4944415478"
+                         "9c63f8cfc0000003010100c9fe92ef0000000049454e44ae426082")
 
 
 # --------------------------------------------------------------------------------------- extracting examples
@@ -250,6 +253,81 @@ def test_sphinx_build_fails_on_a_rest_error(tmp_path):
     assert "this-directive-does-not-exist" in proc.stderr + proc.stdout
 
 
+# --------------------------------------------------------------------------------------- the markdown-file directive
+SAMPLE_README = textwrap.dedent("""\
+    # A study
+
+    Runs `(a + b) mod 97` on the `TinyTransformer`s defaults; see [the paper](https://example.org/p) and
+    [the report](report.md). W_Q and x_ are names; a|b is not a substitution.
+
+    | arm | val acc | seeds |
+    |-----|--------:|:-----:|
+    | adamw | 0.611 | 5 |
+    | stiefel | **0.970** | 5 |
+
+    ![Accuracy per arm](accuracy.png)
+
+    - one `item`
+      continued
+    1. numbered
+
+    ```bash
+    stiefel-attention grokking --out runs/grok
+    ```
+
+    > a quote after a code block
+    """)
+
+
+def _gsa_docs():
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        return importlib.import_module("gsa_docs")
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+
+
+def test_markdown_conversion_parses_cleanly():
+    pytest.importorskip("sphinx")
+    gsa = _gsa_docs()
+    rst = gsa._Converter(SAMPLE_README, lambda path: path).convert()
+    assert gsa._parses_cleanly(rst), rst
+    for piece in (".. rubric:: A study", ".. list-table::", ".. figure:: accuracy.png", ".. code:: bash",
+                  "`the paper <https://example.org/p>`__", "x\\_", "a\\|b", "``TinyTransformer``\\ s"):
+        assert piece in rst, piece
+
+
+def test_markdown_conversion_detects_what_would_not_parse():
+    """Companion: text the converter cannot make valid reST is detected (the directive then shows the file
+    verbatim instead of failing the build)."""
+    pytest.importorskip("sphinx")
+    gsa = _gsa_docs()
+    assert not gsa._parses_cleanly(gsa._Converter("an *unclosed emphasis\n", lambda path: path).convert())
+
+
+def test_markdown_file_directive_in_a_build(tmp_path):
+    pytest.importorskip("sphinx")
+    src = tmp_path / "src"
+    (src / "page").mkdir(parents=True)
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "README.md").write_text(SAMPLE_README, encoding="utf-8")
+    (tmp_path / "study" / "accuracy.png").write_bytes(_PNG_1X1)
+    (src / "conf.py").write_text(f"import sys\nsys.path.insert(0, {str(DOCS / '_ext')!r})\n"
+                                 f"extensions = ['gsa_docs']\nproject = 't'\n")
+    (src / "index.rst").write_text("Index\n=====\n\n.. toctree::\n\n   page/study\n")
+    (src / "page" / "study.rst").write_text("Study\n=====\n\n.. markdown-file:: ../../study/README.md\n\n"
+                                            ".. markdown-file:: ../../study/not-yet.md\n   :optional:\n")
+    proc = _sphinx_build(src, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    html = (tmp_path / "out" / "html" / "page" / "study.html").read_text(encoding="utf-8")
+    assert "<table" in html and "0.970" in html and "not-yet.md" in html
+    assert (tmp_path / "out" / "html" / "_images" / "accuracy.png").is_file()
+    # companion: without :optional:, a missing file fails the -W build
+    (src / "page" / "study.rst").write_text("Study\n=====\n\n.. markdown-file:: ../../study/not-yet.md\n")
+    proc = _sphinx_build(src, tmp_path / "out2")
+    assert proc.returncode != 0 and "not-yet.md" in proc.stderr
+
+
 # --------------------------------------------------------------------------------------- 2. examples in pages
 def test_readme_has_python_examples():
     assert markdown_examples(README.read_text(encoding="utf-8"), "README.md"), "README.md lost its example"
@@ -330,6 +408,88 @@ def test_failing_examples_are_reported():
         run_examples(rst_examples("Title\n=====\n\n.. code-block:: python\n\n   1 / 0\n", "t.rst"))
     with pytest.raises(AssertionError, match="doctest at t.rst:1 failed"):
         run_examples(rst_examples(">>> 1 + 1\n3\n", "t.rst"))
+
+
+# --------------------------------------------------------------------------------------- shell commands in pages
+def shell_commands(text: str) -> list[tuple[int, str]]:
+    """``(line, command)`` for every command in the ``bash``/``console``/``shell`` blocks of a reST or
+    Markdown text: continuation lines joined, comments dropped, ``&&`` and ``;`` chains split."""
+    lines = text.splitlines()
+    blocks: list[tuple[int, list[str]]] = []
+    i = 0
+    while i < len(lines):
+        m = _RST_DIRECTIVE.match(lines[i])
+        fence = _MD_FENCE.match(lines[i])
+        if m and m.group(3).lower() in ("bash", "console", "shell", "sh"):
+            body, nxt = _indented_body(lines, i + 1, len(m.group(1)))
+            blocks.append((i + 2, textwrap.dedent("\n".join(body)).splitlines()))
+            i = nxt
+        elif fence and fence.group(3).lower() in ("bash", "console", "shell", "sh"):
+            j = i + 1
+            while j < len(lines) and not lines[j].strip().startswith(fence.group(2)):
+                j += 1
+            blocks.append((i + 2, lines[i + 1:j]))
+            i = j + 1
+        else:
+            i += 1
+    commands = []
+    for start, body in blocks:
+        joined = "\n".join(body).replace("\\\n", " ")
+        for k, line in enumerate(joined.splitlines()):
+            line = re.sub(r"(^|\s)#.*$", "", line).strip()
+            if line.startswith("$ "):
+                line = line[2:]
+            for part in re.split(r"&&|;", line):
+                if part.strip():
+                    commands.append((start + k, part.strip()))
+    return commands
+
+
+def _documented_commands() -> list[tuple[str, str]]:
+    found = []
+    for path in [README, *_doc_files()]:
+        for line, command in shell_commands(path.read_text(encoding="utf-8")):
+            found.append((f"{path.relative_to(ROOT)}:{line}", command))
+    return found
+
+
+def test_documented_cli_commands_parse():
+    """Every ``stiefel-attention ...`` command shown in the README and the docs is accepted by the parser
+    (nothing is run), and every ``python <script>.py`` names a file of the repository."""
+    import shlex
+
+    from geoopt_stiefel_attention.cli import build_parser
+
+    parser = build_parser()
+    checked = 0
+    for where, command in _documented_commands():
+        argv = shlex.split(command)
+        for k, token in enumerate(argv):  # a redirection or a pipe ends the command's own arguments
+            if token in (">", ">>", "<", "|", "2>", "2>&1", "&>") or token.startswith((">", "2>")):
+                argv = argv[:k]
+                break
+        if argv[0] == "stiefel-attention":
+            if {"--help", "-h", "--version"} & set(argv):
+                continue
+            try:
+                parser.parse_args(argv[1:])
+            except SystemExit as err:
+                raise AssertionError(f"{where}: `{command}` is rejected by the CLI parser") from err
+            checked += 1
+        elif argv[0] == "python" and len(argv) > 1 and argv[1].endswith(".py"):
+            assert (ROOT / argv[1]).is_file(), f"{where}: `{command}` names a script that does not exist"
+    assert checked >= 5, f"only {checked} stiefel-attention commands found in the docs"
+
+
+def test_cli_command_check_can_fail():
+    """Companion: a command with an unknown flag is rejected, and the extractor finds it."""
+    from geoopt_stiefel_attention.cli import build_parser
+
+    text = "Run::\n\n.. code-block:: bash\n\n   stiefel-attention demo --no-such-flag \\\n      --x 1  # comment\n"
+    [(line, command)] = shell_commands(text)
+    assert line == 5 and command.split() == ["stiefel-attention", "demo", "--no-such-flag", "--x", "1"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--no-such-flag"])
 
 
 # --------------------------------------------------------------------------------------- 3. docstring doctests

@@ -125,6 +125,7 @@ class _Converter:
                 continue
             if line.lstrip().startswith(">"):
                 self.blank()
+                self.out += ["..", ""]  # an empty comment: the quote must not continue a preceding block
                 while i < len(lines) and lines[i].lstrip().startswith(">"):
                     self.out.append("   " + _inline(lines[i].lstrip()[1:].strip()))
                     i += 1
@@ -201,11 +202,15 @@ class _Converter:
     def _list(self, i: int) -> int:
         self.blank()
         base = len(_BULLET.match(self.lines[i]).group(1))
+        previous = None
         while i < len(self.lines):
             line = self.lines[i]
             m = _BULLET.match(line)
             if m and len(m.group(1)) <= base + 1:
                 marker = "-" if m.group(2) in "-*+" else "#."
+                if previous is not None and marker != previous:
+                    self.blank()  # a bullet list and an enumerated list are two lists
+                previous = marker
                 self.out.append(f"{marker} {self._inline_with_images(m.group(3))}")
                 pad = " " * (len(marker) + 1)
                 i += 1
@@ -323,6 +328,7 @@ def _remove_stale_stubs(app) -> None:
 
 
 def setup(app):
+    app.setup_extension("sphinx.ext.autodoc")
     app.add_directive("markdown-file", MarkdownFile)
     app.connect("builder-inited", _remove_stale_stubs, priority=100)  # before autosummary writes new ones
     app.connect("autodoc-process-docstring", _drop_foreign_docstrings)
