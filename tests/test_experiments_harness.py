@@ -38,7 +38,6 @@ from geoopt_stiefel_attention.experiments import (
 )
 from geoopt_stiefel_attention.experiments.arms import build_stiefel, split_frame_groups
 from geoopt_stiefel_attention.experiments.data import FullBatch, MiniBatches
-from geoopt_stiefel_attention.experiments.plotting import plot_study
 from geoopt_stiefel_attention.experiments.records import read_records, summarize
 from geoopt_stiefel_attention.experiments.report import PaperReference, render_report
 from geoopt_stiefel_attention.experiments.study import finalize_study
@@ -323,6 +322,7 @@ def test_paired_arms_share_data_and_non_attention_weights(tmp_path):
     assert all(not r.completed for r in results)
 
 
+@pytest.mark.slow  # two spawned processes each import torch: ~10 s of CPU, far more wall time on a busy machine
 def test_parallel_workers_give_the_serial_records(tmp_path):
     specs = [RunSpec(ToyConfig(), arm, seed=1) for arm in ("adamw", "stiefel")]
     serial = run_jobs(specs, toy_build_task, tmp_path / "serial", workers=1, device="cpu", threads=1, quiet=True)
@@ -367,19 +367,23 @@ def test_summary_statistics_written_out():
     assert abs(paired["t"] - ref.statistic) < 1e-9 and paired["n"] == 2 and paired["n_positive"] == 1
 
 
-def test_plots_report_and_finalize(tmp_path):
-    recs = _synthetic_records()
-    figs = plot_study(recs, tmp_path)
-    assert set(figs) == {"accuracy", "overview", "weight_norms", "principal_angles", "movement"}
-    assert all(p.stat().st_size > 5000 for p in figs.values())
+def test_report_puts_measured_next_to_published():
     paper = PaperReference("someone", 20000, {"a": 0.5, "b": 0.9}, "one run")
-    text = render_report(title="T", summary=summarize(recs), paper=paper, figures={"acc": "accuracy.png"})
+    text = render_report(title="T", summary=summarize(_synthetic_records()), paper=paper,
+                         figures={"acc": "accuracy.png"}, notes=["careful"])
     assert "| a |" in text and "| b |" in text and "50.0%" in text and "90.0%" in text
-    assert "![acc](accuracy.png)" in text
-    # finalize from run folders written by the loop
-    run_jobs([RunSpec(ToyConfig(), arm, 0) for arm in ("adamw", "stiefel")], toy_build_task, tmp_path / "s",
+    assert "94.5% ± 6.4%" in text  # arm a: mean and sd of 0.99 and 0.90
+    assert "![acc](accuracy.png)" in text and "- careful" in text
+
+
+def test_finalize_writes_summary_plots_and_report_from_run_folders(tmp_path):
+    run_jobs([RunSpec(ToyConfig(), arm, 0) for arm in ("adamw", "stiefel")], toy_build_task, tmp_path,
              quiet=True, device="cpu")
-    out = finalize_study(tmp_path / "s", title="toy", config=ToyConfig(), arms=["adamw", "stiefel"], paper=paper)
+    paper = PaperReference("someone", 20000, {"stiefel": 0.97, "adamw": 0.611}, "one run")
+    out = finalize_study(tmp_path, title="toy", config=ToyConfig(), arms=["adamw", "stiefel"], paper=paper)
     assert set(out.summary["summary"]["arms"]) == {"adamw", "stiefel"}
-    assert out.report_path.exists() and (tmp_path / "s" / "summary.json").exists()
+    assert set(out.figures) == {"accuracy", "overview", "weight_norms", "principal_angles", "movement"}
+    assert all(p.stat().st_size > 5000 for p in out.figures.values())
+    assert out.report_path.exists() and json.loads((tmp_path / "summary.json").read_text())["title"] == "toy"
     assert set(out.summary["speed"]) == {"adamw/seed0", "stiefel/seed0"}
+    assert "97.0%" in out.report_path.read_text()

@@ -50,7 +50,7 @@ def add_optim_arguments(parser: argparse.ArgumentParser, default: OptimConfig) -
 def add_runner_arguments(parser: argparse.ArgumentParser, *, arms: Sequence[str], seeds: Sequence[int],
                          out: str) -> None:
     """``--arms``, ``--seeds``, ``--out``, ``--workers``, ``--device``, ``--threads``, ``--quiet``,
-    ``--report-only``, ``--stop-after-epochs``, ``--checkpoint-interval``."""
+    ``--report-only``, ``--skip-report``, ``--stop-after-epochs``, ``--checkpoint-interval``."""
     from .arms import ARMS
 
     g = parser.add_argument_group("running")
@@ -67,6 +67,8 @@ def add_runner_arguments(parser: argparse.ArgumentParser, *, arms: Sequence[str]
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     g.add_argument("--report-only", action="store_true",
                    help="train nothing: rebuild summary.json, the plots and report.md from the records in --out")
+    g.add_argument("--skip-report", action="store_true",
+                   help="train only; build summary.json, the plots and report.md later with --report-only")
     g.add_argument("--stop-after-epochs", type=int, default=None, metavar="N",
                    help="train at most N epochs per run in this call, then checkpoint and stop (rerun to resume)")
     g.add_argument("--checkpoint-interval", type=float, default=30.0, metavar="SECONDS",

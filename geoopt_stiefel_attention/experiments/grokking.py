@@ -173,9 +173,10 @@ NOTES = (
 def run_grokking(config: GrokkingConfig, out_dir, *, arms=("adamw", "stiefel"), seeds=(0,), workers: int = 1,
                  device: str = "auto", threads: int | None = None, quiet: bool = False,
                  stop_after_epochs: int | None = None, checkpoint_interval_s: float = 30.0,
-                 report_only: bool = False, command: str | None = None):
+                 report_only: bool = False, skip_report: bool = False, command: str | None = None):
     """Run (or resume) the study and write ``summary.json``, ``report.md`` and the PNG figures into
-    ``out_dir``; returns :class:`~.study.StudyOutputs`."""
+    ``out_dir``; returns :class:`~.study.StudyOutputs` (with ``skip_report``, only the tuple of
+    :class:`~.runner.RunResult`; with ``report_only``, nothing is trained)."""
     from .study import finalize_study, run_study
 
     kwargs = dict(title=f"Grokking on (a {config.operation} b) mod {config.p}: Stiefel W_Q/W_K vs AdamW",
@@ -184,7 +185,8 @@ def run_grokking(config: GrokkingConfig, out_dir, *, arms=("adamw", "stiefel"), 
     if report_only:
         return finalize_study(out_dir, config=config, arms=list(arms), seeds=list(seeds), **kwargs)
     return run_study(config, build_task, out_dir, arms=list(arms), seeds=list(seeds), workers=workers, device=device, threads=threads, quiet=quiet,
-                     stop_after_epochs=stop_after_epochs, checkpoint_interval_s=checkpoint_interval_s, **kwargs)
+                     stop_after_epochs=stop_after_epochs, checkpoint_interval_s=checkpoint_interval_s,
+                     skip_report=skip_report, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -230,20 +232,24 @@ def run(args: argparse.Namespace) -> int:
     outputs = run_grokking(config, args.out, arms=args.arms, seeds=args.seeds, workers=args.workers,
                            device=args.device, threads=args.threads, quiet=args.quiet,
                            stop_after_epochs=args.stop_after_epochs, checkpoint_interval_s=args.checkpoint_interval,
-                           report_only=args.report_only, command=command)
+                           report_only=args.report_only, skip_report=args.skip_report, command=command)
+    results = outputs if isinstance(outputs, tuple) else outputs.results
+    pending = [r.name for r in results if not r.completed]
+    print(f"grokking: {len(results)} run(s) in {time.perf_counter() - t0:.1f} s -> {args.out}")
+    for r in results:
+        rate = "" if r.epochs_per_second is None else f", {r.epochs_per_second:.2f} epochs/s"
+        acc = (r.final_record or {}).get("val_acc")
+        print(f"  {r.name}: epoch {r.epoch}{rate}" + ("" if acc is None else f", val acc {100 * acc:.1f}%"))
+    if pending:
+        print(f"  stopped before the end (rerun the same command to resume): {', '.join(pending)}")
+    if isinstance(outputs, tuple):
+        return 0
     summary = outputs.summary["summary"]
-    pending = [r.name for r in outputs.results if not r.completed]
-    print(f"grokking: {len(outputs.results)} run(s) in {time.perf_counter() - t0:.1f} s -> {args.out}")
     for arm, s in summary["arms"].items():
         fin = s["final"]
         std = "" if fin["std"] is None else f" ± {100 * fin['std']:.1f}"
         print(f"  {arm:<14} final val acc {100 * fin['mean']:.1f}%{std} over seeds {s['seeds']}; "
               f"reached 95% in {s['first_epoch_reaching']['n_reached']}/{s['first_epoch_reaching']['n']}; "
               f"stays ≥95% (last 10%): {s['stays_above']['fraction']:.2f}")
-    for name, v in outputs.summary["speed"].items():
-        if v["epochs_per_second"]:
-            print(f"  {name}: {v['epochs_per_second']} epochs/s")
-    if pending:
-        print(f"  stopped before the end (rerun the same command to resume): {', '.join(pending)}")
     print(f"  report: {outputs.report_path}")
     return 0

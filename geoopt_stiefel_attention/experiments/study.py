@@ -108,10 +108,13 @@ def finalize_study(out_dir: str | os.PathLike, *, title: str, intro: str = "", c
 def run_study(config: Any, build_task: TaskBuilder, out_dir: str | os.PathLike, *, arms: Sequence[str],
               seeds: Sequence[int], workers: int = 1, device: str = "auto", threads: int | None = None,
               quiet: bool = False, stop_after_epochs: int | None = None, checkpoint_interval_s: float = 30.0,
-              **finalize_kwargs: Any) -> StudyOutputs:
+              skip_report: bool = False, **finalize_kwargs: Any) -> StudyOutputs | tuple[RunResult, ...]:
     """Run (or resume) every (arm, seed) of ``config`` with :func:`~.runner.run_jobs`, then
-    :func:`finalize_study`. Paired: each seed gives every arm the same data and initial weights."""
+    :func:`finalize_study` (unless ``skip_report``: then the run results alone are returned). Paired: each
+    seed gives every arm the same data and initial weights."""
     specs = [RunSpec(config, arm, seed) for arm in arms for seed in seeds]
     results = run_jobs(specs, build_task, out_dir, workers=workers, device=device, threads=threads, quiet=quiet,
                        stop_after_epochs=stop_after_epochs, checkpoint_interval_s=checkpoint_interval_s)
+    if skip_report:
+        return tuple(results)
     return finalize_study(out_dir, config=config, arms=arms, seeds=seeds, results=results, **finalize_kwargs)

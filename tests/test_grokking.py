@@ -1,0 +1,175 @@
+"""Tests of the grokking study: the modular-arithmetic data, the last-position fast path, the study
+pipeline end to end (both arms, records, summary, plots, report, frames on the manifold), the CLI, and
+exact resume of a real TinyTransformer run.
+
+References are independent: answers from Python's own ``%`` and ``pow(b, -1, p)``, pair coverage by set
+arithmetic, logits from the model's full forward pass.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from geoopt_stiefel_attention.cli import main as cli_main
+from geoopt_stiefel_attention.experiments import OptimConfig, RunSpec, TrainConfig, get_arm, train_run
+from geoopt_stiefel_attention.experiments.data.modular import is_prime, modular_split
+from geoopt_stiefel_attention.experiments.grokking import (
+    FAST_PATH_TOLERANCE,
+    GrokkingConfig,
+    build_task,
+    last_position,
+    last_position_fast,
+    run_grokking,
+)
+from geoopt_stiefel_attention.experiments.records import read_records
+from geoopt_stiefel_attention.models import TinyTransformer
+
+#: float64 agreement of the fast path with the full forward (logits and gradients)
+FAST_F64_TOL = 1e-10
+#: max |W^T W - I| of float32 frames after training
+ORTHO_TOL_F32 = 1e-5
+
+SMALL = dict(p=11, width=16, heads=2, mlp=32)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _reference_answer(a: int, b: int, op: str, p: int) -> int:
+    if op == "+":
+        return (a + b) % p
+    if op == "-":
+        return (a - b) % p
+    if op == "*":
+        return (a * b) % p
+    return (a * pow(b, -1, p)) % p
+
+
+# ------------------------------------------------------------------------------------------ data
+@pytest.mark.parametrize("op", ["+", "-", "*", "/"])
+def test_split_covers_every_pair_once_with_correct_answers(op):
+    p = 13
+    s = modular_split(p, op, 0.3, seed=4)
+    pairs = [(int(t[0]), int(t[2])) for t in torch.cat([s.train_inputs, s.val_inputs])]
+    expected = {(a, b) for a in range(p) for b in range(p) if op != "/" or b != 0}
+    assert len(pairs) == len(set(pairs)) == len(expected) and set(pairs) == expected
+    assert s.train_inputs.shape[0] == round(0.3 * len(expected))
+    for tokens, target in zip(torch.cat([s.train_inputs, s.val_inputs]), torch.cat([s.train_targets, s.val_targets]),
+                              strict=True):
+        a, o, b, eq = tokens.tolist()
+        assert (o, eq) == (p, p + 1)
+        assert int(target) == _reference_answer(a, b, op, p)
+    assert s.vocab_size == p + 2 and s.seq_len == 4
+
+
+def test_split_is_deterministic_per_seed():
+    a, b = modular_split(13, "+", 0.3, seed=1), modular_split(13, "+", 0.3, seed=1)
+    assert torch.equal(a.train_inputs, b.train_inputs) and torch.equal(a.val_targets, b.val_targets)
+    c = modular_split(13, "+", 0.3, seed=2)  # companion: another seed, another split
+    assert not torch.equal(a.train_inputs, c.train_inputs)
+
+
+def test_data_and_config_validation_name_the_parameter():
+    with pytest.raises(ValueError, match="prime"):
+        modular_split(12, "/", 0.3)
+    with pytest.raises(ValueError, match="operation"):
+        modular_split(11, "^", 0.3)
+    with pytest.raises(ValueError, match="train_fraction"):
+        modular_split(11, "+", 1.0)
+    with pytest.raises(ValueError, match="divisible"):
+        GrokkingConfig(width=30, heads=4)
+    assert GrokkingConfig(operation="÷").operation == "/" and is_prime(97) and not is_prime(91)
+
+
+# ------------------------------------------------------------------------------------------ fast path
+@pytest.mark.parametrize("attention", ["euclidean", "stiefel"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_fast_path_is_the_full_forward_at_the_last_position(attention, depth):
+    model = TinyTransformer(13, 4, width=16, depth=depth, heads=2, mlp=32, attention=attention, seed=3,
+                            dtype=torch.float64)
+    tokens = modular_split(11, "+", 0.5, seed=0).train_inputs[:40]
+    y = torch.randint(0, 13, (40,), generator=torch.Generator().manual_seed(0))
+    fast, full = last_position_fast(model, tokens), last_position(model, tokens)
+    assert float((fast - full).detach().abs().max()) < FAST_F64_TOL
+    grads = []
+    for fn in (last_position_fast, last_position):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(fn(model, tokens), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g_fast, g_full in zip(*grads, strict=True):
+        assert float((g_fast - g_full).abs().max()) < FAST_F64_TOL
+    # companion: the first position's logits are a different function, so the comparison can fail
+    assert float((fast - model(tokens)[:, 0]).detach().abs().max()) > 1e-3
+
+
+def test_build_task_uses_the_fast_path_and_pairs_the_arms():
+    cfg = GrokkingConfig(**SMALL)
+    tasks = {a: build_task(RunSpec(cfg, a, 0), get_arm(a), torch.device("cpu")) for a in ("adamw", "stiefel")}
+    assert all(t.predict is last_position_fast for t in tasks.values())
+    x, y = next(iter(tasks["adamw"].train_data.batches(0)))
+    x2, y2 = next(iter(tasks["stiefel"].train_data.batches(0)))
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    eu, st = (dict(tasks[a].model.named_parameters()) for a in ("adamw", "stiefel"))
+    for name in eu:
+        if not name.endswith(("w_q", "w_k")):
+            assert torch.equal(eu[name], st[name]), name
+    assert FAST_PATH_TOLERANCE < 1e-3
+    slow = build_task(RunSpec(GrokkingConfig(**SMALL, fast_forward=False), "adamw", 0), get_arm("adamw"), "cpu")
+    assert slow.predict is last_position
+
+
+# ------------------------------------------------------------------------------------------ the study
+def test_smoke_both_arms_records_summary_plots_report(tmp_path):
+    cfg = GrokkingConfig(**SMALL, train=TrainConfig(epochs=300, eval_every=50),
+                         optim=OptimConfig(lr=3e-3, betas=(0.9, 0.98), weight_decay=1.0))
+    out = run_grokking(cfg, tmp_path, arms=("adamw", "stiefel"), seeds=(0,), quiet=True, device="cpu")
+    for name in ("summary.json", "report.md", "accuracy.png", "overview.png", "weight_norms.png",
+                 "principal_angles.png", "movement.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["summary"]["arms"]) == {"adamw", "stiefel"}
+    report = (tmp_path / "report.md").read_text()
+    assert "| adamw |" in report and "| stiefel |" in report and "97.0%" in report and "61.1%" in report
+    recs = {a: read_records(tmp_path / "runs" / a / "seed0" / "metrics.jsonl") for a in ("adamw", "stiefel")}
+    assert [r["epoch"] for r in recs["stiefel"]] == [0, 50, 100, 150, 200, 250, 300]
+    assert recs["adamw"][0]["norm/blocks.0.mlp.0.weight"] == recs["stiefel"][0]["norm/blocks.0.mlp.0.weight"]
+    assert recs["stiefel"][-1]["train_acc"] > 0.9  # it trains
+    state = torch.load(tmp_path / "runs" / "stiefel" / "seed0" / "checkpoint.pt", weights_only=True)["model"]
+    for key in ("blocks.0.attn.w_q", "blocks.0.attn.w_k"):
+        w = state[key]
+        assert float((w.transpose(-1, -2) @ w - torch.eye(w.shape[-1])).abs().max()) < ORTHO_TOL_F32
+    # companion: the Euclidean arm's W_Q is not orthonormal, so the check above can fail
+    w = torch.load(tmp_path / "runs" / "adamw" / "seed0" / "checkpoint.pt", weights_only=True)["model"]["blocks.0.attn.w_q"]
+    assert float((w.transpose(-1, -2) @ w - torch.eye(w.shape[-1])).abs().max()) > 1e-2
+    assert out.summary["summary"]["arms"]["stiefel"]["final_move_total/q"]["mean"] > 0
+
+
+def test_cli_resume_matches_an_uninterrupted_run(tmp_path, capsys):
+    flags = ["grokking", "--p", "7", "--width", "16", "--heads", "2", "--mlp", "32", "--epochs", "40",
+             "--eval-every", "10", "--arms", "stiefel", "geoopt-radam", "--quiet", "--device", "cpu"]
+    flags.append("--skip-report")  # plots are covered by the smoke test; --report-only below builds one
+    assert cli_main([*flags, "--out", str(tmp_path / "full")]) == 0
+    assert cli_main([*flags, "--out", str(tmp_path / "cut"), "--stop-after-epochs", "15"]) == 0
+    assert "stopped before the end" in capsys.readouterr().out
+    assert cli_main([*flags, "--out", str(tmp_path / "cut")]) == 0
+    assert "stopped before the end" not in capsys.readouterr().out
+    for arm in ("stiefel", "geoopt-radam"):
+        a = read_records(tmp_path / "full" / "runs" / arm / "seed0" / "metrics.jsonl")
+        b = read_records(tmp_path / "cut" / "runs" / arm / "seed0" / "metrics.jsonl")
+        assert [r["epoch"] for r in a] == [0, 10, 20, 30, 40] and a == b
+    assert cli_main([*flags, "--out", str(tmp_path / "cut"), "--report-only"]) == 0
+    assert (tmp_path / "cut" / "report.md").exists()
+
+
+def test_train_run_of_one_grokking_arm_reports_speed(tmp_path):
+    cfg = GrokkingConfig(**SMALL, train=TrainConfig(epochs=20, eval_every=10))
+    res = train_run(RunSpec(cfg, "adamw", 1), build_task, tmp_path, device="cpu", quiet=True)
+    assert res.completed and res.epochs_per_second > 0 and res.final_record["epoch"] == 20
