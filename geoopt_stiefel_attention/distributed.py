@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ __all__ = [
 
 # Sharded parameters known not to be frames (filled by fully_shard_except_frames / declare_sharded_euclidean),
 # keyed by id: tensors compare elementwise, so they cannot be members of a (Weak)Set.
-_DECLARED_EUCLIDEAN: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_DECLARED_EUCLIDEAN: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def is_sharded(p: torch.Tensor) -> bool:
@@ -128,8 +128,8 @@ def fully_shard_except_frames(
     sharded first, then ``model``. The sharded parameters are declared Euclidean so that
     :class:`~geoopt_stiefel_attention.StiefelAdam` accepts them (it trains them with AdamW, shard by shard).
 
-    Build the optimizer after this call, from ``model.parameters()``. Frames must be identical on every rank
-    before training (same seed, or broadcast them once); the averaged gradients keep them identical.
+    Build the optimizer after this call, from ``model.parameters()``. The frames are broadcast from the group's
+    first rank (as DDP does at construction), and the averaged gradients keep them identical on every rank.
 
     Parameters
     ----------
@@ -137,7 +137,8 @@ def fully_shard_except_frames(
     submodules : iterable of nn.Module
         Modules to shard individually before ``model`` (FSDP2's usual per-block wrapping).
     group : ProcessGroup, optional
-        The data-parallel group the frame gradients are averaged over (default: the world).
+        The data-parallel group the frames are broadcast in and their gradients averaged over (default: the
+        world).
     **fully_shard_kwargs
         Passed to ``fully_shard`` (``mesh``, ``reshard_after_forward``, ``mp_policy``, ...).
         ``ignored_params`` is extended with the frames.
@@ -147,9 +148,14 @@ def fully_shard_except_frames(
     nn.Module
         ``model`` (sharded in place, as ``fully_shard`` does).
     """
+    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     frames = [p for p in model.parameters() if is_frame(p)]
+    source = 0 if group is None else dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for p in frames:
+            dist.broadcast(p.data, src=source, group=group)
     ignored = set(fully_shard_kwargs.pop("ignored_params", None) or ()) | set(frames)
     for module in submodules:
         fully_shard(module, ignored_params=ignored, **fully_shard_kwargs)

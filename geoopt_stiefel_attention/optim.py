@@ -452,7 +452,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         super().load_state_dict(state_dict)
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
-        for i, p in zip(saved_ids, params):
+        for i, p in zip(saved_ids, params, strict=True):
             saved = state_dict["state"].get(i)
             if saved is None or not _is_frame(p):
                 continue

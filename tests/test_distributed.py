@@ -60,6 +60,10 @@ def _worker(rank, port, out_dir):
         ddp_model = _model()
         _train(ddp_model, torch.nn.parallel.DistributedDataParallel(ddp_model), x, y)
         fsdp_model = _model()
+        if rank == 1:  # different frames on rank 1 (still orthonormal): the helper broadcasts rank 0's
+            with torch.no_grad():
+                for p in frame_parameters(fsdp_model):
+                    p.copy_(p.flip(-1))
         fully_shard_except_frames(fsdp_model, submodules=list(fsdp_model.blocks))
         kinds = {name: (type(p).__name__, is_frame(p), is_sharded(p)) for name, p in fsdp_model.named_parameters()}
         _train(fsdp_model, fsdp_model, x, y)

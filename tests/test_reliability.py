@@ -83,7 +83,7 @@ def _same(a, b):
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -259,7 +259,7 @@ def test_nan_loss_in_a_model_leaves_every_frame_on_the_manifold(trained):
     opt.zero_grad()
     (_loss(model, *_batches(1)[0]) * float("nan")).backward()
     opt.step()
-    for p, before in zip(frame_parameters(model), frames_before):
+    for p, before in zip(frame_parameters(model), frames_before, strict=True):
         assert torch.equal(p.detach(), before)
         assert torch.isfinite(opt.state[p]["exp_avg"]).all() and torch.isfinite(opt.state[p]["exp_avg_sq"]).all()
         assert int(opt.state[p]["skipped_frames"]) == p.shape[0]
@@ -312,7 +312,7 @@ def test_grad_scaler_unscaling_is_exact():
         loss.backward()
         opt.step()
     scaled, _, _ = _scaler_run(inject=False, steps=3)
-    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), scaled.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), scaled.parameters(), strict=True))
 
 
 # ----------------------------------------------------------------------------- drift
@@ -447,7 +447,7 @@ def test_bf16_checkpoint_resumes_bit_identically_and_keeps_float32_state():
     """Would fail without StiefelAdam.load_state_dict keeping frame state dtypes: torch casts state to the
     parameter dtype, rounding the float32 moments and master copy to bf16."""
     model, opt, model2, opt2 = _resume_matches(_make_bf16)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters(), strict=True))
     for p in frame_parameters(model2):
         state = opt2.state[p]
         assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == state["master"].dtype == torch.float32
@@ -461,7 +461,7 @@ def test_float64_model_checkpoint_resumes_bit_identically():
         return model, StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2)
 
     model, opt, model2, opt2 = _resume_matches(make)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters(), strict=True))
     assert _same(opt.state_dict()["state"], opt2.state_dict()["state"])
 
 
@@ -487,7 +487,7 @@ def test_checkpoint_moves_between_cpu_and_cuda(dtype):
         return model, StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2, master_weights=True)
 
     model, opt, model2, opt2 = _resume_matches(make, device="cuda", map_location="cpu")
-    diff = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), model2.parameters()))
+    diff = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), model2.parameters(), strict=True))
     assert diff <= CUDA_RESUME_TOL
     for p in frame_parameters(model2):
         assert opt2.state[p]["exp_avg"].device.type == "cuda"
@@ -501,12 +501,12 @@ def _seeded_run(seed):
     opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2)
     x = torch.randint(0, VOCAB, (6, 8, SEQ))
     y = torch.randint(0, VOCAB, (6, 8, SEQ))
-    _train(model, opt, list(zip(x, y)))
+    _train(model, opt, list(zip(x, y, strict=True)))
     return [p.detach().clone() for p in model.parameters()]
 
 
 def test_same_seed_gives_the_same_trajectory_twice_in_a_row():
     a, b = _seeded_run(5), _seeded_run(5)
-    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
     c = _seeded_run(6)  # companion: the comparison separates different seeds
-    assert not all(torch.equal(p, q) for p, q in zip(a, c) if p.shape == q.shape)
+    assert not all(torch.equal(p, q) for p, q in zip(a, c, strict=True))
