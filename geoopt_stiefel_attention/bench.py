@@ -30,8 +30,9 @@ import math
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 HELP = "Time the StiefelAdam step against AdamW and stock geoopt RiemannianAdam (ratios, memory); --json."
 
@@ -196,7 +197,7 @@ def _timing(name: str, rounds: list[list[float]], **extra: Any) -> ArmTiming:
 
 def _ratio(num: list[list[float]], den: list[list[float]]) -> float:
     """Median over rounds of the ratio of per-round medians."""
-    return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(num, den))
+    return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(num, den, strict=True))
 
 
 def _state_bytes(opt: Any) -> int:
@@ -262,7 +263,7 @@ def _step_arms(shapes: list[tuple[int, ...]], *, arms: tuple[str, ...], lr: floa
 
     def params(manifold: Any | None) -> list[torch.Tensor]:
         out = []
-        for w, g in zip(start, grads):
+        for w, g in zip(start, grads, strict=True):
             p = (torch.nn.Parameter(w.clone()) if manifold is None
                  else geoopt.ManifoldParameter(w.clone(), manifold=manifold))
             p.grad = g.clone()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import geoopt
 import torch
@@ -284,10 +285,10 @@ def _frame_update_(
 
 
 def _frame_batches(frames: list[torch.Tensor], steps: list[int]) -> list[tuple[int, list[torch.Tensor]]]:
-    """Split frame parameters into update batches of one shape, dtype, device and step count: parameters of
-    fewer than :data:`STACK_NUMEL` elements are stacked up to that many per batch, larger ones go alone."""
+    """Split frame parameters into update batches of one shape, dtype, device and step count, each of at most
+    :data:`STACK_NUMEL` elements; a parameter of more than half that many is a batch of its own."""
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for p, step in zip(frames, steps):
+    for p, step in zip(frames, steps, strict=True):
         groups[(p.shape, p.dtype, p.device, step)].append(p)
     batches = []
     for (_, _, _, step), params in groups.items():
@@ -617,7 +618,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             return torch.cat([t.reshape((-1,) + t.shape[-2:]) for t in tensors]).to(ct)
 
         def unstacked(stack: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [x.reshape(t.shape) for x, t in zip(stack.split(counts), like)]
+            return [x.reshape(t.shape) for x, t in zip(stack.split(counts), like, strict=True)]
 
         g = stacked([p.grad for p in params])
         exp_avg_sqs = [s["exp_avg_sq"] for s in states] if group["second_moment"] is not None else None
