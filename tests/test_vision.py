@@ -494,6 +494,16 @@ def test_pairs_share_initialisation_and_data(tmp_path):
     assert not torch.equal(next(iter(other.train_data.batches(2)))[1], ye)  # another seed: other data
 
 
+def test_bf16_autocast_predicts_float32_logits():
+    from geoopt_stiefel_attention.experiments.arms import get_arm
+
+    task = build_task(RunSpec(_tiny_config(amp="bf16"), "stiefel", 0), get_arm("stiefel"), torch.device("cpu"))
+    x, y = next(iter(task.train_data.batches(0)))
+    logits = task.predict(task.model, x)
+    assert logits.dtype == torch.float32 and logits.shape == (x.shape[0], 10)
+    assert not torch.equal(logits, task.model(x))  # the forward pass did run in bf16
+
+
 def test_cli_vision_runs_and_reports(tmp_path, capsys):
     from geoopt_stiefel_attention.cli import main
 

@@ -679,18 +679,22 @@ def _comparison_rows(comparisons: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 def _cell_sections(analysis: Mapping[str, Any], config: VisionConfig, study: str) -> list[str]:
     arms = analysis["arms"]
-    lines = ["| arm | seeds | final test acc (mean ± sd) | min – max | final train acc (eval subset) "
+    lines = ["| arm | seeds | last epoch | final test acc (mean ± sd) | min – max | final train acc (eval subset) "
              "| ‖W_Q − W_Q0‖/‖W_Q0‖ | max angle to W_Q0 span (°) | per-step ‖ΔW_Q‖_F (median) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for arm, a in arms.items():
         f = a["final_test_acc"]
         tr = a.get("final_train_acc")
         rel, ang, step = a.get("final_move_total_rel/q"), a.get("final_angle_max_deg/q"), a.get("all_move_step_rms/q")
         sd = "" if f.get("std") is None else f" ± {_pp(f['std'], sign=False)}"
-        lines.append(f"| {arm} | {len(a['seeds'])} | {_pp(f['mean'], sign=False)}%{sd} | {_pp(f['min'], sign=False)} – "
+        lines.append(f"| {arm} | {len(a['seeds'])} | {', '.join(map(str, a['last_epoch']))} | {_pp(f['mean'], sign=False)}%{sd} | {_pp(f['min'], sign=False)} – "
                      f"{_pp(f['max'], sign=False)} | {_pp(tr and tr['mean'], sign=False)}% | {_g(rel and rel['mean'])} "
                      f"| {_g(ang and ang['mean'])} | {_g(step and step['median'])} |")
     lines.append("")
+    if len({e for a in arms.values() for e in a["last_epoch"]}) > 1 or config.train.epochs not in {
+            e for a in arms.values() for e in a["last_epoch"]}:
+        lines += [f"**Some runs have not reached epoch {config.train.epochs} yet; rerun the command to resume them "
+                  f"before reading the comparisons.**", ""]
     if analysis["comparisons"]:
         lines += ["Paired differences of the final test accuracy (same seed: same subsample, batch order and initial "
                   "weights):", ""] + _comparison_rows(analysis["comparisons"]) + [""]
