@@ -514,6 +514,9 @@ def test_cli_vision_runs_and_reports(tmp_path, capsys):
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "scikit-learn digits" in text and "stiefel - adamw" in text
+    (out / "report.md").unlink()
+    assert main([*args, "--skip-report"]) == 0  # everything is complete: nothing to train, no report
+    assert not (out / "report.md").exists()
     assert main([*args, "--report-only"]) == 0
     assert (out / "report.md").exists()
     with pytest.raises(SystemExit, match="--data-dir"):

@@ -889,9 +889,11 @@ def run_vision(config: VisionConfig, out_dir: str | os.PathLike, *, study: str =
                weight_decays: Sequence[float] = (0.0, 0.05, 0.5), data_dir: str | os.PathLike = "data",
                download: bool = False, workers: int = 1, device: str = "auto", threads: int | None = None,
                quiet: bool = False, stop_after_epochs: int | None = None, checkpoint_interval_s: float = 30.0,
-               report_only: bool = False, command: str | None = None) -> tuple[dict[str, Any], list[Any]]:
+               report_only: bool = False, skip_report: bool = False,
+               command: str | None = None) -> tuple[dict[str, Any] | None, list[Any]]:
     """Run (or resume) every (cell, arm, seed) of ``study`` and write the report; returns
-    ``(summary, run results)``. ``arms=None`` takes :data:`STUDY_ARMS` ``[study]``."""
+    ``(summary, run results)``. ``arms=None`` takes :data:`STUDY_ARMS` ``[study]``. ``report_only``: train
+    nothing, rebuild the report from the records; ``skip_report``: train only (the summary is ``None``)."""
     from .arms import get_arm
     from .runner import run_jobs
 
@@ -913,6 +915,12 @@ def run_vision(config: VisionConfig, out_dir: str | os.PathLike, *, study: str =
             results += run_jobs(specs, builder, cdir, workers=workers, device=device, threads=threads, quiet=quiet,
                                 stop_after_epochs=stop_after_epochs, checkpoint_interval_s=checkpoint_interval_s)
     wall = None if report_only else time.perf_counter() - t0
+    if skip_report:
+        return None, results
+    previous = out_dir / "summary.json"
+    if report_only and previous.exists():  # keep the command and wall time of the call that trained
+        saved = json.loads(previous.read_text())
+        command, wall = saved.get("command") or command, saved.get("wall_seconds")
     summary = finalize_vision(out_dir, study, cells, arms, seeds, data_dir=data_dir, command=command,
                               wall_seconds=wall)
     return summary, results
@@ -1004,12 +1012,12 @@ def run(args: argparse.Namespace) -> int:
             train_sizes=args.train_sizes, weight_decays=args.weight_decays, data_dir=args.data_dir,
             download=args.download, workers=args.workers, device=args.device, threads=args.threads,
             quiet=args.quiet, stop_after_epochs=args.stop_after_epochs, checkpoint_interval_s=args.checkpoint_interval,
-            report_only=args.report_only, command=command)
+            report_only=args.report_only, skip_report=args.skip_report, command=command)
     except (DatasetNotFoundError, ValueError) as err:
         raise SystemExit(f"stiefel-attention vision: {err}") from None
-    print(f"vision ({summary['dataset_name']}, study {args.study}): {len(results)} run(s) in "
+    print(f"vision ({config.display_name}, study {args.study}): {len(results)} run(s) in "
           f"{time.perf_counter() - t0:.1f} s -> {args.out}")
-    for cell in summary["cells"]:
+    for cell in (summary or {}).get("cells", []):
         prefix = f"  [{cell['label']}] " if cell["sweep"] else "  "
         for arm, a in cell["arms"].items():
             f = a["final_test_acc"]
@@ -1026,5 +1034,6 @@ def run(args: argparse.Namespace) -> int:
     pending = [r.name for r in results if not r.completed]
     if pending:
         print(f"  stopped before the end (rerun the same command to resume): {', '.join(pending)}")
-    print(f"  report: {Path(args.out) / 'report.md'}")
+    if summary is not None:
+        print(f"  report: {Path(args.out) / 'report.md'}")
     return 0
