@@ -159,33 +159,51 @@ def _synchronize(device: str) -> None:
 
 
 def _interleave(steps: dict[str, Callable[[], Any]], *, rounds: int, steps_per_round: int, warmup: int,
-                clock: str, device: str) -> tuple[dict[str, list[list[float]]], dict[str, int]]:
+                clock: str, device: str, required: tuple[str, ...] = ()) -> tuple[dict[str, list[list[float]]],
+                                                                              dict[str, str]]:
     """Run every arm ``warmup`` times, then ``rounds`` rounds of ``steps_per_round`` timed steps per arm (one
-    step for arms slower than ``_SLOW_STEP_S``), rotating the arm order each round. Returns the per-round
-    lists of step times (seconds) and the steps per round used for each arm."""
+    step for arms slower than ``_SLOW_STEP_S``), rotating the arm order each round.
+
+    Returns the per-round lists of step times (seconds) of each arm that completed, and a note for each arm
+    that raised (a competitor's bug must not abort the whole benchmark; an arm in ``required`` re-raises).
+    """
     now = _clock(clock)
-    per_round = {}
+    per_round, failed = {}, {}
     for name, fn in steps.items():
         t0 = time.perf_counter()
-        for _ in range(max(warmup, 1)):
-            fn()
-        _synchronize(device)
+        try:
+            for _ in range(max(warmup, 1)):
+                fn()
+            _synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - reported in the result, see the docstring
+            if name in required:
+                raise
+            failed[name] = f"failed: {type(exc).__name__}: {exc}".splitlines()[0][:160]
+            continue
         slow = (time.perf_counter() - t0) / max(warmup, 1) > _SLOW_STEP_S
         per_round[name] = 1 if slow else steps_per_round
-    names = list(steps)
+    names = [name for name in steps if name not in failed]
     samples: dict[str, list[list[float]]] = {name: [] for name in names}
     for k in range(rounds):
         order = names[k % len(names):] + names[: k % len(names)]
         for name in order:
+            if name in failed:
+                continue
             fn, times = steps[name], []
-            for _ in range(per_round[name]):
-                _synchronize(device)
-                t0 = now()
-                fn()
-                _synchronize(device)
-                times.append(now() - t0)
+            try:
+                for _ in range(per_round[name]):
+                    _synchronize(device)
+                    t0 = now()
+                    fn()
+                    _synchronize(device)
+                    times.append(now() - t0)
+            except Exception as exc:  # noqa: BLE001
+                if name in required:
+                    raise
+                failed[name] = f"failed: {type(exc).__name__}: {exc}".splitlines()[0][:160]
+                continue
             samples[name].append(times)
-    return samples, per_round
+    return {name: t for name, t in samples.items() if name not in failed}, failed
 
 
 def _timing(name: str, rounds: list[list[float]], **extra: Any) -> ArmTiming:
@@ -364,11 +382,12 @@ def step_time_benchmark(
             shapes = frame_shapes(width, depth, heads)
             tdtype = getattr(torch, dtype)
             steps, opts, notes = _step_arms(shapes, arms=arms, lr=lr, dtype=tdtype, device=device, seed=seed)
-            samples, _ = _interleave(steps, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
-                                     clock=clock, device=device)
+            samples, failed = _interleave(steps, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
+                                          clock=clock, device=device, required=("stiefel",))
+            notes.update(failed)
             param_bytes = sum(math.prod(s) for s in shapes) * torch.tensor([], dtype=tdtype).element_size()
             timings, state_ratio = {}, {}
-            for arm in steps:
+            for arm in samples:
                 state = workspace = None
                 if arm in opts:
                     state = _state_bytes(opts[arm])
@@ -380,7 +399,7 @@ def step_time_benchmark(
             for arm, note in notes.items():
                 timings[arm] = ArmTiming(arm=arm, median_ms=math.nan, q1_ms=math.nan, q3_ms=math.nan, steps=0,
                                          note=note)
-            ratios = {arm: _ratio(samples["stiefel"], samples[arm]) for arm in steps if arm != "stiefel"}
+            ratios = {arm: _ratio(samples["stiefel"], samples[arm]) for arm in samples if arm != "stiefel"}
             results.append(StepTimeResult(
                 width=width, depth=depth, heads=heads, head_dim=width // heads, frames=len(shapes) * heads,
                 param_bytes=param_bytes, dtype=dtype, timings=timings, ratios=ratios, state_ratio=state_ratio,
@@ -485,10 +504,10 @@ def train_step_benchmark(
 
                 steps[arm], opt_steps[arm] = full, opt.step
             samples, _ = _interleave(steps, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
-                                     clock=clock, device=device)
+                                     clock=clock, device=device, required=tuple(steps))
             # the optimizer alone, on the gradients of the last full step
             opt_samples, _ = _interleave(opt_steps, rounds=rounds, steps_per_round=steps_per_round, warmup=1,
-                                         clock=clock, device=device)
+                                         clock=clock, device=device, required=tuple(opt_steps))
             settings = dict(table[model])
             results.append(TrainStepResult(
                 model=model, config={k: v for k, v in settings.items() if k != "batch"}, batch=settings["batch"],
@@ -533,7 +552,9 @@ def format_step_table(results: list[StepTimeResult]) -> str:
         adamw = r.state_ratio.get("adamw_foreach", math.nan)
         row += [f"{r.state_ratio.get('stiefel', math.nan):.4f}, {adamw:.2f}"]
         lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    notes = [f"- width {r.width}, {_ARM_LABELS.get(t.arm, t.arm)}: {t.note}" for r in results
+             for t in r.timings.values() if t.note]
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def format_train_table(results: list[TrainStepResult]) -> str:
