@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import warnings
 
 #: subcommand name -> module implementing it
 SUBCOMMANDS: dict[str, str] = {
@@ -42,9 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``stiefel-attention`` console script; returns the exit status."""
-    # geoopt 0.5.1 uses torch.jit.script at import time, which torch >= 2.9 flags as deprecated; the
-    # warning is about geoopt's internals, not the user's command, so the command line does not show it.
-    warnings.filterwarnings("ignore", message="`torch.jit.script` is deprecated", category=FutureWarning)
     args = build_parser().parse_args(argv)
     return int(args._run(args) or 0)
 
