@@ -424,3 +424,25 @@ def test_old_checkpoint_without_new_group_options_loads():
     opt2 = StiefelAdam(model.parameters(), lr=0.01)
     opt2.load_state_dict(sd)
     assert opt2.param_groups[0]["trust_region"] == 0.1 and opt2.param_groups[0]["second_moment"] == "frame"
+
+
+@pytest.mark.parametrize("mode", ["frame", None, "element"])
+def test_several_parameters_in_one_group_match_the_reference(mode):
+    """Same-shaped small frame parameters are stacked into one batch, a larger one is updated on its own;
+    every parameter must still follow the written-out reference (the stacked path of the fused kernel)."""
+    shapes = [(2, 10, 3), (2, 10, 3), (2, 10, 3), (1, 16, 5)]
+    starts = [_frames(s, seed=10 + k) for k, s in enumerate(shapes)]
+    grad_fns = [_grad_fn_factory(s, seed=20 + k) for k, s in enumerate(shapes)]
+    kw = dict(lr=0.05, b1=0.9, b2=0.99, eps=1e-8, delta=0.1, mode=mode)
+    references = [_ref_stiefel_adam(list(w0.numpy()), fn, 50, **kw)[-1] for w0, fn in zip(starts, grad_fns, strict=True)]
+    st = PolarStiefel()
+    params = [geoopt.ManifoldParameter(w0.clone(), manifold=st) for w0 in starts]
+    opt = StiefelAdam(params, lr=0.05, betas=(0.9, 0.99), eps=1e-8, trust_region=0.1, second_moment=mode)
+    for t in range(1, 51):
+        for p, fn in zip(params, grad_fns, strict=True):
+            p.grad = torch.from_numpy(fn(p.detach().numpy(), t))
+        opt.step()
+    for p, ref in zip(params, references, strict=True):
+        assert np.abs(p.detach().numpy() - ref).max() < REFERENCE_TOL
+    # the parameters really differ from each other (a mix-up of stacked slots would be caught)
+    assert np.abs(references[0] - references[1]).max() > 0.1
