@@ -12,7 +12,7 @@ Two measurements, both on a stack of frames of shape ``--shape`` (default 4 x 32
    travel. A bf16 parameter is re-rounded after every step, so a step smaller than half a bf16 spacing per entry
    is lost; the float32 master copy keeps it.
 
-Prints two tables (or JSON with ``--json``). Example (the figures in README_guarantees.md)::
+Prints two tables (or JSON with ``--json``). Example (the figures in docs/guarantees.md)::
 
     python benchmarks/drift.py --steps 100000
     python benchmarks/drift.py --steps 2000 --movement-steps 300   # a quick look

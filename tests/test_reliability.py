@@ -331,7 +331,7 @@ def _drift_run(dtype, steps, *, master_weights=False, lr=1e-2, seed=7):
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, DRIFT_TOL_F32), (torch.float64, DRIFT_TOL_F64),
                                             (torch.bfloat16, DRIFT_TOL_BF16)])
 def test_frames_stay_on_the_manifold_for_100000_steps(dtype, tol):
-    """About 20-40 s per dtype on one CPU core; figures in benchmarks/README_guarantees.md (benchmarks/drift.py)."""
+    """About 20-40 s per dtype on one CPU core; figures in docs/guarantees.md (benchmarks/drift.py)."""
     w, _ = _drift_run(dtype, 100_000)
     assert float(orthonormality_error(w)) <= tol
     assert float((w.detach().double() - _frames(SHAPE, 7)).norm()) > 0.3  # it moved
