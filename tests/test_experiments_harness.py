@@ -361,6 +361,12 @@ def test_summary_statistics_written_out():
     # last 10% of 40 epochs = the evaluation at epoch 40 only (>= 36)
     assert a["stays_above"]["per_seed"] == {"0": True, "1": False} and a["stays_above"]["fraction"] == 0.5
     assert b["stays_above"]["fraction"] == 1.0
+    assert a["tail_mean"]["per_seed"] == {"0": 0.99, "1": 0.90}
+    assert a["tail_share_above"]["per_seed"] == {"0": 1.0, "1": 0.0}
+    assert a["dips_after_reaching"]["per_seed"] == {"0": 0, "1": 1}
+    s_wide = summarize(_synthetic_records(), threshold=0.95, last_fraction=0.5)  # epochs >= 20
+    assert s_wide["arms"]["a"]["tail_share_above"]["per_seed"] == {"0": 1.0, "1": 1 / 3}
+    assert abs(s_wide["arms"]["a"]["tail_mean"]["per_seed"]["1"] - (0.3 + 0.96 + 0.90) / 3) < STAT_TOL
     assert abs(a["mean_move_step/q"]["per_seed"]["0"] - (0.01 + 0.02 + 0.03 + 0.04) / 4) < STAT_TOL
     paired = s["paired"]["b - a"]
     ref = scipy.stats.ttest_rel([0.99, 0.97], [0.99, 0.90])

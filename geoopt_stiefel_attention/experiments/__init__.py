@@ -9,6 +9,20 @@
 - :mod:`.data`: batch sources and data sets; :mod:`.grokking`: the modular-arithmetic grokking study.
 
 Plotting libraries, pandas and tqdm are imported lazily, inside the functions that use them.
+
+To add a study:
+
+1. A frozen dataclass config with the fields ``experiment`` (str), ``train``
+   (:class:`~.config.TrainConfig`), ``optim`` (:class:`~.config.OptimConfig`) and the study's own fields,
+   validated in ``__post_init__``.
+2. A module-level ``build_task(spec, arm, device) -> Task``: build the model from ``spec.seed`` with
+   ``arm.attention``, the data as batch sources (:class:`~.data.FullBatch`, or :class:`~.data.MiniBatches`
+   seeded with ``spec.seed`` so that paired arms see the same order), the parameter grouping, and the metric
+   hooks (:class:`~.metrics.WeightNorms`, :class:`~.metrics.QKGeometry`, or your own
+   :class:`~.metrics.MetricHook`).
+3. :func:`~.study.run_study` (or :func:`~.runner.run_jobs` plus :func:`~.study.finalize_study`) runs the
+   (arm, seed) grid, resumably, and writes ``summary.json``, the figures and ``report.md``; new arms go to
+   the registry with :func:`~.arms.register_arm`. The CLI flags come from :mod:`.cli_args`.
 """
 
 from .arms import ARMS, Arm, OptimizerGroup, get_arm, register_arm

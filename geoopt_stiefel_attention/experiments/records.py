@@ -107,6 +107,10 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
       its resolution is the evaluation interval;
     - ``stays_above``: whether every evaluation with epoch :math:`\ge (1 - \text{last\_fraction})E` has
       ``metric >= threshold``; ``fraction`` is the share of seeds for which it holds;
+    - ``tail_mean`` and ``tail_share_above``: the mean of ``metric`` over those last evaluations, and the
+      share of them at or above ``threshold`` (less brittle than ``stays_above``, which one dip breaks);
+    - ``dips_after_reaching``: how many evaluations after the first one at ``threshold`` fall below it
+      (``None`` if it was never reached): transient collapses such as loss spikes;
     - ``final_<key>`` for each of ``final_keys`` present in the records, and ``mean_<key>`` (the mean over
       evaluations) for each of ``mean_keys``.
 
@@ -117,6 +121,7 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
     arms: dict[str, Any] = {}
     for arm, seeds in runs.items():
         final, first, stays, last_epoch = {}, {}, {}, {}
+        tail_mean, tail_share, dips = {}, {}, {}
         extra_final: dict[str, dict[int, Any]] = {k: {} for k in final_keys}
         extra_mean: dict[str, dict[int, Any]] = {k: {} for k in mean_keys}
         for seed, recs in seeds.items():
@@ -126,6 +131,11 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
             first[seed] = next((r["epoch"] for r in recs if (r.get(metric) or 0.0) >= threshold), None)
             tail = [r for r in recs if r["epoch"] >= (1.0 - last_fraction) * end]
             stays[seed] = bool(tail) and all((r.get(metric) or 0.0) >= threshold for r in tail)
+            tail_vals = [r.get(metric) or 0.0 for r in tail]
+            tail_mean[seed] = sum(tail_vals) / len(tail_vals) if tail_vals else None
+            tail_share[seed] = sum(v >= threshold for v in tail_vals) / len(tail_vals) if tail_vals else None
+            dips[seed] = (None if first[seed] is None else
+                          sum((r.get(metric) or 0.0) < threshold for r in recs if r["epoch"] > first[seed]))
             for k in final_keys:
                 if k in recs[-1]:
                     extra_final[k][seed] = recs[-1][k]
@@ -141,6 +151,9 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
             "first_epoch_reaching": {**_stat(first), "n_reached": len(reached), "n": len(first)},
             "stays_above": {"per_seed": {str(k): v for k, v in sorted(stays.items())},
                             "fraction": sum(stays.values()) / len(stays)},
+            "tail_mean": _stat(tail_mean),
+            "tail_share_above": _stat(tail_share),
+            "dips_after_reaching": _stat(dips),
         }
         for k, per in extra_final.items():
             if per:

@@ -47,6 +47,10 @@ def _num(x: float | None, fmt: str = ".3g") -> str:
     return "–" if x is None else format(x, fmt)
 
 
+def _dip(x: int | None) -> str:
+    return "never reached" if x is None else str(x)
+
+
 def _mean_std(stat: Mapping[str, Any] | None, fmt) -> str:
     if not stat or stat.get("mean") is None:
         return "–"
@@ -94,11 +98,13 @@ def render_report(*, title: str, summary: Mapping[str, Any], intro: str = "",
     lines += ["## Results per arm", "",
               f"`{metric}` at the last evaluated epoch; first epoch with `{metric}` ≥ {_pct(thr, 0)} (resolution: the "
               f"evaluation interval); share of seeds whose `{metric}` stays ≥ {_pct(thr, 0)} at every evaluation of "
-              f"the last {_pct(frac, 0)} of training; frames' movement ‖W − W₀‖_F of W_Q at the end, and the "
-              f"mean over evaluations of the last step's ‖ΔW_Q‖_F.", "",
+              f"the last {_pct(frac, 0)} of training, with the mean over those evaluations and the share of them "
+              f"≥ {_pct(thr, 0)}; evaluations below {_pct(thr, 0)} after first reaching it (dips); frames' "
+              f"movement ‖W − W₀‖_F of W_Q at the end, and the mean over evaluations of the last step's "
+              f"‖ΔW_Q‖_F.", "",
               "| arm | seeds | last epoch | final (mean ± sd) | final per seed | first epoch ≥ thr (per seed) "
-              "| stays ≥ thr | ‖W_Q − W_Q0‖_F | mean step ‖ΔW_Q‖_F |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| stays ≥ thr | last 10%: mean, share ≥ thr | dips | ‖W_Q − W_Q0‖_F | mean step ‖ΔW_Q‖_F |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, s in summary["arms"].items():
         epochs = sorted(set(s["last_epoch"].values()))
         first = s["first_epoch_reaching"]
@@ -108,7 +114,9 @@ def render_report(*, title: str, summary: Mapping[str, Any], intro: str = "",
         lines.append(
             f"| {arm} | {len(s['seeds'])} | {', '.join(map(str, epochs))} | {_mean_std(s['final'], _pct)} "
             f"| {_per_seed(s['final'], _pct)} | {first_txt} ({first['n_reached']}/{first['n']} reached) "
-            f"| {round(stays['fraction'] * n)}/{n} | {_mean_std(s.get('final_move_total/q'), _num)} "
+            f"| {round(stays['fraction'] * n)}/{n} | {_mean_std(s.get('tail_mean'), _pct)}, "
+            f"{_mean_std(s.get('tail_share_above'), _pct)} | {_per_seed(s.get('dips_after_reaching'), _dip)} "
+            f"| {_mean_std(s.get('final_move_total/q'), _num)} "
             f"| {_mean_std(s.get('mean_move_step/q'), _num)} |")
     lines.append("")
     if summary.get("paired"):
