@@ -314,6 +314,19 @@ def test_run_directory_contents_and_frames_stay_on_the_manifold(tmp_path):
         train_run(RunSpec(ToyConfig(batch_size=None, n=50), "stiefel", 0), toy_build_task, tmp_path, quiet=True)
 
 
+def test_a_run_folder_is_trained_by_one_process_at_a_time(tmp_path):
+    fcntl = pytest.importorskip("fcntl")
+    spec = RunSpec(ToyConfig(), "adamw", seed=0)
+    (tmp_path / ".lock").write_text("pid 12345 on elsewhere\n")
+    with open(tmp_path / ".lock", "a+") as held:  # another holder of the lock (a second open file description)
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RuntimeError, match="another process .pid 12345"):
+            train_run(spec, toy_build_task, tmp_path, device="cpu", quiet=True)
+        assert not (tmp_path / "metrics.jsonl").exists()
+    # companion: once the holder lets go, the same call trains
+    assert train_run(spec, toy_build_task, tmp_path, device="cpu", quiet=True).completed
+
+
 def test_paired_arms_share_data_and_non_attention_weights(tmp_path):
     results = [train_run(RunSpec(ToyConfig(), arm, seed=5), toy_build_task, tmp_path / arm, device="cpu", quiet=True,
                          stop_after_epochs=1) for arm in ("adamw", "stiefel")]

@@ -48,6 +48,7 @@ __all__ = ["Task", "RunResult", "train_run", "run_jobs", "resolve_device", "envi
 CONFIG_FILE = "config.json"
 CHECKPOINT_FILE = "checkpoint.pt"
 ENVIRONMENT_FILE = "environment.json"
+LOCK_FILE = ".lock"
 
 
 def _default_predict(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
@@ -269,7 +270,66 @@ def train_run(spec: RunSpec, build_task: TaskBuilder, run_dir: str | os.PathLike
     Returns
     -------
     RunResult
+
+    Raises
+    ------
+    RuntimeError
+        When another process is training the same ``run_dir`` (an advisory ``flock`` on ``run_dir/.lock``,
+        released automatically when that process ends).
     """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with _RunLock(run_dir):
+        return _train_run_unlocked(spec, build_task, run_dir, device=device, threads=threads, quiet=quiet,
+                                   stop_after_epochs=stop_after_epochs,
+                                   checkpoint_interval_s=checkpoint_interval_s,
+                                   progress_position=progress_position)
+
+
+class _RunLock:
+    """Exclusive advisory lock on ``run_dir/.lock`` for the duration of a training call.
+
+    Two processes appending to the same ``metrics.jsonl`` and overwriting the same checkpoint would corrupt
+    the records (one truncates what the other appended). ``fcntl.flock`` is released by the kernel when the
+    holder exits, so a crashed run never leaves a stale lock. Where ``fcntl`` is unavailable (Windows) the
+    lock is a no-op.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK_FILE
+        self._fh = None
+
+    def __enter__(self) -> _RunLock:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - non-POSIX
+            return self
+        fh = open(self.path, "a+")
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.seek(0)
+            holder = fh.read().strip() or "unknown"
+            fh.close()
+            raise RuntimeError(f"{self.path.parent} is being trained by another process ({holder}); wait for it to "
+                               f"finish (rerunning afterwards resumes), or use another --out folder.") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {platform.node()}\n")
+        fh.flush()
+        self._fh = fh
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fh is not None:
+            self._fh.close()  # closing the descriptor releases the flock
+            self._fh = None
+
+
+def _train_run_unlocked(spec: RunSpec, build_task: TaskBuilder, run_dir: str | os.PathLike, *, device: str = "auto",
+              threads: int | None = None, quiet: bool = False, stop_after_epochs: int | None = None,
+              checkpoint_interval_s: float = 30.0, progress_position: int | None = None) -> RunResult:
+    """:func:`train_run` without the lock (the caller holds it)."""
     if stop_after_epochs is not None and not (isinstance(stop_after_epochs, int) and stop_after_epochs > 0):
         raise ValueError(f"train_run: stop_after_epochs={stop_after_epochs!r} must be a positive int or None.")
     if threads is not None:
