@@ -79,7 +79,8 @@ def mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
 
 
-def _runs(records: Iterable[dict[str, Any]]) -> dict[str, dict[int, list[dict[str, Any]]]]:
+def group_runs(records: Iterable[dict[str, Any]]) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    """Group evaluation records as ``{arm: {seed: [records sorted by epoch]}}``."""
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
     for r in records:
         runs.setdefault(r["arm"], {}).setdefault(int(r["seed"]), []).append(r)
@@ -117,7 +118,7 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
     ``paired`` compares every other arm with the first one listed on the seeds they share
     (:func:`paired_differences`).
     """
-    runs = _runs(records)
+    runs = group_runs(records)
     arms: dict[str, Any] = {}
     for arm, seeds in runs.items():
         final, first, stays, last_epoch = {}, {}, {}, {}

@@ -47,6 +47,7 @@ from .config import OptimConfig, RunSpec, TrainConfig, require, to_dict
 from .data.batches import MiniBatches
 from .data.vision import DISPLAY_NAMES, canonical_dataset, load_vision, random_crop_flip, subsample
 from .metrics import MetricHook, QKGeometry, WeightNorms
+from .records import group_runs
 from .runner import Task
 
 __all__ = ["VisionConfig", "StepMovement", "build_task", "study_cells", "run_vision", "finalize_vision",
@@ -365,16 +366,6 @@ def study_cells(study: str, config: VisionConfig, *, train_sizes: Sequence[float
 
 
 # ---------------------------------------------------------------------------------------------- analysis
-def _runs(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[int, list[Mapping[str, Any]]]]:
-    runs: dict[str, dict[int, list[Mapping[str, Any]]]] = {}
-    for r in records:
-        runs.setdefault(r["arm"], {}).setdefault(int(r["seed"]), []).append(r)
-    for seeds in runs.values():
-        for recs in seeds.values():
-            recs.sort(key=lambda r: r["epoch"])
-    return runs
-
-
 def _describe(values: Sequence[float]) -> dict[str, Any] | None:
     vals = sorted(float(v) for v in values if v is not None and math.isfinite(v))
     if not vals:
@@ -437,7 +428,7 @@ def analyze_cell(records: Sequence[Mapping[str, Any]], arms: Sequence[str],
     :class:`~.stats.PairedStats` dict of the final ``metric``; ``movement`` holds ``"adamw / <arm>"`` ratios of
     the per-step rms movement of W_Q (``ratio_q``) and W_K (``ratio_k``) over every (seed, evaluation) pair.
     """
-    runs = _runs(records)
+    runs = group_runs(records)
     arms = [a for a in arms if a in runs]
     per_arm: dict[str, Any] = {}
     final: dict[str, dict[int, float]] = {}
@@ -475,7 +466,7 @@ def plot_pairs(records: Sequence[Mapping[str, Any]], arms: Sequence[str], path: 
     """Final ``metric`` per arm, one grey line per seed joining its arms (the pairs), mean ± 95% CI in black."""
     from .stats import mean_ci
 
-    runs = _runs(records)
+    runs = group_runs(records)
     arms = [a for a in arms if a in runs]
     if not arms:
         return None
@@ -502,7 +493,7 @@ def plot_movement_ratio(records: Sequence[Mapping[str, Any]], arms: Sequence[str
                         paper_band: tuple[float, float] | None = PAPER["movement_ratio"]) -> Path | None:
     """Left: per-step rms movement ‖ΔW_Q‖_F per arm over training (log scale). Right: its ratio, AdamW over each
     other arm, per seed (thin) and the median over seeds (thick), with the paper's band shaded."""
-    runs = _runs(records)
+    runs = group_runs(records)
     if "adamw" not in runs:
         return None
     fig, (ax0, ax1) = _figure(width=6.0, ncols=2)
