@@ -528,14 +528,8 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
         TypeError
             For another kind of source.
         """
-        config, weights = _source_parts(source, drop_qk_bias=drop_qk_bias, ignore_batch_first=ignore_batch_first)
-        if frames is not None:
-            config["frames"] = frames
-        if logit_gain is not None:
-            config["logit_gain"] = bool(logit_gain)
-            if not logit_gain:
-                weights["gain"] = None
-        return cls._build(config, weights, training=source.training)
+        return _convert(cls, source, frames=frames, logit_gain=logit_gain, drop_qk_bias=drop_qk_bias,
+                        ignore_batch_first=ignore_batch_first)
 
 
 _MultiheadAttentionBase.forward.__doc__ = _FORWARD_DOC
@@ -587,6 +581,20 @@ class EuclideanMultiheadAttention(_MultiheadAttentionBase):
 
 
 # ---------------------------------------------------------------------------------------------- conversion
+def _convert(cls: type, source: nn.Module, *, frames: str | None, logit_gain: bool | None, drop_qk_bias: bool,
+             ignore_batch_first: bool, path: str | None = None) -> nn.Module:
+    """Build a ``cls`` module from ``source``'s configuration and weights, with optional overrides."""
+    config, weights = _source_parts(source, drop_qk_bias=drop_qk_bias, ignore_batch_first=ignore_batch_first,
+                                    path=path)
+    if frames is not None:
+        config["frames"] = frames
+    if logit_gain is not None:
+        config["logit_gain"] = bool(logit_gain)
+        if not logit_gain:
+            weights["gain"] = None
+    return cls._build(config, weights, training=source.training)
+
+
 def _source_parts(source: nn.Module, *, drop_qk_bias: bool, ignore_batch_first: bool,
                   path: str | None = None) -> tuple[dict[str, Any], dict[str, Tensor | None]]:
     """Configuration and flat weights of a module that can be converted; ``ValueError`` naming why not."""
@@ -684,15 +692,9 @@ def stiefelize(
             if id(module) in converted:
                 continue
             try:
-                config, weights = _source_parts(module, drop_qk_bias=drop_qk_bias, ignore_batch_first=False,
-                                                path=path)
-                if frames is not None:
-                    config["frames"] = frames
-                if logit_gain is not None:
-                    config["logit_gain"] = bool(logit_gain)
-                    if not logit_gain:
-                        weights["gain"] = None
-                converted[id(module)] = StiefelMultiheadAttention._build(config, weights, training=module.training)
+                converted[id(module)] = _convert(StiefelMultiheadAttention, module, frames=frames,
+                                                 logit_gain=logit_gain, drop_qk_bias=drop_qk_bias,
+                                                 ignore_batch_first=False, path=path)
             except ValueError as err:
                 msg = str(err)
                 if not msg.startswith("module "):
