@@ -82,3 +82,11 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 def optim_config_from_args(args: argparse.Namespace) -> OptimConfig:
     return OptimConfig(lr=args.lr, betas=tuple(args.betas), eps=args.eps, weight_decay=args.weight_decay,
                        frame_lr=args.frame_lr, trust_region=args.trust_region, momentum=args.momentum)
+
+
+def invoked_command() -> str | None:
+    """The command line that started this process, as ``stiefel-attention ...`` (recorded in reports)."""
+    import shlex
+    import sys
+
+    return "stiefel-attention " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None

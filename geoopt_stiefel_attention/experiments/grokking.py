@@ -220,14 +220,12 @@ def config_from_args(args: argparse.Namespace) -> GrokkingConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    import shlex
-    import sys
-
+    from .cli_args import invoked_command
     try:
         config = config_from_args(args)
     except ValueError as err:
         raise SystemExit(f"stiefel-attention grokking: {err}") from None
-    command = "stiefel-attention " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    command = invoked_command()
     t0 = time.perf_counter()
     outputs = run_grokking(config, args.out, arms=args.arms, seeds=args.seeds, workers=args.workers,
                            device=args.device, threads=args.threads, quiet=args.quiet,

@@ -986,16 +986,14 @@ def config_from_args(args: argparse.Namespace) -> VisionConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    import shlex
-    import sys
-
+    from .cli_args import invoked_command
     from .data.vision import DatasetNotFoundError
 
     try:
         config = config_from_args(args)
     except ValueError as err:
         raise SystemExit(f"stiefel-attention vision: {err}") from None
-    command = "stiefel-attention " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    command = invoked_command()
     t0 = time.perf_counter()
     try:
         summary, results = run_vision(
