@@ -105,6 +105,19 @@ def certify_projection(column: OptimizerColumn, *, seed: int = 0, n_random: int 
     return Certificate.check(name, statement, measured, PROJECTION_TOL, optimizer=column.name, details=details)
 
 
+def _first_step(column, seed: int, **opt_kwargs):
+    """One step of ``column``'s optimizer from a fresh state at a random float64 stack of frames (3, 16, 4)
+    with a random gradient; returns ``(W0, G, W1)``."""
+    gen = torch.Generator().manual_seed(seed)
+    w0 = random_frames(3, 16, 4, generator=gen)
+    g = torch.randn(3, 16, 4, dtype=torch.float64, generator=gen)
+    p = column.make_parameter(w0)
+    opt = column.make_optimizer([p], **opt_kwargs)
+    p.grad = g.clone()
+    opt.step()
+    return w0, g, p.detach().clone()
+
+
 def certify_step_direction(column: OptimizerColumn, *, seed: int = 0, lr: float = 1e-6) -> Certificate:
     r"""1b. The optimizer's first step from a fresh state moves along :math:`-\xi/\|\xi\|`.
 
@@ -117,14 +130,7 @@ def certify_step_direction(column: OptimizerColumn, *, seed: int = 0, lr: float 
     """
     name = "1b steepest descent: step direction"
     statement = "the optimizer's first step from a fresh state moves along -xi/||xi|| (embedded-metric steepest descent)"
-    gen = torch.Generator().manual_seed(seed)
-    w0 = random_frames(3, 16, 4, generator=gen)
-    g = torch.randn(3, 16, 4, dtype=torch.float64, generator=gen)
-    p = column.make_parameter(w0)
-    opt = column.make_optimizer([p], lr=lr)
-    p.grad = g.clone()
-    opt.step()
-    w1 = p.detach().clone()
+    w0, g, w1 = _first_step(column, seed, lr=lr)
     if column.on_manifold:
         s, _ = recover_polar_step(w0, w1)
         eta = -embedded_projection(w0, s)  # drop the rounding-level normal part; <G, eta> >= -||xi|| then holds exactly
@@ -156,14 +162,7 @@ def certify_first_step(column: OptimizerColumn, *, seed: int = 0, lr: float = 1e
     """
     name = "1c first step = retr(W, -lr xi/||xi||)"
     statement = "the first step from a fresh state is exactly retr(W, -lr xi/(||xi|| + eps)) (frame-normalised steepest step)"
-    gen = torch.Generator().manual_seed(seed)
-    w0 = random_frames(3, 16, 4, generator=gen)
-    g = torch.randn(3, 16, 4, dtype=torch.float64, generator=gen)
-    p = column.make_parameter(w0)
-    opt = column.make_optimizer([p], lr=lr, eps=eps)
-    p.grad = g.clone()
-    opt.step()
-    w1 = p.detach().clone()
+    w0, g, w1 = _first_step(column, seed, lr=lr, eps=eps)
     details = {"lr": lr, "eps": eps}
     if column.on_manifold:
         xi = embedded_projection(w0, g)
