@@ -248,7 +248,7 @@ class ConversionReport:
     def __str__(self) -> str:
         lines = [f"stiefelize: {len(self.converted)} attention module(s) converted, {self.num_frames} frames"]
         lines += [f"  {c}" for c in self.converted]
-        lines += [f"  skipped {p or '<root>'}: {why}" for p, why in self.skipped]
+        lines += [f"  skipped {_where(p)}: {why}" for p, why in self.skipped]
         if self.output_change is not None:
             lines.append(f"  relative output change on the probe batch: {self.output_change:.3g}")
         return "\n".join(lines)
@@ -647,7 +647,7 @@ def stiefelize(
                                     f"({_hint(m)})"))
     searched = "; ".join(lay.describe() for lay in (table or LAYOUTS))
     if problems and strict:
-        listing = "\n".join(f"  {p or '<root>'}: {why}" for p, why in problems)
+        listing = "\n".join(f"  {_where(p)}: {why}" for p, why in problems)
         raise ValueError(f"stiefelize: cannot convert {len(problems)} module(s) of {type(model).__name__}; "
                          f"nothing was changed.\n{listing}\nLayouts searched: {searched}.\nPass targets= with a "
                          f"Layout for them, or strict=False to leave them Euclidean.")
@@ -659,7 +659,7 @@ def stiefelize(
         warnings.warn(msg, stacklevel=2)
     elif problems:
         warnings.warn("stiefelize: left unconverted (strict=False): "
-                      + "; ".join(f"{p or '<root>'}: {why}" for p, why in problems), stacklevel=2)
+                      + "; ".join(f"{_where(p)}: {why}" for p, why in problems), stacklevel=2)
 
     before = _probe(model, probe) if probe is not None else None
     rows = [_apply(site, logit_gain, gain_rate) for site in sites]
@@ -668,6 +668,10 @@ def stiefelize(
         after = _probe(model, probe)
         change = float((after - before).norm() / before.norm())
     return ConversionReport(tuple(rows), tuple(problems), change)
+
+
+def _where(path: str) -> str:
+    return repr(path) if path else "<root>"
 
 
 def _hint(module: nn.Module) -> str:
