@@ -376,8 +376,28 @@ def test_learned_gain_starts_at_one_and_moves_fast():
     assert max(float(p.detach().abs().max()) * 10.0 for p in log_gains) > 1.0  # some gain moved by > e
     with pytest.raises(ValueError, match="gain_rate"):
         stiefelize(case.build(), logit_gain="learn", gain_rate=0.0)
-    with pytest.raises(ValueError, match="True is now 'learn'"):
-        stiefelize(case.build(), logit_gain=True)
+    with pytest.raises(ValueError, match="logit_gain='yes' is unknown"):
+        stiefelize(case.build(), logit_gain="yes")
+
+
+def test_former_options_are_deprecated_or_refused():
+    case = CASES["torch_mha_batch_first"]
+    with pytest.warns(DeprecationWarning, match="logit_gain=True is deprecated"):
+        report = stiefelize(case.build(), logit_gain=True)
+    assert all(c.logit_gain.startswith("learn") for c in report)
+    model = case.build()
+    with torch.no_grad():
+        model.layers[0].self_attn.in_proj_bias.normal_()
+    with pytest.warns(DeprecationWarning, match="drop_qk_bias=True is deprecated"):
+        stiefelize(model, drop_qk_bias=True)
+    bias = model.layers[0].self_attn.in_proj_bias
+    assert bool((bias[:32] == 0).all()) and bool((bias[32:] != 0).all())
+    with pytest.warns(DeprecationWarning, match="frames='head' is deprecated"):
+        stiefelize(case.build(), frames="head")
+    model = case.build()
+    with pytest.raises(ValueError, match="from_euclidean"):
+        stiefelize(model, frames="layer")
+    assert not frame_parameters(model)
 
 
 # ------------------------------------------------------------------------------------------ refusals
