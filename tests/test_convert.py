@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -593,3 +594,53 @@ def test_safetensors_and_save_pretrained_roundtrip(tmp_path):
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     torch.testing.assert_close(case.run(loaded), expected, rtol=0, atol=SAME_TOL)
     assert not frame_parameters(loaded)
+
+
+# ------------------------------------------------------------------------------------------ HF Trainer
+class _Repeats(torch.utils.data.Dataset):
+    """Sequences that repeat a random 4-token motif: learnable in a few steps."""
+
+    def __init__(self, n=32, length=16, vocab=40):
+        g = torch.Generator().manual_seed(0)
+        motifs = torch.randint(1, vocab, (n, 4), generator=g)
+        self.x = motifs.repeat(1, length // 4)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def _trainer_run(out_dir, max_steps, resume=None):
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(_gpt2_config(n_embd=32, n_head=4))
+    stiefelize(model, logit_gain="learn")
+    opt = StiefelAdam(param_groups(model, weight_decay=0.01), lr=1e-2)
+    args = transformers.TrainingArguments(
+        str(out_dir), max_steps=max_steps, per_device_train_batch_size=8, save_steps=3, logging_steps=1,
+        report_to=[], seed=0, use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Repeats(), optimizers=(opt, None))
+    trainer.train(resume_from_checkpoint=resume)
+    return model, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_hf_trainer_checkpoints_resume_bit_identically_and_generate_uses_the_cache(tmp_path):
+    full, losses = _trainer_run(tmp_path / "full", 6)
+    assert losses[-1] < losses[0]
+    assert all(max_ortho_error(f) < 1e-5 for f in frame_parameters(full))
+    resumed, _ = _trainer_run(tmp_path / "resumed", 6, resume=str(tmp_path / "full" / "checkpoint-3"))
+    for (name, a), (_, b) in zip(full.named_parameters(), resumed.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    full.eval()
+    prompt = torch.tensor([[3, 5, 7, 9]])
+    cached = full.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    uncached = full.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert cached.shape == (1, 10) and torch.equal(cached, uncached)
+    # companion: without the optimizer's state (moments, step counts) the resumed run differs
+    partial = tmp_path / "partial"
+    shutil.copytree(tmp_path / "full" / "checkpoint-3", partial)
+    (partial / "optimizer.pt").unlink()
+    other, _ = _trainer_run(tmp_path / "other", 6, resume=str(partial))
+    assert not all(torch.equal(a, b) for a, b in zip(full.parameters(), other.parameters(), strict=True))
