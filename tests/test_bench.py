@@ -127,3 +127,13 @@ def test_cli_bench_json(capsys):
     assert row["width"] == 128 and set(row["ratios"]) == {"adamw_foreach", "matmul_floor"}
     assert main(["bench", "step", "--widths", "128", "--arms", "stiefel", "--rounds", "1", "--steps", "1"]) == 0
     assert "| 128 (2 x 4 x 32) |" in capsys.readouterr().out
+
+
+def test_train_step_benchmark_converted_hf_gpt2():
+    pytest.importorskip("transformers")
+    (res,) = bench.train_step_benchmark(("hf_gpt2",), rounds=1, steps_per_round=1, warmup=1, scale="tiny",
+                                        clock="cpu")
+    assert res.model == "hf_gpt2" and set(res.full_step) == {"adamw", "stiefel"}
+    assert res.ratio > 0 and all(t.median_ms > 0 for t in res.full_step.values())
+    with pytest.raises(ValueError, match="unknown"):
+        bench.train_step_benchmark(("gpt3",), rounds=1, steps_per_round=1, scale="tiny")
