@@ -326,7 +326,18 @@ class _QKWeight(nn.Module):
         return torch.cat(parts, dim=self.dim) if len(parts) > 1 else parts[0].contiguous()
 
     def right_inverse(self, weight: Tensor) -> Tensor:
-        """The rest of ``weight`` (query/key slices removed); called once at registration and on assignment."""
+        """The rest of ``weight`` (query/key slices removed), stored as ``original``.
+
+        Called at registration and on assignment (``module.weight = w``); on assignment the frames are also
+        set to the polar factors of ``w``'s query/key head blocks (the log-gains are kept).
+        """
+        manifold = PolarStiefel()
+        with torch.no_grad():
+            for role, start, length in self.segments:
+                if role != "rest":
+                    frames = getattr(self, f"{role}_frames")
+                    r = frames.shape[-1]
+                    frames.copy_(manifold.projx(_frames_from(weight, self.dim, start, length, r)))
         rest = [weight.narrow(self.dim, s, n) for role, s, n in self.segments if role == "rest"]
         if not rest:
             shape = list(weight.shape)
@@ -659,8 +670,10 @@ def stiefelize(
                          f"nothing was changed.\n{listing}\nLayouts searched: {searched}.\nPass targets= with a "
                          f"Layout for them, or strict=False to leave them Euclidean.")
     if not sites:
-        msg = (f"stiefelize: no attention module of {type(model).__name__} was converted. Layouts searched: "
-               f"{searched}. Pass targets=(*LAYOUTS, Layout(...)) for another layout.")
+        existing = sum(1 for p in model.parameters() if is_frame(p))
+        held = f" (it already holds {existing} Stiefel frame tensors)" if existing else ""
+        msg = (f"stiefelize: no attention module of {type(model).__name__} was converted{held}. Layouts "
+               f"searched: {searched}. Pass targets=(*LAYOUTS, Layout(...)) for another layout.")
         if strict:
             raise ValueError(msg)
         warnings.warn(msg, stacklevel=2)

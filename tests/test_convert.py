@@ -567,6 +567,23 @@ def test_deepcopy_is_independent_and_state_dict_roundtrips():
     assert all(isinstance(p, geoopt.ManifoldParameter) for p in frame_parameters(other))
 
 
+def test_assigning_a_weight_sets_frames_to_its_polar_factors():
+    case = CASES["torch_mha_batch_first"]
+    model = case.build()
+    stiefelize(model)
+    attn = model.layers[0].self_attn
+    new = torch.randn(48, 16, dtype=F64, generator=torch.Generator().manual_seed(3))
+    attn.in_proj_weight = new
+    rebuilt = attn.in_proj_weight.detach()
+    assert torch.equal(rebuilt[32:], new[32:])  # value rows: as assigned
+    for h in range(4):  # query head h: the polar factor U of its block A (U orthonormal, U^T A symmetric PD)
+        a, u = new[4 * h:4 * h + 4].t(), rebuilt[4 * h:4 * h + 4].t()
+        assert float((u.t() @ u - torch.eye(4, dtype=F64)).abs().max()) < ORTHO_TOL
+        sym = u.t() @ a
+        assert float((sym - sym.t()).abs().max()) < 1e-12 and bool((torch.linalg.eigvalsh(sym) > 0).all())
+    assert not torch.allclose(rebuilt[:16], new[:16])  # companion: the query rows are not copied as given
+
+
 def test_shared_attention_module_is_converted_once():
     attn = nn.MultiheadAttention(16, 2, batch_first=True)
     model = nn.ModuleDict({"a": attn, "b": nn.ModuleList([attn])})
