@@ -597,7 +597,9 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     Each group is a dict with ``"name"``, ``"params"`` and ``"weight_decay"``; all three are always present
     (possibly with an empty ``params`` list, e.g. ``"frames"`` for a Euclidean model). A model without
     frames gets a ``UserWarning`` (``StiefelAdam`` would then train it as plain AdamW: call
-    :func:`~geoopt_stiefel_attention.stiefelize` first) unless ``expect_frames=False``. Parameters with
+    :func:`~geoopt_stiefel_attention.stiefelize` first) unless ``expect_frames=False`` or the model is
+    built from :class:`EuclideanMultiheadAttention` (the Euclidean arm of a paired experiment, by design).
+    Parameters with
     ``requires_grad=False`` are left out; parameters shared between modules appear once.
 
     The groups suit :class:`~geoopt_stiefel_attention.StiefelAdam` (frames get the Riemannian update,
@@ -613,7 +615,8 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     no_decay_frames : bool, default True
         ``False`` gives the frames ``weight_decay`` too (a no-op under StiefelAdam, a real decay under AdamW).
     expect_frames : bool, default True
-        Warn when the model has no trainable frame; pass ``False`` for a Euclidean baseline.
+        Warn when the model has no trainable frame (and no :class:`EuclideanMultiheadAttention`); pass
+        ``False`` for another Euclidean baseline.
 
     Returns
     -------
@@ -641,7 +644,8 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
             decay.append(p)
         else:
             no_decay.append(p)
-    if expect_frames and not frames:
+    explicit_euclidean = any(isinstance(m, EuclideanMultiheadAttention) for m in model.modules())
+    if expect_frames and not frames and not explicit_euclidean:
         warnings.warn(f"param_groups: {type(model).__name__} has no trainable Stiefel frame, so StiefelAdam "
                       f"would train every parameter as plain AdamW. Call stiefelize(model) first (it raises when "
                       f"it finds no attention), or pass expect_frames=False for a Euclidean baseline.",

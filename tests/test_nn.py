@@ -556,6 +556,7 @@ def test_param_groups_warns_without_frames():
         warnings.simplefilter("error")
         param_groups(plain, expect_frames=False)  # a Euclidean baseline: silent
         param_groups(TwoAttention())  # has frames: silent
+        param_groups(nn.Sequential(EuclideanMultiheadAttention(E, H)))  # the library's Euclidean arm: silent
 
 
 # ------------------------------------------------------------------------------------- parameter helpers
