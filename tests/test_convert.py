@@ -116,6 +116,19 @@ def _llama():
     return transformers.LlamaForCausalLM(cfg).to(F64).eval()
 
 
+def _qwen2():
+    cfg = transformers.Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).to(F64).eval()
+    with torch.no_grad():  # Qwen2 has query/key biases (zero at init): make them matter
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.bias.normal_()
+            layer.self_attn.k_proj.bias.normal_()
+    return model
+
+
 def _bert():
     cfg = transformers.BertConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                   num_attention_heads=2, max_position_embeddings=32, hidden_dropout_prob=0.0,
@@ -179,6 +192,9 @@ CASES = {
     "llama_gqa_rotary": Case(_llama, lambda m: m(input_ids=_ids()).logits, [(4, 2)] * 2,
                              _rows(lambda m: [(a.self_attn.q_proj.weight, a.self_attn.k_proj.weight)
                                               for a in m.model.layers], 16, 8, 4)),
+    "qwen2_gqa_qk_bias": Case(_qwen2, lambda m: m(input_ids=_ids()).logits, [(4, 2)] * 2,
+                              _rows(lambda m: [(a.self_attn.q_proj.weight, a.self_attn.k_proj.weight)
+                                               for a in m.model.layers], 16, 8, 4)),
     "bert_query_key": Case(_bert, lambda m: m(input_ids=_ids()).last_hidden_state, [(2, 2)] * 2,
                            _rows(lambda m: [(lay.attention.self.query.weight, lay.attention.self.key.weight)
                                             for lay in m.encoder.layer], 16, 16, 8)),
@@ -332,6 +348,30 @@ def test_orthonormal_blocks_in_float32_reproduce_to_rounding():
     stiefelize(model)
     after = model(input_ids=ids).logits.detach()
     assert rel(after, before) < F32_TOL
+
+
+class _Halve(nn.Module):
+    """Some other parametrization a user may have put on a weight."""
+
+    def forward(self, w):
+        return 0.5 * w
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_weight_parametrized_by_something_else_is_refused_atomically(name):
+    from torch.nn.utils import parametrize
+
+    case = CASES[name]
+    model = case.build()
+    target = case.blocks(model)[-1][0]  # the key weight of the last layer
+    owner_path, attr = next(n for n, p in model.named_parameters() if p is target).rsplit(".", 1)
+    parametrize.register_parametrization(model.get_submodule(owner_path), attr, _Halve())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=rf"{attr} is already parametrized \(_Halve\)"):
+        stiefelize(model)
+    after = dict(model.named_parameters())
+    assert sorted(after) == sorted(before) and all(torch.equal(after[n], before[n]) for n in before)
+    assert not frame_parameters(model)
 
 
 # ------------------------------------------------------------------------------------------ logit gain
