@@ -11,11 +11,10 @@ by hand below (not through the converter's table) and made orthonormal with a QR
 from __future__ import annotations
 
 import copy
-import math
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import geoopt
 import pytest

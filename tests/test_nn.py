@@ -7,7 +7,6 @@ their characterisation (orthonormal ``U`` with ``U^T A`` symmetric positive defi
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 
