@@ -13,7 +13,15 @@ with _warnings.catch_warnings():
     _warnings.filterwarnings("ignore", message="`torch.jit.script` is deprecated", category=FutureWarning)
     import geoopt as _geoopt  # noqa: F401
 
-from .convert import LAYOUTS, Block, ConversionReport, Layout, export_state_dict, unstiefelize
+from .convert import (
+    LAYOUTS,
+    Block,
+    ConversionReport,
+    ConvertedAttention,
+    Layout,
+    export_state_dict,
+    unstiefelize,
+)
 from .manifolds import PolarStiefel, is_frame
 from .models import PatchViT, TinyTransformer
 from .nn import (
@@ -31,4 +39,4 @@ __version__ = "0.1.0"
 __all__ = ["PolarStiefel", "StiefelAdam", "is_frame", "stiefel_adam_update", "__version__",
            "StiefelMultiheadAttention", "EuclideanMultiheadAttention", "stiefelize", "param_groups",
            "frame_parameters", "query_key_projections", "TinyTransformer", "PatchViT", "unstiefelize",
-           "export_state_dict", "Layout", "Block", "LAYOUTS", "ConversionReport"]
+           "export_state_dict", "Layout", "Block", "LAYOUTS", "ConversionReport", "ConvertedAttention"]

@@ -198,7 +198,23 @@ LAYOUTS: tuple[Layout, ...] = (
 # ---------------------------------------------------------------------------------------------- the report
 @dataclass(frozen=True)
 class ConvertedAttention:
-    """One converted attention module (a row of the report)."""
+    """One converted attention module (a row of the report).
+
+    Attributes
+    ----------
+    path : str
+        The module's path in ``model.named_modules()`` (``""`` for the model itself).
+    layout : str
+        Name of the :class:`Layout` that converted it.
+    q_heads, k_heads : int
+        Query frames :math:`H` and key frames :math:`H_{kv}` (fewer under grouped-query attention).
+    d_q, d_k : int
+        Input widths: query frames lie in :math:`\mathrm{St}(d_q, r)`, key frames in :math:`\mathrm{St}(d_k, r)`.
+    r : int
+        Head size.
+    logit_gain : str
+        ``"none"``, ``"learn (1)"`` or ``"fit (min..max)"`` (the fitted gains' range).
+    """
 
     path: str
     layout: str
