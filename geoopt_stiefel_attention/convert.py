@@ -198,7 +198,7 @@ LAYOUTS: tuple[Layout, ...] = (
 # ---------------------------------------------------------------------------------------------- the report
 @dataclass(frozen=True)
 class ConvertedAttention:
-    """One converted attention module (a row of the report).
+    r"""One converted attention module (a row of the report).
 
     Attributes
     ----------

@@ -615,8 +615,8 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     no_decay_frames : bool, default True
         ``False`` gives the frames ``weight_decay`` too (a no-op under StiefelAdam, a real decay under AdamW).
     expect_frames : bool, default True
-        Warn when the model has no trainable frame (and no :class:`EuclideanMultiheadAttention`); pass
-        ``False`` for another Euclidean baseline.
+        Warn when the model holds no frame, trainable or frozen (and no
+        :class:`EuclideanMultiheadAttention`); pass ``False`` for another Euclidean baseline.
 
     Returns
     -------
@@ -645,8 +645,9 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
         else:
             no_decay.append(p)
     explicit_euclidean = any(isinstance(m, EuclideanMultiheadAttention) for m in model.modules())
-    if expect_frames and not frames and not explicit_euclidean:
-        warnings.warn(f"param_groups: {type(model).__name__} has no trainable Stiefel frame, so StiefelAdam "
+    holds_frames = bool(frames) or any(is_frame(p) for p in model.parameters())  # frozen frames are deliberate
+    if expect_frames and not holds_frames and not explicit_euclidean:
+        warnings.warn(f"param_groups: {type(model).__name__} has no Stiefel frame, so StiefelAdam "
                       f"would train every parameter as plain AdamW. Call stiefelize(model) first (it raises when "
                       f"it finds no attention), or pass expect_frames=False for a Euclidean baseline.",
                       UserWarning, stacklevel=2)

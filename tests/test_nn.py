@@ -548,7 +548,7 @@ def test_from_torch_parameters_are_contiguous():
 
 def test_param_groups_warns_without_frames():
     plain = nn.Sequential(nn.Linear(E, E), nn.LayerNorm(E))
-    with pytest.warns(UserWarning, match="no trainable Stiefel frame.*stiefelize"):
+    with pytest.warns(UserWarning, match="has no Stiefel frame.*stiefelize"):
         groups = param_groups(plain)
     assert groups[0]["params"] == []
     with warnings.catch_warnings():
@@ -556,6 +556,10 @@ def test_param_groups_warns_without_frames():
         param_groups(plain, expect_frames=False)  # a Euclidean baseline: silent
         param_groups(TwoAttention())  # has frames: silent
         param_groups(nn.Sequential(EuclideanMultiheadAttention(E, H)))  # the library's Euclidean arm: silent
+        frozen = nn.Sequential(StiefelMultiheadAttention(E, H))
+        frozen[0].w_q.requires_grad_(False)
+        frozen[0].w_k.requires_grad_(False)
+        assert param_groups(frozen)[0]["params"] == []  # frozen frames: deliberate, silent
 
 
 # ------------------------------------------------------------------------------------- parameter helpers
