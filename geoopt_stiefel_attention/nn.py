@@ -13,7 +13,7 @@ Helpers: :func:`stiefelize` (from :mod:`geoopt_stiefel_attention.convert`, re-ex
 attention of an existing model in place, :func:`param_groups`
 splits a model's parameters into frames / decayed matrices / no-decay parameters for an optimizer,
 :func:`frame_parameters` lists the frames and :func:`query_key_projections` lists ``(path, w_q, w_k)`` of
-every attention module of this library.
+every attention module of this library and of every module converted by :func:`stiefelize`.
 """
 
 from __future__ import annotations
