@@ -310,7 +310,9 @@ def test_export_loads_into_stock_model_and_unstiefelize_restores(name):
     stock.load_state_dict(state, strict=True)
     torch.testing.assert_close(case.run(stock), expected, rtol=0, atol=SAME_TOL)
     # unstiefelize: plain modules in place, same function, stock keys
+    classes = [type(m) for m in case.build().modules()]
     assert unstiefelize(model) is model
+    assert [type(m) for m in model.modules()] == classes  # the host classes themselves, not parametrized subclasses
     assert not frame_parameters(model) and sorted(model.state_dict()) == sorted(stock_keys)
     assert not any("parametrizations" in n for n, _ in model.named_parameters())
     torch.testing.assert_close(case.run(model), expected, rtol=0, atol=SAME_TOL)
