@@ -577,7 +577,8 @@ def stiefelize(
         :math:`\gamma_h = \rho(A_{Q,h})\,\rho(A_{K,g(h)})` with :math:`\rho(A) = \|A\|_F/\sqrt{r}` the RMS
         singular value, so each head keeps its logit scale (exactly when the blocks are scaled orthonormal
         frames): the choice for preserving a trained model's function. Fitted to a freshly initialised
-        HuggingFace model it is about 0.05 and attention starts almost uniform, so do not use it from scratch.
+        HuggingFace model (std 0.02) it is about :math:`0.02^2 d` (0.013 at :math:`d = 32`) and attention
+        starts almost uniform, so do not use it from scratch.
     qk_bias : {"keep", "drop"}, default "keep"
         ``"keep"``: query/key biases stay free parameters. ``"drop"``: they are set to zero and held there
         (a parametrization masks them), so the logits are pure bilinear forms of the frames.
