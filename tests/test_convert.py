@@ -702,3 +702,13 @@ def test_hf_trainer_checkpoints_resume_bit_identically_and_generate_uses_the_cac
     (partial / "optimizer.pt").unlink()
     other, _ = _trainer_run(tmp_path / "other", 6, resume=str(partial))
     assert not all(torch.equal(a, b) for a, b in zip(full.parameters(), other.parameters(), strict=True))
+
+
+def test_torch_compile_of_a_converted_model_matches_eager():
+    model = _encoder(True)
+    stiefelize(model, logit_gain="learn")
+    x = _x(2, 5, 16)
+    compiled = torch.compile(model, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=SAME_TOL)
+    compiled(x).square().sum().backward()
+    assert all(f.grad is not None and bool(f.grad.abs().sum() > 0) for f in frame_parameters(model))
