@@ -23,10 +23,9 @@ from typing import Any
 import geoopt
 import torch
 import torch.nn.functional as F
-from geoopt.manifolds import Stiefel as _GeooptStiefel
 from torch import Tensor, nn
 
-from .manifolds import PolarStiefel
+from .manifolds import PolarStiefel, is_frame
 
 __all__ = [
     "FRAME_LAYOUTS",
@@ -66,7 +65,7 @@ def _check_int(owner: str, name: str, value: Any, minimum: int = 1) -> int:
 
 def _is_stiefel_parameter(p: Tensor) -> bool:
     """Whether ``p`` is a geoopt tensor on any Stiefel manifold (embedded or canonical metric)."""
-    return isinstance(getattr(p, "manifold", None), _GeooptStiefel)
+    return is_frame(p)
 
 
 # ---------------------------------------------------------------------------------------------- the modules
