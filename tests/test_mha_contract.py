@@ -303,4 +303,4 @@ def test_modules_pickled_before_batch_first_stay_batch_first():
     restored.__setstate__(state)
     assert restored.batch_first is True
     x = torch.randn(N, L, E)
-    assert restored(x, x, x)[0].shape == (N, L, E)  # read as (batch, seq, embed)
+    torch.testing.assert_close(restored(x, x, x)[0], m(x, x, x)[0], rtol=0, atol=0)  # read as (batch, seq, embed)
