@@ -316,6 +316,9 @@ class _MultiheadAttentionBase(nn.Module):
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         owner = type(self).__name__
+        if query.is_nested or key.is_nested or value.is_nested:
+            raise ValueError(f"{owner}: nested (jagged) tensors are not supported; pad the sequences to one "
+                             f"length and pass key_padding_mask (True = padding).")
         unbatched = query.dim() == 2
         if unbatched:
             if key.dim() != 2 or value.dim() != 2:

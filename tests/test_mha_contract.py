@@ -94,6 +94,7 @@ MASKS = {
     "attn_float_3d": (None, "float3", False),
     "kpm_bool_attn_bool_3d": ("bool", "bool3", False),
     "kpm_float_attn_float_2d": ("float", "float", False),
+    "kpm_bool_attn_float_3d": ("bool", "float3", False),  # mixed kinds: torch warns (deprecated) but accepts
     "causal_hint": (None, "causal", True),
 }
 
@@ -164,6 +165,27 @@ def test_matches_torch(kind, layout, cross, mask_name, mode):
     else:
         assert w is not None and w.shape == ref_w.shape
         torch.testing.assert_close(w, ref_w, rtol=0, atol=TORCH_TOL)
+
+
+@pytest.mark.parametrize("kind", ["euclidean", "stiefel"])
+def test_without_biases_matches_torch(kind):
+    """``bias=False``: torch has no input or output biases, the library's modules no value/output biases."""
+    torch.manual_seed(3)
+    source = nn.MultiheadAttention(E, H, bias=False, kdim=KDIM, vdim=VDIM, dtype=F64).eval()
+    with torch.no_grad():
+        for h in range(H):
+            rows = slice(h * DH, (h + 1) * DH)
+            source.q_proj_weight[rows].copy_(orthonormal_rows(DH, E, gen(10 + h)))
+            source.k_proj_weight[rows].copy_(orthonormal_rows(DH, KDIM, gen(20 + h)))
+    module = library_module(kind, source)
+    assert module.b_v is None and module.b_o is None
+    (q, k, v), kw = make_inputs("seq_first", True, "kpm_float_attn_float_2d")
+    for mode in MODES.values():
+        ref, ref_w = source(q, k, v, **kw, **mode)
+        out, w = module(q, k, v, **kw, **mode)
+        torch.testing.assert_close(out, ref, rtol=0, atol=TORCH_TOL)
+        if ref_w is not None:
+            torch.testing.assert_close(w, ref_w, rtol=0, atol=TORCH_TOL)
 
 
 def test_comparison_can_fail():
@@ -280,6 +302,12 @@ def test_is_causal_without_mask_applies_the_causal_mask():
     ("batch_first", lambda m, x: m(x, x, x, attn_mask=torch.zeros(L, L, dtype=torch.long)), "bool"),
     ("seq_first", lambda m, x: m(x, x[:, :1], x), "batch/sequence sizes disagree"),
     ("batch_first", lambda m, x: m(x[None], x[None], x[None]), "batched"),
+    ("batch_first", lambda m, x: m(x, x[0], x), "batched"),
+    ("unbatched", lambda m, x: m(x, x[None], x), "unbatched query"),
+    ("batch_first", lambda m, x: m(x, x, x, key_padding_mask=torch.zeros(L, dtype=torch.bool)), "key_padding_mask"),
+    ("batch_first", lambda m, x: m(x, x, x, attn_mask=torch.zeros(L, dtype=torch.bool)), "attn_mask"),
+    ("batch_first", lambda m, x: m(*(torch.nested.nested_tensor([x[0], x[1, :2]], layout=torch.jagged),) * 3),
+     "nested"),
 ])
 def test_bad_calls_raise_clear_errors(layout, call, message):
     m = EuclideanMultiheadAttention(E, H, batch_first=layout == "batch_first", dtype=F64)
