@@ -5,14 +5,7 @@ Query/key projections live on the Stiefel manifold :math:`\\mathrm{St}(d, r)` an
 polar retraction, with AdamW for every other parameter.
 """
 
-import warnings as _warnings
-
-# geoopt 0.5.1 calls torch.jit.script at import time, which torch >= 2.9 flags as deprecated. The warning is
-# about geoopt's internals, so it is silenced for that one import only (no global filter is installed).
-with _warnings.catch_warnings():
-    _warnings.filterwarnings("ignore", message="`torch.jit.script` is deprecated", category=FutureWarning)
-    import geoopt as _geoopt  # noqa: F401
-
+from . import _geoopt_import  # noqa: F401  (first: imports geoopt quietly)
 from .convert import (
     LAYOUTS,
     Block,

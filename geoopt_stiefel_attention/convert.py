@@ -916,7 +916,10 @@ def _source_parts(source: nn.Module, *, drop_qk_bias: bool, ignore_batch_first: 
 
     where = f"module {path!r} " if path is not None else ""
     if isinstance(source, _MultiheadAttentionBase):
-        return source._config(), source._export()
+        config = source._config()
+        if ignore_batch_first:
+            config["batch_first"] = True
+        return config, source._export()
     if not isinstance(source, nn.MultiheadAttention):
         raise TypeError(f"{where}({type(source).__name__}) is not an nn.MultiheadAttention or an "
                         f"EuclideanMultiheadAttention; nothing to convert.")
@@ -928,10 +931,6 @@ def _source_parts(source: nn.Module, *, drop_qk_bias: bool, ignore_batch_first: 
     if source.add_zero_attn:
         raise ValueError(f"{name} has add_zero_attn=True, which the Stiefel module does not implement; build "
                          f"the model without add_zero_attn, or keep the torch module and use stiefelize(model).")
-    if not source.batch_first and not ignore_batch_first:
-        raise ValueError(f"{name} has batch_first=False: its callers pass (seq, batch, embed), but the Stiefel "
-                         f"module is batch-first only. Keep the torch module and use stiefelize(model) (any "
-                         f"batch_first), or pass ignore_batch_first=True and transpose inputs yourself.")
     e, h = source.embed_dim, source.num_heads
     with torch.no_grad():
         if source._qkv_same_embed_dim:
@@ -953,6 +952,6 @@ def _source_parts(source: nn.Module, *, drop_qk_bias: bool, ignore_batch_first: 
         weights = {"q": _t(wq), "k": _t(wk), "v": _t(wv), "o": _t(source.out_proj.weight), "b_v": b_v,
                    "b_o": b_o, "gain": None}
     config = dict(embed_dim=e, num_heads=h, head_dim=e // h, dropout=float(source.dropout),
-                  bias=source.in_proj_bias is not None, kdim=source.kdim, vdim=source.vdim, frames="head",
-                  logit_gain=False)
+                  bias=source.in_proj_bias is not None, kdim=source.kdim, vdim=source.vdim,
+                  batch_first=bool(source.batch_first or ignore_batch_first), frames="head", logit_gain=False)
     return config, weights

@@ -68,12 +68,23 @@ def _check_int(owner: str, name: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
+def _refuse_unsupported(owner: str, *, add_bias_kv: Any, add_zero_attn: Any) -> None:
+    """The two options of ``nn.MultiheadAttention`` that these modules do not implement: refuse them by name."""
+    if add_bias_kv:
+        raise ValueError(
+            f"{owner}: add_bias_kv={add_bias_kv!r} is not supported: it appends a learned key/value row to "
+            f"every sequence, a bias that lies outside the query/key frames and that this module does not "
+            f"implement. Build it with add_bias_kv=False.")
+    if add_zero_attn:
+        raise ValueError(
+            f"{owner}: add_zero_attn={add_zero_attn!r} is not supported: it appends an all-zero key/value "
+            f"row to every sequence, which this module does not implement. Build it with add_zero_attn=False.")
+
+
 # ---------------------------------------------------------------------------------------------- the modules
 class _MultiheadAttentionBase(nn.Module):
     """Shared configuration, layout, initialisation and forward pass of the two attention modules."""
 
-    #: Read by ``nn.TransformerEncoder``/``nn.TransformerEncoderLayer``: inputs are ``(batch, seq, embed)``.
-    batch_first = True
     #: ``None`` tells ``nn.TransformerEncoderLayer`` that there is no fused ``in_proj`` (so its fused
     #: inference fast path, which would read these tensors, is never taken).
     in_proj_weight = None
@@ -85,26 +96,40 @@ class _MultiheadAttentionBase(nn.Module):
         self,
         embed_dim: int,
         num_heads: int,
-        *,
-        head_dim: int | None = None,
         dropout: float = 0.0,
         bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
         kdim: int | None = None,
         vdim: int | None = None,
-        frames: str = "head",
-        logit_gain: bool = False,
+        batch_first: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        head_dim: int | None = None,
+        frames: str = "head",
+        logit_gain: bool = False,
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
+        owner = type(self).__name__
+        _refuse_unsupported(owner, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
         self._configure(embed_dim, num_heads, head_dim=head_dim, dropout=dropout, bias=bias, kdim=kdim,
-                        vdim=vdim, frames=frames, logit_gain=logit_gain)
+                        vdim=vdim, batch_first=batch_first, frames=frames, logit_gain=logit_gain)
         self._install(self._draw(generator=generator, device=device, dtype=dtype), logit_gain=logit_gain)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # modules pickled before ``batch_first`` became an option were batch-first
+        state.setdefault("batch_first", True)
+        super().__setstate__(state)
+
     # -------------------------------------------------------------------------------- configuration
-    def _configure(self, embed_dim, num_heads, *, head_dim, dropout, bias, kdim, vdim, frames, logit_gain) -> None:
+    def _configure(self, embed_dim, num_heads, *, head_dim, dropout, bias, kdim, vdim, batch_first, frames,
+                   logit_gain) -> None:
         owner = type(self).__name__
+        for name, flag in (("bias", bias), ("batch_first", batch_first), ("logit_gain", logit_gain)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{owner}: {name}={flag!r} is invalid; pass True or False.")
         embed_dim = _check_int(owner, "embed_dim", embed_dim)
         num_heads = _check_int(owner, "num_heads", num_heads)
         if head_dim is None:
@@ -135,7 +160,8 @@ class _MultiheadAttentionBase(nn.Module):
         self.vdim = vdim
         self.frames = frames
         self.dropout = float(dropout)
-        self.bias = bool(bias)
+        self.bias = bias
+        self.batch_first = batch_first
 
     @property
     def _qkv_same_embed_dim(self) -> bool:
@@ -144,8 +170,8 @@ class _MultiheadAttentionBase(nn.Module):
 
     def _config(self) -> dict[str, Any]:
         return dict(embed_dim=self.embed_dim, num_heads=self.num_heads, head_dim=self.head_dim,
-                    dropout=self.dropout, bias=self.bias, kdim=self.kdim, vdim=self.vdim, frames=self.frames,
-                    logit_gain=self.logit_gain is not None)
+                    dropout=self.dropout, bias=self.bias, kdim=self.kdim, vdim=self.vdim,
+                    batch_first=self.batch_first, frames=self.frames, logit_gain=self.logit_gain is not None)
 
     # -------------------------------------------------------------------------------- parameters
     def _draw(self, *, generator, device, dtype) -> dict[str, Tensor | None]:
@@ -241,8 +267,8 @@ class _MultiheadAttentionBase(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"kdim={self.kdim}, vdim={self.vdim}, frames={self.frames!r}, dropout={self.dropout}, "
-                f"bias={self.bias}, logit_gain={self.logit_gain is not None}")
+                f"kdim={self.kdim}, vdim={self.vdim}, batch_first={self.batch_first}, frames={self.frames!r}, "
+                f"dropout={self.dropout}, bias={self.bias}, logit_gain={self.logit_gain is not None}")
 
     # -------------------------------------------------------------------------------- forward
     def _masks(self, key_padding_mask, attn_mask, batch: int, tq: int, tk: int, dtype) -> Tensor | None:
@@ -283,23 +309,33 @@ class _MultiheadAttentionBase(nn.Module):
         key: Tensor,
         value: Tensor,
         key_padding_mask: Tensor | None = None,
-        need_weights: bool = False,
+        need_weights: bool = True,
         attn_mask: Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         owner = type(self).__name__
+        if query.is_nested or key.is_nested or value.is_nested:
+            raise ValueError(f"{owner}: nested (jagged) tensors are not supported; pad the sequences to one "
+                             f"length and pass key_padding_mask (True = padding).")
         unbatched = query.dim() == 2
         if unbatched:
             if key.dim() != 2 or value.dim() != 2:
                 raise ValueError(f"{owner}: unbatched query (2-D) needs 2-D key and value, got key.dim()="
                                  f"{key.dim()}, value.dim()={value.dim()}.")
-            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             if key_padding_mask is not None:
+                if key_padding_mask.dim() != 1:
+                    raise ValueError(f"{owner}: with an unbatched (2-D) query, key_padding_mask must be 1-D "
+                                     f"(key_len,), got shape {tuple(key_padding_mask.shape)}.")
                 key_padding_mask = key_padding_mask.unsqueeze(0)
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
         elif query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
-            raise ValueError(f"{owner}: query, key and value must be (batch, seq, features) (batch_first) or "
-                             f"unbatched (seq, features); got dims {query.dim()}, {key.dim()}, {value.dim()}.")
+            layout = "(batch, seq, features)" if self.batch_first else "(seq, batch, features)"
+            raise ValueError(f"{owner}: query, key and value must be batched {layout} (batch_first="
+                             f"{self.batch_first}) or unbatched (seq, features); got dims {query.dim()}, "
+                             f"{key.dim()}, {value.dim()}.")
+        elif not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         b, tq, e = query.shape
         tk = key.shape[1]
         if e != self.embed_dim or key.shape[-1] != self.kdim or value.shape[-1] != self.vdim:
@@ -307,20 +343,21 @@ class _MultiheadAttentionBase(nn.Module):
                              f"{value.shape[-1]}) do not match (embed_dim, kdim, vdim) = "
                              f"({self.embed_dim}, {self.kdim}, {self.vdim}).")
         if key.shape[0] != b or value.shape[0] != b or value.shape[1] != tk:
-            raise ValueError(f"{owner}: batch/sequence sizes disagree: query {tuple(query.shape)}, key "
-                             f"{tuple(key.shape)}, value {tuple(value.shape)}.")
+            raise ValueError(f"{owner}: batch/sequence sizes disagree (batch_first={self.batch_first}): "
+                             f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} "
+                             f"as (batch, seq, features).")
         h, dh = self.num_heads, self.head_dim
         n = h * dh
 
         w_q = self._flat(self.w_q)
         w_k = self._flat(self.w_k)
         w_v = _heads_to_flat(self.w_v)
-        q = (query @ w_q).view(b, tq, h, dh).transpose(1, 2)
-        k = (key @ w_k).view(b, tk, h, dh).transpose(1, 2)
+        q = (query @ w_q).reshape(b, tq, h, dh).transpose(1, 2)
+        k = (key @ w_k).reshape(b, tk, h, dh).transpose(1, 2)
         v = value @ w_v
         if self.b_v is not None:
             v = v + self.b_v.to(v.dtype)  # .to: keep autocast's dtype (SDPA needs q, k, v alike)
-        v = v.view(b, tk, h, dh).transpose(1, 2)
+        v = v.reshape(b, tk, h, dh).transpose(1, 2)
         if self.logit_gain is not None:
             q = q * self.logit_gain.exp().to(q.dtype).view(1, h, 1, 1)
 
@@ -351,12 +388,15 @@ class _MultiheadAttentionBase(nn.Module):
             out = out + self.b_o.to(out.dtype)
         if unbatched:
             out = out.squeeze(0)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
         return out, weights
 
 
 _FORWARD_DOC = r"""
-    Forward pass, batch first: ``query (B, Tq, embed_dim)``, ``key (B, Tk, kdim)``, ``value (B, Tk, vdim)``
-    (or unbatched ``(T, features)``). For each head :math:`h`,
+    Forward pass, with the call interface of :class:`torch.nn.MultiheadAttention`. Inputs are
+    ``(L, N, features)`` (``batch_first=False``, torch's default), ``(N, L, features)`` (``batch_first=True``)
+    or unbatched ``(L, features)``; ``L`` is the query length, ``S`` the key length. For each head :math:`h`,
 
     .. math::
 
@@ -365,34 +405,47 @@ _FORWARD_DOC = r"""
         Y = [A_1 V_1, \dots, A_H V_H]\, W_O + b_O,
 
     with :math:`e^{g_h} = 1` unless ``logit_gain=True``. Computed by
-    :func:`torch.nn.functional.scaled_dot_product_attention`, or written out when ``need_weights=True``.
+    :func:`torch.nn.functional.scaled_dot_product_attention` when ``need_weights=False``, written out
+    otherwise (pass ``need_weights=False`` for speed, as torch recommends).
 
     Parameters
     ----------
     query, key, value : Tensor
-        ``(B, Tq, embed_dim)``, ``(B, Tk, kdim)``, ``(B, Tk, vdim)``.
+        Query ``(L, N, embed_dim)``, key ``(S, N, kdim)``, value ``(S, N, vdim)`` (batch dimension first
+        when ``batch_first=True``), or unbatched ``(L, embed_dim)``, ``(S, kdim)``, ``(S, vdim)``.
     key_padding_mask : Tensor, optional
-        ``(B, Tk)``; bool ``True`` = that key is ignored, or a float mask added to the logits.
-    need_weights : bool, default False
-        Also return the attention probabilities (computed explicitly rather than by SDPA). As in
-        :class:`torch.nn.MultiheadAttention` they are the probabilities multiplied into ``V``, i.e. after
-        attention dropout in training mode.
+        ``(N, S)`` (``(S,)`` unbatched); bool ``True`` = that key is ignored, or a float mask added to the
+        logits.
+    need_weights : bool, default True
+        Also return the attention probabilities. As in :class:`torch.nn.MultiheadAttention` they are the
+        probabilities multiplied into ``V``, i.e. after attention dropout in training mode.
     attn_mask : Tensor, optional
-        ``(Tq, Tk)`` or ``(B * num_heads, Tq, Tk)``; bool ``True`` = not allowed to attend, or float added.
+        ``(L, S)`` or ``(N * num_heads, L, S)`` (``(num_heads, L, S)`` unbatched; entry ``n * num_heads + h``
+        for batch ``n``, head ``h``); bool ``True`` = not allowed to attend, or float added to the logits.
         Combined with ``key_padding_mask`` by addition (bool masks become ``-inf``).
     average_attn_weights : bool, default True
-        Return weights averaged over heads, ``(B, Tq, Tk)``, instead of ``(B, num_heads, Tq, Tk)``.
+        Return weights averaged over heads, ``(N, L, S)``, instead of per head, ``(N, num_heads, L, S)``
+        (``(L, S)`` / ``(num_heads, L, S)`` unbatched). Weights are batch-first whatever ``batch_first``
+        is, as in torch.
     is_causal : bool, default False
-        Without ``attn_mask``: apply the causal mask (query ``i`` sees keys ``j <= i``, top-left aligned as in
-        SDPA). With ``attn_mask``: a hint, as in torch; ``attn_mask`` is the mask applied. (Unlike
-        ``nn.MultiheadAttention``, ``is_causal=True`` without a mask is allowed.)
+        With ``attn_mask``: a hint that ``attn_mask`` is the causal mask, as in torch; pass it only when that
+        is true (torch may then apply its own causal mask instead of ``attn_mask``, this module always applies
+        ``attn_mask``). Without ``attn_mask``: the causal mask is applied (query ``i`` sees keys ``j <= i``,
+        top-left aligned as in SDPA); ``nn.MultiheadAttention`` raises instead.
 
     Returns
     -------
     output : Tensor
-        ``(B, Tq, embed_dim)``.
+        Shaped like ``query`` with ``embed_dim`` features.
     weights : Tensor or None
         Attention probabilities when ``need_weights``, else ``None``.
+
+    Raises
+    ------
+    ValueError
+        For inputs or masks of the wrong rank or shape (the message names the tensor and the expected shape).
+    TypeError
+        For a mask that is neither bool nor floating point.
 
     Notes
     -----
@@ -415,21 +468,33 @@ _LAYOUT_DOC = r"""
 """
 
 _CONSTRUCTOR_DOC = r"""
+    The constructor takes the arguments of :class:`torch.nn.MultiheadAttention` in its order (positionally
+    too), then keyword-only ``head_dim``, ``frames``, ``logit_gain`` and ``generator``.
+
     Parameters
     ----------
     embed_dim : int
         Width of the query (and of the output).
     num_heads : int
         Number of heads ``H``.
-    head_dim : int, optional
-        ``Dh``; default ``embed_dim // num_heads`` (which must then divide exactly).
     dropout : float, default 0
         Dropout on the attention probabilities (training mode only).
     bias : bool, default True
-        Biases on the value and output projections (never on queries and keys).
+        Biases on the value and output projections (never on queries and keys: unlike torch's ``bias``,
+        which also adds query/key biases).
+    add_bias_kv, add_zero_attn : bool, default False
+        Accepted for torch's signature; ``True`` raises ``ValueError`` (not implemented: both append an
+        extra key/value row to every sequence).
     kdim, vdim : int, optional
         Feature sizes of ``key`` and ``value`` (cross-attention); default ``embed_dim``. Key frames lie in
         :math:`\mathrm{St}(\text{kdim}, r)`.
+    batch_first : bool, default False
+        ``True``: inputs and output are ``(batch, seq, features)``; ``False`` (torch's default):
+        ``(seq, batch, features)``.
+    device, dtype
+        Where and in which dtype the parameters live (default: torch's defaults).
+    head_dim : int, optional
+        ``Dh``; default ``embed_dim // num_heads`` (which must then divide exactly).
     frames : {"head", "layer"}, default "head"
         ``"head"``: each head's ``(d, Dh)`` block is one frame (needs ``Dh <= embed_dim, kdim``).
         ``"layer"``: the whole ``(d, H*Dh)`` projection is one frame, so heads are also mutually orthogonal
@@ -440,8 +505,6 @@ _CONSTRUCTOR_DOC = r"""
         cannot sharpen beyond what the input norms allow, whereas a Euclidean ``W_Q`` can grow its singular
         values. The gain restores that one degree of freedom per head; it is off by default so that the
         module is a pure Stiefel constraint.
-    device, dtype
-        Where and in which dtype the parameters live (default: torch's defaults).
     generator : torch.Generator, optional
         Source of the initialisation (torch's global RNG if ``None``). Q, K, V and O are drawn in that order
         from the Xavier-uniform law :math:`U(\pm\sqrt{6/(\text{fan_in}+\text{fan_out})})` of each
@@ -459,8 +522,11 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
     :math:`W = A (A^\top A)^{-1/2}` of the Euclidean draw :math:`A` that :class:`EuclideanMultiheadAttention`
     makes from the same generator; everything else is identical.
 
-    The call interface is that of :class:`torch.nn.MultiheadAttention` with ``batch_first=True``, so a
+    Constructor and call interface are those of :class:`torch.nn.MultiheadAttention` (both layouts via
+    ``batch_first``, unbatched inputs, bool and float masks, ``need_weights=True`` by default), so a
     :class:`torch.nn.TransformerEncoderLayer` accepts the module as its ``self_attn`` (see :func:`stiefelize`).
+    Differences: no query/key biases, ``add_bias_kv``/``add_zero_attn`` are refused, and ``is_causal=True``
+    without ``attn_mask`` applies the causal mask instead of raising.
 
     Frames are orthonormal to the precision of the dtype they were built in: build the module in the dtype
     you train in (``dtype=``). After ``.to(torch.float64)`` of a float32 module, re-project the frames with
@@ -470,11 +536,11 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
     --------
     >>> import torch
     >>> from geoopt_stiefel_attention import StiefelMultiheadAttention
-    >>> attn = StiefelMultiheadAttention(32, 4, generator=torch.Generator().manual_seed(0))
+    >>> attn = StiefelMultiheadAttention(32, 4, batch_first=True, generator=torch.Generator().manual_seed(0))
     >>> x = torch.randn(2, 5, 32)
-    >>> y, _ = attn(x, x, x, is_causal=True)
-    >>> y.shape, attn.w_q.shape
-    (torch.Size([2, 5, 32]), torch.Size([4, 32, 8]))
+    >>> y, w = attn(x, x, x)
+    >>> y.shape, w.shape, attn.w_q.shape
+    (torch.Size([2, 5, 32]), torch.Size([2, 5, 5]), torch.Size([4, 32, 8]))
     >>> attn.w_q.manifold.check_point_on_manifold(attn.w_q)
     True
 """
@@ -516,14 +582,14 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
             constant the softmax ignores. A non-zero query bias :math:`b_Q` adds :math:`b_Q^\top k_j`, which
             does change the attention, so conversion is refused unless ``drop_qk_bias=True``.
         ignore_batch_first : bool, default False
-            This module is batch-first only. A source with ``batch_first=False`` is refused (its callers pass
-            ``(seq, batch, embed)``), unless ``ignore_batch_first=True`` (then transpose the inputs yourself).
+            By default the new module keeps the source's ``batch_first``. ``True`` builds a batch-first module
+            whatever the source's layout (then pass ``(batch, seq, embed)`` inputs).
 
         Raises
         ------
         ValueError
-            For ``add_bias_kv``, ``add_zero_attn``, a non-zero query bias without ``drop_qk_bias``,
-            ``batch_first=False`` without ``ignore_batch_first``, or a layout whose frames cannot exist.
+            For ``add_bias_kv``, ``add_zero_attn``, a non-zero query bias without ``drop_qk_bias``, or a
+            layout whose frames cannot exist.
         TypeError
             For another kind of source.
         """

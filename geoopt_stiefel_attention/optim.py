@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -10,10 +13,11 @@ from typing import Any
 import geoopt
 import torch
 import torch.optim.adamw as _torch_adamw
-from geoopt.manifolds import CanonicalStiefel, Euclidean, EuclideanStiefel
+from geoopt.manifolds import EuclideanStiefel
 
 from . import _linalg
 from . import distributed as _distributed
+from .manifolds import has_manifold as _has_manifold
 from .manifolds import is_frame as _is_frame
 
 __all__ = ["StiefelAdam", "stiefel_adam_update", "SECOND_MOMENTS", "ORTHONORMALITY_TOLERANCE"]
@@ -32,6 +36,11 @@ ORTHONORMALITY_TOLERANCE = {
 
 _DEFAULT_TRUST_REGION = 0.1
 
+#: The group options StiefelAdam adds to torch's Adam options, with the defaults a state dict saved before an
+#: option existed (or by geoopt's RiemannianAdam) loads with.
+_GROUP_DEFAULTS = {"trust_region": _DEFAULT_TRUST_REGION, "second_moment": "frame", "stabilize": None,
+                   "master_weights": False}
+
 
 def _require(ok: bool, message: str, exc: type[Exception] = ValueError) -> None:
     if not ok:
@@ -42,11 +51,12 @@ def _validate_hyperparameters(group: dict[str, Any]) -> None:
     """Raise a ``ValueError`` that names the option and the fix when a group option is out of range."""
     lr = group["lr"]
     if not isinstance(lr, torch.Tensor):
-        _require(isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr),
-                 f"StiefelAdam: lr={lr!r} is invalid; pass a finite float > 0 (e.g. lr=1e-3).")
+        _require(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr >= 0 and math.isfinite(lr),
+                 f"StiefelAdam: lr={lr!r} is invalid; pass a finite float >= 0 (e.g. lr=1e-3; lr=0 moves "
+                 f"nothing, as at the start of a warm-up).")
     eps = group["eps"]
-    _require(isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps),
-             f"StiefelAdam: eps={eps!r} is invalid; pass a finite float > 0 (e.g. eps=1e-8).")
+    _require(isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0 and math.isfinite(eps),
+             f"StiefelAdam: eps={eps!r} is invalid; pass a finite float >= 0 (e.g. eps=1e-8).")
     betas = group["betas"]
     _require(isinstance(betas, (tuple, list)) and len(betas) == 2
              and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas),
@@ -72,25 +82,32 @@ def _validate_hyperparameters(group: dict[str, Any]) -> None:
              f"frames) or False.")
 
 
-def _check_parameter(p: torch.Tensor) -> None:
-    """Reject parameters the optimizer cannot train, naming the fix."""
-    _distributed.check_parameter(p)  # sharded (FSDP/DTensor) parameters: NotImplementedError
-    manifold = getattr(p, "manifold", None)
-    if manifold is None or isinstance(manifold, Euclidean):
+def _check_manifold(p: torch.Tensor) -> None:
+    """Reject a parameter on a manifold the optimizer does not implement, naming the fix."""
+    if not _has_manifold(p):
         return
-    if isinstance(manifold, CanonicalStiefel):
+    manifold = p.manifold
+    if _is_frame(p) and not isinstance(manifold, EuclideanStiefel):
         raise ValueError(
             f"StiefelAdam: parameter of shape {tuple(p.shape)} is on geoopt's CanonicalStiefel (the default "
             f"of geoopt.Stiefel()), whose canonical metric this optimizer does not implement. Create it on "
             f"geoopt_stiefel_attention.PolarStiefel() (or geoopt.EuclideanStiefel()) instead, or train it "
             f"with geoopt.optim.RiemannianAdam."
         )
-    if not isinstance(manifold, EuclideanStiefel):
+    if not _is_frame(p):
         raise ValueError(
             f"StiefelAdam: parameter of shape {tuple(p.shape)} is on {manifold!r}; StiefelAdam trains "
             f"Stiefel frames (PolarStiefel / EuclideanStiefel) and Euclidean parameters only. Use "
             f"geoopt.optim.RiemannianAdam for other manifolds."
         )
+
+
+def _check_parameter(p: torch.Tensor) -> None:
+    """Reject parameters the optimizer cannot train, naming the fix."""
+    _distributed.check_parameter(p)  # sharded (FSDP/DTensor) parameters: NotImplementedError
+    _check_manifold(p)
+    if not _is_frame(p):
+        return
     if p.is_complex():
         raise TypeError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} is complex; Stiefel frames "
                         f"must be real (float64, float32, bfloat16 or float16).")
@@ -98,6 +115,79 @@ def _check_parameter(p: torch.Tensor) -> None:
         raise ValueError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} is not a stack of d x r frames "
                          f"with r <= d (orthonormal columns cannot outnumber rows). Store frames as (..., d, r), "
                          f"e.g. transpose a (r, d) matrix, or use fewer columns.")
+
+
+def _frame_state_shapes(p: torch.Tensor, second_moment: str | None) -> dict[str, tuple[int, ...]]:
+    """The shape of each state tensor of a frame parameter ``p`` of shape ``(..., d, r)``."""
+    shapes = {"exp_avg": tuple(p.shape), "master": tuple(p.shape)}
+    if second_moment is not None:
+        batch, r = tuple(p.shape[:-2]), p.shape[-1]
+        shapes["exp_avg_sq"] = {"frame": batch + (1, 1), "column": batch + (1, r),
+                                "element": tuple(p.shape)}[second_moment]
+    return shapes
+
+
+def _loaded_state(p: torch.Tensor, saved: Any, group: dict[str, Any], label: str) -> dict[str, Any]:
+    """The state of ``p`` from a state dict, checked against ``p`` and its group, converted and cast (see
+    :meth:`StiefelAdam.load_state_dict`); raises before anything changes."""
+    where = f"StiefelAdam.load_state_dict: {label}"
+    if not isinstance(saved, dict):
+        raise ValueError(f"{where}: its state is a {type(saved).__name__}, not a dict of state entries.")
+    state = dict(saved)
+    if not state:
+        return state
+    if "step" in state and not isinstance(state["step"], torch.Tensor):  # geoopt stores a Python int
+        state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+    frame = _is_frame(p)
+    sm = group["second_moment"]
+    if frame:
+        required = ["step", "exp_avg"] + (["exp_avg_sq"] if sm is not None else [])
+        shapes = _frame_state_shapes(p, sm)
+        if "max_exp_avg_sq" in state:
+            del state["max_exp_avg_sq"]
+            warnings.warn(f"{where}: dropped the frame's AMSGrad buffer 'max_exp_avg_sq' (a geoopt checkpoint?); "
+                          f"StiefelAdam's amsgrad applies to Euclidean parameters only.", UserWarning, stacklevel=3)
+        v = state.get("exp_avg_sq")
+        if sm == "frame" and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) \
+                and tuple(p.shape[-2:]) != (1, 1):
+            head = v[..., :1, :1]
+            if not torch.equal(v, head.expand_as(v)):
+                raise ValueError(
+                    f"{where}: its full-size exp_avg_sq {tuple(v.shape)} is not constant on each frame, so it is "
+                    f"not one second moment per frame (geoopt's RiemannianAdam on EuclideanStiefel stores one "
+                    f"scalar per frame at every entry; this state is not of that kind). Load it into an "
+                    f"optimizer with second_moment='element', or drop this parameter's state in a "
+                    f"register_load_state_dict_pre_hook to restart its moments.")
+            state["exp_avg_sq"] = head
+    else:
+        required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        shapes = {key: tuple(p.shape) for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+    missing = [key for key in required if key not in state]
+    if missing:
+        raise ValueError(f"{where}: its state lacks {missing} (has {sorted(state)}); the state dict does not "
+                         f"belong to this parameter and group (second_moment={sm!r}, amsgrad={group['amsgrad']}).")
+    for key, shape in shapes.items():
+        value = state.get(key)
+        if value is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{where}: its state {key!r} has shape {got}, expected {shape} "
+                             f"(second_moment={sm!r}); the state dict does not belong to this parameter.")
+    compute = _linalg.compute_dtype(p.dtype) if frame else p.dtype
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if key == "step":
+            dtype = value.dtype
+        elif key == "master":
+            dtype = torch.float32
+        elif value.is_floating_point() and (frame or p.is_floating_point()):
+            dtype = compute
+        else:
+            dtype = value.dtype
+        state[key] = value.to(dtype=dtype, device=value.device if key == "step" else p.device, copy=True)
+    if frame:
+        state.setdefault("skipped_frames", torch.zeros((), dtype=torch.int64, device=p.device))
+    return state
 
 
 def stiefel_adam_update(
@@ -131,7 +221,10 @@ def stiefel_adam_update(
     7. :math:`m \leftarrow m - W \operatorname{sym}(W^\top m)`
 
     A frame whose gradient has a non-finite entry (or whose :math:`\|\xi\|_F^2` overflows) is skipped: its
-    ``W``, ``m`` and ``v`` come back unchanged, and the returned mask is ``False`` there.
+    ``W``, ``m`` and ``v`` come back unchanged, and the returned mask is ``False`` there. A frame whose step
+    :math:`s` is exactly zero (``lr = 0``; or ``eps = 0`` and a zero second moment, see below) keeps its ``W``
+    bit for bit (its moments are updated). With ``eps = 0``, entries whose :math:`\sqrt{\hat v}` is zero take
+    a zero step instead of :math:`0/0`.
 
     Parameters
     ----------
@@ -177,14 +270,18 @@ def stiefel_adam_update(
             raise ValueError(f"second_moment={second_moment!r} is unknown; use one of {SECOND_MOMENTS}.")
         v = torch.where(finite, beta2 * exp_avg_sq + (1.0 - beta2) * sq, exp_avg_sq)
         bias2 = 1.0 - beta2**step
-        s = (lr / bias1) * m / ((v / bias2).sqrt() + eps)
+        denom = (v / bias2).sqrt() + eps
+        s = (lr / bias1) * m / denom
+        if eps == 0:
+            s = torch.where(denom == 0, torch.zeros((), dtype=s.dtype, device=s.device), s)
         if second_moment != "frame":
             s = _linalg.proju(w, s)
     s = _linalg.cap_step(s, trust_region) * finite  # a zero step keeps NaNs out of the retraction
+    moving = finite & (s != 0).any(dim=-1, keepdim=True).any(dim=-2, keepdim=True)
     w_new = _linalg.polar(w - s, order=series_order)
-    m = _linalg.proju(w_new, m)
-    # skipped frames come back bit-identical (a zero-step retraction would still round them)
-    return torch.where(finite, w_new, w), torch.where(finite, m, exp_avg), v, finite
+    m_new = _linalg.proju(w_new, m)
+    # skipped frames and frames without a step come back bit-identical (a zero-step retraction would round them)
+    return torch.where(moving, w_new, w), torch.where(moving, m_new, m), v, finite
 
 
 #: Same-shaped frame parameters of a group are stacked into batches of at most this many elements, one call
@@ -228,7 +325,9 @@ def _frame_update_(
 
     Skipped frames (non-finite :math:`\|\xi\|_F^2`) come back bit-identical: their :math:`\xi` is replaced by
     their own :math:`m` (the moving average then returns :math:`m`), their step is zero and their
-    retraction and transport multiply by the identity and subtract zero. On CPU the masking runs only when a
+    retraction and transport multiply by the identity and subtract zero. Frames whose step size is zero
+    (``lr = 0``, or ``eps = 0`` with a zero second moment, whose :math:`1/\sqrt{\hat v}` is taken as 0) keep
+    ``W`` bit-identical the same way; their moments are updated. On CPU the masking runs only when a
     frame is actually skipped and the series order follows the largest step actually taken (reading a CPU
     tensor costs no synchronisation); on other devices the masking always runs and the order follows the
     trust radius, so the step makes no host synchronisation.
@@ -257,6 +356,12 @@ def _frame_update_(
             xi_sq = torch.where(finite, xi_sq, exp_avg_sq)
         exp_avg_sq.lerp_(xi_sq, 1.0 - beta2)
         alpha = exp_avg_sq.div(1.0 - beta2**step).sqrt_().add_(eps).reciprocal_().mul_(lr / bias1)
+        if eps == 0:  # v = 0 (then m = 0 too): no step instead of 1/0 (and 0 * inf when lr = 0)
+            alpha.nan_to_num_(nan=0.0, posinf=0.0)
+    moving = finite
+    if lr == 0 or eps == 0:  # only then can a frame's step size be exactly zero
+        moving = finite & (alpha != 0)
+        masked = masked or not (on_host and bool(moving.all()))
     # 5. trust region: ||s|| = alpha ||m|| <= Delta
     order = None
     if trust_region is not None:
@@ -267,19 +372,19 @@ def _frame_update_(
             radius = min(radius, float((alpha * m_norm).amax()))
         order = _linalg.series_order(radius**2 + _rounding_margin(w.dtype), w.dtype)
     if masked:
-        alpha = alpha * finite
+        alpha = alpha * moving
     # 6. W <- (W - s) X with X = ((W - s)^T (W - s))^{-1/2}
     y = torch.addcmul(w, exp_avg, alpha, value=-1.0, out=scratch)
     gram = torch.bmm(y.mT, y)
     x = _linalg.inv_sqrt_spd(gram) if order is None else _linalg.inv_sqrt_series(gram, order)
     if masked:
-        x = torch.where(finite, x, torch.eye(x.shape[-1], dtype=x.dtype, device=x.device))
+        x = torch.where(moving, x, torch.eye(x.shape[-1], dtype=x.dtype, device=x.device))
     torch.bmm(y, x, out=w)
     # 7. m <- m - W sym(W^T m)
     b = torch.bmm(w.mT, exp_avg)
     b = b + b.mT
     if masked:
-        b = b * finite
+        b = b * moving
     exp_avg.baddbmm_(w, b, alpha=-0.5)
     return finite
 
@@ -322,13 +427,18 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
     Parameters
     ----------
     params : iterable
-        Parameters or dicts defining parameter groups; frames and Euclidean parameters may be mixed.
+        Parameters, ``(name, parameter)`` pairs (``named_parameters()``) or dicts defining parameter groups
+        whose ``"params"`` are any of these (lists, tuples or generators); frames and Euclidean parameters may
+        be mixed.
     lr : float, default 1e-3
-        Learning rate. For a frame, :math:`\|s\|_F \approx \mathrm{lr}` per step for a steady gradient.
+        Learning rate, ``>= 0``. For a frame, :math:`\|s\|_F \approx \mathrm{lr}` per step for a steady
+        gradient. With ``lr = 0`` (the start of a warm-up) frames stay bit for bit where they are while their
+        moments and step count advance, as with torch's Adam.
     betas : (float, float), default (0.9, 0.999)
         Decay rates of the first and second moments, each in ``[0, 1)``.
     eps : float, default 1e-8
-        Added to :math:`\sqrt{\hat v}`.
+        Added to :math:`\sqrt{\hat v}`, ``>= 0``. With ``eps = 0`` a frame whose second moment is zero (only
+        zero Riemannian gradients so far, hence :math:`m = 0`) takes no step instead of :math:`0/0`.
     weight_decay : float, default 0
         Decoupled (AdamW) weight decay for Euclidean parameters. On frames it has no effect, by design:
         the Riemannian gradient of :math:`\tfrac{\lambda}{2}\|W\|_F^2` is
@@ -354,7 +464,10 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         (no longer the rounding of the master) are taken from the parameter. No effect on float32/float64
         frames.
     amsgrad, maximize, foreach : bool
-        As in :class:`torch.optim.AdamW`; ``amsgrad`` applies to Euclidean parameters only.
+        As in :class:`torch.optim.AdamW`; ``amsgrad`` applies to Euclidean parameters only, ``foreach``
+        selects torch's AdamW implementation for them (frames always use their own fused kernel).
+    differentiable, fused : bool
+        Accepted for torch's signature; only ``False``/``None`` is supported (a clear ``ValueError`` otherwise).
 
     Scope and warnings
     ------------------
@@ -397,7 +510,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, torch.Tensor]],
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -410,57 +523,153 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         amsgrad: bool = False,
         maximize: bool = False,
         foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
-        self._extra_defaults = {"trust_region": trust_region, "second_moment": second_moment,
-                                "master_weights": master_weights}
+        if differentiable:
+            raise ValueError("StiefelAdam: differentiable=True is not supported: the frame update runs in place "
+                             "under torch.no_grad() (a polar retraction with a data-dependent series order), so "
+                             "no graph through the step exists. Pass differentiable=False (the default).")
+        if fused:
+            raise ValueError("StiefelAdam: fused=True is not supported: frames always use their own fused "
+                             "in-place kernel and other parameters torch's AdamW implementation selected by "
+                             "`foreach`. Pass fused=None (the default).")
+        if isinstance(params, torch.Tensor):
+            raise TypeError(f"StiefelAdam: params must be an iterable of tensors, (name, tensor) pairs or group "
+                            f"dicts, not a single {torch.typename(params)}; pass [tensor] or model.parameters().")
+        params = list(params)
+        if not params:
+            raise ValueError("StiefelAdam: got an empty parameter list; pass model.parameters(), a list of "
+                             "tensors or a list of group dicts (is the generator already consumed?).")
+        self._pending_defaults = {"trust_region": trust_region, "second_moment": second_moment,
+                                  "stabilize": stabilize, "master_weights": master_weights}
+        self._constructing = True
         _validate_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                       stabilize=stabilize, **self._extra_defaults))
+                                       **self._pending_defaults))
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize, foreach=foreach, stabilize=stabilize,
                          decoupled_weight_decay=True)
-        self.defaults.update(self._extra_defaults)
+        self.defaults.update(self._pending_defaults)
+        del self._pending_defaults, self._constructing
+        if not any(group["params"] for group in self.param_groups):
+            raise ValueError(f"StiefelAdam: all {len(self.param_groups)} parameter groups are empty, so the "
+                             f"optimizer would train nothing; pass groups whose 'params' hold the tensors to "
+                             f"train (is a generator already consumed?).")
 
     # ------------------------------------------------------------------ groups and checkpoints
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        """Add a parameter group, as :meth:`torch.optim.Optimizer.add_param_group`.
+
+        ``param_group["params"]`` may be a tensor, a list, tuple or generator of tensors, or of
+        ``(name, tensor)`` pairs (``named_parameters()``). Every parameter is validated, whatever the form,
+        before anything changes. An empty group given as a generator or iterator (often one that was consumed
+        earlier), or added after construction, trains nothing and gives a ``UserWarning``; an explicit empty
+        list among non-empty groups at construction is accepted silently, as by torch (e.g. the ``"frames"``
+        group of :func:`~geoopt_stiefel_attention.param_groups` for a model without frames).
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"StiefelAdam: a parameter group must be a dict with a 'params' entry, not "
+                            f"{type(param_group).__name__}.")
+        if "params" not in param_group:
+            raise ValueError("StiefelAdam: a parameter group needs a 'params' entry, e.g. "
+                             "{'params': model.head.parameters(), 'lr': 1e-3}.")
+        given = param_group["params"]
+        if isinstance(given, torch.Tensor):
+            params = [given]
+        elif isinstance(given, (set, frozenset)):
+            raise TypeError("StiefelAdam: parameters must be given in an ordered collection (list, tuple or "
+                            "generator), not a set, whose order changes between runs; pass a list.")
+        else:
+            params = list(given)  # a generator is read once, here; torch then sees the list
+        param_group["params"] = params
         for p in params:
-            _check_parameter(p)
-        extra = getattr(self, "_extra_defaults", {"trust_region": _DEFAULT_TRUST_REGION, "second_moment": "frame",
-                                                  "master_weights": False})
-        for key, value in extra.items():
-            param_group.setdefault(key, value)
-        param_group.setdefault("stabilize", self._stabilize)
-        merged = {**self.defaults, **param_group} if self.defaults else param_group
-        _validate_hyperparameters(merged)
+            tensor = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, tensor) pairs
+            if isinstance(tensor, torch.Tensor):
+                _check_parameter(tensor)
+        constructing = self.__dict__.get("_constructing", False)
+        defaults = {**_GROUP_DEFAULTS, **self.__dict__.get("_pending_defaults", {}), **self.defaults}
+        for key in _GROUP_DEFAULTS:
+            param_group.setdefault(key, defaults[key])
+        _validate_hyperparameters({**defaults, **param_group})
+        if not params and (not constructing or not isinstance(given, (list, tuple))):
+            warnings.warn(f"StiefelAdam: parameter group {len(self.param_groups)} is empty and trains nothing "
+                          f"(was its generator consumed before, e.g. model.parameters() passed twice?).",
+                          UserWarning, stacklevel=2)
         super().add_param_group(param_group)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("trust_region", _DEFAULT_TRUST_REGION)
-            group.setdefault("second_moment", "frame")
-            group.setdefault("stabilize", None)
-            group.setdefault("master_weights", False)
+        for key, value in _GROUP_DEFAULTS.items():
+            self.defaults.setdefault(key, value)
+            for group in self.param_groups:
+                group.setdefault(key, value)
+        self._stabilize = self.defaults["stabilize"]  # what geoopt's add_param_group reads (lost by pickling)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict (see :meth:`torch.optim.Optimizer.load_state_dict`), keeping frame state exact.
+        """Load a state dict (see :meth:`torch.optim.Optimizer.load_state_dict`); it is checked completely
+        before anything changes.
 
-        Torch casts every floating-point state tensor to its parameter's dtype, which would round the float32
-        moments of a bf16/fp16 frame to bf16/fp16 and turn the int64 ``skipped_frames`` counter into a float.
-        Frame state is therefore loaded in the dtype it was saved in, only moved to the frame's device; the
-        resumed run continues bit-identically. Euclidean state follows torch.
+        As in torch, the ``register_load_state_dict_pre_hook`` hooks run first (and may return a new state
+        dict), the saved group options replace the current ones, state tensors move to their parameter's
+        device, and the post hooks run last. Floating-point state is cast as follows:
+
+        - Euclidean parameters: to the parameter's dtype (torch's rule), ``step`` excepted;
+        - frames: to the dtype the frame arithmetic runs in (float32 for bf16/fp16 frames, otherwise the
+          frame's own dtype, so a checkpoint loads after the model moved between float32 and float64); a
+          ``master`` copy stays float32, and the int64 ``skipped_frames`` counter keeps its dtype.
+
+        Checkpoints of ``geoopt.optim.RiemannianAdam`` load: its integer step counts become tensors, and a
+        frame's full-size ``exp_avg_sq`` is reduced to the ``(..., 1, 1)`` scalar it broadcasts (geoopt's
+        second moment on ``EuclideanStiefel`` is one number per frame stored at every entry). A full-size
+        second moment that is not constant on each frame cannot be a per-frame moment and is refused, as is
+        any state whose shape does not fit its parameter and group, with a ``ValueError`` naming the
+        parameter. geoopt's AMSGrad buffer of a frame is dropped with a warning (AMSGrad applies to Euclidean
+        parameters only here), and the groups' ``decoupled_weight_decay`` is set to True: StiefelAdam applies
+        decoupled decay to Euclidean parameters whatever the checkpoint says.
         """
-        super().load_state_dict(state_dict)
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        for i, p in zip(saved_ids, params, strict=True):
-            saved = state_dict["state"].get(i)
-            if saved is None or not _is_frame(p):
-                continue
-            for key, value in saved.items():
-                if key != "step" and isinstance(value, torch.Tensor):
-                    self.state[p][key] = value.to(device=p.device, copy=True)
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"StiefelAdam.load_state_dict: the state dict has {len(saved_groups)} parameter "
+                             f"groups, this optimizer {len(self.param_groups)}; build the optimizer with the "
+                             f"same groups as the one that was saved.")
+        for k, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(f"StiefelAdam.load_state_dict: parameter group {k} has {len(group['params'])} "
+                                 f"parameters here and {len(saved['params'])} in the state dict; build the "
+                                 f"optimizer with the same groups as the one that was saved.")
+        new_groups = []
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            saved["params"] = group["params"]
+            if "param_names" in group and "param_names" not in saved:
+                saved["param_names"] = group["param_names"]
+            for key, value in _GROUP_DEFAULTS.items():
+                saved.setdefault(key, value)
+            saved["decoupled_weight_decay"] = True
+            _validate_hyperparameters(saved)
+            new_groups.append(saved)
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        located = {}  # saved id -> (parameter, its new group, a name for messages)
+        for k, group in enumerate(new_groups):
+            names = group.get("param_names") or [None] * len(group["params"])
+            for j, (p, name) in enumerate(zip(group["params"], names, strict=True)):
+                label = f"{name!r} " if name is not None else ""
+                located[next(saved_ids)] = (p, group, f"parameter {label}(group {k}, position {j}, shape "
+                                                       f"{tuple(p.shape)})")
+        state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+        for key, value in state_dict["state"].items():
+            if key in located:
+                p, group, label = located[key]
+                state[p] = _loaded_state(p, value, group, label)
+            else:
+                state[key] = value  # state of no parameter is kept as is, as torch does
+        self.__setstate__({"state": state, "param_groups": new_groups})
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     # ------------------------------------------------------------------ the step
     def _validate_step(self) -> None:
@@ -474,7 +683,11 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                                      f"which is not supported; use a dense gradient (e.g. nn.Embedding("
                                      f"sparse=False)) or geoopt.optim.SparseRiemannianAdam.")
                 if not _is_frame(p):
+                    if _has_manifold(p):  # a manifold assigned after the parameter was added
+                        _check_manifold(p)
                     continue
+                if not isinstance(p.manifold, EuclideanStiefel):
+                    _check_manifold(p)
                 if p.grad.is_complex():
                     raise TypeError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} has a complex "
                                     f"gradient; frames and their gradients must be real.")

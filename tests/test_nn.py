@@ -104,6 +104,7 @@ def randomize_extras(m) -> None:
 
 def make(cls, frames="head", **kw):
     kw.setdefault("logit_gain", True)
+    kw.setdefault("batch_first", True)
     m = cls(E, H, frames=frames, dtype=F64, generator=gen(0), **kw)
     randomize_extras(m)
     return m
@@ -152,7 +153,7 @@ def test_forward_matches_written_out_reference(cls, frames, scenario):
     xq, xk, xv = inputs()
     ref, ref_w = reference_attention(m, xq, xk, xv, kpm=sc.get("kpm"), attn_mask=sc.get("attn_mask"),
                                      causal=sc.get("causal", False))
-    out, w = call(m, xq, xk, xv, sc)  # SDPA path
+    out, w = call(m, xq, xk, xv, sc, need_weights=False)  # SDPA path
     assert w is None
     torch.testing.assert_close(out, ref, rtol=0, atol=REF_TOL)
     out2, w_avg = call(m, xq, xk, xv, sc, need_weights=True)  # explicit path
@@ -172,7 +173,7 @@ def test_cross_attention_matches_reference(cls):
     kpm = torch.zeros(2, 7, dtype=torch.bool)
     kpm[1, 4:] = True
     ref, ref_w = reference_attention(m, xq, xk, xv, kpm=kpm, causal=True)
-    out, _ = m(xq, xk, xv, key_padding_mask=kpm, is_causal=True)
+    out, _ = m(xq, xk, xv, key_padding_mask=kpm, is_causal=True, need_weights=False)
     torch.testing.assert_close(out, ref, rtol=0, atol=REF_TOL)
     out, w = m(xq, xk, xv, key_padding_mask=kpm, is_causal=True, need_weights=True, average_attn_weights=False)
     torch.testing.assert_close(out, ref, rtol=0, atol=REF_TOL)
@@ -202,7 +203,7 @@ def test_unbatched_input_matches_batched():
 
 
 def test_attention_dropout_only_in_training():
-    m = StiefelMultiheadAttention(E, H, dropout=0.5, dtype=F64, generator=gen(0))
+    m = StiefelMultiheadAttention(E, H, dropout=0.5, batch_first=True, dtype=F64, generator=gen(0))
     xq, xk, xv = inputs()
     m.eval()
     a, _ = m(xq, xk, xv)
@@ -262,7 +263,7 @@ def test_euclidean_from_torch_reproduces_nn_multihead_attention(case):
         torch.testing.assert_close(out, ref, rtol=0, atol=REF_TOL)
         assert w.shape == ref_w.shape
         torch.testing.assert_close(w, ref_w, rtol=0, atol=REF_TOL)
-    out, _ = m(x, x, x, **kw)
+    out, _ = m(x, x, x, need_weights=False, **kw)
     torch.testing.assert_close(out, ref, rtol=0, atol=REF_TOL)
 
 
@@ -362,9 +363,8 @@ def test_from_euclidean_refusals():
     with pytest.raises(ValueError, match="add_zero_attn"):
         StiefelMultiheadAttention.from_euclidean(nn.MultiheadAttention(E, H, add_zero_attn=True, batch_first=True))
     seq_first = nn.MultiheadAttention(E, H)
-    with pytest.raises(ValueError, match="batch_first"):
-        StiefelMultiheadAttention.from_euclidean(seq_first)
-    assert StiefelMultiheadAttention.from_euclidean(seq_first, ignore_batch_first=True).embed_dim == E
+    assert StiefelMultiheadAttention.from_euclidean(seq_first).batch_first is False  # the source's layout
+    assert StiefelMultiheadAttention.from_euclidean(seq_first, ignore_batch_first=True).batch_first is True
     with pytest.raises(TypeError, match="Linear"):
         StiefelMultiheadAttention.from_euclidean(nn.Linear(E, E))
     mha = torch_mha()
@@ -393,7 +393,7 @@ def test_configuration_errors():
         StiefelMultiheadAttention(8, 2, frames="row")
     with pytest.raises(ValueError, match="dropout"):
         StiefelMultiheadAttention(8, 2, dropout=1.0)
-    m = StiefelMultiheadAttention(8, 2)
+    m = StiefelMultiheadAttention(8, 2, batch_first=True)
     x = torch.randn(2, 5, 8)
     with pytest.raises(ValueError, match="feature sizes"):
         m(x, torch.randn(2, 5, 7), x)
@@ -456,12 +456,12 @@ def test_torch_compile_matches_eager():
     m = make(StiefelMultiheadAttention)
     xq, xk, xv = inputs()
     kpm = kpm_bool()
-    eager, _ = m(xq, xk, xv, key_padding_mask=kpm)
+    eager, _ = m(xq, xk, xv, key_padding_mask=kpm, need_weights=False)
     eager.square().sum().backward()
     grads = {n: p.grad.clone() for n, p in m.named_parameters()}
     m.zero_grad()
     compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
-    out, _ = compiled(xq, xk, xv, key_padding_mask=kpm)
+    out, _ = compiled(xq, xk, xv, key_padding_mask=kpm, need_weights=False)
     torch.testing.assert_close(out, eager, rtol=0, atol=REF_TOL)
     out.square().sum().backward()
     for n, p in m.named_parameters():
@@ -473,8 +473,8 @@ def test_torch_compile_inductor_matches_eager():
     """The default backend (inductor) compiles the module too; slow (about 25 s on 2 CPU cores)."""
     m = make(StiefelMultiheadAttention, "layer")
     xq, xk, xv = inputs()
-    eager, _ = m(xq, xk, xv, is_causal=True)
-    out, _ = torch.compile(m)(xq, xk, xv, is_causal=True)
+    eager, _ = m(xq, xk, xv, is_causal=True, need_weights=False)
+    out, _ = torch.compile(m)(xq, xk, xv, is_causal=True, need_weights=False)
     torch.testing.assert_close(out, eager, rtol=0, atol=REF_TOL)
 
 
@@ -482,7 +482,7 @@ def test_torch_compile_inductor_matches_eager():
 def test_autocast_bfloat16_keeps_one_dtype(need_weights):
     """Under autocast the float32 biases and gains must not promote q/k/v back to float32 (SDPA needs them
     alike); the result is the float32 one up to bfloat16 rounding."""
-    m = StiefelMultiheadAttention(16, 2, logit_gain=True, generator=gen(0))
+    m = StiefelMultiheadAttention(16, 2, batch_first=True, logit_gain=True, generator=gen(0))
     randomize_extras(m)
     x = torch.randn(2, 5, 16, generator=gen(1))
     ref, _ = m(x, x, x, is_causal=True)
@@ -566,9 +566,9 @@ def test_param_groups_warns_without_frames():
 class TwoAttention(nn.Module):
     def __init__(self):
         super().__init__()
-        self.first = StiefelMultiheadAttention(E, H, logit_gain=True, generator=gen(0))
+        self.first = StiefelMultiheadAttention(E, H, batch_first=True, logit_gain=True, generator=gen(0))
         self.norm = nn.LayerNorm(E)
-        self.second = EuclideanMultiheadAttention(E, H, generator=gen(1))
+        self.second = EuclideanMultiheadAttention(E, H, batch_first=True, generator=gen(1))
         self.torch_attn = nn.MultiheadAttention(E, H, batch_first=True)
 
     def forward(self, x):

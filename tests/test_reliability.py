@@ -116,8 +116,8 @@ def trained():
 
 # ----------------------------------------------------------------------------- bad input changes nothing
 BAD_OPTIONS = [
-    ({"lr": 0.0}, "lr"), ({"lr": -1.0}, "lr"), ({"lr": float("nan")}, "lr"), ({"lr": float("inf")}, "lr"),
-    ({"eps": 0.0}, "eps"), ({"eps": -1e-8}, "eps"), ({"eps": float("nan")}, "eps"),
+    ({"lr": -1.0}, "lr"), ({"lr": -1e-12}, "lr"), ({"lr": float("nan")}, "lr"), ({"lr": float("inf")}, "lr"),
+    ({"eps": -1e-8}, "eps"), ({"eps": float("nan")}, "eps"), ({"eps": float("inf")}, "eps"),
     ({"betas": (1.0, 0.999)}, "betas"), ({"betas": (0.9, 1.0)}, "betas"), ({"betas": (-0.1, 0.999)}, "betas"),
     ({"betas": (0.9,)}, "betas"), ({"betas": (0.9, float("nan"))}, "betas"), ({"betas": 0.9}, "betas"),
     ({"trust_region": 0.0}, "trust_region"), ({"trust_region": -0.1}, "trust_region"),
@@ -174,6 +174,26 @@ def test_bad_parameter_is_refused_when_added_and_changes_nothing(trained, kind):
     with pytest.raises(exc, match=message):
         StiefelAdam([p])
     assert len(opt.param_groups) == 3 and _same(before, _snapshot(model, opt))
+
+
+R_GT_D_MESSAGE = r"r=9 columns but only d=3 rows.*Store frames as \(\.\.\., d, r\).*transpose"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: geoopt.ManifoldParameter(torch.randn(2, 3, 9), manifold=PolarStiefel()),
+    lambda: geoopt.ManifoldTensor(torch.randn(3, 9), manifold=PolarStiefel()),
+    lambda: PolarStiefel().random(3, 9),
+])
+def test_r_greater_than_d_is_refused_where_the_frame_is_made_naming_the_fix(make):
+    """The README promises an error naming the parameter and the fix; before, geoopt's "`x` seems to be not valid
+    tensor" surfaced. (A frame whose data is replaced later is caught by the optimizer: see _bad_frame.)"""
+    with pytest.raises(ValueError, match=R_GT_D_MESSAGE):
+        make()
+
+
+def test_r_equal_to_d_is_accepted():
+    """Companion: square frames (orthogonal matrices) are valid."""
+    assert PolarStiefel().check_point_on_manifold(PolarStiefel().random(2, 5, 5))
 
 
 def _sparse_param():
