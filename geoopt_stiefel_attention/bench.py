@@ -26,6 +26,7 @@ machine. Timings are not assertions: nothing here decides pass or fail.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import platform
@@ -651,6 +652,9 @@ def run(args: argparse.Namespace) -> int:
     if device.type != "cpu" and not (backend is not None and backend.is_available()):
         usage_error("stiefel-attention bench", f"--device {args.device!r} is not available on this machine; "
                                                f"use --device cpu")
+    if args.what == "train" and "hf_gpt2" in args.models and importlib.util.find_spec("transformers") is None:
+        usage_error("stiefel-attention bench", "--models hf_gpt2 needs HuggingFace transformers; install the "
+                                               "models extra (pip install -e '.[models]')")
     if args.what == "step" and "stiefel" not in args.arms:
         usage_error("stiefel-attention bench", "--arms must include 'stiefel' (every ratio is relative to it)")
     if args.what == "step":
