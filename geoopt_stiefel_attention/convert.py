@@ -77,12 +77,16 @@ class Block:
     part, parts : int, default 0, 1
         The projection is slice ``part`` of ``parts`` equal slices along ``dim`` (``part=1, parts=3`` is the
         key block of a fused q|k|v weight).
+    span : (int, int), optional
+        An explicit ``(start, stop)`` range along ``dim`` instead of ``part``/``parts``, for fused projections
+        with unequal blocks (a fused q|k|v weight under grouped-query attention).
     """
 
     param: str
     dim: int = 0
     part: int = 0
     parts: int = 1
+    span: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.dim not in (0, 1):
@@ -91,17 +95,40 @@ class Block:
         if not (isinstance(self.parts, int) and isinstance(self.part, int) and 0 <= self.part < self.parts):
             raise ValueError(f"Block: part={self.part!r} of parts={self.parts!r} is invalid; pass ints with "
                              f"0 <= part < parts.")
+        if self.span is not None and not (
+                len(self.span) == 2 and all(_is_index(i) for i in self.span) and self.span[0] < self.span[1]):
+            raise ValueError(f"Block: span={self.span!r} is invalid; pass (start, stop) ints with "
+                             f"0 <= start < stop.")
+
+    def locate(self, width: int) -> tuple[int, int]:
+        """``(start, length)`` of this block in a tensor with ``width`` entries along ``dim``."""
+        if self.span is not None:
+            if self.span[1] > width:
+                raise ValueError(f"{self.param} has {width} output features, fewer than span={self.span}")
+            return self.span[0], self.span[1] - self.span[0]
+        if width % self.parts:
+            raise ValueError(f"{self.param} has {width} output features, not divisible into {self.parts} "
+                             f"equal parts")
+        length = width // self.parts
+        return self.part * length, length
 
     def bias_block(self) -> Block:
         """Where the matching bias lives by default: the same slice of ``q_proj.bias`` / ``in_proj_bias``."""
         head, _, last = self.param.rpartition(".")
         name = "bias" if last == "weight" else last.replace("weight", "bias")
-        return Block(f"{head}.{name}" if head else name, 0, self.part, self.parts)
+        return Block(f"{head}.{name}" if head else name, 0, self.part, self.parts, self.span)
 
     def describe(self) -> str:
         axis = "rows" if self.dim == 0 else "columns"
-        where = f"{axis}" if self.parts == 1 else f"{axis} part {self.part + 1}/{self.parts}"
+        if self.span is not None:
+            where = f"{axis} {self.span[0]}:{self.span[1]}"
+        else:
+            where = f"{axis}" if self.parts == 1 else f"{axis} part {self.part + 1}/{self.parts}"
         return f"{self.param} ({where})"
+
+
+def _is_index(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _is_linear(m: Any) -> bool:
@@ -450,11 +477,11 @@ def _piece(module: nn.Module, block: Block, role: str) -> _Piece:
     if not isinstance(w, nn.Parameter) or not torch.is_floating_point(w):
         raise _Refusal(f"{block.param} is not a floating-point nn.Parameter ({type(w).__name__}, "
                        f"{getattr(w, 'dtype', None)}); quantized or buffer weights cannot hold frames")
-    width = w.shape[block.dim]
-    if width % block.parts:
-        raise _Refusal(f"{block.param} has {width} output features, not divisible into {block.parts} equal parts")
-    length = width // block.parts
-    return _Piece(role, owner, attr, block.dim, block.part * length, length, int(w.shape[1 - block.dim]), 0)
+    try:
+        start, length = block.locate(w.shape[block.dim])
+    except ValueError as err:
+        raise _Refusal(str(err)) from None
+    return _Piece(role, owner, attr, block.dim, start, length, int(w.shape[1 - block.dim]), 0)
 
 
 def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str) -> _Site:
@@ -480,11 +507,14 @@ def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str) -> _Site:
                 b = None
             if b is None:
                 continue
-            if b.dim() != 1 or b.shape[0] % block.parts:
-                raise _Refusal(f"{block.param} (shape {tuple(b.shape)}) does not split into {block.parts} parts")
+            if b.dim() != 1:
+                raise _Refusal(f"{block.param} has shape {tuple(b.shape)}; a bias is 1-D")
+            try:
+                start, length = block.locate(b.shape[0])
+            except ValueError as err:
+                raise _Refusal(str(err)) from None
             owner, attr = _owner(module, block.param)
-            length = b.shape[0] // block.parts
-            spans.append((owner, attr, block.part * length, length))
+            spans.append((owner, attr, start, length))
     return _Site(path, module, layout, r, q, k, spans)
 
 

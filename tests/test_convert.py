@@ -496,6 +496,52 @@ def test_unforeseen_attention_is_refused_then_converted_by_an_explicit_layout():
         stiefelize(no_heads, targets=[Layout("wq/wk", Block("wq.weight"), Block("wk.weight"))])
 
 
+class FusedGQA(nn.Module):
+    """A fused (q | k | v) projection under grouped-query attention: 4 query heads, 2 key/value heads of 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.wqkv = nn.Linear(16, 16 + 8 + 8, dtype=F64)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.wqkv(x).split([16, 8, 8], dim=-1)
+        q = q.view(b, t, 4, 4).transpose(1, 2)
+        k, v = (z.view(b, t, 2, 4).transpose(1, 2).repeat_interleave(2, dim=1) for z in (k, v))
+        return nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, 16)
+
+
+def test_explicit_spans_convert_a_fused_gqa_projection():
+    torch.manual_seed(0)
+    model = FusedGQA()
+    with torch.no_grad():
+        model.wqkv.bias.normal_()
+    layout = Layout("fused GQA", Block("wqkv.weight", span=(0, 16)), Block("wqkv.weight", span=(16, 24)),
+                    head_dim=4)
+    report = stiefelize(model, targets=[layout], qk_bias="drop")
+    assert [(c.q_heads, c.k_heads, c.r) for c in report] == [(4, 2, 4)]
+    assert "wqkv.weight (rows 0:16)" in layout.describe()
+    w, bias = model.wqkv.weight.detach(), model.wqkv.bias.detach()
+    for rows in ([0, 4], [4, 8], [8, 12], [12, 16], [16, 20], [20, 24]):  # each head block is orthonormal
+        block = w[rows[0]:rows[1]]
+        assert float((block @ block.t() - torch.eye(4, dtype=F64)).abs().max()) < ORTHO_TOL
+    assert bool((bias[:24] == 0).all()) and bool((bias[24:] != 0).all())  # value bias kept
+    x = _x(2, 5, 16)
+    target = torch.randn(2, 5, 16, dtype=F64)
+    opt = StiefelAdam(param_groups(model), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        (model(x) - target).square().mean().backward()
+        opt.step()
+    assert all(max_ortho_error(f) < ORTHO_TOL for f in frame_parameters(model))
+    # companions: a span outside the weight is refused, and so is an invalid span
+    with pytest.raises(ValueError, match=r"fewer than span=\(16, 40\)"):
+        stiefelize(FusedGQA(), targets=[Layout("bad", Block("wqkv.weight", span=(0, 16)),
+                                               Block("wqkv.weight", span=(16, 40)), head_dim=4)])
+    with pytest.raises(ValueError, match="span"):
+        Block("wqkv.weight", span=(8, 4))
+
+
 def test_callable_targets_choose_modules():
     case = CASES["bert_query_key"]
     model = case.build()
