@@ -13,6 +13,7 @@ from typing import Any
 import geoopt
 import torch
 import torch.optim.adamw as _torch_adamw
+import torch.optim.optimizer as _torch_optimizer
 from geoopt.manifolds import EuclideanStiefel
 
 from . import _linalg
@@ -76,6 +77,12 @@ def _validate_hyperparameters(group: dict[str, Any]) -> None:
     _require(st is None or (isinstance(st, int) and not isinstance(st, bool) and st > 0),
              f"StiefelAdam: stabilize={st!r} is invalid; pass a positive int (re-project every that many "
              f"steps) or None.")
+    cap = group.get("capturable")
+    _require(cap is None or isinstance(cap, bool),
+             f"StiefelAdam: capturable={cap!r} is invalid; pass True, False or None (True on accelerators).")
+    _require(not (cap and st is not None),
+             f"StiefelAdam: stabilize={st!r} cannot be combined with capturable=True (re-projecting every k "
+             f"steps reads the step count on the host); pass stabilize=None or capturable=False.")
     mw = group.get("master_weights", False)
     _require(isinstance(mw, bool),
              f"StiefelAdam: master_weights={mw!r} is invalid; pass True (keep a float32 master copy of bf16/fp16 "
@@ -115,6 +122,28 @@ def _check_parameter(p: torch.Tensor) -> None:
         raise ValueError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} is not a stack of d x r frames "
                          f"with r <= d (orthonormal columns cannot outnumber rows). Store frames as (..., d, r), "
                          f"e.g. transpose a (r, d) matrix, or use fewer columns.")
+
+
+def _capturable(group: dict[str, Any], device: torch.device) -> bool:
+    """Whether the group's step runs the capturable path on ``device``: the group's ``capturable``, or, when it
+    is ``None`` (the default), whether ``device`` is not the CPU."""
+    cap = group.get("capturable")
+    return device.type != "cpu" if cap is None else bool(cap)
+
+
+def _can_read_host() -> bool:
+    """False while torch.compile traces or a CUDA graph is captured (a host read would break or fail them)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _zeros_like_layout(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A plain zero tensor of ``p``'s shape and device, column-major like ``p`` when ``p`` is (e.g. the ``Q`` of
+    ``torch.linalg.qr``), else contiguous."""
+    if p.dim() >= 2 and not p.is_contiguous() and p.mT.is_contiguous():
+        return torch.zeros(p.mT.shape, dtype=dtype, device=p.device).mT
+    return torch.zeros(p.shape, dtype=dtype, device=p.device)
 
 
 def _frame_state_shapes(p: torch.Tensor, second_moment: str | None) -> dict[str, tuple[int, ...]]:
@@ -176,15 +205,20 @@ def _loaded_state(p: torch.Tensor, saved: Any, group: dict[str, Any], label: str
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             continue
-        if key == "step":
-            dtype = value.dtype
+        device = p.device
+        if key == "step":  # float32, on the parameter's device in capturable mode (torch's rule), else on the CPU
+            dtype = torch.float32
+            device = p.device if _capturable(group, p.device) else torch.device("cpu")
         elif key == "master":
             dtype = torch.float32
         elif value.is_floating_point() and (frame or p.is_floating_point()):
             dtype = compute
         else:
             dtype = value.dtype
-        state[key] = value.to(dtype=dtype, device=value.device if key == "step" else p.device, copy=True)
+        if tuple(value.shape) == tuple(p.shape):  # the parameter's memory layout (e.g. column-major frames)
+            state[key] = _zeros_like_layout(p, dtype).to(device).copy_(value)
+        else:
+            state[key] = value.to(dtype=dtype, device=device, copy=True)
     if frame:
         state.setdefault("skipped_frames", torch.zeros((), dtype=torch.int64, device=p.device))
     return state
@@ -290,6 +324,9 @@ def stiefel_adam_update(
 #: the widths 128-768 of ``stiefel-attention bench`` on a 2-core CPU.
 STACK_NUMEL = 1 << 16
 
+#: Device types on which torch's own AdamW supports ``capturable=True`` (its Euclidean part of the step).
+_TORCH_CAPTURABLE_DEVICES = tuple(_torch_optimizer._get_capturable_supported_devices())
+
 #: Second-moment modes with the fused in-place kernel; the ablation variants use :func:`stiefel_adam_update`.
 _FAST_MODES = ("frame", None)
 
@@ -307,19 +344,21 @@ def _frame_update_(
     exp_avg_sq: torch.Tensor | None,
     scratch: torch.Tensor,
     *,
-    step: int,
-    lr: float,
+    step: int | torch.Tensor,
+    lr: float | torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
     trust_region: float | None,
     maximize: bool = False,
+    capturable: bool = False,
 ) -> torch.Tensor:
     r"""The update of :func:`stiefel_adam_update` for ``second_moment`` in ``("frame", None)``, in place.
 
-    ``w``, ``exp_avg`` (contiguous, shape ``(n, d, r)``, compute dtype) and ``exp_avg_sq`` (``(n, 1, 1)``) are
-    overwritten; ``grad`` is only read; ``scratch`` (contiguous ``(n, d, r)``) holds first :math:`\xi`, then
-    :math:`W - s`. Six ``d x r x r`` products per step: :math:`W^\top G`, :math:`W S`, the Gram matrix of the
+    ``w`` and ``exp_avg`` (shape ``(n, d, r)``, compute dtype, both row-major or both column-major, i.e.
+    ``x.mT`` contiguous) and ``exp_avg_sq`` (``(n, 1, 1)``) are overwritten; ``grad`` is only read;
+    ``scratch`` (``(n, d, r)``, laid out like ``w``) holds first :math:`\xi`, then :math:`W - s`. ``step`` is an int or
+    a tensor of step counts broadcastable to ``(n, 1, 1)`` (the capturable path). Six ``d x r x r`` products per step: :math:`W^\top G`, :math:`W S`, the Gram matrix of the
     actual :math:`W - s`, :math:`(W - s) X`, :math:`W_+^\top m` and :math:`W_+ S'`, the last four written
     into their destinations (``baddbmm``/``out=``) so that no ``d x r`` temporary is allocated.
 
@@ -329,28 +368,37 @@ def _frame_update_(
     (``lr = 0``, or ``eps = 0`` with a zero second moment, whose :math:`1/\sqrt{\hat v}` is taken as 0) keep
     ``W`` bit-identical the same way; their moments are updated. On CPU the masking runs only when a
     frame is actually skipped and the series order follows the largest step actually taken (reading a CPU
-    tensor costs no synchronisation); on other devices the masking always runs and the order follows the
-    trust radius, so the step makes no host synchronisation.
+    tensor costs no synchronisation); on other devices, and with ``capturable=True`` on any device, the
+    masking always runs and the order follows the trust radius, so the step reads no tensor on the host.
 
     Returns the boolean ``(n, 1, 1)`` mask of updated frames.
     """
-    on_host = w.device.type == "cpu"
+    on_host = w.device.type == "cpu" and not capturable  # may tensor values be read on the host?
+    row_major = w.is_contiguous()
+
+    def stored(t: torch.Tensor) -> torch.Tensor:
+        """``t`` in storage order: itself, or for column-major frames its (contiguous) transpose. Every
+        ``out=`` below writes through it, so no output is strided (which torch.compile refuses)."""
+        return t if row_major else t.mT
+
     sign = -1.0 if maximize else 1.0
     # 1. xi = sign * (G - W sym(W^T G)), into scratch
     a = torch.bmm(w.mT, grad)
-    a = a + a.mT  # 2 sym(W^T G)
-    xi = torch.baddbmm(grad, w, a, beta=sign, alpha=-0.5 * sign, out=scratch)
+    a = a + a.mT  # 2 sym(W^T G), exactly symmetric: (W A)^T = A W^T
+    factors = (w, a) if row_major else (a, w.mT)
+    torch.baddbmm(stored(grad), *factors, beta=sign, alpha=-0.5 * sign, out=stored(scratch))
+    xi = scratch
     xi_sq = torch.linalg.vector_norm(xi, dim=(-2, -1), keepdim=True).square_()
     finite = xi_sq < math.inf  # False for inf and NaN
     masked = not (on_host and bool(finite.all()))
     if masked:
-        torch.where(finite, xi, exp_avg, out=xi)
+        torch.where(finite, stored(xi), stored(exp_avg), out=stored(xi))
     # 2. m <- beta1 m + (1 - beta1) xi
     exp_avg.lerp_(xi, 1.0 - beta1)
     # 3.-4. v <- beta2 v + (1 - beta2) ||xi||^2; per-frame step size alpha, s = alpha m
     bias1 = 1.0 - beta1**step
     if exp_avg_sq is None:
-        alpha = torch.full_like(xi_sq, lr / bias1)
+        alpha = torch.zeros_like(xi_sq).add_(lr / bias1)
     else:
         if masked:
             xi_sq = torch.where(finite, xi_sq, exp_avg_sq)
@@ -359,7 +407,7 @@ def _frame_update_(
         if eps == 0:  # v = 0 (then m = 0 too): no step instead of 1/0 (and 0 * inf when lr = 0)
             alpha.nan_to_num_(nan=0.0, posinf=0.0)
     moving = finite
-    if lr == 0 or eps == 0:  # only then can a frame's step size be exactly zero
+    if (not isinstance(lr, torch.Tensor) and lr == 0) or eps == 0:  # only then can a step size be exactly 0
         moving = finite & (alpha != 0)
         masked = masked or not (on_host and bool(moving.all()))
     # 5. trust region: ||s|| = alpha ||m|| <= Delta
@@ -374,26 +422,34 @@ def _frame_update_(
     if masked:
         alpha = alpha * moving
     # 6. W <- (W - s) X with X = ((W - s)^T (W - s))^{-1/2}
-    y = torch.addcmul(w, exp_avg, alpha, value=-1.0, out=scratch)
+    torch.addcmul(stored(w), stored(exp_avg), alpha, value=-1.0, out=stored(scratch))
+    y = scratch
     gram = torch.bmm(y.mT, y)
     x = _linalg.inv_sqrt_spd(gram) if order is None else _linalg.inv_sqrt_series(gram, order)
     if masked:
         x = torch.where(moving, x, torch.eye(x.shape[-1], dtype=x.dtype, device=x.device))
-    torch.bmm(y, x, out=w)
+    if row_major:
+        torch.bmm(y, x, out=w)
+    else:  # column-major W: write W_+^T = X^T (W - s)^T into its contiguous transpose, no copy
+        torch.bmm(x.mT, y.mT, out=w.mT)
     # 7. m <- m - W sym(W^T m)
     b = torch.bmm(w.mT, exp_avg)
-    b = b + b.mT
+    b = b + b.mT  # exactly symmetric
     if masked:
         b = b * moving
-    exp_avg.baddbmm_(w, b, alpha=-0.5)
+    if row_major:
+        exp_avg.baddbmm_(w, b, alpha=-0.5)
+    else:
+        exp_avg.mT.baddbmm_(b, w.mT, alpha=-0.5)  # (W S)^T = S W^T for the symmetric S
     return finite
 
 
-def _frame_batches(frames: list[torch.Tensor], steps: list[int]) -> list[tuple[int, list[torch.Tensor]]]:
-    """Split frame parameters into update batches of one shape, dtype, device and step count, each of at most
-    :data:`STACK_NUMEL` elements; a parameter of more than half that many is a batch of its own."""
+def _frame_batches(frames: list[torch.Tensor], steps: list[int] | None) -> list[tuple[int | None, list[torch.Tensor]]]:
+    """Split frame parameters into update batches of one shape, dtype, device and step count (``steps=None``:
+    any step count, the capturable path), each of at most :data:`STACK_NUMEL` elements; a parameter of more than
+    half that many is a batch of its own."""
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for p, step in zip(frames, steps, strict=True):
+    for p, step in zip(frames, steps if steps is not None else [None] * len(frames), strict=True):
         groups[(p.shape, p.dtype, p.device, step)].append(p)
     batches = []
     for (_, _, _, step), params in groups.items():
@@ -468,6 +524,14 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         selects torch's AdamW implementation for them (frames always use their own fused kernel).
     differentiable, fused : bool
         Accepted for torch's signature; only ``False``/``None`` is supported (a clear ``ValueError`` otherwise).
+    capturable : bool or None, default None
+        As in :class:`torch.optim.Adam`: step counts are tensors on the parameter's device and the step reads
+        no tensor value on the host (bias corrections, skip masks and counts stay on the device; the
+        retraction's series order follows the trust radius), so it can be captured in a CUDA graph and is
+        traced by ``torch.compile`` without graph breaks. ``None`` means ``True`` for parameters on an
+        accelerator and ``False`` on the CPU; ``True`` on the CPU runs the accelerator path. Not combinable
+        with ``stabilize``. A frame's one-time first-step orthonormality check reads on the host, except
+        under ``torch.compile`` tracing or CUDA-graph capture, where it is skipped.
 
     Scope and warnings
     ------------------
@@ -487,8 +551,9 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
       Gram matrix of :math:`W - s`, :math:`(W - s) X`, :math:`W_+^\top m`, :math:`W_+ S'`) and a few
       elementwise passes, in place, with no ``d x d`` work and no SVD or QR. Same-shaped small parameters of a
       group are stacked into one batched call per operation; large ones are updated in place one at a time.
-      Apart from the state, the optimizer keeps one reusable scratch buffer per dtype and device. The step
-      makes no host synchronisation on accelerators. ``stiefel-attention bench`` measures all of this
+      Apart from the state, the optimizer keeps one reusable scratch buffer per dtype and device (the
+      capturable path allocates its scratch per step). The step makes no host synchronisation on
+      accelerators (``capturable``). ``stiefel-attention bench`` measures all of this
       against AdamW and stock geoopt.
     - The ``"frame"`` and ``None`` second moments run a fused in-place kernel; ``"column"`` and
       ``"element"`` (for ablations) run :func:`stiefel_adam_update`, the same update written as a pure
@@ -525,6 +590,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         foreach: bool | None = None,
         differentiable: bool = False,
         fused: bool | None = None,
+        capturable: bool | None = None,
     ) -> None:
         if differentiable:
             raise ValueError("StiefelAdam: differentiable=True is not supported: the frame update runs in place "
@@ -545,9 +611,9 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                                   "stabilize": stabilize, "master_weights": master_weights}
         self._constructing = True
         _validate_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                       **self._pending_defaults))
+                                       capturable=capturable, **self._pending_defaults))
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         maximize=maximize, foreach=foreach, stabilize=stabilize,
+                         maximize=maximize, foreach=foreach, stabilize=stabilize, capturable=capturable,
                          decoupled_weight_decay=True)
         self.defaults.update(self._pending_defaults)
         del self._pending_defaults, self._constructing
@@ -691,7 +757,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                 if p.grad.is_complex():
                     raise TypeError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} has a complex "
                                     f"gradient; frames and their gradients must be real.")
-                if not self.state.get(p):
+                if not self.state.get(p) and (not _capturable(group, p.device) or _can_read_host()):
                     err = float(_linalg.orthonormality_error(p))
                     tol = ORTHONORMALITY_TOLERANCE.get(p.dtype, 1e-4)
                     if not err <= tol:
@@ -731,49 +797,69 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                 self._step_euclidean(group, euclidean)
         return loss
 
-    def _init_frame_state(self, p: torch.Tensor, second_moment: str | None) -> dict[str, Any]:
+    def _init_frame_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
         ct = _linalg.compute_dtype(p.dtype)
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros(p.shape, dtype=ct, device=p.device)
+        step_device = p.device if _capturable(group, p.device) else torch.device("cpu")
+        state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+        # the parameter's memory layout (column-major frames then take the in-place path)
+        state["exp_avg"] = _zeros_like_layout(p, ct)
+        second_moment = group["second_moment"]
         if second_moment is not None:
-            shape = {"frame": p.shape[:-2] + (1, 1), "column": p.shape[:-2] + (1, p.shape[-1]),
-                     "element": p.shape}[second_moment]
-            state["exp_avg_sq"] = torch.zeros(shape, dtype=ct, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(_frame_state_shapes(p, second_moment)["exp_avg_sq"], dtype=ct,
+                                              device=p.device)
         state["skipped_frames"] = torch.zeros((), dtype=torch.int64, device=p.device)
         return state
 
     def _step_frames(self, group: dict[str, Any], frames: list[torch.Tensor]) -> None:
-        sm = group["second_moment"]
         states = []
         for p in frames:
             state = self.state[p]
-            states.append(state if state else self._init_frame_state(p, sm))
+            states.append(state if state else self._init_frame_state(p, group))
         torch._foreach_add_([state["step"] for state in states], 1.0)
-        update = self._update_batch if sm in _FAST_MODES else self._update_batch_reference
-        for step, params in _frame_batches(frames, [int(state["step"]) for state in states]):
+        update = self._update_batch if group["second_moment"] in _FAST_MODES else self._update_batch_reference
+        # the step count is read on the host only outside the capturable path
+        steps = [None if _capturable(group, p.device) else int(state["step"])
+                 for p, state in zip(frames, states, strict=True)]
+        for step, params in _frame_batches(frames, steps):
             update(group, params, step)
 
-    def _workspace(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _step_tensor(self, params: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The step counts of ``params`` as a tensor broadcastable to their stacked frames ``(n, 1, 1)``, in
+        ``dtype``, on their device (the capturable path: no host read)."""
+        device = params[0].device
+        steps = [self.state[p]["step"] for p in params]
+        if len(params) == 1:
+            return steps[0].to(device=device, dtype=dtype)
+        per_param = params[0].numel() // (params[0].shape[-2] * params[0].shape[-1])
+        return torch.stack(steps).to(device=device, dtype=dtype).repeat_interleave(per_param).view(-1, 1, 1)
+
+    def _workspace(self, numel: int, dtype: torch.dtype, device: torch.device, reuse: bool = True) -> torch.Tensor:
         """A reusable flat buffer of ``numel`` elements: one per (dtype, device), grown to the largest batch,
-        never part of the state (neither saved nor loaded)."""
+        never part of the state (neither saved nor loaded). ``reuse=False`` (the capturable path) allocates a
+        fresh one, which compiled and captured steps handle better than a buffer kept on the optimizer."""
+        if not reuse:
+            return torch.empty(numel, dtype=dtype, device=device)
         workspaces = self.__dict__.setdefault("_workspaces", {})
         buf = workspaces.get((dtype, device))
         if buf is None or buf.numel() < numel:
             buf = workspaces[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel]
 
-    def _update_batch(self, group: dict[str, Any], params: list[torch.Tensor], step: int) -> None:
-        """Update same-shaped frames of one dtype, device and step count with :func:`_frame_update_`.
+    def _update_batch(self, group: dict[str, Any], params: list[torch.Tensor], step: int | None) -> None:
+        """Update same-shaped frames of one dtype, device and step count (``step=None``: the capturable path,
+        any step counts, read from the state as tensors) with :func:`_frame_update_`.
 
-        A lone parameter whose frames (or float32 master copy) are contiguous in the compute dtype is updated
-        in place, with its state. Otherwise frames, gradients and first moments are staged (stacked, cast to
-        the compute dtype) in the workspace, updated there and copied back.
+        A lone parameter whose frames (or float32 master copy) are dense in the compute dtype, row-major or
+        column-major like its first moment, is updated in place, with its state. Otherwise frames, gradients
+        and first moments are staged (stacked, cast to the compute dtype) in the workspace, updated there and
+        copied back.
         """
         beta1, beta2 = group["betas"]
         p0 = params[0]
         d, r = p0.shape[-2:]
         ct = _linalg.compute_dtype(p0.dtype)
+        capturable = step is None
         states = [self.state[p] for p in params]
         exp_avgs = [state["exp_avg"] for state in states]
         exp_avg_sqs = [state["exp_avg_sq"] for state in states] if group["second_moment"] is not None else None
@@ -782,12 +868,15 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         k = len(params)
         n = k * p0.numel() // (d * r)
         size = n * d * r
-        direct = (k == 1 and sources[0].dtype == ct and sources[0].is_contiguous()
-                  and exp_avgs[0].is_contiguous())
-        ws = self._workspace(size if direct else 4 * size, ct, p0.device)
+        src, m0 = sources[0], exp_avgs[0]
+        direct = (k == 1 and src.dtype == ct and src.stride() == m0.stride()
+                  and (src.is_contiguous() or src.mT.is_contiguous()))
+        ws = self._workspace(size if direct else 4 * size, ct, p0.device, reuse=not capturable)
         scratch = ws[:size].view(n, d, r)
+        if direct and not src.is_contiguous():  # column-major frames: a column-major scratch, same strides
+            scratch = ws[:size].view(n, r, d).mT
         if direct:
-            w, m = sources[0].view(n, d, r), exp_avgs[0].view(n, d, r)
+            w, m = src.view(n, d, r), m0.view(n, d, r)
             g = p0.grad.reshape(n, d, r).to(ct)
             v = exp_avg_sqs[0].view(n, 1, 1) if exp_avg_sqs else None
         else:
@@ -798,10 +887,14 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             torch._foreach_copy_(m_k, exp_avgs)
             w, g, m = staged.view(3, n, d, r).unbind(0)
             v = torch.stack(exp_avg_sqs).view(n, 1, 1) if exp_avg_sqs else None
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            lr = lr.to(device=p0.device, dtype=ct) if capturable else float(lr)
         finite = _frame_update_(
-            w, g, m, v, scratch, step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-            trust_region=group["trust_region"], maximize=group["maximize"])
-        stabilize = group["stabilize"]
+            w, g, m, v, scratch, step=self._step_tensor(params, ct) if capturable else step, lr=lr,
+            beta1=beta1, beta2=beta2, eps=group["eps"], trust_region=group["trust_region"],
+            maximize=group["maximize"], capturable=capturable)
+        stabilize = group["stabilize"]  # None in capturable mode (refused by the validation)
         if stabilize is not None and step % stabilize == 0:
             w.copy_(_linalg.polar_svd(w))
             m.copy_(_linalg.proju(w, m))
@@ -813,12 +906,14 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                 torch._foreach_copy_(masters, w_k)
         if masters or not direct:
             torch._foreach_copy_(params, masters or w_k)
-        if p0.device.type != "cpu" or not bool(finite.all()):  # (on CPU, count only when a frame was skipped)
+        # on the CPU outside the capturable path, count only when a frame was skipped (a cheap host read)
+        if capturable or p0.device.type != "cpu" or not bool(finite.all()):
             skipped = (~finite).reshape(k, -1).sum(dim=1)
             torch._foreach_add_([state["skipped_frames"] for state in states], list(skipped.unbind(0)))
 
-    def _update_batch_reference(self, group: dict[str, Any], params: list[torch.Tensor], step: int) -> None:
-        """Update frames with the pure :func:`stiefel_adam_update` (the ``"column"`` and ``"element"`` variants)."""
+    def _update_batch_reference(self, group: dict[str, Any], params: list[torch.Tensor], step: int | None) -> None:
+        """Update frames with the pure :func:`stiefel_adam_update` (the ``"column"`` and ``"element"`` variants);
+        ``step=None`` is the capturable path."""
         beta1, beta2 = group["betas"]
         radius = group["trust_region"]
         d, r = params[0].shape[-2:]
@@ -826,6 +921,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         order = None if radius is None else _linalg.series_order(float(radius) ** 2, ct)
         states = [self.state[p] for p in params]
         counts = [p.numel() // (d * r) for p in params]
+        capturable = step is None
 
         def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
             return torch.cat([t.reshape((-1,) + t.shape[-2:]) for t in tensors]).to(ct)
@@ -833,13 +929,20 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         def unstacked(stack: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
             return [x.reshape(t.shape) for x, t in zip(stack.split(counts), like, strict=True)]
 
+        if capturable:  # per-frame step counts, as a tensor
+            step = torch.cat([self.state[p]["step"].to(device=p.device, dtype=ct).expand(c)
+                              for p, c in zip(params, counts, strict=True)])
+            step = step.view(-1, 1, 1)
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            lr = lr.to(device=params[0].device, dtype=ct) if capturable else float(lr)
         g = stacked([p.grad for p in params])
         exp_avg_sqs = [s["exp_avg_sq"] for s in states] if group["second_moment"] is not None else None
         masters = self._master_copies(params) if group["master_weights"] and params[0].dtype != ct else None
         w_new, m_new, v_new, finite = stiefel_adam_update(
             stacked(masters or [p.detach() for p in params]), -g if group["maximize"] else g,
             stacked([s["exp_avg"] for s in states]), stacked(exp_avg_sqs) if exp_avg_sqs else None,
-            step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+            step=step, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
             trust_region=radius, second_moment=group["second_moment"], series_order=order)
         stabilize = group["stabilize"]
         if stabilize is not None and step % stabilize == 0:
@@ -859,7 +962,8 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         for p in params:
             state = self.state[p]
             if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                step_device = p.device if _capturable(group, p.device) else torch.device("cpu")
+                state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if group["amsgrad"]:
@@ -871,9 +975,13 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             steps.append(state["step"])
         beta1, beta2 = group["betas"]
+        # torch's capturable AdamW runs on accelerators only; on the CPU its default path has no device to sync
+        # with and is traced by torch.compile without graph breaks
+        device = params[0].device
+        capturable = _capturable(group, device) and device.type in _TORCH_CAPTURABLE_DEVICES
         _torch_adamw.adamw(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-            foreach=group["foreach"], capturable=False, differentiable=False, fused=None,
+            foreach=group["foreach"], capturable=capturable, differentiable=False, fused=None,
             has_complex=any(torch.is_complex(p) for p in params),
             amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
