@@ -72,13 +72,17 @@ napoleon_custom_sections = ["Scope and warnings"]
 doctest_global_setup = "import torch\ntorch.manual_seed(0)"
 
 # -- maths ------------------------------------------------------------------------------------------------
-# MathJax is loaded from its CDN by the browser at reading time; the build itself needs no network.
+# MathJax 3.2.2 is vendored (docs/_static/mathjax: the ``tex-chtml.js`` component and its woff-v2 fonts from
+# the npm package ``mathjax@3.2.2``, Apache-2.0, LICENSE alongside), so the built pages render their maths
+# without a network. Only the optional speech/explorer tools of MathJax's right-click menu would fetch
+# more (and fail quietly offline). tests/test_docs.py checks that no page loads a remote script.
+mathjax_path = "mathjax/tex-chtml.js"  # relative to html_static_path
 math_number_all = False
 
 # -- HTML -------------------------------------------------------------------------------------------------
 html_theme = "alabaster"
 html_title = f"{project} {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
 html_theme_options = {
     "description": "Stiefel-constrained attention on top of geoopt",
     "fixed_sidebar": True,

@@ -6,8 +6,9 @@ Two benchmarks, both returning frozen result objects (the CLI and ``benchmarks/*
 - :func:`step_time_benchmark`: the optimizer step alone on the query/key projections of transformer
   configurations (:data:`CONFIGS`: one frame per head, parameters shaped ``(heads, width, head_dim)``, two per
   layer), against ``AdamW(foreach=True)``, ``AdamW(fused=True)``, ``RiemannianAdam`` on
-  ``geoopt.EuclideanStiefel()`` (QR retraction) and on ``geoopt.Stiefel()`` (canonical metric, Cayley
-  retraction: a ``d x d`` solve per frame), and the *matrix-product floor*: the six batched ``d x r x r``
+  ``geoopt.EuclideanStiefel()`` (QR retraction; arm ``"geoopt-radam"``, the name the studies and
+  ``certify`` use too) and on ``geoopt.Stiefel()`` (canonical metric, Cayley retraction: a ``d x d`` solve
+  per frame; arm ``"geoopt-radam-canonical"``), and the *matrix-product floor*: the six batched ``d x r x r``
   products a StiefelAdam step performs, run bare on tensors of the same shapes and batching.
 - :func:`train_step_benchmark`: a full training step (forward, backward, optimizer) of
   :class:`~geoopt_stiefel_attention.TinyTransformer` and :class:`~geoopt_stiefel_attention.PatchViT`, the
@@ -25,6 +26,7 @@ machine. Timings are not assertions: nothing here decides pass or fail.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import platform
@@ -34,16 +36,20 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ._argtypes import nonnegative_int, positive_float, positive_int, usage_error
+
 HELP = "Time the StiefelAdam step against AdamW and stock geoopt RiemannianAdam (ratios, memory); --json."
 
 #: Benchmark configurations, width -> (depth, heads); head_dim = width // heads, one frame per head.
 CONFIGS: dict[int, tuple[int, int]] = {128: (2, 4), 256: (4, 4), 512: (8, 8), 768: (12, 12)}
 
 #: The arms of :func:`step_time_benchmark`, in display order.
-STEP_ARMS = ("stiefel", "adamw_foreach", "adamw_fused", "geoopt_euclidean", "geoopt_canonical", "matmul_floor")
+STEP_ARMS = ("stiefel", "adamw_foreach", "adamw_fused", "geoopt-radam", "geoopt-radam-canonical", "matmul_floor")
 
 #: The models of :func:`train_step_benchmark`.
 TRAIN_MODELS = ("tiny_transformer", "patch_vit")
+#: Models that need the ``models`` extra (HuggingFace ``transformers``); run only when asked for.
+EXTRA_TRAIN_MODELS = ("hf_gpt2",)
 
 CLOCKS = ("wall", "cpu")
 
@@ -71,7 +77,7 @@ class StepTimeResult:
 
     ``ratios[arm]`` is StiefelAdam's time over ``arm``'s (median over rounds), so ``ratios["adamw_foreach"]``
     below 1.5 meets the AdamW target, ``ratios["matmul_floor"]`` below 1.3 the floor target, and
-    ``1 / ratios["geoopt_euclidean"]`` is the speed-up over stock geoopt. ``state_ratio`` is optimizer-state
+    ``1 / ratios["geoopt-radam"]`` is the speed-up over stock geoopt. ``state_ratio`` is optimizer-state
     bytes over parameter bytes per arm.
     """
 
@@ -304,9 +310,9 @@ def _step_arms(shapes: list[tuple[int, ...]], *, arms: tuple[str, ...], lr: floa
                 notes[arm] = f"unavailable: {exc}".splitlines()[0][:120]
                 opts.pop(arm)
                 continue
-        elif arm == "geoopt_euclidean":
+        elif arm == "geoopt-radam":
             opts[arm] = geoopt.optim.RiemannianAdam(params(geoopt.EuclideanStiefel()), lr=lr)
-        elif arm == "geoopt_canonical":
+        elif arm == "geoopt-radam-canonical":
             opts[arm] = geoopt.optim.RiemannianAdam(params(geoopt.Stiefel()), lr=lr)
         elif arm == "matmul_floor":
             continue
@@ -415,12 +421,14 @@ def step_time_benchmark(
 TRAIN_SETTINGS: dict[str, dict[str, Any]] = {
     "tiny_transformer": dict(vocab_size=99, seq_len=4, width=128, depth=1, heads=4, mlp=512, batch=512),
     "patch_vit": dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, mlp=128, batch=128),
+    "hf_gpt2": dict(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4, batch=16),
 }
 
 #: The same models shrunk to a smoke test (``scale="tiny"``).
 TINY_TRAIN_SETTINGS: dict[str, dict[str, Any]] = {
     "tiny_transformer": dict(vocab_size=11, seq_len=4, width=16, depth=1, heads=2, mlp=32, batch=8),
     "patch_vit": dict(image_size=8, patch_size=4, width=16, depth=1, heads=2, mlp=32, batch=4),
+    "hf_gpt2": dict(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, batch=2),
 }
 
 
@@ -446,9 +454,36 @@ def _train_setup(model: str, attention: str, settings: dict[str, Any], *, seed: 
         x = torch.randn(batch, 3, kw["image_size"], kw["image_size"], generator=gen)
         y = torch.randint(0, 10, (batch,), generator=gen)
         loss_fn = torch.nn.functional.cross_entropy
+    elif model == "hf_gpt2":
+        net, x, y, loss_fn = _hf_gpt2_setup(attention, kw, batch, seed=seed, gen=gen)
     else:
-        raise ValueError(f"bench: model {model!r} is unknown; use one of {TRAIN_MODELS}.")
+        raise ValueError(f"bench: model {model!r} is unknown; use one of {TRAIN_MODELS + EXTRA_TRAIN_MODELS}.")
     return net.to(device), x.to(device), y.to(device), loss_fn
+
+
+def _hf_gpt2_setup(attention: str, kw: dict[str, Any], batch: int, *, seed: int, gen: Any):
+    """A randomly initialised HuggingFace GPT-2 LM, converted by ``stiefelize`` (``logit_gain="learn"``) for
+    the stiefel arm; next-token loss on random tokens of the full context length."""
+    import torch
+
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as err:
+        raise ValueError("bench: model 'hf_gpt2' needs HuggingFace transformers; install the models extra "
+                         "(pip install -e '.[models]').") from err
+    from .convert import stiefelize
+
+    torch.manual_seed(seed)
+    config = GPT2Config(**kw, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    net = GPT2LMHeadModel(config)
+    if attention == "stiefel":
+        stiefelize(net, logit_gain="learn")
+    x = torch.randint(0, kw["vocab_size"], (batch, kw["n_positions"]), generator=gen)
+
+    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = out.logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
+    return net, x, x.clone(), loss_fn
 
 
 def train_step_benchmark(
@@ -468,7 +503,10 @@ def train_step_benchmark(
     """Time a full training step (zero_grad, forward, loss, backward, optimizer step) of each model for the
     ``"adamw"`` arm (Euclidean attention, ``torch.optim.AdamW`` with its default implementation) and the
     ``"stiefel"`` arm (Stiefel attention, :class:`~geoopt_stiefel_attention.StiefelAdam`), both on
-    ``param_groups(model, weight_decay)``, interleaved in one process.
+    ``param_groups(model, weight_decay)``, interleaved in one process. ``"hf_gpt2"`` (in
+    :data:`EXTRA_TRAIN_MODELS`) is a HuggingFace GPT-2 whose stiefel arm is converted by
+    :func:`~geoopt_stiefel_attention.stiefelize` (``logit_gain="learn"``): the cost of the converter's
+    parametrization plus the Riemannian step.
 
     ``scale="default"`` uses :data:`TRAIN_SETTINGS` (the grokking and vision studies' default models; the
     grokking batch is 512 rather than the study's full batch, which only lowers the optimizer's share),
@@ -489,12 +527,13 @@ def train_step_benchmark(
         results = []
         for model in models:
             if model not in table:
-                raise ValueError(f"bench: model {model!r} is unknown; use one of {TRAIN_MODELS}.")
+                raise ValueError(f"bench: model {model!r} is unknown; use one of "
+                                 f"{TRAIN_MODELS + EXTRA_TRAIN_MODELS}.")
             steps: dict[str, Callable[[], Any]] = {}
             opt_steps: dict[str, Callable[[], Any]] = {}
             for arm, attention in (("adamw", "euclidean"), ("stiefel", "stiefel")):
                 net, x, y, loss_fn = _train_setup(model, attention, table[model], seed=seed, device=device)
-                groups = param_groups(net, weight_decay=weight_decay)
+                groups = param_groups(net, weight_decay=weight_decay, expect_frames=arm == "stiefel")
                 opt = torch.optim.AdamW(groups, lr=lr) if arm == "adamw" else StiefelAdam(groups, lr=lr)
 
                 def full(net=net, opt=opt, x=x, y=y, loss_fn=loss_fn) -> None:
@@ -524,8 +563,8 @@ def train_step_benchmark(
 _ARM_LABELS = {
     "adamw_foreach": "AdamW foreach",
     "adamw_fused": "AdamW fused",
-    "geoopt_euclidean": "geoopt ES",
-    "geoopt_canonical": "geoopt Stiefel()",
+    "geoopt-radam": "geoopt-radam",
+    "geoopt-radam-canonical": "geoopt-radam-canonical",
     "matmul_floor": "matmul floor",
 }
 
@@ -579,29 +618,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``stiefel-attention bench``."""
     parser.add_argument("what", nargs="?", choices=("step", "train"), default="step",
                         help="'step': optimizer step on Q/K frames (default); 'train': full training step")
-    parser.add_argument("--widths", type=int, nargs="+", default=list(CONFIGS),
-                        help=f"configurations for 'step' (default: {' '.join(map(str, CONFIGS))})")
+    parser.add_argument("--widths", type=positive_int, nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                        metavar="WIDTH", help=f"configurations for 'step', any of {' '.join(map(str, CONFIGS))} "
+                                              f"(default: all)")
     parser.add_argument("--arms", nargs="+", default=list(STEP_ARMS), choices=STEP_ARMS,
                         help="competitors for 'step' (default: all)")
-    parser.add_argument("--models", nargs="+", default=list(TRAIN_MODELS), choices=TRAIN_MODELS,
-                        help="models for 'train' (default: both)")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
-    parser.add_argument("--steps", type=int, default=None,
+    parser.add_argument("--models", nargs="+", default=list(TRAIN_MODELS), choices=TRAIN_MODELS + EXTRA_TRAIN_MODELS,
+                        help="models for 'train' (default: the first two; hf_gpt2, a HuggingFace GPT-2 "
+                             "converted by stiefelize, needs the models extra)")
+    parser.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (default 7)")
+    parser.add_argument("--steps", type=positive_int, default=None,
                         help="timed steps per arm and round (default 5 for 'step', 3 for 'train')")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of every optimizer (default 1e-3)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3,
+                        help="learning rate of every optimizer, > 0 (default 1e-3)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--clock", default="wall", choices=CLOCKS,
                         help="'wall' time, or process 'cpu' time (robust on a shared machine with --threads 1)")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads for the run")
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark and print a Markdown table (or JSON with ``--json``)."""
-    if args.rounds < 1 or (args.steps is not None and args.steps < 1):
-        raise SystemExit("bench: --rounds and --steps must be >= 1.")
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        usage_error("stiefel-attention bench", f"--device {args.device!r} is not a torch device; use e.g. cpu or cuda")
+    backend = getattr(torch, device.type, None)
+    if device.type != "cpu" and not (backend is not None and backend.is_available()):
+        usage_error("stiefel-attention bench", f"--device {args.device!r} is not available on this machine; "
+                                               f"use --device cpu")
+    if args.what == "train" and "hf_gpt2" in args.models and importlib.util.find_spec("transformers") is None:
+        usage_error("stiefel-attention bench", "--models hf_gpt2 needs HuggingFace transformers; install the "
+                                               "models extra (pip install -e '.[models]')")
+    if args.what == "step" and "stiefel" not in args.arms:
+        usage_error("stiefel-attention bench", "--arms must include 'stiefel' (every ratio is relative to it)")
     if args.what == "step":
         steps = 5 if args.steps is None else args.steps
         results = step_time_benchmark(tuple(args.widths), arms=tuple(args.arms), rounds=args.rounds,
@@ -613,8 +668,6 @@ def run(args: argparse.Namespace) -> int:
         results = train_step_benchmark(tuple(args.models), rounds=args.rounds, steps_per_round=steps, lr=args.lr,
                                        device=args.device, clock=args.clock, threads=args.threads, seed=args.seed)
         table = format_train_table(results)
-    import torch
-
     previous = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)

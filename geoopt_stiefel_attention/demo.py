@@ -10,6 +10,8 @@ import argparse
 import time
 from dataclasses import dataclass
 
+from ._argtypes import nonnegative_int, positive_float, positive_int, usage_error
+
 HELP = "Train a stack of Stiefel frames with StiefelAdam and stock geoopt RiemannianAdam; print the comparison."
 
 
@@ -79,17 +81,20 @@ def format_table(results: list[DemoResult]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--heads", type=int, default=8, help="frames in the stack (default 8)")
-    parser.add_argument("--d", type=int, default=64, help="ambient dimension d (default 64)")
-    parser.add_argument("--r", type=int, default=16, help="frame width r <= d (default 16)")
-    parser.add_argument("--steps", type=int, default=2000, help="optimisation steps (default 2000)")
-    parser.add_argument("--lr", type=float, default=1e-2, help="learning rate of every optimizer (default 1e-2)")
-    parser.add_argument("--seed", type=int, default=0)
+    """Options of ``stiefel-attention demo``; a bad value is one error line naming the flag, exit status 2."""
+    parser.add_argument("--heads", type=positive_int, default=8, help="frames in the stack (default 8)")
+    parser.add_argument("--d", type=positive_int, default=64, help="ambient dimension d (default 64)")
+    parser.add_argument("--r", type=positive_int, default=16, help="frame width r <= d (default 16)")
+    parser.add_argument("--steps", type=positive_int, default=2000, help="optimisation steps (default 2000)")
+    parser.add_argument("--lr", type=positive_float, default=1e-2,
+                        help="learning rate of every optimizer, > 0 (default 1e-2)")
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 1 <= args.r <= args.d:
-        raise SystemExit(f"--r must satisfy 1 <= r <= d, got r={args.r}, d={args.d}")
+    if args.r > args.d:
+        usage_error("stiefel-attention demo", f"--r {args.r} exceeds --d {args.d}: a frame in St(d, r) needs "
+                                              f"r <= d; lower --r or raise --d")
     results = run_demo(heads=args.heads, d=args.d, r=args.r, steps=args.steps, lr=args.lr, seed=args.seed)
     print(f"Minimise mean_h ||W_h - W*_h||_F^2 over {args.heads} frames on St({args.d}, {args.r}), "
           f"{args.steps} steps, lr={args.lr}, float32, same start for every optimizer:\n")

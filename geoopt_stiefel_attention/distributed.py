@@ -14,7 +14,11 @@ therefore
 
 - keeps the frames out of the sharding (:func:`fully_shard_except_frames`): they stay replicated
   :class:`geoopt.ManifoldParameter` s, their gradients are averaged over the data-parallel group by a
-  post-accumulate-grad hook (exactly what DDP would do), and everything else is sharded by FSDP2;
+  post-accumulate-grad hook (exactly what DDP would do), and everything else is sharded by FSDP2. "Frame" is
+  :func:`~geoopt_stiefel_attention.is_frame` (any Stiefel manifold, geoopt's canonical ``Stiefel()``
+  included), and every other geoopt parameter on a non-Euclidean manifold (a ``Sphere``, ...) is kept out
+  the same way (:func:`~geoopt_stiefel_attention.manifolds.has_manifold`), since FSDP would drop its manifold
+  too;
 - makes :class:`~geoopt_stiefel_attention.StiefelAdam` refuse, with ``NotImplementedError``, any sharded
   (``DTensor``) parameter that was not declared Euclidean by :func:`fully_shard_except_frames` or
   :func:`declare_sharded_euclidean` (see :func:`check_parameter`), so the silent failure cannot happen.
@@ -32,7 +36,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .manifolds import is_frame
+from .manifolds import has_manifold, is_frame
 
 __all__ = [
     "is_sharded",
@@ -81,10 +85,11 @@ def check_parameter(p: torch.Tensor, owner: str = "StiefelAdam") -> None:
     fix = ("Use DistributedDataParallel, or shard with geoopt_stiefel_attention.distributed."
            "fully_shard_except_frames(model), which keeps the frames replicated (and averages their "
            "gradients) and shards everything else.")
-    if is_frame(p):
+    if has_manifold(p):
+        what = "frame parameter" if is_frame(p) else f"parameter on {p.manifold.name}"
         raise NotImplementedError(
-            f"{owner}: frame parameter of shape {tuple(p.shape)} is sharded (a DTensor); the polar retraction "
-            f"and the per-frame second moment need whole frames. {fix}")
+            f"{owner}: {what} of shape {tuple(p.shape)} is sharded (a DTensor); a retraction onto the manifold "
+            f"(for frames: the polar retraction and the per-frame second moment) needs whole frames. {fix}")
     if _DECLARED_EUCLIDEAN.get(id(p)) is not p:
         raise NotImplementedError(
             f"{owner}: parameter of shape {tuple(p.shape)} is sharded (a DTensor, e.g. by FSDP's fully_shard), "
@@ -121,8 +126,9 @@ def fully_shard_except_frames(
 ) -> nn.Module:
     r"""Shard ``model`` with FSDP2 (``torch.distributed.fsdp.fully_shard``) except its Stiefel frames.
 
-    Every frame (:func:`~geoopt_stiefel_attention.is_frame`) is passed in ``ignored_params``: it stays a
-    replicated :class:`geoopt.ManifoldParameter` on every rank, and a post-accumulate-grad hook averages its
+    Every frame (:func:`~geoopt_stiefel_attention.is_frame`), and every other parameter on a non-Euclidean
+    geoopt manifold (:func:`~geoopt_stiefel_attention.manifolds.has_manifold`), is passed in
+    ``ignored_params``: it stays a replicated :class:`geoopt.ManifoldParameter` on every rank, and a post-accumulate-grad hook averages its
     gradient over ``group``, :math:`G \leftarrow \frac1n \sum_{k=1}^{n} G_k` (what FSDP does for the
     sharded parameters and DDP for all). Each module in ``submodules`` (e.g. the transformer blocks) is
     sharded first, then ``model``. The sharded parameters are declared Euclidean so that
@@ -151,7 +157,7 @@ def fully_shard_except_frames(
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    frames = [p for p in model.parameters() if is_frame(p)]
+    frames = [p for p in model.parameters() if has_manifold(p)]  # frames, and any other manifold
     source = 0 if group is None else dist.get_global_rank(group, 0)
     with torch.no_grad():
         for p in frames:
@@ -164,5 +170,5 @@ def fully_shard_except_frames(
     for p in frames:
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(hook)
-    declare_sharded_euclidean(p for p in model.parameters() if not is_frame(p))
+    declare_sharded_euclidean(p for p in model.parameters() if not has_manifold(p))
     return model

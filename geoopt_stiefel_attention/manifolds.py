@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
-from geoopt.manifolds import EuclideanStiefel
+from geoopt.manifolds import Euclidean, EuclideanStiefel
+from geoopt.manifolds.stiefel import Stiefel
 
 from . import _linalg
 
-__all__ = ["PolarStiefel", "is_frame"]
+__all__ = ["PolarStiefel", "is_frame", "has_manifold"]
 
 
 class PolarStiefel(EuclideanStiefel):
@@ -52,6 +53,14 @@ class PolarStiefel(EuclideanStiefel):
     """
 
     name = "Stiefel(euclidean)"
+
+    def _assert_check_shape(self, shape: tuple[int, ...], name: str) -> None:
+        ok, reason = self._check_shape(shape, name)
+        if not ok:
+            raise ValueError(_shape_message(tuple(shape), reason))
+
+    def assert_check_point(self, x: torch.Tensor) -> None:
+        self._assert_check_shape(tuple(x.shape), "x")
 
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         ct = _linalg.compute_dtype(x.dtype)
@@ -100,6 +109,30 @@ class PolarStiefel(EuclideanStiefel):
         return hash(type(self))
 
 
+def _shape_message(shape: tuple[int, ...], reason: str | None) -> str:
+    """The error for a tensor that cannot hold Stiefel frames, naming the fix."""
+    if len(shape) >= 2 and shape[-1] > shape[-2]:
+        d, r = shape[-2], shape[-1]
+        return (f"PolarStiefel: a tensor of shape {shape} is not a stack of d x r frames with r <= d: it has "
+                f"r={r} columns but only d={d} rows, and at most d columns can be orthonormal. Store frames as "
+                f"(..., d, r), e.g. transpose an (r, d) matrix with .mT, or use at most {d} columns.")
+    return (f"PolarStiefel: a tensor of shape {shape} cannot hold Stiefel frames ({reason}); pass a tensor of "
+            f"shape (..., d, r) with r <= d.")
+
+
+def has_manifold(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a geoopt tensor on a non-Euclidean manifold (whose points a Euclidean update, or a
+    sharding that splits the tensor, would move off the manifold)."""
+    manifold = getattr(p, "manifold", None)
+    return manifold is not None and not isinstance(manifold, Euclidean)
+
+
 def is_frame(p: torch.Tensor) -> bool:
-    """Whether ``p`` is a stack of Stiefel frames in the embedded metric (a geoopt tensor on ``EuclideanStiefel``)."""
-    return isinstance(getattr(p, "manifold", None), EuclideanStiefel)
+    """Whether ``p`` is a stack of Stiefel frames: a geoopt tensor on any Stiefel manifold.
+
+    This is the package's one definition of "frame", used by :class:`~geoopt_stiefel_attention.StiefelAdam`,
+    :func:`~geoopt_stiefel_attention.param_groups`, :func:`~geoopt_stiefel_attention.frame_parameters` and
+    :mod:`~geoopt_stiefel_attention.distributed`. It includes geoopt's canonical-metric ``Stiefel()``, which
+    ``StiefelAdam`` refuses with a message saying how to move it to :class:`PolarStiefel`.
+    """
+    return isinstance(getattr(p, "manifold", None), Stiefel)

@@ -77,7 +77,7 @@ class _Block(nn.Module):
         super().__init__()
         cls = StiefelMultiheadAttention if attention == "stiefel" else EuclideanMultiheadAttention
         self.norm1 = nn.LayerNorm(width, dtype=dtype)
-        self.attn = cls(width, heads, frames=frames, dtype=dtype, generator=generator)
+        self.attn = cls(width, heads, batch_first=True, frames=frames, dtype=dtype, generator=generator)
         self.norm2 = nn.LayerNorm(width, dtype=dtype)
         self.mlp = nn.Sequential(_linear(width, mlp, generator, dtype), nn.GELU(),
                                  _linear(mlp, width, generator, dtype))

@@ -9,24 +9,28 @@ Two modules share one constructor, one parameter layout, one initialisation and 
 Built with the same ``generator`` seed, the two differ only in ``w_q`` and ``w_k``, and the Stiefel frames are
 the polar factors of the Euclidean matrices: an experiment's two arms start from the same random numbers.
 
-Helpers: :func:`stiefelize` converts the attention of an existing model in place, :func:`param_groups`
+Helpers: :func:`stiefelize` (from :mod:`geoopt_stiefel_attention.convert`, re-exported here) converts the
+attention of an existing model in place, :func:`param_groups`
 splits a model's parameters into frames / decayed matrices / no-decay parameters for an optimizer,
 :func:`frame_parameters` lists the frames and :func:`query_key_projections` lists ``(path, w_q, w_k)`` of
-every attention module of this library.
+every attention module of this library and of every module converted by :func:`stiefelize`.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import geoopt
 import torch
 import torch.nn.functional as F
-from geoopt.manifolds import Stiefel as _GeooptStiefel
 from torch import Tensor, nn
 
-from .manifolds import PolarStiefel
+# The converter lives in .convert (which imports this module only lazily, so there is no cycle); its
+# stiefelize is re-exported here, and the module-replacement helpers are used by from_euclidean/from_torch.
+from .convert import _convert, _source_parts, converted_query_key_frames, stiefelize  # noqa: F401
+from .manifolds import PolarStiefel, is_frame
 
 __all__ = [
     "FRAME_LAYOUTS",
@@ -64,17 +68,23 @@ def _check_int(owner: str, name: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
-def _is_stiefel_parameter(p: Tensor) -> bool:
-    """Whether ``p`` is a geoopt tensor on any Stiefel manifold (embedded or canonical metric)."""
-    return isinstance(getattr(p, "manifold", None), _GeooptStiefel)
+def _refuse_unsupported(owner: str, *, add_bias_kv: Any, add_zero_attn: Any) -> None:
+    """The two options of ``nn.MultiheadAttention`` that these modules do not implement: refuse them by name."""
+    if add_bias_kv:
+        raise ValueError(
+            f"{owner}: add_bias_kv={add_bias_kv!r} is not supported: it appends a learned key/value row to "
+            f"every sequence, a bias that lies outside the query/key frames and that this module does not "
+            f"implement. Build it with add_bias_kv=False.")
+    if add_zero_attn:
+        raise ValueError(
+            f"{owner}: add_zero_attn={add_zero_attn!r} is not supported: it appends an all-zero key/value "
+            f"row to every sequence, which this module does not implement. Build it with add_zero_attn=False.")
 
 
 # ---------------------------------------------------------------------------------------------- the modules
 class _MultiheadAttentionBase(nn.Module):
     """Shared configuration, layout, initialisation and forward pass of the two attention modules."""
 
-    #: Read by ``nn.TransformerEncoder``/``nn.TransformerEncoderLayer``: inputs are ``(batch, seq, embed)``.
-    batch_first = True
     #: ``None`` tells ``nn.TransformerEncoderLayer`` that there is no fused ``in_proj`` (so its fused
     #: inference fast path, which would read these tensors, is never taken).
     in_proj_weight = None
@@ -86,26 +96,40 @@ class _MultiheadAttentionBase(nn.Module):
         self,
         embed_dim: int,
         num_heads: int,
-        *,
-        head_dim: int | None = None,
         dropout: float = 0.0,
         bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
         kdim: int | None = None,
         vdim: int | None = None,
-        frames: str = "head",
-        logit_gain: bool = False,
+        batch_first: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        head_dim: int | None = None,
+        frames: str = "head",
+        logit_gain: bool = False,
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
+        owner = type(self).__name__
+        _refuse_unsupported(owner, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
         self._configure(embed_dim, num_heads, head_dim=head_dim, dropout=dropout, bias=bias, kdim=kdim,
-                        vdim=vdim, frames=frames, logit_gain=logit_gain)
+                        vdim=vdim, batch_first=batch_first, frames=frames, logit_gain=logit_gain)
         self._install(self._draw(generator=generator, device=device, dtype=dtype), logit_gain=logit_gain)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # modules pickled before ``batch_first`` became an option were batch-first
+        state.setdefault("batch_first", True)
+        super().__setstate__(state)
+
     # -------------------------------------------------------------------------------- configuration
-    def _configure(self, embed_dim, num_heads, *, head_dim, dropout, bias, kdim, vdim, frames, logit_gain) -> None:
+    def _configure(self, embed_dim, num_heads, *, head_dim, dropout, bias, kdim, vdim, batch_first, frames,
+                   logit_gain) -> None:
         owner = type(self).__name__
+        for name, flag in (("bias", bias), ("batch_first", batch_first), ("logit_gain", logit_gain)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{owner}: {name}={flag!r} is invalid; pass True or False.")
         embed_dim = _check_int(owner, "embed_dim", embed_dim)
         num_heads = _check_int(owner, "num_heads", num_heads)
         if head_dim is None:
@@ -136,7 +160,8 @@ class _MultiheadAttentionBase(nn.Module):
         self.vdim = vdim
         self.frames = frames
         self.dropout = float(dropout)
-        self.bias = bool(bias)
+        self.bias = bias
+        self.batch_first = batch_first
 
     @property
     def _qkv_same_embed_dim(self) -> bool:
@@ -145,8 +170,8 @@ class _MultiheadAttentionBase(nn.Module):
 
     def _config(self) -> dict[str, Any]:
         return dict(embed_dim=self.embed_dim, num_heads=self.num_heads, head_dim=self.head_dim,
-                    dropout=self.dropout, bias=self.bias, kdim=self.kdim, vdim=self.vdim, frames=self.frames,
-                    logit_gain=self.logit_gain is not None)
+                    dropout=self.dropout, bias=self.bias, kdim=self.kdim, vdim=self.vdim,
+                    batch_first=self.batch_first, frames=self.frames, logit_gain=self.logit_gain is not None)
 
     # -------------------------------------------------------------------------------- parameters
     def _draw(self, *, generator, device, dtype) -> dict[str, Tensor | None]:
@@ -242,8 +267,8 @@ class _MultiheadAttentionBase(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"kdim={self.kdim}, vdim={self.vdim}, frames={self.frames!r}, dropout={self.dropout}, "
-                f"bias={self.bias}, logit_gain={self.logit_gain is not None}")
+                f"kdim={self.kdim}, vdim={self.vdim}, batch_first={self.batch_first}, frames={self.frames!r}, "
+                f"dropout={self.dropout}, bias={self.bias}, logit_gain={self.logit_gain is not None}")
 
     # -------------------------------------------------------------------------------- forward
     def _masks(self, key_padding_mask, attn_mask, batch: int, tq: int, tk: int, dtype) -> Tensor | None:
@@ -284,23 +309,33 @@ class _MultiheadAttentionBase(nn.Module):
         key: Tensor,
         value: Tensor,
         key_padding_mask: Tensor | None = None,
-        need_weights: bool = False,
+        need_weights: bool = True,
         attn_mask: Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         owner = type(self).__name__
+        if query.is_nested or key.is_nested or value.is_nested:
+            raise ValueError(f"{owner}: nested (jagged) tensors are not supported; pad the sequences to one "
+                             f"length and pass key_padding_mask (True = padding).")
         unbatched = query.dim() == 2
         if unbatched:
             if key.dim() != 2 or value.dim() != 2:
                 raise ValueError(f"{owner}: unbatched query (2-D) needs 2-D key and value, got key.dim()="
                                  f"{key.dim()}, value.dim()={value.dim()}.")
-            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             if key_padding_mask is not None:
+                if key_padding_mask.dim() != 1:
+                    raise ValueError(f"{owner}: with an unbatched (2-D) query, key_padding_mask must be 1-D "
+                                     f"(key_len,), got shape {tuple(key_padding_mask.shape)}.")
                 key_padding_mask = key_padding_mask.unsqueeze(0)
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
         elif query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
-            raise ValueError(f"{owner}: query, key and value must be (batch, seq, features) (batch_first) or "
-                             f"unbatched (seq, features); got dims {query.dim()}, {key.dim()}, {value.dim()}.")
+            layout = "(batch, seq, features)" if self.batch_first else "(seq, batch, features)"
+            raise ValueError(f"{owner}: query, key and value must be batched {layout} (batch_first="
+                             f"{self.batch_first}) or unbatched (seq, features); got dims {query.dim()}, "
+                             f"{key.dim()}, {value.dim()}.")
+        elif not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         b, tq, e = query.shape
         tk = key.shape[1]
         if e != self.embed_dim or key.shape[-1] != self.kdim or value.shape[-1] != self.vdim:
@@ -308,20 +343,21 @@ class _MultiheadAttentionBase(nn.Module):
                              f"{value.shape[-1]}) do not match (embed_dim, kdim, vdim) = "
                              f"({self.embed_dim}, {self.kdim}, {self.vdim}).")
         if key.shape[0] != b or value.shape[0] != b or value.shape[1] != tk:
-            raise ValueError(f"{owner}: batch/sequence sizes disagree: query {tuple(query.shape)}, key "
-                             f"{tuple(key.shape)}, value {tuple(value.shape)}.")
+            raise ValueError(f"{owner}: batch/sequence sizes disagree (batch_first={self.batch_first}): "
+                             f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} "
+                             f"as (batch, seq, features).")
         h, dh = self.num_heads, self.head_dim
         n = h * dh
 
         w_q = self._flat(self.w_q)
         w_k = self._flat(self.w_k)
         w_v = _heads_to_flat(self.w_v)
-        q = (query @ w_q).view(b, tq, h, dh).transpose(1, 2)
-        k = (key @ w_k).view(b, tk, h, dh).transpose(1, 2)
+        q = (query @ w_q).reshape(b, tq, h, dh).transpose(1, 2)
+        k = (key @ w_k).reshape(b, tk, h, dh).transpose(1, 2)
         v = value @ w_v
         if self.b_v is not None:
             v = v + self.b_v.to(v.dtype)  # .to: keep autocast's dtype (SDPA needs q, k, v alike)
-        v = v.view(b, tk, h, dh).transpose(1, 2)
+        v = v.reshape(b, tk, h, dh).transpose(1, 2)
         if self.logit_gain is not None:
             q = q * self.logit_gain.exp().to(q.dtype).view(1, h, 1, 1)
 
@@ -352,12 +388,15 @@ class _MultiheadAttentionBase(nn.Module):
             out = out + self.b_o.to(out.dtype)
         if unbatched:
             out = out.squeeze(0)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
         return out, weights
 
 
 _FORWARD_DOC = r"""
-    Forward pass, batch first: ``query (B, Tq, embed_dim)``, ``key (B, Tk, kdim)``, ``value (B, Tk, vdim)``
-    (or unbatched ``(T, features)``). For each head :math:`h`,
+    Forward pass, with the call interface of :class:`torch.nn.MultiheadAttention`. Inputs are
+    ``(L, N, features)`` (``batch_first=False``, torch's default), ``(N, L, features)`` (``batch_first=True``)
+    or unbatched ``(L, features)``; ``L`` is the query length, ``S`` the key length. For each head :math:`h`,
 
     .. math::
 
@@ -366,34 +405,47 @@ _FORWARD_DOC = r"""
         Y = [A_1 V_1, \dots, A_H V_H]\, W_O + b_O,
 
     with :math:`e^{g_h} = 1` unless ``logit_gain=True``. Computed by
-    :func:`torch.nn.functional.scaled_dot_product_attention`, or written out when ``need_weights=True``.
+    :func:`torch.nn.functional.scaled_dot_product_attention` when ``need_weights=False``, written out
+    otherwise (pass ``need_weights=False`` for speed, as torch recommends).
 
     Parameters
     ----------
     query, key, value : Tensor
-        ``(B, Tq, embed_dim)``, ``(B, Tk, kdim)``, ``(B, Tk, vdim)``.
+        Query ``(L, N, embed_dim)``, key ``(S, N, kdim)``, value ``(S, N, vdim)`` (batch dimension first
+        when ``batch_first=True``), or unbatched ``(L, embed_dim)``, ``(S, kdim)``, ``(S, vdim)``.
     key_padding_mask : Tensor, optional
-        ``(B, Tk)``; bool ``True`` = that key is ignored, or a float mask added to the logits.
-    need_weights : bool, default False
-        Also return the attention probabilities (computed explicitly rather than by SDPA). As in
-        :class:`torch.nn.MultiheadAttention` they are the probabilities multiplied into ``V``, i.e. after
-        attention dropout in training mode.
+        ``(N, S)`` (``(S,)`` unbatched); bool ``True`` = that key is ignored, or a float mask added to the
+        logits.
+    need_weights : bool, default True
+        Also return the attention probabilities. As in :class:`torch.nn.MultiheadAttention` they are the
+        probabilities multiplied into ``V``, i.e. after attention dropout in training mode.
     attn_mask : Tensor, optional
-        ``(Tq, Tk)`` or ``(B * num_heads, Tq, Tk)``; bool ``True`` = not allowed to attend, or float added.
+        ``(L, S)`` or ``(N * num_heads, L, S)`` (``(num_heads, L, S)`` unbatched; entry ``n * num_heads + h``
+        for batch ``n``, head ``h``); bool ``True`` = not allowed to attend, or float added to the logits.
         Combined with ``key_padding_mask`` by addition (bool masks become ``-inf``).
     average_attn_weights : bool, default True
-        Return weights averaged over heads, ``(B, Tq, Tk)``, instead of ``(B, num_heads, Tq, Tk)``.
+        Return weights averaged over heads, ``(N, L, S)``, instead of per head, ``(N, num_heads, L, S)``
+        (``(L, S)`` / ``(num_heads, L, S)`` unbatched). Weights are batch-first whatever ``batch_first``
+        is, as in torch.
     is_causal : bool, default False
-        Without ``attn_mask``: apply the causal mask (query ``i`` sees keys ``j <= i``, top-left aligned as in
-        SDPA). With ``attn_mask``: a hint, as in torch; ``attn_mask`` is the mask applied. (Unlike
-        ``nn.MultiheadAttention``, ``is_causal=True`` without a mask is allowed.)
+        With ``attn_mask``: a hint that ``attn_mask`` is the causal mask, as in torch; pass it only when that
+        is true (torch may then apply its own causal mask instead of ``attn_mask``, this module always applies
+        ``attn_mask``). Without ``attn_mask``: the causal mask is applied (query ``i`` sees keys ``j <= i``,
+        top-left aligned as in SDPA); ``nn.MultiheadAttention`` raises instead.
 
     Returns
     -------
     output : Tensor
-        ``(B, Tq, embed_dim)``.
+        Shaped like ``query`` with ``embed_dim`` features.
     weights : Tensor or None
         Attention probabilities when ``need_weights``, else ``None``.
+
+    Raises
+    ------
+    ValueError
+        For inputs or masks of the wrong rank or shape (the message names the tensor and the expected shape).
+    TypeError
+        For a mask that is neither bool nor floating point.
 
     Notes
     -----
@@ -416,21 +468,33 @@ _LAYOUT_DOC = r"""
 """
 
 _CONSTRUCTOR_DOC = r"""
+    The constructor takes the arguments of :class:`torch.nn.MultiheadAttention` in its order (positionally
+    too), then keyword-only ``head_dim``, ``frames``, ``logit_gain`` and ``generator``.
+
     Parameters
     ----------
     embed_dim : int
         Width of the query (and of the output).
     num_heads : int
         Number of heads ``H``.
-    head_dim : int, optional
-        ``Dh``; default ``embed_dim // num_heads`` (which must then divide exactly).
     dropout : float, default 0
         Dropout on the attention probabilities (training mode only).
     bias : bool, default True
-        Biases on the value and output projections (never on queries and keys).
+        Biases on the value and output projections (never on queries and keys: unlike torch's ``bias``,
+        which also adds query/key biases).
+    add_bias_kv, add_zero_attn : bool, default False
+        Accepted for torch's signature; ``True`` raises ``ValueError`` (not implemented: both append an
+        extra key/value row to every sequence).
     kdim, vdim : int, optional
         Feature sizes of ``key`` and ``value`` (cross-attention); default ``embed_dim``. Key frames lie in
         :math:`\mathrm{St}(\text{kdim}, r)`.
+    batch_first : bool, default False
+        ``True``: inputs and output are ``(batch, seq, features)``; ``False`` (torch's default):
+        ``(seq, batch, features)``.
+    device, dtype
+        Where and in which dtype the parameters live (default: torch's defaults).
+    head_dim : int, optional
+        ``Dh``; default ``embed_dim // num_heads`` (which must then divide exactly).
     frames : {"head", "layer"}, default "head"
         ``"head"``: each head's ``(d, Dh)`` block is one frame (needs ``Dh <= embed_dim, kdim``).
         ``"layer"``: the whole ``(d, H*Dh)`` projection is one frame, so heads are also mutually orthogonal
@@ -441,8 +505,6 @@ _CONSTRUCTOR_DOC = r"""
         cannot sharpen beyond what the input norms allow, whereas a Euclidean ``W_Q`` can grow its singular
         values. The gain restores that one degree of freedom per head; it is off by default so that the
         module is a pure Stiefel constraint.
-    device, dtype
-        Where and in which dtype the parameters live (default: torch's defaults).
     generator : torch.Generator, optional
         Source of the initialisation (torch's global RNG if ``None``). Q, K, V and O are drawn in that order
         from the Xavier-uniform law :math:`U(\pm\sqrt{6/(\text{fan_in}+\text{fan_out})})` of each
@@ -460,8 +522,11 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
     :math:`W = A (A^\top A)^{-1/2}` of the Euclidean draw :math:`A` that :class:`EuclideanMultiheadAttention`
     makes from the same generator; everything else is identical.
 
-    The call interface is that of :class:`torch.nn.MultiheadAttention` with ``batch_first=True``, so a
+    Constructor and call interface are those of :class:`torch.nn.MultiheadAttention` (both layouts via
+    ``batch_first``, unbatched inputs, bool and float masks, ``need_weights=True`` by default), so a
     :class:`torch.nn.TransformerEncoderLayer` accepts the module as its ``self_attn`` (see :func:`stiefelize`).
+    Differences: no query/key biases, ``add_bias_kv``/``add_zero_attn`` are refused, and ``is_causal=True``
+    without ``attn_mask`` applies the causal mask instead of raising.
 
     Frames are orthonormal to the precision of the dtype they were built in: build the module in the dtype
     you train in (``dtype=``). After ``.to(torch.float64)`` of a float32 module, re-project the frames with
@@ -471,11 +536,11 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
     --------
     >>> import torch
     >>> from geoopt_stiefel_attention import StiefelMultiheadAttention
-    >>> attn = StiefelMultiheadAttention(32, 4, generator=torch.Generator().manual_seed(0))
+    >>> attn = StiefelMultiheadAttention(32, 4, batch_first=True, generator=torch.Generator().manual_seed(0))
     >>> x = torch.randn(2, 5, 32)
-    >>> y, _ = attn(x, x, x, is_causal=True)
-    >>> y.shape, attn.w_q.shape
-    (torch.Size([2, 5, 32]), torch.Size([4, 32, 8]))
+    >>> y, w = attn(x, x, x)
+    >>> y.shape, w.shape, attn.w_q.shape
+    (torch.Size([2, 5, 32]), torch.Size([2, 5, 5]), torch.Size([4, 32, 8]))
     >>> attn.w_q.manifold.check_point_on_manifold(attn.w_q)
     True
 """
@@ -517,14 +582,14 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
             constant the softmax ignores. A non-zero query bias :math:`b_Q` adds :math:`b_Q^\top k_j`, which
             does change the attention, so conversion is refused unless ``drop_qk_bias=True``.
         ignore_batch_first : bool, default False
-            This module is batch-first only. A source with ``batch_first=False`` is refused (its callers pass
-            ``(seq, batch, embed)``), unless ``ignore_batch_first=True`` (then transpose the inputs yourself).
+            By default the new module keeps the source's ``batch_first``. ``True`` builds a batch-first module
+            whatever the source's layout (then pass ``(batch, seq, embed)`` inputs).
 
         Raises
         ------
         ValueError
-            For ``add_bias_kv``, ``add_zero_attn``, a non-zero query bias without ``drop_qk_bias``,
-            ``batch_first=False`` without ``ignore_batch_first``, or a layout whose frames cannot exist.
+            For ``add_bias_kv``, ``add_zero_attn``, a non-zero query bias without ``drop_qk_bias``, or a
+            layout whose frames cannot exist.
         TypeError
             For another kind of source.
         """
@@ -580,145 +645,13 @@ class EuclideanMultiheadAttention(_MultiheadAttentionBase):
 
 
 
-# ---------------------------------------------------------------------------------------------- conversion
-def _convert(cls: type, source: nn.Module, *, frames: str | None, logit_gain: bool | None, drop_qk_bias: bool,
-             ignore_batch_first: bool, path: str | None = None) -> nn.Module:
-    """Build a ``cls`` module from ``source``'s configuration and weights, with optional overrides."""
-    config, weights = _source_parts(source, drop_qk_bias=drop_qk_bias, ignore_batch_first=ignore_batch_first,
-                                    path=path)
-    if frames is not None:
-        config["frames"] = frames
-    if logit_gain is not None:
-        config["logit_gain"] = bool(logit_gain)
-        if not logit_gain:
-            weights["gain"] = None
-    return cls._build(config, weights, training=source.training)
-
-
-def _source_parts(source: nn.Module, *, drop_qk_bias: bool, ignore_batch_first: bool,
-                  path: str | None = None) -> tuple[dict[str, Any], dict[str, Tensor | None]]:
-    """Configuration and flat weights of a module that can be converted; ``ValueError`` naming why not."""
-    where = f"module {path!r} " if path is not None else ""
-    if isinstance(source, _MultiheadAttentionBase):
-        return source._config(), source._export()
-    if not isinstance(source, nn.MultiheadAttention):
-        raise TypeError(f"{where}({type(source).__name__}) is not an nn.MultiheadAttention or an "
-                        f"EuclideanMultiheadAttention; nothing to convert.")
-    name = f"{where}(nn.MultiheadAttention)"
-    if source.bias_k is not None or source.bias_v is not None:
-        raise ValueError(f"{name} has add_bias_kv=True (learned extra key/value rows), which the Stiefel "
-                         f"module does not implement; build the model without add_bias_kv.")
-    if source.add_zero_attn:
-        raise ValueError(f"{name} has add_zero_attn=True, which the Stiefel module does not implement; build "
-                         f"the model without add_zero_attn.")
-    if not source.batch_first and not ignore_batch_first:
-        raise ValueError(f"{name} has batch_first=False: its callers pass (seq, batch, embed), but the Stiefel "
-                         f"module is batch-first only, so the converted model would silently mix batch and "
-                         f"sequence. Build it with batch_first=True (nn.TransformerEncoderLayer(..., "
-                         f"batch_first=True)), or pass ignore_batch_first=True and transpose inputs yourself.")
-    e, h = source.embed_dim, source.num_heads
-    with torch.no_grad():
-        if source._qkv_same_embed_dim:
-            wq, wk, wv = source.in_proj_weight.detach().chunk(3, dim=0)
-        else:
-            wq, wk, wv = (source.q_proj_weight.detach(), source.k_proj_weight.detach(),
-                          source.v_proj_weight.detach())
-        b_v = b_o = None
-        if source.in_proj_bias is not None:
-            b_q, _b_k, b_v = source.in_proj_bias.detach().chunk(3)
-            if not drop_qk_bias and bool((b_q != 0).any()):
-                raise ValueError(
-                    f"{name} has a non-zero query bias (max |b_Q| = {float(b_q.abs().max()):.3g}); the Stiefel "
-                    f"module has no query/key biases and dropping b_Q changes the attention. Pass "
-                    f"drop_qk_bias=True to drop it anyway (the key bias is always dropped: it is "
-                    f"softmax-invariant).")
-            b_o = source.out_proj.bias.detach() if source.out_proj.bias is not None else torch.zeros_like(b_v)
-        weights = {"q": wq.t().clone(), "k": wk.t().clone(), "v": wv.t().clone(),
-                   "o": source.out_proj.weight.detach().t().clone(), "b_v": b_v, "b_o": b_o, "gain": None}
-    config = dict(embed_dim=e, num_heads=h, head_dim=e // h, dropout=float(source.dropout),
-                  bias=source.in_proj_bias is not None, kdim=source.kdim, vdim=source.vdim, frames="head",
-                  logit_gain=False)
-    return config, weights
-
-
-def stiefelize(
-    model: nn.Module,
-    *,
-    frames: str | None = None,
-    logit_gain: bool | None = None,
-    drop_qk_bias: bool = False,
-) -> nn.Module:
-    r"""Replace every ``nn.MultiheadAttention`` and :class:`EuclideanMultiheadAttention` in ``model`` by a
-    :class:`StiefelMultiheadAttention` (in place), and return the model.
-
-    Each module is converted by :meth:`StiefelMultiheadAttention.from_euclidean` (frames = polar factors of
-    the query/key blocks; values and output copied). Everything is checked before anything is replaced: if
-    one module cannot be converted, a ``ValueError`` names its path and the reason, and the model is left
-    unchanged. A module shared by several parents is converted once and stays shared. When ``model`` itself
-    is an attention module, the converted module is returned (nothing to modify in place).
-
-    ``nn.TransformerEncoder`` / ``nn.TransformerEncoderLayer``: the converted layers run through the layers'
-    ordinary Python path. The fused inference fast paths (``torch._transformer_encoder_layer_fwd`` and the
-    nested-tensor path) read ``in_proj_weight``/``out_proj`` directly and cannot run a Stiefel module, so
-    they are disabled: the module reports ``in_proj_bias = None`` (the layer then skips its fast path) and
-    ``use_nested_tensor`` is set to ``False`` on every ``nn.TransformerEncoder`` whose layers were converted.
-    Attention modules must be batch-first (``batch_first=True``).
-
-    Parameters
-    ----------
-    model : nn.Module
-        The model to convert.
-    frames, logit_gain, drop_qk_bias
-        As in :meth:`StiefelMultiheadAttention.from_euclidean`, applied to every converted module.
-
-    Returns
-    -------
-    nn.Module
-        ``model`` (or the converted module when ``model`` is itself an attention module).
-
-    Raises
-    ------
-    ValueError
-        ``"cannot stiefelize module 'encoder.layers.0.self_attn' (nn.MultiheadAttention): ..."`` for
-        ``batch_first=False``, ``add_bias_kv``, ``add_zero_attn``, a non-zero query bias without
-        ``drop_qk_bias``, or a layout whose frames cannot exist.
-    """
-    targets = (nn.MultiheadAttention, EuclideanMultiheadAttention)
-    converted: dict[int, StiefelMultiheadAttention] = {}
-    sites: list[tuple[str, nn.Module]] = []
-    for path, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, targets):
-            sites.append((path, module))
-            if id(module) in converted:
-                continue
-            try:
-                converted[id(module)] = _convert(StiefelMultiheadAttention, module, frames=frames,
-                                                 logit_gain=logit_gain, drop_qk_bias=drop_qk_bias,
-                                                 ignore_batch_first=False, path=path)
-            except ValueError as err:
-                msg = str(err)
-                if not msg.startswith("module "):
-                    msg = f"module {path!r} ({type(module).__name__}): {msg}"
-                raise ValueError(f"cannot stiefelize {msg}") from err
-    for path, module in sites:
-        if path == "":
-            return converted[id(module)]
-        parent_path, _, attr = path.rpartition(".")
-        parent = model.get_submodule(parent_path) if parent_path else model
-        setattr(parent, attr, converted[id(module)])
-    for module in model.modules():
-        if isinstance(module, nn.TransformerEncoder) and any(
-            isinstance(getattr(layer, "self_attn", None), _MultiheadAttentionBase) for layer in module.layers
-        ):
-            module.use_nested_tensor = False
-    return model
-
-
 # ---------------------------------------------------------------------------------------------- parameters
-def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frames: bool = True) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frames: bool = True,
+                 expect_frames: bool = True) -> list[dict]:
     r"""Split the trainable parameters of ``model`` into three optimizer groups.
 
-    1. ``"frames"``: :class:`geoopt.ManifoldParameter` s on a Stiefel manifold, ``weight_decay=0`` (with
+    1. ``"frames"``: every parameter for which :func:`~geoopt_stiefel_attention.is_frame` holds
+       (:class:`geoopt.ManifoldParameter` s on an embedded-metric Stiefel manifold), ``weight_decay=0`` (with
        ``no_decay_frames=True``). For a Riemannian optimizer decay on a frame is a no-op anyway:
        :math:`P_W(\lambda W) = \lambda (W - W\operatorname{sym}(W^\top W)) = 0`.
     2. ``"decay"``: every other parameter with ``ndim >= 2`` (linear/attention/convolution weights,
@@ -728,7 +661,11 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
        ``weight_decay=0``.
 
     Each group is a dict with ``"name"``, ``"params"`` and ``"weight_decay"``; all three are always present
-    (possibly with an empty ``params`` list, e.g. ``"frames"`` for a Euclidean model). Parameters with
+    (possibly with an empty ``params`` list, e.g. ``"frames"`` for a Euclidean model). A model without
+    frames gets a ``UserWarning`` (``StiefelAdam`` would then train it as plain AdamW: call
+    :func:`~geoopt_stiefel_attention.stiefelize` first) unless ``expect_frames=False`` or the model is
+    built from :class:`EuclideanMultiheadAttention` (the Euclidean arm of a paired experiment, by design).
+    Parameters with
     ``requires_grad=False`` are left out; parameters shared between modules appear once.
 
     The groups suit :class:`~geoopt_stiefel_attention.StiefelAdam` (frames get the Riemannian update,
@@ -743,6 +680,9 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
         Decoupled weight decay of the ``"decay"`` group (``>= 0``).
     no_decay_frames : bool, default True
         ``False`` gives the frames ``weight_decay`` too (a no-op under StiefelAdam, a real decay under AdamW).
+    expect_frames : bool, default True
+        Warn when the model holds no frame, trainable or frozen (and no
+        :class:`EuclideanMultiheadAttention`); pass ``False`` for another Euclidean baseline.
 
     Returns
     -------
@@ -764,12 +704,19 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        if _is_stiefel_parameter(p):
+        if is_frame(p):
             frames.append(p)
         elif p.dim() >= 2:
             decay.append(p)
         else:
             no_decay.append(p)
+    explicit_euclidean = any(isinstance(m, EuclideanMultiheadAttention) for m in model.modules())
+    holds_frames = bool(frames) or any(is_frame(p) for p in model.parameters())  # frozen frames are deliberate
+    if expect_frames and not holds_frames and not explicit_euclidean:
+        warnings.warn(f"param_groups: {type(model).__name__} has no Stiefel frame, so StiefelAdam "
+                      f"would train every parameter as plain AdamW. Call stiefelize(model) first (it raises when "
+                      f"it finds no attention), or pass expect_frames=False for a Euclidean baseline.",
+                      UserWarning, stacklevel=2)
     wd = float(weight_decay)
     return [
         {"name": "frames", "params": frames, "weight_decay": 0.0 if no_decay_frames else wd},
@@ -779,18 +726,24 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
 
 
 def frame_parameters(model: nn.Module) -> list[geoopt.ManifoldParameter]:
-    """Every parameter of ``model`` on a Stiefel manifold (frozen ones included), in ``model.parameters()`` order."""
-    return [p for p in model.parameters() if _is_stiefel_parameter(p)]
+    """Every frame of ``model`` (:func:`~geoopt_stiefel_attention.is_frame`; frozen ones included), in
+    ``model.parameters()`` order: the library's own modules' ``w_q``/``w_k`` and the frames created by
+    :func:`~geoopt_stiefel_attention.stiefelize`."""
+    return [p for p in model.parameters() if is_frame(p)]
 
 
 def query_key_projections(model: nn.Module) -> list[tuple[str, Tensor, Tensor]]:
-    """``(module path, w_q, w_k)`` for every :class:`StiefelMultiheadAttention` and
-    :class:`EuclideanMultiheadAttention` in ``model``, in ``named_modules()`` order.
+    """``(module path, w_q, w_k)`` for every attention module of ``model`` with separate query/key tensors,
+    in ``named_modules()`` order: :class:`StiefelMultiheadAttention` and :class:`EuclideanMultiheadAttention`
+    (their ``w_q``/``w_k``), and modules converted by :func:`~geoopt_stiefel_attention.stiefelize` (their
+    ``(H, d, r)`` query frames and ``(H_kv, d, r)`` key frames).
 
-    ``w_q``/``w_k`` are the parameters themselves (same layout in both classes), so two arms of an
-    experiment can be compared entry by entry; clone them to record a starting point, e.g.
-    ``start = [w.detach().clone() for _, w, _ in query_key_projections(model)]``.
+    The tensors are the parameters themselves (the library's two classes share one layout), so two arms of
+    an experiment can be compared entry by entry; clone them to record a starting point, e.g.
+    ``start = [w.detach().clone() for _, w, _ in query_key_projections(model)]``. Unconverted
     ``nn.MultiheadAttention`` modules are not listed (their projections are fused into ``in_proj_weight``).
     """
-    return [(path, m.w_q, m.w_k) for path, m in model.named_modules()
-            if isinstance(m, _MultiheadAttentionBase)]
+    found = [(path, m.w_q, m.w_k) for path, m in model.named_modules() if isinstance(m, _MultiheadAttentionBase)]
+    found += converted_query_key_frames(model)
+    order = {path: i for i, (path, _) in enumerate(model.named_modules())}
+    return sorted(found, key=lambda item: order[item[0]])

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -10,10 +13,12 @@ from typing import Any
 import geoopt
 import torch
 import torch.optim.adamw as _torch_adamw
-from geoopt.manifolds import CanonicalStiefel, Euclidean, EuclideanStiefel
+import torch.optim.optimizer as _torch_optimizer
+from geoopt.manifolds import EuclideanStiefel
 
 from . import _linalg
 from . import distributed as _distributed
+from .manifolds import has_manifold as _has_manifold
 from .manifolds import is_frame as _is_frame
 
 __all__ = ["StiefelAdam", "stiefel_adam_update", "SECOND_MOMENTS", "ORTHONORMALITY_TOLERANCE"]
@@ -32,6 +37,11 @@ ORTHONORMALITY_TOLERANCE = {
 
 _DEFAULT_TRUST_REGION = 0.1
 
+#: The group options StiefelAdam adds to torch's Adam options, with the defaults a state dict saved before an
+#: option existed (or by geoopt's RiemannianAdam) loads with.
+_GROUP_DEFAULTS = {"trust_region": _DEFAULT_TRUST_REGION, "second_moment": "frame", "stabilize": None,
+                   "master_weights": False}
+
 
 def _require(ok: bool, message: str, exc: type[Exception] = ValueError) -> None:
     if not ok:
@@ -42,11 +52,12 @@ def _validate_hyperparameters(group: dict[str, Any]) -> None:
     """Raise a ``ValueError`` that names the option and the fix when a group option is out of range."""
     lr = group["lr"]
     if not isinstance(lr, torch.Tensor):
-        _require(isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr),
-                 f"StiefelAdam: lr={lr!r} is invalid; pass a finite float > 0 (e.g. lr=1e-3).")
+        _require(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr >= 0 and math.isfinite(lr),
+                 f"StiefelAdam: lr={lr!r} is invalid; pass a finite float >= 0 (e.g. lr=1e-3; lr=0 moves "
+                 f"nothing, as at the start of a warm-up).")
     eps = group["eps"]
-    _require(isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps),
-             f"StiefelAdam: eps={eps!r} is invalid; pass a finite float > 0 (e.g. eps=1e-8).")
+    _require(isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0 and math.isfinite(eps),
+             f"StiefelAdam: eps={eps!r} is invalid; pass a finite float >= 0 (e.g. eps=1e-8).")
     betas = group["betas"]
     _require(isinstance(betas, (tuple, list)) and len(betas) == 2
              and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas),
@@ -66,31 +77,44 @@ def _validate_hyperparameters(group: dict[str, Any]) -> None:
     _require(st is None or (isinstance(st, int) and not isinstance(st, bool) and st > 0),
              f"StiefelAdam: stabilize={st!r} is invalid; pass a positive int (re-project every that many "
              f"steps) or None.")
+    cap = group.get("capturable")
+    _require(cap is None or isinstance(cap, bool),
+             f"StiefelAdam: capturable={cap!r} is invalid; pass True, False or None (True on accelerators).")
+    _require(not (cap and st is not None),
+             f"StiefelAdam: stabilize={st!r} cannot be combined with capturable=True (re-projecting every k "
+             f"steps reads the step count on the host); pass stabilize=None or capturable=False.")
     mw = group.get("master_weights", False)
     _require(isinstance(mw, bool),
              f"StiefelAdam: master_weights={mw!r} is invalid; pass True (keep a float32 master copy of bf16/fp16 "
              f"frames) or False.")
 
 
-def _check_parameter(p: torch.Tensor) -> None:
-    """Reject parameters the optimizer cannot train, naming the fix."""
-    _distributed.check_parameter(p)  # sharded (FSDP/DTensor) parameters: NotImplementedError
-    manifold = getattr(p, "manifold", None)
-    if manifold is None or isinstance(manifold, Euclidean):
+def _check_manifold(p: torch.Tensor) -> None:
+    """Reject a parameter on a manifold the optimizer does not implement, naming the fix."""
+    if not _has_manifold(p):
         return
-    if isinstance(manifold, CanonicalStiefel):
+    manifold = p.manifold
+    if _is_frame(p) and not isinstance(manifold, EuclideanStiefel):
         raise ValueError(
             f"StiefelAdam: parameter of shape {tuple(p.shape)} is on geoopt's CanonicalStiefel (the default "
             f"of geoopt.Stiefel()), whose canonical metric this optimizer does not implement. Create it on "
             f"geoopt_stiefel_attention.PolarStiefel() (or geoopt.EuclideanStiefel()) instead, or train it "
             f"with geoopt.optim.RiemannianAdam."
         )
-    if not isinstance(manifold, EuclideanStiefel):
+    if not _is_frame(p):
         raise ValueError(
             f"StiefelAdam: parameter of shape {tuple(p.shape)} is on {manifold!r}; StiefelAdam trains "
             f"Stiefel frames (PolarStiefel / EuclideanStiefel) and Euclidean parameters only. Use "
             f"geoopt.optim.RiemannianAdam for other manifolds."
         )
+
+
+def _check_parameter(p: torch.Tensor) -> None:
+    """Reject parameters the optimizer cannot train, naming the fix."""
+    _distributed.check_parameter(p)  # sharded (FSDP/DTensor) parameters: NotImplementedError
+    _check_manifold(p)
+    if not _is_frame(p):
+        return
     if p.is_complex():
         raise TypeError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} is complex; Stiefel frames "
                         f"must be real (float64, float32, bfloat16 or float16).")
@@ -98,6 +122,106 @@ def _check_parameter(p: torch.Tensor) -> None:
         raise ValueError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} is not a stack of d x r frames "
                          f"with r <= d (orthonormal columns cannot outnumber rows). Store frames as (..., d, r), "
                          f"e.g. transpose a (r, d) matrix, or use fewer columns.")
+
+
+def _capturable(group: dict[str, Any], device: torch.device) -> bool:
+    """Whether the group's step runs the capturable path on ``device``: the group's ``capturable``, or, when it
+    is ``None`` (the default), whether ``device`` is not the CPU."""
+    cap = group.get("capturable")
+    return device.type != "cpu" if cap is None else bool(cap)
+
+
+def _can_read_host() -> bool:
+    """False while torch.compile traces or a CUDA graph is captured (a host read would break or fail them)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _zeros_like_layout(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A plain zero tensor of ``p``'s shape and device, column-major like ``p`` when ``p`` is (e.g. the ``Q`` of
+    ``torch.linalg.qr``), else contiguous."""
+    if p.dim() >= 2 and not p.is_contiguous() and p.mT.is_contiguous():
+        return torch.zeros(p.mT.shape, dtype=dtype, device=p.device).mT
+    return torch.zeros(p.shape, dtype=dtype, device=p.device)
+
+
+def _frame_state_shapes(p: torch.Tensor, second_moment: str | None) -> dict[str, tuple[int, ...]]:
+    """The shape of each state tensor of a frame parameter ``p`` of shape ``(..., d, r)``."""
+    shapes = {"exp_avg": tuple(p.shape), "master": tuple(p.shape)}
+    if second_moment is not None:
+        batch, r = tuple(p.shape[:-2]), p.shape[-1]
+        shapes["exp_avg_sq"] = {"frame": batch + (1, 1), "column": batch + (1, r),
+                                "element": tuple(p.shape)}[second_moment]
+    return shapes
+
+
+def _loaded_state(p: torch.Tensor, saved: Any, group: dict[str, Any], label: str) -> dict[str, Any]:
+    """The state of ``p`` from a state dict, checked against ``p`` and its group, converted and cast (see
+    :meth:`StiefelAdam.load_state_dict`); raises before anything changes."""
+    where = f"StiefelAdam.load_state_dict: {label}"
+    if not isinstance(saved, dict):
+        raise ValueError(f"{where}: its state is a {type(saved).__name__}, not a dict of state entries.")
+    state = dict(saved)
+    if not state:
+        return state
+    if "step" in state and not isinstance(state["step"], torch.Tensor):  # geoopt stores a Python int
+        state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+    frame = _is_frame(p)
+    sm = group["second_moment"]
+    if frame:
+        required = ["step", "exp_avg"] + (["exp_avg_sq"] if sm is not None else [])
+        shapes = _frame_state_shapes(p, sm)
+        if "max_exp_avg_sq" in state:
+            del state["max_exp_avg_sq"]
+            warnings.warn(f"{where}: dropped the frame's AMSGrad buffer 'max_exp_avg_sq' (a geoopt checkpoint?); "
+                          f"StiefelAdam's amsgrad applies to Euclidean parameters only.", UserWarning, stacklevel=3)
+        v = state.get("exp_avg_sq")
+        if sm == "frame" and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) \
+                and tuple(p.shape[-2:]) != (1, 1):
+            head = v[..., :1, :1]
+            if not torch.equal(v, head.expand_as(v)):
+                raise ValueError(
+                    f"{where}: its full-size exp_avg_sq {tuple(v.shape)} is not constant on each frame, so it is "
+                    f"not one second moment per frame (geoopt's RiemannianAdam on EuclideanStiefel stores one "
+                    f"scalar per frame at every entry; this state is not of that kind). Load it into an "
+                    f"optimizer with second_moment='element', or drop this parameter's state in a "
+                    f"register_load_state_dict_pre_hook to restart its moments.")
+            state["exp_avg_sq"] = head
+    else:
+        required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        shapes = {key: tuple(p.shape) for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+    missing = [key for key in required if key not in state]
+    if missing:
+        raise ValueError(f"{where}: its state lacks {missing} (has {sorted(state)}); the state dict does not "
+                         f"belong to this parameter and group (second_moment={sm!r}, amsgrad={group['amsgrad']}).")
+    for key, shape in shapes.items():
+        value = state.get(key)
+        if value is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{where}: its state {key!r} has shape {got}, expected {shape} "
+                             f"(second_moment={sm!r}); the state dict does not belong to this parameter.")
+    compute = _linalg.compute_dtype(p.dtype) if frame else p.dtype
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        device = p.device
+        if key == "step":  # float32, on the parameter's device in capturable mode (torch's rule), else on the CPU
+            dtype = torch.float32
+            device = p.device if _capturable(group, p.device) else torch.device("cpu")
+        elif key == "master":
+            dtype = torch.float32
+        elif value.is_floating_point() and (frame or p.is_floating_point()):
+            dtype = compute
+        else:
+            dtype = value.dtype
+        if tuple(value.shape) == tuple(p.shape):  # the parameter's memory layout (e.g. column-major frames)
+            state[key] = _zeros_like_layout(p, dtype).to(device).copy_(value)
+        else:
+            state[key] = value.to(dtype=dtype, device=device, copy=True)
+    if frame:
+        state.setdefault("skipped_frames", torch.zeros((), dtype=torch.int64, device=p.device))
+    return state
 
 
 def stiefel_adam_update(
@@ -131,7 +255,10 @@ def stiefel_adam_update(
     7. :math:`m \leftarrow m - W \operatorname{sym}(W^\top m)`
 
     A frame whose gradient has a non-finite entry (or whose :math:`\|\xi\|_F^2` overflows) is skipped: its
-    ``W``, ``m`` and ``v`` come back unchanged, and the returned mask is ``False`` there.
+    ``W``, ``m`` and ``v`` come back unchanged, and the returned mask is ``False`` there. A frame whose step
+    :math:`s` is exactly zero (``lr = 0``; or ``eps = 0`` and a zero second moment, see below) keeps its ``W``
+    bit for bit (its moments are updated). With ``eps = 0``, entries whose :math:`\sqrt{\hat v}` is zero take
+    a zero step instead of :math:`0/0`.
 
     Parameters
     ----------
@@ -177,14 +304,18 @@ def stiefel_adam_update(
             raise ValueError(f"second_moment={second_moment!r} is unknown; use one of {SECOND_MOMENTS}.")
         v = torch.where(finite, beta2 * exp_avg_sq + (1.0 - beta2) * sq, exp_avg_sq)
         bias2 = 1.0 - beta2**step
-        s = (lr / bias1) * m / ((v / bias2).sqrt() + eps)
+        denom = (v / bias2).sqrt() + eps
+        s = (lr / bias1) * m / denom
+        if eps == 0:
+            s = torch.where(denom == 0, torch.zeros((), dtype=s.dtype, device=s.device), s)
         if second_moment != "frame":
             s = _linalg.proju(w, s)
     s = _linalg.cap_step(s, trust_region) * finite  # a zero step keeps NaNs out of the retraction
+    moving = finite & (s != 0).any(dim=-1, keepdim=True).any(dim=-2, keepdim=True)
     w_new = _linalg.polar(w - s, order=series_order)
-    m = _linalg.proju(w_new, m)
-    # skipped frames come back bit-identical (a zero-step retraction would still round them)
-    return torch.where(finite, w_new, w), torch.where(finite, m, exp_avg), v, finite
+    m_new = _linalg.proju(w_new, m)
+    # skipped frames and frames without a step come back bit-identical (a zero-step retraction would round them)
+    return torch.where(moving, w_new, w), torch.where(moving, m_new, m), v, finite
 
 
 #: Same-shaped frame parameters of a group are stacked into batches of at most this many elements, one call
@@ -192,6 +323,9 @@ def stiefel_adam_update(
 #: elements is a batch of its own, updated in place with no staging copies. 2**16 was the fastest choice for
 #: the widths 128-768 of ``stiefel-attention bench`` on a 2-core CPU.
 STACK_NUMEL = 1 << 16
+
+#: Device types on which torch's own AdamW supports ``capturable=True`` (its Euclidean part of the step).
+_TORCH_CAPTURABLE_DEVICES = tuple(_torch_optimizer._get_capturable_supported_devices())
 
 #: Second-moment modes with the fused in-place kernel; the ablation variants use :func:`stiefel_adam_update`.
 _FAST_MODES = ("frame", None)
@@ -210,53 +344,72 @@ def _frame_update_(
     exp_avg_sq: torch.Tensor | None,
     scratch: torch.Tensor,
     *,
-    step: int,
-    lr: float,
+    step: int | torch.Tensor,
+    lr: float | torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
     trust_region: float | None,
     maximize: bool = False,
+    capturable: bool = False,
 ) -> torch.Tensor:
     r"""The update of :func:`stiefel_adam_update` for ``second_moment`` in ``("frame", None)``, in place.
 
-    ``w``, ``exp_avg`` (contiguous, shape ``(n, d, r)``, compute dtype) and ``exp_avg_sq`` (``(n, 1, 1)``) are
-    overwritten; ``grad`` is only read; ``scratch`` (contiguous ``(n, d, r)``) holds first :math:`\xi`, then
-    :math:`W - s`. Six ``d x r x r`` products per step: :math:`W^\top G`, :math:`W S`, the Gram matrix of the
+    ``w`` and ``exp_avg`` (shape ``(n, d, r)``, compute dtype, both row-major or both column-major, i.e.
+    ``x.mT`` contiguous) and ``exp_avg_sq`` (``(n, 1, 1)``) are overwritten; ``grad`` is only read;
+    ``scratch`` (``(n, d, r)``, laid out like ``w``) holds first :math:`\xi`, then :math:`W - s`. ``step`` is an int or
+    a tensor of step counts broadcastable to ``(n, 1, 1)`` (the capturable path). Six ``d x r x r`` products per step: :math:`W^\top G`, :math:`W S`, the Gram matrix of the
     actual :math:`W - s`, :math:`(W - s) X`, :math:`W_+^\top m` and :math:`W_+ S'`, the last four written
     into their destinations (``baddbmm``/``out=``) so that no ``d x r`` temporary is allocated.
 
     Skipped frames (non-finite :math:`\|\xi\|_F^2`) come back bit-identical: their :math:`\xi` is replaced by
     their own :math:`m` (the moving average then returns :math:`m`), their step is zero and their
-    retraction and transport multiply by the identity and subtract zero. On CPU the masking runs only when a
+    retraction and transport multiply by the identity and subtract zero. Frames whose step size is zero
+    (``lr = 0``, or ``eps = 0`` with a zero second moment, whose :math:`1/\sqrt{\hat v}` is taken as 0) keep
+    ``W`` bit-identical the same way; their moments are updated. On CPU the masking runs only when a
     frame is actually skipped and the series order follows the largest step actually taken (reading a CPU
-    tensor costs no synchronisation); on other devices the masking always runs and the order follows the
-    trust radius, so the step makes no host synchronisation.
+    tensor costs no synchronisation); on other devices, and with ``capturable=True`` on any device, the
+    masking always runs and the order follows the trust radius, so the step reads no tensor on the host.
 
     Returns the boolean ``(n, 1, 1)`` mask of updated frames.
     """
-    on_host = w.device.type == "cpu"
+    on_host = w.device.type == "cpu" and not capturable  # may tensor values be read on the host?
+    row_major = w.is_contiguous()
+
+    def stored(t: torch.Tensor) -> torch.Tensor:
+        """``t`` in storage order: itself, or for column-major frames its (contiguous) transpose. Every
+        ``out=`` below writes through it, so no output is strided (which torch.compile refuses)."""
+        return t if row_major else t.mT
+
     sign = -1.0 if maximize else 1.0
     # 1. xi = sign * (G - W sym(W^T G)), into scratch
     a = torch.bmm(w.mT, grad)
-    a = a + a.mT  # 2 sym(W^T G)
-    xi = torch.baddbmm(grad, w, a, beta=sign, alpha=-0.5 * sign, out=scratch)
+    a = a + a.mT  # 2 sym(W^T G), exactly symmetric: (W A)^T = A W^T
+    factors = (w, a) if row_major else (a, w.mT)
+    torch.baddbmm(stored(grad), *factors, beta=sign, alpha=-0.5 * sign, out=stored(scratch))
+    xi = scratch
     xi_sq = torch.linalg.vector_norm(xi, dim=(-2, -1), keepdim=True).square_()
     finite = xi_sq < math.inf  # False for inf and NaN
     masked = not (on_host and bool(finite.all()))
     if masked:
-        torch.where(finite, xi, exp_avg, out=xi)
+        torch.where(finite, stored(xi), stored(exp_avg), out=stored(xi))
     # 2. m <- beta1 m + (1 - beta1) xi
     exp_avg.lerp_(xi, 1.0 - beta1)
     # 3.-4. v <- beta2 v + (1 - beta2) ||xi||^2; per-frame step size alpha, s = alpha m
     bias1 = 1.0 - beta1**step
     if exp_avg_sq is None:
-        alpha = torch.full_like(xi_sq, lr / bias1)
+        alpha = torch.zeros_like(xi_sq).add_(lr / bias1)
     else:
         if masked:
             xi_sq = torch.where(finite, xi_sq, exp_avg_sq)
         exp_avg_sq.lerp_(xi_sq, 1.0 - beta2)
         alpha = exp_avg_sq.div(1.0 - beta2**step).sqrt_().add_(eps).reciprocal_().mul_(lr / bias1)
+        if eps == 0:  # v = 0 (then m = 0 too): no step instead of 1/0 (and 0 * inf when lr = 0)
+            alpha.nan_to_num_(nan=0.0, posinf=0.0)
+    moving = finite
+    if (not isinstance(lr, torch.Tensor) and lr == 0) or eps == 0:  # only then can a step size be exactly 0
+        moving = finite & (alpha != 0)
+        masked = masked or not (on_host and bool(moving.all()))
     # 5. trust region: ||s|| = alpha ||m|| <= Delta
     order = None
     if trust_region is not None:
@@ -267,28 +420,36 @@ def _frame_update_(
             radius = min(radius, float((alpha * m_norm).amax()))
         order = _linalg.series_order(radius**2 + _rounding_margin(w.dtype), w.dtype)
     if masked:
-        alpha = alpha * finite
+        alpha = alpha * moving
     # 6. W <- (W - s) X with X = ((W - s)^T (W - s))^{-1/2}
-    y = torch.addcmul(w, exp_avg, alpha, value=-1.0, out=scratch)
+    torch.addcmul(stored(w), stored(exp_avg), alpha, value=-1.0, out=stored(scratch))
+    y = scratch
     gram = torch.bmm(y.mT, y)
     x = _linalg.inv_sqrt_spd(gram) if order is None else _linalg.inv_sqrt_series(gram, order)
     if masked:
-        x = torch.where(finite, x, torch.eye(x.shape[-1], dtype=x.dtype, device=x.device))
-    torch.bmm(y, x, out=w)
+        x = torch.where(moving, x, torch.eye(x.shape[-1], dtype=x.dtype, device=x.device))
+    if row_major:
+        torch.bmm(y, x, out=w)
+    else:  # column-major W: write W_+^T = X^T (W - s)^T into its contiguous transpose, no copy
+        torch.bmm(x.mT, y.mT, out=w.mT)
     # 7. m <- m - W sym(W^T m)
     b = torch.bmm(w.mT, exp_avg)
-    b = b + b.mT
+    b = b + b.mT  # exactly symmetric
     if masked:
-        b = b * finite
-    exp_avg.baddbmm_(w, b, alpha=-0.5)
+        b = b * moving
+    if row_major:
+        exp_avg.baddbmm_(w, b, alpha=-0.5)
+    else:
+        exp_avg.mT.baddbmm_(b, w.mT, alpha=-0.5)  # (W S)^T = S W^T for the symmetric S
     return finite
 
 
-def _frame_batches(frames: list[torch.Tensor], steps: list[int]) -> list[tuple[int, list[torch.Tensor]]]:
-    """Split frame parameters into update batches of one shape, dtype, device and step count, each of at most
-    :data:`STACK_NUMEL` elements; a parameter of more than half that many is a batch of its own."""
+def _frame_batches(frames: list[torch.Tensor], steps: list[int] | None) -> list[tuple[int | None, list[torch.Tensor]]]:
+    """Split frame parameters into update batches of one shape, dtype, device and step count (``steps=None``:
+    any step count, the capturable path), each of at most :data:`STACK_NUMEL` elements; a parameter of more than
+    half that many is a batch of its own."""
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for p, step in zip(frames, steps, strict=True):
+    for p, step in zip(frames, steps if steps is not None else [None] * len(frames), strict=True):
         groups[(p.shape, p.dtype, p.device, step)].append(p)
     batches = []
     for (_, _, _, step), params in groups.items():
@@ -322,13 +483,18 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
     Parameters
     ----------
     params : iterable
-        Parameters or dicts defining parameter groups; frames and Euclidean parameters may be mixed.
+        Parameters, ``(name, parameter)`` pairs (``named_parameters()``) or dicts defining parameter groups
+        whose ``"params"`` are any of these (lists, tuples or generators); frames and Euclidean parameters may
+        be mixed.
     lr : float, default 1e-3
-        Learning rate. For a frame, :math:`\|s\|_F \approx \mathrm{lr}` per step for a steady gradient.
+        Learning rate, ``>= 0``. For a frame, :math:`\|s\|_F \approx \mathrm{lr}` per step for a steady
+        gradient. With ``lr = 0`` (the start of a warm-up) frames stay bit for bit where they are while their
+        moments and step count advance, as with torch's Adam.
     betas : (float, float), default (0.9, 0.999)
         Decay rates of the first and second moments, each in ``[0, 1)``.
     eps : float, default 1e-8
-        Added to :math:`\sqrt{\hat v}`.
+        Added to :math:`\sqrt{\hat v}`, ``>= 0``. With ``eps = 0`` a frame whose second moment is zero (only
+        zero Riemannian gradients so far, hence :math:`m = 0`) takes no step instead of :math:`0/0`.
     weight_decay : float, default 0
         Decoupled (AdamW) weight decay for Euclidean parameters. On frames it has no effect, by design:
         the Riemannian gradient of :math:`\tfrac{\lambda}{2}\|W\|_F^2` is
@@ -354,7 +520,18 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         (no longer the rounding of the master) are taken from the parameter. No effect on float32/float64
         frames.
     amsgrad, maximize, foreach : bool
-        As in :class:`torch.optim.AdamW`; ``amsgrad`` applies to Euclidean parameters only.
+        As in :class:`torch.optim.AdamW`; ``amsgrad`` applies to Euclidean parameters only, ``foreach``
+        selects torch's AdamW implementation for them (frames always use their own fused kernel).
+    differentiable, fused : bool
+        Accepted for torch's signature; only ``False``/``None`` is supported (a clear ``ValueError`` otherwise).
+    capturable : bool or None, default None
+        As in :class:`torch.optim.Adam`: step counts are tensors on the parameter's device and the step reads
+        no tensor value on the host (bias corrections, skip masks and counts stay on the device; the
+        retraction's series order follows the trust radius), so it can be captured in a CUDA graph and is
+        traced by ``torch.compile`` without graph breaks. ``None`` means ``True`` for parameters on an
+        accelerator and ``False`` on the CPU; ``True`` on the CPU runs the accelerator path. Not combinable
+        with ``stabilize``. A frame's one-time first-step orthonormality check reads on the host, except
+        under ``torch.compile`` tracing or CUDA-graph capture, where it is skipped.
 
     Scope and warnings
     ------------------
@@ -374,8 +551,9 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
       Gram matrix of :math:`W - s`, :math:`(W - s) X`, :math:`W_+^\top m`, :math:`W_+ S'`) and a few
       elementwise passes, in place, with no ``d x d`` work and no SVD or QR. Same-shaped small parameters of a
       group are stacked into one batched call per operation; large ones are updated in place one at a time.
-      Apart from the state, the optimizer keeps one reusable scratch buffer per dtype and device. The step
-      makes no host synchronisation on accelerators. ``stiefel-attention bench`` measures all of this
+      Apart from the state, the optimizer keeps one reusable scratch buffer per dtype and device (the
+      capturable path allocates its scratch per step). The step makes no host synchronisation on
+      accelerators (``capturable``). ``stiefel-attention bench`` measures all of this
       against AdamW and stock geoopt.
     - The ``"frame"`` and ``None`` second moments run a fused in-place kernel; ``"column"`` and
       ``"element"`` (for ablations) run :func:`stiefel_adam_update`, the same update written as a pure
@@ -397,7 +575,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, torch.Tensor]],
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -410,57 +588,154 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         amsgrad: bool = False,
         maximize: bool = False,
         foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        capturable: bool | None = None,
     ) -> None:
-        self._extra_defaults = {"trust_region": trust_region, "second_moment": second_moment,
-                                "master_weights": master_weights}
+        if differentiable:
+            raise ValueError("StiefelAdam: differentiable=True is not supported: the frame update runs in place "
+                             "under torch.no_grad() (a polar retraction with a data-dependent series order), so "
+                             "no graph through the step exists. Pass differentiable=False (the default).")
+        if fused:
+            raise ValueError("StiefelAdam: fused=True is not supported: frames always use their own fused "
+                             "in-place kernel and other parameters torch's AdamW implementation selected by "
+                             "`foreach`. Pass fused=None (the default).")
+        if isinstance(params, torch.Tensor):
+            raise TypeError(f"StiefelAdam: params must be an iterable of tensors, (name, tensor) pairs or group "
+                            f"dicts, not a single {torch.typename(params)}; pass [tensor] or model.parameters().")
+        params = list(params)
+        if not params:
+            raise ValueError("StiefelAdam: got an empty parameter list; pass model.parameters(), a list of "
+                             "tensors or a list of group dicts (is the generator already consumed?).")
+        self._pending_defaults = {"trust_region": trust_region, "second_moment": second_moment,
+                                  "stabilize": stabilize, "master_weights": master_weights}
+        self._constructing = True
         _validate_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                       stabilize=stabilize, **self._extra_defaults))
+                                       capturable=capturable, **self._pending_defaults))
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         maximize=maximize, foreach=foreach, stabilize=stabilize,
+                         maximize=maximize, foreach=foreach, stabilize=stabilize, capturable=capturable,
                          decoupled_weight_decay=True)
-        self.defaults.update(self._extra_defaults)
+        self.defaults.update(self._pending_defaults)
+        del self._pending_defaults, self._constructing
+        if not any(group["params"] for group in self.param_groups):
+            raise ValueError(f"StiefelAdam: all {len(self.param_groups)} parameter groups are empty, so the "
+                             f"optimizer would train nothing; pass groups whose 'params' hold the tensors to "
+                             f"train (is a generator already consumed?).")
 
     # ------------------------------------------------------------------ groups and checkpoints
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        """Add a parameter group, as :meth:`torch.optim.Optimizer.add_param_group`.
+
+        ``param_group["params"]`` may be a tensor, a list, tuple or generator of tensors, or of
+        ``(name, tensor)`` pairs (``named_parameters()``). Every parameter is validated, whatever the form,
+        before anything changes. An empty group given as a generator or iterator (often one that was consumed
+        earlier), or added after construction, trains nothing and gives a ``UserWarning``; an explicit empty
+        list among non-empty groups at construction is accepted silently, as by torch (e.g. the ``"frames"``
+        group of :func:`~geoopt_stiefel_attention.param_groups` for a model without frames).
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"StiefelAdam: a parameter group must be a dict with a 'params' entry, not "
+                            f"{type(param_group).__name__}.")
+        if "params" not in param_group:
+            raise ValueError("StiefelAdam: a parameter group needs a 'params' entry, e.g. "
+                             "{'params': model.head.parameters(), 'lr': 1e-3}.")
+        given = param_group["params"]
+        if isinstance(given, torch.Tensor):
+            params = [given]
+        elif isinstance(given, (set, frozenset)):
+            raise TypeError("StiefelAdam: parameters must be given in an ordered collection (list, tuple or "
+                            "generator), not a set, whose order changes between runs; pass a list.")
+        else:
+            params = list(given)  # a generator is read once, here; torch then sees the list
+        param_group["params"] = params
         for p in params:
-            _check_parameter(p)
-        extra = getattr(self, "_extra_defaults", {"trust_region": _DEFAULT_TRUST_REGION, "second_moment": "frame",
-                                                  "master_weights": False})
-        for key, value in extra.items():
-            param_group.setdefault(key, value)
-        param_group.setdefault("stabilize", self._stabilize)
-        merged = {**self.defaults, **param_group} if self.defaults else param_group
-        _validate_hyperparameters(merged)
+            tensor = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, tensor) pairs
+            if isinstance(tensor, torch.Tensor):
+                _check_parameter(tensor)
+        constructing = self.__dict__.get("_constructing", False)
+        defaults = {**_GROUP_DEFAULTS, **self.__dict__.get("_pending_defaults", {}), **self.defaults}
+        for key in _GROUP_DEFAULTS:
+            param_group.setdefault(key, defaults[key])
+        _validate_hyperparameters({**defaults, **param_group})
+        if not params and (not constructing or not isinstance(given, (list, tuple))):
+            warnings.warn(f"StiefelAdam: parameter group {len(self.param_groups)} is empty and trains nothing "
+                          f"(was its generator consumed before, e.g. model.parameters() passed twice?).",
+                          UserWarning, stacklevel=2)
         super().add_param_group(param_group)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("trust_region", _DEFAULT_TRUST_REGION)
-            group.setdefault("second_moment", "frame")
-            group.setdefault("stabilize", None)
-            group.setdefault("master_weights", False)
+        for key, value in _GROUP_DEFAULTS.items():
+            self.defaults.setdefault(key, value)
+            for group in self.param_groups:
+                group.setdefault(key, value)
+        self._stabilize = self.defaults["stabilize"]  # what geoopt's add_param_group reads (lost by pickling)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict (see :meth:`torch.optim.Optimizer.load_state_dict`), keeping frame state exact.
+        """Load a state dict (see :meth:`torch.optim.Optimizer.load_state_dict`); it is checked completely
+        before anything changes.
 
-        Torch casts every floating-point state tensor to its parameter's dtype, which would round the float32
-        moments of a bf16/fp16 frame to bf16/fp16 and turn the int64 ``skipped_frames`` counter into a float.
-        Frame state is therefore loaded in the dtype it was saved in, only moved to the frame's device; the
-        resumed run continues bit-identically. Euclidean state follows torch.
+        As in torch, the ``register_load_state_dict_pre_hook`` hooks run first (and may return a new state
+        dict), the saved group options replace the current ones, state tensors move to their parameter's
+        device, and the post hooks run last. Floating-point state is cast as follows:
+
+        - Euclidean parameters: to the parameter's dtype (torch's rule), ``step`` excepted;
+        - frames: to the dtype the frame arithmetic runs in (float32 for bf16/fp16 frames, otherwise the
+          frame's own dtype, so a checkpoint loads after the model moved between float32 and float64); a
+          ``master`` copy stays float32, and the int64 ``skipped_frames`` counter keeps its dtype.
+
+        Checkpoints of ``geoopt.optim.RiemannianAdam`` load: its integer step counts become tensors, and a
+        frame's full-size ``exp_avg_sq`` is reduced to the ``(..., 1, 1)`` scalar it broadcasts (geoopt's
+        second moment on ``EuclideanStiefel`` is one number per frame stored at every entry). A full-size
+        second moment that is not constant on each frame cannot be a per-frame moment and is refused, as is
+        any state whose shape does not fit its parameter and group, with a ``ValueError`` naming the
+        parameter. geoopt's AMSGrad buffer of a frame is dropped with a warning (AMSGrad applies to Euclidean
+        parameters only here), and the groups' ``decoupled_weight_decay`` is set to True: StiefelAdam applies
+        decoupled decay to Euclidean parameters whatever the checkpoint says.
         """
-        super().load_state_dict(state_dict)
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        for i, p in zip(saved_ids, params, strict=True):
-            saved = state_dict["state"].get(i)
-            if saved is None or not _is_frame(p):
-                continue
-            for key, value in saved.items():
-                if key != "step" and isinstance(value, torch.Tensor):
-                    self.state[p][key] = value.to(device=p.device, copy=True)
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"StiefelAdam.load_state_dict: the state dict has {len(saved_groups)} parameter "
+                             f"groups, this optimizer {len(self.param_groups)}; build the optimizer with the "
+                             f"same groups as the one that was saved.")
+        for k, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(f"StiefelAdam.load_state_dict: parameter group {k} has {len(group['params'])} "
+                                 f"parameters here and {len(saved['params'])} in the state dict; build the "
+                                 f"optimizer with the same groups as the one that was saved.")
+        new_groups = []
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            saved["params"] = group["params"]
+            if "param_names" in group and "param_names" not in saved:
+                saved["param_names"] = group["param_names"]
+            for key, value in _GROUP_DEFAULTS.items():
+                saved.setdefault(key, value)
+            saved["decoupled_weight_decay"] = True
+            _validate_hyperparameters(saved)
+            new_groups.append(saved)
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        located = {}  # saved id -> (parameter, its new group, a name for messages)
+        for k, group in enumerate(new_groups):
+            names = group.get("param_names") or [None] * len(group["params"])
+            for j, (p, name) in enumerate(zip(group["params"], names, strict=True)):
+                label = f"{name!r} " if name is not None else ""
+                located[next(saved_ids)] = (p, group, f"parameter {label}(group {k}, position {j}, shape "
+                                                       f"{tuple(p.shape)})")
+        state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+        for key, value in state_dict["state"].items():
+            if key in located:
+                p, group, label = located[key]
+                state[p] = _loaded_state(p, value, group, label)
+            else:
+                state[key] = value  # state of no parameter is kept as is, as torch does
+        self.__setstate__({"state": state, "param_groups": new_groups})
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     # ------------------------------------------------------------------ the step
     def _validate_step(self) -> None:
@@ -474,11 +749,15 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                                      f"which is not supported; use a dense gradient (e.g. nn.Embedding("
                                      f"sparse=False)) or geoopt.optim.SparseRiemannianAdam.")
                 if not _is_frame(p):
+                    if _has_manifold(p):  # a manifold assigned after the parameter was added
+                        _check_manifold(p)
                     continue
+                if not isinstance(p.manifold, EuclideanStiefel):
+                    _check_manifold(p)
                 if p.grad.is_complex():
                     raise TypeError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} has a complex "
                                     f"gradient; frames and their gradients must be real.")
-                if not self.state.get(p):
+                if not self.state.get(p) and (not _capturable(group, p.device) or _can_read_host()):
                     err = float(_linalg.orthonormality_error(p))
                     tol = ORTHONORMALITY_TOLERANCE.get(p.dtype, 1e-4)
                     if not err <= tol:
@@ -518,49 +797,69 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                 self._step_euclidean(group, euclidean)
         return loss
 
-    def _init_frame_state(self, p: torch.Tensor, second_moment: str | None) -> dict[str, Any]:
+    def _init_frame_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
         ct = _linalg.compute_dtype(p.dtype)
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros(p.shape, dtype=ct, device=p.device)
+        step_device = p.device if _capturable(group, p.device) else torch.device("cpu")
+        state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+        # the parameter's memory layout (column-major frames then take the in-place path)
+        state["exp_avg"] = _zeros_like_layout(p, ct)
+        second_moment = group["second_moment"]
         if second_moment is not None:
-            shape = {"frame": p.shape[:-2] + (1, 1), "column": p.shape[:-2] + (1, p.shape[-1]),
-                     "element": p.shape}[second_moment]
-            state["exp_avg_sq"] = torch.zeros(shape, dtype=ct, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(_frame_state_shapes(p, second_moment)["exp_avg_sq"], dtype=ct,
+                                              device=p.device)
         state["skipped_frames"] = torch.zeros((), dtype=torch.int64, device=p.device)
         return state
 
     def _step_frames(self, group: dict[str, Any], frames: list[torch.Tensor]) -> None:
-        sm = group["second_moment"]
         states = []
         for p in frames:
             state = self.state[p]
-            states.append(state if state else self._init_frame_state(p, sm))
+            states.append(state if state else self._init_frame_state(p, group))
         torch._foreach_add_([state["step"] for state in states], 1.0)
-        update = self._update_batch if sm in _FAST_MODES else self._update_batch_reference
-        for step, params in _frame_batches(frames, [int(state["step"]) for state in states]):
+        update = self._update_batch if group["second_moment"] in _FAST_MODES else self._update_batch_reference
+        # the step count is read on the host only outside the capturable path
+        steps = [None if _capturable(group, p.device) else int(state["step"])
+                 for p, state in zip(frames, states, strict=True)]
+        for step, params in _frame_batches(frames, steps):
             update(group, params, step)
 
-    def _workspace(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _step_tensor(self, params: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The step counts of ``params`` as a tensor broadcastable to their stacked frames ``(n, 1, 1)``, in
+        ``dtype``, on their device (the capturable path: no host read)."""
+        device = params[0].device
+        steps = [self.state[p]["step"] for p in params]
+        if len(params) == 1:
+            return steps[0].to(device=device, dtype=dtype)
+        per_param = params[0].numel() // (params[0].shape[-2] * params[0].shape[-1])
+        return torch.stack(steps).to(device=device, dtype=dtype).repeat_interleave(per_param).view(-1, 1, 1)
+
+    def _workspace(self, numel: int, dtype: torch.dtype, device: torch.device, reuse: bool = True) -> torch.Tensor:
         """A reusable flat buffer of ``numel`` elements: one per (dtype, device), grown to the largest batch,
-        never part of the state (neither saved nor loaded)."""
+        never part of the state (neither saved nor loaded). ``reuse=False`` (the capturable path) allocates a
+        fresh one, which compiled and captured steps handle better than a buffer kept on the optimizer."""
+        if not reuse:
+            return torch.empty(numel, dtype=dtype, device=device)
         workspaces = self.__dict__.setdefault("_workspaces", {})
         buf = workspaces.get((dtype, device))
         if buf is None or buf.numel() < numel:
             buf = workspaces[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel]
 
-    def _update_batch(self, group: dict[str, Any], params: list[torch.Tensor], step: int) -> None:
-        """Update same-shaped frames of one dtype, device and step count with :func:`_frame_update_`.
+    def _update_batch(self, group: dict[str, Any], params: list[torch.Tensor], step: int | None) -> None:
+        """Update same-shaped frames of one dtype, device and step count (``step=None``: the capturable path,
+        any step counts, read from the state as tensors) with :func:`_frame_update_`.
 
-        A lone parameter whose frames (or float32 master copy) are contiguous in the compute dtype is updated
-        in place, with its state. Otherwise frames, gradients and first moments are staged (stacked, cast to
-        the compute dtype) in the workspace, updated there and copied back.
+        A lone parameter whose frames (or float32 master copy) are dense in the compute dtype, row-major or
+        column-major like its first moment, is updated in place, with its state. Otherwise frames, gradients
+        and first moments are staged (stacked, cast to the compute dtype) in the workspace, updated there and
+        copied back.
         """
         beta1, beta2 = group["betas"]
         p0 = params[0]
         d, r = p0.shape[-2:]
         ct = _linalg.compute_dtype(p0.dtype)
+        capturable = step is None
         states = [self.state[p] for p in params]
         exp_avgs = [state["exp_avg"] for state in states]
         exp_avg_sqs = [state["exp_avg_sq"] for state in states] if group["second_moment"] is not None else None
@@ -569,12 +868,15 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         k = len(params)
         n = k * p0.numel() // (d * r)
         size = n * d * r
-        direct = (k == 1 and sources[0].dtype == ct and sources[0].is_contiguous()
-                  and exp_avgs[0].is_contiguous())
-        ws = self._workspace(size if direct else 4 * size, ct, p0.device)
+        src, m0 = sources[0], exp_avgs[0]
+        direct = (k == 1 and src.dtype == ct and src.stride() == m0.stride()
+                  and (src.is_contiguous() or src.mT.is_contiguous()))
+        ws = self._workspace(size if direct else 4 * size, ct, p0.device, reuse=not capturable)
         scratch = ws[:size].view(n, d, r)
+        if direct and not src.is_contiguous():  # column-major frames: a column-major scratch, same strides
+            scratch = ws[:size].view(n, r, d).mT
         if direct:
-            w, m = sources[0].view(n, d, r), exp_avgs[0].view(n, d, r)
+            w, m = src.view(n, d, r), m0.view(n, d, r)
             g = p0.grad.reshape(n, d, r).to(ct)
             v = exp_avg_sqs[0].view(n, 1, 1) if exp_avg_sqs else None
         else:
@@ -585,10 +887,14 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             torch._foreach_copy_(m_k, exp_avgs)
             w, g, m = staged.view(3, n, d, r).unbind(0)
             v = torch.stack(exp_avg_sqs).view(n, 1, 1) if exp_avg_sqs else None
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            lr = lr.to(device=p0.device, dtype=ct) if capturable else float(lr)
         finite = _frame_update_(
-            w, g, m, v, scratch, step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-            trust_region=group["trust_region"], maximize=group["maximize"])
-        stabilize = group["stabilize"]
+            w, g, m, v, scratch, step=self._step_tensor(params, ct) if capturable else step, lr=lr,
+            beta1=beta1, beta2=beta2, eps=group["eps"], trust_region=group["trust_region"],
+            maximize=group["maximize"], capturable=capturable)
+        stabilize = group["stabilize"]  # None in capturable mode (refused by the validation)
         if stabilize is not None and step % stabilize == 0:
             w.copy_(_linalg.polar_svd(w))
             m.copy_(_linalg.proju(w, m))
@@ -600,12 +906,14 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                 torch._foreach_copy_(masters, w_k)
         if masters or not direct:
             torch._foreach_copy_(params, masters or w_k)
-        if p0.device.type != "cpu" or not bool(finite.all()):  # (on CPU, count only when a frame was skipped)
+        # on the CPU outside the capturable path, count only when a frame was skipped (a cheap host read)
+        if capturable or p0.device.type != "cpu" or not bool(finite.all()):
             skipped = (~finite).reshape(k, -1).sum(dim=1)
             torch._foreach_add_([state["skipped_frames"] for state in states], list(skipped.unbind(0)))
 
-    def _update_batch_reference(self, group: dict[str, Any], params: list[torch.Tensor], step: int) -> None:
-        """Update frames with the pure :func:`stiefel_adam_update` (the ``"column"`` and ``"element"`` variants)."""
+    def _update_batch_reference(self, group: dict[str, Any], params: list[torch.Tensor], step: int | None) -> None:
+        """Update frames with the pure :func:`stiefel_adam_update` (the ``"column"`` and ``"element"`` variants);
+        ``step=None`` is the capturable path."""
         beta1, beta2 = group["betas"]
         radius = group["trust_region"]
         d, r = params[0].shape[-2:]
@@ -613,6 +921,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         order = None if radius is None else _linalg.series_order(float(radius) ** 2, ct)
         states = [self.state[p] for p in params]
         counts = [p.numel() // (d * r) for p in params]
+        capturable = step is None
 
         def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
             return torch.cat([t.reshape((-1,) + t.shape[-2:]) for t in tensors]).to(ct)
@@ -620,13 +929,20 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         def unstacked(stack: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
             return [x.reshape(t.shape) for x, t in zip(stack.split(counts), like, strict=True)]
 
+        if capturable:  # per-frame step counts, as a tensor
+            step = torch.cat([self.state[p]["step"].to(device=p.device, dtype=ct).expand(c)
+                              for p, c in zip(params, counts, strict=True)])
+            step = step.view(-1, 1, 1)
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            lr = lr.to(device=params[0].device, dtype=ct) if capturable else float(lr)
         g = stacked([p.grad for p in params])
         exp_avg_sqs = [s["exp_avg_sq"] for s in states] if group["second_moment"] is not None else None
         masters = self._master_copies(params) if group["master_weights"] and params[0].dtype != ct else None
         w_new, m_new, v_new, finite = stiefel_adam_update(
             stacked(masters or [p.detach() for p in params]), -g if group["maximize"] else g,
             stacked([s["exp_avg"] for s in states]), stacked(exp_avg_sqs) if exp_avg_sqs else None,
-            step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+            step=step, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
             trust_region=radius, second_moment=group["second_moment"], series_order=order)
         stabilize = group["stabilize"]
         if stabilize is not None and step % stabilize == 0:
@@ -646,7 +962,8 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         for p in params:
             state = self.state[p]
             if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                step_device = p.device if _capturable(group, p.device) else torch.device("cpu")
+                state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if group["amsgrad"]:
@@ -658,9 +975,13 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             steps.append(state["step"])
         beta1, beta2 = group["betas"]
+        # torch's capturable AdamW runs on accelerators only; on the CPU its default path has no device to sync
+        # with and is traced by torch.compile without graph breaks
+        device = params[0].device
+        capturable = _capturable(group, device) and device.type in _TORCH_CAPTURABLE_DEVICES
         _torch_adamw.adamw(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-            foreach=group["foreach"], capturable=False, differentiable=False, fused=None,
+            foreach=group["foreach"], capturable=capturable, differentiable=False, fused=None,
             has_complex=any(torch.is_complex(p) for p in params),
             amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],

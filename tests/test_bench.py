@@ -56,11 +56,11 @@ def test_a_failing_competitor_is_reported_not_fatal():
     def broken():
         raise RuntimeError("lu_solve: pivots must be >= 1\nsecond line")
 
-    samples, failed = bench._interleave({"stiefel": lambda: calls.append(1), "geoopt_canonical": broken},
+    samples, failed = bench._interleave({"stiefel": lambda: calls.append(1), "geoopt-radam-canonical": broken},
                                         rounds=2, steps_per_round=2, warmup=1, clock="wall", device="cpu",
                                         required=("stiefel",))
     assert set(samples) == {"stiefel"} and [len(r) for r in samples["stiefel"]] == [2, 2] and len(calls) == 5
-    assert failed == {"geoopt_canonical": "failed: RuntimeError: lu_solve: pivots must be >= 1"}
+    assert failed == {"geoopt-radam-canonical": "failed: RuntimeError: lu_solve: pivots must be >= 1"}
     # companion: a failure of the arm under test is not swallowed
     with pytest.raises(RuntimeError, match="pivots"):
         bench._interleave({"stiefel": broken}, rounds=1, steps_per_round=1, warmup=1, clock="wall",
@@ -127,3 +127,72 @@ def test_cli_bench_json(capsys):
     assert row["width"] == 128 and set(row["ratios"]) == {"adamw_foreach", "matmul_floor"}
     assert main(["bench", "step", "--widths", "128", "--arms", "stiefel", "--rounds", "1", "--steps", "1"]) == 0
     assert "| 128 (2 x 4 x 32) |" in capsys.readouterr().out
+
+
+def test_cli_hf_gpt2_without_transformers_is_a_usage_error(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "train", "--models", "hf_gpt2", "--rounds", "1", "--steps", "1"])
+    assert exc.value.code == 2
+    assert "--models hf_gpt2 needs HuggingFace transformers" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_train_step_benchmark_converted_hf_gpt2():
+    pytest.importorskip("transformers")
+    (res,) = bench.train_step_benchmark(("hf_gpt2",), rounds=1, steps_per_round=1, warmup=1, scale="tiny",
+                                        clock="cpu")
+    assert res.model == "hf_gpt2" and set(res.full_step) == {"adamw", "stiefel"}
+    assert res.ratio > 0 and all(t.median_ms > 0 for t in res.full_step.values())
+    with pytest.raises(ValueError, match="unknown"):
+        bench.train_step_benchmark(("gpt3",), rounds=1, steps_per_round=1, scale="tiny")
+
+
+# ------------------------------------------------------------------------------------- CLI user errors
+BAD_COMMANDS = {
+    "demo --lr -1": "argument --lr: must be a finite number > 0, got -1",
+    "demo --lr nan": "argument --lr: must be a finite number > 0, got nan",
+    "demo --steps -3": "argument --steps: must be an integer >= 1, got -3",
+    "demo --heads 0": "argument --heads: must be an integer >= 1, got 0",
+    "demo --r 65": "--r 65 exceeds --d 64",
+    "bench --widths 0": "argument --widths: must be an integer >= 1, got 0",
+    "bench --widths 100": "argument --widths: invalid choice: 100",
+    "bench --rounds 0": "argument --rounds: must be an integer >= 1, got 0",
+    "bench --steps x": "argument --steps: expected an integer, got 'x'",
+    "bench --lr 0": "argument --lr: must be a finite number > 0, got 0",
+    "bench --threads 0": "argument --threads: must be an integer >= 1, got 0",
+    "bench --device nonsense": "--device 'nonsense' is not a torch device",
+    "bench --device meta": "--device 'meta' is not available",
+    "bench --arms adamw_foreach": "--arms must include 'stiefel'",
+    "certify --steps 0": "argument --steps: must be an integer >= 1, got 0",
+    "certify --optimizers nobody": "--optimizers: No optimizer column named 'nobody'",
+}
+
+
+@pytest.mark.parametrize("command", list(BAD_COMMANDS))
+def test_cli_user_errors_are_one_line_exit_2(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(command.split())
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"stiefel-attention {command.split()[0]}: error: ") and BAD_COMMANDS[command] in last
+    assert "Traceback" not in err
+
+
+def test_cli_user_error_in_a_real_process_has_no_traceback():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "geoopt_stiefel_attention", "demo", "--steps", "-3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "Traceback" not in proc.stderr and "argument --steps" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_demo_accepts_valid_arguments(capsys):
+    assert main(["demo", "--heads", "2", "--d", "6", "--r", "6", "--steps", "3", "--lr", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "StiefelAdam" in out and "geoopt RiemannianAdam" in out

@@ -159,3 +159,55 @@ def test_helper_sharded_model_is_accepted_and_trains(one_rank_group):
     _loss(model, *_batch()).backward()
     opt.step()
     assert all(float(orthonormality_error(p)) < MANIFOLD_TOL_F64 for p in frame_parameters(model))
+
+
+# ----------------------------------------------------------------------------- one meaning of "frame"
+class _ManifoldZoo(torch.nn.Module):
+    """One parameter on each kind of geoopt manifold, beside plain weights FSDP should shard."""
+
+    def __init__(self):
+        super().__init__()
+        import geoopt
+
+        from geoopt_stiefel_attention import PolarStiefel
+
+        def on(manifold, data):
+            return geoopt.ManifoldParameter(manifold.projx(data), manifold=manifold)
+
+        g = torch.Generator().manual_seed(0)
+        self.polar = on(PolarStiefel(), torch.randn(2, 8, 3, generator=g, dtype=torch.float64))
+        self.euclidean_stiefel = on(geoopt.EuclideanStiefel(), torch.randn(8, 3, generator=g, dtype=torch.float64))
+        self.canonical = on(geoopt.Stiefel(), torch.randn(8, 3, generator=g, dtype=torch.float64))
+        self.sphere = on(geoopt.Sphere(), torch.randn(4, 8, generator=g, dtype=torch.float64))
+        self.flat = geoopt.ManifoldParameter(torch.randn(4, 8, generator=g, dtype=torch.float64))  # Euclidean
+        self.linear = torch.nn.Linear(8, 8, dtype=torch.float64)
+
+
+ZOO_FRAMES = {"polar", "euclidean_stiefel", "canonical"}
+ZOO_KEPT = ZOO_FRAMES | {"sphere"}
+
+
+def test_frame_predicate_is_the_same_everywhere():
+    zoo = _ManifoldZoo()
+    named = dict(zoo.named_parameters())
+    assert {n for n, p in named.items() if is_frame(p)} == ZOO_FRAMES
+    assert {id(p) for p in frame_parameters(zoo)} == {id(named[n]) for n in ZOO_FRAMES}
+    assert {id(p) for p in param_groups(zoo)[0]["params"]} == {id(named[n]) for n in ZOO_FRAMES}
+    StiefelAdam([named["polar"], named["euclidean_stiefel"], named["flat"], named["linear.weight"]])
+    for name, message in [("canonical", "PolarStiefel"), ("sphere", "RiemannianAdam")]:
+        with pytest.raises(ValueError, match=message):
+            StiefelAdam([named[name]])
+
+
+def test_fsdp_helper_keeps_every_manifold_parameter_out_of_the_sharding(one_rank_group):
+    """Before the fix a canonical Stiefel() frame (and a Sphere parameter) was sharded: it lost its manifold and
+    a Euclidean optimizer trained it silently."""
+    zoo = _ManifoldZoo()
+    fully_shard_except_frames(zoo)
+    named = dict(zoo.named_parameters())
+    for name in ZOO_KEPT:
+        assert not is_sharded(named[name]) and hasattr(named[name], "manifold"), name
+    assert {n for n, p in named.items() if is_sharded(p)} == {"flat", "linear.weight", "linear.bias"}
+    assert {n for n, p in named.items() if is_frame(p)} == ZOO_FRAMES
+    with pytest.raises(ValueError, match="PolarStiefel"):  # still a canonical frame: refused, not AdamW-trained
+        StiefelAdam(zoo.parameters())

@@ -241,6 +241,34 @@ def test_scope_and_warnings_section_is_rendered(built_site):
     assert "Scope and warnings" in page and "skipped_frames" in page
 
 
+_REMOTE = re.compile(r"""<(?:script|link|img|iframe)\b[^>]*?\b(?:src|href)\s*=\s*["']((?:https?:)?//[^"']*)""",
+                     re.IGNORECASE)
+
+
+def remote_assets(page: str) -> list[str]:
+    """URLs of scripts, stylesheets, images and frames that ``page`` loads from another host."""
+    return [m.group(1) for m in _REMOTE.finditer(page)]
+
+
+def test_pages_load_nothing_from_the_network(built_site):
+    """Maths renders offline: every page loads the vendored MathJax, nothing from a CDN."""
+    pages = sorted(built_site.rglob("*.html"))
+    offenders = {str(p.relative_to(built_site)): remote_assets(p.read_text(encoding="utf-8")) for p in pages}
+    assert not {k: v for k, v in offenders.items() if v}
+    math_page = (built_site / "propositions" / "conditioning.html").read_text(encoding="utf-8")
+    assert 'src="../_static/mathjax/tex-chtml.js' in math_page and 'class="math' in math_page
+    fonts = built_site / "_static" / "mathjax" / "output" / "chtml" / "fonts" / "woff-v2"
+    assert (built_site / "_static" / "mathjax" / "tex-chtml.js").is_file() and len(list(fonts.glob("*.woff"))) >= 20
+
+
+def test_remote_asset_check_can_fail():
+    cdn = ('<script defer="defer" src="https://cdn.jsdelivr.net/npm/mathjax@4/tex-mml-chtml.js"></script>'
+           '<link rel="stylesheet" href="//fonts.example.org/a.css"><a href="https://example.org">a link</a>'
+           '<script src="_static/doctools.js"></script>')
+    assert remote_assets(cdn) == ["https://cdn.jsdelivr.net/npm/mathjax@4/tex-mml-chtml.js",
+                                  "//fonts.example.org/a.css"]
+
+
 def test_sphinx_build_fails_on_a_rest_error(tmp_path):
     """Companion: the same command fails on a page with a reST error, so the passing build means something."""
     pytest.importorskip("sphinx")

@@ -393,9 +393,9 @@ def test_sparse_gradient_is_rejected():
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        ({"lr": 0.0}, "lr"),
         ({"lr": -1e-3}, "lr"),
-        ({"eps": 0.0}, "eps"),
+        ({"lr": float("nan")}, "lr"),
+        ({"eps": -1e-8}, "eps"),
         ({"betas": (1.0, 0.999)}, "betas"),
         ({"betas": (0.9, -0.1)}, "betas"),
         ({"trust_region": 0.0}, "trust_region"),

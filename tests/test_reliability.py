@@ -116,8 +116,8 @@ def trained():
 
 # ----------------------------------------------------------------------------- bad input changes nothing
 BAD_OPTIONS = [
-    ({"lr": 0.0}, "lr"), ({"lr": -1.0}, "lr"), ({"lr": float("nan")}, "lr"), ({"lr": float("inf")}, "lr"),
-    ({"eps": 0.0}, "eps"), ({"eps": -1e-8}, "eps"), ({"eps": float("nan")}, "eps"),
+    ({"lr": -1.0}, "lr"), ({"lr": -1e-12}, "lr"), ({"lr": float("nan")}, "lr"), ({"lr": float("inf")}, "lr"),
+    ({"eps": -1e-8}, "eps"), ({"eps": float("nan")}, "eps"), ({"eps": float("inf")}, "eps"),
     ({"betas": (1.0, 0.999)}, "betas"), ({"betas": (0.9, 1.0)}, "betas"), ({"betas": (-0.1, 0.999)}, "betas"),
     ({"betas": (0.9,)}, "betas"), ({"betas": (0.9, float("nan"))}, "betas"), ({"betas": 0.9}, "betas"),
     ({"trust_region": 0.0}, "trust_region"), ({"trust_region": -0.1}, "trust_region"),
@@ -174,6 +174,26 @@ def test_bad_parameter_is_refused_when_added_and_changes_nothing(trained, kind):
     with pytest.raises(exc, match=message):
         StiefelAdam([p])
     assert len(opt.param_groups) == 3 and _same(before, _snapshot(model, opt))
+
+
+R_GT_D_MESSAGE = r"r=9 columns but only d=3 rows.*Store frames as \(\.\.\., d, r\).*transpose"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: geoopt.ManifoldParameter(torch.randn(2, 3, 9), manifold=PolarStiefel()),
+    lambda: geoopt.ManifoldTensor(torch.randn(3, 9), manifold=PolarStiefel()),
+    lambda: PolarStiefel().random(3, 9),
+])
+def test_r_greater_than_d_is_refused_where_the_frame_is_made_naming_the_fix(make):
+    """The README promises an error naming the parameter and the fix; before, geoopt's "`x` seems to be not valid
+    tensor" surfaced. (A frame whose data is replaced later is caught by the optimizer: see _bad_frame.)"""
+    with pytest.raises(ValueError, match=R_GT_D_MESSAGE):
+        make()
+
+
+def test_r_equal_to_d_is_accepted():
+    """Companion: square frames (orthogonal matrices) are valid."""
+    assert PolarStiefel().check_point_on_manifold(PolarStiefel().random(2, 5, 5))
 
 
 def _sparse_param():
@@ -266,18 +286,18 @@ def test_nan_loss_in_a_model_leaves_every_frame_on_the_manifold(trained):
     assert not torch.isfinite(model.unembed.weight).all()
 
 
-def _scaler_run(*, inject: bool, steps: int = 4, record_at: int = 1):
-    """Train a float32 model with the AMP pattern (autocast bf16 + GradScaler), snapshotting around step
-    ``record_at``; with ``inject`` an Inf is planted in a frame's scaled gradient at that step."""
+def _scaler_run(*, inject: bool, steps: int = 4, record_at: int = 1, autocast=torch.bfloat16, capturable=None):
+    """Train a float32 model with the AMP pattern (autocast to ``autocast`` + GradScaler), snapshotting around
+    step ``record_at``; with ``inject`` an Inf is planted in a frame's scaled gradient at that step."""
     model = _model(dtype=torch.float32)
-    opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2)
+    opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2, capturable=capturable)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     record = []
     for k, (x, y) in enumerate(_batches(steps)):
         if k == record_at:
             record.append(_snapshot(model, opt))
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=autocast):
             loss = _loss(model, x, y)
         scaler.scale(loss).backward()
         if k == record_at and inject:
@@ -289,15 +309,18 @@ def _scaler_run(*, inject: bool, steps: int = 4, record_at: int = 1):
     return model, opt, record
 
 
-def test_grad_scaler_skips_the_overflowing_step_and_training_continues():
-    model, opt, (before, after, scale) = _scaler_run(inject=True)
+@pytest.mark.parametrize(("autocast", "capturable"), [(torch.bfloat16, None), (torch.float16, None),
+                                                     (torch.float16, True)])
+def test_grad_scaler_skips_the_overflowing_step_and_training_continues(autocast, capturable):
+    """On the default and on the capturable path (issue 18): frames and moments untouched, the scale halves."""
+    model, opt, (before, after, scale) = _scaler_run(inject=True, autocast=autocast, capturable=capturable)
     assert _same(before, after)  # scaler.step did not call opt.step: nothing changed
     assert scale == 2.0**11  # and the scale was halved
     for p in frame_parameters(model):
         assert float(orthonormality_error(p)) < 1e-5 and int(opt.state[p]["skipped_frames"]) == 0
         assert int(opt.state[p]["step"]) == 3  # the two later steps were taken
     # companion: without the overflow the same step changes the parameters and keeps the scale
-    _, _, (before_ok, after_ok, scale_ok) = _scaler_run(inject=False)
+    _, _, (before_ok, after_ok, scale_ok) = _scaler_run(inject=False, autocast=autocast, capturable=capturable)
     assert not _same(before_ok[0], after_ok[0]) and scale_ok == 2.0**12
 
 

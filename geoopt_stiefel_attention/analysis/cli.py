@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .._argtypes import nonnegative_int, positive_int, usage_error
+
 HELP = ("Certify the five propositions and the gauge negative result numerically (float64) for StiefelAdam "
         "and stock optimizers; print the table.")
 
@@ -13,14 +15,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--json", metavar="PATH", help="also write one JSON object per table cell to PATH")
     parser.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown to PATH")
-    parser.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of every random draw (default 0)")
+    parser.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS,
                         help=f"steps of StiefelAdam's drift/conditioning run, in float64 and float32 "
                              f"(default {DEFAULT_STEPS})")
-    parser.add_argument("--other-steps", type=int, default=DEFAULT_OTHER_STEPS,
+    parser.add_argument("--other-steps", type=positive_int, default=DEFAULT_OTHER_STEPS,
                         help=f"steps of the drift run for every other optimizer (default {DEFAULT_OTHER_STEPS})")
     parser.add_argument("--optimizers", nargs="+", metavar="NAME",
-                        help="only these columns (full names or short labels, e.g. StiefelAdam 'RAdam ES' AdamW)")
+                        help="only these columns (full names or short labels, e.g. StiefelAdam geoopt-radam AdamW)")
     parser.add_argument("--quiet", action="store_true", help="print the table only (no legend, findings or progress)")
 
 
@@ -36,12 +38,10 @@ def run(args: argparse.Namespace) -> int:
     from .optimizers import column_by_name, default_columns
     from .suite import run_certificates
 
-    if args.steps < 1 or args.other_steps < 1:
-        raise SystemExit(f"--steps and --other-steps must be >= 1, got {args.steps} and {args.other_steps}")
     try:
         columns = [column_by_name(n) for n in args.optimizers] if args.optimizers else list(default_columns())
     except KeyError as err:
-        raise SystemExit(str(err.args[0])) from None
+        usage_error("stiefel-attention certify", f"--optimizers: {err.args[0]}")
     torch.set_num_threads(1)  # tiny matrices: threads only add overhead
     start = time.perf_counter()
 

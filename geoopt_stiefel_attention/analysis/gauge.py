@@ -259,7 +259,7 @@ def _library_problem(frames: bool, seed: int):
 
     gen = torch.Generator().manual_seed(seed)
     cls = sa_nn.StiefelMultiheadAttention if frames else sa_nn.EuclideanMultiheadAttention
-    module = cls(8, 2, head_dim=4, dtype=torch.float64, generator=gen)
+    module = cls(8, 2, batch_first=True, head_dim=4, dtype=torch.float64, generator=gen)
     x = torch.randn(8, 6, 8, dtype=torch.float64, generator=gen)
     target = torch.randn(8, 6, 8, dtype=torch.float64, generator=gen)
     return module, loss_from_module(module, x, target)

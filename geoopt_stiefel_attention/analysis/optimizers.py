@@ -156,17 +156,19 @@ def default_columns() -> tuple[OptimizerColumn, ...]:
     ``StiefelAdam`` (the method); geoopt ``RiemannianAdam`` on ``EuclideanStiefel`` (embedded metric, QR
     retraction) and on ``geoopt.Stiefel()`` (canonical metric, Cayley retraction); geoopt ``RiemannianSGD``
     (no momentum) on ``EuclideanStiefel``; ``torch.optim.AdamW`` on an unconstrained matrix; and the
-    element-wise and per-column second-moment variants of ``StiefelAdam``.
+    element-wise and per-column second-moment variants of ``StiefelAdam``. The geoopt columns carry the
+    baseline names used by ``stiefel-attention bench`` and the studies' arms: ``geoopt-radam``,
+    ``geoopt-radam-canonical`` and ``geoopt-rsgd``.
     """
     return (
         stiefel_adam_column("frame"),
-        OptimizerColumn("geoopt RiemannianAdam (EuclideanStiefel)", "RAdam ES", _euclidean_stiefel,
+        OptimizerColumn("geoopt-radam", "geoopt-radam", _euclidean_stiefel,
                         _riemannian_adam, False,
                         "geoopt RiemannianAdam on EuclideanStiefel: embedded metric, QR retraction"),
-        OptimizerColumn("geoopt RiemannianAdam (Stiefel canonical)", "RAdam can", _canonical_stiefel,
+        OptimizerColumn("geoopt-radam-canonical", "geoopt-radam-canonical", _canonical_stiefel,
                         _riemannian_adam, False,
                         "geoopt RiemannianAdam on geoopt.Stiefel(): canonical metric, Cayley retraction"),
-        OptimizerColumn("geoopt RiemannianSGD (EuclideanStiefel)", "RSGD ES", _euclidean_stiefel,
+        OptimizerColumn("geoopt-rsgd", "geoopt-rsgd", _euclidean_stiefel,
                         _riemannian_sgd, False,
                         "geoopt RiemannianSGD, no momentum, on EuclideanStiefel (QR retraction)"),
         OptimizerColumn("torch AdamW (unconstrained)", "AdamW", None, _adamw, False,

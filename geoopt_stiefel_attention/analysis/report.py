@@ -20,6 +20,12 @@ def _default_labels() -> dict[str, str]:
     return {c.name: c.label for c in default_columns()}
 
 
+def _descriptions() -> dict[str, str]:
+    from .optimizers import default_columns
+
+    return {c.name: c.description for c in default_columns()}
+
+
 def format_cell(cert: Certificate) -> str:
     """``"<figure> ok"``, ``"<figure> FAIL"`` or ``"n/a"``."""
     if not cert.applicable:
@@ -135,7 +141,8 @@ def format_text(certs: Sequence[Certificate], labels: Mapping[str, str] | None =
         lines.append(line)
     if legend:
         lines += ["", "Columns:"]
-        lines += [f"  {lab:<12} {c}" for lab, c in heads]
+        described = _descriptions()
+        lines += [f"  {lab:<12} {described.get(c, c)}" for lab, c in heads]
         lines += ["", "Certificates (figure compared with the tolerance; float64 unless stated):"]
         lines += [f"  {n}: {s} [{t}]" if t else f"  {n}: {s}" for n, s, t in _legend(certs)]
     if notes:

@@ -1,0 +1,334 @@
+"""The ``nn.MultiheadAttention`` contract: every call pattern torch's module accepts either gives torch's result
+or raises a clear error.
+
+The reference is torch's own :class:`torch.nn.MultiheadAttention` in float64. The library's modules are built
+from it: :meth:`EuclideanMultiheadAttention.from_torch` for any weights, and
+:meth:`StiefelMultiheadAttention.from_euclidean` after the torch module's per-head query/key blocks were made
+orthonormal (then the polar factors are those blocks and the function is unchanged). The grid covers both
+layouts (``batch_first``) and unbatched inputs, self- and cross-attention (``kdim``/``vdim``), bool and float
+key-padding and attention masks (2-D and 3-D), the causal hint, ``need_weights``/``average_attn_weights``,
+and dropout switched off by ``eval()``. Torch's signatures themselves are compared with ours.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+from geoopt_stiefel_attention import EuclideanMultiheadAttention, StiefelMultiheadAttention
+
+F64 = torch.float64
+#: max |difference| between the library's float64 forward and torch's (outputs and attention weights)
+TORCH_TOL = 1e-12
+#: a difference that a real change of the function must exceed (for the must-fail companions)
+DIFFER_MIN = 1e-3
+
+E, H, DH = 8, 2, 4     # embed_dim, num_heads, head_dim
+N, L, S = 3, 4, 5      # batch, query length, key length (cross-attention)
+KDIM, VDIM = 6, 3      # cross-attention feature sizes
+DROPOUT = 0.25         # the grid's modules are in eval mode, where dropout must be off
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def orthonormal_rows(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """A ``(rows, cols)`` matrix with orthonormal rows (rows <= cols), from the QR of a Gaussian matrix."""
+    q, _ = torch.linalg.qr(torch.randn(cols, rows, generator=g, dtype=F64))
+    return q.t()
+
+
+def torch_source(*, cross: bool, batch_first: bool, orthonormal: bool, dropout: float = DROPOUT,
+                 seed: int = 0) -> nn.MultiheadAttention:
+    """A float64 ``nn.MultiheadAttention`` with random weights and biases (no query bias, which the library's
+    modules do not have; the key bias is kept: it is softmax-invariant and must be dropped exactly)."""
+    torch.manual_seed(seed)
+    kdim, vdim = (KDIM, VDIM) if cross else (None, None)
+    mha = nn.MultiheadAttention(E, H, dropout, True, False, False, kdim, vdim, batch_first, None, F64)
+    g = gen(seed + 100)
+    with torch.no_grad():
+        mha.in_proj_bias.copy_(torch.randn(3 * E, generator=g, dtype=F64))
+        mha.in_proj_bias[:E].zero_()
+        mha.out_proj.bias.copy_(torch.randn(E, generator=g, dtype=F64))
+        if orthonormal:
+            if mha._qkv_same_embed_dim:
+                w_q, w_k = mha.in_proj_weight[:E], mha.in_proj_weight[E:2 * E]
+            else:
+                w_q, w_k = mha.q_proj_weight, mha.k_proj_weight
+            for w in (w_q, w_k):  # torch stores (out, in): head h's block is rows h*DH:(h+1)*DH
+                for h in range(H):
+                    w[h * DH:(h + 1) * DH].copy_(orthonormal_rows(DH, w.shape[1], g))
+    return mha.eval()
+
+
+def library_module(kind: str, source: nn.MultiheadAttention) -> nn.Module:
+    if kind == "euclidean":
+        return EuclideanMultiheadAttention.from_torch(source)
+    return StiefelMultiheadAttention.from_euclidean(source)
+
+
+# ------------------------------------------------------------------------------------- the call grid
+def _bool_mask(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Random bool mask (True = masked) that never masks key 0, so no query loses all its keys."""
+    mask = torch.rand(shape, generator=gen(seed)) < 0.4
+    mask[..., 0] = False
+    return mask
+
+
+def _float_mask(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=gen(seed), dtype=F64)
+
+
+#: name -> (key_padding_mask kind, attn_mask kind, is_causal); kinds: None, "bool", "float", "bool3", "float3"
+MASKS = {
+    "none": (None, None, False),
+    "kpm_bool": ("bool", None, False),
+    "kpm_float": ("float", None, False),
+    "attn_bool_2d": (None, "bool", False),
+    "attn_float_2d": (None, "float", False),
+    "attn_bool_3d": (None, "bool3", False),
+    "attn_float_3d": (None, "float3", False),
+    "kpm_bool_attn_bool_3d": ("bool", "bool3", False),
+    "kpm_float_attn_float_2d": ("float", "float", False),
+    "kpm_bool_attn_float_3d": ("bool", "float3", False),  # mixed kinds: torch warns (deprecated) but accepts
+    "causal_hint": (None, "causal", True),
+}
+
+#: name -> keyword arguments of the call (``"default"`` passes none: weights are returned, averaged)
+MODES = {
+    "default": {},
+    "no_weights": {"need_weights": False},
+    "per_head_weights": {"need_weights": True, "average_attn_weights": False},
+}
+
+LAYOUTS = ("batch_first", "seq_first", "unbatched")
+
+
+def make_inputs(layout: str, cross: bool, mask_name: str):
+    """Query, key, value and masks in the layout torch expects, plus the keyword arguments of the call."""
+    g = gen(1)
+    s = S if cross else L
+    q = torch.randn(N, L, E, generator=g, dtype=F64)
+    k = torch.randn(N, s, KDIM, generator=g, dtype=F64) if cross else q
+    v = torch.randn(N, s, VDIM, generator=g, dtype=F64) if cross else q
+    kpm_kind, attn_kind, is_causal = MASKS[mask_name]
+    batch = () if layout == "unbatched" else (N,)
+    heads = H if layout == "unbatched" else N * H
+    kpm = {None: None, "bool": lambda: _bool_mask(batch + (s,), 2),
+           "float": lambda: _float_mask(batch + (s,), 3)}[kpm_kind]
+    attn = {None: None, "bool": lambda: _bool_mask((L, s), 4), "float": lambda: _float_mask((L, s), 5),
+            "bool3": lambda: _bool_mask((heads, L, s), 6), "float3": lambda: _float_mask((heads, L, s), 7),
+            "causal": lambda: nn.Transformer.generate_square_subsequent_mask(L, dtype=F64)}[attn_kind]
+    if layout == "unbatched":
+        q, k, v = q[0], k[0], v[0]
+    elif layout == "seq_first":
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    kw = {}
+    if kpm is not None:
+        kw["key_padding_mask"] = kpm()
+    if attn is not None:
+        kw["attn_mask"] = attn()
+    if is_causal:
+        kw["is_causal"] = True
+    return (q, k, v), kw
+
+
+def grid():
+    for mask_name in MASKS:
+        for cross in (False, True):
+            if cross and MASKS[mask_name][2]:
+                continue  # the causal hint needs a square mask: self-attention only
+            for layout in LAYOUTS:
+                yield pytest.param(layout, cross, mask_name, id=f"{layout}-{'cross' if cross else 'self'}-{mask_name}")
+
+
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask and attn_mask is deprecated")
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(("layout", "cross", "mask_name"), list(grid()))
+@pytest.mark.parametrize("kind", ["euclidean", "stiefel"])
+def test_matches_torch(kind, layout, cross, mask_name, mode):
+    source = torch_source(cross=cross, batch_first=layout == "batch_first", orthonormal=kind == "stiefel")
+    module = library_module(kind, source)
+    assert not module.training and module.dropout == DROPOUT  # dropout configured, switched off by eval()
+    (q, k, v), kw = make_inputs(layout, cross, mask_name)
+    kw.update(MODES[mode])
+    ref, ref_w = source(q, k, v, **kw)
+    out, w = module(q, k, v, **kw)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=0, atol=TORCH_TOL)
+    if ref_w is None:
+        assert w is None
+    else:
+        assert w is not None and w.shape == ref_w.shape
+        torch.testing.assert_close(w, ref_w, rtol=0, atol=TORCH_TOL)
+
+
+@pytest.mark.parametrize("kind", ["euclidean", "stiefel"])
+def test_without_biases_matches_torch(kind):
+    """``bias=False``: torch has no input or output biases, the library's modules no value/output biases."""
+    torch.manual_seed(3)
+    source = nn.MultiheadAttention(E, H, bias=False, kdim=KDIM, vdim=VDIM, dtype=F64).eval()
+    with torch.no_grad():
+        for h in range(H):
+            rows = slice(h * DH, (h + 1) * DH)
+            source.q_proj_weight[rows].copy_(orthonormal_rows(DH, E, gen(10 + h)))
+            source.k_proj_weight[rows].copy_(orthonormal_rows(DH, KDIM, gen(20 + h)))
+    module = library_module(kind, source)
+    assert module.b_v is None and module.b_o is None
+    (q, k, v), kw = make_inputs("seq_first", True, "kpm_float_attn_float_2d")
+    for mode in MODES.values():
+        ref, ref_w = source(q, k, v, **kw, **mode)
+        out, w = module(q, k, v, **kw, **mode)
+        torch.testing.assert_close(out, ref, rtol=0, atol=TORCH_TOL)
+        if ref_w is not None:
+            torch.testing.assert_close(w, ref_w, rtol=0, atol=TORCH_TOL)
+
+
+def test_comparison_can_fail():
+    """The grid's comparison detects a wrong layout, a dropped mask and non-orthonormal Stiefel sources."""
+    source = torch_source(cross=False, batch_first=False, orthonormal=False)
+    (q, k, v), kw = make_inputs("seq_first", False, "attn_float_2d")
+    ref, _ = source(q, k, v, **kw)
+    wrong_layout = EuclideanMultiheadAttention.from_torch(source, ignore_batch_first=True)
+    assert (wrong_layout(q, k, v)[0] - source(q, k, v)[0]).abs().max() > DIFFER_MIN
+    module = EuclideanMultiheadAttention.from_torch(source)
+    assert (module(q, k, v)[0] - ref).abs().max() > DIFFER_MIN
+    # the polar factor of a non-orthonormal block is a different matrix: a different function
+    assert (StiefelMultiheadAttention.from_euclidean(source)(q, k, v, **kw)[0] - ref).abs().max() > DIFFER_MIN
+
+
+def test_training_mode_without_dropout_matches_torch():
+    source = torch_source(cross=True, batch_first=True, orthonormal=True, dropout=0.0).train()
+    (q, k, v), kw = make_inputs("batch_first", True, "kpm_bool")
+    for module in (EuclideanMultiheadAttention.from_torch(source), StiefelMultiheadAttention.from_euclidean(source)):
+        assert module.training
+        for mode in MODES.values():
+            ref, ref_w = source(q, k, v, **kw, **mode)
+            out, w = module(q, k, v, **kw, **mode)
+            torch.testing.assert_close(out, ref, rtol=0, atol=TORCH_TOL)
+            if ref_w is not None:
+                torch.testing.assert_close(w, ref_w, rtol=0, atol=TORCH_TOL)
+
+
+def test_training_mode_dropout_drops_weights_like_torch():
+    """With ``need_weights=True`` both modules draw one dropout mask over the (batch x heads, L, S) weights;
+    from the same RNG state they drop the same entries."""
+    source = torch_source(cross=False, batch_first=True, orthonormal=False, dropout=0.5).train()
+    module = EuclideanMultiheadAttention.from_torch(source)
+    (q, k, v), _ = make_inputs("batch_first", False, "none")
+    torch.manual_seed(5)
+    ref, ref_w = source(q, k, v, average_attn_weights=False)
+    torch.manual_seed(5)
+    out, w = module(q, k, v, average_attn_weights=False)
+    torch.testing.assert_close(w, ref_w, rtol=0, atol=TORCH_TOL)
+    torch.testing.assert_close(out, ref, rtol=0, atol=TORCH_TOL)
+    assert (w == 0).any()  # dropout did act
+
+
+# ------------------------------------------------------------------------------------- signatures
+def _parameters(fn) -> list[tuple[str, object]]:
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+
+
+@pytest.mark.parametrize("cls", [StiefelMultiheadAttention, EuclideanMultiheadAttention])
+def test_constructor_and_forward_signatures_extend_torch(cls):
+    """Torch's constructor arguments, in torch's order with torch's defaults, come first (the library's own
+    options follow as keyword-only); ``forward`` has torch's parameters and defaults."""
+    torch_init = _parameters(nn.MultiheadAttention.__init__)
+    assert _parameters(cls.__init__)[:len(torch_init)] == torch_init
+    extra = list(inspect.signature(cls.__init__).parameters.values())[len(torch_init) + 1:]
+    assert extra and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra)
+    assert _parameters(cls.forward) == _parameters(nn.MultiheadAttention.forward)
+
+
+def test_positional_constructor_as_in_torch():
+    args = (E, H, 0.1, False, False, False, KDIM, VDIM, True, "cpu", F64)
+    ref = nn.MultiheadAttention(*args)
+    m = EuclideanMultiheadAttention(*args)
+    assert (m.embed_dim, m.num_heads, m.dropout, m.kdim, m.vdim, m.batch_first) == (
+        ref.embed_dim, ref.num_heads, ref.dropout, ref.kdim, ref.vdim, ref.batch_first)
+    assert m.b_o is None and m.w_o.dtype == F64 and m.w_k.shape == (H, KDIM, DH)
+    default = StiefelMultiheadAttention(E, H)
+    assert default.batch_first is False and nn.MultiheadAttention(E, H).batch_first is False
+
+
+def test_need_weights_defaults_true():
+    m = StiefelMultiheadAttention(E, H, batch_first=True, dtype=F64, generator=gen(0))
+    x = torch.randn(N, L, E, generator=gen(1), dtype=F64)
+    out, w = m(x, x, x)
+    assert w is not None and w.shape == (N, L, L)
+    torch.testing.assert_close(w.sum(-1), torch.ones(N, L, dtype=F64), rtol=0, atol=TORCH_TOL)
+    assert m(x, x, x, need_weights=False)[1] is None
+
+
+# ------------------------------------------------------------------------------------- what is refused
+@pytest.mark.parametrize("option", ["add_bias_kv", "add_zero_attn"])
+@pytest.mark.parametrize("cls", [StiefelMultiheadAttention, EuclideanMultiheadAttention])
+def test_unsupported_options_are_refused_by_name(cls, option):
+    nn.MultiheadAttention(E, H, **{option: True})  # torch accepts it
+    with pytest.raises(ValueError, match=rf"{option}=True is not supported.*{option}=False"):
+        cls(E, H, **{option: True})
+    with pytest.raises(ValueError, match=option):
+        (EuclideanMultiheadAttention.from_torch if cls is EuclideanMultiheadAttention
+         else cls.from_euclidean)(nn.MultiheadAttention(E, H, **{option: True}))
+
+
+def test_is_causal_without_mask_applies_the_causal_mask():
+    """Torch refuses ``is_causal=True`` without ``attn_mask``; the library applies the causal mask, which
+    equals torch given the explicit causal mask."""
+    source = torch_source(cross=False, batch_first=False, orthonormal=False)
+    module = EuclideanMultiheadAttention.from_torch(source)
+    (q, k, v), kw = make_inputs("seq_first", False, "causal_hint")
+    with pytest.raises(RuntimeError, match="attn_mask"):
+        source(q, k, v, is_causal=True)
+    ref, ref_w = source(q, k, v, **kw)
+    for need_weights in (True, False):
+        out, _ = module(q, k, v, is_causal=True, need_weights=need_weights)
+        torch.testing.assert_close(out, ref, rtol=0, atol=TORCH_TOL)
+    assert (module(q, k, v)[0] - ref).abs().max() > DIFFER_MIN  # the mask mattered
+
+
+@pytest.mark.parametrize(("layout", "call", "message"), [
+    ("batch_first", lambda m, x: m(x, x[..., :-1], x), "feature sizes"),
+    ("batch_first", lambda m, x: m(x, x, x, key_padding_mask=torch.zeros(N + 1, L, dtype=torch.bool)),
+     "key_padding_mask"),
+    ("unbatched", lambda m, x: m(x, x, x, key_padding_mask=torch.zeros(1, L, dtype=torch.bool)),
+     "key_padding_mask must be 1-D"),
+    ("unbatched", lambda m, x: m(x, x, x, attn_mask=torch.zeros(N * H, L, L)), "attn_mask"),
+    ("batch_first", lambda m, x: m(x, x, x, attn_mask=torch.zeros(L, L, dtype=torch.long)), "bool"),
+    ("seq_first", lambda m, x: m(x, x[:, :1], x), "batch/sequence sizes disagree"),
+    ("batch_first", lambda m, x: m(x[None], x[None], x[None]), "batched"),
+    ("batch_first", lambda m, x: m(x, x[0], x), "batched"),
+    ("unbatched", lambda m, x: m(x, x[None], x), "unbatched query"),
+    ("batch_first", lambda m, x: m(x, x, x, key_padding_mask=torch.zeros(L, dtype=torch.bool)), "key_padding_mask"),
+    ("batch_first", lambda m, x: m(x, x, x, attn_mask=torch.zeros(L, dtype=torch.bool)), "attn_mask"),
+    ("batch_first", lambda m, x: m(*(torch.nested.nested_tensor([x[0], x[1, :2]], layout=torch.jagged),) * 3),
+     "nested"),
+])
+def test_bad_calls_raise_clear_errors(layout, call, message):
+    m = EuclideanMultiheadAttention(E, H, batch_first=layout == "batch_first", dtype=F64)
+    x = torch.randn(N, L, E, dtype=F64)
+    if layout == "unbatched":
+        x = x[0]
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(m, x)
+
+
+def test_flag_types_are_checked():
+    with pytest.raises(TypeError, match="batch_first"):
+        StiefelMultiheadAttention(E, H, batch_first="yes")
+
+
+def test_modules_pickled_before_batch_first_stay_batch_first():
+    m = StiefelMultiheadAttention(E, H, batch_first=True)
+    state = m.__dict__.copy()
+    del state["batch_first"]  # as in a module saved by version 0.1.0
+    restored = StiefelMultiheadAttention.__new__(StiefelMultiheadAttention)
+    restored.__setstate__(state)
+    assert restored.batch_first is True
+    x = torch.randn(N, L, E)
+    torch.testing.assert_close(restored(x, x, x)[0], m(x, x, x)[0], rtol=0, atol=0)  # read as (batch, seq, embed)
