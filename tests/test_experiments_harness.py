@@ -310,7 +310,7 @@ def test_run_directory_contents_and_frames_stay_on_the_manifold(tmp_path):
     rec = res.final_record
     assert {"train_loss", "train_acc", "val_loss", "val_acc", "move_step/q", "angle_max_deg/k", "norm/euclidean"} <= set(rec)
     assert rec["move_total/q"] > 0
-    with pytest.raises(ValueError, match="different configuration"):
+    with pytest.raises(ValueError, match="other settings .--n is 48 there, 50 now"):
         train_run(RunSpec(ToyConfig(batch_size=None, n=50), "stiefel", 0), toy_build_task, tmp_path, quiet=True)
 
 
