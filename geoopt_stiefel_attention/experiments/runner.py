@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from .arms import Arm, default_param_groups, get_arm
-from .config import RunSpec, to_dict
+from .config import RunSpec, flag_of, to_dict
 from .data.batches import BatchSource
 from .metrics import MetricHook
 from .records import METRICS_FILE, append_record, read_records, truncate_records
@@ -170,17 +170,6 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
 
 def _normalise(obj: Any) -> Any:
     return json.loads(json.dumps(obj))
-
-
-#: Config fields whose command-line flag is not ``--<field-with-dashes>``.
-_FLAG_OF_FIELD = {"arm": "--arms", "seed": "--seeds", "fast_forward": "--no-fast-forward",
-                  "experiment": "the study", "config_class": "the study"}
-
-
-def flag_of(path: str) -> str:
-    """The command-line flag of a config field given by its dotted path (``config.train.epochs`` -> ``--epochs``)."""
-    name = path.rsplit(".", 1)[-1]
-    return _FLAG_OF_FIELD.get(name, "--" + name.replace("_", "-"))
 
 
 def _differences(have: Any, want: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
