@@ -15,7 +15,7 @@ from .config import OptimConfig, TrainConfig
 
 __all__ = ["add_schedule_arguments", "add_optim_arguments", "add_runner_arguments", "train_config_from_args",
            "optim_config_from_args", "check_runner_args", "check_out_dir", "require_modules", "build_config",
-           "invoked_command"]
+           "invoked_command", "user_errors"]
 
 
 def _none_or_float(text: str) -> float | None:
@@ -206,3 +206,19 @@ def build_config(factory, args: argparse.Namespace):
         return factory(args)
     except ValueError as err:
         raise UsageError(str(err)) from None
+
+
+class user_errors:  # noqa: N801 - used as a context manager: ``with user_errors(): ...``
+    """Turn the harness's user-facing errors (a run folder holding another run, a folder being trained by
+    another process) into :class:`~geoopt_stiefel_attention.cli.UsageError` (one line, exit status 2)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, tb) -> bool:
+        from ..cli import UsageError
+        from .runner import ConfigMismatchError, RunLockedError
+
+        if isinstance(err, (ConfigMismatchError, RunLockedError)):
+            raise UsageError(str(err)) from None
+        return False

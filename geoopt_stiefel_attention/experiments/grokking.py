@@ -236,7 +236,14 @@ def _config_for_report(args: argparse.Namespace) -> GrokkingConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli_args import build_config, check_runner_args, invoked_command, require_modules, runner_modules
+    from .cli_args import (
+        build_config,
+        check_runner_args,
+        invoked_command,
+        require_modules,
+        runner_modules,
+        user_errors,
+    )
 
     check_runner_args(args)
     config = _config_for_report(args) if args.report_only else build_config(config_from_args, args)
@@ -244,11 +251,12 @@ def run(args: argparse.Namespace) -> int:
     arms = args.arms if args.arms is not None or args.report_only else ["adamw", "stiefel"]
     seeds = args.seeds if args.seeds is not None or args.report_only else [0]
     t0 = time.perf_counter()
-    outputs = run_grokking(config, args.out, arms=arms, seeds=seeds, workers=args.workers,
-                           device=args.device, threads=args.threads, quiet=args.quiet,
-                           stop_after_epochs=args.stop_after_epochs, checkpoint_interval_s=args.checkpoint_interval,
-                           report_only=args.report_only, skip_report=args.skip_report,
-                           command=None if args.report_only else invoked_command())
+    with user_errors():
+        outputs = run_grokking(config, args.out, arms=arms, seeds=seeds, workers=args.workers,
+                               device=args.device, threads=args.threads, quiet=args.quiet,
+                               stop_after_epochs=args.stop_after_epochs,
+                               checkpoint_interval_s=args.checkpoint_interval, report_only=args.report_only,
+                               skip_report=args.skip_report, command=None if args.report_only else invoked_command())
     results = outputs.results
     pending = [r.name for r in results if not r.completed]
     print(f"grokking: {len(results)} run(s) in {time.perf_counter() - t0:.1f} s -> {args.out}")

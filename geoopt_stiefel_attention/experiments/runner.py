@@ -45,7 +45,8 @@ from .metrics import MetricHook
 from .records import METRICS_FILE, append_record, read_records, truncate_records
 
 __all__ = ["Task", "RunResult", "train_run", "run_jobs", "resolve_device", "environment_info", "CONFIG_FILE",
-           "CHECKPOINT_FILE", "ENVIRONMENT_FILE", "ConfigMismatchError", "TrainingInterrupted", "flag_of"]
+           "CHECKPOINT_FILE", "ENVIRONMENT_FILE", "ConfigMismatchError", "TrainingInterrupted", "check_run_dir",
+           "RunLockedError"]
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -196,14 +197,18 @@ def _epochs_extendable(config: Any) -> bool:
     return bool(getattr(config, "epochs_extendable", True))
 
 
-def _check_or_write_config(run_dir: Path, spec: RunSpec) -> int | None:
-    """Write ``config.json``, or check the one there against ``spec``. Returns the old number of epochs when
-    the only difference is a larger ``--epochs`` (the run is extended; ``config.json`` is rewritten)."""
+def check_run_dir(run_dir: str | os.PathLike, spec: RunSpec) -> int | None:
+    """Check a run folder's ``config.json`` (if any) against ``spec`` without writing anything.
+
+    Returns ``None`` when the folder is new or holds the same run, and the run's old number of epochs when the
+    only difference is a larger ``train.epochs`` that extends it. Raises :class:`ConfigMismatchError` naming the
+    differing flags otherwise.
+    """
+    run_dir = Path(run_dir)
     path = run_dir / CONFIG_FILE
-    want = _normalise(to_dict(spec))
     if not path.exists():
-        _write_json_atomic(path, want)
         return None
+    want = _normalise(to_dict(spec))
     have = json.loads(path.read_text())
     if have == want:
         return None
@@ -211,7 +216,6 @@ def _check_or_write_config(run_dir: Path, spec: RunSpec) -> int | None:
     if [d[0] for d in diffs] == ["config.train.epochs"]:
         old, new = diffs[0][1], diffs[0][2]
         if isinstance(old, int) and isinstance(new, int) and new > old and _epochs_extendable(spec.config):
-            _write_json_atomic(path, want)
             return old
         why = (f"--epochs {new} is not more than the run's {old}" if not (isinstance(old, int) and new > old) else
                "its learning-rate schedule depends on the total number of epochs (use --lr-schedule constant "
@@ -224,6 +228,15 @@ def _check_or_write_config(run_dir: Path, spec: RunSpec) -> int | None:
     raise ConfigMismatchError(f"{run_dir} holds a run with other settings ({listed}); rerun with the run's "
                               f"{', '.join(flags)} to resume it, use another --out folder, or delete {run_dir} "
                               f"to start afresh.", diffs)
+
+
+def _check_or_write_config(run_dir: Path, spec: RunSpec) -> int | None:
+    """:func:`check_run_dir`, then write ``config.json`` when it is new or extended (returns the old epochs)."""
+    path = run_dir / CONFIG_FILE
+    extended_from = check_run_dir(run_dir, spec)
+    if extended_from is not None or not path.exists():
+        _write_json_atomic(path, _normalise(to_dict(spec)))
+    return extended_from
 
 
 def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
@@ -395,6 +408,10 @@ def train_run(spec: RunSpec, build_task: TaskBuilder, run_dir: str | os.PathLike
                              extended_from=extended_from)
 
 
+class RunLockedError(RuntimeError):
+    """Another process is training the same run folder."""
+
+
 class _RunLock:
     """Exclusive advisory lock on ``run_dir/.lock`` for the duration of a training call.
 
@@ -420,7 +437,7 @@ class _RunLock:
             fh.seek(0)
             holder = fh.read().strip() or "unknown"
             fh.close()
-            raise RuntimeError(f"{self.path.parent} is being trained by another process ({holder}); wait for it to "
+            raise RunLockedError(f"{self.path.parent} is being trained by another process ({holder}); wait for it to "
                                f"finish (rerunning afterwards resumes), or use another --out folder.") from None
         fh.seek(0)
         fh.truncate()
@@ -621,6 +638,7 @@ def run_jobs(specs: Sequence[RunSpec], build_task: TaskBuilder, out_dir: str | o
     out_dir = Path(out_dir)
     for s in specs:
         get_arm(s.arm)  # fail before any work on an unknown arm
+        check_run_dir(out_dir / "runs" / s.name, s)  # ... or on a folder that holds another run
     if workers > 1 and threads is None:
         threads = max(1, (os.cpu_count() or 1) // workers)
     kwargs = {"device": device, "threads": threads, "stop_after_epochs": stop_after_epochs,

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .arms import get_arm
 from .config import RunSpec, to_dict
 from .records import load_study_records, summarize
 from .report import PaperReference, render_report, write_text
-from .runner import CONFIG_FILE, ENVIRONMENT_FILE, RunResult, TaskBuilder, run_jobs
+from .runner import CONFIG_FILE, ENVIRONMENT_FILE, RunResult, TaskBuilder, check_run_dir, run_jobs
 
 __all__ = ["Cell", "StudyOutputs", "run_study", "run_cells", "finalize_study", "speed_from_environment",
            "record_command", "recorded_commands", "cell_records", "recorded_config", "run_info_from_records"]
@@ -197,12 +198,15 @@ def run_cells(cells: Sequence[Cell], build_task: TaskBuilder, out_dir: str | os.
     ``command`` in ``study.json``. ``arm_config(config, arm)`` may adapt a cell's config to an arm (e.g. an
     arm's own frame learning rate); default: the cell's config. Paired: each seed gives every arm of a cell the
     same data and initial weights."""
+    grid = [(cell, [RunSpec(cell.config if arm_config is None else arm_config(cell.config, a), a, s)
+                    for a in arms for s in seeds]) for cell in cells]
+    for cell, specs in grid:  # refuse a folder holding other runs before anything is trained or written
+        for spec in specs:
+            get_arm(spec.arm)
+            check_run_dir(cell.folder(out_dir) / "runs" / spec.name, spec)
+    record_command(out_dir, command)
     results: list[RunResult] = []
-    for cell in cells:
-        specs = [RunSpec(cell.config if arm_config is None else arm_config(cell.config, a), a, s)
-                 for a in arms for s in seeds]
-        if not results:
-            record_command(out_dir, command)
+    for cell, specs in grid:
         results += run_jobs(specs, build_task, cell.folder(out_dir), **run_kwargs)
     return results
 

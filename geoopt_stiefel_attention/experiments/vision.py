@@ -790,7 +790,14 @@ def config_from_args(args: argparse.Namespace) -> VisionConfig:
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
-    from .cli_args import build_config, check_runner_args, invoked_command, require_modules, runner_modules
+    from .cli_args import (
+        build_config,
+        check_runner_args,
+        invoked_command,
+        require_modules,
+        runner_modules,
+        user_errors,
+    )
     from .data.vision import DatasetNotFoundError
 
     check_runner_args(args)
@@ -800,15 +807,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         require_modules(runner_modules(args))
     t0 = time.perf_counter()
+    seeds = args.seeds if args.seeds is not None else (None if args.report_only else tuple(range(12)))
     try:
-        outputs = run_vision(
-            config, args.out, study=args.study, arms=args.arms, seeds=args.seeds if args.seeds is not None else (
-                None if args.report_only else tuple(range(12))),
-            train_sizes=args.train_sizes, weight_decays=args.weight_decays, data_dir=args.data_dir,
-            download=args.download, workers=args.workers, device=args.device, threads=args.threads,
-            quiet=args.quiet, stop_after_epochs=args.stop_after_epochs, checkpoint_interval_s=args.checkpoint_interval,
-            report_only=args.report_only, skip_report=args.skip_report,
-            command=None if args.report_only else invoked_command())
+        with user_errors():
+            outputs = run_vision(
+                config, args.out, study=args.study, arms=args.arms, seeds=seeds, train_sizes=args.train_sizes,
+                weight_decays=args.weight_decays, data_dir=args.data_dir, download=args.download,
+                workers=args.workers, device=args.device, threads=args.threads, quiet=args.quiet,
+                stop_after_epochs=args.stop_after_epochs, checkpoint_interval_s=args.checkpoint_interval,
+                report_only=args.report_only, skip_report=args.skip_report,
+                command=None if args.report_only else invoked_command())
     except DatasetNotFoundError as err:
         raise UsageError(str(err)) from None
     summary, results = outputs.summary, outputs.results
