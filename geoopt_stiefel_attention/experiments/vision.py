@@ -557,7 +557,8 @@ def _cell_figures(cell: Cell, cells: Sequence[Cell], records, arms: Sequence[str
             records, out_dir / f"{stem}accuracy.png", sets=("train", "test"), threshold=None)
         made[f"Per-step movement of W_Q and its AdamW/frame ratio{tag}"] = plot_movement_ratio(
             records, arms, out_dir / f"{stem}movement_ratio.png", title=f"{name}{tag}",
-            band=PAPER.extra["movement_ratio"], band_label="paper, CIFAR-10")
+            band=None if protocol_differences(PAPER, cell.config) else PAPER.extra["movement_ratio"],
+            band_label="paper")
         made[f"Distance of W_Q from its initialisation{tag}"] = plot_distance(
             records, arms, out_dir / f"{stem}distance.png", title=f"{name}{tag}")
     if study == "ablation":
