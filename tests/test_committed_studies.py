@@ -29,12 +29,24 @@ def test_committed_vision_studies_carry_their_records(name):
         assert (m.parent / "config.json").exists() and (m.parent / "environment.json").exists()
 
 
-def test_report_only_rebuilds_the_committed_ablation_study_byte_for_byte(tmp_path):
-    folder = VISION / "fashion-mnist-ablation"
-    copy = tmp_path / "ablation"
+def _rebuild_matches(tmp_path, name: str) -> None:
+    folder = VISION / name
+    if not (folder / "study.json").exists():
+        pytest.skip(f"{name}: records not committed yet")
+    copy = tmp_path / name
     shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("*.pt", ".lock"))
     (copy / "report.md").unlink()  # removed first, so the comparison below cannot pass on the copied files
     (copy / "summary.json").unlink()
-    assert main(["vision", "--study", "ablation", "--report-only", "--out", str(copy)]) == 0
-    for name in ("report.md", "summary.json"):
-        assert (copy / name).read_bytes() == (folder / name).read_bytes(), name
+    assert main(["vision", "--study", VISION_STUDIES[name], "--report-only", "--out", str(copy)]) == 0
+    for file in ("report.md", "summary.json"):
+        assert (copy / file).read_bytes() == (folder / file).read_bytes(), file
+
+
+def test_report_only_rebuilds_the_committed_ablation_study_byte_for_byte(tmp_path):
+    _rebuild_matches(tmp_path, "fashion-mnist-ablation")
+
+
+@pytest.mark.slow  # the same check on the other committed studies (the ablation one stays in the default run)
+@pytest.mark.parametrize("name", ["fashion-mnist-decay", "fashion-mnist-scaling", "fashion-mnist-paired"])
+def test_report_only_rebuilds_every_committed_vision_study(tmp_path, name):
+    _rebuild_matches(tmp_path, name)
