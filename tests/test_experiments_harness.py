@@ -401,7 +401,7 @@ def test_report_puts_measured_next_to_published_only_under_the_papers_protocol()
     assert "12.3%" not in other and "45.6%" not in other and "--p 13 here, 97 in the paper" in other
     early = PaperReference("someone", 20000, {"a": 0.123}, protocol={"p": 97})
     text = render_report(title="T", summary=summarize(_synthetic_records()), paper=early, config=matching)
-    assert "12.3%" not in text and "last epoch reached 40 here, 20000 in the paper" in text
+    assert "12.3%" not in text and "Not every run has reached epoch 20000 yet** (last epochs: 40)" in text
 
 
 def test_finalize_writes_summary_plots_and_report_from_run_folders(tmp_path):

@@ -67,15 +67,21 @@ def _lookup(config: Mapping[str, Any], path: str) -> Any:
     return node
 
 
-def paper_section_intro(paper: PaperReference, differences: Sequence[tuple[str, Any, Any]]) -> list[str]:
-    """The opening lines of a report's "Next to the paper" section: the source, and, when the protocol differs,
-    which settings differ and that no published number is set beside this study's."""
+def paper_section_intro(paper: PaperReference, differences: Sequence[tuple[str, Any, Any]],
+                        reached: Sequence[int] | None = None) -> list[str]:
+    """The opening lines of a report's "Next to the paper" section: the source, and, when the protocol differs
+    (``differences``) or the runs have not all reached ``paper.epoch`` (``reached``: the last epochs of the
+    runs), what differs and that no published number is set beside this study's."""
     lines = ["## Next to the paper", "", f"Paper: {paper.source}. {paper.note}".rstrip(), ""]
     if differences:
         listed = "; ".join(f"{flag} {_show(mine)} here, {_show(theirs)} in the paper"
                            for flag, theirs, mine in differences)
         lines += [f"**This study does not follow the paper's protocol** ({listed}), so its numbers are not set "
                   f"beside the paper's. Rerun with the paper's settings to compare.", ""]
+    elif reached is not None and paper.epoch is not None and list(reached) != [paper.epoch]:
+        lines += [f"**Not every run has reached epoch {paper.epoch} yet** (last epochs: "
+                  f"{', '.join(map(str, reached))}), so the paper's numbers at epoch {paper.epoch} are not set beside "
+                  f"these. Rerun the training command to resume the runs.", ""]
     return lines
 
 
@@ -250,10 +256,8 @@ def render_report(*, title: str, summary: Mapping[str, Any], intro: str = "",
     if paper is not None:
         diffs = protocol_differences(paper, config) if config is not None else []
         reached = sorted({e for a in arms.values() for e in a["last_epoch"].values()})
-        if paper.epoch is not None and reached != [paper.epoch]:
-            diffs.append(("last epoch reached", paper.epoch, ", ".join(map(str, reached))))
-        lines += paper_section_intro(paper, diffs)
-        if not diffs and paper.values:
+        lines += paper_section_intro(paper, diffs, reached)
+        if not diffs and (paper.epoch is None or reached == [paper.epoch]) and paper.values:
             at = "" if paper.epoch is None else f" at epoch {paper.epoch}"
             lines += [f"| arm | paper{at} | this study: final {metric} (mean ± sd) | this study per seed "
                       f"| this study: tail mean |", "|---|---|---|---|---|"]
