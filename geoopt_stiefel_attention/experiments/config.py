@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TrainConfig", "OptimConfig", "RunSpec", "to_dict", "require", "flag_of", "config_value"]
+__all__ = ["TrainConfig", "OptimConfig", "RunSpec", "to_dict", "require", "flag_of", "config_value", "config_from_dict"]
 
 
 def require(ok: bool, message: str) -> None:
@@ -193,3 +193,11 @@ def config_value(config: Any, path: str) -> Any:
             raise KeyError(f"config has no field {path!r}")
         node = node[part]
     return node
+
+
+def config_from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Rebuild a study config of class ``cls`` from its :func:`to_dict` form (a run's ``config.json``): the
+    ``train`` and ``optim`` blocks become :class:`TrainConfig` and :class:`OptimConfig` again."""
+    fields = {k: v for k, v in data.items() if k not in ("train", "optim")}
+    optim = {**data["optim"], "betas": tuple(data["optim"]["betas"])}
+    return cls(**fields, train=TrainConfig(**data["train"]), optim=OptimConfig(**optim))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .arms import Arm
-from .config import OptimConfig, RunSpec, TrainConfig, require
+from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require
 from .data.batches import FullBatch
 from .data.modular import canonical_operation, is_prime, modular_split
 from .metrics import QKGeometry, WeightNorms
@@ -230,9 +230,7 @@ def _config_for_report(args: argparse.Namespace) -> GrokkingConfig:
 
         raise UsageError(f"--out {args.out}: holds no runs (no runs/<arm>/seed<k>/config.json); train the study "
                          f"first, without --report-only.")
-    fields = {k: v for k, v in recorded.items() if k not in ("train", "optim")}
-    return GrokkingConfig(**fields, train=TrainConfig(**recorded["train"]),
-                          optim=OptimConfig(**{**recorded["optim"], "betas": tuple(recorded["optim"]["betas"])}))
+    return config_from_dict(GrokkingConfig, recorded)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -534,6 +534,28 @@ def _progress_bar(run: _Run, quiet: bool, position: int | None):
                 unit="ep", position=position, leave=position is None, mininterval=0.5, dynamic_ncols=True)
 
 
+def _log_call_start(run: _Run, extended_from: int | None) -> list[dict[str, Any]]:
+    """Append this call (start time and epoch, versions, device) to ``environment.json``; returns all calls."""
+    path = run.run_dir / ENVIRONMENT_FILE
+    calls = _load_environment(path)
+    calls.append({"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "start_epoch": run.epoch,
+                  **({"extended_from_epochs": extended_from} if extended_from is not None else {}),
+                  **environment_info(run.device)})
+    _write_json_atomic(path, calls)
+    return calls
+
+
+def _log_call_end(run: _Run, calls: list[dict[str, Any]], start_epoch: int, seconds: float) -> int:
+    """Complete this call's entry in ``environment.json`` with the epoch a rerun resumes from (the last
+    checkpoint) and the time spent; returns the number of epochs this call trained and checkpointed."""
+    ended = start_epoch if run.checkpoint_epoch is None else run.checkpoint_epoch
+    done = ended - start_epoch
+    calls[-1].update({"end_epoch": ended, "seconds": round(seconds, 3),
+                      "epochs_per_second": round(done / seconds, 3) if done and seconds > 0 else None})
+    _write_json_atomic(run.run_dir / ENVIRONMENT_FILE, calls)
+    return done
+
+
 def _interrupted(run: _Run) -> TrainingInterrupted:
     total = run.spec.config.train.epochs
     if run.checkpoint_epoch is None:
@@ -552,14 +574,7 @@ def _train_locked(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: to
     run = _build(spec, build_task, run_dir, dev)
     _resume(run)
     start_epoch = run.epoch
-    env_path = run_dir / ENVIRONMENT_FILE
-    calls = _load_environment(env_path)
-    call = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "start_epoch": start_epoch,
-            **({"extended_from_epochs": extended_from} if extended_from is not None else {}),
-            **environment_info(dev)}
-    calls.append(call)
-    _write_json_atomic(env_path, calls)
-
+    calls = _log_call_start(run, extended_from)
     train_cfg = spec.config.train
     bar = _progress_bar(run, quiet, progress_position)
     t0 = last_ckpt = time.perf_counter()
@@ -596,11 +611,7 @@ def _train_locked(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: to
         if bar is not None:
             bar.close()
         seconds = time.perf_counter() - t0
-        ended = start_epoch if run.checkpoint_epoch is None else run.checkpoint_epoch  # what a rerun resumes from
-        done = ended - start_epoch
-        call.update({"end_epoch": ended, "seconds": round(seconds, 3),
-                     "epochs_per_second": round(done / seconds, 3) if done and seconds > 0 else None})
-        _write_json_atomic(env_path, calls)
+        done = _log_call_end(run, calls, start_epoch, seconds)
     if run.last_record is None:
         recs = read_records(run_dir / METRICS_FILE)
         run.last_record = recs[-1] if recs else None

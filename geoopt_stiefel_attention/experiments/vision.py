@@ -43,7 +43,7 @@ import torch
 
 from . import ablation_arms  # noqa: F401  (registers the ablation and frozen arms)
 from .arms import Arm
-from .config import OptimConfig, RunSpec, TrainConfig, require, to_dict
+from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
 from .data.batches import MiniBatches
 from .data.vision import DISPLAY_NAMES, canonical_dataset, load_vision, random_crop_flip, subsample
 from .metrics import QKGeometry, StepMovement, WeightNorms
@@ -578,12 +578,6 @@ def finalize_vision(out_dir: str | os.PathLike, study: str, cells: Sequence[Cell
 
 
 # ---------------------------------------------------------------------------------------------- running
-def _config_from_json(d: Mapping[str, Any]) -> VisionConfig:
-    fields = {k: v for k, v in d.items() if k not in ("train", "optim")}
-    optim = {**d["optim"], "betas": tuple(d["optim"]["betas"])}
-    return VisionConfig(**fields, train=TrainConfig(**d["train"]), optim=OptimConfig(**optim))
-
-
 def recorded_cells(out_dir: str | os.PathLike, study: str) -> list[Cell]:
     """The cells of a study folder, with the configs their runs were trained with (``--report-only``)."""
     from .runner import CONFIG_FILE
@@ -598,7 +592,7 @@ def recorded_cells(out_dir: str | os.PathLike, study: str) -> list[Cell]:
         base = [s for s in specs if s["arm"] != "stiefel-sgd"] or specs  # stiefel-sgd may carry its own frame lr
         if not base:
             continue
-        config = _config_from_json(base[0]["config"])
+        config = config_from_dict(VisionConfig, base[0]["config"])
         if sweep is None:
             cells.append(Cell(config))
         else:
