@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the output was piped into a command that stopped reading (``| head``)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt as err:
         message = str(err) or "interrupted; rerun the same command to resume from the last checkpoint."
         print(f"{prog}: {message}", file=sys.stderr)

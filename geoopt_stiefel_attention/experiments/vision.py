@@ -665,7 +665,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-train-size", type=_none_or_int, default=d.eval_train_size, metavar="N",
                    help=f"training images evaluated for train_acc (default {d.eval_train_size}; 'all')")
     g = parser.add_argument_group("study")
-    g.add_argument("--study", choices=STUDIES, default="paired", help="which study (default paired)")
+    g.add_argument("--study", choices=STUDIES, default=None,
+                   help="which study (default paired; with --report-only: the one recorded in --out/study.json)")
     g.add_argument("--train-sizes", type=_floats, default=[0.1, 0.25, 0.5, 1.0],
                    help="scaling: training-set sizes, fractions <= 1 of --train-size (or of all) or counts, "
                         "comma-separated (default 0.1,0.25,0.5,1)")
@@ -707,6 +708,19 @@ def config_from_args(args: argparse.Namespace) -> VisionConfig:
                         train=train_config_from_args(args), optim=optim_config_from_args(args))
 
 
+def _recorded_study(out: str) -> str | None:
+    """The ``--study`` of the last command recorded in ``out/study.json``, if any."""
+    import shlex
+
+    from .study import recorded_commands
+
+    for command in reversed(recorded_commands(out)):
+        words = shlex.split(command)
+        if "--study" in words[:-1]:
+            return words[words.index("--study") + 1]
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from .cli_args import (
@@ -727,10 +741,11 @@ def run(args: argparse.Namespace) -> int:
         require_modules(runner_modules(args))
     t0 = time.perf_counter()
     seeds = args.seeds if args.seeds is not None else (None if args.report_only else tuple(range(12)))
+    study = args.study or (_recorded_study(args.out) if args.report_only else None) or "paired"
     try:
         with user_errors():
             outputs = run_vision(
-                config, args.out, study=args.study, arms=args.arms, seeds=seeds, train_sizes=args.train_sizes,
+                config, args.out, study=study, arms=args.arms, seeds=seeds, train_sizes=args.train_sizes,
                 weight_decays=args.weight_decays, data_dir=args.data_dir, download=args.download,
                 workers=args.workers, device=args.device, threads=args.threads, quiet=args.quiet,
                 stop_after_epochs=args.stop_after_epochs, checkpoint_interval_s=args.checkpoint_interval,
@@ -739,7 +754,7 @@ def run(args: argparse.Namespace) -> int:
     except DatasetNotFoundError as err:
         raise UsageError(str(err)) from None
     summary, results = outputs.summary, outputs.results
-    print(f"vision ({config.display_name if summary is None else summary['dataset_name']}, study {args.study}): "
+    print(f"vision ({config.display_name if summary is None else summary['dataset_name']}, study {study}): "
           f"{len(results)} run(s) in {time.perf_counter() - t0:.1f} s -> {args.out}")
     for cell in (summary or {}).get("cells", []):
         prefix = f"  [{cell['label']}] " if cell["sweep"] else "  "
