@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["METRICS_FILE", "append_record", "read_records", "truncate_records", "load_study_records",
-           "summarize", "mean_std", "group_runs"]
+           "summarize", "summarize_cell", "mean_std", "group_runs"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -185,3 +185,38 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
     return {"metric": metric, "threshold": threshold, "last_fraction": last_fraction, "arms": arms,
             "paired": paired("final"), "paired_tail_mean": paired("tail_mean"),
             "paired_first_epoch": paired("first")}
+
+
+def summarize_cell(records: Iterable[dict[str, Any]], arms: Sequence[str], *, metric: str,
+                   final_keys: Sequence[str] = (), all_keys: Sequence[str] = ()) -> dict[str, Any]:
+    """Per-arm summary of one cell of a sweep study, and its paired comparisons.
+
+    For each arm of ``arms`` found in the records: ``seeds``, ``last_epoch`` (the distinct last evaluated
+    epochs), ``final_<metric>`` (:func:`~.stats.describe` of the last evaluation's ``metric`` over seeds, with
+    ``per_seed``), ``final_<key>`` for each of ``final_keys`` and ``all_<key>`` (over every evaluation of every
+    seed) for each of ``all_keys``. ``comparisons`` holds :func:`~.stats.compare_arms` of the final ``metric``
+    (every arm against the first, and ``stiefel`` against every other arm).
+    """
+    from .stats import compare_arms, describe
+
+    runs = group_runs(records)
+    arms = [a for a in arms if a in runs]
+    per_arm: dict[str, Any] = {}
+    final: dict[str, dict[int, Any]] = {}
+    for arm in arms:
+        seeds = runs[arm]
+        final[arm] = {s: recs[-1].get(metric) for s, recs in seeds.items()}
+        last = {s: recs[-1] for s, recs in seeds.items()}
+        entry: dict[str, Any] = {"seeds": sorted(seeds), "last_epoch": sorted({r["epoch"] for r in last.values()}),
+                                 f"final_{metric}": {**(describe(final[arm].values()) or {}),
+                                                     "per_seed": {str(s): v for s, v in sorted(final[arm].items())}}}
+        for key in final_keys:
+            vals = [r.get(key) for r in last.values()]
+            if any(v is not None for v in vals):
+                entry[f"final_{key}"] = describe(vals)
+        for key in all_keys:
+            vals = [r[key] for recs in seeds.values() for r in recs if r.get(key) is not None]
+            if vals:
+                entry[f"all_{key}"] = describe(vals)
+        per_arm[arm] = entry
+    return {"metric": metric, "arms": per_arm, "comparisons": compare_arms(final, arms)}

@@ -47,7 +47,7 @@ from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require
 from .data.batches import MiniBatches
 from .data.vision import DISPLAY_NAMES, canonical_dataset, load_vision, random_crop_flip, subsample
 from .metrics import QKGeometry, StepMovement, WeightNorms
-from .records import group_runs
+from .records import group_runs, summarize_cell
 from .report import (
     PaperReference,
     comparison_table,
@@ -60,7 +60,7 @@ from .report import (
     run_lines,
 )
 from .runner import Task
-from .stats import compare_arms, describe
+from .stats import describe
 from .study import Cell, StudyOutputs
 
 __all__ = ["VisionConfig", "StepMovement", "build_task", "study_cells", "run_vision", "finalize_vision",
@@ -321,36 +321,20 @@ def _movement(runs: Mapping[str, Mapping[int, list[Mapping[str, Any]]]], base: s
 
 def analyze_cell(records: Sequence[Mapping[str, Any]], arms: Sequence[str],
                  metric: str = "test_acc") -> dict[str, Any]:
-    """Per-arm final accuracies, the paired comparisons and the movement of one cell's records.
-
-    ``comparisons`` holds ``"<arm> - <baseline>"`` for every arm against the first of ``arms``, and
-    ``"stiefel - <arm>"`` for every other arm when ``stiefel`` ran (the frozen cost, the ablation's losses), each a
-    :class:`~.stats.PairedStats` dict of the final ``metric``; ``movement`` holds ``"adamw / <arm>"`` ratios of
-    the per-step rms movement of W_Q (``ratio_q``) and W_K (``ratio_k``) over every (seed, evaluation) pair.
-    """
+    """:func:`~.records.summarize_cell` of one cell's records (final accuracies, paired comparisons), plus
+    ``movement``: ``"adamw / <arm>"`` ratios of the per-step rms movement of W_Q (``ratio_q``) and W_K
+    (``ratio_k``) over every (seed, evaluation) pair."""
+    out = summarize_cell(records, arms, metric=metric, final_keys=VISION_FINAL_KEYS, all_keys=VISION_ALL_KEYS)
     runs = group_runs(records)
-    arms = [a for a in arms if a in runs]
-    per_arm: dict[str, Any] = {}
-    final: dict[str, dict[int, float]] = {}
-    for arm in arms:
-        seeds = runs[arm]
-        final[arm] = {s: recs[-1].get(metric) for s, recs in seeds.items()}
-        last = {s: recs[-1] for s, recs in seeds.items()}
-        entry: dict[str, Any] = {"seeds": sorted(seeds), "last_epoch": sorted({r["epoch"] for r in last.values()}),
-                                 f"final_{metric}": {**(describe(final[arm].values()) or {}),
-                                                     "per_seed": {str(s): v for s, v in sorted(final[arm].items())}}}
-        for key in ("train_acc", "move_total_rel/q", "move_total_rel/k", "angle_max_deg/q", "angle_mean_deg/q",
-                    "norm/euclidean"):
-            vals = [r.get(key) for r in last.values()]
-            if any(v is not None for v in vals):
-                entry[f"final_{key}"] = describe(vals)
-        for key in ("move_step_rms/q", "move_step_rms/k", "move_step_rel_rms/q"):
-            vals = [r[key] for recs in seeds.values() for r in recs if r.get(key) is not None]
-            if vals:
-                entry[f"all_{key}"] = describe(vals)
-        per_arm[arm] = entry
-    return {"metric": metric, "arms": per_arm, "comparisons": compare_arms(final, arms),
-            "movement": _movement(runs, arms[0]) if arms else {}}
+    run_arms = [a for a in arms if a in runs]
+    out["movement"] = _movement(runs, run_arms[0]) if run_arms else {}
+    return out
+
+
+#: record keys summarised at the last evaluation, and over every evaluation, of each run
+VISION_FINAL_KEYS = ("train_acc", "move_total_rel/q", "move_total_rel/k", "angle_max_deg/q", "angle_mean_deg/q",
+                     "norm/euclidean")
+VISION_ALL_KEYS = ("move_step_rms/q", "move_step_rms/k", "move_step_rel_rms/q")
 
 
 # ---------------------------------------------------------------------------------------------- report
