@@ -69,6 +69,19 @@ def test_grokking_user_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, ca
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flags, needles", [
+    (["--study", "scaling", "--train-sizes", "0"], ["--train-sizes"]),
+    (["--study", "decay", "--weight-decays", "-1"], ["--weight-decay", "-1"]),
+    (["--train-size", "0"], ["--train-size 0"]),
+    (["--patch-size", "5"], ["--patch-size 5"]),
+    (["--arms", "stiefel", "nope"], ["--arms", "nope"]),
+])
+def test_vision_user_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, capsys, flags, needles):
+    out = tmp_path / "out"
+    _usage_error(capsys, [*VISION_TINY, "--out", str(out), *flags], *needles)
+    assert not out.exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_a_gpu_names_the_flag(tmp_path, capsys):
     _usage_error(capsys, ["grokking", "--device", "cuda", "--out", str(tmp_path / "o")], "--device cuda", "no GPU")

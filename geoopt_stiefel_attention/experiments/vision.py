@@ -726,6 +726,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     seeds = args.seeds if args.seeds is not None else (None if args.report_only else tuple(range(12)))
     study = args.study or (_recorded_study(args.out) if args.report_only else None) or "paired"
+    if not args.report_only:
+        try:  # the sweep's values, checked before anything is loaded or written
+            study_cells(study, config, train_sizes=args.train_sizes, weight_decays=args.weight_decays,
+                        n_train=DATASET_SIZES[config.dataset][0])
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     try:
         with user_errors():
             outputs = run_vision(
