@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "certify": "geoopt_stiefel_attention.analysis.cli",
     "grokking": "geoopt_stiefel_attention.experiments.grokking",
     "vision": "geoopt_stiefel_attention.experiments.vision",
+    "lm": "geoopt_stiefel_attention.experiments.lm",
 }
 
 

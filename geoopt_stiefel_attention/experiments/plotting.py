@@ -20,7 +20,7 @@ from .records import group_runs
 
 __all__ = ["records_frame", "plot_curves", "plot_accuracy", "plot_weight_norms", "plot_principal_angles",
            "plot_movement", "plot_overview", "plot_study", "plot_pairs", "plot_movement_ratio", "plot_distance",
-           "plot_gap_sweep", "plot_ablation"]
+           "plot_gap_sweep", "plot_ablation", "plot_per_head"]
 
 _DPI = 120
 
@@ -312,24 +312,26 @@ def plot_distance(records: Sequence[Mapping[str, Any]], arms: Sequence[str], pat
 
 
 def plot_gap_sweep(rows: Sequence[tuple[float, Mapping[str, Any]]], path: Path, *, xlabel: str, title: str,
-                   logx: bool = False) -> Path | None:
-    """Mean paired gap (pp) with its 95% interval against the swept value, per-seed gaps as dots."""
+                   logx: bool = False, scale: float = 100.0,
+                   ylabel: str = "stiefel − adamw, final test accuracy (pp)") -> Path | None:
+    """Mean paired gap (times ``scale``: 100 shows fractions as pp) with its 95% interval against the swept
+    value, per-seed gaps as dots."""
     rows = [(x, c) for x, c in rows if c and c.get("mean") is not None]
     if not rows:
         return None
     fig, (ax,) = _row(width=6.0)
     xs = [x for x, _ in rows]
-    means = [100 * c["mean"] for _, c in rows]
-    lo = [100 * (c["mean"] - c["ci_low"]) if c["ci_low"] is not None else 0.0 for _, c in rows]
-    hi = [100 * (c["ci_high"] - c["mean"]) if c["ci_high"] is not None else 0.0 for _, c in rows]
+    means = [scale * c["mean"] for _, c in rows]
+    lo = [scale * (c["mean"] - c["ci_low"]) if c["ci_low"] is not None else 0.0 for _, c in rows]
+    hi = [scale * (c["ci_high"] - c["mean"]) if c["ci_high"] is not None else 0.0 for _, c in rows]
     for x, c in rows:
-        ax.scatter([x] * len(c["differences"]), [100 * d for d in c["differences"]], color="0.6", s=10, zorder=1)
+        ax.scatter([x] * len(c["differences"]), [scale * d for d in c["differences"]], color="0.6", s=10, zorder=1)
     ax.errorbar(xs, means, yerr=[lo, hi], color="black", marker="o", capsize=5, zorder=2, label="mean ± 95% CI")
     ax.axhline(0.0, color="grey", linewidth=0.8, linestyle=":")
     if logx:
         ax.set_xscale("log")
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("stiefel − adamw, final test accuracy (pp)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -355,4 +357,35 @@ def plot_ablation(comparisons: Mapping[str, Mapping[str, Any]], arms: Sequence[s
     ax.set_ylabel(f"final test accuracy − {base} (pp)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_per_head(records: Sequence[Mapping[str, Any]], path: Path, *, prefix: str, title: str, ylabel: str,
+                  logy: bool = False) -> Path | None:
+    """Per-head quantities ``<prefix>/<layer>/<head>`` over training: one panel per layer, one colour per arm,
+    one line style per head (mean over seeds). ``None`` when the records hold no such key."""
+    import seaborn as sns
+
+    df = records_frame(records)
+    keys = [c for c in df.columns if c.startswith(prefix + "/") and c.count("/") == prefix.count("/") + 2]
+    if not keys:
+        return None
+    long = df.melt(id_vars=["arm", "seed", "epoch"], value_vars=keys, var_name="key", value_name="value")
+    long = long.dropna(subset=["value"])
+    parts = long["key"].str[len(prefix) + 1:].str.split("/", expand=True)
+    long["layer"], long["head"] = parts[0], "head " + parts[1]
+    layers = sorted(long["layer"].unique(), key=lambda v: int(v) if v.isdigit() else v)
+    fig, axes = _figure(1, len(layers), width=4.2, height=3.6, sharex=True)
+    for ax, layer in zip(axes[0], layers, strict=True):
+        sub = long[long["layer"] == layer]
+        sns.lineplot(data=sub, x="epoch", y="value", hue="arm", style="head", errorbar=None, ax=ax, linewidth=1.0,
+                     **_markers(sub))
+        ax.set_title(f"layer {layer}")
+        ax.set_ylabel(ylabel)
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        if layer != layers[-1] and ax.get_legend() is not None:
+            ax.get_legend().remove()
+    fig.suptitle(title, fontsize=10)
     return _save(fig, path)

@@ -11,7 +11,7 @@ hooks. :func:`train_run` does the rest:
 3. resumes from ``checkpoint.pt`` when there is one (model, optimizer, RNG state, epoch, number of records;
    ``metrics.jsonl`` is cut back to the records the checkpoint had seen);
 4. trains: for each epoch, each batch: ``zero_grad``, loss of ``predict(model, x)`` against ``y``,
-   ``backward``, ``step``; after epoch 0, every ``eval_every`` epochs and after the last, evaluates every
+   ``backward``, optional gradient-norm clipping, ``step``; after epoch 0, every ``eval_every`` epochs and after the last, evaluates every
    named set under ``torch.inference_mode`` and appends one JSON line to ``metrics.jsonl``;
 5. checkpoints atomically at evaluations (at most every ``checkpoint_interval_s`` seconds), when stopped by
    ``stop_after_epochs``, and at the end.
@@ -83,6 +83,12 @@ class Task:
     lr_factor : callable, optional
         ``lr_factor(step) -> float`` multiplies every group's initial ``lr`` before optimizer step ``step``
         (0-based): warm-up or decay schedules.
+    grad_clip : float, optional
+        Clip the global gradient norm over every parameter of the model to this value before each step
+        (:func:`torch.nn.utils.clip_grad_norm_`); ``None``: no clipping.
+    derived : callable, optional
+        ``derived(values) -> dict`` adds values computed from an evaluation's ``<set>_loss``/``<set>_acc``
+        to its record (e.g. bits per byte from a per-byte loss).
     """
 
     model: torch.nn.Module
@@ -93,6 +99,13 @@ class Task:
     param_groups: Callable[[torch.nn.Module, float], list[dict[str, Any]]] = default_param_groups
     hooks: Sequence[MetricHook] = field(default_factory=tuple)
     lr_factor: Callable[[int], float] | None = None
+    grad_clip: float | None = None
+    derived: Callable[[dict[str, float]], dict[str, float]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float))
+                                               and not isinstance(self.grad_clip, bool) and self.grad_clip > 0):
+            raise ValueError(f"Task: grad_clip={self.grad_clip!r} must be a float > 0 or None (--grad-clip).")
 
 
 #: ``build_task(spec, arm, device) -> Task``; must be a module-level function for ``workers > 1``.
@@ -502,6 +515,8 @@ def _train_epoch(run: _Run, eval_now: bool) -> None:
         optimizer.zero_grad(set_to_none=True)
         loss = task.loss(task.predict(model, x), y)
         loss.backward()
+        if task.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), task.grad_clip)
         optimizer.step()
         run.step += 1
     run.epoch += 1
@@ -509,8 +524,11 @@ def _train_epoch(run: _Run, eval_now: bool) -> None:
 
 def _record(run: _Run) -> None:
     """Evaluate every named set and the hooks, and append one record to ``metrics.jsonl``."""
+    values = _evaluate(run.task, run.model)
+    if run.task.derived is not None:
+        values.update(run.task.derived(dict(values)))
     rec = {"experiment": run.spec.experiment, "arm": run.spec.arm, "seed": run.spec.seed, "epoch": run.epoch,
-           "step": run.step, **_evaluate(run.task, run.model)}
+           "step": run.step, **values}
     with torch.no_grad():
         for hook in run.task.hooks:
             rec.update(hook.metrics(run.model))

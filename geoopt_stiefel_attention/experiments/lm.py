@@ -1,0 +1,797 @@
+r"""The byte-level language-model study: ``stiefel-attention lm``.
+
+Does Stiefel attention help a small GPT trained on real text? A HuggingFace
+:class:`~transformers.GPT2LMHeadModel` (pre-norm, causal; default 4 layers, width 128, 4 heads, context 128,
+vocabulary the 256 byte values, no dropout) learns to predict the next byte of the Python standard library's
+own sources (:mod:`.data.text`: text nobody on this project wrote, shipped with every interpreter, identified
+by version and SHA-256, split by file). Every arm starts from the same seeded initialisation; the frame arms
+then convert W_Q, W_K with :func:`~geoopt_stiefel_attention.stiefelize` (polar factor of every head block):
+
+==================  ============================================================================================
+arm                 what trains W_Q, W_K (everything else: AdamW)
+==================  ============================================================================================
+``adamw``           AdamW (all-Euclidean baseline)
+``stiefel``         frames on :class:`~geoopt_stiefel_attention.PolarStiefel`, StiefelAdam
+``stiefel-gain``    the same, plus one learned logit gain per head,
+                    :math:`\gamma_h = \exp(\text{gain\_rate}\cdot\theta_h)` starting at 1
+                    (``stiefelize(..., logit_gain="learn", gain_rate=10)``: Adam moves :math:`\theta` by about
+                    ``lr`` per step, so a gain can change tenfold in about 230 steps at lr 1e-3)
+``geoopt-radam``    frames on stock geoopt ``EuclideanStiefel`` trained by geoopt's ``RiemannianAdam``
+==================  ============================================================================================
+
+Optimisation (small-GPT defaults): AdamW lr 1e-3, betas (0.9, 0.95), weight decay 0.1 on the matrices of
+the blocks only (no decay on biases, LayerNorms, gains, the token/position embeddings and hence the tied
+unembedding), 5% linear warm-up then cosine decay to 0, global gradient-norm clipping at 1.0; frames at the
+same lr unless ``--frame-lr`` (and the ``--frame-lrs`` sweep of the ``stiefel`` arm) says otherwise. An
+"epoch" is ``steps_per_epoch`` batches of random windows (a pure function of seed and epoch), so each seed
+gives every arm the same text in the same order.
+
+Each evaluation records the validation loss (nats per byte) and bits per byte on fixed validation windows,
+the same on fixed training windows, the frames' movement and principal angles to their start, and, on a fixed
+probe batch, each head's attention-logit scale and attention entropy (:class:`AttentionProbe`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .arms import ARMS, Arm, build_stiefel, register_arm
+from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
+from .data.text import CORPORA, EvalWindows, RandomWindows, bits_per_byte, load_corpus
+from .metrics import MetricHook, QKGeometry
+from .runner import Task
+from .study import Cell, StudyOutputs
+
+__all__ = ["LMConfig", "build_model", "build_task", "gpt2_query_keys", "attention_logit_stats", "AttentionProbe",
+           "lm_param_groups", "run_lm", "finalize_lm", "sweep_cells", "LM_ARMS", "LOGIT_GAIN", "PUBLISHED",
+           "HELP", "add_arguments", "run"]
+
+HELP = ("Byte-level GPT-2 on the Python standard library's sources: AdamW vs Stiefel W_Q/W_K (StiefelAdam, "
+        "learned logit gain, geoopt RiemannianAdam) over paired seeds; records, plots, report.")
+
+#: The arms of the study, baseline first.
+LM_ARMS = ("adamw", "stiefel", "stiefel-gain", "geoopt-radam")
+
+#: ``logit_gain`` passed to :func:`~geoopt_stiefel_attention.stiefelize` per arm (frame arms not listed: none).
+LOGIT_GAIN = {"stiefel-gain": "learn"}
+
+if "stiefel-gain" not in ARMS:
+    register_arm(Arm("stiefel-gain", "stiefel", build_stiefel,
+                     "W_Q, W_K frames with a learned per-head logit gain (starting at 1) trained by StiefelAdam; "
+                     "AdamW on the rest"))
+
+#: The two published findings this study is set beside (no numbers of theirs are quoted: we have none).
+PUBLISHED = (
+    ("Knight, 2026", "rank-factored Riemannian attention on small language models \"does not conclusively "
+                     "outperform AdamW\""),
+    ("Yoshihara, 2026", "Stiefel-constrained attention inside Manifold Muon gave the best GPT-2 pre-training "
+                        "configuration"),
+)
+
+
+# ---------------------------------------------------------------------------------------------- config
+def _default_train() -> TrainConfig:
+    return TrainConfig(epochs=20, eval_every=1)
+
+
+def _default_optim() -> OptimConfig:
+    return OptimConfig(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """Configuration of the language-model study (corpus, model, batches, schedule, optimizer).
+
+    Parameters
+    ----------
+    corpus : {"python-stdlib"}
+        The text (:func:`~.data.text.load_corpus`).
+    corpus_root : str or None
+        Read the ``*.py`` files under this folder instead of the interpreter's standard library.
+    val_fraction : float
+        Share of files held out for validation.
+    corpus_identity : dict or None
+        The corpus' :meth:`~.data.text.TextCorpus.describe` (source, version, SHA-256, split), filled in by
+        :func:`run_lm` so that every run's ``config.json`` names its text; a run whose corpus hashes
+        differently is refused.
+    context, width, depth, heads
+        The GPT-2: positions, ``n_embd``, ``n_layer``, ``n_head``.
+    batch_size, steps_per_epoch
+        Windows per batch, batches per "epoch" (the evaluation unit).
+    eval_windows, train_eval_windows, eval_batch
+        Fixed validation windows, fixed training windows (for the training loss) and their batch size.
+    probe_windows : int
+        Validation windows of the attention probe (logit scale, entropy).
+    lr_schedule : {"cosine", "constant"}
+        ``"cosine"``: linear warm-up over ``warmup_fraction`` of the steps, then cosine decay to 0.
+    warmup_fraction : float
+        In ``[0, 1)``.
+    grad_clip : float or None
+        Global gradient-norm clipping before each step; ``None``: off.
+    gain_rate : float
+        ``gain_rate`` of the ``stiefel-gain`` arm's :func:`~geoopt_stiefel_attention.stiefelize`.
+    """
+
+    experiment: str = "lm"
+    corpus: str = "python-stdlib"
+    corpus_root: str | None = None
+    val_fraction: float = 0.1
+    corpus_identity: dict[str, Any] | None = None
+    context: int = 128
+    width: int = 128
+    depth: int = 4
+    heads: int = 4
+    batch_size: int = 32
+    steps_per_epoch: int = 100
+    eval_windows: int = 256
+    train_eval_windows: int = 128
+    eval_batch: int = 64
+    probe_windows: int = 8
+    lr_schedule: str = "cosine"
+    warmup_fraction: float = 0.05
+    grad_clip: float | None = 1.0
+    gain_rate: float = 10.0
+    train: TrainConfig = field(default_factory=_default_train)
+    optim: OptimConfig = field(default_factory=_default_optim)
+
+    def __post_init__(self) -> None:
+        require(self.corpus in CORPORA, f"--corpus {self.corpus!r}: must be one of {', '.join(CORPORA)}.")
+        require(isinstance(self.val_fraction, (int, float)) and not isinstance(self.val_fraction, bool)
+                and 0 < self.val_fraction < 1, f"--val-fraction {self.val_fraction!r}: must be in (0, 1), e.g. 0.1.")
+        for name in ("context", "width", "depth", "heads", "batch_size", "steps_per_epoch", "eval_windows",
+                     "train_eval_windows", "eval_batch", "probe_windows"):
+            v = getattr(self, name)
+            require(_is_int(v) and v > 0, f"--{name.replace('_', '-')} {v!r}: must be a positive int.")
+        require(self.width % self.heads == 0, f"--width {self.width} must be divisible by --heads {self.heads}.")
+        require(self.lr_schedule in ("cosine", "constant"),
+                f"--lr-schedule {self.lr_schedule!r}: must be cosine or constant.")
+        require(isinstance(self.warmup_fraction, (int, float)) and 0 <= self.warmup_fraction < 1,
+                f"--warmup-fraction {self.warmup_fraction!r}: must be in [0, 1).")
+        require(self.grad_clip is None or (isinstance(self.grad_clip, (int, float)) and math.isfinite(self.grad_clip)
+                                           and self.grad_clip > 0),
+                f"--grad-clip {self.grad_clip!r}: must be a finite float > 0, or none.")
+        require(isinstance(self.gain_rate, (int, float)) and math.isfinite(self.gain_rate) and self.gain_rate > 0,
+                f"--gain-rate {self.gain_rate!r}: must be a finite float > 0.")
+        require(isinstance(self.train, TrainConfig), "LMConfig.train must be a TrainConfig.")
+        require(isinstance(self.optim, OptimConfig), "LMConfig.optim must be an OptimConfig.")
+
+    @property
+    def epochs_extendable(self) -> bool:
+        """Only a constant learning rate lets a finished run continue: the cosine decay depends on the total."""
+        return self.lr_schedule == "constant"
+
+    @property
+    def total_steps(self) -> int:
+        return self.train.epochs * self.steps_per_epoch
+
+
+# ---------------------------------------------------------------------------------------------- model
+def build_model(config: LMConfig, *, seed: int, logit_gain: str | None = None, stiefel: bool = False):
+    """The GPT-2 of one run: initialised from ``seed`` alone (the same weights for every arm of a seed), then,
+    for a frame arm (``stiefel=True``), converted in place by :func:`~geoopt_stiefel_attention.stiefelize`
+    with ``logit_gain`` and the config's ``gain_rate``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ..convert import stiefelize
+
+    gpt = GPT2Config(vocab_size=256, n_positions=config.context, n_embd=config.width, n_layer=config.depth,
+                     n_head=config.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0, use_cache=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(gpt)
+    if stiefel:
+        stiefelize(model, logit_gain=logit_gain, gain_rate=config.gain_rate)
+    elif logit_gain is not None:
+        raise ValueError(f"build_model: logit_gain={logit_gain!r} needs stiefel=True (a gain multiplies frames).")
+    return model
+
+
+def gpt2_attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(path, module)`` of every GPT-2 self-attention module (``c_attn`` holding q|k|v), in order."""
+    found = [(p, m) for p, m in model.named_modules()
+             if type(m).__name__ == "GPT2Attention" and not getattr(m, "is_cross_attention", False)]
+    if not found:
+        raise ValueError(f"{type(model).__name__} holds no GPT2Attention module.")
+    return found
+
+
+def gpt2_query_keys(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    r"""``(path, w_q, w_k)`` per layer with ``w_q, w_k`` of shape ``(heads, d, r)``: head ``h``'s block of the
+    module's current ``c_attn.weight`` (GPT-2's Conv1D stores it ``(d, 3d)``, columns ``q | k | v``). For a
+    converted model this is the weight rebuilt from the frames (times the head's gain, if any), so every arm is
+    measured on the same object; principal angles do not see the gain."""
+    out = []
+    for path, m in gpt2_attention_modules(model):
+        w = m.c_attn.weight
+        d, h = w.shape[0], m.num_heads
+        r = d // h
+        q = w[:, :d].reshape(d, h, r).permute(1, 0, 2)
+        k = w[:, d:2 * d].reshape(d, h, r).permute(1, 0, 2)
+        out.append((path, q, k))
+    return out
+
+
+def lm_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """GPT-style groups: frames (no decay); the blocks' matrices (``weight_decay``); everything else, i.e.
+    biases, LayerNorms, logit gains and the token/position embeddings (tied to the unembedding), without decay.
+    Trainable parameters only; shared ones once; empty groups dropped."""
+    from ..manifolds import is_frame
+
+    frames, decay, plain = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if is_frame(p):
+            frames.append(p)
+        elif p.ndim >= 2 and not name.endswith(("wte.weight", "wpe.weight")):
+            decay.append(p)
+        else:
+            plain.append(p)
+    groups = [{"name": "frames", "params": frames, "weight_decay": 0.0},
+              {"name": "decay", "params": decay, "weight_decay": float(weight_decay)},
+              {"name": "no_decay", "params": plain, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+# ---------------------------------------------------------------------------------------------- probe
+def attention_logit_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int,
+                          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Per-head RMS attention logit and mean attention entropy of one causal self-attention layer.
+
+    With :math:`x` the layer's input (``hidden``, ``(B, T, d)``, after its LayerNorm), the Conv1D weight
+    :math:`W` (``(d, 3d)``) and bias :math:`b`, head :math:`h` (size :math:`r = d/H`) has
+    :math:`q_i = (xW + b)_{i,\,hr:(h+1)r}`, :math:`k_j` the same in the key columns, and logits
+    :math:`s_{ij} = c\, q_i\cdot k_j` for :math:`j \le i` (:math:`c` = ``scaling``, :math:`1/\sqrt r` in GPT-2).
+    Returns, in float64, for each head
+
+    - the logit scale :math:`\big(\frac{1}{N}\sum_{b,\,j\le i} s_{ij}^2\big)^{1/2}`, :math:`N = B\,T(T+1)/2`;
+    - the mean attention entropy :math:`\frac{1}{BT}\sum_{b,i} -\sum_{j\le i} p_{ij}\ln p_{ij}` in nats,
+      :math:`p_{i\cdot} = \mathrm{softmax}_{j \le i}(s_{ij})` (at most :math:`\ln T` averaged over positions).
+    """
+    b, t, d = hidden.shape
+    r = d // heads
+    x = hidden.detach().to(torch.float64)
+    qk = x @ weight.detach().to(torch.float64)[:, :2 * d] + bias.detach().to(torch.float64)[:2 * d]
+    q = qk[..., :d].reshape(b, t, heads, r).transpose(1, 2)
+    k = qk[..., d:].reshape(b, t, heads, r).transpose(1, 2)
+    logits = scaling * (q @ k.transpose(-1, -2))  # (B, H, T, T)
+    mask = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
+    rms = (logits.square() * mask).sum(dim=(0, 2, 3)).div(b * int(mask.sum())).sqrt()
+    logp = logits.masked_fill(~mask, float("-inf")).log_softmax(dim=-1)
+    entropy = -(logp.exp() * logp.masked_fill(~mask, 0.0)).sum(dim=-1).mean(dim=(0, 2))
+    return rms, entropy
+
+
+class AttentionProbe(MetricHook):
+    """Each head's attention-logit scale and attention entropy on a fixed probe batch.
+
+    At each evaluation the model runs once on ``inputs`` (eval mode, no gradient) with a forward pre-hook on
+    every GPT-2 attention module that captures its input hidden states; :func:`attention_logit_stats` then
+    computes the logits from those states and the module's current ``c_attn`` weight and bias (for a
+    converted model the weight rebuilt from the frames and gains). Records ``logit_rms/<layer>/<head>``,
+    ``attn_entropy/<layer>/<head>`` and their means over every head, ``logit_rms/mean`` and
+    ``attn_entropy/mean``.
+    """
+
+    def __init__(self, inputs: torch.Tensor) -> None:
+        self.inputs = inputs
+
+    @torch.no_grad()
+    def metrics(self, model: torch.nn.Module) -> dict[str, float | None]:
+        modules = gpt2_attention_modules(model)
+        captured: dict[int, torch.Tensor] = {}
+
+        def capture(index: int, module, args, kwargs) -> None:
+            captured[index] = args[0] if args else kwargs["hidden_states"]
+
+        handles = [m.register_forward_pre_hook(functools.partial(capture, i), with_kwargs=True)
+                   for i, (_, m) in enumerate(modules)]
+        was_training = model.training
+        model.eval()
+        try:
+            model(input_ids=self.inputs.to(next(model.parameters()).device), use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+            model.train(was_training)
+        out: dict[str, float | None] = {}
+        all_rms, all_ent = [], []
+        for i, (_, m) in enumerate(modules):
+            rms, ent = attention_logit_stats(captured[i], m.c_attn.weight, m.c_attn.bias, m.num_heads, m.scaling)
+            for h in range(m.num_heads):
+                out[f"logit_rms/{i}/{h}"] = float(rms[h])
+                out[f"attn_entropy/{i}/{h}"] = float(ent[h])
+            all_rms.append(rms)
+            all_ent.append(ent)
+        out["logit_rms/mean"] = float(torch.cat(all_rms).mean())
+        out["attn_entropy/mean"] = float(torch.cat(all_ent).mean())
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- task
+class _Flat:
+    """A window source whose targets are flattened to ``(B·T,)`` (one example per predicted byte, as the
+    training loop's loss and accuracy expect), moved to ``device``."""
+
+    def __init__(self, source: RandomWindows | EvalWindows, device: torch.device) -> None:
+        self.source, self.device = source, device
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def batches(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for x, y in self.source.batches(epoch):
+            yield x.to(self.device), y.reshape(-1).to(self.device)
+
+
+def predict_bytes(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """Next-byte logits of every position, ``(B·T, 256)``."""
+    logits = model(input_ids=inputs, use_cache=False).logits
+    return logits.reshape(-1, logits.shape[-1])
+
+
+def with_bits_per_byte(values: Mapping[str, float]) -> dict[str, float]:
+    """``<set>_bpb`` for every ``<set>_loss`` (nats per byte): :func:`~.data.text.bits_per_byte`."""
+    return {k[:-len("_loss")] + "_bpb": bits_per_byte(v) for k, v in values.items() if k.endswith("_loss")}
+
+
+@functools.lru_cache(maxsize=4)
+def _load(corpus: str, val_fraction: float, root: str | None):
+    return load_corpus(corpus, val_fraction=val_fraction, root=root)
+
+
+def corpus_of(config: LMConfig):
+    """The config's corpus (cached per process); refuses one whose identity differs from the recorded one."""
+    corpus = _load(config.corpus, float(config.val_fraction), config.corpus_root)
+    if config.corpus_identity is not None and config.corpus_identity.get("sha256") != corpus.sha256:
+        raise ValueError(f"the corpus {config.corpus!r} read here (SHA-256 {corpus.sha256[:12]}…, "
+                         f"{corpus.version}) is not the one the runs were trained on (SHA-256 "
+                         f"{config.corpus_identity.get('sha256', '?')[:12]}…, {config.corpus_identity.get('version')}); "
+                         f"use the same Python (or --corpus-root), or another --out folder.")
+    return corpus
+
+
+def warmup_cosine(step: int, *, total: int, warmup: int) -> float:
+    """The vision study's warm-up + cosine factor (:func:`~.vision.warmup_cosine`)."""
+    from .vision import warmup_cosine as factor
+
+    return factor(step, total=total, warmup=warmup)
+
+
+def build_task(spec: RunSpec, arm: Arm, device: torch.device) -> Task:
+    """The LM task of one run: the seed's random training windows, fixed train/validation evaluation windows, a
+    fixed probe batch, and the seed's GPT-2 (converted for a frame arm)."""
+    cfg: LMConfig = spec.config
+    corpus = corpus_of(cfg)
+    model = build_model(cfg, seed=spec.seed, logit_gain=LOGIT_GAIN.get(spec.arm),
+                        stiefel=arm.attention == "stiefel")
+    train = _Flat(RandomWindows(corpus.train, context=cfg.context, batch_size=cfg.batch_size,
+                                steps=cfg.steps_per_epoch, seed=spec.seed), device)
+    eval_data = {
+        "train": _Flat(EvalWindows(corpus.train, context=cfg.context, count=cfg.train_eval_windows,
+                                   batch_size=cfg.eval_batch), device),
+        "val": _Flat(EvalWindows(corpus.val, context=cfg.context, count=cfg.eval_windows,
+                                 batch_size=cfg.eval_batch), device)}
+    probe = next(iter(EvalWindows(corpus.val, context=cfg.context, count=cfg.probe_windows,
+                                  batch_size=cfg.probe_windows).batches()))[0]
+    lr_factor = None
+    if cfg.lr_schedule == "cosine":
+        lr_factor = functools.partial(warmup_cosine, total=cfg.total_steps,
+                                      warmup=int(cfg.warmup_fraction * cfg.total_steps))
+    return Task(model=model, train_data=train, eval_data=eval_data, predict=predict_bytes,
+                param_groups=lm_param_groups, hooks=(QKGeometry(gpt2_query_keys), AttentionProbe(probe.to(device))),
+                lr_factor=lr_factor, grad_clip=cfg.grad_clip, derived=with_bits_per_byte)
+
+
+# ---------------------------------------------------------------------------------------------- cells
+def sweep_cells(config: LMConfig, frame_lrs: Sequence[float]) -> list[Cell]:
+    """One cell per frame learning rate of the ``stiefel`` arm's sweep, under ``frame-lr-<value>``; a value equal
+    to the main cell's frame lr is the main cell itself and gets no cell of its own."""
+    values = sorted({float(v) for v in frame_lrs})
+    for v in values:
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"--frame-lrs: {v:g} must be a finite float > 0.")
+    return [Cell(dataclasses.replace(config, optim=dataclasses.replace(config.optim, frame_lr=v)),
+                 f"frame-lr-{v:g}", "frame_lr", v)
+            for v in values if not math.isclose(v, config.optim.effective_frame_lr, rel_tol=1e-12)]
+
+
+# ---------------------------------------------------------------------------------------------- report
+FINAL_KEYS = ("val_loss", "val_bpb", "train_bpb", "val_acc", "angle_max_deg/q", "angle_max_deg/k",
+              "angle_mean_deg/q", "move_total_rel/q", "move_total_rel/k", "logit_rms/mean", "attn_entropy/mean")
+
+
+def _corpus_paragraph(config: LMConfig) -> str:
+    c = config.corpus_identity or {}
+    if not c:
+        return f"**Corpus: {config.corpus}** (identity not recorded)."
+    return (f"**Corpus: {c['source']}** — corpus `{c['corpus']}`, version {c['version']}, SHA-256 `{c['sha256']}`; "
+            f"split {c['split']}: {c['train_files']} training files ({c['train_bytes']:,} bytes), {c['val_files']} "
+            f"validation files ({c['val_bytes']:,} bytes), val fraction {c['val_fraction']}. Tokens are bytes.")
+
+
+def _setup_paragraph(config: LMConfig) -> str:
+    o = config.optim
+    sched = ("constant learning rate" if config.lr_schedule == "constant" else
+             f"{100 * config.warmup_fraction:g}% linear warm-up then cosine decay to 0")
+    clip = "no gradient clipping" if config.grad_clip is None else f"global gradient-norm clipping at {config.grad_clip:g}"
+    return (f"HuggingFace GPT2LMHeadModel: {config.depth} layers, width {config.width}, {config.heads} heads, context "
+            f"{config.context}, vocabulary 256 bytes, no dropout, tied embeddings. Batches of {config.batch_size} random "
+            f"windows; {config.train.epochs} evaluations × {config.steps_per_epoch} steps = {config.total_steps} steps "
+            f"({config.total_steps * config.batch_size * config.context:,} training bytes). AdamW lr {o.lr:g}, betas "
+            f"{o.betas}, eps {o.eps:g}, weight decay {o.weight_decay:g} on the blocks' matrices (none on biases, "
+            f"LayerNorms, gains, embeddings); {sched}; {clip}. Frames: lr {o.effective_frame_lr:g}, no weight decay "
+            f"(StiefelAdam trust region {o.trust_region}). `stiefel-gain`: stiefelize(logit_gain=\"learn\", gain_rate="
+            f"{config.gain_rate:g}), gains start at 1. Evaluation: {config.eval_windows} fixed validation windows, "
+            f"{config.train_eval_windows} fixed training windows, probe batch of {config.probe_windows} validation "
+            f"windows. A seed fixes the initial weights of every arm (the frames are the polar factors of the AdamW "
+            f"arm's initial W_Q, W_K head blocks) and the order of the training windows (paired starts).")
+
+
+def _mean_ci_text(values: Sequence[float], fmt: str = ".4f") -> str:
+    from .stats import mean_ci
+
+    m, lo, hi = mean_ci(list(values))
+    if m is None:
+        return "–"
+    return f"{m:{fmt}}" + ("" if lo is None else f" [{lo:{fmt}}, {hi:{fmt}}]")
+
+
+def _final(runs: Mapping[str, Mapping[int, list[Mapping[str, Any]]]], arm: str, key: str) -> dict[int, Any]:
+    return {s: recs[-1].get(key) for s, recs in runs.get(arm, {}).items()}
+
+
+def _results_lines(records, arms: Sequence[str], config: LMConfig) -> list[str]:
+    from .records import group_runs
+    from .report import fmt_num
+
+    runs = group_runs(records)
+    lines = ["| arm | seeds | last epoch | val bpb, mean [95% CI] | val loss (nats/byte) | train bpb (fixed windows) "
+             "| next-byte acc | max angle W_Q / W_K (°) | logit RMS (mean over heads) | attention entropy (nats) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for arm in arms:
+        if arm not in runs:
+            continue
+        def vals(key: str) -> list[float]:
+            return [v for v in _final(runs, arm, key).values() if v is not None]
+
+        def mean(key: str) -> float | None:
+            v = vals(key)
+            return sum(v) / len(v) if v else None
+        last = sorted({recs[-1]["epoch"] for recs in runs[arm].values()})
+        lines.append(f"| {arm} | {len(runs[arm])} | {', '.join(map(str, last))} | {_mean_ci_text(vals('val_bpb'))} "
+                     f"| {_mean_ci_text(vals('val_loss'))} | {fmt_num(mean('train_bpb'), '.4f')} "
+                     f"| {fmt_num(mean('val_acc'), '.3f')} | {fmt_num(mean('angle_max_deg/q'), '.1f')} / "
+                     f"{fmt_num(mean('angle_max_deg/k'), '.1f')} | {fmt_num(mean('logit_rms/mean'))} "
+                     f"| {fmt_num(mean('attn_entropy/mean'))} |")
+    lines.append("")
+    ended = {recs[-1]["epoch"] for a in arms for recs in runs.get(a, {}).values()}
+    if ended and ended != {config.train.epochs}:
+        lines += [f"**Some runs have not reached epoch {config.train.epochs}; rerun the command to resume them "
+                  f"before reading the comparisons.**", ""]
+    return lines
+
+
+def _per_head_lines(records, arms: Sequence[str], config: LMConfig) -> list[str]:
+    from .records import group_runs
+
+    runs = group_runs(records)
+    lines = ["Per head at the last evaluation (mean over seeds): logit RMS / attention entropy (nats; uniform "
+             f"attention over a causal window averages {_uniform_entropy(config.context):.2f}).", "",
+             "| arm | layer | " + " | ".join(f"head {h}" for h in range(config.heads)) + " |",
+             "|---|---|" + "---|" * config.heads]
+    for arm in arms:
+        if arm not in runs:
+            continue
+        for layer in range(config.depth):
+            cells = []
+            for h in range(config.heads):
+                rms = [v for v in _final(runs, arm, f"logit_rms/{layer}/{h}").values() if v is not None]
+                ent = [v for v in _final(runs, arm, f"attn_entropy/{layer}/{h}").values() if v is not None]
+                cells.append("–" if not rms else f"{sum(rms) / len(rms):.3g} / {sum(ent) / len(ent):.2f}")
+            lines.append(f"| {arm} | {layer} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _uniform_entropy(t: int) -> float:
+    """Mean over positions of ln(i + 1): the entropy of uniform causal attention."""
+    return sum(math.log(i + 1) for i in range(t)) / t
+
+
+def _published_lines() -> list[str]:
+    lines = ["## Published findings beside this study", ""]
+    lines += [f"- {who}: {what}." for who, what in PUBLISHED]
+    return lines + ["", "Neither used this corpus, model or budget, and we quote no numbers of theirs; the table above "
+                        "is this study's own answer at its size.", ""]
+
+
+NOTES = (
+    "bpb = loss / ln 2 (loss in nats per byte). Validation and training-window losses are computed on the same "
+    "fixed windows at every evaluation, for every arm and seed, so they pair exactly.",
+    "Movement and principal angles are those of each head's block of the current c_attn weight (for frame arms the "
+    "weight rebuilt from the frames, times the gain in stiefel-gain); angles are scale-free, movement is not.",
+    "The frame-lr sweep runs the stiefel arm only; its paired differences are against the main cell's adamw runs "
+    "(same seeds: the same initial weights and training windows; AdamW does not use the frame lr).",
+    "The t-based intervals assume normally distributed per-seed values; with 3 seeds they are wide.",
+)
+
+
+def _sweep_folders(out_dir: Path) -> list[Cell]:
+    """The frame-lr cells on disk, with the configs their runs were trained with."""
+    from .runner import CONFIG_FILE
+
+    cells = []
+    for folder in sorted(out_dir.glob("frame-lr-*"), key=lambda p: float(p.name[len("frame-lr-"):])):
+        specs = sorted(folder.glob(f"runs/*/seed*/{CONFIG_FILE}"))
+        if specs:
+            config = config_from_dict(LMConfig, json.loads(specs[0].read_text())["config"])
+            cells.append(Cell(config, folder.name, "frame_lr", float(config.optim.frame_lr)))
+    return cells
+
+
+def finalize_lm(out_dir: str | os.PathLike, config: LMConfig, *, arms: Sequence[str] | None = None,
+                seeds: Sequence[int] | None = None, results: Sequence[Any] = ()) -> StudyOutputs:
+    """Summarise the records under ``out_dir`` (the main cell and every ``frame-lr-*`` cell on disk) and write
+    ``summary.json``, the figures and ``report.md``. A function of the files in ``out_dir`` only."""
+    from .plotting import plot_curves, plot_gap_sweep, plot_per_head, plot_principal_angles
+    from .records import group_runs, summarize_cell
+    from .report import comparison_table, figure_lines, run_lines, write_text
+    from .stats import compare_arms
+    from .study import cell_records, run_info_from_records, speed_from_environment
+
+    out_dir = Path(out_dir)
+    records = cell_records(out_dir, Cell(config), arms, seeds)
+    on_disk = list(dict.fromkeys(r["arm"] for r in records))
+    arms = list(arms) if arms is not None else [a for a in LM_ARMS if a in on_disk] + [
+        a for a in on_disk if a not in LM_ARMS]
+    main = summarize_cell(records, arms, metric="val_bpb", final_keys=FINAL_KEYS)
+    runs = group_runs(records)
+    speed = speed_from_environment(out_dir)
+
+    sweep = []
+    for cell in _sweep_folders(out_dir):
+        recs = cell_records(out_dir, cell, ["stiefel"], seeds)
+        per_seed = {"adamw": _final(runs, "adamw", "val_bpb"),
+                    "stiefel": _final(group_runs(recs), "stiefel", "val_bpb")}
+        sweep.append({"frame_lr": cell.value, "subdir": cell.subdir,
+                      "stiefel_val_bpb": per_seed["stiefel"],
+                      "vs_adamw": compare_arms(per_seed, ["adamw", "stiefel"]).get("stiefel - adamw")})
+        speed.update({f"{cell.subdir}/{k}": v for k, v in speed_from_environment(out_dir / cell.subdir).items()})
+    if sweep and "stiefel" in runs:
+        base = {"frame_lr": config.optim.effective_frame_lr, "subdir": "", "stiefel_val_bpb":
+                _final(runs, "stiefel", "val_bpb"), "vs_adamw": main["comparisons"].get("stiefel - adamw")}
+        sweep = sorted([*sweep, base], key=lambda row: row["frame_lr"])
+
+    figures: dict[str, Path | None] = {
+        "Learning curves: bits per byte on the fixed validation and training windows (mean over seeds, band ±1 sd)":
+            plot_curves(records, out_dir / "learning_curves.png", ["val_bpb", "train_bpb"],
+                        title="bits per byte", ylabel="bits per byte"),
+        "Principal angles between each head's current and initial W_Q, W_K column spaces": plot_principal_angles(
+            records, out_dir / "principal_angles.png"),
+        "Relative movement ‖W − W₀‖_F/‖W₀‖_F of W_Q and W_K": plot_curves(
+            records, out_dir / "movement.png", ["move_total_rel/q", "move_total_rel/k"],
+            title="relative distance from initialisation", ylabel="‖W − W₀‖_F / ‖W₀‖_F"),
+        "Attention-logit scale (RMS of the causal logits) per head over training": plot_per_head(
+            records, out_dir / "logit_rms.png", prefix="logit_rms", title="logit RMS per head", ylabel="RMS logit",
+            logy=True),
+        "Attention entropy per head over training (nats)": plot_per_head(
+            records, out_dir / "attn_entropy.png", prefix="attn_entropy", title="attention entropy per head",
+            ylabel="entropy (nats)"),
+    }
+    if sweep:
+        figures["Frame-lr sweep: stiefel − adamw, final validation bpb (mean ± 95% CI, dots: seeds)"] = plot_gap_sweep(
+            [(row["frame_lr"], row["vs_adamw"]) for row in sweep], out_dir / "frame_lr_sweep.png",
+            xlabel="frame learning rate (stiefel arm)", title="frame-lr sweep", logx=True, scale=1.0,
+            ylabel="stiefel − adamw, final val bpb")
+    figures = {k: v for k, v in figures.items() if v is not None}
+
+    seeds_seen = sorted({s for a in main["arms"].values() for s in a["seeds"]})
+    title = "Byte-level GPT-2 on the Python standard library: Stiefel W_Q/W_K vs AdamW"
+    lines = [f"# {title}", "", _corpus_paragraph(config), "", _setup_paragraph(config), "",
+             "Arms: " + "; ".join(f"`{a}` ({ARMS[a].description})" for a in arms if a in ARMS)
+             + f". Seeds: {', '.join(map(str, seeds_seen))}.", "", "## Results", ""]
+    lines += _results_lines(records, arms, config)
+    if main["comparisons"]:
+        lines += ["Paired differences of the final validation bits per byte (negative: the first arm is better; same "
+                  "seed: same initial weights and training windows):", ""]
+        lines += comparison_table(main["comparisons"], unit="bpb") + [""]
+    lines += _per_head_lines(records, arms, config)
+    if sweep:
+        lines += ["## Frame learning-rate sweep (stiefel arm)", "",
+                  "| frame lr | seeds | stiefel val bpb, mean [95% CI] | stiefel − adamw (bpb), mean [95% CI] "
+                  "| positive pairs |", "|---|---|---|---|---|"]
+        for row in sweep:
+            c = row["vs_adamw"]
+            vals = [v for v in row["stiefel_val_bpb"].values() if v is not None]
+            diff = "–" if not c or c["mean"] is None else (
+                f"{c['mean']:+.4f}" + ("" if c["ci_low"] is None else f" [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]"))
+            pos = "–" if not c else f"{c['n_positive']}/{c['n']}"
+            lines.append(f"| {row['frame_lr']:g} | {len(vals)} | {_mean_ci_text(vals)} | {diff} | {pos} |")
+        lines.append("")
+    lines += _published_lines()
+    lines += figure_lines({k: os.path.relpath(v, out_dir) for k, v in figures.items()})
+    lines += run_lines(run_info_from_records(out_dir, speed))
+    lines += ["## Configuration", "", "```json", json.dumps(to_dict(config), indent=2), "```", "",
+              "## Notes", ""] + [f"- {n}" for n in NOTES] + [""]
+    summary = {"title": title, "corpus": config.corpus_identity, "arms": list(arms), "seeds": seeds_seen,
+               "config": to_dict(config), "published": [{"source": s, "finding": f} for s, f in PUBLISHED],
+               "main": main, "frame_lr_sweep": sweep, "speed": speed,
+               "figures": {k: os.path.relpath(v, out_dir) for k, v in figures.items()}}
+    summary_path = out_dir / "summary.json"
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    report_path = write_text(out_dir / "report.md", "\n".join(lines))
+    return StudyOutputs(results=tuple(results), summary=summary, summary_path=summary_path, report_path=report_path,
+                        figures=figures)
+
+
+# ---------------------------------------------------------------------------------------------- running
+def with_corpus_identity(config: LMConfig) -> LMConfig:
+    """``config`` with ``corpus_identity`` set from the corpus it names (loaded here; refused if it differs)."""
+    corpus = corpus_of(config)
+    return dataclasses.replace(config, corpus_identity=corpus.describe())
+
+
+def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] | None = LM_ARMS,
+           seeds: Sequence[int] | None = (0, 1, 2), frame_lrs: Sequence[float] = (), workers: int = 1,
+           device: str = "auto", threads: int | None = None, quiet: bool = False,
+           stop_after_epochs: int | None = None, checkpoint_interval_s: float = 30.0, report_only: bool = False,
+           skip_report: bool = False, command: str | None = None) -> StudyOutputs:
+    """Run (or resume) every (arm, seed) of the main cell, then the ``stiefel`` arm at every extra frame lr of
+    ``frame_lrs`` (:func:`sweep_cells`), and write the report into ``out_dir``. ``report_only``: train nothing,
+    rebuild the report from the records (``config`` is then the recorded one; ``arms``/``seeds`` ``None``: all
+    on disk). ``command`` is recorded in ``out_dir/study.json``."""
+    from .arms import get_arm
+    from .study import run_cells
+
+    if report_only:
+        return finalize_lm(out_dir, config, arms=arms, seeds=seeds)
+    arms = list(arms or LM_ARMS)
+    seeds = list(seeds if seeds is not None else (0, 1, 2))
+    for a in arms:
+        get_arm(a)
+    sweep = sweep_cells(config, frame_lrs)
+    config = with_corpus_identity(config)
+    sweep = [dataclasses.replace(c, config=with_corpus_identity(c.config)) for c in sweep]
+    kwargs = dict(workers=workers, device=device, threads=threads, quiet=quiet, stop_after_epochs=stop_after_epochs,
+                  checkpoint_interval_s=checkpoint_interval_s)
+    results = run_cells([Cell(config)], build_task, out_dir, arms=arms, seeds=seeds, command=command, **kwargs)
+    if sweep:
+        results += run_cells(sweep, build_task, out_dir, arms=["stiefel"], seeds=seeds, command=command, **kwargs)
+    if skip_report:
+        return StudyOutputs(results=tuple(results))
+    return finalize_lm(out_dir, config, arms=arms, seeds=seeds, results=results)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _none_or_positive_float(text: str) -> float | None:
+    from .._argtypes import positive_float
+
+    return None if text.lower() in ("none", "off") else positive_float(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .._argtypes import positive_float, positive_int
+    from .cli_args import add_optim_arguments, add_runner_arguments, add_schedule_arguments
+
+    d = LMConfig()
+    g = parser.add_argument_group("corpus")
+    g.add_argument("--corpus", choices=CORPORA, default=d.corpus,
+                   help="python-stdlib: the running Python's standard-library sources (default)")
+    g.add_argument("--corpus-root", default=None, metavar="DIR",
+                   help="read the *.py files under DIR instead of the standard library")
+    g.add_argument("--val-fraction", type=positive_float, default=d.val_fraction,
+                   help=f"share of files held out for validation (default {d.val_fraction})")
+    g = parser.add_argument_group("model")
+    g.add_argument("--context", type=positive_int, default=d.context, help=f"positions (default {d.context})")
+    g.add_argument("--width", type=positive_int, default=d.width, help=f"n_embd (default {d.width})")
+    g.add_argument("--depth", type=positive_int, default=d.depth, help=f"layers (default {d.depth})")
+    g.add_argument("--heads", type=positive_int, default=d.heads, help=f"attention heads (default {d.heads})")
+    g.add_argument("--gain-rate", type=positive_float, default=d.gain_rate,
+                   help=f"stiefel-gain arm: gamma = exp(rate * theta) (default {d.gain_rate:g})")
+    g = parser.add_argument_group("training")
+    g.add_argument("--batch-size", type=positive_int, default=d.batch_size,
+                   help=f"windows per batch (default {d.batch_size})")
+    g.add_argument("--steps-per-epoch", type=positive_int, default=d.steps_per_epoch,
+                   help=f"batches between two evaluations (default {d.steps_per_epoch})")
+    g.add_argument("--eval-windows", type=positive_int, default=d.eval_windows,
+                   help=f"fixed validation windows (default {d.eval_windows})")
+    g.add_argument("--train-eval-windows", type=positive_int, default=d.train_eval_windows,
+                   help=f"fixed training windows evaluated for the training loss (default {d.train_eval_windows})")
+    g.add_argument("--eval-batch", type=positive_int, default=d.eval_batch,
+                   help=f"windows per evaluation batch (default {d.eval_batch})")
+    g.add_argument("--probe-windows", type=positive_int, default=d.probe_windows,
+                   help=f"validation windows of the attention probe (default {d.probe_windows})")
+    g.add_argument("--lr-schedule", choices=("cosine", "constant"), default=d.lr_schedule,
+                   help="warm-up + cosine decay, or constant (default cosine)")
+    g.add_argument("--warmup-fraction", type=float, default=d.warmup_fraction,
+                   help=f"share of the steps spent warming up (default {d.warmup_fraction})")
+    g.add_argument("--grad-clip", type=_none_or_positive_float, default=d.grad_clip,
+                   help=f"global gradient-norm clip, or none (default {d.grad_clip})")
+    g = parser.add_argument_group("study")
+    g.add_argument("--frame-lrs", type=positive_float, nargs="+", default=[], metavar="LR",
+                   help="frame-lr sweep of the stiefel arm: extra cells at these frame lrs (a value equal to the "
+                        "frame lr reuses the main runs), e.g. 3e-4 1e-3 3e-3; default: no sweep")
+    add_schedule_arguments(parser, d.train)
+    add_optim_arguments(parser, d.optim)
+    add_runner_arguments(parser, arms=LM_ARMS, seeds=(0, 1, 2), out="runs/lm")
+
+
+def config_from_args(args: argparse.Namespace) -> LMConfig:
+    from .cli_args import optim_config_from_args, train_config_from_args
+
+    return LMConfig(corpus=args.corpus, corpus_root=args.corpus_root, val_fraction=args.val_fraction,
+                    context=args.context, width=args.width, depth=args.depth, heads=args.heads,
+                    batch_size=args.batch_size, steps_per_epoch=args.steps_per_epoch, eval_windows=args.eval_windows,
+                    train_eval_windows=args.train_eval_windows, eval_batch=args.eval_batch,
+                    probe_windows=args.probe_windows, lr_schedule=args.lr_schedule,
+                    warmup_fraction=args.warmup_fraction, grad_clip=args.grad_clip, gain_rate=args.gain_rate,
+                    train=train_config_from_args(args), optim=optim_config_from_args(args))
+
+
+def _config_for_report(out: str) -> LMConfig:
+    from ..cli import UsageError
+    from .study import recorded_config
+
+    recorded = recorded_config(out)
+    if recorded is None:
+        raise UsageError(f"--out {out}: holds no runs (no runs/<arm>/seed<k>/config.json); train the study first, "
+                         f"without --report-only.")
+    return config_from_dict(LMConfig, recorded)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import UsageError
+    from .cli_args import build_config, check_runner_args, invoked_command, require_modules, runner_modules, user_errors
+
+    check_runner_args(args)
+    if args.corpus_root is not None and not Path(args.corpus_root).is_dir():
+        raise UsageError(f"--corpus-root {args.corpus_root}: no such folder; pass a folder holding *.py files.")
+    config = _config_for_report(args.out) if args.report_only else build_config(config_from_args, args)
+    require_modules(runner_modules(args) + ([] if args.report_only else ["transformers"]))
+    if not args.report_only:
+        try:  # the sweep's values and the corpus, checked before anything is written
+            sweep_cells(config, args.frame_lrs)
+            config = with_corpus_identity(config)
+        except (ValueError, FileNotFoundError) as err:
+            raise UsageError(str(err)) from None
+    t0 = time.perf_counter()
+    with user_errors():
+        outputs = run_lm(config, args.out, arms=args.arms if args.arms is not None or args.report_only else LM_ARMS,
+                         seeds=args.seeds if args.seeds is not None or args.report_only else (0, 1, 2),
+                         frame_lrs=args.frame_lrs, workers=args.workers, device=args.device, threads=args.threads,
+                         quiet=args.quiet, stop_after_epochs=args.stop_after_epochs,
+                         checkpoint_interval_s=args.checkpoint_interval, report_only=args.report_only,
+                         skip_report=args.skip_report, command=None if args.report_only else invoked_command())
+    results = outputs.results
+    print(f"lm: {len(results)} run(s) in {time.perf_counter() - t0:.1f} s -> {args.out}")
+    for r in results:
+        rate = "" if r.epochs_per_second is None else f", {r.epochs_per_second * config.steps_per_epoch:.2f} steps/s"
+        bpb = (r.final_record or {}).get("val_bpb")
+        print(f"  {r.run_dir}: epoch {r.epoch}{rate}" + ("" if bpb is None else f", val {bpb:.4f} bpb"))
+    pending = [r.name for r in results if not r.completed]
+    if pending:
+        print(f"  stopped before the end (rerun the same command to resume): {', '.join(pending)}")
+    if outputs.summary is not None:
+        for arm, a in outputs.summary["main"]["arms"].items():
+            f = a["final_val_bpb"]
+            sd = "" if f.get("std") is None else f" ± {f['std']:.4f}"
+            print(f"  {arm:<14} final val {f['mean']:.4f}{sd} bpb over {len(a['seeds'])} seed(s)")
+        print(f"  report: {outputs.report_path}")
+    return 0
