@@ -556,7 +556,11 @@ def finalize_lm(out_dir: str | os.PathLike, config: LMConfig, *, arms: Sequence[
     from .stats import compare_arms
     from .study import cell_records, run_info_from_records, speed_from_environment
 
+    from .study import recorded_config
+
     out_dir = Path(out_dir)
+    recorded = recorded_config(out_dir)  # the report shows the config as the runs recorded it
+    config = config if recorded is None else config_from_dict(LMConfig, recorded)
     records = cell_records(out_dir, Cell(config), arms, seeds)
     on_disk = list(dict.fromkeys(r["arm"] for r in records))
     arms = list(arms) if arms is not None else [a for a in LM_ARMS if a in on_disk] + [
@@ -588,12 +592,11 @@ def finalize_lm(out_dir: str | os.PathLike, config: LMConfig, *, arms: Sequence[
         "Relative movement ‖W − W₀‖_F/‖W₀‖_F of W_Q and W_K": plot_curves(
             records, out_dir / "movement.png", ["move_total_rel/q", "move_total_rel/k"],
             title="relative distance from initialisation", ylabel="‖W − W₀‖_F / ‖W₀‖_F"),
-        "Attention-logit scale (RMS of the causal logits) per head over training": plot_per_head(
-            records, out_dir / "logit_rms.png", prefix="logit_rms", title="logit RMS per head", ylabel="RMS logit",
-            logy=True),
-        "Attention entropy per head over training (nats)": plot_per_head(
-            records, out_dir / "attn_entropy.png", prefix="attn_entropy", title="attention entropy per head",
-            ylabel="entropy (nats)"),
+        "Per head over training: attention-logit scale (RMS of the causal logits, log scale) and attention "
+        "entropy (nats); mean over seeds": plot_per_head(
+            records, out_dir / "attention_heads.png", rows=(("logit_rms", "RMS logit", True),
+                                                            ("attn_entropy", "entropy (nats)", False)),
+            title="attention per head"),
     }
     if sweep:
         figures["Frame-lr sweep: stiefel − adamw, final validation bpb (mean ± 95% CI, dots: seeds)"] = plot_gap_sweep(
@@ -648,6 +651,20 @@ def with_corpus_identity(config: LMConfig) -> LMConfig:
     return dataclasses.replace(config, corpus_identity=corpus.describe())
 
 
+def _check_recorded_corpus(out_dir: str | os.PathLike, config: LMConfig) -> None:
+    """Refuse, naming the two corpora, to add runs on one text to a folder whose runs were trained on another."""
+    from .runner import ConfigMismatchError
+    from .study import recorded_config
+
+    recorded = (recorded_config(out_dir) or {}).get("corpus_identity")
+    if recorded and recorded != config.corpus_identity:
+        now = config.corpus_identity or {}
+        raise ConfigMismatchError(
+            f"{out_dir} holds runs trained on another corpus ({recorded.get('source')}, SHA-256 "
+            f"{str(recorded.get('sha256'))[:12]}…) than the one read now ({now.get('source')}, SHA-256 "
+            f"{str(now.get('sha256'))[:12]}…); use the same Python or --corpus-root, or another --out folder.")
+
+
 def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] | None = LM_ARMS,
            seeds: Sequence[int] | None = (0, 1, 2), frame_lrs: Sequence[float] = (), workers: int = 1,
            device: str = "auto", threads: int | None = None, quiet: bool = False,
@@ -668,6 +685,7 @@ def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] 
         get_arm(a)
     sweep = sweep_cells(config, frame_lrs)
     config = with_corpus_identity(config)
+    _check_recorded_corpus(out_dir, config)
     sweep = [dataclasses.replace(c, config=with_corpus_identity(c.config)) for c in sweep]
     kwargs = dict(workers=workers, device=device, threads=threads, quiet=quiet, stop_after_epochs=stop_after_epochs,
                   checkpoint_interval_s=checkpoint_interval_s)

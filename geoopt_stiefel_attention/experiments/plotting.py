@@ -360,32 +360,39 @@ def plot_ablation(comparisons: Mapping[str, Mapping[str, Any]], arms: Sequence[s
     return _save(fig, path)
 
 
-def plot_per_head(records: Sequence[Mapping[str, Any]], path: Path, *, prefix: str, title: str, ylabel: str,
-                  logy: bool = False) -> Path | None:
-    """Per-head quantities ``<prefix>/<layer>/<head>`` over training: one panel per layer, one colour per arm,
-    one line style per head (mean over seeds). ``None`` when the records hold no such key."""
+def plot_per_head(records: Sequence[Mapping[str, Any]], path: Path, *, rows: Sequence[tuple[str, str, bool]],
+                  title: str) -> Path | None:
+    """Per-head quantities ``<prefix>/<layer>/<head>`` over training: one row of panels per ``(prefix, ylabel,
+    logy)`` of ``rows``, one panel per layer, one colour per arm, one line style per head (mean over seeds).
+    ``None`` when the records hold none of the prefixes."""
     import seaborn as sns
 
     df = records_frame(records)
-    keys = [c for c in df.columns if c.startswith(prefix + "/") and c.count("/") == prefix.count("/") + 2]
-    if not keys:
+    found = []
+    for prefix, ylabel, logy in rows:
+        keys = [c for c in df.columns if c.startswith(prefix + "/") and c.count("/") == prefix.count("/") + 2]
+        if not keys:
+            continue
+        long = df.melt(id_vars=["arm", "seed", "epoch"], value_vars=keys, var_name="key", value_name="value")
+        long = long.dropna(subset=["value"])
+        parts = long["key"].str[len(prefix) + 1:].str.split("/", expand=True)
+        long["layer"], long["head"] = parts[0], "head " + parts[1]
+        found.append((long, prefix, ylabel, logy))
+    if not found:
         return None
-    long = df.melt(id_vars=["arm", "seed", "epoch"], value_vars=keys, var_name="key", value_name="value")
-    long = long.dropna(subset=["value"])
-    parts = long["key"].str[len(prefix) + 1:].str.split("/", expand=True)
-    long["layer"], long["head"] = parts[0], "head " + parts[1]
-    layers = sorted(long["layer"].unique(), key=lambda v: int(v) if v.isdigit() else v)
-    fig, axes = _figure(1, len(layers), width=4.2, height=3.6, sharex=True)
-    for ax, layer in zip(axes[0], layers, strict=True):
-        sub = long[long["layer"] == layer]
-        sns.lineplot(data=sub, x="epoch", y="value", hue="arm", style="head", errorbar=None, ax=ax, linewidth=1.0,
-                     **_markers(sub))
-        ax.set_title(f"layer {layer}")
-        ax.set_ylabel(ylabel)
-        if logy:
-            ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
-        if layer != layers[-1] and ax.get_legend() is not None:
-            ax.get_legend().remove()
+    layers = sorted({v for long, *_ in found for v in long["layer"].unique()},
+                    key=lambda v: int(v) if v.isdigit() else v)
+    fig, axes = _figure(len(found), len(layers), width=4.2, height=3.4, sharex=True)
+    for r, (long, prefix, ylabel, logy) in enumerate(found):
+        for c, layer in enumerate(layers):
+            ax = axes[r, c]
+            sub = long[long["layer"] == layer]
+            sns.lineplot(data=sub, x="epoch", y="value", hue="arm", style="head", errorbar=None, ax=ax,
+                         linewidth=1.0, legend=(r == 0 and c == len(layers) - 1), **_markers(sub))
+            ax.set_title(f"{prefix}, layer {layer}", fontsize=9)
+            ax.set_ylabel(ylabel)
+            if logy:
+                ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)

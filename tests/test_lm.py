@@ -1,0 +1,340 @@
+"""Tests of the language-model study (``stiefel-attention lm``) and of the loop features it added to the layer
+(gradient clipping, derived record values)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from geoopt_stiefel_attention.cli import main as cli_main  # noqa: E402
+from geoopt_stiefel_attention.experiments import arms as arms_module  # noqa: E402
+from geoopt_stiefel_attention.experiments.config import OptimConfig, RunSpec, TrainConfig  # noqa: E402
+from geoopt_stiefel_attention.experiments.data.batches import FullBatch  # noqa: E402
+from geoopt_stiefel_attention.experiments.lm import (  # noqa: E402
+    AttentionProbe,
+    LMConfig,
+    build_model,
+    build_task,
+    lm_param_groups,
+)
+from geoopt_stiefel_attention.experiments.records import read_records  # noqa: E402
+from geoopt_stiefel_attention.experiments.runner import Task, train_run  # noqa: E402
+from geoopt_stiefel_attention.manifolds import is_frame  # noqa: E402
+
+#: float64 reference comparisons (the probe computes in float64 from float64 weights)
+REF_TOL = 1e-10
+
+TINY = ["--depth", "2", "--width", "32", "--heads", "4", "--context", "16", "--batch-size", "4",
+        "--steps-per-epoch", "3", "--epochs", "2", "--eval-windows", "4", "--train-eval-windows", "4",
+        "--eval-batch", "4", "--probe-windows", "2", "--val-fraction", "0.25", "--device", "cpu", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def corpus_root(tmp_path_factory):
+    """A small fake standard library: 40 modules of varied Python-like text."""
+    root = tmp_path_factory.mktemp("stdlib")
+    for k in range(40):
+        body = "".join(f"def f{k}_{j}(x):\n    return x * {k + j} + {j}\n\n" for j in range(30))
+        (root / f"mod{k:02d}.py").write_text(f'"""Module {k}."""\n\n' + body)
+    return str(root)
+
+
+def _cli(corpus_root, out, *extra):
+    return cli_main(["lm", *TINY, "--corpus-root", corpus_root, "--out", str(out), *extra])
+
+
+def test_smoke_every_arm_and_the_sweep_then_the_report(corpus_root, tmp_path, capsys):
+    out = tmp_path / "study"
+    assert _cli(corpus_root, out, "--lr", "1e-2", "--seeds", "0", "1", "--frame-lrs", "1e-2", "3e-2",
+                "--skip-report") == 0
+    for arm in ("adamw", "stiefel", "stiefel-gain", "geoopt-radam"):
+        recs = read_records(out / "runs" / arm / "seed1" / "metrics.jsonl")
+        assert [r["epoch"] for r in recs] == [0, 1, 2]
+        for r in recs:
+            assert r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2), rel=1e-12)
+            assert {"logit_rms/1/3", "attn_entropy/0/0", "angle_max_deg/q", "move_total_rel/k"} <= set(r)
+        assert recs[-1]["train_loss"] < recs[0]["train_loss"]  # it learns
+        spec = json.loads((out / "runs" / arm / "seed1" / "config.json").read_text())
+        assert spec["config"]["corpus_identity"]["train_files"] > 0
+    # the sweep: the main frame lr (= lr 1e-2) is the main cell; only 3e-2 gets a cell, stiefel only
+    assert not (out / "frame-lr-0.01").exists()
+    assert sorted(p.name for p in (out / "frame-lr-0.03" / "runs").iterdir()) == ["stiefel"]
+    assert json.loads((out / "frame-lr-0.03/runs/stiefel/seed0/config.json").read_text())["config"]["optim"][
+        "frame_lr"] == 0.03
+    capsys.readouterr()
+    assert cli_main(["lm", "--report-only", "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"{arm} " in printed for arm in ("adamw", "stiefel", "stiefel-gain", "geoopt-radam"))
+    report = (out / "report.md").read_text()
+    sha = json.loads((out / "runs/adamw/seed0/config.json").read_text())["config"]["corpus_identity"]["sha256"]
+    assert sha in report and "Knight, 2026" in report and "Yoshihara, 2026" in report
+    assert "| 0.03 | 2 |" in report and "stiefel-gain - adamw" in report
+    for png in ("learning_curves", "principal_angles", "movement", "attention_heads", "frame_lr_sweep"):
+        assert (out / f"{png}.png").exists(), png
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["main"]["comparisons"]["stiefel - adamw"]["n"] == 2
+
+
+@pytest.mark.slow
+def test_report_of_a_run_equals_its_rebuild_from_the_records(corpus_root, tmp_path):
+    out = tmp_path / "study"
+    assert _cli(corpus_root, out, "--seeds", "0", "--arms", "adamw", "stiefel", "--frame-lrs", "3e-3") == 0
+    before = (out / "report.md").read_text()
+    assert cli_main(["lm", "--report-only", "--out", str(out), "--quiet"]) == 0
+    assert (out / "report.md").read_text() == before
+
+
+def test_resume_equals_uninterrupted(corpus_root, tmp_path, capsys):
+    flags = ["--arms", "stiefel-gain", "geoopt-radam", "--seeds", "0", "--skip-report", "--epochs", "3"]
+    assert _cli(corpus_root, tmp_path / "full", *flags) == 0
+    assert _cli(corpus_root, tmp_path / "cut", *flags, "--stop-after-epochs", "1") == 0
+    assert "stopped before the end" in capsys.readouterr().out
+    assert _cli(corpus_root, tmp_path / "cut", *flags) == 0
+    for arm in ("stiefel-gain", "geoopt-radam"):
+        a = read_records(tmp_path / "full" / "runs" / arm / "seed0" / "metrics.jsonl")
+        b = read_records(tmp_path / "cut" / "runs" / arm / "seed0" / "metrics.jsonl")
+        assert [r["epoch"] for r in a] == [0, 1, 2, 3] and a == b
+
+
+def _polar(a: torch.Tensor) -> torch.Tensor:
+    u, _, vh = torch.linalg.svd(a.double(), full_matrices=False)
+    return u @ vh
+
+
+def test_paired_starts_share_every_non_frame_weight():
+    cfg = LMConfig(depth=2, width=32, heads=4, context=16)
+    plain = build_model(cfg, seed=3)
+    d, h, r = 32, 4, 8
+    for gain in (None, "learn"):
+        conv = build_model(cfg, seed=3, stiefel=True, logit_gain=gain)
+        conv_state = conv.state_dict()
+        for name, w in plain.state_dict().items():
+            if name.endswith("c_attn.weight"):
+                prefix = name[:-len("weight")]
+                assert torch.equal(conv_state[prefix + "parametrizations.weight.original"], w[:, 2 * d:])  # values
+                q = conv_state[prefix + "parametrizations.weight.0.q_frames"]
+                blocks = w[:, :d].reshape(d, h, r).permute(1, 0, 2)
+                assert torch.allclose(q.double(), _polar(blocks), atol=1e-5)
+            else:
+                assert torch.equal(conv_state[name], w), name
+        gains = [v for k, v in conv_state.items() if k.endswith("q_log_gain")]
+        assert (len(gains) == 2 and all(torch.equal(g, torch.zeros(h)) for g in gains)) if gain else not gains
+    other = build_model(cfg, seed=4)  # companion: another seed is another start
+    assert not torch.equal(other.transformer.wte.weight, plain.transformer.wte.weight)
+
+
+def test_build_task_pairs_the_data_of_the_arms(corpus_root):
+    cfg = LMConfig(corpus_root=corpus_root, val_fraction=0.25, depth=1, width=16, heads=2, context=8,
+                   batch_size=2, steps_per_epoch=2)
+    tasks = {arm: build_task(RunSpec(cfg, arm, 5), arms_module.get_arm(arm), torch.device("cpu"))
+             for arm in ("adamw", "stiefel-gain")}
+    a, b = (list(t.train_data.batches(1)) for t in tasks.values())
+    assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b, strict=True))
+    assert a[0][1].shape == (2 * 8,)  # targets flattened: one example per predicted byte
+    other = list(build_task(RunSpec(cfg, "adamw", 6), arms_module.get_arm("adamw"),
+                            torch.device("cpu")).train_data.batches(1))
+    assert not torch.equal(other[0][0], a[0][0])  # companion: another seed draws other windows
+
+
+def test_lm_param_groups_decay_only_the_blocks_matrices():
+    cfg = LMConfig(depth=1, width=16, heads=2, context=8)
+    model = build_model(cfg, seed=0, stiefel=True, logit_gain="learn")
+    groups = {g["name"]: g for g in lm_param_groups(model, 0.1)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = sorted(names[id(p)] for p in groups["decay"]["params"])
+    assert decayed == ["transformer.h.0.attn.c_attn.parametrizations.weight.original",
+                       "transformer.h.0.attn.c_proj.weight", "transformer.h.0.mlp.c_fc.weight",
+                       "transformer.h.0.mlp.c_proj.weight"]
+    plain = {names[id(p)] for p in groups["no_decay"]["params"]}
+    assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
+            "transformer.h.0.attn.c_attn.parametrizations.weight.0.q_log_gain"} <= plain
+    assert groups["decay"]["weight_decay"] == 0.1 and groups["no_decay"]["weight_decay"] == 0.0
+    assert len(groups["frames"]["params"]) == 2 and all(is_frame(p) for p in groups["frames"]["params"])
+    total = sum(len(g["params"]) for g in groups.values())
+    assert total == len(list(model.parameters()))  # every parameter once (lm_head is tied to wte)
+
+
+@torch.no_grad()
+def _reference(model, ids):
+    """Per-layer (rms, entropy) written out head by head in float64, from HF's own hidden states (input of each
+    block, LayerNorm applied here) and HF's eager attention probabilities."""
+    out = model(input_ids=ids, output_hidden_states=True, output_attentions=True, use_cache=False)
+    result = []
+    for layer, block in enumerate(model.transformer.h):
+        x = torch.nn.functional.layer_norm(out.hidden_states[layer], (block.ln_1.normalized_shape[0],),
+                                           block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
+        w, bias = block.attn.c_attn.weight, block.attn.c_attn.bias
+        d, heads = w.shape[0], block.attn.num_heads
+        r = d // heads
+        rms, ent = [], []
+        for h in range(heads):
+            sq, n = 0.0, 0
+            for b in range(ids.shape[0]):
+                q = x[b] @ w[:, h * r:(h + 1) * r] + bias[h * r:(h + 1) * r]
+                k = x[b] @ w[:, d + h * r:d + (h + 1) * r] + bias[d + h * r:d + (h + 1) * r]
+                for i in range(ids.shape[1]):
+                    for j in range(i + 1):
+                        sq += float(q[i] @ k[j]) ** 2 / r
+                        n += 1
+            rms.append(math.sqrt(sq / n))
+            p = out.attentions[layer][:, h]  # (B, T, T), zero above the diagonal
+            ent.append(float(-(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1).mean()))
+        result.append((rms, ent))
+    return result
+
+
+def _probe_model(**convert):
+    cfg = LMConfig(depth=2, width=16, heads=2, context=8)
+    model = build_model(cfg, seed=1, **convert)
+    model.config._attn_implementation = "eager"  # HF returns attention probabilities only in eager mode
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("c_attn.weight"):
+                p.normal_(0.0, 0.3)  # larger than HF's 0.02: attention far from uniform
+    return model.double().eval()
+
+
+@pytest.mark.parametrize("convert", [{}, {"stiefel": True, "logit_gain": "learn"}], ids=["adamw", "stiefel-gain"])
+def test_attention_probe_matches_a_written_out_reference(convert):
+    torch.manual_seed(0)
+    model = _probe_model(**convert)
+    ids = torch.randint(0, 256, (2, 8))
+    if convert:
+        with torch.no_grad():
+            model.transformer.h[1].attn.c_attn.parametrizations.weight[0].q_log_gain.fill_(math.log(3.0) / 10.0)
+    got = AttentionProbe(ids).metrics(model)
+    ref = _reference(model, ids)
+    for layer, (rms, ent) in enumerate(ref):
+        for h in range(2):
+            assert got[f"logit_rms/{layer}/{h}"] == pytest.approx(rms[h], rel=REF_TOL)
+            assert got[f"attn_entropy/{layer}/{h}"] == pytest.approx(ent[h], rel=REF_TOL, abs=REF_TOL)
+    assert got["logit_rms/mean"] == pytest.approx(sum(sum(r) for r, _ in ref) / 4, rel=REF_TOL)
+    assert min(min(e) for _, e in ref) < 0.9 * math.log(8)  # the case is not trivially uniform
+    # companion: the probe reads the current weights, so changing them changes what it reports
+    with torch.no_grad():
+        model.transformer.h[0].ln_1.weight.mul_(2.0)
+    again = AttentionProbe(ids).metrics(model)
+    assert again["logit_rms/0/0"] == pytest.approx(4 * got["logit_rms/0/0"], rel=1e-9)  # q and k both double
+    assert model.training is False
+
+
+def test_gain_scales_the_logits_of_its_head_only():
+    torch.manual_seed(0)
+    model = _probe_model(stiefel=True, logit_gain="learn")
+    ids = torch.randint(0, 256, (2, 8))
+    before = AttentionProbe(ids).metrics(model)
+    with torch.no_grad():
+        model.transformer.h[1].attn.c_attn.parametrizations.weight[0].q_log_gain[1] = math.log(3.0) / 10.0
+    after = AttentionProbe(ids).metrics(model)
+    assert after["logit_rms/1/1"] == pytest.approx(3 * before["logit_rms/1/1"], rel=1e-9)
+    assert after["logit_rms/1/0"] == pytest.approx(before["logit_rms/1/0"], rel=1e-12)  # companion: other head
+
+
+# ---------------------------------------------------------------------------------------------- layer hooks
+@pytest.fixture()
+def sgd_arm():
+    def build(model, groups, optim):
+        return torch.optim.SGD(groups, lr=optim.lr)
+
+    arm = arms_module.register_arm(arms_module.Arm("test-sgd", "euclidean", build, "plain SGD (test)"))
+    yield arm
+    del arms_module.ARMS["test-sgd"]
+
+
+def _linear_task(clip):
+    from dataclasses import dataclass, field
+
+    @dataclass(frozen=True)
+    class Cfg:
+        experiment: str = "linear"
+        train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=1, eval_every=1))
+        optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=0.5))
+
+    x = torch.tensor([[1.0, 2.0], [3.0, -1.0]])
+    y = torch.tensor([0, 1])
+
+    def builder(spec, arm, device):
+        model = torch.nn.Linear(2, 2, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([[0.5, -0.5], [1.0, 0.25]]))
+        data = FullBatch(x, y)
+        return Task(model=model, train_data=data, eval_data={"val": data}, grad_clip=clip,
+                    derived=lambda v: {"val_double": 2 * v["val_loss"]})
+
+    return Cfg(), builder, x, y
+
+
+@pytest.mark.parametrize("clip", [0.01, None])
+def test_runner_clips_the_gradient_norm_and_adds_derived_values(sgd_arm, tmp_path, clip):
+    cfg, builder, x, y = _linear_task(clip)
+    w0 = torch.tensor([[0.5, -0.5], [1.0, 0.25]], requires_grad=True)
+    torch.nn.functional.cross_entropy(x @ w0.T, y).backward()
+    g = w0.grad
+    norm = float(g.norm())
+    step = g * (clip / norm) if clip is not None and norm > clip else g
+    expected = w0.detach() - 0.5 * step
+
+    captured = {}
+
+    def capture_builder(spec, arm, device):
+        task = builder(spec, arm, device)
+        captured["model"] = task.model
+        return task
+
+    res = train_run(RunSpec(cfg, "test-sgd", 0), capture_builder, tmp_path, device="cpu", quiet=True)
+    assert torch.allclose(captured["model"].weight.detach(), expected, atol=1e-7)
+    if clip is not None:  # companion: the unclipped step is far from the clipped one
+        assert norm > 10 * clip
+        assert not torch.allclose(captured["model"].weight.detach(), w0.detach() - 0.5 * g, atol=1e-3)
+    assert res.final_record["val_double"] == pytest.approx(2 * res.final_record["val_loss"])
+
+
+def test_task_refuses_a_bad_grad_clip():
+    with pytest.raises(ValueError, match="grad_clip"):
+        Task(model=torch.nn.Linear(1, 1), train_data=None, eval_data={}, grad_clip=0.0)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _exit_code(call) -> int:
+    """The exit status of a CLI call, whether it returns it or argparse raises ``SystemExit``."""
+    try:
+        return call()
+    except SystemExit as err:
+        return err.code
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--width", "30"], "--width 30 must be divisible by --heads 4"),
+    (["--frame-lrs", "-1"], "--frame-lrs"),
+    (["--grad-clip", "0"], "--grad-clip"),
+    (["--steps-per-epoch", "0"], "--steps-per-epoch"),
+    (["--warmup-fraction", "1.5"], "--warmup-fraction"),
+    (["--arms", "nope"], "--arms"),
+    (["--val-fraction", "2"], "--val-fraction"),
+])
+def test_cli_errors_are_one_line_exit_2_and_write_nothing(corpus_root, tmp_path, capsys, flags, fragment):
+    out = tmp_path / "never"
+    assert _exit_code(lambda: _cli(corpus_root, out, *flags)) == 2
+    msg = capsys.readouterr().err.strip().splitlines()
+    assert fragment in msg[-1] and "Traceback" not in "\n".join(msg)
+    assert not out.exists()
+
+
+def test_cli_refuses_a_missing_corpus_root_and_another_corpus(corpus_root, tmp_path, capsys):
+    code = _exit_code(lambda: cli_main(["lm", *TINY, "--corpus-root", str(tmp_path / "missing"),
+                                        "--out", str(tmp_path / "x")]))
+    assert code == 2 and "--corpus-root" in capsys.readouterr().err
+    out = tmp_path / "study"
+    assert _cli(corpus_root, out, "--arms", "adamw", "--seeds", "0", "--skip-report", "--epochs", "1") == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    for k in range(40):
+        (other / f"m{k}.py").write_text(f"y = {k}\n" * 200)
+    code = _exit_code(lambda: cli_main(["lm", *TINY, "--corpus-root", str(other), "--out", str(out), "--arms",
+                                        "adamw", "--seeds", "0", "--skip-report", "--epochs", "1"]))
+    text = capsys.readouterr().err
+    assert code == 2 and "another corpus" in text and len(text.strip().splitlines()) == 1
