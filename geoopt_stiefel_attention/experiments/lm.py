@@ -427,19 +427,20 @@ def _corpus_paragraph(config: LMConfig) -> str:
             f"validation files ({c['val_bytes']:,} bytes), val fraction {c['val_fraction']}. Tokens are bytes.")
 
 
-def _setup_paragraph(config: LMConfig) -> str:
+def _setup_paragraph(config: LMConfig, arms: Sequence[str]) -> str:
     o = config.optim
     sched = ("constant learning rate" if config.lr_schedule == "constant" else
              f"{100 * config.warmup_fraction:g}% linear warm-up then cosine decay to 0")
     clip = "no gradient clipping" if config.grad_clip is None else f"global gradient-norm clipping at {config.grad_clip:g}"
+    gain = "".join(f" `{a}`: stiefelize(logit_gain=\"{LOGIT_GAIN[a]}\", gain_rate={config.gain_rate:g}), gains start at 1."
+                   for a in arms if a in LOGIT_GAIN)
     return (f"HuggingFace GPT2LMHeadModel: {config.depth} layers, width {config.width}, {config.heads} heads, context "
             f"{config.context}, vocabulary 256 bytes, no dropout, tied embeddings. Batches of {config.batch_size} random "
-            f"windows; {config.train.epochs} evaluations × {config.steps_per_epoch} steps = {config.total_steps} steps "
+            f"windows; {config.train.epochs} evaluation intervals × {config.steps_per_epoch} steps = {config.total_steps} steps "
             f"({config.total_steps * config.batch_size * config.context:,} training bytes). AdamW lr {o.lr:g}, betas "
             f"{o.betas}, eps {o.eps:g}, weight decay {o.weight_decay:g} on the blocks' matrices (none on biases, "
             f"LayerNorms, gains, embeddings); {sched}; {clip}. Frames: lr {o.effective_frame_lr:g}, no weight decay "
-            f"(StiefelAdam trust region {o.trust_region}). `stiefel-gain`: stiefelize(logit_gain=\"learn\", gain_rate="
-            f"{config.gain_rate:g}), gains start at 1. Evaluation: {config.eval_windows} fixed validation windows, "
+            f"(StiefelAdam trust region {o.trust_region}).{gain} Evaluation: {config.eval_windows} fixed validation windows, "
             f"{config.train_eval_windows} fixed training windows, probe batch of {config.probe_windows} validation "
             f"windows. A seed fixes the initial weights of every arm (the frames are the polar factors of the AdamW "
             f"arm's initial W_Q, W_K head blocks) and the order of the training windows (paired starts).")
@@ -586,7 +587,7 @@ def finalize_lm(out_dir: str | os.PathLike, config: LMConfig, *, arms: Sequence[
     figures: dict[str, Path | None] = {
         "Learning curves: bits per byte on the fixed validation and training windows (mean over seeds, band ±1 sd)":
             plot_curves(records, out_dir / "learning_curves.png", ["val_bpb", "train_bpb"],
-                        title="bits per byte", ylabel="bits per byte"),
+                        title="bits per byte (log scale)", ylabel="bits per byte", logy=True),
         "Principal angles between each head's current and initial W_Q, W_K column spaces": plot_principal_angles(
             records, out_dir / "principal_angles.png"),
         "Relative movement ‖W − W₀‖_F/‖W₀‖_F of W_Q and W_K": plot_curves(
@@ -607,7 +608,7 @@ def finalize_lm(out_dir: str | os.PathLike, config: LMConfig, *, arms: Sequence[
 
     seeds_seen = sorted({s for a in main["arms"].values() for s in a["seeds"]})
     title = "Byte-level GPT-2 on the Python standard library: Stiefel W_Q/W_K vs AdamW"
-    lines = [f"# {title}", "", _corpus_paragraph(config), "", _setup_paragraph(config), "",
+    lines = [f"# {title}", "", _corpus_paragraph(config), "", _setup_paragraph(config, arms), "",
              "Arms: " + "; ".join(f"`{a}` ({ARMS[a].description})" for a in arms if a in ARMS)
              + f". Seeds: {', '.join(map(str, seeds_seen))}.", "", "## Results", ""]
     lines += _results_lines(records, arms, config)
