@@ -1,7 +1,8 @@
 """``stiefel-attention bench``: what a :class:`~geoopt_stiefel_attention.StiefelAdam` step costs, measured
 next to :class:`torch.optim.AdamW` and stock geoopt ``RiemannianAdam`` in the same process.
 
-Two benchmarks, both returning frozen result objects (the CLI and ``benchmarks/*.py`` print them):
+Three benchmarks, each returning frozen result objects (the CLI and ``benchmarks/*.py`` print them), and one
+prepared accelerator check:
 
 - :func:`step_time_benchmark`: the optimizer step alone on the query/key projections of transformer
   configurations (:data:`CONFIGS`: one frame per head, parameters shaped ``(heads, width, head_dim)``, two per
@@ -13,7 +14,13 @@ Two benchmarks, both returning frozen result objects (the CLI and ``benchmarks/*
 - :func:`train_step_benchmark`: a full training step (forward, backward, optimizer) of
   :class:`~geoopt_stiefel_attention.TinyTransformer` and :class:`~geoopt_stiefel_attention.PatchViT`, the
   ``"stiefel"`` arm (Stiefel attention, StiefelAdam) against the ``"adamw"`` arm (Euclidean attention,
-  ``torch.optim.AdamW``), both on :func:`~geoopt_stiefel_attention.param_groups`.
+  ``torch.optim.AdamW``), both on :func:`~geoopt_stiefel_attention.param_groups`; optionally under
+  ``torch.autocast``.
+- :func:`step_path_benchmark`: the StiefelAdam step's own paths (default, ``capturable=True``,
+  ``torch.compile(opt.step)``; row- and column-major frames) against the matrix-product floor, on the bench
+  shape :data:`BENCH_FRAMES` and a grid of widths and ranks.
+- :func:`accelerator_check` (``stiefel-attention bench gpu``, ``benchmarks/gpu.sh``): a few minutes on one
+  GPU, all of the above at GPU sizes plus the grokking study's epochs per second, written as JSON.
 
 Protocol. The arms are interleaved: every round runs each arm for a few steps, in an order that rotates from
 round to round, so slow drift of a shared machine hits all arms alike. Each step is timed on its own; an arm's
@@ -570,12 +577,14 @@ GRIDS = ("short", "full")
 
 def path_frame_sets(grid: str = "short") -> list[FrameSet]:
     """``"short"``: the bench shape alone; ``"full"``: the bench shape, then 24 parameters of 8 heads of
-    ``d x r`` frames for ``d`` in :data:`GRID_WIDTHS` and ``r`` in :data:`GRID_RANKS` (``r < d``)."""
+    ``d x r`` frames for ``d`` in :data:`GRID_WIDTHS` and ``r`` in :data:`GRID_RANKS` (``r < d``; the bench
+    shape once)."""
     if grid not in GRIDS:
         raise ValueError(f"bench: grid={grid!r} is unknown; use one of {GRIDS}.")
     sets = [BENCH_FRAMES]
     if grid == "full":
-        sets += [FrameSet(24, 8, d, r) for d in GRID_WIDTHS for r in GRID_RANKS if r < d]
+        grid_sets = (FrameSet(24, 8, d, r) for d in GRID_WIDTHS for r in GRID_RANKS if r < d)
+        sets += [fs for fs in grid_sets if fs != BENCH_FRAMES]
     return sets
 
 
