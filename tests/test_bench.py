@@ -194,6 +194,7 @@ def test_train_step_benchmark_autocast_is_validated():
 
 def test_gpu_check_script_runs_on_cpu(tmp_path):
     """benchmarks/gpu.sh, the prepared accelerator check, at its smoke-test size on the CPU."""
+    import importlib.util
     import subprocess
     from pathlib import Path
 
@@ -214,9 +215,31 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert set(paths["floor_ratio"]) == {"eager", "compiled"} and paths["compile_s"] > 0
     (train,) = doc["train"]
     assert train["autocast"] == "bfloat16" and train["ratio"] > 0
+    assert train["model"] == ("hf_gpt2" if importlib.util.find_spec("transformers") else "tiny_transformer")
     assert set(doc["grokking"]["epochs_per_second"]) == {"adamw", "stiefel"}
     assert all(v > 0 for v in doc["grokking"]["epochs_per_second"].values())
     assert "grokking, 5 epochs" in proc.stdout and str(out) in proc.stdout
+
+
+def test_cli_hf_gpt2_without_transformers_is_a_usage_error(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "train", "--models", "hf_gpt2", "--rounds", "1", "--steps", "1"])
+    assert exc.value.code == 2
+    assert "--models hf_gpt2 needs HuggingFace transformers" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_train_step_benchmark_converted_hf_gpt2():
+    pytest.importorskip("transformers")
+    (res,) = bench.train_step_benchmark(("hf_gpt2",), rounds=1, steps_per_round=1, warmup=1, scale="tiny",
+                                        clock="cpu")
+    assert res.model == "hf_gpt2" and set(res.full_step) == {"adamw", "stiefel"}
+    assert res.ratio > 0 and all(t.median_ms > 0 for t in res.full_step.values())
+    with pytest.raises(ValueError, match="unknown"):
+        bench.train_step_benchmark(("gpt3",), rounds=1, steps_per_round=1, scale="tiny")
 
 
 # ------------------------------------------------------------------------------------- CLI user errors
