@@ -890,10 +890,11 @@ def format_check(doc: dict[str, Any]) -> str:
              f"torch {doc['machine']['torch']}, scale {doc['settings']['scale']}"]
     for r in doc["step"]:
         t = r["timings"]
-        cells = ", ".join(f"{a} {t[a]['median_ms']:.3f} ms" for a in t)
-        lines.append(f"step {r['dtype']} width {r['width']}: {cells}; StiefelAdam / AdamW fused "
-                     f"{r['ratios'].get('adamw_fused', math.nan):.2f}, speed-up vs geoopt-radam "
-                     f"{1 / r['ratios'].get('geoopt-radam', math.nan):.2f}x")
+        cells = ", ".join(f"{a} {t[a]['note']}" if t[a]["note"] else f"{a} {t[a]['median_ms']:.3f} ms" for a in t)
+        ratios = [f"StiefelAdam / AdamW fused {r['ratios']['adamw_fused']:.2f}" if "adamw_fused" in r["ratios"] else "",
+                  f"speed-up vs geoopt-radam {1 / r['ratios']['geoopt-radam']:.2f}x"
+                  if "geoopt-radam" in r["ratios"] else ""]
+        lines.append(f"step {r['dtype']} width {r['width']}: {cells}; " + ", ".join(x for x in ratios if x))
     for r in doc["paths"]:
         cells = ", ".join(f"{a} {x:.2f}x floor" for a, x in r["floor_ratio"].items())
         lines.append(f"paths {FrameSet(**r['frames']).label}: floor {r['timings']['matmul_floor']['median_ms']:.3f} ms; "
