@@ -250,9 +250,11 @@ def frame_shapes(width: int, depth: int, heads: int) -> list[tuple[int, int, int
 
 def _matmul_floor(params: list[Any], steps: list[int]) -> Callable[[], None]:
     """The six ``d x r x r`` products of a StiefelAdam step, batched as StiefelAdam batches ``params``, on
-    preallocated tensors of the same shapes, with the same destinations (``out=`` / ``baddbmm``)."""
+    preallocated tensors of the same shapes, with the same destinations (``out=`` / ``baddbmm``), in the dtype
+    the step computes in (float32 for bfloat16 and float16 frames)."""
     import torch
 
+    from ._linalg import compute_dtype
     from .optim import _frame_batches
 
     gen = torch.Generator(device=params[0].device).manual_seed(0)
@@ -260,7 +262,7 @@ def _matmul_floor(params: list[Any], steps: list[int]) -> Callable[[], None]:
     for _, batch in _frame_batches(params, steps):
         d, r = batch[0].shape[-2:]
         n = sum(p.numel() for p in batch) // (d * r)
-        like = dict(dtype=batch[0].dtype, device=batch[0].device, generator=gen)
+        like = dict(dtype=compute_dtype(batch[0].dtype), device=batch[0].device, generator=gen)
         w, g, m = (torch.randn(n, d, r, **like) for _ in range(3))
         x = torch.randn(n, r, r, **like)
         y, w_new, m_new = (torch.empty_like(w) for _ in range(3))  # separate outputs: no feedback between runs

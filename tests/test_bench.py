@@ -106,6 +106,29 @@ def test_matmul_floor_runs_the_products_a_step_performs():
     assert step > floor
 
 
+class _ProductDtypes(TorchDispatchMode):
+    """Records the dtypes of the batched products' operands."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.baddbmm):
+            self.dtypes |= {a.dtype for a in args if isinstance(a, torch.Tensor)}
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("dtype", "computed"), [(torch.bfloat16, torch.float32), (torch.float64, torch.float64)])
+def test_matmul_floor_runs_in_the_dtype_the_step_computes_in(dtype, computed):
+    st = PolarStiefel()
+    params = [geoopt.ManifoldParameter(st.random(2, 64, 32).to(dtype), manifold=st)]
+    floor = bench._matmul_floor(params, [1])
+    with _ProductDtypes() as seen:
+        floor()
+    assert seen.dtypes == {computed}  # bfloat16 frames: float32 products, as in StiefelAdam's step
+
+
 def test_train_step_benchmark_tiny_models():
     results = bench.train_step_benchmark(rounds=1, steps_per_round=1, warmup=1, scale="tiny", clock="cpu",
                                          threads=1)
