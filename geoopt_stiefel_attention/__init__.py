@@ -6,6 +6,15 @@ polar retraction, with AdamW for every other parameter.
 """
 
 from . import _geoopt_import  # noqa: F401  (first: imports geoopt quietly)
+from .convert import (
+    LAYOUTS,
+    Block,
+    ConversionReport,
+    ConvertedAttention,
+    Layout,
+    export_state_dict,
+    unstiefelize,
+)
 from .manifolds import PolarStiefel, is_frame
 from .models import PatchViT, TinyTransformer
 from .nn import (
@@ -22,4 +31,5 @@ __version__ = "0.1.0"
 
 __all__ = ["PolarStiefel", "StiefelAdam", "is_frame", "stiefel_adam_update", "__version__",
            "StiefelMultiheadAttention", "EuclideanMultiheadAttention", "stiefelize", "param_groups",
-           "frame_parameters", "query_key_projections", "TinyTransformer", "PatchViT"]
+           "frame_parameters", "query_key_projections", "TinyTransformer", "PatchViT", "unstiefelize",
+           "export_state_dict", "Layout", "Block", "LAYOUTS", "ConversionReport", "ConvertedAttention"]

@@ -26,6 +26,7 @@ machine. Timings are not assertions: nothing here decides pass or fail.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import platform
@@ -47,6 +48,8 @@ STEP_ARMS = ("stiefel", "adamw_foreach", "adamw_fused", "geoopt-radam", "geoopt-
 
 #: The models of :func:`train_step_benchmark`.
 TRAIN_MODELS = ("tiny_transformer", "patch_vit")
+#: Models that need the ``models`` extra (HuggingFace ``transformers``); run only when asked for.
+EXTRA_TRAIN_MODELS = ("hf_gpt2",)
 
 CLOCKS = ("wall", "cpu")
 
@@ -418,12 +421,14 @@ def step_time_benchmark(
 TRAIN_SETTINGS: dict[str, dict[str, Any]] = {
     "tiny_transformer": dict(vocab_size=99, seq_len=4, width=128, depth=1, heads=4, mlp=512, batch=512),
     "patch_vit": dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, mlp=128, batch=128),
+    "hf_gpt2": dict(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4, batch=16),
 }
 
 #: The same models shrunk to a smoke test (``scale="tiny"``).
 TINY_TRAIN_SETTINGS: dict[str, dict[str, Any]] = {
     "tiny_transformer": dict(vocab_size=11, seq_len=4, width=16, depth=1, heads=2, mlp=32, batch=8),
     "patch_vit": dict(image_size=8, patch_size=4, width=16, depth=1, heads=2, mlp=32, batch=4),
+    "hf_gpt2": dict(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, batch=2),
 }
 
 
@@ -449,9 +454,36 @@ def _train_setup(model: str, attention: str, settings: dict[str, Any], *, seed: 
         x = torch.randn(batch, 3, kw["image_size"], kw["image_size"], generator=gen)
         y = torch.randint(0, 10, (batch,), generator=gen)
         loss_fn = torch.nn.functional.cross_entropy
+    elif model == "hf_gpt2":
+        net, x, y, loss_fn = _hf_gpt2_setup(attention, kw, batch, seed=seed, gen=gen)
     else:
-        raise ValueError(f"bench: model {model!r} is unknown; use one of {TRAIN_MODELS}.")
+        raise ValueError(f"bench: model {model!r} is unknown; use one of {TRAIN_MODELS + EXTRA_TRAIN_MODELS}.")
     return net.to(device), x.to(device), y.to(device), loss_fn
+
+
+def _hf_gpt2_setup(attention: str, kw: dict[str, Any], batch: int, *, seed: int, gen: Any):
+    """A randomly initialised HuggingFace GPT-2 LM, converted by ``stiefelize`` (``logit_gain="learn"``) for
+    the stiefel arm; next-token loss on random tokens of the full context length."""
+    import torch
+
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as err:
+        raise ValueError("bench: model 'hf_gpt2' needs HuggingFace transformers; install the models extra "
+                         "(pip install -e '.[models]').") from err
+    from .convert import stiefelize
+
+    torch.manual_seed(seed)
+    config = GPT2Config(**kw, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    net = GPT2LMHeadModel(config)
+    if attention == "stiefel":
+        stiefelize(net, logit_gain="learn")
+    x = torch.randint(0, kw["vocab_size"], (batch, kw["n_positions"]), generator=gen)
+
+    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = out.logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
+    return net, x, x.clone(), loss_fn
 
 
 def train_step_benchmark(
@@ -471,7 +503,10 @@ def train_step_benchmark(
     """Time a full training step (zero_grad, forward, loss, backward, optimizer step) of each model for the
     ``"adamw"`` arm (Euclidean attention, ``torch.optim.AdamW`` with its default implementation) and the
     ``"stiefel"`` arm (Stiefel attention, :class:`~geoopt_stiefel_attention.StiefelAdam`), both on
-    ``param_groups(model, weight_decay)``, interleaved in one process.
+    ``param_groups(model, weight_decay)``, interleaved in one process. ``"hf_gpt2"`` (in
+    :data:`EXTRA_TRAIN_MODELS`) is a HuggingFace GPT-2 whose stiefel arm is converted by
+    :func:`~geoopt_stiefel_attention.stiefelize` (``logit_gain="learn"``): the cost of the converter's
+    parametrization plus the Riemannian step.
 
     ``scale="default"`` uses :data:`TRAIN_SETTINGS` (the grokking and vision studies' default models; the
     grokking batch is 512 rather than the study's full batch, which only lowers the optimizer's share),
@@ -492,12 +527,13 @@ def train_step_benchmark(
         results = []
         for model in models:
             if model not in table:
-                raise ValueError(f"bench: model {model!r} is unknown; use one of {TRAIN_MODELS}.")
+                raise ValueError(f"bench: model {model!r} is unknown; use one of "
+                                 f"{TRAIN_MODELS + EXTRA_TRAIN_MODELS}.")
             steps: dict[str, Callable[[], Any]] = {}
             opt_steps: dict[str, Callable[[], Any]] = {}
             for arm, attention in (("adamw", "euclidean"), ("stiefel", "stiefel")):
                 net, x, y, loss_fn = _train_setup(model, attention, table[model], seed=seed, device=device)
-                groups = param_groups(net, weight_decay=weight_decay)
+                groups = param_groups(net, weight_decay=weight_decay, expect_frames=arm == "stiefel")
                 opt = torch.optim.AdamW(groups, lr=lr) if arm == "adamw" else StiefelAdam(groups, lr=lr)
 
                 def full(net=net, opt=opt, x=x, y=y, loss_fn=loss_fn) -> None:
@@ -587,8 +623,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                               f"(default: all)")
     parser.add_argument("--arms", nargs="+", default=list(STEP_ARMS), choices=STEP_ARMS,
                         help="competitors for 'step' (default: all)")
-    parser.add_argument("--models", nargs="+", default=list(TRAIN_MODELS), choices=TRAIN_MODELS,
-                        help="models for 'train' (default: both)")
+    parser.add_argument("--models", nargs="+", default=list(TRAIN_MODELS), choices=TRAIN_MODELS + EXTRA_TRAIN_MODELS,
+                        help="models for 'train' (default: the first two; hf_gpt2, a HuggingFace GPT-2 "
+                             "converted by stiefelize, needs the models extra)")
     parser.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (default 7)")
     parser.add_argument("--steps", type=positive_int, default=None,
                         help="timed steps per arm and round (default 5 for 'step', 3 for 'train')")
@@ -615,6 +652,9 @@ def run(args: argparse.Namespace) -> int:
     if device.type != "cpu" and not (backend is not None and backend.is_available()):
         usage_error("stiefel-attention bench", f"--device {args.device!r} is not available on this machine; "
                                                f"use --device cpu")
+    if args.what == "train" and "hf_gpt2" in args.models and importlib.util.find_spec("transformers") is None:
+        usage_error("stiefel-attention bench", "--models hf_gpt2 needs HuggingFace transformers; install the "
+                                               "models extra (pip install -e '.[models]')")
     if args.what == "step" and "stiefel" not in args.arms:
         usage_error("stiefel-attention bench", "--arms must include 'stiefel' (every ratio is relative to it)")
     if args.what == "step":

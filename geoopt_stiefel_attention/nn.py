@@ -9,15 +9,17 @@ Two modules share one constructor, one parameter layout, one initialisation and 
 Built with the same ``generator`` seed, the two differ only in ``w_q`` and ``w_k``, and the Stiefel frames are
 the polar factors of the Euclidean matrices: an experiment's two arms start from the same random numbers.
 
-Helpers: :func:`stiefelize` converts the attention of an existing model in place, :func:`param_groups`
+Helpers: :func:`stiefelize` (from :mod:`geoopt_stiefel_attention.convert`, re-exported here) converts the
+attention of an existing model in place, :func:`param_groups`
 splits a model's parameters into frames / decayed matrices / no-decay parameters for an optimizer,
 :func:`frame_parameters` lists the frames and :func:`query_key_projections` lists ``(path, w_q, w_k)`` of
-every attention module of this library.
+every attention module of this library and of every module converted by :func:`stiefelize`.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import geoopt
@@ -25,6 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# The converter lives in .convert (which imports this module only lazily, so there is no cycle); its
+# stiefelize is re-exported here, and the module-replacement helpers are used by from_euclidean/from_torch.
+from .convert import _convert, _source_parts, converted_query_key_frames, stiefelize  # noqa: F401
 from .manifolds import PolarStiefel, is_frame
 
 __all__ = [
@@ -74,11 +79,6 @@ def _refuse_unsupported(owner: str, *, add_bias_kv: Any, add_zero_attn: Any) -> 
         raise ValueError(
             f"{owner}: add_zero_attn={add_zero_attn!r} is not supported: it appends an all-zero key/value "
             f"row to every sequence, which this module does not implement. Build it with add_zero_attn=False.")
-
-
-def _is_stiefel_parameter(p: Tensor) -> bool:
-    """Whether ``p`` is a geoopt tensor on any Stiefel manifold (embedded or canonical metric)."""
-    return is_frame(p)
 
 
 # ---------------------------------------------------------------------------------------------- the modules
@@ -645,143 +645,13 @@ class EuclideanMultiheadAttention(_MultiheadAttentionBase):
 
 
 
-# ---------------------------------------------------------------------------------------------- conversion
-def _convert(cls: type, source: nn.Module, *, frames: str | None, logit_gain: bool | None, drop_qk_bias: bool,
-             ignore_batch_first: bool, path: str | None = None) -> nn.Module:
-    """Build a ``cls`` module from ``source``'s configuration and weights, with optional overrides."""
-    config, weights = _source_parts(source, drop_qk_bias=drop_qk_bias, ignore_batch_first=ignore_batch_first,
-                                    path=path)
-    if frames is not None:
-        config["frames"] = frames
-    if logit_gain is not None:
-        config["logit_gain"] = bool(logit_gain)
-        if not logit_gain:
-            weights["gain"] = None
-    return cls._build(config, weights, training=source.training)
-
-
-def _source_parts(source: nn.Module, *, drop_qk_bias: bool, ignore_batch_first: bool,
-                  path: str | None = None) -> tuple[dict[str, Any], dict[str, Tensor | None]]:
-    """Configuration and flat weights of a module that can be converted; ``ValueError`` naming why not."""
-    where = f"module {path!r} " if path is not None else ""
-    if isinstance(source, _MultiheadAttentionBase):
-        config = source._config()
-        if ignore_batch_first:
-            config["batch_first"] = True
-        return config, source._export()
-    if not isinstance(source, nn.MultiheadAttention):
-        raise TypeError(f"{where}({type(source).__name__}) is not an nn.MultiheadAttention or an "
-                        f"EuclideanMultiheadAttention; nothing to convert.")
-    name = f"{where}(nn.MultiheadAttention)"
-    if source.bias_k is not None or source.bias_v is not None:
-        raise ValueError(f"{name} has add_bias_kv=True (learned extra key/value rows), which the Stiefel "
-                         f"module does not implement; build the model without add_bias_kv.")
-    if source.add_zero_attn:
-        raise ValueError(f"{name} has add_zero_attn=True, which the Stiefel module does not implement; build "
-                         f"the model without add_zero_attn.")
-    e, h = source.embed_dim, source.num_heads
-    with torch.no_grad():
-        if source._qkv_same_embed_dim:
-            wq, wk, wv = source.in_proj_weight.detach().chunk(3, dim=0)
-        else:
-            wq, wk, wv = (source.q_proj_weight.detach(), source.k_proj_weight.detach(),
-                          source.v_proj_weight.detach())
-        b_v = b_o = None
-        if source.in_proj_bias is not None:
-            b_q, _b_k, b_v = source.in_proj_bias.detach().chunk(3)
-            if not drop_qk_bias and bool((b_q != 0).any()):
-                raise ValueError(
-                    f"{name} has a non-zero query bias (max |b_Q| = {float(b_q.abs().max()):.3g}); the Stiefel "
-                    f"module has no query/key biases and dropping b_Q changes the attention. Pass "
-                    f"drop_qk_bias=True to drop it anyway (the key bias is always dropped: it is "
-                    f"softmax-invariant).")
-            b_o = source.out_proj.bias.detach() if source.out_proj.bias is not None else torch.zeros_like(b_v)
-        weights = {"q": wq.t().clone(), "k": wk.t().clone(), "v": wv.t().clone(),
-                   "o": source.out_proj.weight.detach().t().clone(), "b_v": b_v, "b_o": b_o, "gain": None}
-    config = dict(embed_dim=e, num_heads=h, head_dim=e // h, dropout=float(source.dropout),
-                  bias=source.in_proj_bias is not None, kdim=source.kdim, vdim=source.vdim,
-                  batch_first=bool(source.batch_first or ignore_batch_first), frames="head", logit_gain=False)
-    return config, weights
-
-
-def stiefelize(
-    model: nn.Module,
-    *,
-    frames: str | None = None,
-    logit_gain: bool | None = None,
-    drop_qk_bias: bool = False,
-) -> nn.Module:
-    r"""Replace every ``nn.MultiheadAttention`` and :class:`EuclideanMultiheadAttention` in ``model`` by a
-    :class:`StiefelMultiheadAttention` (in place), and return the model.
-
-    Each module is converted by :meth:`StiefelMultiheadAttention.from_euclidean` (frames = polar factors of
-    the query/key blocks; values and output copied). Everything is checked before anything is replaced: if
-    one module cannot be converted, a ``ValueError`` names its path and the reason, and the model is left
-    unchanged. A module shared by several parents is converted once and stays shared. When ``model`` itself
-    is an attention module, the converted module is returned (nothing to modify in place).
-
-    ``nn.TransformerEncoder`` / ``nn.TransformerEncoderLayer``: the converted layers run through the layers'
-    ordinary Python path. The fused inference fast paths (``torch._transformer_encoder_layer_fwd`` and the
-    nested-tensor path) read ``in_proj_weight``/``out_proj`` directly and cannot run a Stiefel module, so
-    they are disabled: the module reports ``in_proj_bias = None`` (the layer then skips its fast path) and
-    ``use_nested_tensor`` is set to ``False`` on every ``nn.TransformerEncoder`` whose layers were converted.
-    Each converted module keeps its source's ``batch_first``.
-
-    Parameters
-    ----------
-    model : nn.Module
-        The model to convert.
-    frames, logit_gain, drop_qk_bias
-        As in :meth:`StiefelMultiheadAttention.from_euclidean`, applied to every converted module.
-
-    Returns
-    -------
-    nn.Module
-        ``model`` (or the converted module when ``model`` is itself an attention module).
-
-    Raises
-    ------
-    ValueError
-        ``"cannot stiefelize module 'encoder.layers.0.self_attn' (nn.MultiheadAttention): ..."`` for
-        ``add_bias_kv``, ``add_zero_attn``, a non-zero query bias without
-        ``drop_qk_bias``, or a layout whose frames cannot exist.
-    """
-    targets = (nn.MultiheadAttention, EuclideanMultiheadAttention)
-    converted: dict[int, StiefelMultiheadAttention] = {}
-    sites: list[tuple[str, nn.Module]] = []
-    for path, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, targets):
-            sites.append((path, module))
-            if id(module) in converted:
-                continue
-            try:
-                converted[id(module)] = _convert(StiefelMultiheadAttention, module, frames=frames,
-                                                 logit_gain=logit_gain, drop_qk_bias=drop_qk_bias,
-                                                 ignore_batch_first=False, path=path)
-            except ValueError as err:
-                msg = str(err)
-                if not msg.startswith("module "):
-                    msg = f"module {path!r} ({type(module).__name__}): {msg}"
-                raise ValueError(f"cannot stiefelize {msg}") from err
-    for path, module in sites:
-        if path == "":
-            return converted[id(module)]
-        parent_path, _, attr = path.rpartition(".")
-        parent = model.get_submodule(parent_path) if parent_path else model
-        setattr(parent, attr, converted[id(module)])
-    for module in model.modules():
-        if isinstance(module, nn.TransformerEncoder) and any(
-            isinstance(getattr(layer, "self_attn", None), _MultiheadAttentionBase) for layer in module.layers
-        ):
-            module.use_nested_tensor = False
-    return model
-
-
 # ---------------------------------------------------------------------------------------------- parameters
-def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frames: bool = True) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frames: bool = True,
+                 expect_frames: bool = True) -> list[dict]:
     r"""Split the trainable parameters of ``model`` into three optimizer groups.
 
-    1. ``"frames"``: :class:`geoopt.ManifoldParameter` s on a Stiefel manifold, ``weight_decay=0`` (with
+    1. ``"frames"``: every parameter for which :func:`~geoopt_stiefel_attention.is_frame` holds
+       (:class:`geoopt.ManifoldParameter` s on an embedded-metric Stiefel manifold), ``weight_decay=0`` (with
        ``no_decay_frames=True``). For a Riemannian optimizer decay on a frame is a no-op anyway:
        :math:`P_W(\lambda W) = \lambda (W - W\operatorname{sym}(W^\top W)) = 0`.
     2. ``"decay"``: every other parameter with ``ndim >= 2`` (linear/attention/convolution weights,
@@ -791,7 +661,11 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
        ``weight_decay=0``.
 
     Each group is a dict with ``"name"``, ``"params"`` and ``"weight_decay"``; all three are always present
-    (possibly with an empty ``params`` list, e.g. ``"frames"`` for a Euclidean model). Parameters with
+    (possibly with an empty ``params`` list, e.g. ``"frames"`` for a Euclidean model). A model without
+    frames gets a ``UserWarning`` (``StiefelAdam`` would then train it as plain AdamW: call
+    :func:`~geoopt_stiefel_attention.stiefelize` first) unless ``expect_frames=False`` or the model is
+    built from :class:`EuclideanMultiheadAttention` (the Euclidean arm of a paired experiment, by design).
+    Parameters with
     ``requires_grad=False`` are left out; parameters shared between modules appear once.
 
     The groups suit :class:`~geoopt_stiefel_attention.StiefelAdam` (frames get the Riemannian update,
@@ -806,6 +680,9 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
         Decoupled weight decay of the ``"decay"`` group (``>= 0``).
     no_decay_frames : bool, default True
         ``False`` gives the frames ``weight_decay`` too (a no-op under StiefelAdam, a real decay under AdamW).
+    expect_frames : bool, default True
+        Warn when the model holds no frame, trainable or frozen (and no
+        :class:`EuclideanMultiheadAttention`); pass ``False`` for another Euclidean baseline.
 
     Returns
     -------
@@ -827,12 +704,19 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        if _is_stiefel_parameter(p):
+        if is_frame(p):
             frames.append(p)
         elif p.dim() >= 2:
             decay.append(p)
         else:
             no_decay.append(p)
+    explicit_euclidean = any(isinstance(m, EuclideanMultiheadAttention) for m in model.modules())
+    holds_frames = bool(frames) or any(is_frame(p) for p in model.parameters())  # frozen frames are deliberate
+    if expect_frames and not holds_frames and not explicit_euclidean:
+        warnings.warn(f"param_groups: {type(model).__name__} has no Stiefel frame, so StiefelAdam "
+                      f"would train every parameter as plain AdamW. Call stiefelize(model) first (it raises when "
+                      f"it finds no attention), or pass expect_frames=False for a Euclidean baseline.",
+                      UserWarning, stacklevel=2)
     wd = float(weight_decay)
     return [
         {"name": "frames", "params": frames, "weight_decay": 0.0 if no_decay_frames else wd},
@@ -842,18 +726,24 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
 
 
 def frame_parameters(model: nn.Module) -> list[geoopt.ManifoldParameter]:
-    """Every parameter of ``model`` on a Stiefel manifold (frozen ones included), in ``model.parameters()`` order."""
-    return [p for p in model.parameters() if _is_stiefel_parameter(p)]
+    """Every frame of ``model`` (:func:`~geoopt_stiefel_attention.is_frame`; frozen ones included), in
+    ``model.parameters()`` order: the library's own modules' ``w_q``/``w_k`` and the frames created by
+    :func:`~geoopt_stiefel_attention.stiefelize`."""
+    return [p for p in model.parameters() if is_frame(p)]
 
 
 def query_key_projections(model: nn.Module) -> list[tuple[str, Tensor, Tensor]]:
-    """``(module path, w_q, w_k)`` for every :class:`StiefelMultiheadAttention` and
-    :class:`EuclideanMultiheadAttention` in ``model``, in ``named_modules()`` order.
+    """``(module path, w_q, w_k)`` for every attention module of ``model`` with separate query/key tensors,
+    in ``named_modules()`` order: :class:`StiefelMultiheadAttention` and :class:`EuclideanMultiheadAttention`
+    (their ``w_q``/``w_k``), and modules converted by :func:`~geoopt_stiefel_attention.stiefelize` (their
+    ``(H, d, r)`` query frames and ``(H_kv, d, r)`` key frames).
 
-    ``w_q``/``w_k`` are the parameters themselves (same layout in both classes), so two arms of an
-    experiment can be compared entry by entry; clone them to record a starting point, e.g.
-    ``start = [w.detach().clone() for _, w, _ in query_key_projections(model)]``.
+    The tensors are the parameters themselves (the library's two classes share one layout), so two arms of
+    an experiment can be compared entry by entry; clone them to record a starting point, e.g.
+    ``start = [w.detach().clone() for _, w, _ in query_key_projections(model)]``. Unconverted
     ``nn.MultiheadAttention`` modules are not listed (their projections are fused into ``in_proj_weight``).
     """
-    return [(path, m.w_q, m.w_k) for path, m in model.named_modules()
-            if isinstance(m, _MultiheadAttentionBase)]
+    found = [(path, m.w_q, m.w_k) for path, m in model.named_modules() if isinstance(m, _MultiheadAttentionBase)]
+    found += converted_query_key_frames(model)
+    order = {path: i for i, (path, _) in enumerate(model.named_modules())}
+    return sorted(found, key=lambda item: order[item[0]])

@@ -129,6 +129,27 @@ def test_cli_bench_json(capsys):
     assert "| 128 (2 x 4 x 32) |" in capsys.readouterr().out
 
 
+def test_cli_hf_gpt2_without_transformers_is_a_usage_error(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "train", "--models", "hf_gpt2", "--rounds", "1", "--steps", "1"])
+    assert exc.value.code == 2
+    assert "--models hf_gpt2 needs HuggingFace transformers" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_train_step_benchmark_converted_hf_gpt2():
+    pytest.importorskip("transformers")
+    (res,) = bench.train_step_benchmark(("hf_gpt2",), rounds=1, steps_per_round=1, warmup=1, scale="tiny",
+                                        clock="cpu")
+    assert res.model == "hf_gpt2" and set(res.full_step) == {"adamw", "stiefel"}
+    assert res.ratio > 0 and all(t.median_ms > 0 for t in res.full_step.values())
+    with pytest.raises(ValueError, match="unknown"):
+        bench.train_step_benchmark(("gpt3",), rounds=1, steps_per_round=1, scale="tiny")
+
+
 # ------------------------------------------------------------------------------------- CLI user errors
 BAD_COMMANDS = {
     "demo --lr -1": "argument --lr: must be a finite number > 0, got -1",

@@ -1,0 +1,760 @@
+"""Tests of the converter (stiefelize, export_state_dict, unstiefelize) on every built-in layout.
+
+Each adapter is exercised on a tiny random-config model (no downloads): torch ``nn.MultiheadAttention`` in
+both ``batch_first`` layouts, inside ``nn.TransformerEncoder``, ``nn.Transformer`` and torchvision's
+``VisionTransformer``, with separate ``kdim``/``vdim``; HuggingFace Llama (grouped-query attention and
+rotary embeddings), BERT (``query``/``key``), GPT-2 (``c_attn`` Conv1D and cross-attention); timm's ViT
+(fused ``qkv``). Numerics in float64 against an independent reference: the query/key head blocks are located
+by hand below (not through the converter's table) and made orthonormal with a QR factorisation.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import geoopt
+import pytest
+import torch
+from torch import nn
+
+from geoopt_stiefel_attention import (
+    LAYOUTS,
+    Block,
+    EuclideanMultiheadAttention,
+    Layout,
+    StiefelAdam,
+    export_state_dict,
+    frame_parameters,
+    is_frame,
+    param_groups,
+    query_key_projections,
+    stiefelize,
+    unstiefelize,
+)
+
+F64 = torch.float64
+#: max |W^T W - I| of a float64 frame after training
+ORTHO_TOL = 1e-12
+#: agreement of two float64 forward passes that compute the same function in different orders
+SAME_TOL = 1e-10
+#: a change of the function must exceed this (relative)
+DIFFER_MIN = 1e-4
+#: a float32 forward pass reproduced after conversion of orthonormal blocks (float32 rounding)
+F32_TOL = 1e-5
+STEPS = 20
+
+transformers = pytest.importorskip("transformers")
+timm = pytest.importorskip("timm")
+torchvision = pytest.importorskip("torchvision")
+
+
+# ------------------------------------------------------------------------------------------ cases
+@dataclass
+class Case:
+    """A tiny model: how to build it, run it, and where its query/key head blocks live (written by hand).
+
+    ``blocks(model)`` yields ``(tensor, dim, start, length, r)``: rows (dim 0) or columns (dim 1)
+    ``start:start+length`` of ``tensor`` are heads of size ``r``, query first, then key, per layer.
+    """
+
+    build: Callable[[], nn.Module]
+    run: Callable[[nn.Module], torch.Tensor]
+    heads: list[tuple[int, int]]
+    blocks: Callable[[nn.Module], list[tuple[torch.Tensor, int, int, int, int]]]
+
+
+def _x(*shape, seed=1):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def _ids(seed=1):
+    return torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(seed))
+
+
+def _encoder(batch_first):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=batch_first, dtype=F64)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+def _mha_blocks(paths, e, r):
+    def blocks(model):
+        out = []
+        for p in paths:
+            w = model.get_submodule(p).in_proj_weight
+            out += [(w, 0, 0, e, r), (w, 0, e, e, r)]
+        return out
+    return blocks
+
+
+def _seq_first_transformer():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():  # torch notes that seq-first layouts have no nested-tensor fast path
+        warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
+        return nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, dtype=F64)
+
+
+class KdimAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, kdim=12, vdim=10, batch_first=True, dtype=F64)
+
+    def forward(self, q, k, v):
+        return self.attn(q, k, v, need_weights=False)[0]
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(F64).eval()
+
+
+def _qwen2():
+    cfg = transformers.Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).to(F64).eval()
+    with torch.no_grad():  # Qwen2 has query/key biases (zero at init): make them matter
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.bias.normal_()
+            layer.self_attn.k_proj.bias.normal_()
+    return model
+
+
+def _bert():
+    cfg = transformers.BertConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return transformers.BertModel(cfg, add_pooling_layer=False).to(F64).eval()
+
+
+def _gpt2_config(**kw):
+    kw = dict(vocab_size=40, n_embd=16, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+              attn_pdrop=0.0, bos_token_id=0, eos_token_id=0) | kw
+    return transformers.GPT2Config(**kw)
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(_gpt2_config(add_cross_attention=True)).to(F64).eval()
+
+
+def _timm_vit(**kw):
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=8, embed_dim=16,
+                             depth=2, num_heads=2, num_classes=3, **kw).to(F64).eval()
+
+
+def _tv_vit():
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(image_size=16, patch_size=8, num_layers=2, num_heads=2,
+                                                 hidden_dim=16, mlp_dim=32, num_classes=3).to(F64).eval()
+    nn.init.normal_(model.heads.head.weight)  # torchvision starts the head at zero
+    return model
+
+
+def _rows(get, q_rows, k_rows, r):
+    """Blocks of separate q/k weights: ``get(model)`` yields ``(w_q, w_k)`` per layer."""
+    def blocks(model):
+        out = []
+        for wq, wk in get(model):
+            out += [(wq, 0, 0, q_rows, r), (wk, 0, 0, k_rows, r)]
+        return out
+    return blocks
+
+
+CASES = {
+    "torch_mha_batch_first": Case(lambda: _encoder(True), lambda m: m(_x(2, 5, 16)), [(4, 4)] * 2,
+                                  _mha_blocks(["layers.0.self_attn", "layers.1.self_attn"], 16, 4)),
+    "torch_mha_seq_first": Case(lambda: _encoder(False), lambda m: m(_x(5, 2, 16)), [(4, 4)] * 2,
+                                _mha_blocks(["layers.0.self_attn", "layers.1.self_attn"], 16, 4)),
+    "torch_transformer": Case(
+        lambda: _seq_first_transformer(),
+        lambda m: m(_x(6, 2, 16), _x(4, 2, 16, seed=2)), [(2, 2)] * 3,
+        _mha_blocks(["encoder.layers.0.self_attn", "decoder.layers.0.self_attn",
+                     "decoder.layers.0.multihead_attn"], 16, 8)),
+    "torch_mha_kdim": Case(
+        lambda: (torch.manual_seed(0), KdimAttention())[1],
+        lambda m: m(_x(2, 5, 16), _x(2, 3, 12, seed=2), _x(2, 3, 10, seed=3)), [(2, 2)],
+        _rows(lambda m: [(m.attn.q_proj_weight, m.attn.k_proj_weight)], 16, 16, 8)),
+    "torchvision_vit": Case(_tv_vit, lambda m: m(_x(2, 3, 16, 16)), [(2, 2)] * 2,
+                            _mha_blocks([f"encoder.layers.encoder_layer_{i}.self_attention" for i in range(2)],
+                                        16, 8)),
+    "llama_gqa_rotary": Case(_llama, lambda m: m(input_ids=_ids()).logits, [(4, 2)] * 2,
+                             _rows(lambda m: [(a.self_attn.q_proj.weight, a.self_attn.k_proj.weight)
+                                              for a in m.model.layers], 16, 8, 4)),
+    "qwen2_gqa_qk_bias": Case(_qwen2, lambda m: m(input_ids=_ids()).logits, [(4, 2)] * 2,
+                              _rows(lambda m: [(a.self_attn.q_proj.weight, a.self_attn.k_proj.weight)
+                                               for a in m.model.layers], 16, 8, 4)),
+    "bert_query_key": Case(_bert, lambda m: m(input_ids=_ids()).last_hidden_state, [(2, 2)] * 2,
+                           _rows(lambda m: [(lay.attention.self.query.weight, lay.attention.self.key.weight)
+                                            for lay in m.encoder.layer], 16, 16, 8)),
+    "gpt2_c_attn_and_cross": Case(
+        _gpt2, lambda m: m(input_ids=_ids(), encoder_hidden_states=_x(2, 3, 16)).logits, [(2, 2)] * 4,
+        lambda m: [blk for h in m.transformer.h for blk in (
+            (h.attn.c_attn.weight, 1, 0, 16, 8), (h.attn.c_attn.weight, 1, 16, 16, 8),
+            (h.crossattention.q_attn.weight, 1, 0, 16, 8), (h.crossattention.c_attn.weight, 1, 0, 16, 8))]),
+    "timm_fused_qkv": Case(_timm_vit, lambda m: m(_x(2, 3, 16, 16)), [(2, 2)] * 2,
+                           lambda m: [blk for b in m.blocks for blk in (
+                               (b.attn.qkv.weight, 0, 0, 16, 8), (b.attn.qkv.weight, 0, 16, 16, 8))]),
+}
+
+
+def head_blocks(blk) -> list[torch.Tensor]:
+    """The (d, r) head blocks of one projection, as views into the weight."""
+    w, dim, start, length, r = blk
+    if dim == 0:
+        return [w[start + h * r:start + (h + 1) * r].t() for h in range(length // r)]
+    return [w[:, start + h * r:start + (h + 1) * r] for h in range(length // r)]
+
+
+def set_blocks(model, case, scales=None):
+    """Make every query/key head block orthonormal (QR of a Gaussian), times ``scales[i]`` if given."""
+    g = torch.Generator().manual_seed(5)
+    i = 0
+    with torch.no_grad():
+        for blk in case.blocks(model):
+            for view in head_blocks(blk):
+                q, _ = torch.linalg.qr(torch.randn(view.shape, generator=g, dtype=F64))
+                view.copy_(q * (1.0 if scales is None else scales[i]))
+                i += 1
+
+
+def max_ortho_error(p) -> float:
+    w = p.detach()
+    eye = torch.eye(w.shape[-1], dtype=w.dtype)
+    return float((w.transpose(-1, -2) @ w - eye).abs().max())
+
+
+def rel(a, b) -> float:
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
+# ------------------------------------------------------------------------------------------ per adapter
+@pytest.mark.parametrize("name", CASES)
+def test_frames_equal_heads_and_report(name):
+    case = CASES[name]
+    model = case.build()
+    report = stiefelize(model)
+    assert [(c.q_heads, c.k_heads) for c in report] == case.heads
+    frames = frame_parameters(model)
+    assert len(frames) == 2 * len(case.heads)
+    assert sorted(f.shape[0] for f in frames) == sorted(h for pair in case.heads for h in pair)
+    assert all(isinstance(f, geoopt.ManifoldParameter) and is_frame(f) for f in frames)
+    assert all(p.is_contiguous() for p in model.parameters())
+    assert report.num_frames == sum(q + k for q, k in case.heads)
+    text = str(report)
+    assert text.startswith(f"stiefelize: {len(case.heads)} attention module(s) converted")
+    assert all(c.path in text for c in report)
+    # query_key_projections lists the converted frames, q then k, per module
+    listed = query_key_projections(model)
+    assert [p for p, _, _ in listed] == [c.path for c in report]
+    assert [(wq.shape[0], wk.shape[0]) for _, wq, wk in listed] == case.heads
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_trains_on_the_manifold_and_loss_goes_down(name):
+    case = CASES[name]
+    model = case.build()
+    stiefelize(model, logit_gain="learn")
+    start = [f.detach().clone() for f in frame_parameters(model)]
+    target = torch.randn_like(case.run(model).detach())
+    opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = (case.run(model) - target).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.9 * losses[0], losses
+    frames = frame_parameters(model)
+    assert all(max_ortho_error(f) < ORTHO_TOL for f in frames)
+    assert all(float((f.detach() - f0).abs().max()) > DIFFER_MIN for f, f0 in zip(frames, start, strict=True))
+    # companion: AdamW on the same frames leaves the manifold
+    plain = case.build()
+    stiefelize(plain)
+    adamw = torch.optim.AdamW(param_groups(plain), lr=1e-2)
+    for _ in range(3):
+        adamw.zero_grad(set_to_none=True)
+        (case.run(plain) - target).square().mean().backward()
+        adamw.step()
+    assert max(max_ortho_error(f) for f in frame_parameters(plain)) > 1e-3
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_export_loads_into_stock_model_and_unstiefelize_restores(name):
+    case = CASES[name]
+    model = case.build()
+    stock_keys = list(model.state_dict())
+    stiefelize(model, logit_gain="fit")
+    with torch.no_grad():  # move every parameter so the export is not the initial state
+        for p in model.parameters():
+            if is_frame(p):
+                p.copy_(p.manifold.retr(p, 0.1 * p.manifold.proju(p, torch.randn_like(p))))
+            else:
+                p.add_(0.01 * torch.randn_like(p))
+    expected = case.run(model).detach()
+    state = export_state_dict(model)
+    assert sorted(state) == sorted(stock_keys)
+    assert all(type(t) is torch.Tensor and t.is_contiguous() for t in state.values())
+    stock = case.build()
+    stock.load_state_dict(state, strict=True)
+    torch.testing.assert_close(case.run(stock), expected, rtol=0, atol=SAME_TOL)
+    # unstiefelize: plain modules in place, same function, stock keys
+    classes = [type(m) for m in case.build().modules()]
+    assert unstiefelize(model) is model
+    assert [type(m) for m in model.modules()] == classes  # the host classes themselves, not parametrized subclasses
+    assert not frame_parameters(model) and sorted(model.state_dict()) == sorted(stock_keys)
+    assert not any("parametrizations" in n for n, _ in model.named_parameters())
+    torch.testing.assert_close(case.run(model), expected, rtol=0, atol=SAME_TOL)
+    with pytest.raises(ValueError, match="nothing to undo"):
+        unstiefelize(model)
+    with pytest.raises(ValueError, match="no weight converted"):
+        export_state_dict(model)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_orthonormal_blocks_convert_exactly_and_others_change(name):
+    case = CASES[name]
+    model = case.build()
+    set_blocks(model, case)
+    before = case.run(model).detach()
+    report = stiefelize(model, probe=None)
+    torch.testing.assert_close(case.run(model), before, rtol=0, atol=SAME_TOL)
+    assert report.output_change is None
+    # companion: the default (std 0.02 / Xavier) blocks are not orthonormal, so conversion changes the output
+    fresh = case.build()
+    probe_out = case.run(fresh).detach()
+    changed = case.build()
+    stiefelize(changed)
+    assert rel(case.run(changed), probe_out) > DIFFER_MIN
+
+
+def test_orthonormal_blocks_in_float32_reproduce_to_rounding():
+    case = CASES["llama_gqa_rotary"]
+    model = case.build()
+    set_blocks(model, case)
+    model.float()
+    ids = _ids()
+    before = model(input_ids=ids).logits.detach()
+    stiefelize(model)
+    after = model(input_ids=ids).logits.detach()
+    assert rel(after, before) < F32_TOL
+
+
+class _Halve(nn.Module):
+    """Some other parametrization a user may have put on a weight."""
+
+    def forward(self, w):
+        return 0.5 * w
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_weight_parametrized_by_something_else_is_refused_atomically(name):
+    from torch.nn.utils import parametrize
+
+    case = CASES[name]
+    model = case.build()
+    target = case.blocks(model)[-1][0]  # the key weight of the last layer
+    owner_path, attr = next(n for n, p in model.named_parameters() if p is target).rsplit(".", 1)
+    parametrize.register_parametrization(model.get_submodule(owner_path), attr, _Halve())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=rf"{attr} is already parametrized \(_Halve\)"):
+        stiefelize(model)
+    after = dict(model.named_parameters())
+    assert sorted(after) == sorted(before) and all(torch.equal(after[n], before[n]) for n in before)
+    assert not frame_parameters(model)
+
+
+# ------------------------------------------------------------------------------------------ logit gain
+def test_fit_gain_preserves_scaled_orthonormal_heads_under_gqa_and_rotary():
+    case = CASES["llama_gqa_rotary"]
+    n = sum(length // r for _, _, _, length, r in case.blocks(case.build()))
+    scales = torch.linspace(0.2, 3.0, n).tolist()
+    model = case.build()
+    set_blocks(model, case, scales)
+    before = case.run(model).detach()
+    report = stiefelize(model, logit_gain="fit", probe={"input_ids": _ids()})
+    torch.testing.assert_close(case.run(model), before, rtol=0, atol=SAME_TOL)
+    assert report.output_change < SAME_TOL
+    # the fitted gain of query head h is scale(q_h) * scale(k_{h // 2}) (two query heads per key head)
+    q_scales, k_scales = scales[0:4], scales[4:6]
+    gains = model.model.layers[0].self_attn.q_proj.parametrizations.weight[0]
+    fitted = torch.exp(gains.gain_rate * gains.q_log_gain.detach())
+    torch.testing.assert_close(fitted, torch.tensor([q_scales[h] * k_scales[h // 2] for h in range(4)],
+                                                    dtype=F64), rtol=1e-12, atol=0)
+    # companion: without the gain the scaled heads lose their logit scale
+    plain = case.build()
+    set_blocks(plain, case, scales)
+    report = stiefelize(plain, probe={"input_ids": _ids()})
+    assert report.output_change > DIFFER_MIN
+
+
+def test_learned_gain_starts_at_one_and_moves_fast():
+    case = CASES["gpt2_c_attn_and_cross"]
+    a, b = case.build(), case.build()
+    stiefelize(a)
+    stiefelize(b, logit_gain="learn", gain_rate=10.0)
+    torch.testing.assert_close(case.run(b), case.run(a), rtol=0, atol=0)
+    log_gains = [p for n, p in b.named_parameters() if n.endswith("q_log_gain")]
+    assert len(log_gains) == 4 and all(p.shape == (2,) for p in log_gains)
+    no_decay = {g["name"]: g for g in param_groups(b)}["no_decay"]["params"]
+    assert {id(p) for p in log_gains} <= {id(p) for p in no_decay}
+    # theta moves by ~lr per Adam step, so the gain moves by a factor exp(rate * lr) per step
+    opt = torch.optim.Adam(log_gains, lr=1e-2)
+    for _ in range(25):
+        opt.zero_grad()
+        (-case.run(b).logsumexp(-1).mean()).backward()  # any loss; the log-gains get gradients
+        opt.step()
+    assert max(float(p.detach().abs().max()) * 10.0 for p in log_gains) > 1.0  # some gain moved by > e
+    with pytest.raises(ValueError, match="gain_rate"):
+        stiefelize(case.build(), logit_gain="learn", gain_rate=0.0)
+    with pytest.raises(ValueError, match="logit_gain='yes' is unknown"):
+        stiefelize(case.build(), logit_gain="yes")
+
+
+def test_former_options_are_deprecated_or_refused():
+    case = CASES["torch_mha_batch_first"]
+    with pytest.warns(DeprecationWarning, match="logit_gain=True is deprecated"):
+        report = stiefelize(case.build(), logit_gain=True)
+    assert all(c.logit_gain.startswith("learn") for c in report)
+    model = case.build()
+    with torch.no_grad():
+        model.layers[0].self_attn.in_proj_bias.normal_()
+    with pytest.warns(DeprecationWarning, match="drop_qk_bias=True is deprecated"):
+        stiefelize(model, drop_qk_bias=True)
+    bias = model.layers[0].self_attn.in_proj_bias
+    assert bool((bias[:32] == 0).all()) and bool((bias[32:] != 0).all())
+    with pytest.warns(DeprecationWarning, match="frames='head' is deprecated"):
+        stiefelize(case.build(), frames="head")
+    model = case.build()
+    with pytest.raises(ValueError, match="from_euclidean"):
+        stiefelize(model, frames="layer")
+    assert not frame_parameters(model)
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def test_nothing_to_convert_raises_naming_the_search_and_non_strict_warns():
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"no attention module of Sequential.*q_proj/k_proj Linear"):
+        stiefelize(mlp)
+    with pytest.warns(UserWarning, match="no attention module"):
+        report = stiefelize(mlp, strict=False)
+    assert len(report) == 0 and not frame_parameters(mlp)
+
+
+def test_head_size_larger_than_width_is_refused_atomically():
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, head_dim=32)
+    model = transformers.LlamaForCausalLM(cfg)
+    with pytest.raises(ValueError, match=r"St\(16, 32\) cannot exist"):
+        stiefelize(model)
+    assert not any("parametrizations" in n for n, _ in model.named_parameters())  # unchanged
+
+
+def test_already_converted_is_refused():
+    model = _encoder(True)
+    stiefelize(model)
+    with pytest.raises(ValueError, match="already parametrized.*unstiefelize"):
+        stiefelize(model)
+
+
+class MyAttention(nn.Module):
+    """Separate projections with unforeseen names and no head attribute."""
+
+    def __init__(self, width=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        h = self.heads
+        split = [p(x).view(b, t, h, e // h).transpose(1, 2) for p in (self.wq, self.wk, self.wv)]
+        return nn.functional.scaled_dot_product_attention(*split).transpose(1, 2).reshape(b, t, e)
+
+
+def test_unforeseen_attention_is_refused_then_converted_by_an_explicit_layout():
+    model = nn.Sequential(MyAttention(), nn.Linear(16, 16))
+    with pytest.raises(ValueError, match=r"'0': MyAttention looks like attention but matches no layout"):
+        stiefelize(model)
+    mine = Layout("wq/wk", Block("wq.weight"), Block("wk.weight"), head_dim=lambda m: m.wq.out_features // m.heads)
+    report = stiefelize(model, targets=(*LAYOUTS, mine))
+    assert [(c.path, c.layout, c.q_heads, c.r) for c in report] == [("0", "wq/wk", 2, 8)]
+    # a layout that matches but cannot tell the head size says what to pass
+    no_heads = nn.Sequential(MyAttention())
+    with pytest.raises(ValueError, match="cannot tell its head size.*head_dim="):
+        stiefelize(no_heads, targets=[Layout("wq/wk", Block("wq.weight"), Block("wk.weight"))])
+
+
+class FusedGQA(nn.Module):
+    """A fused (q | k | v) projection under grouped-query attention: 4 query heads, 2 key/value heads of 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.wqkv = nn.Linear(16, 16 + 8 + 8, dtype=F64)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.wqkv(x).split([16, 8, 8], dim=-1)
+        q = q.view(b, t, 4, 4).transpose(1, 2)
+        k, v = (z.view(b, t, 2, 4).transpose(1, 2).repeat_interleave(2, dim=1) for z in (k, v))
+        return nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, 16)
+
+
+def test_explicit_spans_convert_a_fused_gqa_projection():
+    torch.manual_seed(0)
+    model = FusedGQA()
+    with torch.no_grad():
+        model.wqkv.bias.normal_()
+    layout = Layout("fused GQA", Block("wqkv.weight", span=(0, 16)), Block("wqkv.weight", span=(16, 24)),
+                    head_dim=4)
+    report = stiefelize(model, targets=[layout], qk_bias="drop")
+    assert [(c.q_heads, c.k_heads, c.r) for c in report] == [(4, 2, 4)]
+    assert "wqkv.weight (rows 0:16)" in layout.describe()
+    w, bias = model.wqkv.weight.detach(), model.wqkv.bias.detach()
+    for rows in ([0, 4], [4, 8], [8, 12], [12, 16], [16, 20], [20, 24]):  # each head block is orthonormal
+        block = w[rows[0]:rows[1]]
+        assert float((block @ block.t() - torch.eye(4, dtype=F64)).abs().max()) < ORTHO_TOL
+    assert bool((bias[:24] == 0).all()) and bool((bias[24:] != 0).all())  # value bias kept
+    x = _x(2, 5, 16)
+    target = torch.randn(2, 5, 16, dtype=F64)
+    opt = StiefelAdam(param_groups(model), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        (model(x) - target).square().mean().backward()
+        opt.step()
+    assert all(max_ortho_error(f) < ORTHO_TOL for f in frame_parameters(model))
+    # companions: a span outside the weight is refused, and so is an invalid span
+    with pytest.raises(ValueError, match=r"fewer than span=\(16, 40\)"):
+        stiefelize(FusedGQA(), targets=[Layout("bad", Block("wqkv.weight", span=(0, 16)),
+                                               Block("wqkv.weight", span=(16, 40)), head_dim=4)])
+    with pytest.raises(ValueError, match="span"):
+        Block("wqkv.weight", span=(8, 4))
+
+
+def test_callable_targets_choose_modules():
+    case = CASES["bert_query_key"]
+    model = case.build()
+    report = stiefelize(model, targets=lambda path, m: path.endswith("layer.1.attention.self"))
+    assert [c.path for c in report] == ["encoder.layer.1.attention.self"]
+    with pytest.raises(ValueError, match="no built-in layout matches"):
+        stiefelize(case.build(), targets=lambda path, m: path == "encoder")
+    with pytest.raises(ValueError, match="returned 'yes'"):
+        stiefelize(case.build(), targets=lambda path, m: "yes")
+    with pytest.raises(ValueError, match="targets='all' is unknown"):
+        stiefelize(case.build(), targets="all")
+
+
+def test_timm_attention_pool_is_refused_unless_not_strict():
+    model = _timm_vit(global_pool="map")
+    with pytest.raises(ValueError, match="AttentionPoolLatent looks like attention"):
+        stiefelize(model)
+    assert not frame_parameters(model)
+    with pytest.warns(UserWarning, match="left unconverted"):
+        report = stiefelize(model, strict=False)
+    assert len(report) == 2 and [p for p, _ in report.skipped] == ["attn_pool"]
+
+
+def test_library_euclidean_module_points_to_from_euclidean():
+    model = nn.Sequential(EuclideanMultiheadAttention(16, 2))
+    with pytest.raises(ValueError, match="from_euclidean"):
+        stiefelize(model)
+
+
+def test_bad_options_raise_before_anything_changes():
+    model = _encoder(True)
+    for kw, match in (({"qk_bias": "zero"}, "qk_bias"), ({"strict": 1}, "strict"),
+                      ({"targets": [LAYOUTS[0], "x"]}, "targets")):
+        with pytest.raises(ValueError, match=match):
+            stiefelize(model, **kw)
+    assert not frame_parameters(model)
+
+
+# ------------------------------------------------------------------------------------------ biases
+def test_qk_bias_keep_and_drop():
+    case = CASES["timm_fused_qkv"]
+    model = case.build()
+    with torch.no_grad():
+        for b in model.blocks:
+            b.attn.qkv.bias.normal_()
+    v_bias = model.blocks[0].attn.qkv.bias[32:].detach().clone()
+    kept = copy.deepcopy(model)
+    stiefelize(kept)
+    assert bool((kept.blocks[0].attn.qkv.bias[:32] != 0).all())  # free and untouched
+    stiefelize(model, qk_bias="drop")
+    bias = model.blocks[0].attn.qkv.bias
+    assert bool((bias[:32] == 0).all()) and torch.equal(bias[32:], v_bias)
+    state = export_state_dict(model)
+    assert bool((state["blocks.0.attn.qkv.bias"][:32] == 0).all())
+    # torch kdim layout: the q/k biases live in in_proj_bias, not next to q_proj_weight
+    mha = KdimAttention()
+    with torch.no_grad():
+        mha.attn.in_proj_bias.normal_()
+    stiefelize(mha, qk_bias="drop")
+    assert bool((mha.attn.in_proj_bias[:32] == 0).all()) and bool((mha.attn.in_proj_bias[32:] != 0).all())
+
+
+# ------------------------------------------------------------------------------------------ torch specifics
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_encoder_fast_path_in_eval_sees_the_rebuilt_weight(monkeypatch):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(3, 6, 16)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    stiefelize(model, logit_gain="learn")
+    calls = []
+    fused = torch._transformer_encoder_layer_fwd
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", lambda *a: calls.append(1) or fused(*a))
+    with torch.no_grad():
+        for p in frame_parameters(model):  # move the frames away from their start
+            p.copy_(p.manifold.retr(p, 0.3 * p.manifold.proju(p, torch.randn_like(p))))
+        fast = model(x, src_key_padding_mask=pad)  # eval + no_grad: torch's fused path
+    assert len(calls) == 2  # the fused kernel ran, once per layer, on the rebuilt weights
+    fast = fast.to_padded_tensor(0.0) if fast.is_nested else fast
+    slow = model(x, src_key_padding_mask=pad)  # grad enabled: the Python path
+    keep = ~pad
+    torch.testing.assert_close(fast[keep], slow[keep].detach(), rtol=0, atol=F32_TOL)
+    stock = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0,
+                                                             batch_first=True), 2).eval()
+    stock.load_state_dict(export_state_dict(model))
+    with torch.no_grad():
+        torch.testing.assert_close(stock(x, src_key_padding_mask=pad)[keep], fast[keep], rtol=0, atol=F32_TOL)
+
+
+def test_deepcopy_is_independent_and_state_dict_roundtrips():
+    model = _encoder(True)
+    stiefelize(model)
+    clone = copy.deepcopy(model)
+    x = _x(2, 5, 16)
+    torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
+    with torch.no_grad():
+        frame_parameters(clone)[0].mul_(-1)
+    assert rel(clone(x), model(x)) > DIFFER_MIN
+    assert not any(a is b for a, b in zip(frame_parameters(clone), frame_parameters(model), strict=True))
+    # the converted state dict (frames, gains, rest) loads into a freshly converted model: checkpoints resume
+    other = _encoder(True)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_()
+    stiefelize(other)
+    other.load_state_dict(model.state_dict())
+    torch.testing.assert_close(other(x), model(x), rtol=0, atol=0)
+    assert all(isinstance(p, geoopt.ManifoldParameter) for p in frame_parameters(other))
+
+
+def test_assigning_a_weight_sets_frames_to_its_polar_factors():
+    case = CASES["torch_mha_batch_first"]
+    model = case.build()
+    stiefelize(model)
+    attn = model.layers[0].self_attn
+    new = torch.randn(48, 16, dtype=F64, generator=torch.Generator().manual_seed(3))
+    attn.in_proj_weight = new
+    rebuilt = attn.in_proj_weight.detach()
+    assert torch.equal(rebuilt[32:], new[32:])  # value rows: as assigned
+    for h in range(4):  # query head h: the polar factor U of its block A (U orthonormal, U^T A symmetric PD)
+        a, u = new[4 * h:4 * h + 4].t(), rebuilt[4 * h:4 * h + 4].t()
+        assert float((u.t() @ u - torch.eye(4, dtype=F64)).abs().max()) < ORTHO_TOL
+        sym = u.t() @ a
+        assert float((sym - sym.t()).abs().max()) < 1e-12 and bool((torch.linalg.eigvalsh(sym) > 0).all())
+    assert not torch.allclose(rebuilt[:16], new[:16])  # companion: the query rows are not copied as given
+
+
+def test_shared_attention_module_is_converted_once():
+    attn = nn.MultiheadAttention(16, 2, batch_first=True)
+    model = nn.ModuleDict({"a": attn, "b": nn.ModuleList([attn])})
+    report = stiefelize(model)
+    assert len(report) == 1 and len(frame_parameters(model)) == 2
+
+
+# ------------------------------------------------------------------------------------------ saving
+def test_safetensors_and_save_pretrained_roundtrip(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    vit = CASES["timm_fused_qkv"]
+    model = vit.build()
+    stiefelize(model)
+    expected = vit.run(model).detach()
+    safetensors_torch.save_file(export_state_dict(model), tmp_path / "vit.safetensors")
+    stock = vit.build()
+    stock.load_state_dict(safetensors_torch.load_file(tmp_path / "vit.safetensors"), strict=True)
+    torch.testing.assert_close(vit.run(stock), expected, rtol=0, atol=SAME_TOL)
+    # HF: save_pretrained with the exported state dict, from_pretrained into the stock class
+    case = CASES["gpt2_c_attn_and_cross"]
+    model = case.build()
+    stiefelize(model, logit_gain="learn")
+    expected = case.run(model).detach()
+    model.save_pretrained(tmp_path / "hf", state_dict=export_state_dict(model))
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    torch.testing.assert_close(case.run(loaded), expected, rtol=0, atol=SAME_TOL)
+    assert not frame_parameters(loaded)
+
+
+# ------------------------------------------------------------------------------------------ HF Trainer
+class _Repeats(torch.utils.data.Dataset):
+    """Sequences that repeat a random 4-token motif: learnable in a few steps."""
+
+    def __init__(self, n=32, length=16, vocab=40):
+        g = torch.Generator().manual_seed(0)
+        motifs = torch.randint(1, vocab, (n, 4), generator=g)
+        self.x = motifs.repeat(1, length // 4)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def _trainer_run(out_dir, max_steps, resume=None):
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(_gpt2_config(n_embd=32, n_head=4))
+    stiefelize(model, logit_gain="learn")
+    opt = StiefelAdam(param_groups(model, weight_decay=0.01), lr=1e-2)
+    args = transformers.TrainingArguments(
+        str(out_dir), max_steps=max_steps, per_device_train_batch_size=8, save_steps=3, logging_steps=1,
+        report_to=[], seed=0, use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Repeats(), optimizers=(opt, None))
+    trainer.train(resume_from_checkpoint=resume)
+    return model, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_hf_trainer_checkpoints_resume_bit_identically_and_generate_uses_the_cache(tmp_path):
+    full, losses = _trainer_run(tmp_path / "full", 6)
+    assert losses[-1] < losses[0]
+    assert all(max_ortho_error(f) < 1e-5 for f in frame_parameters(full))
+    resumed, _ = _trainer_run(tmp_path / "resumed", 6, resume=str(tmp_path / "full" / "checkpoint-3"))
+    for (name, a), (_, b) in zip(full.named_parameters(), resumed.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    full.eval()
+    prompt = torch.tensor([[3, 5, 7, 9]])
+    cached = full.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    uncached = full.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert cached.shape == (1, 10) and torch.equal(cached, uncached)
+    # companion: without the optimizer's state (moments, step counts) the resumed run differs
+    partial = tmp_path / "partial"
+    shutil.copytree(tmp_path / "full" / "checkpoint-3", partial)
+    (partial / "optimizer.pt").unlink()
+    other, _ = _trainer_run(tmp_path / "other", 6, resume=str(partial))
+    assert not all(torch.equal(a, b) for a, b in zip(full.parameters(), other.parameters(), strict=True))
+
+
+def test_torch_compile_of_a_converted_model_matches_eager():
+    model = _encoder(True)
+    stiefelize(model, logit_gain="learn")
+    x = _x(2, 5, 16)
+    compiled = torch.compile(model, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=SAME_TOL)
+    compiled(x).square().sum().backward()
+    assert all(f.grad is not None and bool(f.grad.abs().sum() > 0) for f in frame_parameters(model))
