@@ -37,15 +37,43 @@ RESUME_AT = 5
 WORLD = 2
 VOCAB, SEQ, BATCH = 11, 4, 8
 
-# name -> TinyTransformer options; "uneven": 3 heads on 2 ranks (rank 0 holds 2 heads, rank 1 one)
+# name -> TinyTransformer options, or "gpt2": a tiny HF GPT-2 converted with stiefelize (frames (2, 16, 8) in
+# c_attn's parametrization); "uneven": 3 heads on 2 ranks (rank 0 holds 2 heads, rank 1 one)
 CASES = {
     "tiny": dict(width=16, heads=2, depth=2),
     "uneven": dict(width=18, heads=3, depth=1),
+    "gpt2": "gpt2",
 }
+N_FRAME_PARAMS = {"tiny": 4, "uneven": 2, "gpt2": 4}
+
+
+def _gpt2():
+    import transformers
+
+    from geoopt_stiefel_attention import stiefelize
+
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=SEQ,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                     eos_token_id=0)
+    torch.manual_seed(3)
+    model = transformers.GPT2LMHeadModel(config).to(torch.float64)
+    stiefelize(model)
+    return model
 
 
 def _model(case):
+    if CASES[case] == "gpt2":
+        return _gpt2()
     return TinyTransformer(VOCAB, SEQ, mlp=32, attention="stiefel", seed=3, dtype=torch.float64, **CASES[case])
+
+
+def _blocks(model):
+    return list(model.blocks) if isinstance(model, TinyTransformer) else list(model.transformer.h)
+
+
+def _logits(forward, x):
+    out = forward(x)
+    return out.logits if hasattr(out, "logits") else out
 
 
 def _batch():
@@ -60,7 +88,7 @@ def _optimizer(model):
 def _train(forward, opt, x, y, steps):
     for _ in range(steps):
         opt.zero_grad()
-        F.cross_entropy(forward(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+        F.cross_entropy(_logits(forward, x).reshape(-1, VOCAB), y.reshape(-1)).backward()
         opt.step()
 
 
@@ -70,7 +98,7 @@ def _full_state(model):
 
 def _outputs(forward):
     with torch.no_grad():
-        return forward(_batch()[0]).detach().clone()
+        return _logits(forward, _batch()[0]).detach().clone()
 
 
 def _local_layout(model, opt):
@@ -87,7 +115,7 @@ def _local_layout(model, opt):
 
 def _sharded(case):
     model = _model(case)
-    fully_shard_by_heads(model, submodules=list(model.blocks))
+    fully_shard_by_heads(model, submodules=_blocks(model))
     return model, _optimizer(model)
 
 
@@ -162,16 +190,16 @@ def _max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in b)
 
 
-def _frame_keys(state):
-    return [k for k in state if k.endswith(("w_q", "w_k"))]
+def _frame_keys(case):
+    return [name for name, p in _model(case).named_parameters() if is_frame(p)]
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp", "resumed"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_match_one_process_on_the_concatenated_batch(parallel_runs, single_process_runs, case, mode):
     reference = single_process_runs[case]
-    frame_keys = _frame_keys(reference["state"])
-    assert len(frame_keys) == 2 * CASES[case]["depth"]
+    frame_keys = _frame_keys(case)
+    assert len(frame_keys) == N_FRAME_PARAMS[case]
     for rank, run in enumerate(parallel_runs):
         got = run[case, mode]
         assert _max_diff(got["state"], reference["state"]) < PARALLEL_TOL, (case, mode, rank)
@@ -190,14 +218,17 @@ def test_dcp_resume_continues_the_same_trajectory(parallel_runs, case):
         assert float((run[case, "resumed"]["out"] - run[case, "fsdp"]["out"]).abs().max()) < RESUME_TOL
 
 
-def test_frames_and_their_state_are_sharded_by_whole_heads(parallel_runs):
-    width = CASES["tiny"]["width"]
+@pytest.mark.parametrize("case", ["tiny", "gpt2"])
+def test_frames_and_their_state_are_sharded_by_whole_heads(parallel_runs, case):
     for run in parallel_runs:
-        layout = run["tiny", "fsdp"]["layout"]
-        assert set(layout) == {f"blocks.{i}.attn.{w}" for i in range(2) for w in ("w_q", "w_k")}
+        layout = run[case, "fsdp"]["layout"]
+        assert set(layout) == set(_frame_keys(case))
         for shape, sharded, m_shape, v_shape, state_sharded in layout.values():
             assert sharded and state_sharded
-            assert shape == m_shape == (1, width, 8) and v_shape == (1, 1, 1)  # one of the 2 heads per rank
+            assert shape == m_shape == (1, 16, 8) and v_shape == (1, 1, 1)  # one of the 2 heads (16 x 8) per rank
+
+
+def test_uneven_heads_are_split_like_torch_chunk(parallel_runs):
     # uneven: torch.chunk's split of 3 heads over 2 ranks is 2 + 1
     head_counts = [next(iter(run["uneven", "fsdp"]["layout"].values()))[0][0] for run in parallel_runs]
     assert head_counts == [2, 1]
