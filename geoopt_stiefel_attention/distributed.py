@@ -133,7 +133,8 @@ def to_placements_of(p: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -
         if value.device_mesh != p.device_mesh or tuple(value.placements) != tuple(p.placements):
             value = value.redistribute(p.device_mesh, p.placements)
         return value.to(dtype=dtype, copy=True)
-    return distribute_tensor(value.to(dtype=dtype, device=p.device), p.device_mesh, p.placements)
+    # a copy: for Replicate, distribute_tensor keeps the given tensor as the local one (it would alias the source)
+    return distribute_tensor(value.to(dtype=dtype, device=p.device, copy=True), p.device_mesh, p.placements)
 
 
 def frame_sharding_error(p: torch.Tensor) -> str | None:
@@ -370,11 +371,18 @@ def fully_shard_except_frames(
     return model
 
 
-def local_frame_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+def local_frame_bytes(model: nn.Module, optimizer=None) -> dict[str, int]:
     """Bytes of the frames held by this rank: their local shards, local gradients and local optimizer state.
 
     Measured from the tensors themselves (``numel * element_size`` of each local shard, never a formula), so
     a replicated frame counts in full on every rank and a head-sharded one only its heads.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Its frames (:func:`~geoopt_stiefel_attention.is_frame`) and their ``.grad`` are counted.
+    optimizer : torch.optim.Optimizer, optional
+        Its state tensors of the frames are counted (``"state"``); without it ``"state"`` is 0.
 
     Returns
     -------

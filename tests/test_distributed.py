@@ -274,23 +274,53 @@ def test_frame_sharded_along_d_or_r_is_refused_with_the_fix(one_rank_group, dim,
         StiefelAdam([p])
 
 
+OPTION_CASES = {  # name -> (StiefelAdam options, frame dtype): the fused kernel, the readable path, re-projection,
+    # and bf16 frames with a float32 master copy (the state's "master" is then sharded too)
+    "default": ({}, torch.float64),
+    "column": ({"second_moment": "column"}, torch.float64),
+    "stabilize": ({"stabilize": 2}, torch.float64),
+    "bf16-master": ({"master_weights": True}, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", list(OPTION_CASES))
 @pytest.mark.parametrize("placement", [Shard(0), Replicate()], ids=str)
-def test_frame_sharded_by_heads_or_replicated_is_accepted_and_updated_like_a_plain_frame(one_rank_group, placement):
-    """The companion of the refusal: the update of a DTensor frame equals that of the same plain frame."""
+def test_frame_sharded_by_heads_or_replicated_is_updated_like_a_plain_frame(one_rank_group, placement, case):
+    """The companion of the refusal: the update of a DTensor frame equals that of the same plain frame, and
+    so does the continuation after a state-dict round trip (DTensor state into a sharded optimizer, and the
+    plain optimizer's full state into a sharded one)."""
     import geoopt
 
+    options, dtype = OPTION_CASES[case]
     p, frames = _dtensor_frame(placement)
-    plain = geoopt.ManifoldParameter(frames.detach().clone(), manifold=p.manifold)
-    g = torch.randn(4, 8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    opts = [StiefelAdam([q], lr=5e-2) for q in (p, plain)]
-    for _ in range(3):
-        p.grad = distribute_tensor(g, p.device_mesh, p.placements)  # a DTensor with the parameter's placements
-        plain.grad = g.clone()
-        for opt in opts:
-            opt.step()
+    p = torch.nn.Parameter(p.detach().to(dtype))
+    p.manifold = frames.manifold
+    plain = geoopt.ManifoldParameter(frames.detach().to(dtype, copy=True), manifold=p.manifold)
+    g = torch.randn(4, 8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).to(dtype)
+
+    def steps(pairs, n):
+        for _ in range(n):
+            for q, opt in pairs:
+                q.grad = distribute_tensor(g, q.device_mesh, q.placements) if is_sharded(q) else g.clone()
+                opt.step()
+
+    opt_sharded, opt_plain = StiefelAdam([p], lr=5e-2, **options), StiefelAdam([plain], lr=5e-2, **options)
+    steps([(p, opt_sharded), (plain, opt_plain)], 3)
     assert torch.equal(p.full_tensor(), plain.detach())
-    assert float((plain.detach() - frames).abs().max()) > MOVED_AT_LEAST
-    assert is_sharded(opts[0].state[p]["exp_avg_sq"]) and tuple(opts[0].state[p]["exp_avg_sq"].shape) == (4, 1, 1)
+    assert float((plain.detach().double() - frames).abs().max()) > MOVED_AT_LEAST
+    state = opt_sharded.state[p]
+    assert all(is_sharded(state[k]) and state[k].placements == p.placements
+               for k in ("exp_avg", "exp_avg_sq") + (("master",) if "master_weights" in options else ()))
+    assert tuple(state["exp_avg_sq"].shape) == {"column": (4, 1, 3)}.get(case, (4, 1, 1))
+    p2 = torch.nn.Parameter(p.detach().clone())
+    p2.manifold = p.manifold
+    resumed = StiefelAdam([p], lr=5e-2, **options)
+    resumed.load_state_dict(opt_sharded.state_dict())  # DTensor state
+    from_full = StiefelAdam([p2], lr=5e-2, **options)
+    from_full.load_state_dict(opt_plain.state_dict())  # plain tensors holding the whole state
+    assert is_sharded(from_full.state[p2]["exp_avg"])
+    steps([(p, resumed), (p2, from_full), (plain, opt_plain)], 2)
+    assert torch.equal(p.full_tensor(), plain.detach()) and torch.equal(p2.full_tensor(), plain.detach())
 
 
 def test_plain_fully_shard_is_refused_with_the_fix(one_rank_group):
