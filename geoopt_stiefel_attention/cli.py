@@ -39,10 +39,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class UsageError(ValueError):
+    """A user error on the command line: :func:`main` prints it as one line naming the flag and returns 2."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``stiefel-attention`` console script; returns the exit status."""
+    """Entry point of the ``stiefel-attention`` console script; returns the exit status.
+
+    A :class:`UsageError` raised by a subcommand is printed as one line (``stiefel-attention <command>: error:
+    ...``) and gives exit status 2, like argparse's own errors; Ctrl-C gives one line saying how to resume and
+    exit status 130. Neither prints a traceback.
+    """
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    prog = f"stiefel-attention {args.command}"
+    try:
+        return int(args._run(args) or 0)
+    except UsageError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # the output was piped into a command that stopped reading (``| head``)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt as err:
+        message = str(err) or "interrupted; rerun the same command to resume from the last checkpoint."
+        print(f"{prog}: {message}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -310,7 +310,7 @@ def test_run_directory_contents_and_frames_stay_on_the_manifold(tmp_path):
     rec = res.final_record
     assert {"train_loss", "train_acc", "val_loss", "val_acc", "move_step/q", "angle_max_deg/k", "norm/euclidean"} <= set(rec)
     assert rec["move_total/q"] > 0
-    with pytest.raises(ValueError, match="different configuration"):
+    with pytest.raises(ValueError, match="other settings .--n is 48 there, 50 now"):
         train_run(RunSpec(ToyConfig(batch_size=None, n=50), "stiefel", 0), toy_build_task, tmp_path, quiet=True)
 
 
@@ -386,19 +386,28 @@ def test_summary_statistics_written_out():
     assert abs(paired["t"] - ref.statistic) < 1e-9 and paired["n"] == 2 and paired["n_positive"] == 1
 
 
-def test_report_puts_measured_next_to_published():
-    paper = PaperReference("someone", 20000, {"a": 0.5, "b": 0.9}, "one run")
-    text = render_report(title="T", summary=summarize(_synthetic_records()), paper=paper,
+def test_report_puts_measured_next_to_published_only_under_the_papers_protocol():
+    paper = PaperReference("someone", 40, {"a": 0.123, "b": 0.456}, "one run", protocol={"p": 97, "train.epochs": 40})
+    matching = {"p": 97, "train": {"epochs": 40, "eval_every": 10}}
+    text = render_report(title="T", summary=summarize(_synthetic_records()), paper=paper, config=matching,
                          figures={"acc": "accuracy.png"}, notes=["careful"])
-    assert "| a |" in text and "| b |" in text and "50.0%" in text and "90.0%" in text
+    assert "| a |" in text and "| b |" in text and "12.3%" in text and "45.6%" in text
     assert "94.5% ± 6.4%" in text  # arm a: mean and sd of 0.99 and 0.90
     assert "![acc](accuracy.png)" in text and "- careful" in text
+    assert "does not follow" not in text
+    # companion: another modulus, or runs that stopped before the paper's epoch, hide the published numbers
+    other = render_report(title="T", summary=summarize(_synthetic_records()), paper=paper,
+                          config={"p": 13, "train": {"epochs": 40}})
+    assert "12.3%" not in other and "45.6%" not in other and "--p 13 here, 97 in the paper" in other
+    early = PaperReference("someone", 20000, {"a": 0.123}, protocol={"p": 97})
+    text = render_report(title="T", summary=summarize(_synthetic_records()), paper=early, config=matching)
+    assert "12.3%" not in text and "Not every run has reached epoch 20000 yet** (last epochs: 40)" in text
 
 
 def test_finalize_writes_summary_plots_and_report_from_run_folders(tmp_path):
     run_jobs([RunSpec(ToyConfig(), arm, 0) for arm in ("adamw", "stiefel")], toy_build_task, tmp_path,
              quiet=True, device="cpu")
-    paper = PaperReference("someone", 20000, {"stiefel": 0.97, "adamw": 0.611}, "one run")
+    paper = PaperReference("someone", 12, {"stiefel": 0.97, "adamw": 0.611}, "one run", protocol={"n": 48})
     out = finalize_study(tmp_path, title="toy", config=ToyConfig(), arms=["adamw", "stiefel"], paper=paper)
     assert set(out.summary["summary"]["arms"]) == {"adamw", "stiefel"}
     assert set(out.figures) == {"accuracy", "overview", "weight_norms", "principal_angles", "movement"}

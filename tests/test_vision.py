@@ -429,7 +429,7 @@ def test_step_movement_hook_matches_hand_computed_steps():
 
 # ------------------------------------------------------------------------------------------ studies
 def test_config_validation_and_cells():
-    with pytest.raises(ValueError, match="patch_size"):
+    with pytest.raises(ValueError, match="--patch-size"):
         VisionConfig(dataset="fashion-mnist", patch_size=5)
     with pytest.raises(ValueError, match="unknown"):
         VisionConfig(dataset="mnist")
@@ -451,8 +451,8 @@ def _tiny_config(**kw):
 @pytest.mark.parametrize("study", ["paired", "scaling", "movement", "frozen", "decay", "ablation"])
 def test_every_study_runs_on_digits(study, tmp_path):
     kw = dict(train_sizes=(0.5, 1.0), weight_decays=(0.0, 0.5))
-    summary, results = run_vision(_tiny_config(), tmp_path, study=study, seeds=(0, 1), device="cpu", quiet=True,
-                                  threads=1, **kw)
+    out = run_vision(_tiny_config(), tmp_path, study=study, seeds=(0, 1), device="cpu", quiet=True, threads=1, **kw)
+    results = out.results
     n_cells = 2 if study in ("scaling", "decay") else 1
     assert len(results) == n_cells * 2 * len(STUDY_ARMS[study]) and all(r.completed for r in results)
     report = (tmp_path / "report.md").read_text()
@@ -519,5 +519,7 @@ def test_cli_vision_runs_and_reports(tmp_path, capsys):
     assert not (out / "report.md").exists()
     assert main([*args, "--report-only"]) == 0
     assert (out / "report.md").exists()
-    with pytest.raises(SystemExit, match="--data-dir"):
-        main(["vision", "--dataset", "cifar10", "--data-dir", str(tmp_path / "none"), "--out", str(out), "--quiet"])
+    assert main(["vision", "--dataset", "cifar10", "--data-dir", str(tmp_path / "none"), "--out", str(tmp_path / "c"),
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--data-dir" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "c").exists()

@@ -10,19 +10,26 @@
 
 Plotting libraries, pandas and tqdm are imported lazily, inside the functions that use them.
 
-To add a study:
+- :mod:`.study`: the study layer: sweep cells, the (cell, arm, seed) grid, summaries, paired statistics
+  (:mod:`.stats`), figures (:mod:`.plotting`) and the markdown report (:mod:`.report`), shared by every study;
+- :mod:`.vision`: the ViT-on-patches study (data, model, arms and sweep cells only).
+
+To add a study (a config, a model builder, a data module and its arms; the docs page "Experiments" walks
+through it):
 
 1. A frozen dataclass config with the fields ``experiment`` (str), ``train``
    (:class:`~.config.TrainConfig`), ``optim`` (:class:`~.config.OptimConfig`) and the study's own fields,
-   validated in ``__post_init__``.
+   validated in ``__post_init__`` with messages naming the flags.
 2. A module-level ``build_task(spec, arm, device) -> Task``: build the model from ``spec.seed`` with
    ``arm.attention``, the data as batch sources (:class:`~.data.FullBatch`, or :class:`~.data.MiniBatches`
    seeded with ``spec.seed`` so that paired arms see the same order), the parameter grouping, and the metric
    hooks (:class:`~.metrics.WeightNorms`, :class:`~.metrics.QKGeometry`, or your own
    :class:`~.metrics.MetricHook`).
-3. :func:`~.study.run_study` (or :func:`~.runner.run_jobs` plus :func:`~.study.finalize_study`) runs the
-   (arm, seed) grid, resumably, and writes ``summary.json``, the figures and ``report.md``; new arms go to
-   the registry with :func:`~.arms.register_arm`. The CLI flags come from :mod:`.cli_args`.
+3. :func:`~.study.run_study` (one cell) or :func:`~.study.run_cells` (a sweep of :class:`~.study.Cell`)
+   runs the grid, resumably, and :func:`~.study.finalize_study` writes ``summary.json``, the figures and
+   ``report.md``; new arms go to the registry with :func:`~.arms.register_arm`; the paper's figures are a
+   :class:`~.report.PaperReference` with the ``protocol`` they were measured under. The CLI flags and their
+   checks come from :mod:`.cli_args`.
 """
 
 from .arms import ARMS, Arm, OptimizerGroup, get_arm, register_arm

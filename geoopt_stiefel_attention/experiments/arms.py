@@ -17,7 +17,8 @@ arm                       attention    optimizer
                                        Riemannian Adam (lr ``frame_lr``), the rest by its AdamW branch
 ``geoopt-radam``          stiefel      stock geoopt: frames moved to :class:`geoopt.manifolds.EuclideanStiefel`
                                        (QR retraction) and trained by :class:`geoopt.optim.RiemannianAdam`
-                                       (element-wise second moment), the rest by :class:`torch.optim.AdamW`
+                                       (one second moment per frame, ``component_inner`` = ‖ξ‖²_F, kept in a
+                                       full-size buffer), the rest by :class:`torch.optim.AdamW`
 ``geoopt-rsgd``           stiefel      stock geoopt: frames on ``EuclideanStiefel`` trained by
                                        :class:`geoopt.optim.RiemannianSGD` with momentum, the rest by AdamW
 ========================  ===========  ==========================================================================
@@ -26,6 +27,14 @@ Frames never get weight decay (on :math:`\mathrm{St}(d, r)` its Riemannian gradi
 :math:`P_W(\lambda W)` is zero). The two stock-geoopt arms step two optimizers together through
 :class:`OptimizerGroup`; geoopt's own ``weight_decay`` is an L2 term added to the gradient, which is why
 the Euclidean parameters go to a separate, decoupled AdamW.
+
+On the second moment of ``geoopt-radam``: :class:`geoopt.optim.RiemannianAdam` accumulates
+``manifold.component_inner(W, ξ)``, which on ``EuclideanStiefel`` is the frame's :math:`\|\xi\|_F^2` (the
+embedded inner product summed over the frame's last two dimensions, ``keepdim=True``) broadcast into a buffer
+created with ``torch.zeros_like(W)``. So it keeps one second moment per frame, like
+:class:`~geoopt_stiefel_attention.StiefelAdam`, but stores it at the frame's full size ``(..., d, r)`` (every
+entry of a frame holds the same value), where StiefelAdam stores ``(..., 1, 1)``. What differs from the
+``stiefel`` arm is the retraction (QR instead of polar) and the missing trust region.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from .config import OptimConfig, TrainConfig
 
 __all__ = ["add_schedule_arguments", "add_optim_arguments", "add_runner_arguments", "train_config_from_args",
-           "optim_config_from_args"]
+           "optim_config_from_args", "check_runner_args", "check_out_dir", "require_modules", "build_config",
+           "invoked_command", "user_errors"]
 
 
 def _none_or_float(text: str) -> float | None:
@@ -54,11 +55,12 @@ def add_runner_arguments(parser: argparse.ArgumentParser, *, arms: Sequence[str]
     from .arms import ARMS
 
     g = parser.add_argument_group("running")
-    g.add_argument("--arms", nargs="+", default=list(arms),
-                   help=f"arms to run (default {' '.join(arms)}; registered: {', '.join(sorted(ARMS))})")
-    g.add_argument("--seeds", nargs="+", type=int, default=list(seeds),
+    g.add_argument("--arms", nargs="+", default=None,
+                   help=f"arms to run (default {' '.join(arms)}; with --report-only: every arm on disk; registered: "
+                        f"{', '.join(sorted(ARMS))})")
+    g.add_argument("--seeds", nargs="+", type=int, default=None,
                    help=f"seeds; each fixes the data split/order and the initial weights (default "
-                        f"{' '.join(map(str, seeds))})")
+                        f"{' '.join(map(str, seeds))}; with --report-only: every seed on disk)")
     g.add_argument("--out", default=out, help=f"output folder (default {out}); rerunning resumes")
     g.add_argument("--workers", type=int, default=1, help="(arm, seed) runs in parallel processes (default 1)")
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
@@ -90,3 +92,133 @@ def invoked_command() -> str | None:
     import sys
 
     return "stiefel-attention " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+
+
+def check_runner_args(args: argparse.Namespace) -> None:
+    """Refuse bad running flags before anything is written: unknown or repeated ``--arms``, negative or
+    repeated ``--seeds``, ``--workers``/``--threads``/``--stop-after-epochs`` below 1, a negative
+    ``--checkpoint-interval``, a ``--device`` torch cannot use, and an ``--out`` that cannot be a folder.
+    Raises :class:`~geoopt_stiefel_attention.cli.UsageError` naming the flag."""
+    import math
+
+    from ..cli import UsageError
+    from .arms import ARMS
+
+    if args.arms is not None:
+        unknown = [a for a in args.arms if a not in ARMS]
+        if unknown:
+            raise UsageError(f"--arms: unknown arm(s) {', '.join(unknown)}; registered arms: {', '.join(sorted(ARMS))}.")
+        if len(set(args.arms)) != len(args.arms):
+            raise UsageError(f"--arms: {' '.join(args.arms)} names an arm twice; list each arm once.")
+    if args.seeds is not None:
+        bad = [s for s in args.seeds if s < 0]
+        if bad:
+            raise UsageError(f"--seeds: {' '.join(map(str, bad))} is negative; seeds are ints >= 0 (e.g. --seeds 0 1 2).")
+        if len(set(args.seeds)) != len(args.seeds):
+            raise UsageError(f"--seeds: {' '.join(map(str, args.seeds))} names a seed twice; list each seed once.")
+    for flag, value in (("--workers", args.workers), ("--threads", args.threads),
+                        ("--stop-after-epochs", args.stop_after_epochs)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} {value}: must be an int >= 1.")
+    if not (math.isfinite(args.checkpoint_interval) and args.checkpoint_interval >= 0):
+        raise UsageError(f"--checkpoint-interval {args.checkpoint_interval}: must be a number of seconds >= 0.")
+    if args.report_only and args.skip_report:
+        raise UsageError("--report-only and --skip-report exclude each other; pass one of them.")
+    if not args.report_only:
+        from .runner import resolve_device
+
+        try:
+            resolve_device(args.device)
+        except ValueError:
+            raise UsageError(f"--device {args.device}: torch sees no GPU on this machine; use --device cpu or "
+                             f"auto.") from None
+        except RuntimeError:
+            raise UsageError(f"--device {args.device}: not a device torch knows; use auto, cpu, cuda or "
+                             f"cuda:N.") from None
+    check_out_dir(args.out, must_exist=args.report_only)
+
+
+def check_out_dir(out: str, *, must_exist: bool = False) -> None:
+    """Refuse an ``--out`` that is a file, lies under a file, cannot be created for lack of permission, or (for
+    ``--report-only``) does not exist. Creates nothing."""
+    import os
+    from pathlib import Path
+
+    from ..cli import UsageError
+
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {out}: is a file, not a folder; pass a folder (it is created if missing).")
+    if must_exist:
+        if not path.is_dir():
+            raise UsageError(f"--out {out}: no such folder; --report-only rebuilds the report of a study folder "
+                             f"that holds runs.")
+        return
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--out {out}: {parent} is a file, so the folder cannot be created; pass another --out.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: {parent} is not writable; pass a folder you can write to.")
+
+
+#: optional package -> what needs it
+OPTIONAL_PACKAGES = {"tqdm": "progress bars (or pass --quiet)", "seaborn": "the figures (or pass --skip-report)",
+                     "pandas": "the figures (or pass --skip-report)",
+                     "matplotlib": "the figures (or pass --skip-report)", "scipy": "the statistics",
+                     "torchvision": "the CIFAR-10 and Fashion-MNIST data", "sklearn": "the digits data"}
+
+
+def require_modules(names: Sequence[str]) -> None:
+    """Import each optional package in ``names``; one missing raises
+    :class:`~geoopt_stiefel_attention.cli.UsageError` saying what needs it and how to install it."""
+    import importlib
+
+    from ..cli import UsageError
+
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pip = "scikit-learn" if name == "sklearn" else name
+            raise UsageError(f"the optional package {pip} is not installed; it is needed for "
+                             f"{OPTIONAL_PACKAGES.get(name, 'this command')}. Install it with: pip install {pip} "
+                             f"(or pip install 'geoopt-stiefel-attention[experiments]').") from None
+
+
+def runner_modules(args: argparse.Namespace) -> list[str]:
+    """The optional packages a study command will use, given its running flags."""
+    names = ["scipy"]
+    if not args.quiet and not args.report_only:
+        names.append("tqdm")
+    if not args.skip_report:
+        names += ["pandas", "matplotlib", "seaborn"]
+    return names
+
+
+def build_config(factory, args: argparse.Namespace):
+    """``factory(args)`` with a config error turned into a :class:`~geoopt_stiefel_attention.cli.UsageError`
+    (the config messages name the flags)."""
+    from ..cli import UsageError
+
+    try:
+        return factory(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+class user_errors:  # noqa: N801 - used as a context manager: ``with user_errors(): ...``
+    """Turn the harness's user-facing errors (a run folder holding another run, a folder being trained by
+    another process) into :class:`~geoopt_stiefel_attention.cli.UsageError` (one line, exit status 2)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, tb) -> bool:
+        from ..cli import UsageError
+        from .runner import ConfigMismatchError, RunLockedError
+
+        if isinstance(err, (ConfigMismatchError, RunLockedError)):
+            raise UsageError(str(err)) from None
+        return False

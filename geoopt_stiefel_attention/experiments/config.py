@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TrainConfig", "OptimConfig", "RunSpec", "to_dict", "require"]
+__all__ = ["TrainConfig", "OptimConfig", "RunSpec", "to_dict", "require", "flag_of", "config_value", "config_from_dict"]
 
 
 def require(ok: bool, message: str) -> None:
@@ -47,9 +47,9 @@ class TrainConfig:
     eval_every: int = 10
 
     def __post_init__(self) -> None:
-        require(_positive_int(self.epochs), f"TrainConfig: epochs={self.epochs!r} must be a positive int.")
+        require(_positive_int(self.epochs), f"--epochs {self.epochs!r}: must be a positive int (field epochs).")
         require(_positive_int(self.eval_every),
-                f"TrainConfig: eval_every={self.eval_every!r} must be a positive int (e.g. 100).")
+                f"--eval-every {self.eval_every!r}: must be a positive int, e.g. 100 (field eval_every).")
 
     def eval_epochs(self) -> list[int]:
         """The epochs at which a record is written: ``0, k, 2k, ..., epochs`` (the last one always)."""
@@ -95,20 +95,20 @@ class OptimConfig:
     momentum: float = 0.9
 
     def __post_init__(self) -> None:
-        require(_finite(self.lr) and self.lr > 0, f"OptimConfig: lr={self.lr!r} must be a finite float > 0.")
+        require(_finite(self.lr) and self.lr > 0, f"--lr {self.lr!r}: must be a finite float > 0 (field lr).")
         betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else self.betas
         require(isinstance(betas, tuple) and len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas),
-                f"OptimConfig: betas={self.betas!r} must be two floats in [0, 1), e.g. (0.9, 0.98).")
+                f"--betas {self.betas!r}: must be two floats in [0, 1), e.g. 0.9 0.98 (field betas).")
         object.__setattr__(self, "betas", tuple(float(b) for b in betas))
-        require(_finite(self.eps) and self.eps > 0, f"OptimConfig: eps={self.eps!r} must be a finite float > 0.")
+        require(_finite(self.eps) and self.eps > 0, f"--eps {self.eps!r}: must be a finite float > 0 (field eps).")
         require(_finite(self.weight_decay) and self.weight_decay >= 0,
-                f"OptimConfig: weight_decay={self.weight_decay!r} must be a finite float >= 0.")
+                f"--weight-decay {self.weight_decay!r}: must be a finite float >= 0 (field weight_decay).")
         require(self.frame_lr is None or (_finite(self.frame_lr) and self.frame_lr > 0),
-                f"OptimConfig: frame_lr={self.frame_lr!r} must be a finite float > 0, or None to use lr.")
+                f"--frame-lr {self.frame_lr!r}: must be a finite float > 0, or None to use --lr (field frame_lr).")
         require(self.trust_region is None or (_finite(self.trust_region) and self.trust_region > 0),
-                f"OptimConfig: trust_region={self.trust_region!r} must be a finite float > 0, or None.")
+                f"--trust-region {self.trust_region!r}: must be a finite float > 0, or none (field trust_region).")
         require(_finite(self.momentum) and 0 <= self.momentum < 1,
-                f"OptimConfig: momentum={self.momentum!r} must be a float in [0, 1).")
+                f"--momentum {self.momentum!r}: must be a float in [0, 1) (field momentum).")
 
     @property
     def effective_frame_lr(self) -> float:
@@ -172,3 +172,32 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {str(k): to_dict(v) for k, v in obj.items()}
     return obj
+
+
+#: Config fields whose command-line flag is not ``--<field-with-dashes>``.
+_FLAG_OF_FIELD = {"arm": "--arms", "seed": "--seeds", "fast_forward": "--no-fast-forward",
+                  "experiment": "the study", "config_class": "the study"}
+
+
+def flag_of(path: str) -> str:
+    """The command-line flag of a config field given by its dotted path (``config.train.epochs`` -> ``--epochs``)."""
+    name = path.rsplit(".", 1)[-1]
+    return _FLAG_OF_FIELD.get(name, "--" + name.replace("_", "-"))
+
+
+def config_value(config: Any, path: str) -> Any:
+    """The value at a dotted path of a config (``"train.epochs"``), read from its plain-JSON form."""
+    node = to_dict(config)
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(f"config has no field {path!r}")
+        node = node[part]
+    return node
+
+
+def config_from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Rebuild a study config of class ``cls`` from its :func:`to_dict` form (a run's ``config.json``): the
+    ``train`` and ``optim`` blocks become :class:`TrainConfig` and :class:`OptimConfig` again."""
+    fields = {k: v for k, v in data.items() if k not in ("train", "optim")}
+    optim = {**data["optim"], "betas": tuple(data["optim"]["betas"])}
+    return cls(**fields, train=TrainConfig(**data["train"]), optim=OptimConfig(**optim))

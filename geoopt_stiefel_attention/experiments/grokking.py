@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .arms import Arm
-from .config import OptimConfig, RunSpec, TrainConfig, require
+from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require
 from .data.batches import FullBatch
 from .data.modular import canonical_operation, is_prime, modular_split
 from .metrics import QKGeometry, WeightNorms
 from .report import PaperReference
 from .runner import Task
+from .study import StudyOutputs, finalize_study, run_study
 
 __all__ = ["GrokkingConfig", "build_task", "run_grokking", "PAPER", "HELP", "add_arguments", "run"]
 
@@ -40,6 +41,7 @@ PAPER = PaperReference(
     values={"stiefel": 0.970, "adamw": 0.611},
     note="One run per arm; the author calls the endpoint unstable and reads it as evidence for the mechanism, "
          "not as an effect size.",
+    protocol={"p": 97, "operation": "+", "train_fraction": 0.3, "train.epochs": 20000},
 )
 
 
@@ -66,19 +68,19 @@ class GrokkingConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "operation", canonical_operation(self.operation))
-        require(isinstance(self.p, int) and self.p >= 2, f"GrokkingConfig: p={self.p!r} must be an int >= 2.")
+        require(isinstance(self.p, int) and self.p >= 2, f"--p {self.p!r}: the modulus must be an int >= 2.")
         require(self.operation != "/" or is_prime(self.p),
-                f"GrokkingConfig: operation '/' needs a prime p, got p={self.p}.")
+                f"--operation /: needs a prime --p, got --p {self.p}.")
         require(isinstance(self.train_fraction, float | int) and 0 < self.train_fraction < 1,
-                f"GrokkingConfig: train_fraction={self.train_fraction!r} must be in (0, 1).")
+                f"--train-fraction {self.train_fraction!r}: must be in (0, 1), e.g. 0.3.")
         for name in ("width", "depth", "heads", "mlp"):
             v = getattr(self, name)
-            require(isinstance(v, int) and v > 0, f"GrokkingConfig: {name}={v!r} must be a positive int.")
+            require(isinstance(v, int) and v > 0, f"--{name} {v!r}: must be a positive int.")
         require(self.width % self.heads == 0,
-                f"GrokkingConfig: width={self.width} must be divisible by heads={self.heads}.")
-        require(isinstance(self.fast_forward, bool), f"GrokkingConfig: fast_forward={self.fast_forward!r} must be a bool.")
-        require(isinstance(self.train, TrainConfig), "GrokkingConfig: train must be a TrainConfig.")
-        require(isinstance(self.optim, OptimConfig), "GrokkingConfig: optim must be an OptimConfig.")
+                f"--width {self.width} must be divisible by --heads {self.heads}.")
+        require(isinstance(self.fast_forward, bool), f"fast_forward={self.fast_forward!r} must be a bool (--no-fast-forward).")
+        require(isinstance(self.train, TrainConfig), "GrokkingConfig.train must be a TrainConfig.")
+        require(isinstance(self.optim, OptimConfig), "GrokkingConfig.optim must be an OptimConfig.")
 
 
 #: Largest entry-wise gap accepted between :func:`last_position_fast` and :func:`last_position` (float32
@@ -173,20 +175,19 @@ NOTES = (
 def run_grokking(config: GrokkingConfig, out_dir, *, arms=("adamw", "stiefel"), seeds=(0,), workers: int = 1,
                  device: str = "auto", threads: int | None = None, quiet: bool = False,
                  stop_after_epochs: int | None = None, checkpoint_interval_s: float = 30.0,
-                 report_only: bool = False, skip_report: bool = False, command: str | None = None):
+                 report_only: bool = False, skip_report: bool = False, command: str | None = None) -> StudyOutputs:
     """Run (or resume) the study and write ``summary.json``, ``report.md`` and the PNG figures into
-    ``out_dir``; returns :class:`~.study.StudyOutputs` (with ``skip_report``, only the tuple of
-    :class:`~.runner.RunResult`; with ``report_only``, nothing is trained)."""
-    from .study import finalize_study, run_study
-
+    ``out_dir``; returns :class:`~.study.StudyOutputs` (without a summary when ``skip_report``). With
+    ``report_only`` nothing is trained and the report is rebuilt from the records (``arms``/``seeds`` ``None``:
+    every arm and seed on disk). ``command`` is recorded in ``out_dir/study.json`` and shown in the report."""
     kwargs = dict(title=f"Grokking on (a {config.operation} b) mod {config.p}: Stiefel W_Q/W_K vs AdamW",
-                  intro=_intro(config), paper=PAPER, notes=NOTES,
-                  extra_run_info={"command": f"`{command}`"} if command else None)
+                  intro=_intro(config), paper=PAPER, notes=NOTES)
     if report_only:
-        return finalize_study(out_dir, config=config, arms=list(arms), seeds=list(seeds), **kwargs)
-    return run_study(config, build_task, out_dir, arms=list(arms), seeds=list(seeds), workers=workers, device=device, threads=threads, quiet=quiet,
-                     stop_after_epochs=stop_after_epochs, checkpoint_interval_s=checkpoint_interval_s,
-                     skip_report=skip_report, **kwargs)
+        return finalize_study(out_dir, config=config, arms=None if arms is None else list(arms),
+                              seeds=None if seeds is None else list(seeds), **kwargs)
+    return run_study(config, build_task, out_dir, arms=list(arms), seeds=list(seeds), workers=workers, device=device,
+                     threads=threads, quiet=quiet, stop_after_epochs=stop_after_epochs,
+                     checkpoint_interval_s=checkpoint_interval_s, skip_report=skip_report, command=command, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -219,19 +220,42 @@ def config_from_args(args: argparse.Namespace) -> GrokkingConfig:
                           optim=optim_config_from_args(args))
 
 
+def _config_for_report(args: argparse.Namespace) -> GrokkingConfig:
+    """For ``--report-only``: the config the runs in ``--out`` were trained with (their ``config.json``)."""
+    from .study import recorded_config
+
+    recorded = recorded_config(args.out)
+    if recorded is None:
+        from ..cli import UsageError
+
+        raise UsageError(f"--out {args.out}: holds no runs (no runs/<arm>/seed<k>/config.json); train the study "
+                         f"first, without --report-only.")
+    return config_from_dict(GrokkingConfig, recorded)
+
+
 def run(args: argparse.Namespace) -> int:
-    from .cli_args import invoked_command
-    try:
-        config = config_from_args(args)
-    except ValueError as err:
-        raise SystemExit(f"stiefel-attention grokking: {err}") from None
-    command = invoked_command()
+    from .cli_args import (
+        build_config,
+        check_runner_args,
+        invoked_command,
+        require_modules,
+        runner_modules,
+        user_errors,
+    )
+
+    check_runner_args(args)
+    config = _config_for_report(args) if args.report_only else build_config(config_from_args, args)
+    require_modules(runner_modules(args))
+    arms = args.arms if args.arms is not None or args.report_only else ["adamw", "stiefel"]
+    seeds = args.seeds if args.seeds is not None or args.report_only else [0]
     t0 = time.perf_counter()
-    outputs = run_grokking(config, args.out, arms=args.arms, seeds=args.seeds, workers=args.workers,
-                           device=args.device, threads=args.threads, quiet=args.quiet,
-                           stop_after_epochs=args.stop_after_epochs, checkpoint_interval_s=args.checkpoint_interval,
-                           report_only=args.report_only, skip_report=args.skip_report, command=command)
-    results = outputs if isinstance(outputs, tuple) else outputs.results
+    with user_errors():
+        outputs = run_grokking(config, args.out, arms=arms, seeds=seeds, workers=args.workers,
+                               device=args.device, threads=args.threads, quiet=args.quiet,
+                               stop_after_epochs=args.stop_after_epochs,
+                               checkpoint_interval_s=args.checkpoint_interval, report_only=args.report_only,
+                               skip_report=args.skip_report, command=None if args.report_only else invoked_command())
+    results = outputs.results
     pending = [r.name for r in results if not r.completed]
     print(f"grokking: {len(results)} run(s) in {time.perf_counter() - t0:.1f} s -> {args.out}")
     for r in results:
@@ -240,10 +264,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {r.name}: epoch {r.epoch}{rate}" + ("" if acc is None else f", val acc {100 * acc:.1f}%"))
     if pending:
         print(f"  stopped before the end (rerun the same command to resume): {', '.join(pending)}")
-    if isinstance(outputs, tuple):
+    if outputs.summary is None:
         return 0
-    summary = outputs.summary["summary"]
-    for arm, s in summary["arms"].items():
+    for arm, s in outputs.summary["summary"]["arms"].items():
         fin = s["final"]
         std = "" if fin["std"] is None else f" ± {100 * fin['std']:.1f}"
         print(f"  {arm:<14} final val acc {100 * fin['mean']:.1f}%{std} over seeds {s['seeds']}; "

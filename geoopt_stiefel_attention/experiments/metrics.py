@@ -13,14 +13,16 @@ A hook is an object with three optional methods (subclass :class:`MetricHook`):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from ..manifolds import is_frame
 
-__all__ = ["MetricHook", "WeightNorms", "QKGeometry", "principal_angles"]
+__all__ = ["MetricHook", "WeightNorms", "QKGeometry", "StepMovement", "principal_angles"]
 
 
 class MetricHook:
@@ -161,4 +163,79 @@ class QKGeometry(MetricHook):
             out[f"angle_max_deg/{x}"] = float(cat.max())
             out[f"angle_mean_deg/{x}"] = float(cat.mean())
         self._prev = None
+        return out
+
+
+class StepMovement(MetricHook):
+    r"""Per-step movement of the query/key projections, from every optimizer step.
+
+    With :math:`\Delta_t W` the change of a projection in optimizer step :math:`t` and the norm taken over every
+    layer and head together, the record of an evaluation holds, for :math:`X \in \{q, k\}` and the :math:`T`
+    steps measured since the previous evaluation,
+
+    - ``move_step_rms/X`` :math:`= \big(\frac1T \sum_t \|\Delta_t W_X\|_F^2\big)^{1/2}`,
+    - ``move_step_rel_rms/X``: the same with each step divided by the current :math:`\|W_X\|_F`,
+    - ``move_steps``: :math:`T` (``None`` and 0 at epoch 0 and for projections without a gradient).
+
+    The change is read by a post-accumulate-grad hook on each projection: at the backward pass of step
+    :math:`t+1` the parameter holds the result of step :math:`t`, so the last step before an evaluation is
+    counted in the next window (and the first step after a resume is not counted).
+
+    Parameters
+    ----------
+    qk : callable
+        ``qk(model) -> [(path, w_q, w_k), ...]``, e.g. :func:`geoopt_stiefel_attention.nn.query_key_projections`.
+    """
+
+    def __init__(self, qk) -> None:
+        self.qk = qk
+        self._prev: dict[tuple[str, int], torch.Tensor] = {}
+        self._sq: dict[tuple[str, int], torch.Tensor] = {}
+        self._rel: dict[tuple[str, int], torch.Tensor] = {}
+        self._count: dict[tuple[str, int], int] = {}
+        self._keys: dict[str, list[tuple[str, int]]] = {"q": [], "k": []}
+        self._handles: list[Any] = []
+
+    def on_start(self, model: torch.nn.Module) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._prev, self._keys = [], {}, {"q": [], "k": []}
+        self._reset()
+        for i, (_, wq, wk) in enumerate(self.qk(model)):
+            for x, w in (("q", wq), ("k", wk)):
+                if w.requires_grad:
+                    key = (x, i)
+                    self._keys[x].append(key)
+                    self._handles.append(w.register_post_accumulate_grad_hook(functools.partial(self._seen, key)))
+
+    def _reset(self) -> None:
+        self._sq, self._rel, self._count = {}, {}, {}
+
+    @torch.no_grad()
+    def _seen(self, key: tuple[str, int], param: torch.Tensor) -> None:
+        now = param.detach().to(torch.float32).clone()
+        prev = self._prev.get(key)
+        self._prev[key] = now
+        if prev is None:
+            return
+        sq = (now - prev).square().sum()
+        self._sq[key] = self._sq.get(key, 0.0) + sq
+        self._rel[key] = self._rel.get(key, 0.0) + sq / now.square().sum().clamp_min(1e-30)
+        self._count[key] = self._count.get(key, 0) + 1
+
+    def metrics(self, model: torch.nn.Module) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        steps = 0
+        for x, keys in self._keys.items():
+            counts = [self._count.get(k, 0) for k in keys]
+            if not keys or min(counts) == 0:
+                out[f"move_step_rms/{x}"] = out[f"move_step_rel_rms/{x}"] = None
+                continue
+            steps = max(steps, min(counts))
+            out[f"move_step_rms/{x}"] = math.sqrt(sum(float(self._sq[k]) / self._count[k] for k in keys))
+            # relative: mean over layers of each layer's squared relative step, as one rms number
+            out[f"move_step_rel_rms/{x}"] = math.sqrt(sum(float(self._rel[k]) / self._count[k] for k in keys)
+                                                      / len(keys))
+        out["move_steps"] = steps
+        self._reset()
         return out

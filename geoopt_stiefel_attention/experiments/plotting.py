@@ -1,20 +1,26 @@
-"""Seaborn figures of a study's records, saved as PNG (no pyplot state, no windows).
+"""Seaborn figures of a study's records, saved as PNG (no pyplot state, no windows); one module for every study.
 
-Every function takes the records (a list of dicts as written to ``metrics.jsonl``) and a path, draws on a
-fresh :class:`matplotlib.figure.Figure`, saves it, and returns the path. Curves are the mean over seeds
-with a band of one standard deviation (seaborn ``errorbar="sd"``); with a single seed there is no band.
+Every function takes the records (a list of dicts as written to ``metrics.jsonl``), or the paired comparisons
+made from them, and a path, draws on a fresh :class:`matplotlib.figure.Figure`, saves it, and returns the path
+(``None`` when the records hold nothing to draw). Curves over training are the mean over seeds with a band of
+one standard deviation (seaborn ``errorbar="sd"``); with a single seed there is no band, and a series with a
+single evaluation (a one-epoch run) is drawn as markers. The paired figures (:func:`plot_pairs`,
+:func:`plot_gap_sweep`, :func:`plot_ablation`) show the final value per seed and per arm.
 pandas, seaborn and matplotlib are imported inside the functions.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .records import group_runs
+
 __all__ = ["records_frame", "plot_curves", "plot_accuracy", "plot_weight_norms", "plot_principal_angles",
-           "plot_movement", "plot_overview", "plot_study"]
+           "plot_movement", "plot_overview", "plot_study", "plot_pairs", "plot_movement_ratio", "plot_distance",
+           "plot_gap_sweep", "plot_ablation"]
 
 _DPI = 120
 
@@ -51,13 +57,28 @@ def _save(fig, path: str | os.PathLike) -> Path:
     return path
 
 
+def _row(width: float = 7.0, height: float = 4.0, ncols: int = 1):
+    """A figure with one row of ``ncols`` independent axes."""
+    fig, axes = _figure(1, ncols, width=width, height=height, sharex=False)
+    return fig, list(axes[0])
+
+
+def _markers(df) -> dict[str, Any]:
+    """``marker="o"`` when every series has a single evaluation (a line through one point draws nothing)."""
+    return {"marker": "o"} if df["epoch"].nunique() <= 1 else {}
+
+
+def _point(xs: Sequence[Any]) -> str | None:
+    return "o" if len(xs) == 1 else None
+
+
 def _lines(ax, long, *, hue: str = "arm", style: str | None = "quantity", title: str = "", ylabel: str = "",
            logy: bool = False) -> None:
     import seaborn as sns
 
     multi_style = style is not None and long[style].nunique() > 1
     sns.lineplot(data=long, x="epoch", y="value", hue=hue, style=style if multi_style else None,
-                 errorbar="sd", ax=ax, linewidth=1.2)
+                 errorbar="sd", ax=ax, linewidth=1.2, **_markers(long))
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     if logy:
@@ -112,10 +133,12 @@ def plot_weight_norms(records: Sequence[dict[str, Any]], path: str | os.PathLike
             long = _long(sub, keys)
             if long is not None and not long.empty:
                 long["quantity"] = long["quantity"].str.removeprefix("norm/")
-                sns.lineplot(data=long, x="epoch", y="value", hue="quantity", errorbar=None, ax=ax, linewidth=1.0)
+                sns.lineplot(data=long, x="epoch", y="value", hue="quantity", errorbar=None, ax=ax, linewidth=1.0,
+                             **_markers(long))
         if "norm/euclidean" in sub.columns:
             total = sub.groupby("epoch")["norm/euclidean"].mean()
-            ax.plot(total.index, total.values, color="black", linewidth=1.8, label="all non-frame matrices")
+            ax.plot(total.index, total.values, color="black", linewidth=1.8, label="all non-frame matrices",
+                    marker=_point(total.index))
         ax.set_title(f"{arm}: ||W||_F (mean over seeds)")
         ax.set_ylabel("Frobenius norm")
         ax.set_yscale("log")
@@ -181,3 +204,155 @@ def plot_study(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike, *,
             "principal_angles": plot_principal_angles(records, out_dir / "principal_angles.png"),
             "movement": plot_movement(records, out_dir / "movement.png")}
     return {k: v for k, v in made.items() if v is not None}
+
+
+# ---------------------------------------------------------------------------------------------- paired figures
+def plot_pairs(records: Sequence[Mapping[str, Any]], arms: Sequence[str], path: Path, *, title: str,
+               metric: str = "test_acc") -> Path | None:
+    """Final ``metric`` per arm, one grey line per seed joining its arms (the pairs), mean ± 95% CI in black."""
+    from .stats import mean_ci
+
+    runs = group_runs(records)
+    arms = [a for a in arms if a in runs]
+    if not arms:
+        return None
+    fig, (ax,) = _row(width=max(4.5, 1.8 * len(arms)))
+    seeds = sorted({s for a in arms for s in runs[a]})
+    for s in seeds:
+        xs = [i for i, a in enumerate(arms) if s in runs[a]]
+        ys = [100 * runs[arms[i]][s][-1][metric] for i in xs]
+        ax.plot(xs, ys, color="0.6", marker="o", markersize=3, linewidth=0.8, alpha=0.8)
+    for i, a in enumerate(arms):
+        m, lo, hi = mean_ci([100 * recs[-1][metric] for recs in runs[a].values()])
+        if lo is not None:
+            ax.errorbar([i], [m], yerr=[[m - lo], [hi - m]], color="black", marker="s", capsize=6, linewidth=1.6)
+        else:
+            ax.plot([i], [m], color="black", marker="s")
+    ax.set_xticks(range(len(arms)), arms, rotation=15 if len(arms) > 3 else 0)
+    ax.set_ylabel(f"final {metric} (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_movement_ratio(records: Sequence[Mapping[str, Any]], arms: Sequence[str], path: Path, *, title: str,
+                        band: tuple[float, float] | None = None, band_label: str = "published") -> Path | None:
+    """Left: per-step rms movement ‖ΔW_Q‖_F per arm over training (log scale). Right: its ratio, AdamW over each
+    other arm, per seed (thin) and the median over seeds (thick), with a published ``band`` shaded. A series of
+    one evaluation is drawn as a marker."""
+    runs = group_runs(records)
+    if "adamw" not in runs:
+        return None
+    fig, (ax0, ax1) = _row(width=6.0, ncols=2)
+    colours = dict(zip(arms, ["C0", "C1", "C2", "C3", "C4", "C5", "C6"], strict=False))
+    drawn = False
+    for arm in arms:
+        for s, recs in runs.get(arm, {}).items():
+            pts = [(r["epoch"], r["move_step_rms/q"]) for r in recs if r.get("move_step_rms/q")]
+            if pts:
+                ax0.plot(*zip(*pts, strict=True), color=colours.get(arm), linewidth=0.7, alpha=0.6,
+                         label=arm if s == min(runs[arm]) else None, marker=_point(pts))
+                drawn = True
+    for arm in arms:
+        if arm == "adamw" or arm not in runs:
+            continue
+        per_epoch: dict[int, list[float]] = {}
+        for s, recs in runs[arm].items():
+            theirs = {r["epoch"]: r.get("move_step_rms/q") for r in runs["adamw"].get(s, [])}
+            pts = [(r["epoch"], theirs[r["epoch"]] / r["move_step_rms/q"]) for r in recs
+                   if r.get("move_step_rms/q") and theirs.get(r["epoch"])]
+            if pts:
+                ax1.plot(*zip(*pts, strict=True), color=colours.get(arm), linewidth=0.6, alpha=0.4, marker=_point(pts))
+                for e, v in pts:
+                    per_epoch.setdefault(e, []).append(v)
+        if per_epoch:
+            es = sorted(per_epoch)
+            med = [sorted(per_epoch[e])[len(per_epoch[e]) // 2] for e in es]
+            ax1.plot(es, med, color=colours.get(arm), linewidth=2.0, label=f"adamw / {arm} (median)", marker=_point(es))
+    if not drawn:
+        return None
+    if band is not None:
+        ax1.axhspan(*band, color="grey", alpha=0.2, label=f"{band_label}: {band[0]:g}–{band[1]:g}×")
+    ax0.set_yscale("log")
+    ax0.set_title("per-step movement ‖ΔW_Q‖_F (rms between evaluations)", fontsize=9)
+    ax0.set_xlabel("epoch")
+    ax0.legend(fontsize=7)
+    ax1.set_yscale("log")
+    ax1.set_title("ratio of per-step movement, AdamW W_Q over frames", fontsize=9)
+    ax1.set_xlabel("epoch")
+    ax1.legend(fontsize=7)
+    for ax in (ax0, ax1):
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def plot_distance(records: Sequence[Mapping[str, Any]], arms: Sequence[str], path: Path, *, title: str) -> Path | None:
+    """Distance from initialisation of W_Q over training: ‖W − W₀‖_F/‖W₀‖_F and the largest principal angle to
+    the initial subspace, per arm (mean over seeds, band ±1 sd)."""
+    import pandas as pd
+    import seaborn as sns
+
+    rows = [{"arm": r["arm"], "seed": r["seed"], "epoch": r["epoch"], "rel": r.get("move_total_rel/q"),
+             "angle": r.get("angle_max_deg/q")} for r in records if r["arm"] in arms]
+    df = pd.DataFrame(rows)
+    if df.empty or df["rel"].isna().all():
+        return None
+    fig, (ax0, ax1) = _row(width=5.5, ncols=2)
+    sns.lineplot(data=df, x="epoch", y="rel", hue="arm", hue_order=[a for a in arms if a in set(df["arm"])],
+                 errorbar="sd", ax=ax0, **_markers(df))
+    sns.lineplot(data=df, x="epoch", y="angle", hue="arm", hue_order=[a for a in arms if a in set(df["arm"])],
+                 errorbar="sd", ax=ax1, legend=False, **_markers(df))
+    ax0.set_ylabel("‖W_Q − W_Q0‖_F / ‖W_Q0‖_F")
+    ax1.set_ylabel("largest principal angle to initial span (deg)")
+    for ax in (ax0, ax1):
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def plot_gap_sweep(rows: Sequence[tuple[float, Mapping[str, Any]]], path: Path, *, xlabel: str, title: str,
+                   logx: bool = False) -> Path | None:
+    """Mean paired gap (pp) with its 95% interval against the swept value, per-seed gaps as dots."""
+    rows = [(x, c) for x, c in rows if c and c.get("mean") is not None]
+    if not rows:
+        return None
+    fig, (ax,) = _row(width=6.0)
+    xs = [x for x, _ in rows]
+    means = [100 * c["mean"] for _, c in rows]
+    lo = [100 * (c["mean"] - c["ci_low"]) if c["ci_low"] is not None else 0.0 for _, c in rows]
+    hi = [100 * (c["ci_high"] - c["mean"]) if c["ci_high"] is not None else 0.0 for _, c in rows]
+    for x, c in rows:
+        ax.scatter([x] * len(c["differences"]), [100 * d for d in c["differences"]], color="0.6", s=10, zorder=1)
+    ax.errorbar(xs, means, yerr=[lo, hi], color="black", marker="o", capsize=5, zorder=2, label="mean ± 95% CI")
+    ax.axhline(0.0, color="grey", linewidth=0.8, linestyle=":")
+    if logx:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("stiefel − adamw, final test accuracy (pp)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_ablation(comparisons: Mapping[str, Mapping[str, Any]], arms: Sequence[str], path: Path, *,
+                  title: str, base: str = "adamw") -> Path | None:
+    """Bar chart: each arm's mean paired gap over ``base`` (pp) with its 95% interval; per-seed gaps as dots."""
+    names = [a for a in arms if f"{a} - {base}" in comparisons]
+    if not names:
+        return None
+    fig, (ax,) = _row(width=max(5.0, 1.6 * len(names)))
+    for i, a in enumerate(names):
+        c = comparisons[f"{a} - {base}"]
+        m = 100 * c["mean"]
+        ax.bar([i], [m], color=f"C{i + 1}", alpha=0.7)
+        if c["ci_low"] is not None:
+            ax.errorbar([i], [m], yerr=[[m - 100 * c["ci_low"]], [100 * c["ci_high"] - m]], color="black", capsize=6)
+        ax.scatter([i] * len(c["differences"]), [100 * d for d in c["differences"]], color="black", s=8, zorder=3)
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(names)), names, rotation=15)
+    ax.set_ylabel(f"final test accuracy − {base} (pp)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, path)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["METRICS_FILE", "append_record", "read_records", "truncate_records", "load_study_records",
-           "summarize", "paired_differences", "mean_std"]
+           "summarize", "summarize_cell", "mean_std", "group_runs"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -111,18 +111,28 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
     - ``tail_mean`` and ``tail_share_above``: the mean of ``metric`` over those last evaluations, and the
       share of them at or above ``threshold`` (less brittle than ``stays_above``, which one dip breaks);
     - ``dips_after_reaching``: how many evaluations after the first one at ``threshold`` fall below it
-      (``None`` if it was never reached): transient collapses such as loss spikes;
+      (``None`` if it was never reached): transient collapses such as loss spikes; ``lowest_after_reaching``:
+      the lowest ``metric`` after that first evaluation (the depth of the deepest dip is
+      ``threshold - lowest`` when it is below ``threshold``);
     - ``final_<key>`` for each of ``final_keys`` present in the records, and ``mean_<key>`` (the mean over
       evaluations) for each of ``mean_keys``.
 
-    ``paired`` compares every other arm with the first one listed on the seeds they share
-    (:func:`paired_differences`).
+    ``first_epoch_reaching`` also carries the distribution over seeds (``min``, ``median``, ``max`` of the
+    seeds that reached ``threshold``).
+
+    ``paired`` compares the arms seed by seed (:func:`~.stats.compare_arms`: every other arm against the
+    first one listed, and ``stiefel`` against every other arm) on the final ``metric``; ``paired_tail_mean``
+    and ``paired_first_epoch`` do the same for the tail mean and for the first epoch reaching ``threshold``
+    (on the seeds where both arms reached it).
     """
+    from .stats import compare_arms, describe
+
     runs = group_runs(records)
     arms: dict[str, Any] = {}
+    per_seed_of: dict[str, dict[str, dict[int, Any]]] = {}
     for arm, seeds in runs.items():
         final, first, stays, last_epoch = {}, {}, {}, {}
-        tail_mean, tail_share, dips = {}, {}, {}
+        tail_mean, tail_share, dips, lowest = {}, {}, {}, {}
         extra_final: dict[str, dict[int, Any]] = {k: {} for k in final_keys}
         extra_mean: dict[str, dict[int, Any]] = {k: {} for k in mean_keys}
         for seed, recs in seeds.items():
@@ -135,8 +145,9 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
             tail_vals = [r.get(metric) or 0.0 for r in tail]
             tail_mean[seed] = sum(tail_vals) / len(tail_vals) if tail_vals else None
             tail_share[seed] = sum(v >= threshold for v in tail_vals) / len(tail_vals) if tail_vals else None
-            dips[seed] = (None if first[seed] is None else
-                          sum((r.get(metric) or 0.0) < threshold for r in recs if r["epoch"] > first[seed]))
+            after = [r.get(metric) or 0.0 for r in recs if first[seed] is not None and r["epoch"] > first[seed]]
+            dips[seed] = None if first[seed] is None else sum(v < threshold for v in after)
+            lowest[seed] = min(after) if after else None
             for k in final_keys:
                 if k in recs[-1]:
                     extra_final[k][seed] = recs[-1][k]
@@ -149,12 +160,14 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
             "seeds": sorted(seeds),
             "last_epoch": {str(k): v for k, v in sorted(last_epoch.items())},
             "final": _stat(final),
-            "first_epoch_reaching": {**_stat(first), "n_reached": len(reached), "n": len(first)},
+            "first_epoch_reaching": {**_stat(first), "n_reached": len(reached), "n": len(first),
+                                     "distribution": describe(reached)},
             "stays_above": {"per_seed": {str(k): v for k, v in sorted(stays.items())},
                             "fraction": sum(stays.values()) / len(stays)},
             "tail_mean": _stat(tail_mean),
             "tail_share_above": _stat(tail_share),
             "dips_after_reaching": _stat(dips),
+            "lowest_after_reaching": _stat(lowest),
         }
         for k, per in extra_final.items():
             if per:
@@ -163,28 +176,47 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
             if per:
                 entry[f"mean_{k}"] = _stat(per)
         arms[arm] = entry
+        per_seed_of[arm] = {"final": final, "tail_mean": tail_mean, "first": first}
     order = list(runs)
-    paired = {}
-    for other in order[1:]:
-        paired[f"{other} - {order[0]}"] = paired_differences(records_by_arm=runs, arm=other, baseline=order[0],
-                                                             metric=metric)
+
+    def paired(key: str) -> dict[str, Any]:
+        return compare_arms({a: per_seed_of[a][key] for a in order}, order)
+
     return {"metric": metric, "threshold": threshold, "last_fraction": last_fraction, "arms": arms,
-            "paired": paired}
+            "paired": paired("final"), "paired_tail_mean": paired("tail_mean"),
+            "paired_first_epoch": paired("first")}
 
 
-def paired_differences(*, records_by_arm: dict[str, dict[int, list[dict[str, Any]]]], arm: str, baseline: str,
-                       metric: str = "val_acc") -> dict[str, Any]:
-    r"""Per-seed difference :math:`\delta_s` of the final ``metric`` between ``arm`` and ``baseline`` on the
-    seeds both ran, with mean, sample std, the paired t statistic :math:`\bar\delta / (s_\delta/\sqrt{n})`
-    (``None`` for ``n < 2`` or zero spread) and the number of positive differences."""
-    a, b = records_by_arm.get(arm, {}), records_by_arm.get(baseline, {})
-    seeds = sorted(set(a) & set(b))
-    diffs = {s: a[s][-1].get(metric) - b[s][-1].get(metric) for s in seeds
-             if a[s][-1].get(metric) is not None and b[s][-1].get(metric) is not None}
-    mean, std = mean_std(list(diffs.values()))
-    t = None
-    if std is not None and std > 0:
-        t = mean / (std / math.sqrt(len(diffs)))
-    return {"n": len(diffs), "mean": mean, "std": std, "t": t,
-            "n_positive": sum(d > 0 for d in diffs.values()),
-            "per_seed": {str(k): v for k, v in diffs.items()}}
+def summarize_cell(records: Iterable[dict[str, Any]], arms: Sequence[str], *, metric: str,
+                   final_keys: Sequence[str] = (), all_keys: Sequence[str] = ()) -> dict[str, Any]:
+    """Per-arm summary of one cell of a sweep study, and its paired comparisons.
+
+    For each arm of ``arms`` found in the records: ``seeds``, ``last_epoch`` (the distinct last evaluated
+    epochs), ``final_<metric>`` (:func:`~.stats.describe` of the last evaluation's ``metric`` over seeds, with
+    ``per_seed``), ``final_<key>`` for each of ``final_keys`` and ``all_<key>`` (over every evaluation of every
+    seed) for each of ``all_keys``. ``comparisons`` holds :func:`~.stats.compare_arms` of the final ``metric``
+    (every arm against the first, and ``stiefel`` against every other arm).
+    """
+    from .stats import compare_arms, describe
+
+    runs = group_runs(records)
+    arms = [a for a in arms if a in runs]
+    per_arm: dict[str, Any] = {}
+    final: dict[str, dict[int, Any]] = {}
+    for arm in arms:
+        seeds = runs[arm]
+        final[arm] = {s: recs[-1].get(metric) for s, recs in seeds.items()}
+        last = {s: recs[-1] for s, recs in seeds.items()}
+        entry: dict[str, Any] = {"seeds": sorted(seeds), "last_epoch": sorted({r["epoch"] for r in last.values()}),
+                                 f"final_{metric}": {**(describe(final[arm].values()) or {}),
+                                                     "per_seed": {str(s): v for s, v in sorted(final[arm].items())}}}
+        for key in final_keys:
+            vals = [r.get(key) for r in last.values()]
+            if any(v is not None for v in vals):
+                entry[f"final_{key}"] = describe(vals)
+        for key in all_keys:
+            vals = [r[key] for recs in seeds.values() for r in recs if r.get(key) is not None]
+            if vals:
+                entry[f"all_{key}"] = describe(vals)
+        per_arm[arm] = entry
+    return {"metric": metric, "arms": per_arm, "comparisons": compare_arms(final, arms)}

@@ -26,7 +26,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,13 +39,14 @@ from typing import Any
 import torch
 
 from .arms import Arm, default_param_groups, get_arm
-from .config import RunSpec, to_dict
+from .config import RunSpec, flag_of, to_dict
 from .data.batches import BatchSource
 from .metrics import MetricHook
 from .records import METRICS_FILE, append_record, read_records, truncate_records
 
 __all__ = ["Task", "RunResult", "train_run", "run_jobs", "resolve_device", "environment_info", "CONFIG_FILE",
-           "CHECKPOINT_FILE", "ENVIRONMENT_FILE"]
+           "CHECKPOINT_FILE", "ENVIRONMENT_FILE", "ConfigMismatchError", "TrainingInterrupted", "check_run_dir",
+           "RunLockedError"]
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -170,17 +173,70 @@ def _normalise(obj: Any) -> Any:
     return json.loads(json.dumps(obj))
 
 
-def _check_or_write_config(run_dir: Path, spec: RunSpec) -> None:
+def _differences(have: Any, want: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """``(dotted path, value in have, value in want)`` for every leaf where two JSON objects differ."""
+    if isinstance(have, dict) and isinstance(want, dict):
+        out = []
+        for key in sorted(set(have) | set(want)):
+            out += _differences(have.get(key), want.get(key), f"{prefix}.{key}" if prefix else key)
+        return out
+    return [] if have == want else [(prefix, have, want)]
+
+
+class ConfigMismatchError(ValueError):
+    """A run folder holds a run with other settings; ``differences`` lists ``(path, there, now)``."""
+
+    def __init__(self, message: str, differences: Sequence[tuple[str, Any, Any]] = ()) -> None:
+        super().__init__(message)
+        self.differences = tuple(differences)
+
+
+def _epochs_extendable(config: Any) -> bool:
+    """Whether a finished run of ``config`` may be continued to more epochs: a study whose schedule depends on
+    the total number of epochs (a cosine decay) says no through ``config.epochs_extendable``."""
+    return bool(getattr(config, "epochs_extendable", True))
+
+
+def check_run_dir(run_dir: str | os.PathLike, spec: RunSpec) -> int | None:
+    """Check a run folder's ``config.json`` (if any) against ``spec`` without writing anything.
+
+    Returns ``None`` when the folder is new or holds the same run, and the run's old number of epochs when the
+    only difference is a larger ``train.epochs`` that extends it. Raises :class:`ConfigMismatchError` naming the
+    differing flags otherwise.
+    """
+    run_dir = Path(run_dir)
     path = run_dir / CONFIG_FILE
+    if not path.exists():
+        return None
     want = _normalise(to_dict(spec))
-    if path.exists():
-        have = json.loads(path.read_text())
-        if have != want:
-            diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
-            raise ValueError(f"{path} holds a run with a different configuration (differs in {diff}); use another "
-                             f"--out folder, or delete {run_dir} to start this run afresh.")
-    else:
-        _write_json_atomic(path, want)
+    have = json.loads(path.read_text())
+    if have == want:
+        return None
+    diffs = _differences(have, want)
+    if [d[0] for d in diffs] == ["config.train.epochs"]:
+        old, new = diffs[0][1], diffs[0][2]
+        if isinstance(old, int) and isinstance(new, int) and new > old and _epochs_extendable(spec.config):
+            return old
+        why = (f"--epochs {new} is not more than the run's {old}" if not (isinstance(old, int) and new > old) else
+               "its learning-rate schedule depends on the total number of epochs (use --lr-schedule constant "
+               "to extend runs)")
+        raise ConfigMismatchError(f"{run_dir} holds a run of {old} epochs that cannot be continued to {new}: {why}. "
+                                  f"Use --epochs {old} to resume it, another --out folder, or delete {run_dir}.",
+                                  diffs)
+    listed = "; ".join(f"{flag_of(p)} is {json.dumps(a)} there, {json.dumps(b)} now" for p, a, b in diffs)
+    flags = sorted({flag_of(p) for p, _, _ in diffs})
+    raise ConfigMismatchError(f"{run_dir} holds a run with other settings ({listed}); rerun with the run's "
+                              f"{', '.join(flags)} to resume it, use another --out folder, or delete {run_dir} "
+                              f"to start afresh.", diffs)
+
+
+def _check_or_write_config(run_dir: Path, spec: RunSpec) -> int | None:
+    """:func:`check_run_dir`, then write ``config.json`` when it is new or extended (returns the old epochs)."""
+    path = run_dir / CONFIG_FILE
+    extended_from = check_run_dir(run_dir, spec)
+    if extended_from is not None or not path.exists():
+        _write_json_atomic(path, _normalise(to_dict(spec)))
+    return extended_from
 
 
 def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
@@ -239,6 +295,58 @@ def _load_environment(path: Path) -> list[dict[str, Any]]:
     return []
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped :func:`train_run`; the message says where the run was checkpointed and how to resume."""
+
+
+class _DeferredInterrupt:
+    """Turn the first Ctrl-C (SIGINT) into a request that the training loop honours at the next epoch boundary,
+    where the state can be checkpointed exactly; a second Ctrl-C interrupts at once. Only the main thread can
+    install the handler; elsewhere Ctrl-C keeps its default behaviour."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._installed = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _DeferredInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
+
+
+@dataclass
+class _Run:
+    """The mutable state of one :func:`train_run` call."""
+
+    spec: RunSpec
+    run_dir: Path
+    device: torch.device
+    task: Task
+    model: torch.nn.Module
+    optimizer: Any
+    epoch: int = 0
+    step: int = 0
+    n_records: int = 0
+    checkpoint_epoch: int | None = None
+    last_record: dict[str, Any] | None = None
+
+    @property
+    def completed(self) -> bool:
+        return self.epoch >= self.spec.config.train.epochs
+
+
 def train_run(spec: RunSpec, build_task: TaskBuilder, run_dir: str | os.PathLike, *, device: str = "auto",
               threads: int | None = None, quiet: bool = False, stop_after_epochs: int | None = None,
               checkpoint_interval_s: float = 30.0, progress_position: int | None = None) -> RunResult:
@@ -251,8 +359,10 @@ def train_run(spec: RunSpec, build_task: TaskBuilder, run_dir: str | os.PathLike
     build_task : callable
         The study's ``build_task(spec, arm, device) -> Task``.
     run_dir : path
-        The run's folder; created if missing. A folder with a checkpoint resumes; one whose
-        ``config.json`` differs from ``spec`` is refused.
+        The run's folder; created if missing. A folder with a checkpoint resumes. One whose ``config.json``
+        differs from ``spec`` is refused (:class:`ConfigMismatchError`, naming the differing flags), except
+        for a larger ``train.epochs``: the run is then continued from its checkpoint to the new length
+        (unless the config sets ``epochs_extendable = False``).
     device : str, default "auto"
         ``"auto"`` (CUDA when present, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
     threads : int, optional
@@ -276,14 +386,30 @@ def train_run(spec: RunSpec, build_task: TaskBuilder, run_dir: str | os.PathLike
     RuntimeError
         When another process is training the same ``run_dir`` (an advisory ``flock`` on ``run_dir/.lock``,
         released automatically when that process ends).
+    TrainingInterrupted
+        On Ctrl-C: the first one is honoured at the end of the current epoch, after a checkpoint; a
+        ``KeyboardInterrupt`` in the middle of an epoch leaves the last checkpoint in place. Rerunning resumes.
     """
+    if stop_after_epochs is not None and not (isinstance(stop_after_epochs, int) and stop_after_epochs > 0):
+        raise ValueError(f"train_run: stop_after_epochs={stop_after_epochs!r} must be a positive int or None "
+                         f"(--stop-after-epochs).")
+    if threads is not None and not (isinstance(threads, int) and threads > 0):
+        raise ValueError(f"train_run: threads={threads!r} must be a positive int or None (--threads).")
+    dev = resolve_device(device)
+    get_arm(spec.arm)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with _RunLock(run_dir):
-        return _train_run_unlocked(spec, build_task, run_dir, device=device, threads=threads, quiet=quiet,
-                                   stop_after_epochs=stop_after_epochs,
-                                   checkpoint_interval_s=checkpoint_interval_s,
-                                   progress_position=progress_position)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        extended_from = _check_or_write_config(run_dir, spec)
+        return _train_locked(spec, build_task, run_dir, dev, quiet=quiet, stop_after_epochs=stop_after_epochs,
+                             checkpoint_interval_s=checkpoint_interval_s, progress_position=progress_position,
+                             extended_from=extended_from)
+
+
+class RunLockedError(RuntimeError):
+    """Another process is training the same run folder."""
 
 
 class _RunLock:
@@ -311,7 +437,7 @@ class _RunLock:
             fh.seek(0)
             holder = fh.read().strip() or "unknown"
             fh.close()
-            raise RuntimeError(f"{self.path.parent} is being trained by another process ({holder}); wait for it to "
+            raise RunLockedError(f"{self.path.parent} is being trained by another process ({holder}); wait for it to "
                                f"finish (rerunning afterwards resumes), or use another --out folder.") from None
         fh.seek(0)
         fh.truncate()
@@ -326,23 +452,9 @@ class _RunLock:
             self._fh = None
 
 
-def _train_run_unlocked(spec: RunSpec, build_task: TaskBuilder, run_dir: str | os.PathLike, *, device: str = "auto",
-              threads: int | None = None, quiet: bool = False, stop_after_epochs: int | None = None,
-              checkpoint_interval_s: float = 30.0, progress_position: int | None = None) -> RunResult:
-    """:func:`train_run` without the lock (the caller holds it)."""
-    if stop_after_epochs is not None and not (isinstance(stop_after_epochs, int) and stop_after_epochs > 0):
-        raise ValueError(f"train_run: stop_after_epochs={stop_after_epochs!r} must be a positive int or None.")
-    if threads is not None:
-        if not (isinstance(threads, int) and threads > 0):
-            raise ValueError(f"train_run: threads={threads!r} must be a positive int or None.")
-        torch.set_num_threads(threads)
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _check_or_write_config(run_dir, spec)
-    dev = resolve_device(device)
+def _build(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: torch.device) -> _Run:
+    """Seed, build the task and the model, let the arm prepare it, start the hooks, build the optimizer."""
     arm = get_arm(spec.arm)
-    train_cfg = spec.config.train
-
     torch.manual_seed(spec.seed)
     task = build_task(spec, arm, dev)
     model = task.model.to(dev)
@@ -353,106 +465,160 @@ def _train_run_unlocked(spec: RunSpec, build_task: TaskBuilder, run_dir: str | o
     optimizer = arm.build(model, task.param_groups(model, spec.config.optim.weight_decay), spec.config.optim)
     for group in optimizer.param_groups:
         group.setdefault("initial_lr", group["lr"])
+    return _Run(spec=spec, run_dir=run_dir, device=dev, task=task, model=model, optimizer=optimizer)
 
-    metrics_path = run_dir / METRICS_FILE
-    ckpt_path = run_dir / CHECKPOINT_FILE
-    epoch = step = n_records = 0
+
+def _resume(run: _Run) -> None:
+    """Load ``checkpoint.pt`` when there is one (cutting ``metrics.jsonl`` back to the records it had seen);
+    without one, records cannot be continued and are removed."""
+    ckpt_path, metrics_path = run.run_dir / CHECKPOINT_FILE, run.run_dir / METRICS_FILE
     if ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location=dev, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        state = torch.load(ckpt_path, map_location=run.device, weights_only=True)
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng_cpu"])
-        if state.get("rng_cuda") is not None and dev.type == "cuda":
-            torch.cuda.set_rng_state(state["rng_cuda"], dev)
-        epoch, step, n_records = int(state["epoch"]), int(state["step"]), int(state["n_records"])
-        truncate_records(metrics_path, n_records)
+        if state.get("rng_cuda") is not None and run.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng_cuda"], run.device)
+        run.epoch, run.step, run.n_records = int(state["epoch"]), int(state["step"]), int(state["n_records"])
+        run.checkpoint_epoch = run.epoch
+        truncate_records(metrics_path, run.n_records)
     elif metrics_path.exists():
         metrics_path.unlink()  # records without a checkpoint cannot be continued: start over
-    start_epoch = epoch
 
-    env_path = run_dir / ENVIRONMENT_FILE
-    calls = _load_environment(env_path)
-    call = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "start_epoch": start_epoch,
-            **environment_info(dev)}
-    calls.append(call)
-    _write_json_atomic(env_path, calls)
 
-    base = {"experiment": spec.experiment, "arm": spec.arm, "seed": spec.seed}
-    last_record: dict[str, Any] | None = None
-
-    def record(epoch_now: int) -> None:
-        nonlocal n_records, last_record
-        rec = {**base, "epoch": epoch_now, "step": step, **_evaluate(task, model)}
-        with torch.no_grad():
+def _train_epoch(run: _Run, eval_now: bool) -> None:
+    """One pass over the epoch's batches: ``zero_grad``, loss, ``backward``, ``step`` per batch (the hooks'
+    ``before_last_step`` before the last step of an epoch that ends with an evaluation)."""
+    task, model, optimizer = run.task, run.model, run.optimizer
+    model.train()
+    for (x, y), last in _with_last(task.train_data.batches(run.epoch)):
+        if eval_now and last:
             for hook in task.hooks:
-                rec.update(hook.metrics(model))
-        append_record(metrics_path, rec)
-        n_records += 1
-        last_record = rec
+                hook.before_last_step(model)
+        if task.lr_factor is not None:
+            factor = float(task.lr_factor(run.step))
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * factor
+        optimizer.zero_grad(set_to_none=True)
+        loss = task.loss(task.predict(model, x), y)
+        loss.backward()
+        optimizer.step()
+        run.step += 1
+    run.epoch += 1
 
-    bar = None
-    if not quiet:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=train_cfg.epochs, initial=epoch, desc=f"{spec.arm} seed {spec.seed}", unit="ep",
-                   position=progress_position, leave=progress_position is None, mininterval=0.5, dynamic_ncols=True)
+def _record(run: _Run) -> None:
+    """Evaluate every named set and the hooks, and append one record to ``metrics.jsonl``."""
+    rec = {"experiment": run.spec.experiment, "arm": run.spec.arm, "seed": run.spec.seed, "epoch": run.epoch,
+           "step": run.step, **_evaluate(run.task, run.model)}
+    with torch.no_grad():
+        for hook in run.task.hooks:
+            rec.update(hook.metrics(run.model))
+    append_record(run.run_dir / METRICS_FILE, rec)
+    run.n_records += 1
+    run.last_record = rec
 
-    t0 = time.perf_counter()
-    last_ckpt = t0
-    if epoch == 0 and n_records == 0:
-        record(0)
-    completed = epoch >= train_cfg.epochs
+
+def _checkpoint(run: _Run) -> None:
+    _save_checkpoint(run.run_dir / CHECKPOINT_FILE, model=run.model, optimizer=run.optimizer, epoch=run.epoch,
+                     step=run.step, n_records=run.n_records, completed=run.completed, device=run.device)
+    run.checkpoint_epoch = run.epoch
+
+
+def _progress_bar(run: _Run, quiet: bool, position: int | None):
+    if quiet:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=run.spec.config.train.epochs, initial=run.epoch, desc=f"{run.spec.arm} seed {run.spec.seed}",
+                unit="ep", position=position, leave=position is None, mininterval=0.5, dynamic_ncols=True)
+
+
+def _log_call_start(run: _Run, extended_from: int | None) -> list[dict[str, Any]]:
+    """Append this call (start time and epoch, versions, device) to ``environment.json``; returns all calls."""
+    path = run.run_dir / ENVIRONMENT_FILE
+    calls = _load_environment(path)
+    calls.append({"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "start_epoch": run.epoch,
+                  **({"extended_from_epochs": extended_from} if extended_from is not None else {}),
+                  **environment_info(run.device)})
+    _write_json_atomic(path, calls)
+    return calls
+
+
+def _log_call_end(run: _Run, calls: list[dict[str, Any]], start_epoch: int, seconds: float) -> int:
+    """Complete this call's entry in ``environment.json`` with the epoch a rerun resumes from (the last
+    checkpoint) and the time spent; returns the number of epochs this call trained and checkpointed."""
+    ended = start_epoch if run.checkpoint_epoch is None else run.checkpoint_epoch
+    done = ended - start_epoch
+    calls[-1].update({"end_epoch": ended, "seconds": round(seconds, 3),
+                      "epochs_per_second": round(done / seconds, 3) if done and seconds > 0 else None})
+    _write_json_atomic(run.run_dir / ENVIRONMENT_FILE, calls)
+    return done
+
+
+def _interrupted(run: _Run) -> TrainingInterrupted:
+    total = run.spec.config.train.epochs
+    if run.checkpoint_epoch is None:
+        where = "before its first checkpoint; rerunning starts it again"
+    else:
+        where = f"checkpointed at epoch {run.checkpoint_epoch} of {total}; rerun the same command to resume"
+    return TrainingInterrupted(f"interrupted: {run.spec.name} in {run.run_dir} {where}.")
+
+
+def _train_locked(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: torch.device, *, quiet: bool,
+                  stop_after_epochs: int | None, checkpoint_interval_s: float, progress_position: int | None,
+                  extended_from: int | None) -> RunResult:
+    """:func:`train_run` once the folder is locked and its config checked: build, resume, then a loop over
+    epochs (train one epoch; at evaluation epochs record, and checkpoint at most every
+    ``checkpoint_interval_s``)."""
+    run = _build(spec, build_task, run_dir, dev)
+    _resume(run)
+    start_epoch = run.epoch
+    calls = _log_call_start(run, extended_from)
+    train_cfg = spec.config.train
+    bar = _progress_bar(run, quiet, progress_position)
+    t0 = last_ckpt = time.perf_counter()
     try:
-        while epoch < train_cfg.epochs:
-            if stop_after_epochs is not None and epoch - start_epoch >= stop_after_epochs:
-                break
-            eval_now = train_cfg.is_eval_epoch(epoch + 1)
-            model.train()
-            for (x, y), last in _with_last(task.train_data.batches(epoch)):
-                if eval_now and last:
-                    for hook in task.hooks:
-                        hook.before_last_step(model)
-                if task.lr_factor is not None:
-                    factor = float(task.lr_factor(step))
-                    for group in optimizer.param_groups:
-                        group["lr"] = group["initial_lr"] * factor
-                optimizer.zero_grad(set_to_none=True)
-                loss = task.loss(task.predict(model, x), y)
-                loss.backward()
-                optimizer.step()
-                step += 1
-            epoch += 1
-            completed = epoch >= train_cfg.epochs
-            if eval_now:
-                record(epoch)
-                now = time.perf_counter()
-                if completed or now - last_ckpt >= checkpoint_interval_s:
-                    _save_checkpoint(ckpt_path, model=model, optimizer=optimizer, epoch=epoch, step=step,
-                                     n_records=n_records, completed=completed, device=dev)
-                    last_ckpt = now
+        with _DeferredInterrupt() as ctrl_c:
+            if run.epoch == 0 and run.n_records == 0:
+                _record(run)
+            while not run.completed:
+                if stop_after_epochs is not None and run.epoch - start_epoch >= stop_after_epochs:
+                    break
+                eval_now = train_cfg.is_eval_epoch(run.epoch + 1)
+                _train_epoch(run, eval_now)
+                if eval_now:
+                    _record(run)
+                    now = time.perf_counter()
+                    if run.completed or now - last_ckpt >= checkpoint_interval_s:
+                        _checkpoint(run)
+                        last_ckpt = now
+                    if bar is not None:
+                        bar.set_postfix({k: f"{run.last_record[k]:.3f}" for k in ("train_acc", "val_acc")
+                                         if k in run.last_record}, refresh=False)
                 if bar is not None:
-                    bar.set_postfix({k: f"{last_record[k]:.3f}" for k in ("train_acc", "val_acc")
-                                     if k in last_record}, refresh=False)
-            if bar is not None:
-                bar.update(1)
-        if not completed:
-            _save_checkpoint(ckpt_path, model=model, optimizer=optimizer, epoch=epoch, step=step,
-                             n_records=n_records, completed=completed, device=dev)
+                    bar.update(1)
+                if ctrl_c.requested:
+                    _checkpoint(run)
+                    raise _interrupted(run)
+            if not run.completed:
+                _checkpoint(run)
+    except TrainingInterrupted:
+        raise
+    except KeyboardInterrupt:
+        raise _interrupted(run) from None
     finally:
         if bar is not None:
             bar.close()
-    seconds = time.perf_counter() - t0
-    done = epoch - start_epoch
-    call.update({"end_epoch": epoch, "seconds": round(seconds, 3),
-                 "epochs_per_second": round(done / seconds, 3) if done and seconds > 0 else None})
-    _write_json_atomic(env_path, calls)
-    if last_record is None:
-        recs = read_records(metrics_path)
-        last_record = recs[-1] if recs else None
-    return RunResult(name=spec.name, run_dir=str(run_dir), completed=completed, start_epoch=start_epoch,
-                     epoch=epoch, n_records=n_records, seconds=seconds,
+        seconds = time.perf_counter() - t0
+        done = _log_call_end(run, calls, start_epoch, seconds)
+    if run.last_record is None:
+        recs = read_records(run_dir / METRICS_FILE)
+        run.last_record = recs[-1] if recs else None
+    return RunResult(name=spec.name, run_dir=str(run_dir), completed=run.completed, start_epoch=start_epoch,
+                     epoch=run.epoch, n_records=run.n_records, seconds=seconds,
                      epochs_per_second=(done / seconds) if done and seconds > 0 else None,
-                     final_record=last_record)
+                     final_record=run.last_record)
 
 
 def _job(args: tuple) -> RunResult:
@@ -483,6 +649,7 @@ def run_jobs(specs: Sequence[RunSpec], build_task: TaskBuilder, out_dir: str | o
     out_dir = Path(out_dir)
     for s in specs:
         get_arm(s.arm)  # fail before any work on an unknown arm
+        check_run_dir(out_dir / "runs" / s.name, s)  # ... or on a folder that holds another run
     if workers > 1 and threads is None:
         threads = max(1, (os.cpu_count() or 1) // workers)
     kwargs = {"device": device, "threads": threads, "stop_after_epochs": stop_after_epochs,

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["PairedStats", "paired_stats", "paired_from_mapping", "mean_ci"]
+__all__ = ["PairedStats", "paired_stats", "paired_from_mapping", "mean_ci", "describe", "compare_arms"]
 
 
 @dataclass(frozen=True)
@@ -136,3 +136,40 @@ def mean_ci(values: Sequence[float], *, confidence: float = 0.95) -> tuple[float
     (``(mean, None, None)`` for a single value, all ``None`` for none)."""
     s = paired_stats(values, [0.0] * len(values), confidence=confidence)
     return s.mean, s.ci_low, s.ci_high
+
+
+def describe(values: Sequence[float | None]) -> dict[str, Any] | None:
+    """``n``, ``min``, ``max``, ``median``, ``mean`` and sample ``std`` (``ddof=1``; ``None`` for one value) of the
+    finite values (``None`` entries skipped); ``None`` when there are none."""
+    vals = sorted(float(v) for v in values if v is not None and math.isfinite(float(v)))
+    if not vals:
+        return None
+    n = len(vals)
+    median = vals[n // 2] if n % 2 else 0.5 * (vals[n // 2 - 1] + vals[n // 2])
+    mean = sum(vals) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else None
+    return {"n": n, "min": vals[0], "max": vals[-1], "median": median, "mean": mean, "std": std}
+
+
+def compare_arms(per_arm: Mapping[str, Mapping[Any, float | None]], arms: Sequence[str], *,
+                 against: Sequence[str] = ("stiefel",), confidence: float = 0.95) -> dict[str, dict[str, Any]]:
+    """Paired comparisons of one per-seed quantity between arms, as :meth:`PairedStats.to_dict` dicts.
+
+    ``"<arm> - <baseline>"`` for every arm against the first of ``arms`` (the baseline), then
+    ``"<a> - <arm>"`` for each ``a`` in ``against`` that ran and every other arm (e.g. the frozen frames' cost
+    ``stiefel - stiefel-frozen``). Pairs are the seeds both arms ran with a value.
+    """
+    arms = [a for a in arms if a in per_arm]
+    out: dict[str, dict[str, Any]] = {}
+    if not arms:
+        return out
+    base = arms[0]
+    for arm in arms[1:]:
+        out[f"{arm} - {base}"] = paired_from_mapping(per_arm[arm], per_arm[base], confidence=confidence).to_dict()
+    for a in against:
+        if a not in per_arm:
+            continue
+        for arm in arms:
+            if arm not in (a, base):
+                out[f"{a} - {arm}"] = paired_from_mapping(per_arm[a], per_arm[arm], confidence=confidence).to_dict()
+    return out

@@ -1,11 +1,18 @@
-"""Run a study's (arm, seed) grid and turn its records into ``summary.json``, PNG figures and ``report.md``.
+"""The study layer: run a study's grid of (cell, arm, seed) runs and turn its records into ``summary.json``,
+PNG figures and ``report.md``.
 
-:func:`run_study` is the whole pipeline; :func:`finalize_study` alone rebuilds the outputs from records
-already on disk (``--report-only``, or collecting a run that finished in the background).
+A *cell* (:class:`Cell`) is one configuration of a study: a sweep over data size, weight decay, ... has one
+cell per value, each with its runs under ``out/<cell.subdir>/runs/<arm>/seed<k>``; a study without a sweep
+has one cell whose runs live in ``out/runs``. :func:`run_study` is the whole pipeline of a single-cell study;
+:func:`run_cells` trains every cell; :func:`finalize_study` alone rebuilds the outputs from the records
+already on disk (``--report-only``). Everything the report shows comes from files in the study folder (the
+records, ``environment.json`` of each run, and ``study.json``, the commands that trained it), so rebuilding
+a report from a committed folder gives the committed report byte for byte.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -13,15 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .arms import get_arm
 from .config import RunSpec, to_dict
 from .records import load_study_records, summarize
 from .report import PaperReference, render_report, write_text
-from .runner import ENVIRONMENT_FILE, RunResult, TaskBuilder, run_jobs
+from .runner import CONFIG_FILE, ENVIRONMENT_FILE, RunResult, TaskBuilder, check_run_dir, run_jobs
 
-__all__ = ["StudyOutputs", "run_study", "finalize_study", "speed_from_environment"]
+__all__ = ["Cell", "StudyOutputs", "run_study", "run_cells", "finalize_study", "speed_from_environment",
+           "record_command", "recorded_commands", "cell_records", "recorded_config", "run_info_from_records"]
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"
+#: study-level record: the commands that trained the study, in order (``{"commands": [...]}``)
+STUDY_FILE = "study.json"
 
 #: Figure name (as returned by plot_study) -> caption in the report.
 FIGURE_CAPTIONS = {
@@ -35,14 +46,79 @@ FIGURE_CAPTIONS = {
 
 
 @dataclass(frozen=True)
-class StudyOutputs:
-    """What :func:`finalize_study` wrote: the summary dict and the paths of its files."""
+class Cell:
+    """One configuration of a study.
 
-    summary: dict[str, Any]
-    summary_path: Path
-    report_path: Path
-    figures: dict[str, Path]
+    Parameters
+    ----------
+    config : dataclass
+        The study config of this cell's runs.
+    subdir : str
+        Folder of the cell under the study's output folder (``""``: the study folder itself).
+    sweep : str or None
+        The swept config field (``"train_size"``, ``"weight_decay"``), ``None`` for a study without a sweep.
+    value : float or None
+        The swept value.
+    """
+
+    config: Any
+    subdir: str = ""
+    sweep: str | None = None
+    value: float | None = None
+
+    @property
+    def label(self) -> str:
+        return "all" if self.sweep is None else f"{self.sweep}={self.value:g}"
+
+    def folder(self, out_dir: str | os.PathLike) -> Path:
+        return Path(out_dir) / self.subdir if self.subdir else Path(out_dir)
+
+
+@dataclass(frozen=True)
+class StudyOutputs:
+    """What a study call did: the run results of this call, and, unless the report was skipped, the summary
+    and the paths of the files :func:`finalize_study` wrote."""
+
     results: tuple[RunResult, ...] = ()
+    summary: dict[str, Any] | None = None
+    summary_path: Path | None = None
+    report_path: Path | None = None
+    figures: dict[str, Path] = dataclasses.field(default_factory=dict)
+
+
+def record_command(out_dir: str | os.PathLike, command: str | None) -> None:
+    """Append ``command`` to the study's ``study.json`` (once: a rerun of the same command is not repeated)."""
+    if not command:
+        return
+    path = Path(out_dir) / STUDY_FILE
+    commands = recorded_commands(out_dir)
+    if command not in commands:
+        commands.append(command)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"commands": commands}, indent=2) + "\n")
+
+
+def recorded_commands(out_dir: str | os.PathLike) -> list[str]:
+    """The commands recorded in ``study.json`` (empty when there is none)."""
+    path = Path(out_dir) / STUDY_FILE
+    return list(json.loads(path.read_text()).get("commands", [])) if path.exists() else []
+
+
+def cell_records(out_dir: str | os.PathLike, cell: Cell, arms: Sequence[str] | None,
+                 seeds: Sequence[int] | None) -> list[dict[str, Any]]:
+    """The records of one cell, restricted to ``arms`` (in that order) and ``seeds`` when given."""
+    records = load_study_records(cell.folder(out_dir))
+    if arms is not None:
+        order = {a: i for i, a in enumerate(arms)}
+        records = sorted((r for r in records if r["arm"] in order), key=lambda r: order[r["arm"]])
+    if seeds is not None:
+        wanted = set(seeds)
+        records = [r for r in records if r["seed"] in wanted]
+    if not records:
+        raise ValueError(f"no records under {cell.folder(out_dir) / 'runs'} for arms {list(arms or [])} and "
+                         f"seeds {list(seeds or [])}; run the study first (without --report-only), or check --out, "
+                         f"--arms and --seeds.")
+    return records
 
 
 def speed_from_environment(out_dir: str | os.PathLike) -> dict[str, Any]:
@@ -61,37 +137,47 @@ def speed_from_environment(out_dir: str | os.PathLike) -> dict[str, Any]:
     return runs
 
 
+def run_info_from_records(out_dir: str | os.PathLike, speed: Mapping[str, Any]) -> dict[str, Any]:
+    """The "Run" lines of a report, from the records only (so that a rebuild gives the same text): training
+    speed, device and git SHA from the runs' ``environment.json``, the commands from ``study.json``."""
+    info: dict[str, Any] = {}
+    rates = [v["epochs_per_second"] for v in speed.values() if v.get("epochs_per_second")]
+    secs = [v["seconds"] for v in speed.values() if v.get("seconds")]
+    if rates:
+        info["training"] = (f"{len(secs)} runs, {sum(secs) / 60:.1f} min of training in total, "
+                            f"{sum(rates) / len(rates):.3g} epochs/s per run on average (evaluation included)")
+    if speed:
+        any_run = next(iter(speed.values()))
+        info["device"] = f"{any_run['device']}, {any_run['threads']} torch thread(s), torch {any_run['torch']}"
+        info["git SHA"] = any_run["git_sha"]
+    commands = recorded_commands(out_dir)
+    if commands:
+        info["command" if len(commands) == 1 else "commands"] = "; ".join(f"`{c}`" for c in commands)
+    return info
+
+
+def recorded_config(out_dir: str | os.PathLike, cell: Cell | None = None) -> dict[str, Any] | None:
+    """The study config (plain JSON) of the first run found under the (cell's) folder, from its ``config.json``."""
+    folder = (cell or Cell(None)).folder(out_dir)
+    for path in sorted(folder.glob(f"runs/*/seed*/{CONFIG_FILE}")):
+        return json.loads(path.read_text())["config"]
+    return None
+
+
 def finalize_study(out_dir: str | os.PathLike, *, title: str, intro: str = "", config: Any = None,
                    arms: Sequence[str] | None = None, seeds: Sequence[int] | None = None,
                    paper: PaperReference | None = None, notes: Sequence[str] = (), threshold: float = 0.95,
-                   last_fraction: float = 0.1, extra_run_info: Mapping[str, Any] | None = None,
-                   results: Sequence[RunResult] = ()) -> StudyOutputs:
+                   last_fraction: float = 0.1, results: Sequence[RunResult] = ()) -> StudyOutputs:
     """Summarise the records under ``out_dir/runs`` (restricted to ``arms``/``seeds`` when given), draw the
-    figures, and write ``summary.json`` and ``report.md`` into ``out_dir``."""
+    figures, and write ``summary.json`` and ``report.md`` into ``out_dir``. Everything written is a function
+    of the files in ``out_dir`` and the arguments, so a rebuild gives the same bytes."""
     from .plotting import plot_study
 
     out_dir = Path(out_dir)
-    records = load_study_records(out_dir)
-    if arms is not None:
-        order = {a: i for i, a in enumerate(arms)}
-        records = sorted((r for r in records if r["arm"] in order), key=lambda r: order[r["arm"]])
-    if seeds is not None:
-        records = [r for r in records if r["seed"] in set(seeds)]
-    if not records:
-        raise ValueError(f"finalize_study: no records under {out_dir / 'runs'} for arms={arms} seeds={seeds}; "
-                         f"run the study first.")
+    records = cell_records(out_dir, Cell(config), arms, seeds)
     summary = summarize(records, threshold=threshold, last_fraction=last_fraction)
     figures = plot_study(records, out_dir, threshold=threshold)
     speed = speed_from_environment(out_dir)
-    rates = [v["epochs_per_second"] for v in speed.values() if v["epochs_per_second"]]
-    run_info: dict[str, Any] = {}
-    if rates:
-        run_info["training speed"] = (f"{sum(rates) / len(rates):.1f} epochs/s per run (mean over {len(rates)} "
-                                      f"runs; evaluation included)")
-        any_run = next(iter(speed.values()))
-        run_info["device"] = f"{any_run['device']}, {any_run['threads']} torch thread(s), torch {any_run['torch']}"
-        run_info["git SHA"] = any_run["git_sha"]
-    run_info.update(extra_run_info or {})
     config_dict = to_dict(config) if config is not None else None
     full = {"title": title, "config": config_dict, "summary": summary, "speed": speed,
             "paper": None if paper is None else to_dict(paper)}
@@ -99,22 +185,41 @@ def finalize_study(out_dir: str | os.PathLike, *, title: str, intro: str = "", c
     summary_path.write_text(json.dumps(full, indent=2) + "\n")
     report = render_report(title=title, summary=summary, intro=intro, paper=paper,
                            figures={FIGURE_CAPTIONS.get(k, k): p.name for k, p in figures.items()},
-                           config=config_dict, run_info=run_info, notes=notes)
+                           config=config_dict, run_info=run_info_from_records(out_dir, speed), notes=notes)
     report_path = write_text(out_dir / REPORT_FILE, report)
-    return StudyOutputs(summary=full, summary_path=summary_path, report_path=report_path, figures=figures,
-                        results=tuple(results))
+    return StudyOutputs(results=tuple(results), summary=full, summary_path=summary_path, report_path=report_path,
+                        figures=figures)
+
+
+def run_cells(cells: Sequence[Cell], build_task: TaskBuilder, out_dir: str | os.PathLike, *, arms: Sequence[str],
+              seeds: Sequence[int], arm_config: Any = None, command: str | None = None, **run_kwargs: Any
+              ) -> list[RunResult]:
+    """Run (or resume) every (cell, arm, seed) with :func:`~.runner.run_jobs`, cell by cell, and record
+    ``command`` in ``study.json``. ``arm_config(config, arm)`` may adapt a cell's config to an arm (e.g. an
+    arm's own frame learning rate); default: the cell's config. Paired: each seed gives every arm of a cell the
+    same data and initial weights."""
+    grid = [(cell, [RunSpec(cell.config if arm_config is None else arm_config(cell.config, a), a, s)
+                    for a in arms for s in seeds]) for cell in cells]
+    for cell, specs in grid:  # refuse a folder holding other runs before anything is trained or written
+        for spec in specs:
+            get_arm(spec.arm)
+            check_run_dir(cell.folder(out_dir) / "runs" / spec.name, spec)
+    record_command(out_dir, command)
+    results: list[RunResult] = []
+    for cell, specs in grid:
+        results += run_jobs(specs, build_task, cell.folder(out_dir), **run_kwargs)
+    return results
 
 
 def run_study(config: Any, build_task: TaskBuilder, out_dir: str | os.PathLike, *, arms: Sequence[str],
               seeds: Sequence[int], workers: int = 1, device: str = "auto", threads: int | None = None,
               quiet: bool = False, stop_after_epochs: int | None = None, checkpoint_interval_s: float = 30.0,
-              skip_report: bool = False, **finalize_kwargs: Any) -> StudyOutputs | tuple[RunResult, ...]:
-    """Run (or resume) every (arm, seed) of ``config`` with :func:`~.runner.run_jobs`, then
-    :func:`finalize_study` (unless ``skip_report``: then the run results alone are returned). Paired: each
-    seed gives every arm the same data and initial weights."""
-    specs = [RunSpec(config, arm, seed) for arm in arms for seed in seeds]
-    results = run_jobs(specs, build_task, out_dir, workers=workers, device=device, threads=threads, quiet=quiet,
-                       stop_after_epochs=stop_after_epochs, checkpoint_interval_s=checkpoint_interval_s)
+              skip_report: bool = False, command: str | None = None, **finalize_kwargs: Any) -> StudyOutputs:
+    """Run (or resume) every (arm, seed) of a single-cell study (:func:`run_cells`), then :func:`finalize_study`
+    unless ``skip_report``. Returns :class:`StudyOutputs` either way (without a summary when skipped)."""
+    results = run_cells([Cell(config)], build_task, out_dir, arms=arms, seeds=seeds, command=command,
+                        workers=workers, device=device, threads=threads, quiet=quiet,
+                        stop_after_epochs=stop_after_epochs, checkpoint_interval_s=checkpoint_interval_s)
     if skip_report:
-        return tuple(results)
+        return StudyOutputs(results=tuple(results))
     return finalize_study(out_dir, config=config, arms=arms, seeds=seeds, results=results, **finalize_kwargs)

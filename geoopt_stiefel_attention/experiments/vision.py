@@ -43,12 +43,25 @@ import torch
 
 from . import ablation_arms  # noqa: F401  (registers the ablation and frozen arms)
 from .arms import Arm
-from .config import OptimConfig, RunSpec, TrainConfig, require, to_dict
+from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
 from .data.batches import MiniBatches
 from .data.vision import DISPLAY_NAMES, canonical_dataset, load_vision, random_crop_flip, subsample
-from .metrics import MetricHook, QKGeometry, WeightNorms
-from .records import group_runs
+from .metrics import QKGeometry, StepMovement, WeightNorms
+from .records import group_runs, summarize_cell
+from .report import (
+    PaperReference,
+    comparison_table,
+    figure_lines,
+    fmt_num,
+    fmt_p,
+    fmt_pp,
+    paper_section_intro,
+    protocol_differences,
+    run_lines,
+)
 from .runner import Task
+from .stats import describe
+from .study import Cell, StudyOutputs
 
 __all__ = ["VisionConfig", "StepMovement", "build_task", "study_cells", "run_vision", "finalize_vision",
            "analyze_cell", "STUDIES", "STUDY_ARMS", "PAPER", "HELP", "add_arguments", "run"]
@@ -77,20 +90,19 @@ INGREDIENTS = {
     "stiefel-frozen": "frames fixed at initialisation",
 }
 
-#: The paper's CIFAR-10 figures.
-PAPER = {
-    "source": 'R. D. Guerrero, "Stiefel Attention", arXiv, Sep 2026 (ViT on CIFAR-10 patches)',
-    "dataset": "CIFAR-10",
-    "paired_gap_pp": 8.98,
-    "paired_t": 60.6,
-    "paired_n": 12,
-    "paired_positive": 12,
-    "movement_ratio": (24.0, 40.0),
-    "frozen_cost_pp": 0.28,
-    "scaling": "the gap widens with more training data",
-    "ablation": "the whole gain comes from making the step scale-free; nothing measurable from the projector or "
-                "from O(d)-equivariance",
-}
+#: The paper's CIFAR-10 figures, and the one setting we know they were measured with.
+PAPER = PaperReference(
+    source='R. D. Guerrero, "Stiefel Attention", arXiv, Sep 2026 (ViT on CIFAR-10 patches)',
+    epoch=None,
+    values={},
+    note="Model sizes, epochs and learning rates are not given in the paper.",
+    extra={"paired_gap_pp": 8.98, "paired_t": 60.6, "paired_n": 12, "paired_positive": 12,
+           "movement_ratio": (24.0, 40.0), "frozen_cost_pp": 0.28,
+           "scaling": "the gap widens with more training data",
+           "ablation": "the whole gain comes from making the step scale-free; nothing measurable from the projector "
+                       "or from O(d)-equivariance"},
+    protocol={"dataset": "cifar10"},
+)
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -157,31 +169,37 @@ class VisionConfig:
         for name in ("patch_size", "width", "depth", "heads", "mlp", "batch_size"):
             v = getattr(self, name)
             require(isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                    f"VisionConfig: {name}={v!r} must be a positive int (--{name.replace('_', '-')}).")
+                    f"--{name.replace('_', '-')} {v!r}: must be a positive int.")
         for name in ("train_size", "eval_train_size"):
             v = getattr(self, name)
             require(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
-                    f"VisionConfig: {name}={v!r} must be a positive int or None (all images).")
+                    f"--{name.replace('_', '-')} {v!r}: must be a positive int, or all.")
         require(self.width % self.heads == 0,
-                f"VisionConfig: width={self.width} must be divisible by heads={self.heads}.")
-        require(self.pool in ("cls", "mean"), f"VisionConfig: pool={self.pool!r} must be 'cls' or 'mean'.")
+                f"--width {self.width} must be divisible by --heads {self.heads}.")
+        require(self.pool in ("cls", "mean"), f"--pool {self.pool!r}: must be cls or mean.")
         require(self.lr_schedule in ("cosine", "constant"),
-                f"VisionConfig: lr_schedule={self.lr_schedule!r} must be 'cosine' or 'constant'.")
+                f"--lr-schedule {self.lr_schedule!r}: must be cosine or constant.")
         require(isinstance(self.warmup_fraction, (int, float)) and 0 <= self.warmup_fraction < 1,
-                f"VisionConfig: warmup_fraction={self.warmup_fraction!r} must be in [0, 1).")
-        require(self.amp in (None, "bf16"), f"VisionConfig: amp={self.amp!r} must be None or 'bf16' (--amp).")
+                f"--warmup-fraction {self.warmup_fraction!r}: must be in [0, 1).")
+        require(self.amp in (None, "bf16"), f"--amp {self.amp!r}: must be none or bf16.")
         require(self.sgd_frame_lr is None or (isinstance(self.sgd_frame_lr, (int, float)) and self.sgd_frame_lr > 0),
-                f"VisionConfig: sgd_frame_lr={self.sgd_frame_lr!r} must be a float > 0 or None.")
-        require(isinstance(self.train, TrainConfig), "VisionConfig: train must be a TrainConfig.")
-        require(isinstance(self.optim, OptimConfig), "VisionConfig: optim must be an OptimConfig.")
+                f"--sgd-frame-lr {self.sgd_frame_lr!r}: must be a float > 0.")
+        require(isinstance(self.train, TrainConfig), "VisionConfig.train must be a TrainConfig.")
+        require(isinstance(self.optim, OptimConfig), "VisionConfig.optim must be an OptimConfig.")
         image = {"cifar10": 32, "fashion-mnist": 28, "digits": 16}[self.dataset]
         require(image % self.patch_size == 0,
-                f"VisionConfig: patch_size={self.patch_size} does not divide the {image}x{image} images of "
+                f"--patch-size {self.patch_size} does not divide the {image}x{image} images of "
                 f"{self.dataset}; pick a divisor of {image} (--patch-size).")
 
     @property
     def display_name(self) -> str:
         return DISPLAY_NAMES[self.dataset]
+
+    @property
+    def epochs_extendable(self) -> bool:
+        """A finished run can be continued to more epochs only under a constant learning rate: the cosine
+        schedule is a function of the total number of steps."""
+        return self.lr_schedule == "constant"
 
 
 def arm_config(config: VisionConfig, arm: str) -> VisionConfig:
@@ -190,82 +208,6 @@ def arm_config(config: VisionConfig, arm: str) -> VisionConfig:
     if arm == "stiefel-sgd" and config.sgd_frame_lr is not None:
         return dataclasses.replace(config, optim=dataclasses.replace(config.optim, frame_lr=config.sgd_frame_lr))
     return config
-
-
-# ---------------------------------------------------------------------------------------------- hooks
-class StepMovement(MetricHook):
-    r"""Per-step movement of the query/key projections, from every optimizer step.
-
-    With :math:`\Delta_t W` the change of a projection in optimizer step :math:`t` and the norm taken over every
-    layer and head together, the record of an evaluation holds, for :math:`X \in \{q, k\}` and the :math:`T`
-    steps measured since the previous evaluation,
-
-    - ``move_step_rms/X`` :math:`= \big(\frac1T \sum_t \|\Delta_t W_X\|_F^2\big)^{1/2}`,
-    - ``move_step_rel_rms/X``: the same with each step divided by the current :math:`\|W_X\|_F`,
-    - ``move_steps``: :math:`T` (``None`` and 0 at epoch 0 and for projections without a gradient).
-
-    The change is read by a post-accumulate-grad hook on each projection: at the backward pass of step
-    :math:`t+1` the parameter holds the result of step :math:`t`, so the last step before an evaluation is
-    counted in the next window (and the first step after a resume is not counted).
-
-    Parameters
-    ----------
-    qk : callable
-        ``qk(model) -> [(path, w_q, w_k), ...]``, e.g. :func:`geoopt_stiefel_attention.nn.query_key_projections`.
-    """
-
-    def __init__(self, qk) -> None:
-        self.qk = qk
-        self._prev: dict[tuple[str, int], torch.Tensor] = {}
-        self._sq: dict[tuple[str, int], torch.Tensor] = {}
-        self._rel: dict[tuple[str, int], torch.Tensor] = {}
-        self._count: dict[tuple[str, int], int] = {}
-        self._keys: dict[str, list[tuple[str, int]]] = {"q": [], "k": []}
-        self._handles: list[Any] = []
-
-    def on_start(self, model: torch.nn.Module) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles, self._prev, self._keys = [], {}, {"q": [], "k": []}
-        self._reset()
-        for i, (_, wq, wk) in enumerate(self.qk(model)):
-            for x, w in (("q", wq), ("k", wk)):
-                if w.requires_grad:
-                    key = (x, i)
-                    self._keys[x].append(key)
-                    self._handles.append(w.register_post_accumulate_grad_hook(functools.partial(self._seen, key)))
-
-    def _reset(self) -> None:
-        self._sq, self._rel, self._count = {}, {}, {}
-
-    @torch.no_grad()
-    def _seen(self, key: tuple[str, int], param: torch.Tensor) -> None:
-        now = param.detach().to(torch.float32).clone()
-        prev = self._prev.get(key)
-        self._prev[key] = now
-        if prev is None:
-            return
-        sq = (now - prev).square().sum()
-        self._sq[key] = self._sq.get(key, 0.0) + sq
-        self._rel[key] = self._rel.get(key, 0.0) + sq / now.square().sum().clamp_min(1e-30)
-        self._count[key] = self._count.get(key, 0) + 1
-
-    def metrics(self, model: torch.nn.Module) -> dict[str, float | None]:
-        out: dict[str, float | None] = {}
-        steps = 0
-        for x, keys in self._keys.items():
-            counts = [self._count.get(k, 0) for k in keys]
-            if not keys or min(counts) == 0:
-                out[f"move_step_rms/{x}"] = out[f"move_step_rel_rms/{x}"] = None
-                continue
-            steps = max(steps, min(counts))
-            out[f"move_step_rms/{x}"] = math.sqrt(sum(float(self._sq[k]) / self._count[k] for k in keys))
-            # relative: mean over layers of each layer's squared relative step, as one rms number
-            out[f"move_step_rel_rms/{x}"] = math.sqrt(sum(float(self._rel[k]) / self._count[k] for k in keys)
-                                                      / len(keys))
-        out["move_steps"] = steps
-        self._reset()
-        return out
 
 
 # ---------------------------------------------------------------------------------------------- task
@@ -323,22 +265,6 @@ def build_task(spec: RunSpec, arm: Arm, device: torch.device, *, data_dir: str =
 
 
 # ---------------------------------------------------------------------------------------------- cells
-@dataclass(frozen=True)
-class Cell:
-    """One configuration of a study: its runs live in ``out/<subdir>/runs`` (``subdir`` empty: ``out/runs``)."""
-
-    config: VisionConfig
-    subdir: str = ""
-    sweep: str | None = None
-    value: float | None = None
-
-    @property
-    def label(self) -> str:
-        if self.sweep is None:
-            return "all"
-        return f"{self.sweep}={self.value:g}"
-
-
 def _fraction_or_count(x: float, base: int) -> int:
     n = round(x * base) if x <= 1 else int(x)
     if not 1 <= n <= base:
@@ -366,32 +292,6 @@ def study_cells(study: str, config: VisionConfig, *, train_sizes: Sequence[float
 
 
 # ---------------------------------------------------------------------------------------------- analysis
-def _describe(values: Sequence[float]) -> dict[str, Any] | None:
-    vals = sorted(float(v) for v in values if v is not None and math.isfinite(v))
-    if not vals:
-        return None
-    n = len(vals)
-    median = vals[n // 2] if n % 2 else 0.5 * (vals[n // 2 - 1] + vals[n // 2])
-    mean = sum(vals) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else None
-    return {"n": n, "min": vals[0], "max": vals[-1], "median": median, "mean": mean, "std": std}
-
-
-def _comparisons(final: Mapping[str, Mapping[int, float]], arms: Sequence[str]) -> dict[str, Any]:
-    from .stats import paired_from_mapping
-
-    out: dict[str, Any] = {}
-    base = arms[0]
-    for arm in arms[1:]:
-        if arm in final and base in final:
-            out[f"{arm} - {base}"] = paired_from_mapping(final[arm], final[base]).to_dict()
-    if "stiefel" in final:
-        for arm in arms:
-            if arm not in ("stiefel", base) and arm in final:
-                out[f"stiefel - {arm}"] = paired_from_mapping(final["stiefel"], final[arm]).to_dict()
-    return out
-
-
 def _movement(runs: Mapping[str, Mapping[int, list[Mapping[str, Any]]]], base: str = "adamw") -> dict[str, Any]:
     """Ratios of the baseline's per-step rms movement to each other arm's, per (seed, evaluation)."""
     out: dict[str, Any] = {}
@@ -412,7 +312,7 @@ def _movement(runs: Mapping[str, Mapping[int, list[Mapping[str, Any]]]], base: s
                     ratios += rs
                     per_seed[str(seed)] = sum(rs) / len(rs)
             if ratios:
-                entry[f"ratio_{x}"] = {**_describe(ratios), "per_seed_mean": per_seed,
+                entry[f"ratio_{x}"] = {**describe(ratios), "per_seed_mean": per_seed,
                                        "per_seed_range": [min(per_seed.values()), max(per_seed.values())]}
         if entry:
             out[f"{base} / {arm}"] = entry
@@ -421,218 +321,23 @@ def _movement(runs: Mapping[str, Mapping[int, list[Mapping[str, Any]]]], base: s
 
 def analyze_cell(records: Sequence[Mapping[str, Any]], arms: Sequence[str],
                  metric: str = "test_acc") -> dict[str, Any]:
-    """Per-arm final accuracies, the paired comparisons and the movement of one cell's records.
-
-    ``comparisons`` holds ``"<arm> - <baseline>"`` for every arm against the first of ``arms``, and
-    ``"stiefel - <arm>"`` for every other arm when ``stiefel`` ran (the frozen cost, the ablation's losses), each a
-    :class:`~.stats.PairedStats` dict of the final ``metric``; ``movement`` holds ``"adamw / <arm>"`` ratios of
-    the per-step rms movement of W_Q (``ratio_q``) and W_K (``ratio_k``) over every (seed, evaluation) pair.
-    """
+    """:func:`~.records.summarize_cell` of one cell's records (final accuracies, paired comparisons), plus
+    ``movement``: ``"adamw / <arm>"`` ratios of the per-step rms movement of W_Q (``ratio_q``) and W_K
+    (``ratio_k``) over every (seed, evaluation) pair."""
+    out = summarize_cell(records, arms, metric=metric, final_keys=VISION_FINAL_KEYS, all_keys=VISION_ALL_KEYS)
     runs = group_runs(records)
-    arms = [a for a in arms if a in runs]
-    per_arm: dict[str, Any] = {}
-    final: dict[str, dict[int, float]] = {}
-    for arm in arms:
-        seeds = runs[arm]
-        final[arm] = {s: recs[-1].get(metric) for s, recs in seeds.items()}
-        last = {s: recs[-1] for s, recs in seeds.items()}
-        entry: dict[str, Any] = {"seeds": sorted(seeds), "last_epoch": sorted({r["epoch"] for r in last.values()}),
-                                 f"final_{metric}": {**(_describe(final[arm].values()) or {}),
-                                                     "per_seed": {str(s): v for s, v in sorted(final[arm].items())}}}
-        for key in ("train_acc", "move_total_rel/q", "move_total_rel/k", "angle_max_deg/q", "angle_mean_deg/q",
-                    "norm/euclidean"):
-            vals = [r.get(key) for r in last.values()]
-            if any(v is not None for v in vals):
-                entry[f"final_{key}"] = _describe(vals)
-        for key in ("move_step_rms/q", "move_step_rms/k", "move_step_rel_rms/q"):
-            vals = [r[key] for recs in seeds.values() for r in recs if r.get(key) is not None]
-            if vals:
-                entry[f"all_{key}"] = _describe(vals)
-        per_arm[arm] = entry
-    return {"metric": metric, "arms": per_arm, "comparisons": _comparisons(final, arms),
-            "movement": _movement(runs, arms[0]) if arms else {}}
+    run_arms = [a for a in arms if a in runs]
+    out["movement"] = _movement(runs, run_arms[0]) if run_arms else {}
+    return out
 
 
-# ---------------------------------------------------------------------------------------------- figures
-def _figure(width: float = 7.0, height: float = 4.0, ncols: int = 1):
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width * ncols, height), layout="constrained")
-    return fig, fig.subplots(1, ncols, squeeze=False)[0]
-
-
-def plot_pairs(records: Sequence[Mapping[str, Any]], arms: Sequence[str], path: Path, *, title: str,
-               metric: str = "test_acc") -> Path | None:
-    """Final ``metric`` per arm, one grey line per seed joining its arms (the pairs), mean ± 95% CI in black."""
-    from .stats import mean_ci
-
-    runs = group_runs(records)
-    arms = [a for a in arms if a in runs]
-    if not arms:
-        return None
-    fig, (ax,) = _figure(width=max(4.5, 1.8 * len(arms)))
-    seeds = sorted({s for a in arms for s in runs[a]})
-    for s in seeds:
-        xs = [i for i, a in enumerate(arms) if s in runs[a]]
-        ys = [100 * runs[arms[i]][s][-1][metric] for i in xs]
-        ax.plot(xs, ys, color="0.6", marker="o", markersize=3, linewidth=0.8, alpha=0.8)
-    for i, a in enumerate(arms):
-        m, lo, hi = mean_ci([100 * recs[-1][metric] for recs in runs[a].values()])
-        if lo is not None:
-            ax.errorbar([i], [m], yerr=[[m - lo], [hi - m]], color="black", marker="s", capsize=6, linewidth=1.6)
-        else:
-            ax.plot([i], [m], color="black", marker="s")
-    ax.set_xticks(range(len(arms)), arms, rotation=15 if len(arms) > 3 else 0)
-    ax.set_ylabel(f"final {metric} (%)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, axis="y", alpha=0.3)
-    return _save(fig, path)
-
-
-def plot_movement_ratio(records: Sequence[Mapping[str, Any]], arms: Sequence[str], path: Path, *, title: str,
-                        paper_band: tuple[float, float] | None = PAPER["movement_ratio"]) -> Path | None:
-    """Left: per-step rms movement ‖ΔW_Q‖_F per arm over training (log scale). Right: its ratio, AdamW over each
-    other arm, per seed (thin) and the median over seeds (thick), with the paper's band shaded."""
-    runs = group_runs(records)
-    if "adamw" not in runs:
-        return None
-    fig, (ax0, ax1) = _figure(width=6.0, ncols=2)
-    colours = dict(zip(arms, ["C0", "C1", "C2", "C3", "C4", "C5", "C6"], strict=False))
-    drawn = False
-    for arm in arms:
-        for s, recs in runs.get(arm, {}).items():
-            pts = [(r["epoch"], r["move_step_rms/q"]) for r in recs if r.get("move_step_rms/q")]
-            if pts:
-                ax0.plot(*zip(*pts, strict=True), color=colours.get(arm), linewidth=0.7, alpha=0.6,
-                         label=arm if s == min(runs[arm]) else None)
-                drawn = True
-    for arm in arms:
-        if arm == "adamw" or arm not in runs:
-            continue
-        per_epoch: dict[int, list[float]] = {}
-        for s, recs in runs[arm].items():
-            theirs = {r["epoch"]: r.get("move_step_rms/q") for r in runs["adamw"].get(s, [])}
-            pts = [(r["epoch"], theirs[r["epoch"]] / r["move_step_rms/q"]) for r in recs
-                   if r.get("move_step_rms/q") and theirs.get(r["epoch"])]
-            if pts:
-                ax1.plot(*zip(*pts, strict=True), color=colours.get(arm), linewidth=0.6, alpha=0.4)
-                for e, v in pts:
-                    per_epoch.setdefault(e, []).append(v)
-        if per_epoch:
-            es = sorted(per_epoch)
-            med = [sorted(per_epoch[e])[len(per_epoch[e]) // 2] for e in es]
-            ax1.plot(es, med, color=colours.get(arm), linewidth=2.0, label=f"adamw / {arm} (median)")
-    if not drawn:
-        return None
-    if paper_band is not None:
-        ax1.axhspan(*paper_band, color="grey", alpha=0.2, label=f"paper, CIFAR-10: {paper_band[0]:g}–{paper_band[1]:g}×")
-    ax0.set_yscale("log")
-    ax0.set_title("per-step movement ‖ΔW_Q‖_F (rms between evaluations)", fontsize=9)
-    ax0.set_xlabel("epoch")
-    ax0.legend(fontsize=7)
-    ax1.set_yscale("log")
-    ax1.set_title("ratio of per-step movement, AdamW W_Q over frames", fontsize=9)
-    ax1.set_xlabel("epoch")
-    ax1.legend(fontsize=7)
-    for ax in (ax0, ax1):
-        ax.grid(True, alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
-
-
-def plot_distance(records: Sequence[Mapping[str, Any]], arms: Sequence[str], path: Path, *, title: str) -> Path | None:
-    """Distance from initialisation of W_Q over training: ‖W − W₀‖_F/‖W₀‖_F and the largest principal angle to
-    the initial subspace, per arm (mean over seeds, band ±1 sd)."""
-    import pandas as pd
-    import seaborn as sns
-
-    rows = [{"arm": r["arm"], "seed": r["seed"], "epoch": r["epoch"], "rel": r.get("move_total_rel/q"),
-             "angle": r.get("angle_max_deg/q")} for r in records if r["arm"] in arms]
-    df = pd.DataFrame(rows)
-    if df.empty or df["rel"].isna().all():
-        return None
-    fig, (ax0, ax1) = _figure(width=5.5, ncols=2)
-    sns.lineplot(data=df, x="epoch", y="rel", hue="arm", hue_order=[a for a in arms if a in set(df["arm"])],
-                 errorbar="sd", ax=ax0)
-    sns.lineplot(data=df, x="epoch", y="angle", hue="arm", hue_order=[a for a in arms if a in set(df["arm"])],
-                 errorbar="sd", ax=ax1, legend=False)
-    ax0.set_ylabel("‖W_Q − W_Q0‖_F / ‖W_Q0‖_F")
-    ax1.set_ylabel("largest principal angle to initial span (deg)")
-    for ax in (ax0, ax1):
-        ax.grid(True, alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
-
-
-def plot_gap_sweep(rows: Sequence[tuple[float, Mapping[str, Any]]], path: Path, *, xlabel: str, title: str,
-                   logx: bool = False) -> Path | None:
-    """Mean paired gap (pp) with its 95% interval against the swept value, per-seed gaps as dots."""
-    rows = [(x, c) for x, c in rows if c and c.get("mean") is not None]
-    if not rows:
-        return None
-    fig, (ax,) = _figure(width=6.0)
-    xs = [x for x, _ in rows]
-    means = [100 * c["mean"] for _, c in rows]
-    lo = [100 * (c["mean"] - c["ci_low"]) if c["ci_low"] is not None else 0.0 for _, c in rows]
-    hi = [100 * (c["ci_high"] - c["mean"]) if c["ci_high"] is not None else 0.0 for _, c in rows]
-    for x, c in rows:
-        ax.scatter([x] * len(c["differences"]), [100 * d for d in c["differences"]], color="0.6", s=10, zorder=1)
-    ax.errorbar(xs, means, yerr=[lo, hi], color="black", marker="o", capsize=5, zorder=2, label="mean ± 95% CI")
-    ax.axhline(0.0, color="grey", linewidth=0.8, linestyle=":")
-    if logx:
-        ax.set_xscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("stiefel − adamw, final test accuracy (pp)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
-
-
-def plot_ablation(comparisons: Mapping[str, Mapping[str, Any]], arms: Sequence[str], path: Path, *,
-                  title: str, base: str = "adamw") -> Path | None:
-    """Bar chart: each arm's mean paired gap over ``base`` (pp) with its 95% interval; per-seed gaps as dots."""
-    names = [a for a in arms if f"{a} - {base}" in comparisons]
-    if not names:
-        return None
-    fig, (ax,) = _figure(width=max(5.0, 1.6 * len(names)))
-    for i, a in enumerate(names):
-        c = comparisons[f"{a} - {base}"]
-        m = 100 * c["mean"]
-        ax.bar([i], [m], color=f"C{i + 1}", alpha=0.7)
-        if c["ci_low"] is not None:
-            ax.errorbar([i], [m], yerr=[[m - 100 * c["ci_low"]], [100 * c["ci_high"] - m]], color="black", capsize=6)
-        ax.scatter([i] * len(c["differences"]), [100 * d for d in c["differences"]], color="black", s=8, zorder=3)
-    ax.axhline(0.0, color="grey", linewidth=0.8)
-    ax.set_xticks(range(len(names)), names, rotation=15)
-    ax.set_ylabel(f"final test accuracy − {base} (pp)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, axis="y", alpha=0.3)
-    return _save(fig, path)
-
-
-def _save(fig, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path
+#: record keys summarised at the last evaluation, and over every evaluation, of each run
+VISION_FINAL_KEYS = ("train_acc", "move_total_rel/q", "move_total_rel/k", "angle_max_deg/q", "angle_mean_deg/q",
+                     "norm/euclidean")
+VISION_ALL_KEYS = ("move_step_rms/q", "move_step_rms/k", "move_step_rel_rms/q")
 
 
 # ---------------------------------------------------------------------------------------------- report
-def _pp(x: float | None, digits: int = 2, sign: bool = True) -> str:
-    if x is None:
-        return "–"
-    return f"{100 * x:+.{digits}f}" if sign else f"{100 * x:.{digits}f}"
-
-
-def _g(x: float | None, fmt: str = ".3g") -> str:
-    return "–" if x is None else format(x, fmt)
-
-
-def _pval(p: float | None) -> str:
-    return "–" if p is None else (f"{p:.2g}" if p >= 1e-4 else f"{p:.1e}")
-
-
 def _dataset_paragraph(config: VisionConfig, n_train_full: int | None, n_test: int | None) -> str:
     name = config.display_name
     size = ("all training images" if config.train_size is None else
@@ -640,8 +345,7 @@ def _dataset_paragraph(config: VisionConfig, n_train_full: int | None, n_test: i
     counts = "" if n_train_full is None else f"{n_train_full:,} training / {n_test:,} test images; "
     text = (f"**Dataset: {name}** ({counts}each run uses {size} and is evaluated on the whole test set).")
     if config.dataset != "cifar10":
-        text += (" **This is not CIFAR-10.** The paper's figures quoted below were measured on CIFAR-10 and are "
-                 "shown for orientation only; they are not the same experiment.")
+        text += " **This is not CIFAR-10**, the data set of the paper's figures."
     return text
 
 
@@ -658,16 +362,6 @@ def _setup_paragraph(config: VisionConfig) -> str:
             f"subsample, the batch order and the initial weights of every arm (paired starts).")
 
 
-def _comparison_rows(comparisons: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    lines = ["| comparison | pairs | mean Δ (pp) | sd (pp) | 95% CI (pp) | paired t | p (two-sided) | positive "
-             "| sign-test p |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, c in comparisons.items():
-        ci = "–" if c["ci_low"] is None else f"[{_pp(c['ci_low'])}, {_pp(c['ci_high'])}]"
-        lines.append(f"| {name} | {c['n']} | {_pp(c['mean'])} | {_pp(c['std'], sign=False)} | {ci} | {_g(c['t'])} "
-                     f"| {_pval(c['p_value'])} | {c['n_positive']}/{c['n']} | {_pval(c['sign_test_p'])} |")
-    return lines
-
-
 def _cell_sections(analysis: Mapping[str, Any], config: VisionConfig, study: str) -> list[str]:
     arms = analysis["arms"]
     lines = ["| arm | seeds | last epoch | final test acc (mean ± sd) | min – max | final train acc (eval subset) "
@@ -677,10 +371,10 @@ def _cell_sections(analysis: Mapping[str, Any], config: VisionConfig, study: str
         f = a["final_test_acc"]
         tr = a.get("final_train_acc")
         rel, ang, step = a.get("final_move_total_rel/q"), a.get("final_angle_max_deg/q"), a.get("all_move_step_rms/q")
-        sd = "" if f.get("std") is None else f" ± {_pp(f['std'], sign=False)}"
-        lines.append(f"| {arm} | {len(a['seeds'])} | {', '.join(map(str, a['last_epoch']))} | {_pp(f['mean'], sign=False)}%{sd} | {_pp(f['min'], sign=False)} – "
-                     f"{_pp(f['max'], sign=False)} | {_pp(tr and tr['mean'], sign=False)}% | {_g(rel and rel['mean'])} "
-                     f"| {_g(ang and ang['mean'])} | {_g(step and step['median'])} |")
+        sd = "" if f.get("std") is None else f" ± {fmt_pp(f['std'], sign=False)}"
+        lines.append(f"| {arm} | {len(a['seeds'])} | {', '.join(map(str, a['last_epoch']))} | {fmt_pp(f['mean'], sign=False)}%{sd} | {fmt_pp(f['min'], sign=False)} – "
+                     f"{fmt_pp(f['max'], sign=False)} | {fmt_pp(tr and tr['mean'], sign=False)}% | {fmt_num(rel and rel['mean'])} "
+                     f"| {fmt_num(ang and ang['mean'])} | {fmt_num(step and step['median'])} |")
     lines.append("")
     if len({e for a in arms.values() for e in a["last_epoch"]}) > 1 or config.train.epochs not in {
             e for a in arms.values() for e in a["last_epoch"]}:
@@ -688,27 +382,30 @@ def _cell_sections(analysis: Mapping[str, Any], config: VisionConfig, study: str
                   f"before reading the comparisons.**", ""]
     if analysis["comparisons"]:
         lines += ["Paired differences of the final test accuracy (same seed: same subsample, batch order and initial "
-                  "weights):", ""] + _comparison_rows(analysis["comparisons"]) + [""]
+                  "weights):", ""] + comparison_table(analysis["comparisons"]) + [""]
     return lines
 
 
 def _paper_lines(study: str, cells: Sequence[tuple[Cell, Mapping[str, Any]]], config: VisionConfig) -> list[str]:
-    name = config.display_name
+    """The "Next to the paper" section: the paper's CIFAR-10 figures beside this study's only when the study
+    follows the paper's protocol (:data:`PAPER` ``.protocol``); otherwise the settings that differ."""
+    diffs = protocol_differences(PAPER, config)
+    lines = paper_section_intro(PAPER, diffs)
+    if diffs:
+        return lines
+    x = PAPER.extra
     first = cells[0][1]
     comp = first["comparisons"].get("stiefel - adamw")
-    lines = ["## Next to the paper", "",
-             f"Paper: {PAPER['source']}. **Paper on CIFAR-10; this study on {name}.**", "",
-             f"| quantity | paper (CIFAR-10) | this study ({name}) |", "|---|---|---|"]
+    lines += ["| quantity | paper | this study |", "|---|---|---|"]
     if comp is not None and study not in ("scaling", "decay"):
-        lines.append(f"| gap stiefel − adamw, final test accuracy | {PAPER['paired_gap_pp']:+.2f} pp "
-                     f"| {_pp(comp['mean'])} pp (95% CI [{_pp(comp['ci_low'])}, {_pp(comp['ci_high'])}]) |")
-        lines.append(f"| paired t | {PAPER['paired_t']} (n = {PAPER['paired_n']}) | {_g(comp['t'])} (n = {comp['n']}, "
-                     f"p = {_pval(comp['p_value'])}) |")
-        lines.append(f"| positive pairs | {PAPER['paired_positive']}/{PAPER['paired_n']} | "
-                     f"{comp['n_positive']}/{comp['n']} |")
+        lines.append(f"| gap stiefel − adamw, final test accuracy | {x['paired_gap_pp']:+.2f} pp "
+                     f"| {fmt_pp(comp['mean'])} pp (95% CI [{fmt_pp(comp['ci_low'])}, {fmt_pp(comp['ci_high'])}]) |")
+        lines.append(f"| paired t | {x['paired_t']} (n = {x['paired_n']}) | {fmt_num(comp['t'])} (n = {comp['n']}, "
+                     f"p = {fmt_p(comp['p_value'])}) |")
+        lines.append(f"| positive pairs | {x['paired_positive']}/{x['paired_n']} | {comp['n_positive']}/{comp['n']} |")
     mv = first["movement"].get("adamw / stiefel", {}).get("ratio_q")
     if mv is not None:
-        lo, hi = PAPER["movement_ratio"]
+        lo, hi = x["movement_ratio"]
         lines.append(f"| per-step movement, AdamW W_Q ÷ frames | {lo:g}–{hi:g}× | {mv['min']:.1f}–{mv['max']:.1f}× over "
                      f"all (seed, evaluation) windows; median {mv['median']:.1f}×; per-seed means "
                      f"{mv['per_seed_range'][0]:.1f}–{mv['per_seed_range'][1]:.1f}× |")
@@ -716,36 +413,27 @@ def _paper_lines(study: str, cells: Sequence[tuple[Cell, Mapping[str, Any]]], co
     rel, ang = st.get("final_move_total_rel/q"), st.get("final_angle_max_deg/q")
     if rel is not None:
         lines.append(f"| frames' distance from initialisation at the end | \"barely leave their initialisation\" "
-                     f"| ‖W − W₀‖_F/‖W₀‖_F = {rel['mean']:.3g} (mean); largest principal angle {_g(ang and ang['mean'])}° |")
+                     f"| ‖W − W₀‖_F/‖W₀‖_F = {rel['mean']:.3g} (mean); largest principal angle "
+                     f"{fmt_num(ang and ang['mean'])}° |")
     fz = first["comparisons"].get("stiefel - stiefel-frozen")
     if fz is not None:
-        lines.append(f"| cost of freezing the frames (stiefel − stiefel-frozen) | {PAPER['frozen_cost_pp']:.2f} pp "
-                     f"| {_pp(fz['mean'])} pp (95% CI [{_pp(fz['ci_low'])}, {_pp(fz['ci_high'])}], "
+        lines.append(f"| cost of freezing the frames (stiefel − stiefel-frozen) | {x['frozen_cost_pp']:.2f} pp "
+                     f"| {fmt_pp(fz['mean'])} pp (95% CI [{fmt_pp(fz['ci_low'])}, {fmt_pp(fz['ci_high'])}], "
                      f"{fz['n_positive']}/{fz['n']} positive) |")
     if study == "scaling":
-        gaps = ", ".join(f"{c.value:,.0f}: {_pp(a['comparisons'].get('stiefel - adamw', {}).get('mean'))} pp"
+        gaps = ", ".join(f"{c.value:,.0f}: {fmt_pp(a['comparisons'].get('stiefel - adamw', {}).get('mean'))} pp"
                          for c, a in cells)
-        lines.append(f"| gap against training-set size | {PAPER['scaling']} | {gaps} |")
+        lines.append(f"| gap against training-set size | {x['scaling']} | {gaps} |")
     if study == "decay":
-        gaps = ", ".join(f"wd {c.value:g}: {_pp(a['comparisons'].get('stiefel - adamw', {}).get('mean'))} pp"
+        gaps = ", ".join(f"wd {c.value:g}: {fmt_pp(a['comparisons'].get('stiefel - adamw', {}).get('mean'))} pp"
                          for c, a in cells)
         lines.append(f"| gap against weight decay | (not given) | {gaps} |")
     if study == "ablation":
-        parts = []
-        for arm in ("stiefel-sgd", "stiefel-element", "framescalar-euclidean"):
-            c = first["comparisons"].get(f"{arm} - adamw")
-            if c is not None:
-                parts.append(f"{arm}: {_pp(c['mean'])} pp")
-        lines.append(f"| ablation: gap over adamw per arm | {PAPER['ablation']} | {'; '.join(parts)} |")
+        parts = [f"{arm}: {fmt_pp(first['comparisons'][f'{arm} - adamw']['mean'])} pp"
+                 for arm in ("stiefel-sgd", "stiefel-element", "framescalar-euclidean")
+                 if f"{arm} - adamw" in first["comparisons"]]
+        lines.append(f"| ablation: gap over adamw per arm | {x['ablation']} | {'; '.join(parts)} |")
     lines.append("")
-    return lines
-
-
-def _figure_lines(figures: Mapping[str, Path], out_dir: Path) -> list[str]:
-    lines = ["## Figures", ""]
-    for caption, p in figures.items():
-        rel = os.path.relpath(p, out_dir)
-        lines += [f"**{caption}**", "", f"![{caption}]({Path(rel).as_posix()})", ""]
     return lines
 
 
@@ -758,54 +446,66 @@ NOTES = (
 )
 
 
-def finalize_vision(out_dir: str | os.PathLike, study: str, cells: Sequence[Cell], arms: Sequence[str],
-                    seeds: Sequence[int], *, data_dir: str = "data", command: str | None = None,
-                    wall_seconds: float | None = None) -> dict[str, Any]:
+#: (training images, test images) of each data set (the digits split is fixed: :mod:`.data.vision`).
+DATASET_SIZES = {"cifar10": (50000, 10000), "fashion-mnist": (60000, 10000), "digits": (1297, 500)}
+
+
+def _cell_figures(cell: Cell, cells: Sequence[Cell], records, arms: Sequence[str], analysis: Mapping[str, Any],
+                  study: str, out_dir: Path, name: str) -> dict[str, Path | None]:
+    from .plotting import plot_ablation, plot_accuracy, plot_distance, plot_movement_ratio, plot_pairs
+
+    tag = f" ({cell.label})" if cell.sweep else ""
+    stem = f"{cell.subdir}-" if cell.subdir else ""
+    made: dict[str, Path | None] = {
+        f"Final test accuracy per arm{tag}; grey lines join the arms of one seed, black: mean ± 95% CI":
+            plot_pairs(records, arms, out_dir / f"{stem}pairs.png", title=f"{name}{tag}: final test accuracy"),
+    }
+    if not cell.sweep or cell is cells[-1]:
+        made[f"Accuracy over training{tag} (mean over seeds, band ±1 sd)"] = plot_accuracy(
+            records, out_dir / f"{stem}accuracy.png", sets=("train", "test"), threshold=None)
+        made[f"Per-step movement of W_Q and its AdamW/frame ratio{tag}"] = plot_movement_ratio(
+            records, arms, out_dir / f"{stem}movement_ratio.png", title=f"{name}{tag}",
+            band=None if protocol_differences(PAPER, cell.config) else PAPER.extra["movement_ratio"],
+            band_label="paper")
+        made[f"Distance of W_Q from its initialisation{tag}"] = plot_distance(
+            records, arms, out_dir / f"{stem}distance.png", title=f"{name}{tag}")
+    if study == "ablation":
+        made["Ablation: gap over adamw per arm (bars: mean, whiskers: 95% CI, dots: seeds)"] = plot_ablation(
+            analysis["comparisons"], arms, out_dir / "ablation.png", title=f"{name}: ablation")
+    return made
+
+
+def finalize_vision(out_dir: str | os.PathLike, study: str, cells: Sequence[Cell], arms: Sequence[str] | None = None,
+                    seeds: Sequence[int] | None = None, *, results: Sequence[Any] = ()) -> StudyOutputs:
     """Analyse the records of every cell under ``out_dir`` and write ``summary.json``, the figures and
-    ``report.md``; returns the summary."""
-    from .plotting import plot_accuracy
-    from .records import load_study_records
+    ``report.md`` (``arms``/``seeds`` ``None``: every one on disk). Everything written is a function of the
+    files in ``out_dir``, so a rebuild gives the same bytes."""
+    from .plotting import plot_gap_sweep
     from .report import write_text
-    from .study import speed_from_environment
+    from .study import cell_records, run_info_from_records, speed_from_environment
 
     out_dir = Path(out_dir)
     config = cells[0].config
     name = config.display_name
-    try:
-        data = load_vision(config.dataset, data_dir)
-        n_train_full, n_test = int(data.train_inputs.shape[0]), int(data.test_inputs.shape[0])
-    except FileNotFoundError:
-        n_train_full = n_test = None
+    n_train_full, n_test = DATASET_SIZES[config.dataset]
     analysed: list[tuple[Cell, dict[str, Any]]] = []
     figures: dict[str, Path] = {}
     speed: dict[str, Any] = {}
+    cell_arms: list[str] = []
     for cell in cells:
-        cdir = out_dir / cell.subdir if cell.subdir else out_dir
-        records = [r for r in load_study_records(cdir) if r["arm"] in arms and r["seed"] in set(seeds)]
-        if not records:
-            raise ValueError(f"finalize_vision: no records under {cdir / 'runs'} for arms={list(arms)} "
-                             f"seeds={list(seeds)}; run the study first.")
-        analysis = analyze_cell(records, arms)
+        records = cell_records(out_dir, cell, arms, seeds)
+        on_disk = list(dict.fromkeys(r["arm"] for r in records))
+        run_arms = list(arms) if arms is not None else (
+            [a for a in STUDY_ARMS[study] if a in on_disk] + [a for a in on_disk if a not in STUDY_ARMS[study]])
+        cell_arms = list(dict.fromkeys([*cell_arms, *run_arms]))
+        analysis = analyze_cell(records, run_arms)
         analysed.append((cell, analysis))
-        for k, v in speed_from_environment(cdir).items():
+        for k, v in speed_from_environment(cell.folder(out_dir)).items():
             speed[f"{cell.subdir + '/' if cell.subdir else ''}{k}"] = v
-        tag = f" ({cell.label})" if cell.sweep else ""
-        stem = f"{cell.subdir}-" if cell.subdir else ""
-        made = {
-            f"Final test accuracy per arm{tag}; grey lines join the arms of one seed, black: mean ± 95% CI":
-                plot_pairs(records, arms, out_dir / f"{stem}pairs.png", title=f"{name}{tag}: final test accuracy"),
-        }
-        if not cell.sweep or cell is cells[-1]:
-            made[f"Accuracy over training{tag} (mean over seeds, band ±1 sd)"] = plot_accuracy(
-                records, out_dir / f"{stem}accuracy.png", sets=("train", "test"), threshold=None)
-            made[f"Per-step movement of W_Q and its AdamW/frame ratio{tag}"] = plot_movement_ratio(
-                records, arms, out_dir / f"{stem}movement_ratio.png", title=f"{name}{tag}")
-            made[f"Distance of W_Q from its initialisation{tag}"] = plot_distance(
-                records, arms, out_dir / f"{stem}distance.png", title=f"{name}{tag}")
-        if study == "ablation":
-            made["Ablation: gap over adamw per arm (bars: mean, whiskers: 95% CI, dots: seeds)"] = plot_ablation(
-                analysis["comparisons"], arms, out_dir / "ablation.png", title=f"{name}: ablation")
+        made = _cell_figures(cell, cells, records, run_arms, analysis, study, out_dir, name)
         figures.update({k: v for k, v in made.items() if v is not None})
+    arms = cell_arms
+    seeds = sorted({s for _, a in analysed for arm in a["arms"].values() for s in arm["seeds"]})
     if study in ("scaling", "decay"):
         rows = [(c.value, a["comparisons"].get("stiefel - adamw")) for c, a in analysed]
         xlabel = "training images per run" if study == "scaling" else "weight decay"
@@ -829,10 +529,11 @@ def finalize_vision(out_dir: str | os.PathLike, study: str, cells: Sequence[Cell
             cmp = a["comparisons"].get("stiefel - adamw")
             if cmp is None:
                 continue
-            s, b = a["arms"]["stiefel"]["final_test_acc"], a["arms"]["adamw"]["final_test_acc"]
-            lines.append(f"| {c.value:g} | {cmp['n']} | {_pp(s['mean'], sign=False)}% | {_pp(b['mean'], sign=False)}% "
-                         f"| {_pp(cmp['mean'])} | [{_pp(cmp['ci_low'])}, {_pp(cmp['ci_high'])}] | {_g(cmp['t'])} "
-                         f"| {_pval(cmp['p_value'])} | {cmp['n_positive']}/{cmp['n']} |")
+            st, ad = a["arms"]["stiefel"]["final_test_acc"], a["arms"]["adamw"]["final_test_acc"]
+            lines.append(f"| {c.value:g} | {cmp['n']} | {fmt_pp(st['mean'], sign=False)}% "
+                         f"| {fmt_pp(ad['mean'], sign=False)}% | {fmt_pp(cmp['mean'])} "
+                         f"| [{fmt_pp(cmp['ci_low'])}, {fmt_pp(cmp['ci_high'])}] | {fmt_num(cmp['t'])} "
+                         f"| {fmt_p(cmp['p_value'])} | {cmp['n_positive']}/{cmp['n']} |")
         lines.append("")
     for c, a in analysed:
         lines += [f"## Results{' — ' + c.label if c.sweep else ''}", ""] + _cell_sections(a, c.config, study)
@@ -844,77 +545,82 @@ def finalize_vision(out_dir: str | os.PathLike, study: str, cells: Sequence[Cell
                                  f"(median {r['median']:.1f}×, {r['n']} windows; per-seed means "
                                  f"{r['per_seed_range'][0]:.1f}–{r['per_seed_range'][1]:.1f}×)")
         lines.append("")
-    lines += _figure_lines(figures, out_dir)
-    rates = [v["epochs_per_second"] for v in speed.values() if v.get("epochs_per_second")]
-    secs = [v["seconds"] for v in speed.values() if v.get("seconds")]
-    lines += ["## Run", ""]
-    if command:
-        lines.append(f"- command: `{command}`")
-    if speed:
-        any_run = next(iter(speed.values()))
-        lines.append(f"- device: {any_run['device']}, {any_run['threads']} torch thread(s), torch {any_run['torch']}; "
-                     f"git {any_run['git_sha']}")
-    if secs:
-        lines.append(f"- {len(secs)} runs, {sum(secs) / 60:.1f} min of training in total, "
-                     f"{sum(secs) / len(secs):.1f} s per run on average ({sum(rates) / len(rates):.3g} epochs/s, "
-                     f"evaluation included)")
-    if wall_seconds is not None:
-        lines.append(f"- wall-clock time of this call: {wall_seconds / 60:.1f} min")
-    lines += ["", "## Configuration", "", "```json", json.dumps(to_dict(config), indent=2), "```", "",
+    lines += figure_lines({k: os.path.relpath(v, out_dir) for k, v in figures.items()})
+    lines += run_lines(run_info_from_records(out_dir, speed))
+    lines += ["## Configuration", "", "```json", json.dumps(to_dict(config), indent=2), "```", "",
               "## Notes", ""] + [f"- {n}" for n in NOTES] + [""]
     summary = {"title": title, "dataset": config.dataset, "dataset_name": name, "study": study, "arms": list(arms),
-               "seeds": list(seeds), "config": to_dict(config), "paper": dict(PAPER),
+               "seeds": list(seeds), "config": to_dict(config), "paper": to_dict(PAPER),
                "cells": [{"label": c.label, "subdir": c.subdir, "sweep": c.sweep, "value": c.value,
                           "config": to_dict(c.config), **a} for c, a in analysed],
-               "speed": speed, "command": command, "wall_seconds": wall_seconds,
-               "figures": {k: os.path.relpath(v, out_dir) for k, v in figures.items()}}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    write_text(out_dir / "report.md", "\n".join(lines))
-    return summary
+               "speed": speed, "figures": {k: os.path.relpath(v, out_dir) for k, v in figures.items()}}
+    summary_path = out_dir / "summary.json"
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    report_path = write_text(out_dir / "report.md", "\n".join(lines))
+    return StudyOutputs(results=tuple(results), summary=summary, summary_path=summary_path, report_path=report_path,
+                        figures=figures)
 
 
 # ---------------------------------------------------------------------------------------------- running
+def recorded_cells(out_dir: str | os.PathLike, study: str) -> list[Cell]:
+    """The cells of a study folder, with the configs their runs were trained with (``--report-only``)."""
+    from .runner import CONFIG_FILE
+
+    out_dir = Path(out_dir)
+    sweep = {"scaling": ("train_size", "size-"), "decay": ("weight_decay", "wd-")}.get(study)
+    folders = [out_dir] if sweep is None else sorted(
+        (p for p in out_dir.glob(f"{sweep[1]}*") if p.is_dir()), key=lambda p: float(p.name[len(sweep[1]):]))
+    cells = []
+    for folder in folders:
+        specs = [json.loads(p.read_text()) for p in sorted(folder.glob(f"runs/*/seed*/{CONFIG_FILE}"))]
+        base = [s for s in specs if s["arm"] != "stiefel-sgd"] or specs  # stiefel-sgd may carry its own frame lr
+        if not base:
+            continue
+        config = config_from_dict(VisionConfig, base[0]["config"])
+        if sweep is None:
+            cells.append(Cell(config))
+        else:
+            value = config.train_size if sweep[0] == "train_size" else config.optim.weight_decay
+            cells.append(Cell(config, folder.name, sweep[0], float(value)))
+    if not cells:
+        from ..cli import UsageError
+
+        raise UsageError(f"--out {out_dir}: holds no runs of a {study} study (runs/<arm>/seed<k>/config.json"
+                         f"{'' if sweep is None else ' under ' + sweep[1] + '*/'}); check --out and --study, or train "
+                         f"the study first, without --report-only.")
+    return cells
+
+
 def run_vision(config: VisionConfig, out_dir: str | os.PathLike, *, study: str = "paired",
                arms: Sequence[str] | None = None, seeds: Sequence[int] = tuple(range(12)),
                train_sizes: Sequence[float] = (0.1, 0.25, 0.5, 1.0),
                weight_decays: Sequence[float] = (0.0, 0.05, 0.5), data_dir: str | os.PathLike = "data",
                download: bool = False, workers: int = 1, device: str = "auto", threads: int | None = None,
                quiet: bool = False, stop_after_epochs: int | None = None, checkpoint_interval_s: float = 30.0,
-               report_only: bool = False, skip_report: bool = False,
-               command: str | None = None) -> tuple[dict[str, Any] | None, list[Any]]:
+               report_only: bool = False, skip_report: bool = False, command: str | None = None) -> StudyOutputs:
     """Run (or resume) every (cell, arm, seed) of ``study`` and write the report; returns
-    ``(summary, run results)``. ``arms=None`` takes :data:`STUDY_ARMS` ``[study]``. ``report_only``: train
-    nothing, rebuild the report from the records; ``skip_report``: train only (the summary is ``None``)."""
+    :class:`~.study.StudyOutputs` (without a summary when ``skip_report``). ``arms=None`` takes
+    :data:`STUDY_ARMS` ``[study]``. ``report_only``: train nothing, rebuild the report from the records of
+    every cell on disk (``arms``/``seeds`` ``None``: every one on disk). ``command`` is recorded in
+    ``out_dir/study.json``."""
     from .arms import get_arm
-    from .runner import run_jobs
+    from .study import run_cells
 
+    if report_only:
+        return finalize_vision(out_dir, study, recorded_cells(out_dir, study), arms, seeds)
     arms = list(STUDY_ARMS[study] if not arms else arms)
     for a in arms:
         get_arm(a)
     data_dir = str(data_dir)
-    data = load_vision(config.dataset, data_dir, download=download)  # fails early, names --data-dir/--download
+    load_vision(config.dataset, data_dir, download=download)  # fails early, names --data-dir/--download
     cells = study_cells(study, config, train_sizes=train_sizes, weight_decays=weight_decays,
-                        n_train=int(data.train_inputs.shape[0]))
-    out_dir = Path(out_dir)
-    builder = functools.partial(build_task, data_dir=data_dir)
-    results: list[Any] = []
-    t0 = time.perf_counter()
-    if not report_only:
-        for cell in cells:
-            specs = [RunSpec(arm_config(cell.config, a), a, s) for a in arms for s in seeds]
-            cdir = out_dir / cell.subdir if cell.subdir else out_dir
-            results += run_jobs(specs, builder, cdir, workers=workers, device=device, threads=threads, quiet=quiet,
-                                stop_after_epochs=stop_after_epochs, checkpoint_interval_s=checkpoint_interval_s)
-    wall = None if report_only else time.perf_counter() - t0
+                        n_train=DATASET_SIZES[config.dataset][0])
+    results = run_cells(cells, functools.partial(build_task, data_dir=data_dir), out_dir, arms=arms, seeds=seeds,
+                        arm_config=arm_config, command=command, workers=workers, device=device, threads=threads,
+                        quiet=quiet, stop_after_epochs=stop_after_epochs, checkpoint_interval_s=checkpoint_interval_s)
     if skip_report:
-        return None, results
-    previous = out_dir / "summary.json"
-    if report_only and previous.exists():  # keep the command and wall time of the call that trained
-        saved = json.loads(previous.read_text())
-        command, wall = saved.get("command") or command, saved.get("wall_seconds")
-    summary = finalize_vision(out_dir, study, cells, arms, seeds, data_dir=data_dir, command=command,
-                              wall_seconds=wall)
-    return summary, results
+        return StudyOutputs(results=tuple(results))
+    return finalize_vision(out_dir, study, cells, arms, seeds, results=results)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -943,7 +649,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-train-size", type=_none_or_int, default=d.eval_train_size, metavar="N",
                    help=f"training images evaluated for train_acc (default {d.eval_train_size}; 'all')")
     g = parser.add_argument_group("study")
-    g.add_argument("--study", choices=STUDIES, default="paired", help="which study (default paired)")
+    g.add_argument("--study", choices=STUDIES, default=None,
+                   help="which study (default paired; with --report-only: the one recorded in --out/study.json)")
     g.add_argument("--train-sizes", type=_floats, default=[0.1, 0.25, 0.5, 1.0],
                    help="scaling: training-set sizes, fractions <= 1 of --train-size (or of all) or counts, "
                         "comma-separated (default 0.1,0.25,0.5,1)")
@@ -985,27 +692,60 @@ def config_from_args(args: argparse.Namespace) -> VisionConfig:
                         train=train_config_from_args(args), optim=optim_config_from_args(args))
 
 
+def _recorded_study(out: str) -> str | None:
+    """The ``--study`` of the last command recorded in ``out/study.json``, if any."""
+    import shlex
+
+    from .study import recorded_commands
+
+    for command in reversed(recorded_commands(out)):
+        words = shlex.split(command)
+        if "--study" in words[:-1]:
+            return words[words.index("--study") + 1]
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    from .cli_args import invoked_command
+    from ..cli import UsageError
+    from .cli_args import (
+        build_config,
+        check_runner_args,
+        invoked_command,
+        require_modules,
+        runner_modules,
+        user_errors,
+    )
     from .data.vision import DatasetNotFoundError
 
-    try:
-        config = config_from_args(args)
-    except ValueError as err:
-        raise SystemExit(f"stiefel-attention vision: {err}") from None
-    command = invoked_command()
+    check_runner_args(args)
+    config = build_config(config_from_args, args)
+    if not args.report_only:
+        require_modules(runner_modules(args) + ["sklearn" if config.dataset == "digits" else "torchvision"])
+    else:
+        require_modules(runner_modules(args))
     t0 = time.perf_counter()
+    seeds = args.seeds if args.seeds is not None else (None if args.report_only else tuple(range(12)))
+    study = args.study or (_recorded_study(args.out) if args.report_only else None) or "paired"
+    if not args.report_only:
+        try:  # the sweep's values, checked before anything is loaded or written
+            study_cells(study, config, train_sizes=args.train_sizes, weight_decays=args.weight_decays,
+                        n_train=DATASET_SIZES[config.dataset][0])
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     try:
-        summary, results = run_vision(
-            config, args.out, study=args.study, arms=args.arms or None, seeds=args.seeds,
-            train_sizes=args.train_sizes, weight_decays=args.weight_decays, data_dir=args.data_dir,
-            download=args.download, workers=args.workers, device=args.device, threads=args.threads,
-            quiet=args.quiet, stop_after_epochs=args.stop_after_epochs, checkpoint_interval_s=args.checkpoint_interval,
-            report_only=args.report_only, skip_report=args.skip_report, command=command)
-    except (DatasetNotFoundError, ValueError) as err:
-        raise SystemExit(f"stiefel-attention vision: {err}") from None
-    print(f"vision ({config.display_name}, study {args.study}): {len(results)} run(s) in "
-          f"{time.perf_counter() - t0:.1f} s -> {args.out}")
+        with user_errors():
+            outputs = run_vision(
+                config, args.out, study=study, arms=args.arms, seeds=seeds, train_sizes=args.train_sizes,
+                weight_decays=args.weight_decays, data_dir=args.data_dir, download=args.download,
+                workers=args.workers, device=args.device, threads=args.threads, quiet=args.quiet,
+                stop_after_epochs=args.stop_after_epochs, checkpoint_interval_s=args.checkpoint_interval,
+                report_only=args.report_only, skip_report=args.skip_report,
+                command=None if args.report_only else invoked_command())
+    except DatasetNotFoundError as err:
+        raise UsageError(str(err)) from None
+    summary, results = outputs.summary, outputs.results
+    print(f"vision ({config.display_name if summary is None else summary['dataset_name']}, study {study}): "
+          f"{len(results)} run(s) in {time.perf_counter() - t0:.1f} s -> {args.out}")
     for cell in (summary or {}).get("cells", []):
         prefix = f"  [{cell['label']}] " if cell["sweep"] else "  "
         for arm, a in cell["arms"].items():

@@ -1,0 +1,93 @@
+"""Run folders written by an earlier version of the harness stay valid: same ``config.json`` (the key that
+decides "same run"), same records, and a resume from their checkpoint continues the run exactly.
+
+The fixture ``tests/data/format_v1`` was written by the harness as of commit d1f8f5a (before the study layer
+was refactored), on CPU with one torch thread:
+
+- ``grokking_full``: ``stiefel-attention grokking --p 7 --width 16 --heads 2 --mlp 32 --epochs 40
+  --eval-every 10 --arms adamw stiefel --device cpu --threads 1`` run to the end (records only);
+- ``grokking_cut``: the same command with ``--stop-after-epochs 15`` (records and checkpoints);
+- ``vision_full``: ``stiefel-attention vision --dataset digits --seeds 0 --epochs 2 --width 8 --heads 2
+  --depth 1 --mlp 16 --train-size 256 --eval-train-size 64 --arms adamw stiefel`` (records only).
+
+Training is deterministic on CPU for a given torch build, so the comparison is exact; it is skipped when
+torch's version differs from the one that wrote the fixture (other kernels may round differently).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from geoopt_stiefel_attention.cli import main
+from geoopt_stiefel_attention.experiments import RunSpec, TrainConfig, to_dict
+from geoopt_stiefel_attention.experiments.grokking import GrokkingConfig
+from geoopt_stiefel_attention.experiments.records import read_records
+
+FIXTURE = Path(__file__).parent / "data" / "format_v1"
+ARMS = ("adamw", "stiefel")
+GROKKING = ["grokking", "--p", "7", "--width", "16", "--heads", "2", "--mlp", "32", "--epochs", "40",
+            "--eval-every", "10", "--arms", *ARMS, "--quiet", "--device", "cpu", "--threads", "1"]
+VISION = ["vision", "--dataset", "digits", "--seeds", "0", "--epochs", "2", "--width", "8", "--heads", "2",
+          "--depth", "1", "--mlp", "16", "--train-size", "256", "--eval-train-size", "64", "--quiet", "--device",
+          "cpu", "--threads", "1", "--arms", *ARMS]
+
+
+def _fixture_torch() -> str:
+    return json.loads((FIXTURE / "grokking_full" / "adamw" / "seed0" / "environment.json").read_text())[0]["torch"]
+
+
+same_torch = pytest.mark.skipif(torch.__version__ != _fixture_torch(),
+                                reason=f"fixture written with torch {_fixture_torch()}")
+
+
+def _as_study_folder(case: str, out: Path) -> Path:
+    """Copy ``FIXTURE/<case>/<arm>/seed0`` to ``out/runs/<arm>/seed0`` (the layout a study writes)."""
+    for arm in ARMS:
+        shutil.copytree(FIXTURE / case / arm / "seed0", out / "runs" / arm / "seed0")
+    return out
+
+
+def _records(folder: Path, arm: str) -> list[dict]:
+    return read_records(folder / arm / "seed0" / "metrics.jsonl")
+
+
+def test_config_json_of_the_old_format_is_what_the_code_writes_now():
+    cfg = GrokkingConfig(p=7, width=16, heads=2, mlp=32, train=TrainConfig(epochs=40, eval_every=10))
+    for arm in ARMS:
+        old = json.loads((FIXTURE / "grokking_full" / arm / "seed0" / "config.json").read_text())
+        assert json.loads(json.dumps(to_dict(RunSpec(cfg, arm, 0)))) == old
+    # companion: another setting gives another config.json, so the comparison can fail
+    other = GrokkingConfig(p=7, width=16, heads=2, mlp=32, train=TrainConfig(epochs=40, eval_every=20))
+    assert json.loads(json.dumps(to_dict(RunSpec(other, "adamw", 0)))) != old
+
+
+@same_torch
+def test_an_old_checkpoint_resumes_to_the_old_uninterrupted_records(tmp_path):
+    out = _as_study_folder("grokking_cut", tmp_path / "study")
+    before = {arm: _records(out / "runs", arm) for arm in ARMS}
+    assert all(r[-1]["epoch"] == 10 for r in before.values())  # stopped after 15 epochs, last record at 10
+    assert main([*GROKKING, "--out", str(out), "--skip-report"]) == 0
+    for arm in ARMS:
+        resumed, full = _records(out / "runs", arm), _records(FIXTURE / "grokking_full", arm)
+        assert [r["epoch"] for r in resumed] == [0, 10, 20, 30, 40]
+        assert resumed == full, arm
+        env = json.loads((out / "runs" / arm / "seed0" / "environment.json").read_text())
+        assert [c["start_epoch"] for c in env] == [0, 15] and env[-1]["end_epoch"] == 40
+    # --report-only reads the resumed folder
+    assert main([*GROKKING, "--out", str(out), "--report-only"]) == 0
+    assert (out / "report.md").exists() and (out / "summary.json").exists()
+
+
+@same_torch
+def test_vision_training_trajectory_is_unchanged(tmp_path):
+    assert main([*VISION, "--out", str(tmp_path), "--skip-report"]) == 0
+    for arm in ARMS:
+        new = _records(tmp_path / "runs", arm)
+        assert new == _records(FIXTURE / "vision_full", arm), arm
+        assert (json.loads((tmp_path / "runs" / arm / "seed0" / "config.json").read_text())
+                == json.loads((FIXTURE / "vision_full" / arm / "seed0" / "config.json").read_text()))

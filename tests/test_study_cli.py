@@ -1,0 +1,237 @@
+"""The study subcommands (``grokking``, ``vision``) as a user meets them: every user error is one line on
+stderr naming the flag, exit status 2, no traceback, and nothing written; a finished run is extended by a
+larger ``--epochs``; other changed settings are refused naming the flags; Ctrl-C checkpoints and says how to
+resume (exit status 130), and the resumed run equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from geoopt_stiefel_attention.cli import main
+from geoopt_stiefel_attention.experiments import grokking
+from geoopt_stiefel_attention.experiments.metrics import MetricHook
+from geoopt_stiefel_attention.experiments.records import read_records
+
+TINY = ["--p", "7", "--width", "16", "--heads", "2", "--mlp", "32", "--eval-every", "10", "--quiet", "--device",
+        "cpu", "--threads", "1", "--arms", "stiefel", "--skip-report"]
+VISION_TINY = ["vision", "--dataset", "digits", "--seeds", "0", "--epochs", "1", "--width", "8", "--heads", "2",
+               "--depth", "1", "--mlp", "16", "--train-size", "128", "--eval-train-size", "64", "--quiet",
+               "--device", "cpu", "--threads", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _usage_error(capsys, argv: list[str], *needles: str) -> str:
+    """Run ``main(argv)``, expect exit status 2 and one stderr line holding every needle; return that line."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err and "error:" in err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--arms", "adamw", "nope"], ["--arms", "nope", "geoopt-radam"]),
+    (["--arms", "adamw", "adamw"], ["--arms", "twice"]),
+    (["--seeds", "-1"], ["--seeds", "-1"]),
+    (["--seeds", "0", "0"], ["--seeds", "twice"]),
+    (["--workers", "0"], ["--workers 0"]),
+    (["--threads", "0"], ["--threads 0"]),
+    (["--epochs", "-5"], ["--epochs -5"]),
+    (["--eval-every", "0"], ["--eval-every 0"]),
+    (["--lr", "-1"], ["--lr -1"]),
+    (["--width", "30", "--heads", "4"], ["--width 30", "--heads 4"]),
+    (["--p", "12", "--operation", "/"], ["--operation", "--p 12"]),
+    (["--device", "nonsense"], ["--device nonsense"]),
+    (["--report-only", "--skip-report"], ["--report-only", "--skip-report"]),
+])
+def test_grokking_user_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, capsys, flags, needles):
+    out = tmp_path / "out"
+    err = _usage_error(capsys, ["grokking", "--quiet", "--out", str(out), *flags], *needles)
+    assert "Config:" not in err  # flags, not internal classes
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--study", "scaling", "--train-sizes", "0"], ["--train-sizes"]),
+    (["--study", "decay", "--weight-decays", "-1"], ["--weight-decay", "-1"]),
+    (["--train-size", "0"], ["--train-size 0"]),
+    (["--patch-size", "5"], ["--patch-size 5"]),
+    (["--arms", "stiefel", "nope"], ["--arms", "nope"]),
+])
+def test_vision_user_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, capsys, flags, needles):
+    out = tmp_path / "out"
+    _usage_error(capsys, [*VISION_TINY, "--out", str(out), *flags], *needles)
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_names_the_flag(tmp_path, capsys):
+    _usage_error(capsys, ["grokking", "--device", "cuda", "--out", str(tmp_path / "o")], "--device cuda", "no GPU")
+    _usage_error(capsys, [*VISION_TINY, "--device", "cuda", "--out", str(tmp_path / "v")], "--device cuda")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "v").exists()
+
+
+def test_out_that_is_a_file_or_under_a_file_or_missing_for_report_only(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    _usage_error(capsys, ["grokking", "--out", str(afile)], "--out", "is a file")
+    _usage_error(capsys, ["grokking", "--out", str(afile / "sub")], "--out", "is a file")
+    _usage_error(capsys, [*VISION_TINY, "--out", str(afile)], "--out", "is a file")
+    _usage_error(capsys, ["grokking", "--report-only", "--out", str(tmp_path / "none")], "--out", "no such folder")
+    (tmp_path / "empty").mkdir()
+    _usage_error(capsys, ["grokking", "--report-only", "--out", str(tmp_path / "empty")], "--out", "no runs")
+    assert afile.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty"]
+
+
+def test_unwritable_out(tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    # the permission check itself (as root, chmod cannot take write access away, so the answer is faked)
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(locked) else real_access(path, mode))
+    _usage_error(capsys, ["grokking", "--out", str(locked / "study")], "--out", "not writable")
+    assert list(locked.iterdir()) == []
+    # companion: a writable parent passes the check
+    monkeypatch.setattr(os, "access", real_access)
+    assert main(["grokking", *TINY, "--epochs", "10", "--out", str(locked / "study")]) == 0
+
+
+@pytest.mark.parametrize("module, flags", [("seaborn", []), ("tqdm", []), ("torchvision", None)])
+def test_missing_optional_dependency_is_one_line(tmp_path, capsys, monkeypatch, module, flags):
+    monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError, as if not installed
+    if flags is None:  # torchvision: the Fashion-MNIST and CIFAR-10 loaders
+        argv = ["vision", "--dataset", "fashion-mnist", "--quiet", "--out", str(tmp_path / "o")]
+    else:
+        argv = ["grokking", "--out", str(tmp_path / "o")]
+    _usage_error(capsys, argv, module, "pip install")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_user_error_prints_no_traceback_from_the_console_script(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "geoopt_stiefel_attention", "grokking", "--seeds", "-1",
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "--seeds" in proc.stderr
+
+
+def _records(out: Path) -> list[dict]:
+    return read_records(out / "runs" / "stiefel" / "seed0" / "metrics.jsonl")
+
+
+def test_a_larger_epochs_extends_a_finished_run_and_other_changes_are_refused(tmp_path, capsys):
+    short, full = tmp_path / "short", tmp_path / "full"
+    assert main(["grokking", *TINY, "--epochs", "20", "--out", str(short)]) == 0
+    assert main(["grokking", *TINY, "--epochs", "40", "--out", str(short)]) == 0
+    assert main(["grokking", *TINY, "--epochs", "40", "--out", str(full)]) == 0
+    assert [r["epoch"] for r in _records(short)] == [0, 10, 20, 30, 40]
+    assert _records(short) == _records(full)  # extending = having trained longer from the start
+    env = json.loads((short / "runs" / "stiefel" / "seed0" / "environment.json").read_text())
+    assert env[-1]["start_epoch"] == 20 and env[-1]["extended_from_epochs"] == 20
+    capsys.readouterr()
+    before = (short / "runs" / "stiefel" / "seed0" / "metrics.jsonl").read_text()
+    _usage_error(capsys, ["grokking", *TINY, "--epochs", "40", "--lr", "0.002", "--out", str(short)],
+                 "--lr is 0.001 there, 0.002 now")
+    _usage_error(capsys, ["grokking", *TINY, "--epochs", "30", "--out", str(short)], "--epochs 30", "40")
+    _usage_error(capsys, ["grokking", *TINY, "--epochs", "40", "--eval-every", "20", "--width", "8", "--out",
+                          str(short)], "--eval-every", "--width")
+    assert (short / "runs" / "stiefel" / "seed0" / "metrics.jsonl").read_text() == before
+
+
+def test_a_cosine_schedule_cannot_be_extended(tmp_path, capsys):
+    out = tmp_path / "v"
+    assert main([*VISION_TINY, "--arms", "adamw", "--skip-report", "--out", str(out)]) == 0
+    capsys.readouterr()
+    _usage_error(capsys, [*VISION_TINY, "--arms", "adamw", "--skip-report", "--epochs", "2", "--out", str(out)],
+                 "--lr-schedule constant")
+    # companion: under a constant schedule the same call extends the run
+    const = tmp_path / "c"
+    flags = [*VISION_TINY, "--arms", "adamw", "--skip-report", "--lr-schedule", "constant", "--out", str(const)]
+    assert main(flags) == 0 and main([*flags, "--epochs", "2"]) == 0
+    assert [r["epoch"] for r in read_records(const / "runs" / "adamw" / "seed0" / "metrics.jsonl")] == [0, 1, 2]
+
+
+class _CtrlC(MetricHook):
+    """Sends this process a SIGINT (a real Ctrl-C) when the record of epoch ``at`` is made."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    def metrics(self, model):
+        self.calls += 1
+        if self.calls == self.at // 10 + 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return {}
+
+
+class _RaiseInLoss:
+    """A loss that raises KeyboardInterrupt at its ``at``-th call (training steps and evaluations both call it)."""
+
+    def __init__(self, loss, at: int) -> None:
+        self.loss, self.at, self.calls = loss, at, 0
+
+    def __call__(self, logits, targets):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return self.loss(logits, targets)
+
+
+def _patched_build(monkeypatch, change):
+    original = grokking.build_task
+
+    def build(spec, arm, device):
+        task = original(spec, arm, device)
+        change(task)
+        return task
+
+    monkeypatch.setattr(grokking, "build_task", build)
+    return original
+
+
+def test_ctrl_c_checkpoints_at_the_epoch_boundary_and_the_rerun_resumes_exactly(tmp_path, capsys, monkeypatch):
+    flags = ["grokking", *TINY, "--epochs", "40"]
+    assert main([*flags, "--out", str(tmp_path / "full")]) == 0
+    original = _patched_build(monkeypatch, lambda task: setattr(task, "hooks", (*task.hooks, _CtrlC(at=20))))
+    assert main([*flags, "--out", str(tmp_path / "cut")]) == 130
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "checkpointed at epoch 20 of 40" in err and "rerun the same command to resume" in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored
+    monkeypatch.setattr(grokking, "build_task", original)
+    assert main([*flags, "--out", str(tmp_path / "cut")]) == 0
+    assert _records(tmp_path / "cut") == _records(tmp_path / "full")
+
+
+def test_keyboard_interrupt_mid_epoch_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch):
+    flags = ["grokking", *TINY, "--epochs", "40", "--checkpoint-interval", "0"]
+    assert main([*flags, "--out", str(tmp_path / "full")]) == 0
+    original = _patched_build(monkeypatch, lambda task: setattr(task, "loss", _RaiseInLoss(task.loss, at=30)))
+    assert main([*flags, "--out", str(tmp_path / "cut")]) == 130
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "checkpointed at epoch 20 of 40" in err
+    monkeypatch.setattr(grokking, "build_task", original)
+    assert main([*flags, "--out", str(tmp_path / "cut")]) == 0
+    assert _records(tmp_path / "cut") == _records(tmp_path / "full")
+    # companion: without any checkpoint yet, the message says the rerun starts over
+    _patched_build(monkeypatch, lambda task: setattr(task, "loss", _RaiseInLoss(task.loss, at=3)))
+    assert main([*flags[:-2], "--out", str(tmp_path / "early")]) == 130
+    assert "before its first checkpoint" in capsys.readouterr().err

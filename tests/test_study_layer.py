@@ -1,0 +1,157 @@
+"""The study layer shared by every study: one paired-statistics implementation (checked against scipy), sweep
+cells, the paper's protocol, figures that stay readable for one-epoch runs, and the arms' documented state.
+
+References are independent: scipy's ``ttest_rel`` and Student-t quantiles, the written-out sum over a
+frame's entries for geoopt's second moment.
+"""
+
+from __future__ import annotations
+
+import math
+
+import geoopt
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from geoopt_stiefel_attention.experiments import OptimConfig, TrainConfig, get_arm, plotting
+from geoopt_stiefel_attention.experiments.config import flag_of
+from geoopt_stiefel_attention.experiments.grokking import PAPER as GROKKING_PAPER
+from geoopt_stiefel_attention.experiments.grokking import GrokkingConfig
+from geoopt_stiefel_attention.experiments.records import summarize
+from geoopt_stiefel_attention.experiments.report import protocol_differences
+from geoopt_stiefel_attention.experiments.stats import compare_arms
+from geoopt_stiefel_attention.experiments.study import Cell
+from geoopt_stiefel_attention.experiments.vision import PAPER as VISION_PAPER
+from geoopt_stiefel_attention.experiments.vision import VisionConfig
+
+#: float64 agreement with scipy's t statistic and interval
+SCIPY_TOL = 1e-12
+F64 = torch.float64
+
+
+# ------------------------------------------------------------------------------------------ paired statistics
+def test_compare_arms_is_the_paired_t_test_on_seeds_both_arms_ran():
+    rng = np.random.default_rng(0)
+    seeds = [0, 1, 2, 3, 4, 5]
+    base = dict(zip(seeds, rng.normal(0.8, 0.05, 6), strict=True))
+    other = {s: base[s] + rng.normal(0.01, 0.005) for s in seeds[:5]}  # seed 5 missing in this arm
+    frozen = {s: other[s] - 0.002 * (s + 1) for s in seeds[:5]}
+    out = compare_arms({"adamw": base, "stiefel": other, "stiefel-frozen": frozen},
+                       ["adamw", "stiefel", "stiefel-frozen"])
+    assert list(out) == ["stiefel - adamw", "stiefel-frozen - adamw", "stiefel - stiefel-frozen"]
+    c = out["stiefel - adamw"]
+    a, b = [other[s] for s in seeds[:5]], [base[s] for s in seeds[:5]]
+    ref = scipy.stats.ttest_rel(a, b)
+    d = np.array(a) - np.array(b)
+    half = scipy.stats.t.ppf(0.975, df=4) * d.std(ddof=1) / math.sqrt(5)
+    assert c["n"] == 5 and c["labels"] == ["0", "1", "2", "3", "4"]
+    assert c["t"] == pytest.approx(float(ref.statistic), rel=SCIPY_TOL)
+    assert c["p_value"] == pytest.approx(float(ref.pvalue), rel=1e-9)
+    assert c["ci_low"] == pytest.approx(d.mean() - half, rel=SCIPY_TOL)
+    assert c["ci_high"] == pytest.approx(d.mean() + half, rel=SCIPY_TOL)
+    # companion: pairing by seed matters; the same values paired in another order give another statistic
+    shuffled = dict(zip(seeds[:5], reversed(a), strict=True))
+    assert compare_arms({"adamw": base, "stiefel": shuffled}, ["adamw", "stiefel"])["stiefel - adamw"]["t"] != c["t"]
+
+
+def test_summarize_uses_the_same_paired_statistics():
+    records = []
+    finals = {"adamw": [0.61, 0.70, 0.55], "stiefel": [0.97, 0.80, 0.60]}
+    for arm, vals in finals.items():
+        for seed, v in enumerate(vals):
+            records += [{"arm": arm, "seed": seed, "epoch": 0, "val_acc": 0.0},
+                        {"arm": arm, "seed": seed, "epoch": 10, "val_acc": v}]
+    s = summarize(records)
+    ref = scipy.stats.ttest_rel(finals["stiefel"], finals["adamw"])
+    p = s["paired"]["stiefel - adamw"]
+    assert p["t"] == pytest.approx(float(ref.statistic), rel=SCIPY_TOL) and p["n_positive"] == 3
+    assert p == compare_arms({a: dict(enumerate(v)) for a, v in finals.items()}, ["adamw", "stiefel"])[
+        "stiefel - adamw"]
+
+
+# ------------------------------------------------------------------------------------------ cells, protocol
+def test_cells_name_their_folder_and_label(tmp_path):
+    cfg = GrokkingConfig(p=7)
+    assert Cell(cfg).folder(tmp_path) == tmp_path and Cell(cfg).label == "all"
+    swept = Cell(cfg, "wd-0.5", "weight_decay", 0.5)
+    assert swept.folder(tmp_path) == tmp_path / "wd-0.5" and swept.label == "weight_decay=0.5"
+
+
+def test_flags_of_config_fields():
+    assert flag_of("config.train.epochs") == "--epochs" and flag_of("config.optim.weight_decay") == "--weight-decay"
+    assert flag_of("seed") == "--seeds" and flag_of("config.fast_forward") == "--no-fast-forward"
+
+
+def test_protocol_of_the_paper():
+    paper_cfg = GrokkingConfig(p=97, operation="+", train_fraction=0.3, train=TrainConfig(epochs=20000))
+    assert protocol_differences(GROKKING_PAPER, paper_cfg) == []
+    small = GrokkingConfig(p=13, train=TrainConfig(epochs=100), optim=OptimConfig(lr=3e-3))
+    assert protocol_differences(GROKKING_PAPER, small) == [("--p", 97, 13), ("--epochs", 20000, 100)]
+    assert protocol_differences(VISION_PAPER, VisionConfig(dataset="cifar10")) == []
+    assert protocol_differences(VISION_PAPER, VisionConfig(dataset="fashion-mnist", patch_size=7)) == [
+        ("--dataset", "cifar10", "fashion-mnist")]
+
+
+# ------------------------------------------------------------------------------------------ one-epoch figures
+def _one_epoch_records(epochs=(0, 1)):
+    recs = []
+    for arm, scale in (("adamw", 1.0), ("stiefel", 0.03)):
+        for seed in (0, 1):
+            for e in epochs:
+                recs.append({"experiment": "vision", "arm": arm, "seed": seed, "epoch": e, "step": 10 * e,
+                             "train_acc": 0.5, "test_acc": 0.5 + 0.01 * seed,
+                             "move_step_rms/q": None if e == 0 else scale * (1 + seed),
+                             "move_total_rel/q": 0.01 * e, "angle_max_deg/q": float(e)})
+    return recs
+
+
+@pytest.fixture
+def captured(monkeypatch, tmp_path):
+    figures = []
+
+    def save(fig, path):
+        figures.append(fig)
+        return tmp_path / "unused.png"
+
+    monkeypatch.setattr(plotting, "_save", save)
+    return figures
+
+
+def _markers(fig):
+    return [line.get_marker() for ax in fig.axes for line in ax.lines if len(line.get_xdata()) > 0]
+
+
+def test_a_one_epoch_run_draws_markers(captured):
+    recs = _one_epoch_records()
+    assert plotting.plot_movement_ratio(recs, ["adamw", "stiefel"], "m.png", title="t") is not None
+    markers = _markers(captured[-1])
+    assert markers and all(m == "o" for m in markers)  # every series has one point: all drawn as markers
+    plotting.plot_accuracy([r for r in recs if r["epoch"] == 1], "a.png", sets=("train", "test"), threshold=None)
+    assert _markers(captured[-1]) and all(m == "o" for m in _markers(captured[-1]))
+    # companion: with several evaluations the series are lines without markers
+    plotting.plot_movement_ratio(_one_epoch_records(epochs=(0, 1, 2, 3)), ["adamw", "stiefel"], "m.png", title="t")
+    assert all(m in ("None", None, "") for m in _markers(captured[-1]))
+
+
+# ------------------------------------------------------------------------------------------ arms
+def test_geoopt_radam_keeps_a_per_frame_second_moment_at_full_size():
+    """What arms.py says: geoopt's RiemannianAdam on EuclideanStiefel accumulates ‖ξ‖²_F per frame, broadcast
+    into a buffer of the frame's full shape."""
+    torch.manual_seed(0)
+    st = geoopt.EuclideanStiefel()
+    w = geoopt.ManifoldParameter(st.random(3, 6, 2, dtype=F64), manifold=st)
+    opt = geoopt.optim.RiemannianAdam([w], lr=1e-3, betas=(0.9, 0.999))
+    g = torch.randn(3, 6, 2, dtype=F64)
+    w.grad = g.clone()
+    xi = g - w.detach() @ (0.5 * (w.detach().transpose(-1, -2) @ g + g.transpose(-1, -2) @ w.detach()))
+    opt.step()
+    v = opt.state[w]["exp_avg_sq"]
+    assert v.shape == (3, 6, 2)  # full size
+    expected = 0.001 * (xi ** 2).sum(dim=(-1, -2))  # (1 - beta2) * ‖ξ‖²_F per frame
+    for h in range(3):
+        assert torch.allclose(v[h], expected[h].expand(6, 2), rtol=1e-12, atol=0)
+    # companion: the element-wise second moment of plain Adam is not constant over a frame
+    assert not torch.allclose(xi[0] ** 2, (xi[0] ** 2).mean().expand(6, 2))
+    assert get_arm("geoopt-radam").attention == "stiefel"
