@@ -1,7 +1,8 @@
 """``stiefel-attention bench``: what a :class:`~geoopt_stiefel_attention.StiefelAdam` step costs, measured
 next to :class:`torch.optim.AdamW` and stock geoopt ``RiemannianAdam`` in the same process.
 
-Two benchmarks, both returning frozen result objects (the CLI and ``benchmarks/*.py`` print them):
+Three benchmarks, each returning frozen result objects (the CLI and ``benchmarks/*.py`` print them), and one
+prepared accelerator check:
 
 - :func:`step_time_benchmark`: the optimizer step alone on the query/key projections of transformer
   configurations (:data:`CONFIGS`: one frame per head, parameters shaped ``(heads, width, head_dim)``, two per
@@ -13,7 +14,13 @@ Two benchmarks, both returning frozen result objects (the CLI and ``benchmarks/*
 - :func:`train_step_benchmark`: a full training step (forward, backward, optimizer) of
   :class:`~geoopt_stiefel_attention.TinyTransformer` and :class:`~geoopt_stiefel_attention.PatchViT`, the
   ``"stiefel"`` arm (Stiefel attention, StiefelAdam) against the ``"adamw"`` arm (Euclidean attention,
-  ``torch.optim.AdamW``), both on :func:`~geoopt_stiefel_attention.param_groups`.
+  ``torch.optim.AdamW``), both on :func:`~geoopt_stiefel_attention.param_groups`; optionally under
+  ``torch.autocast``.
+- :func:`step_path_benchmark`: the StiefelAdam step's own paths (default, ``capturable=True``,
+  ``torch.compile(opt.step)``; row- and column-major frames) against the matrix-product floor, on the bench
+  shape :data:`BENCH_FRAMES` and a grid of widths and ranks.
+- :func:`accelerator_check` (``stiefel-attention bench gpu``, ``benchmarks/gpu.sh``): a few minutes on one
+  GPU, all of the above at GPU sizes plus the grokking study's epochs per second, written as JSON.
 
 Protocol. The arms are interleaved: every round runs each arm for a few steps, in an order that rotates from
 round to round, so slow drift of a shared machine hits all arms alike. Each step is timed on its own; an arm's
@@ -110,6 +117,7 @@ class TrainStepResult:
     rounds: int
     clock: str
     threads: int
+    autocast: str | None = None
 
 
 @dataclass(frozen=True)
@@ -242,9 +250,11 @@ def frame_shapes(width: int, depth: int, heads: int) -> list[tuple[int, int, int
 
 def _matmul_floor(params: list[Any], steps: list[int]) -> Callable[[], None]:
     """The six ``d x r x r`` products of a StiefelAdam step, batched as StiefelAdam batches ``params``, on
-    preallocated tensors of the same shapes, with the same destinations (``out=`` / ``baddbmm``)."""
+    preallocated tensors of the same shapes, with the same destinations (``out=`` / ``baddbmm``), in the dtype
+    the step computes in (float32 for bfloat16 and float16 frames)."""
     import torch
 
+    from ._linalg import compute_dtype
     from .optim import _frame_batches
 
     gen = torch.Generator(device=params[0].device).manual_seed(0)
@@ -252,7 +262,7 @@ def _matmul_floor(params: list[Any], steps: list[int]) -> Callable[[], None]:
     for _, batch in _frame_batches(params, steps):
         d, r = batch[0].shape[-2:]
         n = sum(p.numel() for p in batch) // (d * r)
-        like = dict(dtype=batch[0].dtype, device=batch[0].device, generator=gen)
+        like = dict(dtype=compute_dtype(batch[0].dtype), device=batch[0].device, generator=gen)
         w, g, m = (torch.randn(n, d, r, **like) for _ in range(3))
         x = torch.randn(n, r, r, **like)
         y, w_new, m_new = (torch.empty_like(w) for _ in range(3))  # separate outputs: no feedback between runs
@@ -499,6 +509,7 @@ def train_step_benchmark(
     threads: int | None = None,
     seed: int = 0,
     scale: str = "default",
+    autocast: str | None = None,
 ) -> list[TrainStepResult]:
     """Time a full training step (zero_grad, forward, loss, backward, optimizer step) of each model for the
     ``"adamw"`` arm (Euclidean attention, ``torch.optim.AdamW`` with its default implementation) and the
@@ -511,6 +522,8 @@ def train_step_benchmark(
     ``scale="default"`` uses :data:`TRAIN_SETTINGS` (the grokking and vision studies' default models; the
     grokking batch is 512 rather than the study's full batch, which only lowers the optimizer's share),
     ``scale="tiny"`` :data:`TINY_TRAIN_SETTINGS`. The optimizer step is also timed on its own.
+    ``autocast="bfloat16"`` (or ``"float16"``) runs forward and loss under ``torch.autocast`` on the device
+    (parameters and optimizer stay float32: mixed precision the way torch users do it).
     """
     import torch
 
@@ -520,6 +533,10 @@ def train_step_benchmark(
     table = {"default": TRAIN_SETTINGS, "tiny": TINY_TRAIN_SETTINGS}.get(scale)
     if table is None:
         raise ValueError(f"bench: scale={scale!r} is unknown; use 'default' or 'tiny'.")
+    if autocast not in (None, "bfloat16", "float16"):
+        raise ValueError(f"bench: autocast={autocast!r} is unknown; use None, 'bfloat16' or 'float16'.")
+    amp = dict(device_type=torch.device(device).type, dtype=getattr(torch, autocast or "bfloat16"),
+               enabled=autocast is not None)
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -538,7 +555,9 @@ def train_step_benchmark(
 
                 def full(net=net, opt=opt, x=x, y=y, loss_fn=loss_fn) -> None:
                     opt.zero_grad(set_to_none=True)
-                    loss_fn(net(x), y).backward()
+                    with torch.autocast(**amp):
+                        loss = loss_fn(net(x), y)
+                    loss.backward()
                     opt.step()
 
                 steps[arm], opt_steps[arm] = full, opt.step
@@ -553,10 +572,343 @@ def train_step_benchmark(
                 full_step={arm: _timing(arm, samples[arm]) for arm in steps},
                 optimizer_step={arm: _timing(arm, opt_samples[arm]) for arm in opt_steps},
                 ratio=_ratio(samples["stiefel"], samples["adamw"]), rounds=rounds, clock=clock,
-                threads=torch.get_num_threads()))
+                threads=torch.get_num_threads(), autocast=autocast))
         return results
     finally:
         torch.set_num_threads(previous)
+
+
+# ----------------------------------------------------------------------------------------------- step paths
+@dataclass(frozen=True)
+class FrameSet:
+    """``params`` frame parameters of shape ``(heads, d, r)``: ``params * heads`` frames of ``St(d, r)``."""
+
+    params: int
+    heads: int
+    d: int
+    r: int
+
+    def __post_init__(self) -> None:
+        for name in ("params", "heads", "d", "r"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value > 0):
+                raise ValueError(f"bench: FrameSet {name}={value!r} must be a positive int.")
+        if self.r > self.d:
+            raise ValueError(f"bench: FrameSet r={self.r} exceeds d={self.d}; a frame needs r <= d.")
+
+    @property
+    def label(self) -> str:
+        return f"{self.params} x ({self.heads}, {self.d}, {self.r})"
+
+
+#: The bench shape of issue #18: 12 layers x (W_Q, W_K) x 8 heads of 512 x 64 frames.
+BENCH_FRAMES = FrameSet(params=24, heads=8, d=512, r=64)
+#: Widths and ranks of the ``grid="full"`` sweep (24 parameters of 8 heads each, like the bench shape).
+GRID_WIDTHS = (128, 256, 512, 1024)
+GRID_RANKS = (32, 64, 128)
+
+#: The arms of :func:`step_path_benchmark`, in display order. ``-colmajor``: the same frames stored
+#: column-major (the layout ``torch.linalg.qr(...).Q`` returns).
+PATH_ARMS = ("eager", "capturable", "compiled", "eager-colmajor", "capturable-colmajor", "matmul_floor")
+GRIDS = ("short", "full")
+
+
+def path_frame_sets(grid: str = "short") -> list[FrameSet]:
+    """``"short"``: the bench shape alone; ``"full"``: the bench shape, then 24 parameters of 8 heads of
+    ``d x r`` frames for ``d`` in :data:`GRID_WIDTHS` and ``r`` in :data:`GRID_RANKS` (``r < d``; the bench
+    shape once)."""
+    if grid not in GRIDS:
+        raise ValueError(f"bench: grid={grid!r} is unknown; use one of {GRIDS}.")
+    sets = [BENCH_FRAMES]
+    if grid == "full":
+        grid_sets = (FrameSet(24, 8, d, r) for d in GRID_WIDTHS for r in GRID_RANKS if r < d)
+        sets += [fs for fs in grid_sets if fs != BENCH_FRAMES]
+    return sets
+
+
+@dataclass(frozen=True)
+class StepPathResult:
+    """:func:`step_path_benchmark` for one :class:`FrameSet`.
+
+    ``floor_ratio[arm]`` is the arm's step time over the matrix-product floor's (median over rounds of the
+    per-round ratio of medians); ``compile_s`` the seconds the compiled arm's first steps took (compilation;
+    excluded from its timing), ``None`` without that arm.
+    """
+
+    frames: FrameSet
+    dtype: str
+    device: str
+    timings: dict[str, ArmTiming]
+    floor_ratio: dict[str, float]
+    compile_s: float | None
+    compile_backend: str | None
+    rounds: int
+    clock: str
+    threads: int
+
+
+def _path_steps(fs: FrameSet, *, arms: tuple[str, ...], lr: float, dtype: Any, device: str, seed: int,
+                compile_backend: str) -> tuple[dict[str, Callable[[], Any]], dict[str, Any], float | None]:
+    """Each arm's step on its own copy of the same frames and gradients; compiles the compiled arm (its
+    first three calls, timed and returned) so that its timed steps exclude compilation."""
+    import geoopt
+    import torch
+
+    from .manifolds import PolarStiefel
+    from .optim import StiefelAdam
+
+    gen = torch.Generator().manual_seed(seed)
+    st = PolarStiefel()
+    shape = (fs.heads, fs.d, fs.r)
+    start = [st.random(*shape, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+             for _ in range(fs.params)]
+    grads = [(1e-2 * torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype=dtype, device=device)
+             for _ in range(fs.params)]
+
+    def frames(column_major: bool) -> list[torch.Tensor]:
+        def layout(t: torch.Tensor) -> torch.Tensor:  # column-major: strides (d r, 1, d), as linalg.qr's Q
+            return t.mT.contiguous().mT if column_major else t.clone()
+
+        out = []
+        for w, g in zip(start, grads, strict=True):
+            p = geoopt.ManifoldParameter(layout(w), manifold=PolarStiefel())
+            p.grad = layout(g)
+            out.append(p)
+        return out
+
+    steps: dict[str, Callable[[], Any]] = {}
+    opts: dict[str, Any] = {}
+    compile_s = None
+    for arm in arms:
+        if arm not in PATH_ARMS:
+            raise ValueError(f"bench: arm {arm!r} is unknown; use any of {PATH_ARMS}.")
+        if arm == "matmul_floor":
+            steps[arm] = _matmul_floor(frames(False), [1] * fs.params)
+            continue
+        capturable = None if arm.startswith("eager") else True  # None: the device's default (False on CPU)
+        opts[arm] = StiefelAdam(frames(arm.endswith("-colmajor")), lr=lr, capturable=capturable)
+        steps[arm] = opts[arm].step
+        if arm == "compiled":
+            steps[arm] = torch.compile(opts[arm].step, backend=compile_backend)
+            t0 = time.perf_counter()
+            for _ in range(3):  # the first step creates the state; the next ones run the steady-state graph
+                steps[arm]()
+            _synchronize(device)
+            compile_s = time.perf_counter() - t0
+    return steps, opts, compile_s
+
+
+def step_path_benchmark(
+    frame_sets: list[FrameSet] | None = None,
+    *,
+    arms: tuple[str, ...] = PATH_ARMS,
+    rounds: int = 7,
+    steps_per_round: int = 5,
+    warmup: int = 3,
+    lr: float = 1e-3,
+    dtype: str = "float32",
+    device: str = "cpu",
+    clock: str = "wall",
+    threads: int | None = None,
+    seed: int = 0,
+    compile_backend: str = "inductor",
+) -> list[StepPathResult]:
+    """Time the paths of one :class:`~geoopt_stiefel_attention.StiefelAdam` step against the six batched
+    ``d x r x r`` products alone (``"matmul_floor"``, see :func:`_matmul_floor`), every arm in one process.
+
+    Arms (:data:`PATH_ARMS`): ``"eager"``, the default path (``capturable=None``: the host-reading path on
+    the CPU, the capturable one on accelerators); ``"capturable"``, ``capturable=True`` (step counts as
+    tensors, no host read: the path a GPU runs, selectable on the CPU); ``"compiled"``,
+    ``torch.compile(opt.step, backend=compile_backend)`` of a capturable optimizer, timed after its first
+    three (compiling) calls; ``"eager-colmajor"`` and ``"capturable-colmajor"``, the same frames stored
+    column-major, as ``torch.linalg.qr(...).Q`` returns them. ``"matmul_floor"`` must be among the arms.
+
+    Parameters
+    ----------
+    frame_sets : list of FrameSet, optional
+        Default ``[BENCH_FRAMES]`` (:func:`path_frame_sets`).
+    arms, rounds, steps_per_round, warmup, lr, dtype, device, clock, threads, seed
+        As in :func:`step_time_benchmark`.
+    compile_backend : str, default "inductor"
+        ``torch.compile`` backend of the compiled arm (``"aot_eager"`` traces without generating code).
+
+    Returns
+    -------
+    list of StepPathResult
+        One per frame set, in the order given.
+    """
+    import torch
+
+    if "matmul_floor" not in arms:
+        raise ValueError("bench: arms must include 'matmul_floor' (every ratio is relative to it).")
+    frame_sets = [BENCH_FRAMES] if frame_sets is None else frame_sets
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        results = []
+        for fs in frame_sets:
+            steps, opts, compile_s = _path_steps(fs, arms=arms, lr=lr, dtype=getattr(torch, dtype), device=device,
+                                                 seed=seed, compile_backend=compile_backend)
+            samples, _ = _interleave(steps, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
+                                     clock=clock, device=device, required=tuple(steps))
+            timings = {}
+            for arm in samples:
+                ws = getattr(opts.get(arm), "_workspaces", None)
+                timings[arm] = _timing(arm, samples[arm], state_bytes=_state_bytes(opts[arm]) if arm in opts else None,
+                                       workspace_bytes=sum(b.numel() * b.element_size() for b in ws.values())
+                                       if ws is not None else None)
+            results.append(StepPathResult(
+                frames=fs, dtype=dtype, device=device, timings=timings,
+                floor_ratio={arm: _ratio(samples[arm], samples["matmul_floor"]) for arm in samples
+                             if arm != "matmul_floor"},
+                compile_s=compile_s, compile_backend=compile_backend if "compiled" in arms else None,
+                rounds=rounds, clock=clock, threads=torch.get_num_threads()))
+            del steps, opts
+            torch._dynamo.reset()  # each frame set compiles its own step; drop the last one's graphs
+        return results
+    finally:
+        torch.set_num_threads(previous)
+
+
+def format_path_table(results: list[StepPathResult]) -> str:
+    """A Markdown table: per frame set, each arm's median step time and its ratio to the product floor."""
+    arms = [a for a in PATH_ARMS if a != "matmul_floor" and any(a in r.timings for r in results)]
+    head = ["frames (params x (heads, d, r))", "floor ms"] + [f"{a} ms (x floor)" for a in arms]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        row = [r.frames.label, f"{r.timings['matmul_floor'].median_ms:.3f}"]
+        row += [f"{r.timings[a].median_ms:.3f} ({r.floor_ratio[a]:.2f})" if a in r.timings else "n/a" for a in arms]
+        lines.append("| " + " | ".join(row) + " |")
+    compiled = [f"{r.frames.label}: {r.compile_s:.1f} s" for r in results if r.compile_s is not None]
+    if compiled:
+        lines += ["", f"Compilation ({results[0].compile_backend}; first three calls, excluded): "
+                      + ", ".join(compiled)]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- accelerator check
+#: Sizes of :func:`accelerator_check`: the largest step-benchmark configuration and the issue's bench
+#: shape (``"default"``, a GPU run of a few minutes), or a smoke test (``"tiny"``, seconds on a CPU).
+CHECK_SCALES: dict[str, dict[str, Any]] = {
+    "default": dict(width=max(CONFIGS), configs=CONFIGS, frames=BENCH_FRAMES, grok=dict(), grok_epochs=300,
+                    rounds=7),
+    "tiny": dict(width=64, configs={64: (1, 2)}, frames=FrameSet(2, 2, 16, 4),
+                 grok=dict(p=7, width=16, heads=2, mlp=32), grok_epochs=5, rounds=2),
+}
+
+
+def grokking_speed(device: str = "cpu", *, epochs: int = 300, arms: tuple[str, ...] = ("adamw", "stiefel"),
+                   seed: int = 0, threads: int | None = None, workdir: str | None = None,
+                   **config: Any) -> dict[str, float]:
+    """Epochs per second of the grokking study's runs (its model, data and the shared training loop,
+    full batch, evaluated at the first and last epoch) for ``epochs`` epochs of each arm.
+
+    ``config`` overrides :class:`~geoopt_stiefel_attention.experiments.grokking.GrokkingConfig` fields (the
+    study's defaults otherwise). Run folders go to a temporary directory unless ``workdir`` is given.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from .experiments.config import RunSpec, TrainConfig
+    from .experiments.grokking import GrokkingConfig, build_task
+    from .experiments.runner import train_run
+
+    cfg = GrokkingConfig(train=TrainConfig(epochs=epochs, eval_every=epochs), **config)
+    speeds = {}
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        for arm in arms:
+            result = train_run(RunSpec(cfg, arm, seed), build_task, Path(tmp) / arm, device=device, quiet=True,
+                               threads=threads)
+            speeds[arm] = result.epochs_per_second
+    return speeds
+
+
+def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: str = "wall",
+                      threads: int | None = None, compile_backend: str | None = "inductor",
+                      seed: int = 0) -> dict[str, Any]:
+    """The prepared accelerator check of issue #18 (``benchmarks/gpu.sh``; a few minutes on one GPU).
+
+    1. ``step``: :func:`step_time_benchmark` at the largest configuration of :data:`CONFIGS`, StiefelAdam
+       against ``AdamW(fused=True)``, ``geoopt-radam`` and the product floor, in float32 and bfloat16.
+    2. ``paths``: :func:`step_path_benchmark` on :data:`BENCH_FRAMES`, default (on an accelerator:
+       capturable) and compiled step against the product floor (``compile_backend=None`` leaves the
+       compiled arm out).
+    3. ``train``: :func:`train_step_benchmark` under bfloat16 autocast, stiefel arm against the adamw arm, of
+       a HuggingFace GPT-2 converted by :func:`~geoopt_stiefel_attention.stiefelize` (``"hf_gpt2"``) when
+       ``transformers`` is installed, else TinyTransformer.
+    4. ``grokking``: :func:`grokking_speed`, epochs per second of the grokking study for a few hundred
+       epochs per arm.
+
+    Returns a JSON-ready dict: ``machine``, ``settings``, ``seconds`` (per part) and one entry per part.
+    """
+    import torch
+
+    if scale not in CHECK_SCALES:
+        raise ValueError(f"bench: scale={scale!r} is unknown; use one of {tuple(CHECK_SCALES)}.")
+    sizes = CHECK_SCALES[scale]
+    rounds = sizes["rounds"]
+    timing = dict(rounds=rounds, steps_per_round=3, warmup=2, device=device, clock=clock, threads=threads,
+                  seed=seed)
+    seconds: dict[str, float] = {}
+    out: dict[str, Any] = {}
+
+    t0 = time.perf_counter()
+    out["step"] = [asdict(r) for dtype in ("float32", "bfloat16") for r in step_time_benchmark(
+        (sizes["width"],), arms=("stiefel", "adamw_fused", "geoopt-radam", "matmul_floor"), dtype=dtype,
+        configs=sizes["configs"], **timing)]
+    seconds["step"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    arms = ("eager", "compiled", "matmul_floor") if compile_backend else ("eager", "matmul_floor")
+    out["paths"] = [asdict(r) for r in step_path_benchmark(
+        [sizes["frames"]], arms=arms, compile_backend=compile_backend or "inductor", **timing)]
+    seconds["paths"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    model = "hf_gpt2" if importlib.util.find_spec("transformers") is not None else "tiny_transformer"
+    out["train"] = [asdict(r) for r in train_step_benchmark(
+        (model,), autocast="bfloat16", scale=scale, **timing)]
+    seconds["train"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    previous = torch.get_num_threads()
+    try:
+        epochs = sizes["grok_epochs"]
+        out["grokking"] = dict(epochs=epochs, epochs_per_second=grokking_speed(
+            device, epochs=epochs, seed=seed, threads=threads, **sizes["grok"]))
+    finally:
+        torch.set_num_threads(previous)
+    seconds["grokking"] = time.perf_counter() - t0
+
+    return {"machine": asdict(machine_info(device)), "settings": dict(scale=scale, **timing,
+                                                                      compile_backend=compile_backend),
+            "seconds": seconds, **out}
+
+
+def format_check(doc: dict[str, Any]) -> str:
+    """A short plain-text summary of :func:`accelerator_check`'s result."""
+    lines = [f"accelerator check on {doc['machine']['device']} ({doc['machine']['cpu']}), "
+             f"torch {doc['machine']['torch']}, scale {doc['settings']['scale']}"]
+    for r in doc["step"]:
+        t = r["timings"]
+        cells = ", ".join(f"{a} {t[a]['note']}" if t[a]["note"] else f"{a} {t[a]['median_ms']:.3f} ms" for a in t)
+        ratios = [f"StiefelAdam / AdamW fused {r['ratios']['adamw_fused']:.2f}" if "adamw_fused" in r["ratios"] else "",
+                  f"speed-up vs geoopt-radam {1 / r['ratios']['geoopt-radam']:.2f}x"
+                  if "geoopt-radam" in r["ratios"] else ""]
+        lines.append(f"step {r['dtype']} width {r['width']}: {cells}; " + ", ".join(x for x in ratios if x))
+    for r in doc["paths"]:
+        cells = ", ".join(f"{a} {x:.2f}x floor" for a, x in r["floor_ratio"].items())
+        lines.append(f"paths {FrameSet(**r['frames']).label}: floor {r['timings']['matmul_floor']['median_ms']:.3f} ms; "
+                     f"{cells}" + (f"; compiled in {r['compile_s']:.1f} s" if r["compile_s"] is not None else ""))
+    for r in doc["train"]:
+        lines.append(f"train {r['model']} ({r['autocast']} autocast): adamw {r['full_step']['adamw']['median_ms']:.2f}"
+                     f" ms, stiefel {r['full_step']['stiefel']['median_ms']:.2f} ms, stiefel / adamw {r['ratio']:.3f}")
+    g = doc["grokking"]
+    lines.append(f"grokking, {g['epochs']} epochs: " + ", ".join(f"{a} {v:.1f} epochs/s"
+                                                               for a, v in g["epochs_per_second"].items()))
+    lines.append("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in doc["seconds"].items()))
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------- rendering
@@ -616,13 +968,25 @@ def to_json(results: list[Any], machine: Machine, **meta: Any) -> str:
 # ----------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``stiefel-attention bench``."""
-    parser.add_argument("what", nargs="?", choices=("step", "train"), default="step",
-                        help="'step': optimizer step on Q/K frames (default); 'train': full training step")
+    parser.add_argument("what", nargs="?", choices=("step", "train", "paths", "gpu"), default="step",
+                        help="'step': optimizer step on Q/K frames against competitors (default); 'train': full "
+                             "training step; 'paths': the step's eager, capturable and compiled paths against "
+                             "the product floor; 'gpu': the prepared accelerator check (needs --out)")
     parser.add_argument("--widths", type=positive_int, nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                         metavar="WIDTH", help=f"configurations for 'step', any of {' '.join(map(str, CONFIGS))} "
                                               f"(default: all)")
-    parser.add_argument("--arms", nargs="+", default=list(STEP_ARMS), choices=STEP_ARMS,
-                        help="competitors for 'step' (default: all)")
+    parser.add_argument("--arms", nargs="+", default=None, choices=tuple(dict.fromkeys(STEP_ARMS + PATH_ARMS)),
+                        help=f"arms for 'step', any of {' '.join(STEP_ARMS)}, or for 'paths', any of "
+                             f"{' '.join(PATH_ARMS)} (default: all)")
+    parser.add_argument("--grid", default="short", choices=GRIDS,
+                        help=f"frame sets for 'paths': 'short', the bench shape {BENCH_FRAMES.label} (default); "
+                             f"'full', also widths {min(GRID_WIDTHS)}-{max(GRID_WIDTHS)} with r = "
+                             f"{', '.join(map(str, GRID_RANKS))}")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend of the compiled arm of 'paths' and 'gpu' (default inductor)")
+    parser.add_argument("--scale", default="default", choices=tuple(CHECK_SCALES),
+                        help="sizes of 'gpu': 'default' (a few minutes on a GPU) or 'tiny' (a smoke test)")
+    parser.add_argument("--out", default=None, metavar="PATH", help="also write the JSON to PATH")
     parser.add_argument("--models", nargs="+", default=list(TRAIN_MODELS), choices=TRAIN_MODELS + EXTRA_TRAIN_MODELS,
                         help="models for 'train' (default: the first two; hf_gpt2, a HuggingFace GPT-2 "
                              "converted by stiefelize, needs the models extra)")
@@ -655,9 +1019,36 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "train" and "hf_gpt2" in args.models and importlib.util.find_spec("transformers") is None:
         usage_error("stiefel-attention bench", "--models hf_gpt2 needs HuggingFace transformers; install the "
                                                "models extra (pip install -e '.[models]')")
+    allowed = PATH_ARMS if args.what == "paths" else STEP_ARMS
+    args.arms = list(allowed) if args.arms is None else args.arms
+    wrong = [a for a in args.arms if a not in allowed]
+    if args.what in ("step", "paths") and wrong:
+        usage_error("stiefel-attention bench", f"--arms {' '.join(wrong)}: not an arm of '{args.what}'; use any of "
+                                               f"{' '.join(allowed)}")
     if args.what == "step" and "stiefel" not in args.arms:
         usage_error("stiefel-attention bench", "--arms must include 'stiefel' (every ratio is relative to it)")
-    if args.what == "step":
+    if args.what == "paths" and "matmul_floor" not in args.arms:
+        usage_error("stiefel-attention bench", "--arms must include 'matmul_floor' (every ratio is relative to it)")
+    if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+        usage_error("stiefel-attention bench", f"--compile-backend {args.compile_backend!r} is not a torch.compile "
+                                               f"backend; use e.g. inductor or aot_eager")
+    if args.what == "gpu":
+        if args.out is None:
+            usage_error("stiefel-attention bench", "'gpu' writes its results as JSON: pass --out PATH")
+        doc = accelerator_check(args.device, scale=args.scale, clock=args.clock, threads=args.threads,
+                                compile_backend=args.compile_backend, seed=args.seed)
+        text = json.dumps(doc, indent=2, default=str)
+        _write_out(args.out, text)
+        print(text if args.json else format_check(doc) + f"\nwritten to {args.out}")
+        return 0
+    if args.what == "paths":
+        steps = 5 if args.steps is None else args.steps
+        results = step_path_benchmark(path_frame_sets(args.grid), arms=tuple(args.arms), rounds=args.rounds,
+                                      steps_per_round=steps, lr=args.lr, dtype=args.dtype, device=args.device,
+                                      clock=args.clock, threads=args.threads, seed=args.seed,
+                                      compile_backend=args.compile_backend)
+        table = format_path_table(results)
+    elif args.what == "step":
         steps = 5 if args.steps is None else args.steps
         results = step_time_benchmark(tuple(args.widths), arms=tuple(args.arms), rounds=args.rounds,
                                       steps_per_round=steps, lr=args.lr, dtype=args.dtype, device=args.device,
@@ -673,12 +1064,24 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     machine = machine_info(args.device)
     torch.set_num_threads(previous)
+    text = to_json(results, machine, benchmark=args.what, rounds=args.rounds, steps_per_round=steps, lr=args.lr,
+                   dtype=args.dtype, clock=args.clock, threads=args.threads, seed=args.seed,
+                   **(dict(grid=args.grid, compile_backend=args.compile_backend) if args.what == "paths" else {}))
+    if args.out is not None:
+        _write_out(args.out, text)
     if args.json:
-        print(to_json(results, machine, benchmark=args.what, rounds=args.rounds, steps_per_round=steps, lr=args.lr,
-                      dtype=args.dtype, clock=args.clock, threads=args.threads, seed=args.seed))
+        print(text)
     else:
         print(table)
         print(f"\n{machine.cpu}, {machine.logical_cpus} logical CPUs, torch {machine.torch} "
               f"({machine.torch_threads} threads), geoopt {machine.geoopt}; clock={args.clock}, "
               f"rounds={args.rounds}, steps/round={steps}, lr={args.lr}, {args.dtype} on {args.device}.")
     return 0
+
+
+def _write_out(path: str, text: str) -> None:
+    from pathlib import Path
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text + "\n")

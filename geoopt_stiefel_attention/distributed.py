@@ -4,27 +4,34 @@ r"""Data-parallel and sharded training with Stiefel frames.
 every gradient, frames included, so each rank runs the same :class:`~geoopt_stiefel_attention.StiefelAdam`
 step on the same frames and they stay identical and on the manifold.
 
-**FSDP** (``torch.distributed.fsdp.fully_shard``, "FSDP2") shards every parameter into a
-:class:`~torch.distributed.tensor.DTensor` along dim 0 and replaces it by a plain ``nn.Parameter``: a
-:class:`geoopt.ManifoldParameter` loses its ``manifold`` on the way, so an optimizer would see an ordinary
-matrix and silently train the frame with AdamW, off the manifold. A frame's polar retraction
-:math:`W \leftarrow (W - s)((W - s)^\top (W - s))^{-1/2}` and its scalar second moment
-:math:`v \leftarrow \beta_2 v + (1 - \beta_2)\|\xi\|_F^2` need the whole ``d x r`` frame. This module
-therefore
+**FSDP2, frames sharded by whole heads** (:func:`fully_shard_by_heads`). The update acts on one frame at a
+time: for a stack of frames :math:`W_h \in \mathrm{St}(d, r)`, :math:`h = 1, \dots, H`, stored as one tensor
+of shape ``(H, d, r)``, frame :math:`h` needs only its own :math:`W_h`, gradient :math:`G_h`, first moment
+:math:`m_h` and scalar second moment :math:`v_h`:
 
-- keeps the frames out of the sharding (:func:`fully_shard_except_frames`): they stay replicated
-  :class:`geoopt.ManifoldParameter` s, their gradients are averaged over the data-parallel group by a
-  post-accumulate-grad hook (exactly what DDP would do), and everything else is sharded by FSDP2. "Frame" is
-  :func:`~geoopt_stiefel_attention.is_frame` (any Stiefel manifold, geoopt's canonical ``Stiefel()``
-  included), and every other geoopt parameter on a non-Euclidean manifold (a ``Sphere``, ...) is kept out
-  the same way (:func:`~geoopt_stiefel_attention.manifolds.has_manifold`), since FSDP would drop its manifold
-  too;
-- makes :class:`~geoopt_stiefel_attention.StiefelAdam` refuse, with ``NotImplementedError``, any sharded
-  (``DTensor``) parameter that was not declared Euclidean by :func:`fully_shard_except_frames` or
-  :func:`declare_sharded_euclidean` (see :func:`check_parameter`), so the silent failure cannot happen.
+.. math::
 
-Frames are small (``H * d * Dh`` numbers per projection, as many as a ``d x d`` matrix at most), so
-replicating them costs little memory next to the MLPs and embeddings that FSDP shards.
+    \xi_h = G_h - W_h \operatorname{sym}(W_h^\top G_h), \qquad
+    v_h \leftarrow \beta_2 v_h + (1 - \beta_2)\|\xi_h\|_F^2, \qquad
+    W_h \leftarrow \operatorname{polar}(W_h - s_h).
+
+So a frame tensor sharded along a leading (head or stack) dimension, ``Shard(0)`` in
+:mod:`torch.distributed.tensor`, is updated shard by shard with no communication beyond FSDP's own
+reduce-scatter of the gradients and all-gather of the parameters, and its optimizer state (first moment
+``(H, d, r)``, second moment ``(H, 1, 1)``) is sharded the same way. A sharding along ``d`` or ``r`` (the last
+two dimensions) would split frames and is refused (:func:`check_parameter`).
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) replaces every parameter by a plain ``nn.Parameter`` holding a
+:class:`~torch.distributed.tensor.DTensor`, and a :class:`geoopt.ManifoldParameter` loses its ``manifold`` on
+the way: an optimizer would see an ordinary matrix and silently train the frame with AdamW, off the
+manifold. :func:`fully_shard_by_heads` therefore gives each sharded frame its manifold back, keeps a frame
+that has no leading dimension (a single ``(d, r)`` frame), and any other non-Euclidean geoopt parameter,
+replicated (as :func:`fully_shard_except_frames` did for all frames), and declares the rest Euclidean;
+:class:`~geoopt_stiefel_attention.StiefelAdam` refuses any other sharded parameter (:func:`check_parameter`),
+so the silent failure cannot happen.
+
+"Frame" is :func:`~geoopt_stiefel_attention.is_frame` (any Stiefel manifold, geoopt's canonical
+``Stiefel()`` included); "any other manifold" is :func:`~geoopt_stiefel_attention.manifolds.has_manifold`.
 """
 
 from __future__ import annotations
@@ -41,14 +48,24 @@ from .manifolds import has_manifold, is_frame
 __all__ = [
     "is_sharded",
     "check_parameter",
+    "frame_sharding_error",
+    "local_tensor",
+    "local_grad",
+    "like_parameter",
+    "to_placements_of",
     "declare_sharded_euclidean",
     "average_gradients_hook",
+    "fully_shard_by_heads",
     "fully_shard_except_frames",
+    "local_frame_bytes",
 ]
 
-# Sharded parameters known not to be frames (filled by fully_shard_except_frames / declare_sharded_euclidean),
+# Sharded parameters known not to be frames (filled by fully_shard_by_heads / declare_sharded_euclidean),
 # keyed by id: tensors compare elementwise, so they cannot be members of a (Weak)Set.
 _DECLARED_EUCLIDEAN: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+_FIX = ("Shard frames along their leading (head) dimension only, Shard(0) on a (heads, d, r) tensor, e.g. with "
+        "geoopt_stiefel_attention.distributed.fully_shard_by_heads(model), or use DistributedDataParallel.")
 
 
 def is_sharded(p: torch.Tensor) -> bool:
@@ -60,12 +77,93 @@ def is_sharded(p: torch.Tensor) -> bool:
     return module is not None and isinstance(p, module.DTensor)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` held by this rank: the local shard of a ``DTensor`` (sharing its storage, so in-place
+    changes reach the ``DTensor``), or ``t`` itself."""
+    return t._local_tensor if is_sharded(t) else t
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor:
+    """The local part of ``p.grad`` laid out like ``p``'s local shard.
+
+    Under FSDP2 the gradient of a sharded parameter is a ``DTensor`` with the parameter's placements (FSDP
+    reduce-scatters it), and this is free. A gradient with other placements (e.g. ``Partial`` sums from a
+    hand-written ``DTensor`` model) is redistributed to the parameter's placements first, a collective.
+    """
+    g = p.grad
+    if not is_sharded(p):
+        return g
+    if not is_sharded(g):
+        raise TypeError(f"parameter of shape {tuple(p.shape)} is a DTensor but its gradient is a plain "
+                        f"{torch.typename(g)}; assign gradients as DTensors with the parameter's placements.")
+    if tuple(g.placements) != tuple(p.placements) or g.device_mesh != p.device_mesh:
+        g = g.redistribute(p.device_mesh, p.placements)
+    return g._local_tensor
+
+
+def like_parameter(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """State for parameter ``p``: ``local`` itself when ``p`` is not sharded, else the ``DTensor`` of global
+    ``shape`` whose local shard on this rank is ``local``, on ``p``'s mesh with ``p``'s placements (so that
+    ``torch.distributed.checkpoint`` saves and loads it shard by shard, like the parameter).
+
+    ``shape`` must agree with ``p`` on every sharded dimension (true of the frame state: ``(..., d, r)``,
+    ``(..., 1, 1)``, ``(..., 1, r)`` with frames sharded along the leading dimensions).
+    """
+    if not is_sharded(p):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    stride = torch.empty(shape, device="meta").stride()
+    if local.dim() >= 2 and not local.is_contiguous() and local.mT.is_contiguous():  # column-major state
+        stride = torch.empty(shape[:-2] + (shape[-1], shape[-2]), device="meta").mT.stride()
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
+def to_placements_of(p: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of state ``value`` (global shape) as a ``DTensor`` sharded like parameter ``p``, in ``dtype``.
+
+    A ``DTensor`` (what ``torch.distributed.checkpoint`` loads) with other placements is redistributed; a
+    plain tensor holding the whole state (the same on every rank, e.g. a full optimizer state dict) is
+    split by ``torch.distributed.tensor.distribute_tensor``. Every rank must call it (it may communicate).
+    """
+    from torch.distributed.tensor import distribute_tensor
+
+    if is_sharded(value):
+        if value.device_mesh != p.device_mesh or tuple(value.placements) != tuple(p.placements):
+            value = value.redistribute(p.device_mesh, p.placements)
+        return value.to(dtype=dtype, copy=True)
+    # a copy: for Replicate, distribute_tensor keeps the given tensor as the local one (it would alias the source)
+    return distribute_tensor(value.to(dtype=dtype, device=p.device, copy=True), p.device_mesh, p.placements)
+
+
+def frame_sharding_error(p: torch.Tensor) -> str | None:
+    """Why the sharding of frame parameter ``p`` (a ``DTensor`` of shape ``(..., d, r)``) would split frames, or
+    ``None`` when every placement is ``Replicate`` or ``Shard`` along a leading dimension (each rank then holds
+    whole frames)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    for placement in p.placements:
+        if isinstance(placement, Replicate):
+            continue
+        if isinstance(placement, Shard):
+            dim = placement.dim % p.dim()
+            if dim < p.dim() - 2:
+                continue
+            which = "d (rows)" if dim == p.dim() - 2 else "r (columns)"
+            return (f"it is sharded along dim {dim}, the {which} dimension of its d x r frames, which splits "
+                    f"every frame across ranks (placements {tuple(p.placements)}); the polar retraction and "
+                    f"the per-frame second moment need whole frames")
+        return (f"its placement {placement} is neither Replicate nor Shard along a leading dimension "
+                f"(placements {tuple(p.placements)})")
+    return None
+
+
 def declare_sharded_euclidean(params: Iterable[torch.Tensor]) -> None:
     """Declare sharded (``DTensor``) parameters to be ordinary Euclidean parameters, not frames.
 
-    Use it only when you shard a model yourself and have kept every Stiefel frame out of the sharding
-    (e.g. ``fully_shard(model, ignored_params=set(frame_parameters(model)))`` plus your own averaging of
-    the frame gradients); :func:`fully_shard_except_frames` does both and declares the rest for you.
+    Use it only when you shard a model yourself and have given every frame its manifold back (or kept it out
+    of the sharding); :func:`fully_shard_by_heads` does this and declares the rest for you.
     """
     for p in params:
         if is_sharded(p):
@@ -75,27 +173,33 @@ def declare_sharded_euclidean(params: Iterable[torch.Tensor]) -> None:
 def check_parameter(p: torch.Tensor, owner: str = "StiefelAdam") -> None:
     """Raise ``NotImplementedError`` for a sharded parameter the optimizer cannot train safely.
 
-    A sharded frame (a ``DTensor`` that still carries a Stiefel manifold) cannot be retracted shard by
-    shard. A sharded parameter without a manifold may be a frame whose manifold FSDP2 dropped; it is
-    accepted only after :func:`fully_shard_except_frames` or :func:`declare_sharded_euclidean` said it is
-    not a frame.
+    Accepted: a sharded frame whose placements keep frames whole (:func:`frame_sharding_error` is ``None``),
+    and a sharded parameter declared Euclidean (:func:`declare_sharded_euclidean`, done by
+    :func:`fully_shard_by_heads`). Refused: a frame sharded along ``d`` or ``r``; a sharded parameter on
+    another manifold; a sharded parameter without a manifold that was not declared Euclidean (it may be a
+    frame whose manifold FSDP2 dropped, which would silently be trained as a Euclidean matrix).
     """
     if not is_sharded(p):
         return
-    fix = ("Use DistributedDataParallel, or shard with geoopt_stiefel_attention.distributed."
-           "fully_shard_except_frames(model), which keeps the frames replicated (and averages their "
-           "gradients) and shards everything else.")
+    if is_frame(p):
+        why = frame_sharding_error(p)
+        if why is not None:
+            raise NotImplementedError(f"{owner}: frame parameter of shape {tuple(p.shape)} cannot be trained: "
+                                      f"{why}. {_FIX}")
+        return
     if has_manifold(p):
-        what = "frame parameter" if is_frame(p) else f"parameter on {p.manifold.name}"
         raise NotImplementedError(
-            f"{owner}: {what} of shape {tuple(p.shape)} is sharded (a DTensor); a retraction onto the manifold "
-            f"(for frames: the polar retraction and the per-frame second moment) needs whole frames. {fix}")
+            f"{owner}: parameter on {p.manifold.name} of shape {tuple(p.shape)} is sharded (a DTensor); only "
+            f"Stiefel frames sharded along a leading dimension are supported. Keep it out of the sharding "
+            f"(fully_shard(..., ignored_params=...)), as fully_shard_by_heads does.")
     if _DECLARED_EUCLIDEAN.get(id(p)) is not p:
         raise NotImplementedError(
             f"{owner}: parameter of shape {tuple(p.shape)} is sharded (a DTensor, e.g. by FSDP's fully_shard), "
             f"and FSDP drops the Stiefel manifold of sharded frames, so it may be a frame that would silently "
-            f"be trained as a Euclidean matrix. {fix} If you kept every frame out of the sharding yourself, "
-            f"declare the rest with geoopt_stiefel_attention.distributed.declare_sharded_euclidean(params).")
+            f"be trained as a Euclidean matrix. Shard with "
+            f"geoopt_stiefel_attention.distributed.fully_shard_by_heads(model), which gives the frames their "
+            f"manifold back; or, if you restored every frame's manifold yourself, declare the rest with "
+            f"geoopt_stiefel_attention.distributed.declare_sharded_euclidean(params).")
 
 
 def average_gradients_hook(group=None):
@@ -117,6 +221,109 @@ def average_gradients_hook(group=None):
     return hook
 
 
+def _keep_replicated(p: torch.Tensor) -> bool:
+    """Parameters FSDP must not shard: non-Euclidean geoopt parameters other than stacks of frames (a single
+    ``(d, r)`` frame has no leading dimension to shard along; other manifolds have unknown geometry)."""
+    return has_manifold(p) and not (is_frame(p) and p.dim() >= 3)
+
+
+def _replicate(model: nn.Module, params: list[torch.Tensor], group) -> None:
+    """Broadcast ``params`` from the group's first rank and average their gradients over ``group``."""
+    import torch.distributed as dist
+
+    source = 0 if group is None else dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p.data, src=source, group=group)
+    hook = average_gradients_hook(group)
+    for p in params:
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(hook)
+
+
+def fully_shard_by_heads(
+    model: nn.Module,
+    *,
+    submodules: Iterable[nn.Module] = (),
+    **fully_shard_kwargs,
+) -> nn.Module:
+    r"""Shard ``model`` with FSDP2 (``torch.distributed.fsdp.fully_shard``), frames by whole heads.
+
+    - Every stack of frames of shape ``(H, d, r)`` (any :func:`~geoopt_stiefel_attention.is_frame` parameter
+      with a leading dimension, e.g. ``w_q``/``w_k`` of
+      :class:`~geoopt_stiefel_attention.StiefelMultiheadAttention`) is sharded along its head dimension,
+      ``Shard(0)`` (FSDP2's ``shard_placement_fn``): rank ``k`` of ``n`` holds heads
+      ``k*ceil(H/n) ... min(H, (k+1)*ceil(H/n)) - 1`` (``torch.chunk``'s split). ``H`` need not be divisible
+      by ``n``: FSDP2 pads uneven shards, a rank may hold fewer heads or none, and every rank still updates
+      only whole frames. After sharding the frame gets its manifold back, so
+      :class:`~geoopt_stiefel_attention.StiefelAdam` updates its local heads on the manifold.
+    - A single frame ``(d, r)`` and any parameter on another non-Euclidean manifold stays out of the sharding
+      (``ignored_params``): replicated, broadcast from the group's first rank, its gradient averaged over the
+      group, :math:`G \leftarrow \frac1n\sum_k G_k`, by a post-accumulate-grad hook.
+    - Everything else is sharded as FSDP2 does by default (or by your ``shard_placement_fn``) and declared
+      Euclidean.
+
+    Each module in ``submodules`` (e.g. the transformer blocks) is sharded first, then ``model``. Build the
+    optimizer after this call, from ``model.parameters()`` (or :func:`~geoopt_stiefel_attention.param_groups`).
+    Checkpoint with ``torch.distributed.checkpoint`` and
+    ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``: parameters and optimizer
+    state are ``DTensor`` s with the same placements.
+
+    Parameters
+    ----------
+    model : nn.Module
+    submodules : iterable of nn.Module
+        Modules to shard individually before ``model`` (FSDP2's usual per-block wrapping).
+    **fully_shard_kwargs
+        Passed to ``fully_shard`` (``mesh``, ``reshard_after_forward``, ``mp_policy``, ...). ``mesh`` must be
+        one-dimensional if the model has replicated (``(d, r)`` or non-Stiefel) manifold parameters.
+        ``ignored_params`` is extended with those; a ``shard_placement_fn`` is consulted for every parameter
+        but the frame stacks.
+
+    Returns
+    -------
+    nn.Module
+        ``model`` (sharded in place, as ``fully_shard`` does).
+
+    Raises
+    ------
+    ValueError
+        When ``mesh`` is not one-dimensional but replicated manifold parameters need a group to average over.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    manifolds = {name: p.manifold for name, p in model.named_parameters() if is_frame(p) and p.dim() >= 3}
+    stacks = {id(model.get_parameter(name)) for name in manifolds}
+    kept = [p for p in model.parameters() if _keep_replicated(p)]
+    mesh = fully_shard_kwargs.get("mesh")
+    group = None
+    if kept and mesh is not None:
+        if mesh.ndim != 1:
+            raise ValueError(f"fully_shard_by_heads: mesh has {mesh.ndim} dimensions, but "
+                             f"{len(kept)} replicated manifold parameters (single (d, r) frames or non-Stiefel "
+                             f"manifolds) need one data-parallel group to average over; pass a 1-D mesh, or "
+                             f"store frames as (heads, d, r) stacks.")
+        group = mesh.get_group()
+    user_fn = fully_shard_kwargs.pop("shard_placement_fn", None)
+
+    def placement(p: nn.Parameter):
+        if id(p) in stacks:
+            return Shard(0)
+        return user_fn(p) if user_fn is not None else None
+
+    if kept:
+        _replicate(model, kept, group)
+    ignored = set(fully_shard_kwargs.pop("ignored_params", None) or ()) | set(kept)
+    for module in submodules:
+        fully_shard(module, ignored_params=ignored, shard_placement_fn=placement, **fully_shard_kwargs)
+    fully_shard(model, ignored_params=ignored, shard_placement_fn=placement, **fully_shard_kwargs)
+    for name, manifold in manifolds.items():
+        model.get_parameter(name).manifold = manifold
+    declare_sharded_euclidean(p for p in model.parameters() if not has_manifold(p))
+    return model
+
+
 def fully_shard_except_frames(
     model: nn.Module,
     *,
@@ -124,51 +331,74 @@ def fully_shard_except_frames(
     group=None,
     **fully_shard_kwargs,
 ) -> nn.Module:
-    r"""Shard ``model`` with FSDP2 (``torch.distributed.fsdp.fully_shard``) except its Stiefel frames.
+    r"""Deprecated: use :func:`fully_shard_by_heads`, which shards the frames by whole heads.
 
-    Every frame (:func:`~geoopt_stiefel_attention.is_frame`), and every other parameter on a non-Euclidean
-    geoopt manifold (:func:`~geoopt_stiefel_attention.manifolds.has_manifold`), is passed in
-    ``ignored_params``: it stays a replicated :class:`geoopt.ManifoldParameter` on every rank, and a post-accumulate-grad hook averages its
-    gradient over ``group``, :math:`G \leftarrow \frac1n \sum_{k=1}^{n} G_k` (what FSDP does for the
-    sharded parameters and DDP for all). Each module in ``submodules`` (e.g. the transformer blocks) is
-    sharded first, then ``model``. The sharded parameters are declared Euclidean so that
-    :class:`~geoopt_stiefel_attention.StiefelAdam` accepts them (it trains them with AdamW, shard by shard).
-
-    Build the optimizer after this call, from ``model.parameters()``. The frames are broadcast from the group's
-    first rank (as DDP does at construction), and the averaged gradients keep them identical on every rank.
+    Shards ``model`` with FSDP2 except its frames and other non-Euclidean geoopt parameters, which stay
+    replicated :class:`geoopt.ManifoldParameter` s on every rank (broadcast from the group's first rank),
+    their gradients averaged over ``group``, :math:`G \leftarrow \frac1n \sum_{k=1}^{n} G_k`, by a
+    post-accumulate-grad hook. Every rank then stores all frames, their gradients and their optimizer state.
 
     Parameters
     ----------
     model : nn.Module
     submodules : iterable of nn.Module
-        Modules to shard individually before ``model`` (FSDP2's usual per-block wrapping).
+        Modules to shard individually before ``model``.
     group : ProcessGroup, optional
         The data-parallel group the frames are broadcast in and their gradients averaged over (default: the
         world).
     **fully_shard_kwargs
-        Passed to ``fully_shard`` (``mesh``, ``reshard_after_forward``, ``mp_policy``, ...).
-        ``ignored_params`` is extended with the frames.
+        Passed to ``fully_shard``; ``ignored_params`` is extended with the frames.
 
     Returns
     -------
     nn.Module
-        ``model`` (sharded in place, as ``fully_shard`` does).
+        ``model`` (sharded in place).
     """
-    import torch.distributed as dist
+    import warnings
+
     from torch.distributed.fsdp import fully_shard
 
+    warnings.warn("fully_shard_except_frames is deprecated and keeps every frame replicated on every rank; use "
+                  "geoopt_stiefel_attention.distributed.fully_shard_by_heads(model, submodules=...), which "
+                  "shards frames by whole heads.", FutureWarning, stacklevel=2)
     frames = [p for p in model.parameters() if has_manifold(p)]  # frames, and any other manifold
-    source = 0 if group is None else dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for p in frames:
-            dist.broadcast(p.data, src=source, group=group)
+    _replicate(model, frames, group)
     ignored = set(fully_shard_kwargs.pop("ignored_params", None) or ()) | set(frames)
     for module in submodules:
         fully_shard(module, ignored_params=ignored, **fully_shard_kwargs)
     fully_shard(model, ignored_params=ignored, **fully_shard_kwargs)
-    hook = average_gradients_hook(group)
-    for p in frames:
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(hook)
     declare_sharded_euclidean(p for p in model.parameters() if not has_manifold(p))
     return model
+
+
+def local_frame_bytes(model: nn.Module, optimizer=None) -> dict[str, int]:
+    """Bytes of the frames held by this rank: their local shards, local gradients and local optimizer state.
+
+    Measured from the tensors themselves (``numel * element_size`` of each local shard, never a formula), so
+    a replicated frame counts in full on every rank and a head-sharded one only its heads.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Its frames (:func:`~geoopt_stiefel_attention.is_frame`) and their ``.grad`` are counted.
+    optimizer : torch.optim.Optimizer, optional
+        Its state tensors of the frames are counted (``"state"``); without it ``"state"`` is 0.
+
+    Returns
+    -------
+    dict
+        ``{"params": ..., "grads": ..., "state": ..., "total": ...}`` in bytes.
+    """
+    def nbytes(t: torch.Tensor) -> int:
+        t = local_tensor(t)
+        return t.numel() * t.element_size()
+
+    frames = [p for p in model.parameters() if is_frame(p)]
+    out = {"params": sum(nbytes(p) for p in frames),
+           "grads": sum(nbytes(p.grad) for p in frames if p.grad is not None),
+           "state": 0}
+    if optimizer is not None:
+        for p in frames:
+            out["state"] += sum(nbytes(v) for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+    out["total"] = out["params"] + out["grads"] + out["state"]
+    return out

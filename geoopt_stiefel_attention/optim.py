@@ -21,6 +21,8 @@ from . import distributed as _distributed
 from .manifolds import has_manifold as _has_manifold
 from .manifolds import is_frame as _is_frame
 
+_local = _distributed.local_tensor  # a DTensor's local shard (whole frames; see distributed), else the tensor
+
 __all__ = ["StiefelAdam", "stiefel_adam_update", "SECOND_MOMENTS", "ORTHONORMALITY_TOLERANCE"]
 
 #: The accepted values of the ``second_moment`` option.
@@ -215,7 +217,9 @@ def _loaded_state(p: torch.Tensor, saved: Any, group: dict[str, Any], label: str
             dtype = compute
         else:
             dtype = value.dtype
-        if tuple(value.shape) == tuple(p.shape):  # the parameter's memory layout (e.g. column-major frames)
+        if _distributed.is_sharded(p) and key not in ("step", "skipped_frames"):  # sharded like the parameter
+            state[key] = _distributed.to_placements_of(p, value, dtype)
+        elif tuple(value.shape) == tuple(p.shape):  # the parameter's memory layout (e.g. column-major frames)
             state[key] = _zeros_like_layout(p, dtype).to(device).copy_(value)
         else:
             state[key] = value.to(dtype=dtype, device=device, copy=True)
@@ -450,10 +454,10 @@ def _frame_batches(frames: list[torch.Tensor], steps: list[int] | None) -> list[
     half that many is a batch of its own."""
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for p, step in zip(frames, steps if steps is not None else [None] * len(frames), strict=True):
-        groups[(p.shape, p.dtype, p.device, step)].append(p)
+        groups[(_local(p).shape, p.dtype, p.device, step)].append(p)
     batches = []
     for (_, _, _, step), params in groups.items():
-        per_batch = max(1, STACK_NUMEL // max(params[0].numel(), 1))
+        per_batch = max(1, STACK_NUMEL // max(_local(params[0]).numel(), 1))
         batches.extend((step, params[k:k + per_batch]) for k in range(0, len(params), per_batch))
     return batches
 
@@ -545,8 +549,11 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
       Euclidean parameters follow torch's AdamW, which does not skip.
     - bf16/fp16 frames compute in float32 and round back; their moments are kept in float32 (also across
       :meth:`load_state_dict`). Small steps are partly lost to bf16 rounding unless ``master_weights=True``.
-    - Sharded (FSDP/``DTensor``) parameters are refused with ``NotImplementedError``; see
-      :mod:`geoopt_stiefel_attention.distributed` for DDP and ``fully_shard_except_frames``.
+    - Sharded (FSDP2/``DTensor``) frames sharded along a leading (head) dimension (``Shard(0)`` of an
+      ``(H, d, r)`` stack) or replicated are updated shard by shard, with state sharded like them and no
+      communication (each rank holds whole frames); a sharding along ``d`` or ``r``, or a sharded parameter
+      that may be a frame whose manifold FSDP dropped, is refused with ``NotImplementedError``. See
+      :mod:`geoopt_stiefel_attention.distributed` and ``fully_shard_by_heads``.
     - Cost: six batched ``d x r x r`` matrix products per frame and step (:math:`W^\top G`, :math:`W S`, the
       Gram matrix of :math:`W - s`, :math:`(W - s) X`, :math:`W_+^\top m`, :math:`W_+ S'`) and a few
       elementwise passes, in place, with no ``d x d`` work and no SVD or QR. Same-shaped small parameters of a
@@ -757,8 +764,10 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                 if p.grad.is_complex():
                     raise TypeError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} has a complex "
                                     f"gradient; frames and their gradients must be real.")
-                if not self.state.get(p) and (not _capturable(group, p.device) or _can_read_host()):
-                    err = float(_linalg.orthonormality_error(p))
+                local = _local(p)  # a sharded frame: each rank checks its own whole frames
+                if not self.state.get(p) and local.numel() and (not _capturable(group, p.device)
+                                                                or _can_read_host()):
+                    err = float(_linalg.orthonormality_error(local))
                     tol = ORTHONORMALITY_TOLERANCE.get(p.dtype, 1e-4)
                     if not err <= tol:
                         raise ValueError(
@@ -802,12 +811,16 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         ct = _linalg.compute_dtype(p.dtype)
         step_device = p.device if _capturable(group, p.device) else torch.device("cpu")
         state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
-        # the parameter's memory layout (column-major frames then take the in-place path)
-        state["exp_avg"] = _zeros_like_layout(p, ct)
+        # the parameter's memory layout (column-major frames then take the in-place path); a sharded frame's
+        # state is a DTensor sharded like it, created at its local shape (whole frames: no communication)
+        local = _local(p)
+        state["exp_avg"] = _distributed.like_parameter(p, _zeros_like_layout(local, ct), tuple(p.shape))
         second_moment = group["second_moment"]
         if second_moment is not None:
-            state["exp_avg_sq"] = torch.zeros(_frame_state_shapes(p, second_moment)["exp_avg_sq"], dtype=ct,
-                                              device=p.device)
+            local_v = torch.zeros(_frame_state_shapes(local, second_moment)["exp_avg_sq"], dtype=ct,
+                                  device=p.device)
+            state["exp_avg_sq"] = _distributed.like_parameter(
+                p, local_v, _frame_state_shapes(p, second_moment)["exp_avg_sq"])
         state["skipped_frames"] = torch.zeros((), dtype=torch.int64, device=p.device)
         return state
 
@@ -822,7 +835,8 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         steps = [None if _capturable(group, p.device) else int(state["step"])
                  for p, state in zip(frames, states, strict=True)]
         for step, params in _frame_batches(frames, steps):
-            update(group, params, step)
+            if _local(params[0]).numel():  # a rank may hold no head of a sharded frame stack
+                update(group, params, step)
 
     def _step_tensor(self, params: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The step counts of ``params`` as a tensor broadcastable to their stacked frames ``(n, 1, 1)``, in
@@ -831,7 +845,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         steps = [self.state[p]["step"] for p in params]
         if len(params) == 1:
             return steps[0].to(device=device, dtype=dtype)
-        per_param = params[0].numel() // (params[0].shape[-2] * params[0].shape[-1])
+        per_param = _local(params[0]).numel() // (params[0].shape[-2] * params[0].shape[-1])
         return torch.stack(steps).to(device=device, dtype=dtype).repeat_interleave(per_param).view(-1, 1, 1)
 
     def _workspace(self, numel: int, dtype: torch.dtype, device: torch.device, reuse: bool = True) -> torch.Tensor:
@@ -861,12 +875,16 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         ct = _linalg.compute_dtype(p0.dtype)
         capturable = step is None
         states = [self.state[p] for p in params]
-        exp_avgs = [state["exp_avg"] for state in states]
-        exp_avg_sqs = [state["exp_avg_sq"] for state in states] if group["second_moment"] is not None else None
+        # local shards of sharded frames (whole frames, updated independently), else the tensors themselves
+        locals_ = [_local(p).detach() for p in params]
+        grads = [_distributed.local_grad(p) for p in params]
+        exp_avgs = [_local(state["exp_avg"]) for state in states]
+        exp_avg_sqs = ([_local(state["exp_avg_sq"]) for state in states] if group["second_moment"] is not None
+                       else None)
         masters = self._master_copies(params) if group["master_weights"] and p0.dtype != ct else None
-        sources = masters or [p.detach() for p in params]  # what the update reads: the master copy if any
+        sources = masters or locals_  # what the update reads: the master copy if any
         k = len(params)
-        n = k * p0.numel() // (d * r)
+        n = k * locals_[0].numel() // (d * r)
         size = n * d * r
         src, m0 = sources[0], exp_avgs[0]
         direct = (k == 1 and src.dtype == ct and src.stride() == m0.stride()
@@ -877,13 +895,13 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             scratch = ws[:size].view(n, r, d).mT
         if direct:
             w, m = src.view(n, d, r), m0.view(n, d, r)
-            g = p0.grad.reshape(n, d, r).to(ct)
+            g = grads[0].reshape(n, d, r).to(ct)
             v = exp_avg_sqs[0].view(n, 1, 1) if exp_avg_sqs else None
         else:
-            staged = ws[size:].view(3, k, *p0.shape)
+            staged = ws[size:].view(3, k, *locals_[0].shape)
             w_k, g_k, m_k = (list(t.unbind(0)) for t in staged.unbind(0))
             torch._foreach_copy_(w_k, sources)
-            torch._foreach_copy_(g_k, [p.grad for p in params])
+            torch._foreach_copy_(g_k, grads)
             torch._foreach_copy_(m_k, exp_avgs)
             w, g, m = staged.view(3, n, d, r).unbind(0)
             v = torch.stack(exp_avg_sqs).view(n, 1, 1) if exp_avg_sqs else None
@@ -905,7 +923,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             if masters:
                 torch._foreach_copy_(masters, w_k)
         if masters or not direct:
-            torch._foreach_copy_(params, masters or w_k)
+            torch._foreach_copy_(locals_, masters or w_k)
         # on the CPU outside the capturable path, count only when a frame was skipped (a cheap host read)
         if capturable or p0.device.type != "cpu" or not bool(finite.all()):
             skipped = (~finite).reshape(k, -1).sum(dim=1)
@@ -920,7 +938,8 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         ct = _linalg.compute_dtype(params[0].dtype)
         order = None if radius is None else _linalg.series_order(float(radius) ** 2, ct)
         states = [self.state[p] for p in params]
-        counts = [p.numel() // (d * r) for p in params]
+        locals_ = [_local(p).detach() for p in params]
+        counts = [t.numel() // (d * r) for t in locals_]
         capturable = step is None
 
         def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -936,22 +955,23 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
             lr = lr.to(device=params[0].device, dtype=ct) if capturable else float(lr)
-        g = stacked([p.grad for p in params])
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states] if group["second_moment"] is not None else None
+        g = stacked([_distributed.local_grad(p) for p in params])
+        exp_avg_sqs = [_local(s["exp_avg_sq"]) for s in states] if group["second_moment"] is not None else None
+        exp_avgs = [_local(s["exp_avg"]) for s in states]
         masters = self._master_copies(params) if group["master_weights"] and params[0].dtype != ct else None
         w_new, m_new, v_new, finite = stiefel_adam_update(
-            stacked(masters or [p.detach() for p in params]), -g if group["maximize"] else g,
-            stacked([s["exp_avg"] for s in states]), stacked(exp_avg_sqs) if exp_avg_sqs else None,
+            stacked(masters or locals_), -g if group["maximize"] else g,
+            stacked(exp_avgs), stacked(exp_avg_sqs) if exp_avg_sqs else None,
             step=step, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
             trust_region=radius, second_moment=group["second_moment"], series_order=order)
         stabilize = group["stabilize"]
         if stabilize is not None and step % stabilize == 0:
             w_new = _linalg.polar_svd(w_new)
             m_new = _linalg.proju(w_new, m_new)
-        torch._foreach_copy_([p.detach() for p in params], unstacked(w_new, params))
+        torch._foreach_copy_(locals_, unstacked(w_new, locals_))
         if masters:
-            torch._foreach_copy_(masters, unstacked(w_new, params))
-        torch._foreach_copy_([s["exp_avg"] for s in states], unstacked(m_new, params))
+            torch._foreach_copy_(masters, unstacked(w_new, locals_))
+        torch._foreach_copy_(exp_avgs, unstacked(m_new, locals_))
         if exp_avg_sqs:
             torch._foreach_copy_(exp_avg_sqs, unstacked(v_new, exp_avg_sqs))
         skipped = [c.sum() for c in (~finite).reshape(-1).split(counts)]
@@ -994,11 +1014,13 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         masters = []
         for p in params:
             state = self.state[p]
-            master = state.get("master")
-            if master is None:
-                master = state["master"] = p.detach().to(torch.float32, copy=True)
+            local = _local(p).detach()
+            if state.get("master") is None:
+                master = local.to(torch.float32, copy=True)
+                state["master"] = _distributed.like_parameter(p, master, tuple(p.shape))
             else:
-                torch.where(master.to(p.dtype) == p, master, p.detach().to(master.dtype), out=master)
+                master = _local(state["master"])
+                torch.where(master.to(p.dtype) == local, master, local.to(master.dtype), out=master)
             masters.append(master)
         return masters
 
@@ -1009,11 +1031,15 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         for p in group["params"]:
             if not _is_frame(p) or not self.state[p]:
                 continue
+            local = _local(p)
+            if not local.numel():
+                continue
             master = self.state[p].get("master")
             if master is not None:
-                master.copy_(_linalg.polar_svd(self._master_copies([p])[0]))
-                p.copy_(master)
+                master = self._master_copies([p])[0]
+                master.copy_(_linalg.polar_svd(master))
+                local.copy_(master)
             else:
-                p.copy_(p.manifold.projx(p))
-            m = self.state[p]["exp_avg"]
-            m.copy_(_linalg.proju(p.to(m.dtype) if master is None else master, m))
+                local.copy_(p.manifold.projx(local))
+            m = _local(self.state[p]["exp_avg"])
+            m.copy_(_linalg.proju(local.to(m.dtype) if master is None else master, m))

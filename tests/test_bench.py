@@ -106,6 +106,29 @@ def test_matmul_floor_runs_the_products_a_step_performs():
     assert step > floor
 
 
+class _ProductDtypes(TorchDispatchMode):
+    """Records the dtypes of the batched products' operands."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.baddbmm):
+            self.dtypes |= {a.dtype for a in args if isinstance(a, torch.Tensor)}
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("dtype", "computed"), [(torch.bfloat16, torch.float32), (torch.float64, torch.float64)])
+def test_matmul_floor_runs_in_the_dtype_the_step_computes_in(dtype, computed):
+    st = PolarStiefel()
+    params = [geoopt.ManifoldParameter(st.random(2, 64, 32).to(dtype), manifold=st)]
+    floor = bench._matmul_floor(params, [1])
+    with _ProductDtypes() as seen:
+        floor()
+    assert seen.dtypes == {computed}  # bfloat16 frames: float32 products, as in StiefelAdam's step
+
+
 def test_train_step_benchmark_tiny_models():
     results = bench.train_step_benchmark(rounds=1, steps_per_round=1, warmup=1, scale="tiny", clock="cpu",
                                          threads=1)
@@ -127,6 +150,98 @@ def test_cli_bench_json(capsys):
     assert row["width"] == 128 and set(row["ratios"]) == {"adamw_foreach", "matmul_floor"}
     assert main(["bench", "step", "--widths", "128", "--arms", "stiefel", "--rounds", "1", "--steps", "1"]) == 0
     assert "| 128 (2 x 4 x 32) |" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------- step paths (issue 18)
+def test_path_frame_sets():
+    (short,) = bench.path_frame_sets("short")
+    assert short == bench.BENCH_FRAMES == bench.FrameSet(params=24, heads=8, d=512, r=64)
+    full = bench.path_frame_sets("full")
+    assert full[0] == short and len(full) == 4 * 3 - 1  # r = 128 is not below d = 128; (512, 64) once
+    assert {(f.d, f.r) for f in full} == {(d, r) for d in (128, 256, 512, 1024) for r in (32, 64, 128) if r < d}
+    with pytest.raises(ValueError, match="grid"):
+        bench.path_frame_sets("long")
+    with pytest.raises(ValueError, match="r=65 exceeds d=64"):
+        bench.FrameSet(1, 1, 64, 65)
+    with pytest.raises(ValueError, match="heads=0"):
+        bench.FrameSet(1, 0, 64, 8)
+
+
+# one parameter of 3 frames of 256 x 64: over half of STACK_NUMEL, so updated in place when its layout allows
+LONE = bench.FrameSet(params=1, heads=3, d=256, r=64)
+
+
+def test_step_path_benchmark_reports_every_path_against_the_floor():
+    torch._dynamo.reset()
+    (res,) = bench.step_path_benchmark([LONE], rounds=2, steps_per_round=1, warmup=1, clock="cpu", threads=1,
+                                       compile_backend="aot_eager")
+    assert res.frames == LONE and res.dtype == "float32" and res.compile_backend == "aot_eager"
+    assert set(res.timings) == set(bench.PATH_ARMS)
+    assert set(res.floor_ratio) == set(bench.PATH_ARMS) - {"matmul_floor"}
+    for t in res.timings.values():
+        assert t.median_ms > 0 and t.steps == 2 and not t.note
+    assert all(x > 0 for x in res.floor_ratio.values())
+    assert res.compile_s > 0
+    # column-major frames are updated in place like row-major ones: the kept workspace is one scratch
+    # buffer of the parameter's size, not the staging area (frames, gradients, moments: 4x)
+    param_bytes = 3 * 256 * 64 * 4
+    assert res.timings["eager"].workspace_bytes == res.timings["eager-colmajor"].workspace_bytes == param_bytes
+    assert res.timings["capturable"].workspace_bytes is None  # the capturable path keeps no buffer
+    # companion: two small parameters are staged, and the measure sees it
+    (staged,) = bench.step_path_benchmark([bench.FrameSet(2, 2, 16, 4)], arms=("eager", "matmul_floor"),
+                                          rounds=1, steps_per_round=1, warmup=1)
+    assert staged.timings["eager"].workspace_bytes == 4 * (2 * 2 * 16 * 4 * 4)
+    assert staged.compile_s is None and staged.compile_backend is None
+    table = bench.format_path_table([res])
+    assert "| 1 x (3, 256, 64) |" in table and "Compilation (aot_eager" in table
+    with pytest.raises(ValueError, match="matmul_floor"):
+        bench.step_path_benchmark([LONE], arms=("eager",))
+
+
+def test_cli_bench_paths_json(capsys, tmp_path):
+    out = tmp_path / "paths.json"
+    assert main(["bench", "paths", "--arms", "eager", "capturable", "matmul_floor", "--rounds", "1", "--steps", "1",
+                 "--threads", "1", "--clock", "cpu", "--json", "--out", str(out)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text()) == doc
+    assert doc["settings"]["benchmark"] == "paths" and doc["settings"]["grid"] == "short"
+    (row,) = doc["results"]
+    assert row["frames"] == {"params": 24, "heads": 8, "d": 512, "r": 64}
+    assert set(row["floor_ratio"]) == {"eager", "capturable"} and row["compile_s"] is None
+
+
+def test_train_step_benchmark_autocast_is_validated():
+    with pytest.raises(ValueError, match="autocast"):
+        bench.train_step_benchmark(scale="tiny", autocast="int8")
+
+
+def test_gpu_check_script_runs_on_cpu(tmp_path):
+    """benchmarks/gpu.sh, the prepared accelerator check, at its smoke-test size on the CPU."""
+    import importlib.util
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "check.json"
+    proc = subprocess.run(["bash", str(root / "benchmarks" / "gpu.sh"), "--device", "cpu", "--scale", "tiny",
+                           "--threads", "1", "--clock", "cpu", "--compile-backend", "aot_eager", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["device"] == "cpu" and doc["settings"]["scale"] == "tiny"
+    assert set(doc["seconds"]) == {"step", "paths", "train", "grokking"}
+    assert [r["dtype"] for r in doc["step"]] == ["float32", "bfloat16"]
+    for r in doc["step"]:
+        assert set(r["timings"]) == {"stiefel", "adamw_fused", "geoopt-radam", "matmul_floor"}
+        assert r["timings"]["stiefel"]["median_ms"] > 0 and r["ratios"]["matmul_floor"] > 0
+    (paths,) = doc["paths"]
+    assert set(paths["floor_ratio"]) == {"eager", "compiled"} and paths["compile_s"] > 0
+    (train,) = doc["train"]
+    assert train["autocast"] == "bfloat16" and train["ratio"] > 0
+    assert train["model"] == ("hf_gpt2" if importlib.util.find_spec("transformers") else "tiny_transformer")
+    assert set(doc["grokking"]["epochs_per_second"]) == {"adamw", "stiefel"}
+    assert all(v > 0 for v in doc["grokking"]["epochs_per_second"].values())
+    assert "grokking, 5 epochs" in proc.stdout and str(out) in proc.stdout
 
 
 def test_cli_hf_gpt2_without_transformers_is_a_usage_error(monkeypatch, capsys):
@@ -166,6 +281,11 @@ BAD_COMMANDS = {
     "bench --device nonsense": "--device 'nonsense' is not a torch device",
     "bench --device meta": "--device 'meta' is not available",
     "bench --arms adamw_foreach": "--arms must include 'stiefel'",
+    "bench paths --arms eager": "--arms must include 'matmul_floor'",
+    "bench step --arms stiefel compiled": "--arms compiled: not an arm of 'step'",
+    "bench paths --grid long": "argument --grid: invalid choice: 'long'",
+    "bench paths --compile-backend nope": "--compile-backend 'nope' is not a torch.compile backend",
+    "bench gpu --device cpu": "'gpu' writes its results as JSON: pass --out PATH",
     "certify --steps 0": "argument --steps: must be an integer >= 1, got 0",
     "certify --optimizers nobody": "--optimizers: No optimizer column named 'nobody'",
 }

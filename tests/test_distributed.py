@@ -1,49 +1,96 @@
-"""DDP and FSDP with Stiefel frames: 2 gloo processes on CPU against one process on the whole batch.
+"""DDP and FSDP2 with Stiefel frames: 2 gloo processes on CPU against one process on the whole batch.
 
-One ``torch.multiprocessing.spawn`` (2 ranks, gloo, a free port on 127.0.0.1) runs both the DDP and the FSDP2
-(``fully_shard_except_frames``) scenarios and saves what each rank ends with; the tests compare that with a
-single-process run on the concatenated batch. The error paths (FSDP2 without the helper) run in-process on a
-one-rank gloo group.
+One ``torch.multiprocessing.spawn`` (2 ranks, gloo, a free port on 127.0.0.1) trains every model case under
+DDP and under FSDP2 with frames sharded by whole heads (:func:`fully_shard_by_heads`), checkpoints the FSDP2
+run with ``torch.distributed.checkpoint`` half-way and resumes it in a fresh model and optimizer, and saves
+what each rank ends with; the tests compare that with a single-process run on the concatenated batch. The
+refusals (a frame split along ``d``, a plain ``fully_shard``) run in-process on a one-rank gloo group.
 """
 
 import os
 import socket
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from geoopt_stiefel_attention import StiefelAdam, TinyTransformer, frame_parameters, is_frame, param_groups
 from geoopt_stiefel_attention._linalg import orthonormality_error
-from geoopt_stiefel_attention.distributed import fully_shard_except_frames, is_sharded
+from geoopt_stiefel_attention.distributed import (
+    fully_shard_by_heads,
+    fully_shard_except_frames,
+    is_sharded,
+    local_frame_bytes,
+    local_tensor,
+)
 
-PARALLEL_TOL = 1e-6  # 2 ranks vs one process on the concatenated batch (float64; measured ~1e-15)
+PARALLEL_TOL = 1e-6  # 2 ranks vs one process on the whole batch (float64; measured 1e-15, GPT-2 4e-11)
+RESUME_TOL = 1e-12  # a resumed run vs the uninterrupted one (the same arithmetic: measured 0)
 MANIFOLD_TOL_F64 = 1e-12  # max |W^T W - I| of every frame on every rank
-STEPS = 5
+MOVED_AT_LEAST = 1e-2  # training must move every frame far more than PARALLEL_TOL
+STEPS = 10
+RESUME_AT = 5
 WORLD = 2
-VOCAB, SEQ = 11, 4
+VOCAB, SEQ, BATCH = 11, 4, 8
+
+# name -> TinyTransformer options, or "gpt2": a tiny HF GPT-2 converted with stiefelize (frames (2, 16, 8) in
+# c_attn's parametrization); "uneven": 3 heads on 2 ranks (rank 0 holds 2 heads, rank 1 one); "one_frame": one
+# (1, 16, 16) frame per projection (frames="layer"), so rank 1 holds no frame at all
+CASES = {
+    "tiny": dict(width=16, heads=2, depth=2),
+    "uneven": dict(width=18, heads=3, depth=1),
+    "one_frame": dict(width=16, heads=2, depth=1, frames="layer"),
+    "gpt2": "gpt2",
+}
+N_FRAME_PARAMS = {"tiny": 4, "uneven": 2, "one_frame": 2, "gpt2": 4}
 
 
-def _model():
-    return TinyTransformer(VOCAB, SEQ, width=16, heads=2, mlp=32, attention="stiefel", seed=3, dtype=torch.float64)
+def _gpt2():
+    import transformers
+
+    from geoopt_stiefel_attention import stiefelize
+
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=SEQ,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                     eos_token_id=0)
+    torch.manual_seed(3)
+    model = transformers.GPT2LMHeadModel(config).to(torch.float64)
+    stiefelize(model)
+    return model
+
+
+def _model(case):
+    if CASES[case] == "gpt2":
+        return _gpt2()
+    return TinyTransformer(VOCAB, SEQ, mlp=32, attention="stiefel", seed=3, dtype=torch.float64, **CASES[case])
+
+
+def _blocks(model):
+    return list(model.blocks) if isinstance(model, TinyTransformer) else list(model.transformer.h)
+
+
+def _logits(forward, x):
+    out = forward(x)
+    return out.logits if hasattr(out, "logits") else out
 
 
 def _batch():
     g = torch.Generator().manual_seed(5)
-    return torch.randint(0, VOCAB, (8, SEQ), generator=g), torch.randint(0, VOCAB, (8, SEQ), generator=g)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 
-def _loss(model, x, y):
-    return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+def _optimizer(model):
+    return StiefelAdam(param_groups(model, weight_decay=0.1), lr=3e-2)
 
 
-def _train(model, forward, x, y):
-    opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=3e-2)
-    for _ in range(STEPS):
+def _train(forward, opt, x, y, steps):
+    for _ in range(steps):
         opt.zero_grad()
-        _loss(forward, x, y).backward()
+        F.cross_entropy(_logits(forward, x).reshape(-1, VOCAB), y.reshape(-1)).backward()
         opt.step()
 
 
@@ -51,24 +98,69 @@ def _full_state(model):
     return {k: (v.full_tensor() if is_sharded(v) else v).detach().clone() for k, v in model.state_dict().items()}
 
 
+def _outputs(forward):
+    with torch.no_grad():
+        return _logits(forward, _batch()[0]).detach().clone()
+
+
+def _local_layout(model, opt):
+    """Per frame: (local shape, DTensor?, local exp_avg shape, local exp_avg_sq shape, state DTensors?)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if is_frame(p):
+            st = opt.state[p]
+            out[name] = (tuple(local_tensor(p).shape), is_sharded(p), tuple(local_tensor(st["exp_avg"]).shape),
+                         tuple(local_tensor(st["exp_avg_sq"]).shape),
+                         is_sharded(st["exp_avg"]) and is_sharded(st["exp_avg_sq"]))
+    return out
+
+
+def _sharded(case):
+    model = _model(case)
+    fully_shard_by_heads(model, submodules=_blocks(model))
+    return model, _optimizer(model)
+
+
+def _dcp(model, opt, path, save):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    if save:
+        dcp.save(state, checkpoint_id=path)
+    else:
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
 def _worker(rank, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        x, y = _batch()
-        x, y = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
-        ddp_model = _model()
-        _train(ddp_model, torch.nn.parallel.DistributedDataParallel(ddp_model), x, y)
-        fsdp_model = _model()
-        if rank == 1:  # different frames on rank 1 (still orthonormal): the helper broadcasts rank 0's
-            with torch.no_grad():
-                for p in frame_parameters(fsdp_model):
-                    p.copy_(p.flip(-1))
-        fully_shard_except_frames(fsdp_model, submodules=list(fsdp_model.blocks))
-        kinds = {name: (type(p).__name__, is_frame(p), is_sharded(p)) for name, p in fsdp_model.named_parameters()}
-        _train(fsdp_model, fsdp_model, x, y)
-        torch.save({"ddp": _full_state(ddp_model), "fsdp": _full_state(fsdp_model), "fsdp_kinds": kinds},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        x, y = (t.chunk(WORLD)[rank] for t in _batch())
+        results = {}
+        for case in CASES:
+            model = _model(case)
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            opt = _optimizer(model)
+            _train(ddp, opt, x, y, STEPS)
+            results[case, "ddp"] = {"state": _full_state(model), "out": _outputs(model),
+                                    "bytes": local_frame_bytes(model, opt)}
+
+            model, opt = _sharded(case)
+            checkpoint = os.path.join(out_dir, f"dcp-{case}")
+            _train(model, opt, x, y, RESUME_AT)
+            _dcp(model, opt, checkpoint, save=True)
+            _train(model, opt, x, y, STEPS - RESUME_AT)
+            results[case, "fsdp"] = {"state": _full_state(model), "out": _outputs(model),
+                                     "bytes": local_frame_bytes(model, opt), "layout": _local_layout(model, opt)}
+
+            model, opt = _sharded(case)  # a fresh run that resumes from the checkpoint
+            _dcp(model, opt, checkpoint, save=False)
+            _train(model, opt, x, y, STEPS - RESUME_AT)
+            results[case, "resumed"] = {"state": _full_state(model), "out": _outputs(model)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -87,39 +179,75 @@ def parallel_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single_process_run():
-    model = _model()
-    _train(model, model, *_batch())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, _model().state_dict()
+def single_process_runs():
+    runs = {}
+    for case in CASES:
+        model = _model(case)
+        _train(model, _optimizer(model), *_batch(), STEPS)
+        runs[case] = {"state": _full_state(model), "out": _outputs(model), "initial": _model(case).state_dict()}
+    return runs
 
 
 def _max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in b)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_ranks_match_one_process_on_the_concatenated_batch(parallel_runs, single_process_run, mode):
-    reference, initial = single_process_run
-    frame_keys = [k for k in reference if k.endswith(("w_q", "w_k"))]
-    assert len(frame_keys) == 2
+def _frame_keys(case):
+    return [name for name, p in _model(case).named_parameters() if is_frame(p)]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "resumed"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_match_one_process_on_the_concatenated_batch(parallel_runs, single_process_runs, case, mode):
+    reference = single_process_runs[case]
+    frame_keys = _frame_keys(case)
+    assert len(frame_keys) == N_FRAME_PARAMS[case]
     for rank, run in enumerate(parallel_runs):
-        state = run[mode]
-        assert _max_diff(state, reference) < PARALLEL_TOL, (mode, rank)
+        got = run[case, mode]
+        assert _max_diff(got["state"], reference["state"]) < PARALLEL_TOL, (case, mode, rank)
+        assert float((got["out"] - reference["out"]).abs().max()) < PARALLEL_TOL, (case, mode, rank)
         for k in frame_keys:
-            assert float(orthonormality_error(state[k])) < MANIFOLD_TOL_F64, (mode, rank, k)
+            assert float(orthonormality_error(got["state"][k])) < MANIFOLD_TOL_F64, (case, mode, rank, k)
     # the comparison has teeth: training moved every frame far more than the tolerance
-    assert min(float((reference[k] - initial[k]).abs().max()) for k in frame_keys) > 1e-2
+    moved = min(float((reference["state"][k] - reference["initial"][k]).abs().max()) for k in frame_keys)
+    assert moved > MOVED_AT_LEAST
 
 
-def test_fsdp_helper_keeps_frames_whole_and_shards_the_rest(parallel_runs):
-    kinds = parallel_runs[0]["fsdp_kinds"]
-    frames = {n for n, (_, frame, _) in kinds.items() if frame}
-    assert frames == {"blocks.0.attn.w_q", "blocks.0.attn.w_k"}
-    assert all(cls == "ManifoldParameter" and not sharded for n, (cls, _, sharded) in kinds.items() if n in frames)
-    assert all(sharded for n, (_, _, sharded) in kinds.items() if n not in frames)
+@pytest.mark.parametrize("case", list(CASES))
+def test_dcp_resume_continues_the_same_trajectory(parallel_runs, case):
+    for run in parallel_runs:
+        assert _max_diff(run[case, "resumed"]["state"], run[case, "fsdp"]["state"]) < RESUME_TOL
+        assert float((run[case, "resumed"]["out"] - run[case, "fsdp"]["out"]).abs().max()) < RESUME_TOL
 
 
-# ----------------------------------------------------------------------------- FSDP error path, one rank
+@pytest.mark.parametrize("case", ["tiny", "gpt2"])
+def test_frames_and_their_state_are_sharded_by_whole_heads(parallel_runs, case):
+    for run in parallel_runs:
+        layout = run[case, "fsdp"]["layout"]
+        assert set(layout) == set(_frame_keys(case))
+        for shape, sharded, m_shape, v_shape, state_sharded in layout.values():
+            assert sharded and state_sharded
+            assert shape == m_shape == (1, 16, 8) and v_shape == (1, 1, 1)  # one of the 2 heads (16 x 8) per rank
+
+
+def test_uneven_heads_are_split_like_torch_chunk(parallel_runs):
+    # uneven: torch.chunk's split of 3 heads over 2 ranks is 2 + 1
+    head_counts = [next(iter(run["uneven", "fsdp"]["layout"].values()))[0][0] for run in parallel_runs]
+    assert head_counts == [2, 1]
+    one_frame = [next(iter(run["one_frame", "fsdp"]["layout"].values()))[0][0] for run in parallel_runs]
+    assert one_frame == [1, 0]
+
+
+def test_head_sharding_halves_the_frame_memory_per_rank(parallel_runs):
+    for run in parallel_runs:
+        replicated, sharded = run["tiny", "ddp"]["bytes"], run["tiny", "fsdp"]["bytes"]
+        for key in ("params", "grads"):
+            assert sharded[key] * WORLD == replicated[key]
+        # the state's scalar step counters (one per parameter) are not sharded; the moments are
+        assert sharded["state"] < replicated["state"] / WORLD + 64
+
+
+# ----------------------------------------------------------------------------- refusals, one rank
 @pytest.fixture
 def one_rank_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -127,37 +255,93 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_plain_fully_shard_is_refused_with_the_fix(one_rank_group):
-    from torch.distributed.fsdp import fully_shard
-
-    model = _model()
-    n_frames = len(frame_parameters(model))
-    fully_shard(model)
-    # FSDP2 drops the manifold: without the check the frames would silently get AdamW
-    assert len(frame_parameters(model)) == 0 and n_frames == 2
-    with pytest.raises(NotImplementedError, match="fully_shard_except_frames"):
-        StiefelAdam(model.parameters())
-
-
-def test_sharded_frame_is_refused(one_rank_group):
-    from torch.distributed.fsdp import fully_shard
+def _dtensor_frame(placement):
+    from torch.distributed.device_mesh import init_device_mesh
 
     from geoopt_stiefel_attention import PolarStiefel
 
-    model = _model()
+    mesh = init_device_mesh("cpu", (1,))
+    frames = PolarStiefel().random(4, 8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    p = torch.nn.Parameter(distribute_tensor(frames.detach().clone(), mesh, [placement]))
+    p.manifold = PolarStiefel()
+    return p, frames
+
+
+@pytest.mark.parametrize("dim, axis", [(1, "d"), (2, "r"), (-1, "r")])
+def test_frame_sharded_along_d_or_r_is_refused_with_the_fix(one_rank_group, dim, axis):
+    p, _ = _dtensor_frame(Shard(dim))
+    with pytest.raises(NotImplementedError, match=rf"the {axis} .*fully_shard_by_heads"):
+        StiefelAdam([p])
+
+
+OPTION_CASES = {  # name -> (StiefelAdam options, frame dtype): the fused kernel, the readable path, re-projection,
+    # and bf16 frames with a float32 master copy (the state's "master" is then sharded too)
+    "default": ({}, torch.float64),
+    "column": ({"second_moment": "column"}, torch.float64),
+    "stabilize": ({"stabilize": 2}, torch.float64),
+    "bf16-master": ({"master_weights": True}, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+@pytest.mark.parametrize("placement", [Shard(0), Replicate()], ids=str)
+def test_frame_sharded_by_heads_or_replicated_is_updated_like_a_plain_frame(one_rank_group, placement, case):
+    """The companion of the refusal: the update of a DTensor frame equals that of the same plain frame, and
+    so does the continuation after a state-dict round trip (DTensor state into a sharded optimizer, and the
+    plain optimizer's full state into a sharded one)."""
+    import geoopt
+
+    options, dtype = OPTION_CASES[case]
+    p, frames = _dtensor_frame(placement)
+    p = torch.nn.Parameter(p.detach().to(dtype))
+    p.manifold = frames.manifold
+    plain = geoopt.ManifoldParameter(frames.detach().to(dtype, copy=True), manifold=p.manifold)
+    g = torch.randn(4, 8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).to(dtype)
+
+    def steps(pairs, n):
+        for _ in range(n):
+            for q, opt in pairs:
+                q.grad = distribute_tensor(g, q.device_mesh, q.placements) if is_sharded(q) else g.clone()
+                opt.step()
+
+    opt_sharded, opt_plain = StiefelAdam([p], lr=5e-2, **options), StiefelAdam([plain], lr=5e-2, **options)
+    steps([(p, opt_sharded), (plain, opt_plain)], 3)
+    assert torch.equal(p.full_tensor(), plain.detach())
+    assert float((plain.detach().double() - frames).abs().max()) > MOVED_AT_LEAST
+    state = opt_sharded.state[p]
+    assert all(is_sharded(state[k]) and state[k].placements == p.placements
+               for k in ("exp_avg", "exp_avg_sq") + (("master",) if "master_weights" in options else ()))
+    assert tuple(state["exp_avg_sq"].shape) == {"column": (4, 1, 3)}.get(case, (4, 1, 1))
+    p2 = torch.nn.Parameter(p.detach().clone())
+    p2.manifold = p.manifold
+    resumed = StiefelAdam([p], lr=5e-2, **options)
+    resumed.load_state_dict(opt_sharded.state_dict())  # DTensor state
+    from_full = StiefelAdam([p2], lr=5e-2, **options)
+    from_full.load_state_dict(opt_plain.state_dict())  # plain tensors holding the whole state
+    assert is_sharded(from_full.state[p2]["exp_avg"])
+    steps([(p, resumed), (p2, from_full), (plain, opt_plain)], 2)
+    assert torch.equal(p.full_tensor(), plain.detach()) and torch.equal(p2.full_tensor(), plain.detach())
+
+
+def test_plain_fully_shard_is_refused_with_the_fix(one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model("tiny")
+    n_frames = len(frame_parameters(model))
     fully_shard(model)
-    w_q = model.blocks[0].attn.w_q
-    w_q.manifold = PolarStiefel()  # a DTensor frame that kept its manifold
-    with pytest.raises(NotImplementedError, match="whole frames"):
-        StiefelAdam([w_q])
+    # FSDP2 drops the manifold: without the check the frames would silently get AdamW
+    assert len(frame_parameters(model)) == 0 and n_frames == 4
+    with pytest.raises(NotImplementedError, match="fully_shard_by_heads"):
+        StiefelAdam(model.parameters())
 
 
-def test_helper_sharded_model_is_accepted_and_trains(one_rank_group):
-    model = _model()
-    fully_shard_except_frames(model)
+def test_deprecated_helper_warns_and_still_keeps_frames_whole(one_rank_group):
+    model = _model("tiny")
+    with pytest.warns(FutureWarning, match="fully_shard_by_heads"):
+        fully_shard_except_frames(model)
+    assert all(not is_sharded(p) for p in frame_parameters(model)) and len(frame_parameters(model)) == 4
     opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2)
-    _loss(model, *_batch()).backward()
-    opt.step()
+    _train(model, opt, *_batch(), 1)
     assert all(float(orthonormality_error(p)) < MANIFOLD_TOL_F64 for p in frame_parameters(model))
 
 
@@ -184,7 +368,7 @@ class _ManifoldZoo(torch.nn.Module):
 
 
 ZOO_FRAMES = {"polar", "euclidean_stiefel", "canonical"}
-ZOO_KEPT = ZOO_FRAMES | {"sphere"}
+ZOO_KEPT = {"euclidean_stiefel", "canonical", "sphere"}  # single (d, r) frames and other manifolds: replicated
 
 
 def test_frame_predicate_is_the_same_everywhere():
@@ -199,15 +383,57 @@ def test_frame_predicate_is_the_same_everywhere():
             StiefelAdam([named[name]])
 
 
-def test_fsdp_helper_keeps_every_manifold_parameter_out_of_the_sharding(one_rank_group):
-    """Before the fix a canonical Stiefel() frame (and a Sphere parameter) was sharded: it lost its manifold and
-    a Euclidean optimizer trained it silently."""
+def test_helper_shards_frame_stacks_keeps_other_manifold_parameters_whole(one_rank_group):
+    """A (d, r) frame has no head dimension and a Sphere parameter no known sharding: both stay replicated
+    geoopt parameters; the (2, 8, 3) stack is sharded and keeps its manifold; the rest is sharded."""
     zoo = _ManifoldZoo()
-    fully_shard_except_frames(zoo)
+    fully_shard_by_heads(zoo)
     named = dict(zoo.named_parameters())
     for name in ZOO_KEPT:
         assert not is_sharded(named[name]) and hasattr(named[name], "manifold"), name
-    assert {n for n, p in named.items() if is_sharded(p)} == {"flat", "linear.weight", "linear.bias"}
+    assert {n for n, p in named.items() if is_sharded(p)} == {"polar", "flat", "linear.weight", "linear.bias"}
     assert {n for n, p in named.items() if is_frame(p)} == ZOO_FRAMES
     with pytest.raises(ValueError, match="PolarStiefel"):  # still a canonical frame: refused, not AdamW-trained
         StiefelAdam(zoo.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        StiefelAdam([p for n, p in named.items() if n != "canonical" and n != "sphere"])
+
+
+# ----------------------------------------------------------------------------- the docs' torchrun example
+def _torchrun_example():
+    """The literal block after "(``-m slow``)::" in docs/distributed.rst, dedented."""
+    import textwrap
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parents[1] / "docs" / "distributed.rst").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.rstrip().endswith("(``-m slow``)::")) + 1
+    body = []
+    for line in lines[start:]:
+        if line.strip() and not line.startswith("    "):
+            break
+        body.append(line)
+    return textwrap.dedent("\n".join(body)).strip() + "\n"
+
+
+@pytest.mark.slow
+def test_torchrun_example_of_the_docs_trains_saves_and_resumes(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "train_fsdp.py"
+    script.write_text(_torchrun_example())
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, CKPT=str(tmp_path / "ckpt"), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    losses = []
+    for _ in range(2):  # the second run resumes from the checkpoint of the first
+        done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses.append(sorted(line for line in done.stdout.splitlines() if line.startswith("rank ")))
+        assert len(losses[-1]) == 2, done.stdout
+    assert (tmp_path / "ckpt").is_dir()
+    # the same batches: a second run that did not resume from the checkpoint would print the same losses
+    assert losses[0] != losses[1]

@@ -441,15 +441,22 @@ def test_gradients_reach_every_parameter(cls, frames, need_weights):
         assert p.grad is not None and p.grad.abs().max() > 0, name
 
 
+#: What counts as a zero gradient in float64 (rounding of a softmax backward that is exactly zero in exact
+#: arithmetic).
+ZERO_GRAD_TOL = 1e-13
+
+
 def test_single_key_gives_query_key_no_gradient():
     """Companion: with one key the softmax is constant, so W_Q, W_K and the gains get exactly zero gradient
     (the check above can fail)."""
     m = make(StiefelMultiheadAttention)
     xq, xk, xv = inputs(tq=3, tk=1)
     m(xq, xk, xv)[0].square().sum().backward()
+    # zero in exact arithmetic; SDPA's CPU kernels (which one runs depends on the thread count) may leave
+    # rounding of order 1e-15 in float64, far below the O(1e-1) gradients of the multi-key case above
     for name in ("w_q", "w_k", "logit_gain"):
-        assert getattr(m, name).grad.abs().max() == 0, name
-    assert m.w_v.grad.abs().max() > 0
+        assert getattr(m, name).grad.abs().max() <= ZERO_GRAD_TOL, name
+    assert m.w_v.grad.abs().max() > 1e3 * ZERO_GRAD_TOL
 
 
 def test_torch_compile_matches_eager():
