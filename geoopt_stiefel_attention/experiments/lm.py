@@ -467,21 +467,22 @@ def _results_lines(records, arms: Sequence[str], config: LMConfig) -> list[str]:
     lines = ["| arm | seeds | last epoch | val bpb, mean [95% CI] | val loss (nats/byte) | train bpb (fixed windows) "
              "| next-byte acc | max angle W_Q / W_K (°) | logit RMS (mean over heads) | attention entropy (nats) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    def vals(arm: str, key: str) -> list[float]:
+        return [v for v in _final(runs, arm, key).values() if v is not None]
+
+    def mean(arm: str, key: str) -> float | None:
+        v = vals(arm, key)
+        return sum(v) / len(v) if v else None
+
     for arm in arms:
         if arm not in runs:
             continue
-        def vals(key: str) -> list[float]:
-            return [v for v in _final(runs, arm, key).values() if v is not None]
-
-        def mean(key: str) -> float | None:
-            v = vals(key)
-            return sum(v) / len(v) if v else None
         last = sorted({recs[-1]["epoch"] for recs in runs[arm].values()})
-        lines.append(f"| {arm} | {len(runs[arm])} | {', '.join(map(str, last))} | {_mean_ci_text(vals('val_bpb'))} "
-                     f"| {_mean_ci_text(vals('val_loss'))} | {fmt_num(mean('train_bpb'), '.4f')} "
-                     f"| {fmt_num(mean('val_acc'), '.3f')} | {fmt_num(mean('angle_max_deg/q'), '.1f')} / "
-                     f"{fmt_num(mean('angle_max_deg/k'), '.1f')} | {fmt_num(mean('logit_rms/mean'))} "
-                     f"| {fmt_num(mean('attn_entropy/mean'))} |")
+        lines.append(f"| {arm} | {len(runs[arm])} | {', '.join(map(str, last))} "
+                     f"| {_mean_ci_text(vals(arm, 'val_bpb'))} | {_mean_ci_text(vals(arm, 'val_loss'))} "
+                     f"| {fmt_num(mean(arm, 'train_bpb'), '.4f')} | {fmt_num(mean(arm, 'val_acc'), '.3f')} "
+                     f"| {fmt_num(mean(arm, 'angle_max_deg/q'), '.1f')} / {fmt_num(mean(arm, 'angle_max_deg/k'), '.1f')} "
+                     f"| {fmt_num(mean(arm, 'logit_rms/mean'))} | {fmt_num(mean(arm, 'attn_entropy/mean'))} |")
     lines.append("")
     ended = {recs[-1]["epoch"] for a in arms for recs in runs.get(a, {}).values()}
     if ended and ended != {config.train.epochs}:
@@ -555,9 +556,7 @@ def finalize_lm(out_dir: str | os.PathLike, config: LMConfig, *, arms: Sequence[
     from .records import group_runs, summarize_cell
     from .report import comparison_table, figure_lines, run_lines, write_text
     from .stats import compare_arms
-    from .study import cell_records, run_info_from_records, speed_from_environment
-
-    from .study import recorded_config
+    from .study import cell_records, recorded_config, run_info_from_records, speed_from_environment
 
     out_dir = Path(out_dir)
     recorded = recorded_config(out_dir)  # the report shows the config as the runs recorded it
