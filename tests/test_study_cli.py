@@ -235,3 +235,26 @@ def test_keyboard_interrupt_mid_epoch_keeps_the_last_checkpoint(tmp_path, capsys
     _patched_build(monkeypatch, lambda task: setattr(task, "loss", _RaiseInLoss(task.loss, at=3)))
     assert main([*flags[:-2], "--out", str(tmp_path / "early")]) == 130
     assert "before its first checkpoint" in capsys.readouterr().err
+
+
+def test_an_arm_of_another_study_is_refused_not_run_as_another(tmp_path, capsys):
+    """``stiefel-gain`` gets its gain from the language-model study's builder; grokking and vision would build
+    plain frames and run it as ``stiefel`` without a word, so they refuse it (CLI and Python API)."""
+    from geoopt_stiefel_attention.experiments import lm  # noqa: F401  (registers the lm arms)
+    from geoopt_stiefel_attention.experiments.arms import available_arms, get_arm
+    from geoopt_stiefel_attention.experiments.config import RunSpec
+    from geoopt_stiefel_attention.experiments.runner import run_jobs
+
+    out = tmp_path / "out"
+    _usage_error(capsys, ["grokking", "--quiet", "--out", str(out), "--arms", "stiefel-gain"],
+                 "--arms", "stiefel-gain", "another study")
+    _usage_error(capsys, [*VISION_TINY, "--out", str(out), "--arms", "stiefel-gain"], "--arms", "stiefel-gain")
+    assert not out.exists()
+    spec = RunSpec(grokking.GrokkingConfig(p=7, width=16, heads=2, mlp=32), "stiefel-gain", 0)
+    with pytest.raises(ValueError, match="only in the lm study"):
+        run_jobs([spec], grokking.build_task, out)
+    assert not out.exists()
+    # companion: the study the arm belongs to takes it, and study-free arms stay available everywhere
+    assert get_arm("stiefel-gain", "lm").name == "stiefel-gain"
+    assert "stiefel-gain" in available_arms("lm") and "stiefel-gain" not in available_arms("grokking")
+    assert {"adamw", "stiefel", "geoopt-radam"} <= set(available_arms("grokking")) & set(available_arms("lm"))

@@ -135,7 +135,7 @@ def test_eval_windows_are_fixed_and_cover_the_stream():
     xs = torch.cat(first)
     assert xs.shape == (7, 9)
     assert int(xs[0, 0]) == 0 and int(xs[-1, -1]) == 248  # first window at 0, last ends at the end
-    assert all(torch.equal(a, b) for a, b in zip(first, [x for x, _ in ev.batches(5)]))
+    assert all(torch.equal(a, b) for a, b in zip(first, [x for x, _ in ev.batches(5)], strict=True))
 
 
 @pytest.mark.parametrize("cls, kwargs", [

@@ -48,7 +48,7 @@ import torch
 from ..manifolds import is_frame
 from .config import OptimConfig
 
-__all__ = ["Arm", "ARMS", "register_arm", "get_arm", "OptimizerGroup", "split_frame_groups",
+__all__ = ["Arm", "ARMS", "register_arm", "get_arm", "available_arms", "OptimizerGroup", "split_frame_groups",
            "default_param_groups"]
 
 ATTENTIONS = ("euclidean", "stiefel")
@@ -73,6 +73,11 @@ class Arm:
     prepare : callable, optional
         ``prepare(model)`` changes the built model in place before the optimizer is built (e.g. moves frames to
         another manifold, or freezes them).
+    studies : tuple of str, default ()
+        The studies (``config.experiment``) whose model builder gives this arm its meaning, when that meaning
+        lives in the builder rather than in ``build``/``prepare`` (e.g. the language-model study's learned
+        logit gain). Empty: the arm works in every study. Any other study refuses the arm instead of silently
+        running it as another.
     """
 
     name: str
@@ -80,6 +85,7 @@ class Arm:
     build: Callable[[torch.nn.Module, list[dict[str, Any]], OptimConfig], Any]
     description: str = ""
     prepare: Callable[[torch.nn.Module], None] | None = None
+    studies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.name, str) and self.name):
@@ -103,12 +109,23 @@ def register_arm(arm: Arm, *, replace: bool = False) -> Arm:
     return arm
 
 
-def get_arm(name: str) -> Arm:
-    """The registered arm called ``name``; the error lists the known arms."""
+def get_arm(name: str, study: str | None = None) -> Arm:
+    """The registered arm called ``name``; the error lists the known arms. With ``study`` (a config's
+    ``experiment``), an arm restricted to other studies (:attr:`Arm.studies`) is refused."""
     try:
-        return ARMS[name]
+        arm = ARMS[name]
     except KeyError:
         raise ValueError(f"unknown arm {name!r}; registered arms: {', '.join(sorted(ARMS))}.") from None
+    if study is not None and arm.studies and study not in arm.studies:
+        raise ValueError(f"arm {name!r} exists only in the {' / '.join(arm.studies)} study (its model builder "
+                         f"gives it its meaning), not in {study!r}; arms for {study!r}: "
+                         f"{', '.join(available_arms(study))}.")
+    return arm
+
+
+def available_arms(study: str | None = None) -> list[str]:
+    """Names of the registered arms usable in ``study`` (all of them for ``None``), sorted."""
+    return sorted(n for n, a in ARMS.items() if study is None or not a.studies or study in a.studies)
 
 
 # ---------------------------------------------------------------------------------------------- groups

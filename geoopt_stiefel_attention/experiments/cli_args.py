@@ -49,15 +49,15 @@ def add_optim_arguments(parser: argparse.ArgumentParser, default: OptimConfig) -
 
 
 def add_runner_arguments(parser: argparse.ArgumentParser, *, arms: Sequence[str], seeds: Sequence[int],
-                         out: str) -> None:
+                         out: str, study: str | None = None) -> None:
     """``--arms``, ``--seeds``, ``--out``, ``--workers``, ``--device``, ``--threads``, ``--quiet``,
     ``--report-only``, ``--skip-report``, ``--stop-after-epochs``, ``--checkpoint-interval``."""
-    from .arms import ARMS
+    from .arms import available_arms
 
     g = parser.add_argument_group("running")
     g.add_argument("--arms", nargs="+", default=None,
                    help=f"arms to run (default {' '.join(arms)}; with --report-only: every arm on disk; registered: "
-                        f"{', '.join(sorted(ARMS))})")
+                        f"{', '.join(available_arms(study))})")
     g.add_argument("--seeds", nargs="+", type=int, default=None,
                    help=f"seeds; each fixes the data split/order and the initial weights (default "
                         f"{' '.join(map(str, seeds))}; with --report-only: every seed on disk)")
@@ -94,7 +94,7 @@ def invoked_command() -> str | None:
     return "stiefel-attention " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
 
 
-def check_runner_args(args: argparse.Namespace) -> None:
+def check_runner_args(args: argparse.Namespace, study: str | None = None) -> None:
     """Refuse bad running flags before anything is written: unknown or repeated ``--arms``, negative or
     repeated ``--seeds``, ``--workers``/``--threads``/``--stop-after-epochs`` below 1, a negative
     ``--checkpoint-interval``, a ``--device`` torch cannot use, and an ``--out`` that cannot be a folder.
@@ -102,12 +102,17 @@ def check_runner_args(args: argparse.Namespace) -> None:
     import math
 
     from ..cli import UsageError
-    from .arms import ARMS
+    from .arms import ARMS, available_arms
 
     if args.arms is not None:
         unknown = [a for a in args.arms if a not in ARMS]
         if unknown:
-            raise UsageError(f"--arms: unknown arm(s) {', '.join(unknown)}; registered arms: {', '.join(sorted(ARMS))}.")
+            raise UsageError(f"--arms: unknown arm(s) {', '.join(unknown)}; registered arms: "
+                             f"{', '.join(available_arms(study))}.")
+        foreign = [a for a in args.arms if a not in available_arms(study)]
+        if foreign:
+            raise UsageError(f"--arms: {', '.join(foreign)} belongs to another study (its model builder gives it its "
+                             f"meaning); arms of this study: {', '.join(available_arms(study))}.")
         if len(set(args.arms)) != len(args.arms):
             raise UsageError(f"--arms: {' '.join(args.arms)} names an arm twice; list each arm once.")
     if args.seeds is not None:

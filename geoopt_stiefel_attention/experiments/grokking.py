@@ -208,7 +208,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="run the full forward at every position (default: last block at the last position only)")
     add_schedule_arguments(parser, d.train)
     add_optim_arguments(parser, d.optim)
-    add_runner_arguments(parser, arms=("adamw", "stiefel"), seeds=(0,), out="runs/grokking")
+    add_runner_arguments(parser, arms=("adamw", "stiefel"), seeds=(0,), out="runs/grokking", study="grokking")
 
 
 def config_from_args(args: argparse.Namespace) -> GrokkingConfig:
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         user_errors,
     )
 
-    check_runner_args(args)
+    check_runner_args(args, study="grokking")
     config = _config_for_report(args) if args.report_only else build_config(config_from_args, args)
     require_modules(runner_modules(args))
     arms = args.arms if args.arms is not None or args.report_only else ["adamw", "stiefel"]

@@ -52,6 +52,7 @@ from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require
 from .data.text import CORPORA, EvalWindows, RandomWindows, bits_per_byte, load_corpus
 from .metrics import MetricHook, QKGeometry
 from .runner import Task
+from .schedules import warmup_cosine
 from .study import Cell, StudyOutputs
 
 __all__ = ["LMConfig", "build_model", "build_task", "gpt2_query_keys", "attention_logit_stats", "AttentionProbe",
@@ -70,7 +71,7 @@ LOGIT_GAIN = {"stiefel-gain": "learn"}
 if "stiefel-gain" not in ARMS:
     register_arm(Arm("stiefel-gain", "stiefel", build_stiefel,
                      "W_Q, W_K frames with a learned per-head logit gain (starting at 1) trained by StiefelAdam; "
-                     "AdamW on the rest"))
+                     "AdamW on the rest", studies=("lm",)))
 
 #: The two published findings this study is set beside (no numbers of theirs are quoted: we have none).
 PUBLISHED = (
@@ -366,13 +367,6 @@ def corpus_of(config: LMConfig):
                          f"{config.corpus_identity.get('sha256', '?')[:12]}…, {config.corpus_identity.get('version')}); "
                          f"use the same Python (or --corpus-root), or another --out folder.")
     return corpus
-
-
-def warmup_cosine(step: int, *, total: int, warmup: int) -> float:
-    """The vision study's warm-up + cosine factor (:func:`~.vision.warmup_cosine`)."""
-    from .vision import warmup_cosine as factor
-
-    return factor(step, total=total, warmup=warmup)
 
 
 def build_task(spec: RunSpec, arm: Arm, device: torch.device) -> Task:
@@ -682,7 +676,7 @@ def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] 
     arms = list(arms or LM_ARMS)
     seeds = list(seeds if seeds is not None else (0, 1, 2))
     for a in arms:
-        get_arm(a)
+        get_arm(a, "lm")
     sweep = sweep_cells(config, frame_lrs)
     config = with_corpus_identity(config)
     _check_recorded_corpus(out_dir, config)
@@ -748,7 +742,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "frame lr reuses the main runs), e.g. 3e-4 1e-3 3e-3; default: no sweep")
     add_schedule_arguments(parser, d.train)
     add_optim_arguments(parser, d.optim)
-    add_runner_arguments(parser, arms=LM_ARMS, seeds=(0, 1, 2), out="runs/lm")
+    add_runner_arguments(parser, arms=LM_ARMS, seeds=(0, 1, 2), out="runs/lm", study="lm")
 
 
 def config_from_args(args: argparse.Namespace) -> LMConfig:
@@ -778,7 +772,7 @@ def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from .cli_args import build_config, check_runner_args, invoked_command, require_modules, runner_modules, user_errors
 
-    check_runner_args(args)
+    check_runner_args(args, study="lm")
     if args.corpus_root is not None and not Path(args.corpus_root).is_dir():
         raise UsageError(f"--corpus-root {args.corpus_root}: no such folder; pass a folder holding *.py files.")
     config = _config_for_report(args.out) if args.report_only else build_config(config_from_args, args)

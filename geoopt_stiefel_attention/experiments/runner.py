@@ -409,7 +409,7 @@ def train_run(spec: RunSpec, build_task: TaskBuilder, run_dir: str | os.PathLike
     if threads is not None and not (isinstance(threads, int) and threads > 0):
         raise ValueError(f"train_run: threads={threads!r} must be a positive int or None (--threads).")
     dev = resolve_device(device)
-    get_arm(spec.arm)
+    get_arm(spec.arm, spec.experiment)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with _RunLock(run_dir):
@@ -467,7 +467,7 @@ class _RunLock:
 
 def _build(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: torch.device) -> _Run:
     """Seed, build the task and the model, let the arm prepare it, start the hooks, build the optimizer."""
-    arm = get_arm(spec.arm)
+    arm = get_arm(spec.arm, spec.experiment)
     torch.manual_seed(spec.seed)
     task = build_task(spec, arm, dev)
     model = task.model.to(dev)
@@ -666,7 +666,7 @@ def run_jobs(specs: Sequence[RunSpec], build_task: TaskBuilder, out_dir: str | o
         raise ValueError(f"run_jobs: duplicate (arm, seed) jobs in {names}; each arm/seed pair must appear once.")
     out_dir = Path(out_dir)
     for s in specs:
-        get_arm(s.arm)  # fail before any work on an unknown arm
+        get_arm(s.arm, s.experiment)  # fail before any work on an unknown arm
         check_run_dir(out_dir / "runs" / s.name, s)  # ... or on a folder that holds another run
     if workers > 1 and threads is None:
         threads = max(1, (os.cpu_count() or 1) // workers)

@@ -202,7 +202,7 @@ def run_cells(cells: Sequence[Cell], build_task: TaskBuilder, out_dir: str | os.
                     for a in arms for s in seeds]) for cell in cells]
     for cell, specs in grid:  # refuse a folder holding other runs before anything is trained or written
         for spec in specs:
-            get_arm(spec.arm)
+            get_arm(spec.arm, spec.experiment)
             check_run_dir(cell.folder(out_dir) / "runs" / spec.name, spec)
     record_command(out_dir, command)
     results: list[RunResult] = []

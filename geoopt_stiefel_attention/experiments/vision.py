@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -60,6 +59,7 @@ from .report import (
     run_lines,
 )
 from .runner import Task
+from .schedules import warmup_cosine  # noqa: F401  (re-exported: vision.warmup_cosine)
 from .stats import describe
 from .study import Cell, StudyOutputs
 
@@ -211,14 +211,6 @@ def arm_config(config: VisionConfig, arm: str) -> VisionConfig:
 
 
 # ---------------------------------------------------------------------------------------------- task
-def warmup_cosine(step: int, *, total: int, warmup: int) -> float:
-    r"""Learning-rate factor: :math:`(t+1)/w` for :math:`t < w`, then
-    :math:`\tfrac12\big(1 + \cos(\pi (t - w)/(T - w))\big)` (``total`` :math:`= T` steps, ``warmup`` :math:`= w`)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-
 def predict_autocast(model: torch.nn.Module, images: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Logits from a forward pass under :func:`torch.autocast` (mixed precision), returned as float32."""
     with torch.autocast(device_type=images.device.type, dtype=dtype):
@@ -610,7 +602,7 @@ def run_vision(config: VisionConfig, out_dir: str | os.PathLike, *, study: str =
         return finalize_vision(out_dir, study, recorded_cells(out_dir, study), arms, seeds)
     arms = list(STUDY_ARMS[study] if not arms else arms)
     for a in arms:
-        get_arm(a)
+        get_arm(a, "vision")
     data_dir = str(data_dir)
     load_vision(config.dataset, data_dir, download=download)  # fails early, names --data-dir/--download
     cells = study_cells(study, config, train_sizes=train_sizes, weight_decays=weight_decays,
@@ -674,7 +666,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--amp", choices=("none", "bf16"), default="none", help="mixed precision (bf16 autocast; CUDA)")
     add_schedule_arguments(parser, d.train)
     add_optim_arguments(parser, d.optim)
-    add_runner_arguments(parser, arms=(), seeds=tuple(range(12)), out="runs/vision")
+    add_runner_arguments(parser, arms=(), seeds=tuple(range(12)), out="runs/vision", study="vision")
     for action in parser._actions:
         if action.dest == "arms":
             action.help = ("arms to run (default: the study's: "
@@ -717,7 +709,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from .data.vision import DatasetNotFoundError
 
-    check_runner_args(args)
+    check_runner_args(args, study="vision")
     config = build_config(config_from_args, args)
     if not args.report_only:
         require_modules(runner_modules(args) + ["sklearn" if config.dataset == "digits" else "torchvision"])
