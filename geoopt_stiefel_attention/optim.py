@@ -366,8 +366,9 @@ def _frame_update_(
     actual :math:`W - s`, :math:`(W - s) X`, :math:`W_+^\top m` and :math:`W_+ S'`, the last four written
     into their destinations (``baddbmm``/``out=``) so that no ``d x r`` temporary is allocated.
 
-    Skipped frames (non-finite :math:`\|\xi\|_F^2`) come back bit-identical: their :math:`\xi` is replaced by
-    their own :math:`m` (the moving average then returns :math:`m`), their step is zero and their
+    Skipped frames (non-finite :math:`\|\xi\|_F^2`) come back unchanged: the non-finite entries of their
+    :math:`\xi` are zeroed and it is averaged in with weight 0 (:math:`m + 0\,(\xi - m) = m`; a ``-0.0`` entry of
+    :math:`m` may come back as ``+0.0``, equal to it), their step is zero and their
     retraction and transport multiply by the identity and subtract zero. Frames whose step size is zero
     (``lr = 0``, or ``eps = 0`` with a zero second moment, whose :math:`1/\sqrt{\hat v}` is taken as 0) keep
     ``W`` bit-identical the same way; their moments are updated. On CPU the masking runs only when a
@@ -395,10 +396,12 @@ def _frame_update_(
     xi_sq = torch.linalg.vector_norm(xi, dim=(-2, -1), keepdim=True).square_()
     finite = xi_sq < math.inf  # False for inf and NaN
     masked = not (on_host and bool(finite.all()))
-    if masked:
-        torch.where(finite, stored(xi), stored(exp_avg), out=stored(xi))
+    weight = 1.0 - beta1
+    if masked:  # skipped frames: finite junk in xi, averaged in with weight 0 (m + 0 (xi - m) = m)
+        xi.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        weight = finite.to(xi.dtype).mul_(weight)
     # 2. m <- beta1 m + (1 - beta1) xi
-    exp_avg.lerp_(xi, 1.0 - beta1)
+    exp_avg.lerp_(xi, weight)
     # 3.-4. v <- beta2 v + (1 - beta2) ||xi||^2; per-frame step size alpha, s = alpha m
     bias1 = 1.0 - beta1**step
     if exp_avg_sq is None:

@@ -235,17 +235,19 @@ def test_complex_gradient_on_a_frame_is_refused():
 
 
 # ----------------------------------------------------------------------------- non-finite gradients
+@pytest.mark.parametrize("capturable", [False, True])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 1e30])
-def test_non_finite_frame_gradient_is_skipped_and_only_advances_t(bad):
+def test_non_finite_frame_gradient_is_skipped_and_only_advances_t(bad, capturable):
     """Policy: a frame whose gradient is not finite (or whose ||xi||^2 overflows, as 1e30 does in float32) is
     skipped: W, m and v stay bit-identical, the skip is counted in ``skipped_frames`` and the step count
     advances. The run then continues bit-identically to one whose bad step only advanced t. (That only the
-    offending frame of a stack is skipped is tested in test_optim.py.)"""
+    offending frame of a stack is skipped is tested in test_optim.py.) Also on the capturable path, which
+    masks without reading the skip flags on the host (a NaN must not reach m through a zero weight)."""
     grads = torch.randn(4, *SHAPE, generator=torch.Generator().manual_seed(3))
     runs = []
     for variant in ("bad", "advance_t_only"):
         w = _frame_param(dtype=torch.float32)
-        opt = StiefelAdam([w], lr=1e-2)
+        opt = StiefelAdam([w], lr=1e-2, capturable=capturable)
         w.grad = grads[0].clone()
         opt.step()
         if variant == "bad":
