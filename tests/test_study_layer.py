@@ -155,3 +155,25 @@ def test_geoopt_radam_keeps_a_per_frame_second_moment_at_full_size():
     # companion: the element-wise second moment of plain Adam is not constant over a frame
     assert not torch.allclose(xi[0] ** 2, (xi[0] ** 2).mean().expand(6, 2))
     assert get_arm("geoopt-radam").attention == "stiefel"
+
+
+def test_finished_runs_leaves_runs_in_progress_out_and_names_them():
+    """A study still training must not average a run's current value with other runs' endpoints."""
+    from geoopt_stiefel_attention.experiments.study import finished_runs
+
+    def run(arm, seed, last):
+        return [{"arm": arm, "seed": seed, "epoch": e, "val_acc": e / 100} for e in range(0, last + 1, 50)]
+
+    records = run("adamw", 0, 100) + run("stiefel", 0, 100) + run("adamw", 1, 50)
+    kept, note = finished_runs(records, 100)
+    assert {(r["arm"], r["seed"]) for r in kept} == {("adamw", 0), ("stiefel", 0)}
+    assert len(kept) == 6
+    assert "adamw seed 1 (at epoch 50 of 100)" in note and "left out" in note
+    # companion: when every run is finished nothing is dropped and nothing is said
+    done = run("adamw", 0, 100) + run("adamw", 1, 100)
+    assert finished_runs(done, 100) == (done, "")
+    # when no run has finished, every record is kept and the note says the figures are not endpoints
+    early = run("adamw", 0, 50) + run("stiefel", 0, 50)
+    kept, note = finished_runs(early, 100)
+    assert kept == early and "No run has reached epoch 100" in note
+    assert finished_runs(records, None) == (records, "")

@@ -26,7 +26,7 @@ from .records import load_study_records, summarize
 from .report import PaperReference, render_report, write_text
 from .runner import CONFIG_FILE, ENVIRONMENT_FILE, RunResult, TaskBuilder, check_run_dir, run_jobs
 
-__all__ = ["Cell", "StudyOutputs", "run_study", "run_cells", "finalize_study", "speed_from_environment",
+__all__ = ["Cell", "finished_runs", "StudyOutputs", "run_study", "run_cells", "finalize_study", "speed_from_environment",
            "record_command", "recorded_commands", "cell_records", "recorded_config", "run_info_from_records"]
 
 SUMMARY_FILE = "summary.json"
@@ -164,6 +164,33 @@ def recorded_config(out_dir: str | os.PathLike, cell: Cell | None = None) -> dic
     return None
 
 
+def finished_runs(records: Sequence[dict[str, Any]], epochs: int | None
+                  ) -> tuple[list[dict[str, Any]], str]:
+    """Keep the records of the runs that reached ``epochs`` when at least one has, and say which were left out.
+
+    A study whose runs are still training would otherwise average a run's value at its current epoch with
+    others' endpoints. Returns ``(records, note)``: the finished runs' records and a sentence naming every run
+    still in progress (its last evaluated epoch); when no run has reached ``epochs`` yet, every record is kept
+    and the note says that the figures are at the runs' last evaluated epochs. ``epochs=None``: no filter,
+    empty note."""
+    if epochs is None or not records:
+        return list(records), ""
+    last: dict[tuple[str, int], int] = {}
+    for r in records:
+        key = (r["arm"], int(r["seed"]))
+        last[key] = max(last.get(key, r["epoch"]), r["epoch"])
+    open_runs = {k: e for k, e in sorted(last.items()) if e < epochs}
+    if not open_runs:
+        return list(records), ""
+    listed = ", ".join(f"{arm} seed {seed} (at epoch {e:,} of {epochs:,})" for (arm, seed), e in open_runs.items())
+    if len(open_runs) == len(last):
+        return list(records), (f"**No run has reached epoch {epochs:,} yet**: every figure below is at the runs' "
+                               f"last evaluated epoch: {listed}.")
+    kept = [r for r in records if (r["arm"], int(r["seed"])) not in open_runs]
+    return kept, (f"**In progress, left out of every table and figure below**: {listed}. Rerun the training "
+                  f"command to resume them; the report then includes them.")
+
+
 def finalize_study(out_dir: str | os.PathLike, *, title: str, intro: str = "", config: Any = None,
                    arms: Sequence[str] | None = None, seeds: Sequence[int] | None = None,
                    paper: PaperReference | None = None, notes: Sequence[str] = (), threshold: float = 0.95,
@@ -175,6 +202,9 @@ def finalize_study(out_dir: str | os.PathLike, *, title: str, intro: str = "", c
 
     out_dir = Path(out_dir)
     records = cell_records(out_dir, Cell(config), arms, seeds)
+    records, in_progress = finished_runs(records, getattr(getattr(config, "train", None), "epochs", None))
+    if in_progress:
+        intro = f"{intro}\n\n{in_progress}" if intro else in_progress
     summary = summarize(records, threshold=threshold, last_fraction=last_fraction)
     figures = plot_study(records, out_dir, threshold=threshold)
     speed = speed_from_environment(out_dir)
