@@ -749,7 +749,10 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
 
     # ------------------------------------------------------------------ the step
     def _validate_step(self) -> None:
-        """Check every gradient and every fresh frame before anything is changed."""
+        """Check every group's options (a scheduler or a user may have rewritten ``param_groups`` since the
+        constructor checked them), every gradient and every fresh frame before anything is changed."""
+        for group in self.param_groups:
+            _validate_hyperparameters(group)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

@@ -861,3 +861,37 @@ def test_compiled_training_step_with_the_optimizer_matches_eager_aot_eager():
 @pytest.mark.slow
 def test_compiled_training_step_with_the_optimizer_matches_eager_inductor():
     _compiled_training_matches_eager("inductor")
+
+
+@pytest.mark.parametrize("option, value, name", [
+    ("lr", -1.0, "lr"), ("lr", float("nan"), "lr"), ("trust_region", 0.0, "trust_region"),
+    ("betas", (0.9, 1.0), "betas"), ("eps", -1e-8, "eps"), ("weight_decay", -0.1, "weight_decay"),
+])
+def test_options_rewritten_in_param_groups_are_checked_at_step(option, value, name):
+    """Schedulers and users write ``param_groups`` directly; a value the constructor would refuse is refused at
+    ``step`` too, before anything changes (trust_region=0 would otherwise freeze every frame without a word)."""
+    w = _frame_param()
+    bias = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    opt = StiefelAdam([w, bias], lr=1e-2)
+    w.grad, bias.grad = torch.randn_like(w), torch.randn_like(bias)
+    opt.step()
+    before = (w.detach().clone(), bias.detach().clone(), copy.deepcopy(opt.state_dict()["state"]))
+    opt.param_groups[0][option] = value
+    with pytest.raises(ValueError, match=name):
+        opt.step()
+    assert torch.equal(w, before[0]) and torch.equal(bias, before[1])
+    after = opt.state_dict()["state"]
+    for k in before[2]:
+        for key, t in before[2][k].items():
+            assert torch.equal(after[k][key], t), (k, key)
+
+
+def test_lr_zero_written_by_a_scheduler_is_accepted_and_moves_nothing():
+    """Companion: the check at ``step`` refuses only invalid values (warm-up schedulers start at lr=0)."""
+    w = _frame_param()
+    opt = StiefelAdam([w], lr=1e-2)
+    opt.param_groups[0]["lr"] = 0.0
+    w.grad = torch.randn_like(w)
+    start = w.detach().clone()
+    opt.step()
+    assert torch.equal(w, start)
