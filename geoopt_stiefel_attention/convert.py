@@ -484,6 +484,10 @@ def _piece(module: nn.Module, block: Block, role: str) -> _Piece:
     return _Piece(role, owner, attr, block.dim, start, length, int(w.shape[1 - block.dim]), 0)
 
 
+#: Parameter names of query/key biases kept apart from the projection weights (timm's BEiT/EVA attention).
+_QK_BIAS_NAMES = ("q_bias", "k_bias")
+
+
 def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str) -> _Site:
     q = _piece(module, layout.q, "q")
     k = _piece(module, layout.k, "k")
@@ -500,12 +504,19 @@ def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str) -> _Site:
         raise _Refusal(f"{q.heads} query heads cannot share {k.heads} key heads in equal groups")
     spans = []
     if qk_bias == "drop":
-        for block in (layout.q_bias or layout.q.bias_block(), layout.k_bias or layout.k.bias_block()):
+        for role, block in (("query", layout.q_bias or layout.q.bias_block()),
+                            ("key", layout.k_bias or layout.k.bias_block())):
             try:
                 b = _get(module, block.param)
             except AttributeError:
                 b = None
             if b is None:
+                # a bias kept somewhere the layout does not look (timm BEiT/EVA: q_bias beside a bias-free qkv)
+                # would stay active while the user asked for it to be dropped
+                elsewhere = [n for n, _ in module.named_parameters() if n.split(".")[-1] in _QK_BIAS_NAMES]
+                if elsewhere:
+                    raise _Refusal(f"qk_bias='drop' looks for the {role} bias at {block.param!r}, which it does not have, but it holds {elsewhere}; "
+                                   f"pass targets= with a Layout whose q_bias/k_bias Block names them")
                 continue
             if b.dim() != 1:
                 raise _Refusal(f"{block.param} has shape {tuple(b.shape)}; a bias is 1-D")
@@ -728,8 +739,15 @@ def stiefelize(
         warnings.warn("stiefelize: left unconverted (strict=False): "
                       + "; ".join(f"{_where(p)}: {why}" for p, why in problems), stacklevel=2)
 
+    if qk_bias == "drop":
+        nothing = [s.path for s in sites if not s.bias_spans]
+        if nothing:
+            warnings.warn(f"stiefelize: qk_bias='drop' had nothing to drop in {len(nothing)} of {len(sites)} converted "
+                          f"module(s) ({', '.join(_where(p) for p in nothing[:4])}{', ...' if len(nothing) > 4 else ''}):"
+                          f" they have no query/key bias.", stacklevel=2)
+    gains = [_initial_gain(site, logit_gain) for site in sites]  # checked for every site before any change
     before = _probe(model, probe) if probe is not None else None
-    rows = [_apply(site, logit_gain, gain_rate) for site in sites]
+    rows = [_apply(site, logit_gain, gain_rate, gain) for site, gain in zip(sites, gains, strict=True)]
     change = None
     if before is not None:
         after = _probe(model, probe)
@@ -770,18 +788,31 @@ def _hint(module: nn.Module) -> str:
     return f"its parameters: {', '.join(names)}"
 
 
-def _apply(site: _Site, logit_gain: str | None, gain_rate: float) -> ConvertedAttention:
+def _initial_gain(site: _Site, logit_gain: str | None) -> Tensor | None:
+    """The per-query-head gain a site starts with: none, ones (``"learn"``), or the product of the q and k
+    blocks' RMS singular values (``"fit"``). A fitted gain must be positive and finite: a zero block would
+    give a log-gain of -inf, a head whose logits stay zero for the whole of training."""
+    if logit_gain is None:
+        return None
     q, k, r = site.q, site.k, site.r
-    gain = None
-    if logit_gain is not None:
-        wq, wk = getattr(q.owner, q.attr), getattr(k.owner, k.attr)
-        with torch.no_grad():
-            if logit_gain == "learn":
-                gain = torch.ones(q.heads, dtype=wq.dtype, device=wq.device)
-            else:
-                rms_q = _frames_from(wq, q.dim, q.start, q.length, r).flatten(1).norm(dim=1) / math.sqrt(r)
-                rms_k = _frames_from(wk, k.dim, k.start, k.length, r).flatten(1).norm(dim=1) / math.sqrt(r)
-                gain = rms_q * rms_k.repeat_interleave(q.heads // k.heads)
+    wq, wk = getattr(q.owner, q.attr), getattr(k.owner, k.attr)
+    with torch.no_grad():
+        if logit_gain == "learn":
+            return torch.ones(q.heads, dtype=wq.dtype, device=wq.device)
+        rms_q = _frames_from(wq, q.dim, q.start, q.length, r).flatten(1).norm(dim=1) / math.sqrt(r)
+        rms_k = _frames_from(wk, k.dim, k.start, k.length, r).flatten(1).norm(dim=1) / math.sqrt(r)
+        gain = rms_q * rms_k.repeat_interleave(q.heads // k.heads)
+    bad = [h for h, g in enumerate(gain.tolist()) if not (math.isfinite(g) and g > 0)]
+    if bad:
+        raise ValueError(f"stiefelize: logit_gain='fit' at {_where(site.path)} gives query head(s) {bad} a gain of "
+                         f"{[float(gain[h]) for h in bad]} (an all-zero or non-finite query/key block): such a "
+                         f"head's logits would stay zero for the whole of training. Nothing was changed; use "
+                         f"logit_gain='learn' (starts at 1) or give those heads non-zero weights first.")
+    return gain
+
+
+def _apply(site: _Site, logit_gain: str | None, gain_rate: float, gain: Tensor | None) -> ConvertedAttention:
+    q, k, r = site.q, site.k, site.r
     groups: dict[tuple[int, str], list] = {}
     for p in (q, k):
         groups.setdefault((id(p.owner), p.attr), [p.owner, p.attr, []])[2].append(p)

@@ -758,3 +758,53 @@ def test_torch_compile_of_a_converted_model_matches_eager():
     torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=SAME_TOL)
     compiled(x).square().sum().backward()
     assert all(f.grad is not None and bool(f.grad.abs().sum() > 0) for f in frame_parameters(model))
+
+
+def test_fitted_gain_of_a_zero_block_is_refused_before_anything_changes():
+    """A zero query block would give log-gain -inf: a head whose logits stay zero for all of training."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(16, 2, dtype=torch.float64)
+    with torch.no_grad():
+        m.in_proj_weight[16:24].zero_()  # the first key head's block
+    model = nn.Sequential(m)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"logit_gain='fit'.*head\(s\) \[0\]"):
+        stiefelize(model, logit_gain="fit")
+    assert not torch.nn.utils.parametrize.is_parametrized(m)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # companion: the same module with every block non-zero gets finite, positive fitted gains
+    with torch.no_grad():
+        m.in_proj_weight[16:24].normal_()
+    stiefelize(model, logit_gain="fit")
+    gain = m.parametrizations.in_proj_weight[0].q_log_gain
+    assert torch.isfinite(gain).all()
+
+
+def test_dropping_a_bias_the_layout_cannot_see_is_refused():
+    """timm's BEiT attention keeps q_bias beside a bias-free fused qkv: 'drop' must not leave it active."""
+    from timm.models.beit import Attention as BeitAttention
+
+    torch.manual_seed(0)
+    attn = BeitAttention(32, num_heads=4, qkv_bias=True)
+    with torch.no_grad():
+        attn.q_bias.normal_()
+    model = nn.Sequential(attn)
+    with pytest.raises(ValueError, match="q_bias"):
+        stiefelize(model, qk_bias="drop")
+    assert not torch.nn.utils.parametrize.is_parametrized(attn.qkv)
+    # companion: keeping the biases (the default) converts it, and the bias stays what it was
+    q_bias = attn.q_bias.detach().clone()
+    stiefelize(model)
+    assert torch.equal(attn.q_bias, q_bias)
+
+
+def test_dropping_biases_that_do_not_exist_says_so():
+    model = nn.Sequential(nn.MultiheadAttention(16, 2, bias=False))
+    with pytest.warns(UserWarning, match="nothing to drop"):
+        stiefelize(model, qk_bias="drop")
+    # companion: a module with query/key biases has them dropped without that warning
+    with_bias = nn.Sequential(nn.MultiheadAttention(16, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stiefelize(with_bias, qk_bias="drop")
+    assert torch.equal(with_bias[0].in_proj_bias[:32], torch.zeros(32))
