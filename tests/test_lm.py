@@ -315,6 +315,7 @@ def _exit_code(call) -> int:
     (["--warmup-fraction", "1.5"], "--warmup-fraction"),
     (["--arms", "nope"], "--arms"),
     (["--val-fraction", "2"], "--val-fraction"),
+    (["--arms", "adamw", "--frame-lrs", "3e-3"], "--frame-lrs"),
 ])
 def test_cli_errors_are_one_line_exit_2_and_write_nothing(corpus_root, tmp_path, capsys, flags, fragment):
     out = tmp_path / "never"
@@ -338,3 +339,21 @@ def test_cli_refuses_a_missing_corpus_root_and_another_corpus(corpus_root, tmp_p
                                         "adamw", "--seeds", "0", "--skip-report", "--epochs", "1"]))
     text = capsys.readouterr().err
     assert code == 2 and "another corpus" in text and len(text.strip().splitlines()) == 1
+
+
+def test_report_refuses_a_sweep_cell_trained_with_other_settings(corpus_root, tmp_path, capsys):
+    """A frame-lr cell is paired with the main cell's adamw runs: it must differ from them only in the frame lr."""
+    out = tmp_path / "study"
+    assert _cli(corpus_root, out, "--arms", "adamw", "stiefel", "--seeds", "0", "--frame-lrs", "3e-3",
+                "--skip-report", "--epochs", "1") == 0
+    assert _cli(corpus_root, out, "--report-only") == 0  # companion: a consistent sweep gives a report
+    assert "frame-lr" in (out / "report.md").read_text()
+    cfg_path = next((out / "frame-lr-0.003").glob("runs/stiefel/seed0/config.json"))
+    cfg = json.loads(cfg_path.read_text())
+    cfg["config"]["width"] = 64  # as if the cell had been trained with another --width
+    cfg_path.write_text(json.dumps(cfg))
+    before = (out / "report.md").read_text()
+    assert _exit_code(lambda: _cli(corpus_root, out, "--report-only")) == 2
+    err = capsys.readouterr().err
+    assert "frame-lr-0.003" in err and "width" in err and "Traceback" not in err
+    assert (out / "report.md").read_text() == before

@@ -56,7 +56,7 @@ from .schedules import warmup_cosine
 from .study import Cell, StudyOutputs
 
 __all__ = ["LMConfig", "build_model", "build_task", "gpt2_query_keys", "attention_logit_stats", "AttentionProbe",
-           "lm_param_groups", "run_lm", "finalize_lm", "sweep_cells", "LM_ARMS", "LOGIT_GAIN", "PUBLISHED",
+           "lm_param_groups", "SweepMismatchError", "run_lm", "finalize_lm", "sweep_cells", "LM_ARMS", "LOGIT_GAIN", "PUBLISHED",
            "HELP", "add_arguments", "run"]
 
 HELP = ("Byte-level GPT-2 on the Python standard library's sources: AdamW vs Stiefel W_Q/W_K (StiefelAdam, "
@@ -449,8 +449,23 @@ def _mean_ci_text(values: Sequence[float], fmt: str = ".4f") -> str:
     return f"{m:{fmt}}" + ("" if lo is None else f" [{lo:{fmt}}, {hi:{fmt}}]")
 
 
-def _final(runs: Mapping[str, Mapping[int, list[Mapping[str, Any]]]], arm: str, key: str) -> dict[int, Any]:
-    return {s: recs[-1].get(key) for s, recs in runs.get(arm, {}).items()}
+def _final(runs: Mapping[str, Mapping[int, list[Mapping[str, Any]]]], arm: str, key: str,
+           epochs: int | None = None) -> dict[int, Any]:
+    """``key`` at each seed's last record; with ``epochs``, only the seeds whose run reached that epoch (a run
+    still training is not paired with a finished one)."""
+    return {s: recs[-1].get(key) for s, recs in runs.get(arm, {}).items()
+            if epochs is None or recs[-1]["epoch"] >= epochs}
+
+
+class SweepMismatchError(ValueError):
+    """A frame-lr cell on disk was trained with other settings than the main cell, besides its frame lr."""
+
+
+def _sweep_differences(main: LMConfig, cell: LMConfig) -> list[str]:
+    """The settings in which a frame-lr cell's config differs from the main cell's, other than the frame lr."""
+    a = to_dict(main)
+    b = to_dict(dataclasses.replace(cell, optim=dataclasses.replace(cell.optim, frame_lr=main.optim.frame_lr)))
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
 def _results_lines(records, arms: Sequence[str], config: LMConfig) -> list[str]:
@@ -564,17 +579,26 @@ def finalize_lm(out_dir: str | os.PathLike, config: LMConfig, *, arms: Sequence[
     speed = speed_from_environment(out_dir)
 
     sweep = []
+    epochs = config.train.epochs
     for cell in _sweep_folders(out_dir):
+        differs = _sweep_differences(config, cell.config)
+        if differs:
+            raise SweepMismatchError(f"lm report: the runs in {cell.subdir}/ were trained with other settings than the main "
+                             f"cell's in {', '.join(differs)} (not only the frame lr), so they cannot be compared "
+                             f"with its adamw runs; retrain them with the main cell's flags plus --frame-lrs, or move "
+                             f"that folder out of {out_dir}.")
         recs = cell_records(out_dir, cell, ["stiefel"], seeds)
-        per_seed = {"adamw": _final(runs, "adamw", "val_bpb"),
-                    "stiefel": _final(group_runs(recs), "stiefel", "val_bpb")}
+        per_seed = {"adamw": _final(runs, "adamw", "val_bpb", epochs),
+                    "stiefel": _final(group_runs(recs), "stiefel", "val_bpb", epochs)}
         sweep.append({"frame_lr": cell.value, "subdir": cell.subdir,
                       "stiefel_val_bpb": per_seed["stiefel"],
                       "vs_adamw": compare_arms(per_seed, ["adamw", "stiefel"]).get("stiefel - adamw")})
         speed.update({f"{cell.subdir}/{k}": v for k, v in speed_from_environment(out_dir / cell.subdir).items()})
     if sweep and "stiefel" in runs:
-        base = {"frame_lr": config.optim.effective_frame_lr, "subdir": "", "stiefel_val_bpb":
-                _final(runs, "stiefel", "val_bpb"), "vs_adamw": main["comparisons"].get("stiefel - adamw")}
+        base_seeds = {"adamw": _final(runs, "adamw", "val_bpb", epochs),
+                      "stiefel": _final(runs, "stiefel", "val_bpb", epochs)}
+        base = {"frame_lr": config.optim.effective_frame_lr, "subdir": "", "stiefel_val_bpb": base_seeds["stiefel"],
+                "vs_adamw": compare_arms(base_seeds, ["adamw", "stiefel"]).get("stiefel - adamw")}
         sweep = sorted([*sweep, base], key=lambda row: row["frame_lr"])
 
     figures: dict[str, Path | None] = {
@@ -677,6 +701,9 @@ def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] 
     seeds = list(seeds if seeds is not None else (0, 1, 2))
     for a in arms:
         get_arm(a, "lm")
+    if frame_lrs and "stiefel" not in arms:
+        raise ValueError(f"--frame-lrs sweeps the stiefel arm's frame lr, but --arms {' '.join(arms)} has no stiefel "
+                         f"arm; add stiefel to --arms or drop --frame-lrs.")
     sweep = sweep_cells(config, frame_lrs)
     config = with_corpus_identity(config)
     _check_recorded_corpus(out_dir, config)
@@ -768,11 +795,26 @@ def _config_for_report(out: str) -> LMConfig:
     return config_from_dict(LMConfig, recorded)
 
 
+class _sweep_errors_as_usage_errors:  # noqa: N801 - a context manager, like cli_args.user_errors
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, tb) -> bool:
+        from ..cli import UsageError
+
+        if isinstance(err, SweepMismatchError):
+            raise UsageError(str(err)) from None
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from .cli_args import build_config, check_runner_args, invoked_command, require_modules, runner_modules, user_errors
 
     check_runner_args(args, study="lm")
+    if args.frame_lrs and args.arms is not None and "stiefel" not in args.arms:
+        raise UsageError(f"--frame-lrs sweeps the stiefel arm's frame lr, but --arms {' '.join(args.arms)} has no "
+                         f"stiefel arm; add stiefel to --arms or drop --frame-lrs.")
     if args.corpus_root is not None and not Path(args.corpus_root).is_dir():
         raise UsageError(f"--corpus-root {args.corpus_root}: no such folder; pass a folder holding *.py files.")
     config = _config_for_report(args.out) if args.report_only else build_config(config_from_args, args)
@@ -784,7 +826,7 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, FileNotFoundError) as err:
             raise UsageError(str(err)) from None
     t0 = time.perf_counter()
-    with user_errors():
+    with user_errors(), _sweep_errors_as_usage_errors():
         outputs = run_lm(config, args.out, arms=args.arms if args.arms is not None or args.report_only else LM_ARMS,
                          seeds=args.seeds if args.seeds is not None or args.report_only else (0, 1, 2),
                          frame_lrs=args.frame_lrs, workers=args.workers, device=args.device, threads=args.threads,
