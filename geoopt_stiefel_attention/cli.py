@@ -36,8 +36,25 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         sp = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(sp)
-        sp.set_defaults(_run=module.run)
+        sp.set_defaults(_run=module.run, _parser=sp)
     return parser
+
+
+#: Flags that ``--report-only`` honours or that only say how to run (everything else sets up training, which
+#: a report-only call does not do: it reads the settings recorded with the runs).
+_REPORT_ONLY_FLAGS = frozenset({"report_only", "out", "arms", "seeds", "workers", "device", "threads", "quiet",
+                                "skip_report", "stop_after_epochs", "checkpoint_interval", "study", "data_dir",
+                                "download", "corpus_root", "command", "_run", "_parser", "help"})
+
+
+def ignored_by_report_only(args: argparse.Namespace) -> list[str]:
+    """The flags given with ``--report-only`` (different from their defaults) that it does not use."""
+    parser = getattr(args, "_parser", None)
+    if parser is None or not getattr(args, "report_only", False):
+        return []
+    return [action.option_strings[-1] for action in parser._actions
+            if action.option_strings and action.dest not in _REPORT_ONLY_FLAGS
+            and getattr(args, action.dest, action.default) != action.default]
 
 
 class UsageError(ValueError):
@@ -53,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     prog = f"stiefel-attention {args.command}"
+    ignored = ignored_by_report_only(args)
+    if ignored:  # not silent: say that these flags do nothing here
+        print(f"{prog}: note: --report-only rebuilds the report with the settings recorded in --out; ignoring "
+              f"{' '.join(ignored)}", file=sys.stderr)
     try:
         return int(args._run(args) or 0)
     except UsageError as err:

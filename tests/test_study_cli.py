@@ -258,3 +258,16 @@ def test_an_arm_of_another_study_is_refused_not_run_as_another(tmp_path, capsys)
     assert get_arm("stiefel-gain", "lm").name == "stiefel-gain"
     assert "stiefel-gain" in available_arms("lm") and "stiefel-gain" not in available_arms("grokking")
     assert {"adamw", "stiefel", "geoopt-radam"} <= set(available_arms("grokking")) & set(available_arms("lm"))
+
+
+def test_report_only_names_the_training_flags_it_ignores(tmp_path, capsys):
+    """``--report-only`` reads the recorded settings; a training flag given with it is said to be ignored."""
+    out = tmp_path / "out"
+    assert main(["grokking", *TINY, "--epochs", "10", "--seeds", "0", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["grokking", "--report-only", "--quiet", "--out", str(out), "--lr", "5", "--epochs", "999"]) == 0
+    err = capsys.readouterr().err
+    assert "--report-only" in err and "ignoring --epochs --lr" in err
+    # companion: the flags report-only uses (and how to run) draw no note
+    assert main(["grokking", "--report-only", "--quiet", "--out", str(out), "--arms", "stiefel", "--seeds", "0"]) == 0
+    assert "ignoring" not in capsys.readouterr().err

@@ -519,6 +519,7 @@ def test_cli_vision_runs_and_reports(tmp_path, capsys):
     assert not (out / "report.md").exists()
     assert main([*args, "--report-only"]) == 0
     assert (out / "report.md").exists()
+    assert "ignoring" in capsys.readouterr().err  # the training flags repeated with --report-only are named
     assert main(["vision", "--dataset", "cifar10", "--data-dir", str(tmp_path / "none"), "--out", str(tmp_path / "c"),
                  "--quiet"]) == 2
     err = capsys.readouterr().err
