@@ -53,14 +53,6 @@ ORTHO_TOL_F32 = 1e-5
 STAT_TOL = 1e-12
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny models run fastest, and reproducibly, on one thread (and the test machine is shared)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 # ------------------------------------------------------------------------------------------ stand-in study
 @dataclass(frozen=True)

@@ -35,13 +35,6 @@ ORTHO_TOL_F32 = 1e-5
 SMALL = dict(p=11, width=16, heads=2, mlp=32)
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def _reference_answer(a: int, b: int, op: str, p: int) -> int:
     if op == "+":

@@ -140,19 +140,6 @@ def test_every_form_of_params_gives_the_same_training(form):
         assert names == expected
 
 
-def _bad_parameter(kind):
-    if kind == "canonical":
-        return _frame_param((9, 3), manifold=geoopt.Stiefel()), ValueError, "PolarStiefel"
-    if kind == "sphere":
-        sphere = geoopt.Sphere()
-        return geoopt.ManifoldParameter(sphere.random(9, dtype=torch.float64), manifold=sphere), ValueError, \
-            "RiemannianAdam"
-    if kind == "complex":
-        w = torch.linalg.qr(torch.randn(9, 3, dtype=torch.complex128)).Q
-        return geoopt.ManifoldParameter(w, manifold=PolarStiefel(), requires_grad=True), TypeError, "real"
-    raise AssertionError(kind)
-
-
 def _offer(p, form):
     """Give ``p`` (beside a plain parameter) to a new optimizer, or to add_param_group, in the given form."""
     plain = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
@@ -173,10 +160,10 @@ def _offer(p, form):
 @pytest.mark.parametrize("kind", ["canonical", "sphere", "complex"])
 @pytest.mark.parametrize("form", ["list", "generator", "named", "group_generator", "named_group", "add_generator",
                                   "add_named"])
-def test_validation_is_the_same_whatever_form_the_params_arrive_in(kind, form):
+def test_validation_is_the_same_whatever_form_the_params_arrive_in(kind, form, bad_frame):
     """Before the fix a ("w", p) pair skipped validation: a canonical Stiefel or Sphere parameter was trained as a
     plain matrix by AdamW and left its manifold."""
-    p, exc, message = _bad_parameter(kind)
+    p, exc, message = bad_frame(kind)
     with pytest.raises(exc, match=message):
         _offer(p, form)
 

@@ -142,32 +142,10 @@ def test_bad_group_option_raises_names_the_fix_and_changes_nothing(trained, opti
     assert not _same(before[0], _snapshot(model, opt)[0])
 
 
-def _bad_frame(kind):
-    st = PolarStiefel()
-    if kind == "off_manifold":
-        return geoopt.ManifoldParameter(1.01 * _frames((2, 9, 3)), manifold=st), ValueError, r"proj_\(\)"
-    if kind == "r_greater_than_d":
-        p = geoopt.ManifoldParameter(_frames((2, 9, 3)), manifold=st)
-        p.data = torch.randn(2, 3, 9, dtype=torch.float64)  # e.g. a transposed frame assigned later
-        return p, ValueError, r"r <= d.*transpose"
-    if kind == "canonical":
-        canonical = geoopt.Stiefel()
-        return geoopt.ManifoldParameter(canonical.random(9, 3, dtype=torch.float64), manifold=canonical), \
-            ValueError, "PolarStiefel"
-    if kind == "sphere":
-        sphere = geoopt.Sphere()
-        return geoopt.ManifoldParameter(sphere.random(9, dtype=torch.float64), manifold=sphere), ValueError, \
-            "RiemannianAdam"
-    if kind == "complex":
-        w = torch.linalg.qr(torch.randn(9, 3, dtype=torch.complex128)).Q
-        return geoopt.ManifoldParameter(w, manifold=st, requires_grad=True), TypeError, "real"
-    raise AssertionError(kind)
-
-
 @pytest.mark.parametrize("kind", ["r_greater_than_d", "canonical", "sphere", "complex"])
-def test_bad_parameter_is_refused_when_added_and_changes_nothing(trained, kind):
+def test_bad_parameter_is_refused_when_added_and_changes_nothing(trained, kind, bad_frame):
     model, opt = trained
-    p, exc, message = _bad_frame(kind)
+    p, exc, message = bad_frame(kind)
     before = _snapshot(model, opt)
     with pytest.raises(exc, match=message):
         opt.add_param_group({"params": [p]})
@@ -186,7 +164,7 @@ R_GT_D_MESSAGE = r"r=9 columns but only d=3 rows.*Store frames as \(\.\.\., d, r
 ])
 def test_r_greater_than_d_is_refused_where_the_frame_is_made_naming_the_fix(make):
     """The README promises an error naming the parameter and the fix; before, geoopt's "`x` seems to be not valid
-    tensor" surfaced. (A frame whose data is replaced later is caught by the optimizer: see _bad_frame.)"""
+    tensor" surfaced. (A frame whose data is replaced later is caught by the optimizer: see the bad_frame fixture.)"""
     with pytest.raises(ValueError, match=R_GT_D_MESSAGE):
         make()
 
@@ -203,14 +181,14 @@ def _sparse_param():
 
 
 @pytest.mark.parametrize("kind", ["off_manifold", "sparse", "off_manifold_last_group"])
-def test_bad_step_input_raises_before_any_change(trained, kind):
+def test_bad_step_input_raises_before_any_change(trained, kind, bad_frame):
     """The optimizer checks every group before it updates any: earlier groups, whose gradients are fine, stay
     untouched too."""
     model, opt = trained
     if kind == "sparse":
         p, exc, message = _sparse_param()
     else:
-        p, exc, message = _bad_frame("off_manifold")
+        p, exc, message = bad_frame("off_manifold")
         p.grad = torch.randn_like(p)
     opt.add_param_group({"params": [p]})
     before = _snapshot(model, opt)

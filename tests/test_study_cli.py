@@ -28,13 +28,6 @@ VISION_TINY = ["vision", "--dataset", "digits", "--seeds", "0", "--epochs", "1",
                "--device", "cpu", "--threads", "1"]
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def _usage_error(capsys, argv: list[str], *needles: str) -> str:
     """Run ``main(argv)``, expect exit status 2 and one stderr line holding every needle; return that line."""
