@@ -51,7 +51,7 @@ from .arms import ARMS, Arm, build_stiefel, register_arm
 from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
 from .data.text import CORPORA, EvalWindows, RandomWindows, bits_per_byte, load_corpus
 from .metrics import MetricHook, QKGeometry
-from .runner import Task
+from .runner import ConfigMismatchError, Task
 from .schedules import warmup_cosine
 from .study import Cell, StudyOutputs
 
@@ -457,8 +457,9 @@ def _final(runs: Mapping[str, Mapping[int, list[Mapping[str, Any]]]], arm: str, 
             if epochs is None or recs[-1]["epoch"] >= epochs}
 
 
-class SweepMismatchError(ValueError):
-    """A frame-lr cell on disk was trained with other settings than the main cell, besides its frame lr."""
+class SweepMismatchError(ConfigMismatchError):
+    """A frame-lr cell on disk was trained with other settings than the main cell, besides its frame lr (the
+    command line reports it like any folder holding runs with other settings)."""
 
 
 def _sweep_differences(main: LMConfig, cell: LMConfig) -> list[str]:
@@ -795,18 +796,6 @@ def _config_for_report(out: str) -> LMConfig:
     return config_from_dict(LMConfig, recorded)
 
 
-class _sweep_errors_as_usage_errors:  # noqa: N801 - a context manager, like cli_args.user_errors
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, err, tb) -> bool:
-        from ..cli import UsageError
-
-        if isinstance(err, SweepMismatchError):
-            raise UsageError(str(err)) from None
-        return False
-
-
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from .cli_args import build_config, check_runner_args, invoked_command, require_modules, runner_modules, user_errors
@@ -826,7 +815,7 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, FileNotFoundError) as err:
             raise UsageError(str(err)) from None
     t0 = time.perf_counter()
-    with user_errors(), _sweep_errors_as_usage_errors():
+    with user_errors():
         outputs = run_lm(config, args.out, arms=args.arms if args.arms is not None or args.report_only else LM_ARMS,
                          seeds=args.seeds if args.seeds is not None or args.report_only else (0, 1, 2),
                          frame_lrs=args.frame_lrs, workers=args.workers, device=args.device, threads=args.threads,
