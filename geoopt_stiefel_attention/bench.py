@@ -609,7 +609,8 @@ GRID_RANKS = (32, 64, 128)
 
 #: The arms of :func:`step_path_benchmark`, in display order. ``-colmajor``: the same frames stored
 #: column-major (the layout ``torch.linalg.qr(...).Q`` returns).
-PATH_ARMS = ("eager", "capturable", "compiled", "eager-colmajor", "capturable-colmajor", "matmul_floor")
+PATH_ARMS = ("eager", "capturable", "compiled", "eager-colmajor", "capturable-colmajor", "eager-per-param",
+             "matmul_floor")
 GRIDS = ("short", "full")
 
 
@@ -687,6 +688,8 @@ def _path_steps(fs: FrameSet, *, arms: tuple[str, ...], lr: float, dtype: Any, d
             continue
         capturable = None if arm.startswith("eager") else True  # None: the device's default (False on CPU)
         opts[arm] = StiefelAdam(frames(arm.endswith("-colmajor")), lr=lr, capturable=capturable)
+        if arm == "eager-per-param":  # one update call per parameter: what batching saves
+            opts[arm]._stack_numel = 1
         steps[arm] = opts[arm].step
         if arm == "compiled":
             steps[arm] = torch.compile(opts[arm].step, backend=compile_backend)
@@ -721,7 +724,10 @@ def step_path_benchmark(
     tensors, no host read: the path a GPU runs, selectable on the CPU); ``"compiled"``,
     ``torch.compile(opt.step, backend=compile_backend)`` of a capturable optimizer, timed after its first
     three (compiling) calls; ``"eager-colmajor"`` and ``"capturable-colmajor"``, the same frames stored
-    column-major, as ``torch.linalg.qr(...).Q`` returns them. ``"matmul_floor"`` must be among the arms.
+    column-major, as ``torch.linalg.qr(...).Q`` returns them; ``"eager-per-param"``, the default path with one
+    update call per parameter instead of one per batch of same-shaped parameters (on an accelerator the batches
+    span up to :data:`~geoopt_stiefel_attention.optim.ACCELERATOR_STACK_NUMEL` elements, on the CPU
+    :data:`~geoopt_stiefel_attention.optim.STACK_NUMEL`). ``"matmul_floor"`` must be among the arms.
 
     Parameters
     ----------
@@ -832,8 +838,8 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
     1. ``step``: :func:`step_time_benchmark` at the largest configuration of :data:`CONFIGS`, StiefelAdam
        against ``AdamW(fused=True)``, ``geoopt-radam`` and the product floor, in float32 and bfloat16.
     2. ``paths``: :func:`step_path_benchmark` on :data:`BENCH_FRAMES`, default (on an accelerator:
-       capturable) and compiled step against the product floor (``compile_backend=None`` leaves the
-       compiled arm out).
+       capturable, same-shaped frames batched into one call), per-parameter and compiled step against the
+       product floor (``compile_backend=None`` leaves the compiled arm out).
     3. ``train``: :func:`train_step_benchmark` under bfloat16 autocast, stiefel arm against the adamw arm, of
        a HuggingFace GPT-2 converted by :func:`~geoopt_stiefel_attention.stiefelize` (``"hf_gpt2"``) when
        ``transformers`` is installed, else TinyTransformer.
@@ -860,7 +866,8 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
     seconds["step"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    arms = ("eager", "compiled", "matmul_floor") if compile_backend else ("eager", "matmul_floor")
+    arms = ("eager", "eager-per-param", "compiled", "matmul_floor") if compile_backend else (
+        "eager", "eager-per-param", "matmul_floor")
     out["paths"] = [asdict(r) for r in step_path_benchmark(
         [sizes["frames"]], arms=arms, compile_backend=compile_backend or "inductor", **timing)]
     seconds["paths"] = time.perf_counter() - t0

@@ -328,6 +328,12 @@ def stiefel_adam_update(
 #: the widths 128-768 of ``stiefel-attention bench`` on a 2-core CPU.
 STACK_NUMEL = 1 << 16
 
+#: The batch size limit on other devices (accelerators), where kernel launches, not caches, set the cost: all
+#: same-shaped frames of a group up to this many elements (64 MiB in float32) are updated by one call per
+#: operation. Their first and second moments (and float32 master copies) are then kept stacked in one buffer
+#: per batch, so only frames and gradients are staged (see ``StiefelAdam._update_batch``).
+ACCELERATOR_STACK_NUMEL = 1 << 24
+
 #: Device types on which torch's own AdamW supports ``capturable=True`` (its Euclidean part of the step).
 _TORCH_CAPTURABLE_DEVICES = tuple(_torch_optimizer._get_capturable_supported_devices())
 
@@ -451,18 +457,54 @@ def _frame_update_(
     return finite
 
 
-def _frame_batches(frames: list[torch.Tensor], steps: list[int] | None) -> list[tuple[int | None, list[torch.Tensor]]]:
+def _frame_batches(frames: list[torch.Tensor], steps: list[int] | None,
+                   stack_numel: int | None = None) -> list[tuple[int | None, list[torch.Tensor]]]:
     """Split frame parameters into update batches of one shape, dtype, device and step count (``steps=None``:
-    any step count, the capturable path), each of at most :data:`STACK_NUMEL` elements; a parameter of more than
-    half that many is a batch of its own."""
+    any step count, the capturable path), each of at most ``stack_numel`` elements (default: :data:`STACK_NUMEL`
+    on the CPU, :data:`ACCELERATOR_STACK_NUMEL` elsewhere); a parameter of more than half that many is a batch of
+    its own."""
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for p, step in zip(frames, steps if steps is not None else [None] * len(frames), strict=True):
         groups[(_local(p).shape, p.dtype, p.device, step)].append(p)
     batches = []
-    for (_, _, _, step), params in groups.items():
-        per_batch = max(1, STACK_NUMEL // max(_local(params[0]).numel(), 1))
+    for (_, _, device, step), params in groups.items():
+        limit = stack_numel or (STACK_NUMEL if device.type == "cpu" else ACCELERATOR_STACK_NUMEL)
+        per_batch = max(1, limit // max(_local(params[0]).numel(), 1))
         batches.extend((step, params[k:k + per_batch]) for k in range(0, len(params), per_batch))
     return batches
+
+def _compiling() -> bool:
+    """Whether the code runs inside a region that torch.compile traces (where host reads of storage pointers
+    would break the graph)."""
+    return torch.compiler.is_compiling()
+
+
+def _stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.stack(tensors)`` without a copy, when the tensors are dense, row-major, of one shape and dtype,
+    and lie one after the other, in this order, in one storage; otherwise ``None``."""
+    t0 = tensors[0]
+    block = t0.numel() * t0.element_size()
+    base, storage = t0.data_ptr(), t0.untyped_storage().data_ptr()
+    for i, t in enumerate(tensors):
+        if (not t.is_contiguous() or t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device
+                or t.untyped_storage().data_ptr() != storage or t.data_ptr() != base + i * block):
+            return None
+    return t0.as_strided((len(tensors), *t0.shape), (t0.numel(), *t0.stride()))
+
+
+def _stacked_state(states: list[dict[str, Any]], key: str) -> torch.Tensor:
+    """The ``states[i][key]`` tensors as one ``(k, ...)`` stack whose slices they are: a view if they already
+    are consecutive slices of one buffer (every step after the first), else a new buffer, whose slices then
+    replace them in the states (the first step of a batch, or after ``load_state_dict``). The stacked slices
+    are ordinary tensors of the same shape, dtype and values; they only share one storage."""
+    tensors = [state[key] for state in states]
+    stacked = _stacked_view(tensors)
+    if stacked is None:
+        stacked = torch.stack(tensors)  # row-major, whatever the layout of the originals
+        for state, view in zip(states, stacked.unbind(0), strict=True):
+            state[key] = view
+    return stacked
+
 
 class StiefelAdam(geoopt.optim.RiemannianAdam):
     r"""Riemannian Adam for Stiefel frames with one second moment per frame, a trust region and the
@@ -840,7 +882,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         # the step count is read on the host only outside the capturable path
         steps = [None if _capturable(group, p.device) else int(state["step"])
                  for p, state in zip(frames, states, strict=True)]
-        for step, params in _frame_batches(frames, steps):
+        for step, params in _frame_batches(frames, steps, self.__dict__.get("_stack_numel")):
             if _local(params[0]).numel():  # a rank may hold no head of a sharded frame stack
                 update(group, params, step)
 
@@ -871,9 +913,11 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         any step counts, read from the state as tensors) with :func:`_frame_update_`.
 
         A lone parameter whose frames (or float32 master copy) are dense in the compute dtype, row-major or
-        column-major like its first moment, is updated in place, with its state. Otherwise frames, gradients
-        and first moments are staged (stacked, cast to the compute dtype) in the workspace, updated there and
-        copied back.
+        column-major like its first moment, is updated in place, with its state. Several parameters are
+        updated as one stack: their state tensors (first and second moments, master copies) are kept as
+        consecutive slices of one buffer per batch (:func:`_stacked_state`), which the update reads and writes
+        in place; frames (unless a master stack stands for them) and gradients are staged in the workspace, and
+        the frames copied back.
         """
         beta1, beta2 = group["betas"]
         p0 = params[0]
@@ -884,33 +928,51 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         # local shards of sharded frames (whole frames, updated independently), else the tensors themselves
         locals_ = [_local(p).detach() for p in params]
         grads = [_distributed.local_grad(p) for p in params]
-        exp_avgs = [_local(state["exp_avg"]) for state in states]
-        exp_avg_sqs = ([_local(state["exp_avg_sq"]) for state in states] if group["second_moment"] is not None
-                       else None)
         masters = self._master_copies(params) if group["master_weights"] and p0.dtype != ct else None
-        sources = masters or locals_  # what the update reads: the master copy if any
         k = len(params)
         n = k * locals_[0].numel() // (d * r)
         size = n * d * r
-        src, m0 = sources[0], exp_avgs[0]
-        direct = (k == 1 and src.dtype == ct and src.stride() == m0.stride()
-                  and (src.is_contiguous() or src.mT.is_contiguous()))
-        ws = self._workspace(size if direct else 4 * size, ct, p0.device, reuse=not capturable)
-        scratch = ws[:size].view(n, d, r)
-        if direct and not src.is_contiguous():  # column-major frames: a column-major scratch, same strides
-            scratch = ws[:size].view(n, r, d).mT
-        if direct:
-            w, m = src.view(n, d, r), m0.view(n, d, r)
-            g = grads[0].reshape(n, d, r).to(ct)
-            v = exp_avg_sqs[0].view(n, 1, 1) if exp_avg_sqs else None
+        keys = ["exp_avg"] + (["exp_avg_sq"] if group["second_moment"] is not None else []) + (
+            ["master"] if masters else [])
+        # state kept stacked: several plain (unsharded) parameters, outside a compiled region
+        stack = k > 1 and all(_local(p) is p for p in params) and not _compiling()
+        if stack:
+            stacks = {key: _stacked_state(states, key) for key in keys}
+            m, v = stacks["exp_avg"].view(n, d, r), stacks.get("exp_avg_sq")
+            v = v.view(n, 1, 1) if v is not None else None
+            master = stacks.get("master")  # the stacked master copies are the frames the update reads
+            ws = self._workspace((2 if master is not None else 3) * size, ct, p0.device, reuse=not capturable)
+            scratch, g = ws[:size].view(n, d, r), ws[size:2 * size].view(n, d, r)
+            torch._foreach_copy_(list(g.view(k, *locals_[0].shape).unbind(0)), grads)
+            if master is None:
+                w = ws[2 * size:].view(n, d, r)
+                torch._foreach_copy_(list(w.view(k, *locals_[0].shape).unbind(0)), locals_)
+            else:
+                w = master.view(n, d, r)
+            direct = False
         else:
-            staged = ws[size:].view(3, k, *locals_[0].shape)
-            w_k, g_k, m_k = (list(t.unbind(0)) for t in staged.unbind(0))
-            torch._foreach_copy_(w_k, sources)
-            torch._foreach_copy_(g_k, grads)
-            torch._foreach_copy_(m_k, exp_avgs)
-            w, g, m = staged.view(3, n, d, r).unbind(0)
-            v = torch.stack(exp_avg_sqs).view(n, 1, 1) if exp_avg_sqs else None
+            exp_avgs = [_local(state["exp_avg"]) for state in states]
+            exp_avg_sqs = ([_local(state["exp_avg_sq"]) for state in states] if group["second_moment"] is not None
+                           else None)
+            src, m0 = (masters or locals_)[0], exp_avgs[0]  # what the update reads: the master copy if any
+            direct = k == 1 and src.dtype == ct and src.stride() == m0.stride() and (src.is_contiguous()
+                                                                                    or src.mT.is_contiguous())
+            ws = self._workspace(size if direct else 4 * size, ct, p0.device, reuse=not capturable)
+            scratch = ws[:size].view(n, d, r)
+            if direct and not src.is_contiguous():  # column-major frames: a column-major scratch, same strides
+                scratch = ws[:size].view(n, r, d).mT
+            if direct:
+                w, m = src.view(n, d, r), m0.view(n, d, r)
+                g = grads[0].reshape(n, d, r).to(ct)
+                v = exp_avg_sqs[0].view(n, 1, 1) if exp_avg_sqs else None
+            else:  # a frame whose dtype or layout differs from its first moment's, or sharded/compiled stacks
+                staged = ws[size:].view(3, k, *locals_[0].shape)
+                w_k, g_k, m_k = (list(t.unbind(0)) for t in staged.unbind(0))
+                torch._foreach_copy_(w_k, masters or locals_)
+                torch._foreach_copy_(g_k, grads)
+                torch._foreach_copy_(m_k, exp_avgs)
+                w, g, m = staged.view(3, n, d, r).unbind(0)
+                v = torch.stack(exp_avg_sqs).view(n, 1, 1) if exp_avg_sqs else None
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
             lr = lr.to(device=p0.device, dtype=ct) if capturable else float(lr)
@@ -922,14 +984,17 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         if stabilize is not None and step % stabilize == 0:
             w.copy_(_linalg.polar_svd(w))
             m.copy_(_linalg.proju(w, m))
-        if not direct:
-            torch._foreach_copy_(exp_avgs, m_k)
-            if exp_avg_sqs:
-                torch._foreach_copy_(exp_avg_sqs, list(v.view(k, *exp_avg_sqs[0].shape).unbind(0)))
-            if masters:
-                torch._foreach_copy_(masters, w_k)
-        if masters or not direct:
-            torch._foreach_copy_(locals_, masters or w_k)
+        if stack:  # moments and masters were updated in place; the frames come back from w
+            torch._foreach_copy_(locals_, list(w.view(k, *locals_[0].shape).unbind(0)))
+        else:
+            if not direct:
+                torch._foreach_copy_(exp_avgs, m_k)
+                if exp_avg_sqs:
+                    torch._foreach_copy_(exp_avg_sqs, list(v.view(k, *exp_avg_sqs[0].shape).unbind(0)))
+                if masters:
+                    torch._foreach_copy_(masters, w_k)
+            if masters or not direct:
+                torch._foreach_copy_(locals_, masters or w_k)
         # on the CPU outside the capturable path, count only when a frame was skipped (a cheap host read)
         if capturable or p0.device.type != "cpu" or not bool(finite.all()):
             skipped = (~finite).reshape(k, -1).sum(dim=1)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from geoopt_stiefel_attention import PolarStiefel, StiefelAdam
+from geoopt_stiefel_attention import optim
 
 REFERENCE_TOL = 1e-10  # float64 agreement with the written-out reference over >= 50 steps
 CONVERGENCE_TOL = 1e-5  # distance to the target frame
@@ -426,10 +427,13 @@ def test_old_checkpoint_without_new_group_options_loads():
     assert opt2.param_groups[0]["trust_region"] == 0.1 and opt2.param_groups[0]["second_moment"] == "frame"
 
 
-@pytest.mark.parametrize("mode", ["frame", None, "element"])
-def test_several_parameters_in_one_group_match_the_reference(mode):
+@pytest.mark.parametrize(("mode", "batching"), [("frame", "cpu"), (None, "cpu"), ("element", "cpu"),
+                                               ("frame", "accelerator"), ("frame", "capturable-accelerator")])
+def test_several_parameters_in_one_group_match_the_reference(mode, batching):
     """Same-shaped small frame parameters are stacked into one batch, a larger one is updated on its own;
-    every parameter must still follow the written-out reference (the stacked path of the fused kernel)."""
+    every parameter must still follow the written-out reference (the stacked path of the fused kernel).
+    ``accelerator``: the batch limit an accelerator uses, which puts every same-shaped frame of the group in one
+    batch, run on the CPU (also with ``capturable=True``, the path a GPU takes)."""
     shapes = [(2, 10, 3), (2, 10, 3), (2, 10, 3), (1, 16, 5)]
     starts = [_frames(s, seed=10 + k) for k, s in enumerate(shapes)]
     grad_fns = [_grad_fn_factory(s, seed=20 + k) for k, s in enumerate(shapes)]
@@ -437,7 +441,10 @@ def test_several_parameters_in_one_group_match_the_reference(mode):
     references = [_ref_stiefel_adam(list(w0.numpy()), fn, 50, **kw)[-1] for w0, fn in zip(starts, grad_fns, strict=True)]
     st = PolarStiefel()
     params = [geoopt.ManifoldParameter(w0.clone(), manifold=st) for w0 in starts]
-    opt = StiefelAdam(params, lr=0.05, betas=(0.9, 0.99), eps=1e-8, trust_region=0.1, second_moment=mode)
+    opt = StiefelAdam(params, lr=0.05, betas=(0.9, 0.99), eps=1e-8, trust_region=0.1, second_moment=mode,
+                      capturable=batching.startswith("capturable"))
+    if batching.endswith("accelerator"):
+        opt._stack_numel = optim.ACCELERATOR_STACK_NUMEL
     for t in range(1, 51):
         for p, fn in zip(params, grad_fns, strict=True):
             p.grad = torch.from_numpy(fn(p.detach().numpy(), t))
@@ -446,3 +453,122 @@ def test_several_parameters_in_one_group_match_the_reference(mode):
         assert np.abs(p.detach().numpy() - ref).max() < REFERENCE_TOL
     # the parameters really differ from each other (a mix-up of stacked slots would be caught)
     assert np.abs(references[0] - references[1]).max() > 0.1
+
+
+def _shares_one_buffer(tensors):
+    """Whether the tensors are consecutive dense slices of one storage, written out from pointers."""
+    base = tensors[0].data_ptr()
+    size = tensors[0].numel() * tensors[0].element_size()
+    return all(t.untyped_storage().data_ptr() == tensors[0].untyped_storage().data_ptr()
+               and t.data_ptr() == base + i * size and t.is_contiguous() for i, t in enumerate(tensors))
+
+
+def test_stacked_view_only_for_consecutive_slices_of_one_buffer():
+    buf = torch.arange(24.0).view(4, 2, 3)
+    stacked = optim._stacked_view(list(buf[1:4].unbind(0)))
+    assert stacked is not None and stacked.data_ptr() == buf[1].data_ptr() and torch.equal(stacked, buf[1:4])
+    stacked[0, 0, 0] = -1.0  # a view: writes reach the buffer
+    assert buf[1, 0, 0] == -1.0
+    # companions: each way of not being one stack gives None
+    assert optim._stacked_view([buf[2], buf[1]]) is None  # wrong order
+    assert optim._stacked_view([buf[0], buf[2]]) is None  # a gap
+    assert optim._stacked_view([buf[0], buf[1].clone()]) is None  # another storage
+    assert optim._stacked_view([buf[0].mT, buf[1].mT]) is None  # not row-major
+    assert optim._stacked_view([buf[0], buf[1].view(3, 2)]) is None  # another shape
+
+
+def _stacked_run(steps, *, edit=None, stack_numel=None, resume_at=None):
+    """Three same-shaped frame parameters and a lone larger one trained ``steps`` steps; ``edit(opt, params)``
+    runs after step 3, ``resume_at`` reloads the optimizer from a saved state dict after that step."""
+    shapes = [(2, 10, 3)] * 3 + [(1, 16, 5)]
+    params = [geoopt.ManifoldParameter(_frames(s, seed=30 + k), manifold=PolarStiefel())
+              for k, s in enumerate(shapes)]
+    grad_fns = [_grad_fn_factory(s, seed=40 + k) for k, s in enumerate(shapes)]
+
+    def build():
+        opt = StiefelAdam(params, lr=0.05, betas=(0.9, 0.99), trust_region=0.1)
+        if stack_numel is not None:
+            opt._stack_numel = stack_numel
+        return opt
+
+    opt = build()
+    for t in range(1, steps + 1):
+        for p, fn in zip(params, grad_fns, strict=True):
+            p.grad = torch.from_numpy(fn(p.detach().numpy(), t))
+        opt.step()
+        if t == 3 and edit is not None:
+            edit(opt, params)
+        if t == resume_at:
+            buffer = io.BytesIO()
+            torch.save(opt.state_dict(), buffer)
+            buffer.seek(0)
+            opt = build()
+            opt.load_state_dict(torch.load(buffer))
+    return params, opt
+
+
+def test_moments_of_a_batch_are_kept_stacked_and_behave_as_separate_tensors():
+    params, opt = _stacked_run(6)
+    batch = params[:3]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert _shares_one_buffer([opt.state[p][key] for p in batch])
+        # companion: the lone parameter is its own batch, in place, and its moment is its own tensor
+        assert not _shares_one_buffer([opt.state[p][key] for p in params[2:]])
+    # one update call per parameter (nothing stacked) gives the same frames and moments to rounding
+    separate, opt_sep = _stacked_run(6, stack_numel=1)
+    assert not _shares_one_buffer([opt_sep.state[p]["exp_avg"] for p in separate[:3]])
+    for p, q in zip(params, separate, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-13)
+        torch.testing.assert_close(opt.state[p]["exp_avg"], opt_sep.state[q]["exp_avg"], rtol=0, atol=1e-13)
+
+
+def test_stacked_moments_resume_from_a_state_dict_bit_identically():
+    params, _ = _stacked_run(8)
+    resumed, opt = _stacked_run(8, resume_at=4)  # loaded as separate tensors, stacked again at the next step
+    assert _shares_one_buffer([opt.state[p]["exp_avg"] for p in resumed[:3]])
+    for p, q in zip(params, resumed, strict=True):
+        assert torch.equal(p.detach(), q.detach())
+
+
+def test_a_moment_replaced_by_the_user_is_the_one_the_next_step_uses():
+    def reset(opt, params):  # a new tensor in place of a stacked slice, as a user or a tool may assign
+        opt.state[params[1]]["exp_avg"] = torch.zeros_like(opt.state[params[1]]["exp_avg"])
+
+    edited, opt = _stacked_run(5, edit=reset)
+    reference, _ = _stacked_run(5, edit=reset, stack_numel=1)
+    untouched, _ = _stacked_run(5)
+    assert _shares_one_buffer([opt.state[p]["exp_avg"] for p in edited[:3]])  # stacked again
+    for p, q in zip(edited, reference, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-13)
+    # companion: the reset does change the trajectory of that parameter (and only that one)
+    assert (edited[1].detach() - untouched[1].detach()).abs().max() > 1e-6
+    assert torch.equal(edited[0].detach(), untouched[0].detach())
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_bf16_frames_with_master_copies_update_the_stacked_masters(capturable):
+    """bf16 frames with float32 master copies: the batch's masters are kept stacked and are the frames the
+    update reads and writes; the bf16 parameters are their rounding, as with one call per parameter."""
+    def run(stack_numel):
+        params = [geoopt.ManifoldParameter(_frames((2, 12, 4), seed=50 + k).to(torch.bfloat16),
+                                           manifold=PolarStiefel()) for k in range(3)]
+        opt = StiefelAdam(params, lr=0.02, master_weights=True, capturable=capturable)
+        opt._stack_numel = stack_numel
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(10):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+            opt.step()
+        return params, opt
+
+    stacked, opt = run(None)
+    separate, opt_sep = run(1)
+    masters = [opt.state[p]["master"] for p in stacked]
+    assert masters[0].dtype == torch.float32 and _shares_one_buffer(masters)
+    assert not _shares_one_buffer([opt_sep.state[p]["master"] for p in separate])  # companion
+    for p, q in zip(stacked, separate, strict=True):
+        torch.testing.assert_close(opt.state[p]["master"], opt_sep.state[q]["master"], rtol=0, atol=1e-6)
+        assert torch.equal(p.detach(), opt.state[p]["master"].to(torch.bfloat16))
+    # the masters moved (a no-op update would pass the comparisons above)
+    start = _frames((2, 12, 4), seed=50).to(torch.bfloat16).float()
+    assert (masters[0] - start).abs().max() > 1e-3
