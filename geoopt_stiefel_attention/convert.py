@@ -99,6 +99,10 @@ class Block:
                 len(self.span) == 2 and all(_is_index(i) for i in self.span) and self.span[0] < self.span[1]):
             raise ValueError(f"Block: span={self.span!r} is invalid; pass (start, stop) ints with "
                              f"0 <= start < stop.")
+        if self.span is not None and (self.part, self.parts) != (0, 1):
+            raise ValueError(f"Block: span={self.span!r} and part={self.part!r}, parts={self.parts!r} both say "
+                             f"where the block is; pass either span (an explicit range) or part/parts (equal "
+                             f"slices), not both.")
 
     def locate(self, width: int) -> tuple[int, int]:
         """``(start, length)`` of this block in a tensor with ``width`` entries along ``dim``."""

@@ -540,6 +540,10 @@ def test_explicit_spans_convert_a_fused_gqa_projection():
                                                Block("wqkv.weight", span=(16, 40)), head_dim=4)])
     with pytest.raises(ValueError, match="span"):
         Block("wqkv.weight", span=(8, 4))
+    # a span given with part/parts would silently win over them: refused, naming both
+    with pytest.raises(ValueError, match=r"either span .* or part/parts"):
+        Block("wqkv.weight", part=1, parts=3, span=(16, 24))
+    assert Block("wqkv.weight", span=(16, 24)).locate(40) == (16, 8)  # companion: span alone is fine
 
 
 def test_callable_targets_choose_modules():
