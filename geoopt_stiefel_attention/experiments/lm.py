@@ -767,7 +767,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("study")
     g.add_argument("--frame-lrs", type=positive_float, nargs="+", default=[], metavar="LR",
                    help="frame-lr sweep of the stiefel arm: extra cells at these frame lrs (a value equal to the "
-                        "frame lr reuses the main runs), e.g. 3e-4 1e-3 3e-3; default: no sweep")
+                        "frame lr reuses the main runs), e.g. 1e-3 1e-2 3e-2; default: no sweep")
     add_schedule_arguments(parser, d.train)
     add_optim_arguments(parser, d.optim)
     add_runner_arguments(parser, arms=LM_ARMS, seeds=(0, 1, 2), out="runs/lm", study="lm")
