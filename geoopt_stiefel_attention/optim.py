@@ -473,11 +473,6 @@ def _frame_batches(frames: list[torch.Tensor], steps: list[int] | None,
         batches.extend((step, params[k:k + per_batch]) for k in range(0, len(params), per_batch))
     return batches
 
-def _compiling() -> bool:
-    """Whether the code runs inside a region that torch.compile traces (where host reads of storage pointers
-    would break the graph)."""
-    return torch.compiler.is_compiling()
-
 
 def _stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """``torch.stack(tensors)`` without a copy, when the tensors are dense, row-major, of one shape and dtype,
@@ -932,11 +927,12 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         k = len(params)
         n = k * locals_[0].numel() // (d * r)
         size = n * d * r
-        keys = ["exp_avg"] + (["exp_avg_sq"] if group["second_moment"] is not None else []) + (
-            ["master"] if masters else [])
-        # state kept stacked: several plain (unsharded) parameters, outside a compiled region
-        stack = k > 1 and all(_local(p) is p for p in params) and not _compiling()
+        # state kept stacked: several plain (unsharded) parameters, outside a region torch.compile traces (where
+        # reading storage pointers would break the graph)
+        stack = k > 1 and all(_local(p) is p for p in params) and not torch.compiler.is_compiling()
         if stack:
+            keys = ["exp_avg"] + (["exp_avg_sq"] if group["second_moment"] is not None else []) + (
+                ["master"] if masters else [])
             stacks = {key: _stacked_state(states, key) for key in keys}
             m, v = stacks["exp_avg"].view(n, d, r), stacks.get("exp_avg_sq")
             v = v.view(n, 1, 1) if v is not None else None
@@ -949,7 +945,6 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                 torch._foreach_copy_(list(w.view(k, *locals_[0].shape).unbind(0)), locals_)
             else:
                 w = master.view(n, d, r)
-            direct = False
         else:
             exp_avgs = [_local(state["exp_avg"]) for state in states]
             exp_avg_sqs = ([_local(state["exp_avg_sq"]) for state in states] if group["second_moment"] is not None
