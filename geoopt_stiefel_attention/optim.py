@@ -487,17 +487,30 @@ def _stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return t0.as_strided((len(tensors), *t0.shape), (t0.numel(), *t0.stride()))
 
 
-def _stacked_state(states: list[dict[str, Any]], key: str) -> torch.Tensor:
+def _stacked_state(states: list[dict[str, Any]], key: str,
+                   others: Callable[[], Iterable[dict[str, Any]]] = tuple) -> torch.Tensor:
     """The ``states[i][key]`` tensors as one ``(k, ...)`` stack whose slices they are: a view if they already
     are consecutive slices of one buffer (every step after the first), else a new buffer, whose slices then
-    replace them in the states (the first step of a batch, or after ``load_state_dict``). The stacked slices
-    are ordinary tensors of the same shape, dtype and values; they only share one storage."""
+    replace them in the states (the first step of a batch, after ``load_state_dict``, or when the batch's
+    members changed). The stacked slices are ordinary tensors of the same shape, dtype and values; they only
+    share one storage.
+
+    When a new buffer is made, a tensor of ``others()`` (the states of the group's other parameters) that is
+    still a slice of one of the replaced buffers gets a storage of its own, so that no old buffer is kept
+    alive by a slice left behind (a frame that had no gradient this step, or a step count that split a batch).
+    """
     tensors = [state[key] for state in states]
     stacked = _stacked_view(tensors)
     if stacked is None:
+        replaced = {t.untyped_storage().data_ptr() for t in tensors}
         stacked = torch.stack(tensors)  # row-major, whatever the layout of the originals
         for state, view in zip(states, stacked.unbind(0), strict=True):
             state[key] = view
+        for state in others():
+            t = state.get(key)
+            if (isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in replaced
+                    and t.untyped_storage().nbytes() > t.numel() * t.element_size()):
+                state[key] = t.clone(memory_format=torch.contiguous_format)
     return stacked
 
 
@@ -933,7 +946,12 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         if stack:
             keys = ["exp_avg"] + (["exp_avg_sq"] if group["second_moment"] is not None else []) + (
                 ["master"] if masters else [])
-            stacks = {key: _stacked_state(states, key) for key in keys}
+            members = set(params)
+
+            def others() -> list[dict[str, Any]]:  # only asked for when a batch is stacked anew
+                return [self.state[q] for q in group["params"] if q not in members and q in self.state]
+
+            stacks = {key: _stacked_state(states, key, others) for key in keys}
             m, v = stacks["exp_avg"].view(n, d, r), stacks.get("exp_avg_sq")
             v = v.view(n, 1, 1) if v is not None else None
             master = stacks.get("master")  # the stacked master copies are the frames the update reads

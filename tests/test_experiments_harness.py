@@ -283,9 +283,14 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(tmp_path, arm):
     # companion: a different seed gives different records, so the comparison above can fail
     other = train_run(RunSpec(ToyConfig(), arm, seed=3), toy_build_task, tmp_path / "other", device="cpu", quiet=True)
     assert read_records(tmp_path / "other" / "metrics.jsonl") != a and other.completed
-    # a finished run is not trained again
+    # a finished run is not trained again, and its records (environment.json included) stay as they were
+    env = (tmp_path / "full" / "environment.json").read_text()
     again = train_run(spec, toy_build_task, tmp_path / "full", device="cpu", quiet=True)
     assert again.completed and again.start_epoch == 12 and read_records(tmp_path / "full" / "metrics.jsonl") == a
+    assert (tmp_path / "full" / "environment.json").read_text() == env
+    assert again.final_record == a[-1] and again.epochs_per_second is None
+    # companion: a call that does train logs itself (the comparison above can fail)
+    assert len(json.loads(env)) == 1 and len(json.loads((tmp_path / "cut" / "environment.json").read_text())) == 3
 
 
 def test_run_directory_contents_and_frames_stay_on_the_manifold(tmp_path):

@@ -592,6 +592,11 @@ def _train_locked(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: to
     run = _build(spec, build_task, run_dir, dev)
     _resume(run)
     start_epoch = run.epoch
+    if run.completed:  # nothing to train: its records are final, and this call leaves them as they are
+        recs = read_records(run_dir / METRICS_FILE)
+        return RunResult(name=spec.name, run_dir=str(run_dir), completed=True, start_epoch=start_epoch,
+                         epoch=run.epoch, n_records=run.n_records, seconds=0.0, epochs_per_second=None,
+                         final_record=recs[-1] if recs else None)
     calls = _log_call_start(run, extended_from)
     train_cfg = spec.config.train
     bar = _progress_bar(run, quiet, progress_position)
