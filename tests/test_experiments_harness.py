@@ -300,6 +300,7 @@ def test_run_directory_contents_and_frames_stay_on_the_manifold(tmp_path):
     assert config["arm"] == "stiefel" and config["config"]["train"]["epochs"] == 12
     env = json.loads((tmp_path / "environment.json").read_text())
     assert env[-1]["torch"] == torch.__version__ and env[-1]["device"] == "cpu" and "git_sha" in env[-1]
+    assert "cpu_model" in env[-1] and isinstance(env[-1]["git_dirty"], (bool, type(None)))
     assert env[-1]["end_epoch"] == 12 and env[-1]["epochs_per_second"] > 0
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     w = state["model"]["w_q"]

@@ -177,3 +177,37 @@ def test_finished_runs_leaves_runs_in_progress_out_and_names_them():
     kept, note = finished_runs(early, 100)
     assert kept == early and "No run has reached epoch 100" in note
     assert finished_runs(records, None) == (records, "")
+
+
+def _write_environment(run_dir, calls):
+    import json
+
+    run_dir.mkdir(parents=True)
+    (run_dir / "environment.json").write_text(json.dumps(calls))
+
+
+def test_run_lines_name_every_commit_and_setup_the_runs_were_trained_under(tmp_path):
+    """A study trained over several sessions names each commit (marked when the tree had uncommitted changes)
+    and each device setup, not only those of the first run found."""
+    from geoopt_stiefel_attention.experiments.study import run_info_from_records, speed_from_environment
+
+    cpu = {"device": "cpu", "torch_threads": 1, "torch": "2.14.1"}
+    _write_environment(tmp_path / "runs" / "adamw" / "seed0", [
+        {**cpu, "start_epoch": 0, "end_epoch": 50, "seconds": 5.0, "git_sha": "a" * 40, "git_dirty": False},
+        {**cpu, "start_epoch": 50, "end_epoch": 100, "seconds": 5.0, "git_sha": "b" * 40, "git_dirty": True,
+         "cpu_model": "Intel(R) Xeon(R)"}])
+    _write_environment(tmp_path / "runs" / "stiefel" / "seed0", [
+        {**cpu, "start_epoch": 0, "end_epoch": 100, "seconds": 20.0, "git_sha": "a" * 40, "git_dirty": False}])
+    speed = speed_from_environment(tmp_path)
+    assert speed["adamw/seed0"]["epochs_per_second"] == 10.0 and speed["stiefel/seed0"]["epochs_per_second"] == 5.0
+    info = run_info_from_records(tmp_path, speed)
+    assert info["git commits (2; * = with uncommitted changes)"] == "aaaaaaaaaaaa, bbbbbbbbbbbb*"
+    assert info["devices"] == ("cpu, 1 torch thread(s), torch 2.14.1; "
+                               "cpu (Intel(R) Xeon(R)), 1 torch thread(s), torch 2.14.1")
+    assert info["training"].startswith("2 runs, 0.5 min of training in total, 7.5 epochs/s")
+    # companion: one commit and one setup are named as such, without a mark
+    clean = tmp_path / "clean"
+    _write_environment(clean / "runs" / "adamw" / "seed0", [
+        {**cpu, "start_epoch": 0, "end_epoch": 10, "seconds": 1.0, "git_sha": "c" * 40, "git_dirty": False}])
+    info = run_info_from_records(clean, speed_from_environment(clean))
+    assert info["git commit"] == "cccccccccccc" and info["device"] == "cpu, 1 torch thread(s), torch 2.14.1"

@@ -150,6 +150,19 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def _cpu_model() -> str | None:
+    """The CPU's model name from ``/proc/cpuinfo`` (Linux), else ``None``: float32 kernels round differently
+    on different CPUs, and long runs such as grokking amplify that, so records name the CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def environment_info(device: torch.device) -> dict[str, Any]:
     """Versions, device, threads and git state, for ``environment.json``."""
     import geoopt
@@ -157,7 +170,9 @@ def environment_info(device: torch.device) -> dict[str, Any]:
 
     from .. import __version__
 
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # uncommitted changes to anything but the top-level experiments/ folder (run records committed while
+    # studies train would otherwise mark every call)
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)experiments")
     info = {
         "geoopt_stiefel_attention": __version__,
         "git_sha": _git("rev-parse", "HEAD"),
@@ -168,6 +183,7 @@ def environment_info(device: torch.device) -> dict[str, Any]:
         "numpy": numpy.__version__,
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,8 +133,29 @@ def speed_from_environment(out_dir: str | os.PathLike) -> dict[str, Any]:
             "epochs_trained": epochs, "seconds": round(seconds, 1),
             "epochs_per_second": round(epochs / seconds, 2) if seconds > 0 and epochs > 0 else None,
             "device": last.get("device"), "threads": last.get("torch_threads"), "torch": last.get("torch"),
-            "git_sha": last.get("git_sha"), "calls": len(calls)}
+            "git_sha": last.get("git_sha"), "calls": len(calls),
+            "commits": _distinct(_commit_label(c) for c in calls),
+            "setups": _distinct(_setup_label(c) for c in calls)}
     return runs
+
+
+def _distinct(items: Iterable[str | None]) -> list[str]:
+    """The distinct non-empty items, in order of first appearance."""
+    return list(dict.fromkeys(item for item in items if item))
+
+
+def _commit_label(call: Mapping[str, Any]) -> str | None:
+    """A call's git commit, 12 hex digits, marked ``*`` when the working tree had uncommitted changes."""
+    sha = call.get("git_sha")
+    return None if not sha else sha[:12] + ("*" if call.get("git_dirty") else "")
+
+
+def _setup_label(call: Mapping[str, Any]) -> str:
+    """A call's device, CPU model (when recorded), torch threads and torch version."""
+    device = call.get("device")
+    model = call.get("device_name") if device and device != "cpu" else call.get("cpu_model")
+    return (f"{device}{f' ({model})' if model else ''}, {call.get('torch_threads')} torch thread(s), "
+            f"torch {call.get('torch')}")
 
 
 def run_info_from_records(out_dir: str | os.PathLike, speed: Mapping[str, Any]) -> dict[str, Any]:
@@ -146,10 +167,14 @@ def run_info_from_records(out_dir: str | os.PathLike, speed: Mapping[str, Any]) 
     if rates:
         info["training"] = (f"{len(secs)} runs, {sum(secs) / 60:.1f} min of training in total, "
                             f"{sum(rates) / len(rates):.3g} epochs/s per run on average (evaluation included)")
-    if speed:
-        any_run = next(iter(speed.values()))
-        info["device"] = f"{any_run['device']}, {any_run['threads']} torch thread(s), torch {any_run['torch']}"
-        info["git SHA"] = any_run["git_sha"]
+    if speed:  # every setup and commit any call of any run was trained under, in order of the runs
+        setups = _distinct(s for v in speed.values() for s in v["setups"])
+        commits = _distinct(c for v in speed.values() for c in v["commits"])
+        info["device" if len(setups) == 1 else "devices"] = "; ".join(setups)
+        if commits:
+            dirty = "; * = with uncommitted changes" if any(c.endswith("*") for c in commits) else ""
+            info[f"git commit{dirty and ' (' + dirty[2:] + ')'}" if len(commits) == 1
+                 else f"git commits ({len(commits)}{dirty})"] = ", ".join(commits)
     commands = recorded_commands(out_dir)
     if commands:
         info["command" if len(commands) == 1 else "commands"] = "; ".join(f"`{c}`" for c in commands)
