@@ -135,6 +135,22 @@ def test_a_one_epoch_run_draws_markers(captured):
     assert all(m in ("None", None, "") for m in _markers(captured[-1]))
 
 
+def test_per_seed_figure_draws_each_seed_and_arm_as_recorded(captured):
+    """One panel per seed; on it one line per arm whose points are that run's own records (not a mean)."""
+    recs = [{"arm": arm, "seed": seed, "epoch": e, "val_acc": (0.1 * seed + e / 10 + (arm == "stiefel")) / 3}
+            for arm in ("adamw", "stiefel") for seed in (0, 1, 2) for e in range(4)]
+    assert plotting.plot_per_seed(recs, "p.png") is not None
+    axes = [ax for ax in captured[-1].axes if ax.get_visible() and ax.get_title().startswith("seed")]
+    assert [ax.get_title() for ax in axes] == ["seed 0", "seed 1", "seed 2"]
+    for seed, ax in enumerate(axes):
+        curves = sorted(tuple(np.round(line.get_ydata(), 12)) for line in ax.lines if len(line.get_xdata()) == 4)
+        expected = sorted(tuple(round((0.1 * seed + e / 10 + s) / 3, 12) for e in range(4)) for s in (0, 1))
+        assert curves == expected
+    # companions: one seed, or records without the key, draw nothing (the per-arm figure covers one seed)
+    assert plotting.plot_per_seed([r for r in recs if r["seed"] == 0], "p.png") is None
+    assert plotting.plot_per_seed([{k: v for k, v in r.items() if k != "val_acc"} for r in recs], "p.png") is None
+
+
 # ------------------------------------------------------------------------------------------ arms
 def test_geoopt_radam_keeps_a_per_frame_second_moment_at_full_size():
     """What arms.py says: geoopt's RiemannianAdam on EuclideanStiefel accumulates ‖ξ‖²_F per frame, broadcast

@@ -19,7 +19,7 @@ from typing import Any
 from .records import group_runs
 
 __all__ = ["records_frame", "plot_curves", "plot_accuracy", "plot_weight_norms", "plot_principal_angles",
-           "plot_movement", "plot_overview", "plot_study", "plot_pairs", "plot_movement_ratio", "plot_distance",
+           "plot_movement", "plot_overview", "plot_per_seed", "plot_study", "plot_pairs", "plot_movement_ratio", "plot_distance",
            "plot_gap_sweep", "plot_ablation", "plot_per_head"]
 
 _DPI = 120
@@ -194,11 +194,42 @@ def plot_overview(records: Sequence[dict[str, Any]], path: str | os.PathLike) ->
     return _save(fig, path)
 
 
+def plot_per_seed(records: Sequence[dict[str, Any]], path: str | os.PathLike, *, key: str = "val_acc",
+                  threshold: float | None = 0.95, max_seeds: int = 12) -> Path | None:
+    """``key`` over training for each seed on its own panel, every arm on it: the dips of single runs that a
+    mean over seeds smooths away. ``None`` (nothing drawn) with one seed (the per-arm figure shows it), more
+    than ``max_seeds`` seeds, or no ``key`` in the records."""
+    import seaborn as sns
+
+    df = records_frame(records)
+    seeds = sorted(df["seed"].unique())
+    if key not in df.columns or not 1 < len(seeds) <= max_seeds:
+        return None
+    ncols = 2 if len(seeds) > 3 else 1
+    nrows = -(-len(seeds) // ncols)
+    fig, axes = _figure(nrows, ncols, width=6.0, height=2.4)
+    hue_order = sorted(df["arm"].unique())
+    for ax, seed in zip(axes.flat, seeds, strict=False):
+        one = df[df["seed"] == seed].dropna(subset=[key])
+        sns.lineplot(data=one, x="epoch", y=key, hue="arm", hue_order=hue_order, ax=ax, linewidth=1.0,
+                     legend=ax is axes.flat[0], **_markers(one))
+        if threshold is not None:
+            ax.axhline(threshold, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"seed {seed}")
+        ax.set_ylabel(key)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(seeds):]:
+        ax.set_visible(False)
+    return _save(fig, path)
+
+
 def plot_study(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike, *,
                threshold: float | None = 0.95) -> dict[str, Path]:
     """Every figure that the records support, as ``out_dir/<name>.png``; returns name -> path."""
     out_dir = Path(out_dir)
     made = {"accuracy": plot_accuracy(records, out_dir / "accuracy.png", threshold=threshold),
+            "per_seed": plot_per_seed(records, out_dir / "per_seed.png", threshold=threshold),
             "overview": plot_overview(records, out_dir / "overview.png"),
             "weight_norms": plot_weight_norms(records, out_dir / "weight_norms.png"),
             "principal_angles": plot_principal_angles(records, out_dir / "principal_angles.png"),

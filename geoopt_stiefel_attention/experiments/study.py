@@ -37,6 +37,8 @@ STUDY_FILE = "study.json"
 #: Figure name (as returned by plot_study) -> caption in the report.
 FIGURE_CAPTIONS = {
     "accuracy": "Accuracy per arm (mean over seeds, band ±1 sd)",
+    "per_seed": "Validation accuracy of each seed, every arm on its panel (the dips a mean over seeds smooths "
+                "away)",
     "overview": "Validation accuracy, weight norm of the Euclidean matrices, and the largest principal angle "
                 "of W_Q to its initial subspace",
     "weight_norms": "Frobenius norm of every weight matrix",
