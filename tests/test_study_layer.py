@@ -151,6 +151,17 @@ def test_per_seed_figure_draws_each_seed_and_arm_as_recorded(captured):
     assert plotting.plot_per_seed([{k: v for k, v in r.items() if k != "val_acc"} for r in recs], "p.png") is None
 
 
+def test_overview_keeps_accuracy_bands_inside_zero_one(captured):
+    """A ±1 sd band around accuracies near 1 would reach above 1: the accuracy panel is limited to [0, 1]."""
+    recs = [{"arm": "adamw", "seed": seed, "epoch": e, "val_acc": 1.0 - 0.6 * seed * (e == 2),
+             "norm/euclidean": 10.0 + seed + e} for seed in (0, 1) for e in range(4)]
+    plotting.plot_overview(recs, "o.png")
+    acc_ax, norm_ax = captured[-1].axes[:2]
+    assert acc_ax.get_ylim() == pytest.approx((-0.02, 1.02))
+    # companion: the weight-norm panel keeps its own scale
+    assert norm_ax.get_ylim()[1] > 10.0
+
+
 # ------------------------------------------------------------------------------------------ arms
 def test_geoopt_radam_keeps_a_per_frame_second_moment_at_full_size():
     """What arms.py says: geoopt's RiemannianAdam on EuclideanStiefel accumulates ‖ξ‖²_F per frame, broadcast

@@ -191,6 +191,8 @@ def plot_overview(records: Sequence[dict[str, Any]], path: str | os.PathLike) ->
     for ax, (key, label, logy) in zip(axes[:, 0], rows, strict=True):
         long = _long(df, [key])
         _lines(ax, long, style=None, title="", ylabel=label, logy=logy)
+        if key.endswith("_acc"):  # a ±1 sd band must not suggest accuracies outside [0, 1]
+            ax.set_ylim(-0.02, 1.02)
     return _save(fig, path)
 
 
