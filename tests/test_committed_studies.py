@@ -51,3 +51,21 @@ def test_report_only_rebuilds_the_committed_ablation_study_byte_for_byte(tmp_pat
 @pytest.mark.parametrize("name", ["fashion-mnist-decay", "fashion-mnist-scaling", "fashion-mnist-paired"])
 def test_report_only_rebuilds_every_committed_vision_study(tmp_path, name):
     _rebuild_matches(tmp_path, name)
+
+
+#: the other committed studies with records: (command, folder under experiments/)
+OTHER_STUDIES = [("grokking", "grokking/runs/p97_add_5seeds"), ("lm", "lm/runs/full"), ("lm", "lm/runs/pilot")]
+
+
+@pytest.mark.parametrize(("command", "name"), OTHER_STUDIES)
+def test_report_only_rebuilds_the_committed_grokking_and_lm_studies_byte_for_byte(tmp_path, command, name):
+    folder = ROOT / "experiments" / name
+    assert (folder / "study.json").exists(), f"{name}: the committed study lost its study.json"
+    copy = tmp_path / "study"
+    shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("*.pt", ".lock"))
+    assert sorted(copy.glob("**/runs/*/seed*/metrics.jsonl")), f"{name}: no records committed"
+    (copy / "report.md").unlink()  # removed first, so the comparison below cannot pass on the copied files
+    (copy / "summary.json").unlink()
+    assert main([command, "--report-only", "--out", str(copy)]) == 0
+    for file in ("report.md", "summary.json"):
+        assert (copy / file).read_bytes() == (folder / file).read_bytes(), file
