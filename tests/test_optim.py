@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from geoopt_stiefel_attention import PolarStiefel, StiefelAdam
-from geoopt_stiefel_attention import optim
+from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, optim
 
 REFERENCE_TOL = 1e-10  # float64 agreement with the written-out reference over >= 50 steps
 CONVERGENCE_TOL = 1e-5  # distance to the target frame

@@ -19,8 +19,8 @@ from typing import Any
 from .records import group_runs
 
 __all__ = ["records_frame", "plot_curves", "plot_accuracy", "plot_weight_norms", "plot_principal_angles",
-           "plot_movement", "plot_overview", "plot_per_seed", "plot_study", "plot_pairs", "plot_movement_ratio", "plot_distance",
-           "plot_gap_sweep", "plot_ablation", "plot_per_head"]
+           "plot_movement", "plot_overview", "plot_per_seed", "plot_study", "plot_pairs", "plot_movement_ratio",
+           "plot_distance", "plot_gap_sweep", "plot_ablation", "plot_per_head"]
 
 _DPI = 120
 
@@ -68,6 +68,11 @@ def _markers(df) -> dict[str, Any]:
     return {"marker": "o"} if df["epoch"].nunique() <= 1 else {}
 
 
+def _accuracy_axis(ax) -> None:
+    """Limit an accuracy axis to [0, 1] (with a margin): a ±1 sd band must not suggest accuracies outside it."""
+    ax.set_ylim(-0.02, 1.02)
+
+
 def _point(xs: Sequence[Any]) -> str | None:
     return "o" if len(xs) == 1 else None
 
@@ -110,7 +115,7 @@ def plot_accuracy(records: Sequence[dict[str, Any]], path: str | os.PathLike, *,
            ylabel="accuracy")
     if threshold is not None:
         ax.axhline(threshold, color="grey", linestyle=":", linewidth=1)
-    ax.set_ylim(-0.02, 1.02)
+    _accuracy_axis(ax)
     return _save(fig, path)
 
 
@@ -191,8 +196,8 @@ def plot_overview(records: Sequence[dict[str, Any]], path: str | os.PathLike) ->
     for ax, (key, label, logy) in zip(axes[:, 0], rows, strict=True):
         long = _long(df, [key])
         _lines(ax, long, style=None, title="", ylabel=label, logy=logy)
-        if key.endswith("_acc"):  # a ±1 sd band must not suggest accuracies outside [0, 1]
-            ax.set_ylim(-0.02, 1.02)
+        if key.endswith("_acc"):
+            _accuracy_axis(ax)
     return _save(fig, path)
 
 
@@ -219,7 +224,8 @@ def plot_per_seed(records: Sequence[dict[str, Any]], path: str | os.PathLike, *,
             ax.axhline(threshold, color="grey", linestyle=":", linewidth=1)
         ax.set_title(f"seed {seed}")
         ax.set_ylabel(key)
-        ax.set_ylim(-0.02, 1.02)
+        if key.endswith("_acc"):
+            _accuracy_axis(ax)
         ax.grid(True, alpha=0.3)
     for ax in list(axes.flat)[len(seeds):]:
         ax.set_visible(False)

@@ -609,10 +609,7 @@ def _train_locked(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: to
     _resume(run)
     start_epoch = run.epoch
     if run.completed:  # nothing to train: its records are final, and this call leaves them as they are
-        recs = read_records(run_dir / METRICS_FILE)
-        return RunResult(name=spec.name, run_dir=str(run_dir), completed=True, start_epoch=start_epoch,
-                         epoch=run.epoch, n_records=run.n_records, seconds=0.0, epochs_per_second=None,
-                         final_record=recs[-1] if recs else None)
+        return _result(spec, run, run_dir, start_epoch, seconds=0.0, done=0)
     calls = _log_call_start(run, extended_from)
     train_cfg = spec.config.train
     bar = _progress_bar(run, quiet, progress_position)
@@ -651,6 +648,12 @@ def _train_locked(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: to
             bar.close()
         seconds = time.perf_counter() - t0
         done = _log_call_end(run, calls, start_epoch, seconds)
+    return _result(spec, run, run_dir, start_epoch, seconds=seconds, done=done)
+
+
+def _result(spec: RunSpec, run: _Run, run_dir: Path, start_epoch: int, *, seconds: float, done: int) -> RunResult:
+    """The :class:`RunResult` of a call that trained ``done`` epochs in ``seconds``; the final record is read
+    from ``metrics.jsonl`` when this call wrote none."""
     if run.last_record is None:
         recs = read_records(run_dir / METRICS_FILE)
         run.last_record = recs[-1] if recs else None

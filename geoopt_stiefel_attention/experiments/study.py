@@ -174,9 +174,11 @@ def run_info_from_records(out_dir: str | os.PathLike, speed: Mapping[str, Any]) 
         commits = _distinct(c for v in speed.values() for c in v["commits"])
         info["device" if len(setups) == 1 else "devices"] = "; ".join(setups)
         if commits:
-            dirty = "; * = with uncommitted changes" if any(c.endswith("*") for c in commits) else ""
-            info[f"git commit{dirty and ' (' + dirty[2:] + ')'}" if len(commits) == 1
-                 else f"git commits ({len(commits)}{dirty})"] = ", ".join(commits)
+            notes = [] if len(commits) == 1 else [str(len(commits))]
+            if any(c.endswith("*") for c in commits):
+                notes.append("* = with uncommitted changes")
+            label = "git commit" if len(commits) == 1 else "git commits"
+            info[f"{label} ({'; '.join(notes)})" if notes else label] = ", ".join(commits)
     commands = recorded_commands(out_dir)
     if commands:
         info["command" if len(commands) == 1 else "commands"] = "; ".join(f"`{c}`" for c in commands)
