@@ -149,6 +149,9 @@ def test_per_seed_figure_draws_each_seed_and_arm_as_recorded(captured):
     # companions: one seed, or records without the key, draw nothing (the per-arm figure covers one seed)
     assert plotting.plot_per_seed([r for r in recs if r["seed"] == 0], "p.png") is None
     assert plotting.plot_per_seed([{k: v for k, v in r.items() if k != "val_acc"} for r in recs], "p.png") is None
+    # more seeds than panels: nothing drawn, and it says so
+    with pytest.warns(UserWarning, match="max_seeds=2"):
+        assert plotting.plot_per_seed(recs, "p.png", max_seeds=2) is None
 
 
 def test_overview_keeps_accuracy_bands_inside_zero_one(captured):

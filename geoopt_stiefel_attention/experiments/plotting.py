@@ -12,6 +12,7 @@ pandas, seaborn and matplotlib are imported inside the functions.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -204,13 +205,17 @@ def plot_overview(records: Sequence[dict[str, Any]], path: str | os.PathLike) ->
 def plot_per_seed(records: Sequence[dict[str, Any]], path: str | os.PathLike, *, key: str = "val_acc",
                   threshold: float | None = 0.95, max_seeds: int = 12) -> Path | None:
     """``key`` over training for each seed on its own panel, every arm on it: the dips of single runs that a
-    mean over seeds smooths away. ``None`` (nothing drawn) with one seed (the per-arm figure shows it), more
-    than ``max_seeds`` seeds, or no ``key`` in the records."""
+    mean over seeds smooths away. ``None`` (nothing drawn) with one seed (the per-arm figure shows it) or no
+    ``key`` in the records; with more than ``max_seeds`` seeds also ``None``, with a warning."""
     import seaborn as sns
 
     df = records_frame(records)
     seeds = sorted(df["seed"].unique())
-    if key not in df.columns or not 1 < len(seeds) <= max_seeds:
+    if key not in df.columns or len(seeds) < 2:
+        return None
+    if len(seeds) > max_seeds:
+        warnings.warn(f"plot_per_seed: {len(seeds)} seeds are more than max_seeds={max_seeds} panels; no per-seed "
+                      f"figure drawn (pass a larger max_seeds to draw one).", stacklevel=2)
         return None
     ncols = 2 if len(seeds) > 3 else 1
     nrows = -(-len(seeds) // ncols)
