@@ -119,6 +119,27 @@ def test_build_task_uses_the_fast_path_and_pairs_the_arms():
     assert slow.predict is last_position
 
 
+def test_orthostart_arm_starts_from_the_stiefel_arms_frames_exactly():
+    """adamw-orthostart differs from stiefel in the constraint and the step only: same W_Q, W_K to the bit."""
+    cfg = GrokkingConfig(**SMALL)
+    tasks = {a: build_task(RunSpec(cfg, a, 3), get_arm(a), torch.device("cpu"))
+             for a in ("adamw", "stiefel", "adamw-orthostart")}
+    get_arm("adamw-orthostart").prepare(tasks["adamw-orthostart"].model)
+    st, ortho, plain = (dict(tasks[a].model.named_parameters()) for a in ("stiefel", "adamw-orthostart", "adamw"))
+    qk = [n for n in st if n.endswith(("w_q", "w_k"))]
+    assert qk
+    for name in st:
+        assert torch.equal(st[name], ortho[name]), name
+        assert type(ortho[name]) is torch.nn.Parameter  # unconstrained: AdamW trains it
+    # companion: the plain adamw arm's W_Q, W_K are not orthonormal, so the equality above can fail
+    assert all(not torch.equal(st[n], plain[n]) for n in qk)
+    w = ortho[qk[0]].detach().double()
+    eye = torch.eye(w.shape[-1], dtype=torch.float64)
+    assert float((w.transpose(-1, -2) @ w - eye).abs().max()) < ORTHO_TOL_F32
+    with pytest.raises(ValueError, match="adamw-orthostart.*attention='euclidean'"):
+        get_arm("adamw-orthostart").prepare(tasks["stiefel"].model)
+
+
 # ------------------------------------------------------------------------------------------ the study
 def test_smoke_both_arms_records_summary_plots_report(tmp_path):
     cfg = GrokkingConfig(**SMALL, train=TrainConfig(epochs=300, eval_every=50),

@@ -16,9 +16,13 @@ arm                        attention    W_Q, W_K trained by (every other paramet
 ``framescalar-euclidean``  euclidean    :class:`FrameScalarAdam` on the unconstrained matrices: the per-frame
                                         scalar Adam step (scale-free and O(d)-equivariant) with neither
                                         projector nor retraction
+``adamw-orthostart``       euclidean    AdamW, unconstrained and decayed like the ``adamw`` arm, but starting
+                                        from exactly the orthonormal frames the ``stiefel`` arm starts from
+                                        (:func:`orthonormal_start`): the start without the constraint
 =========================  ===========  =======================================================================
 
-Like the frames of the ``stiefel`` arm, W_Q and W_K get no weight decay in every arm here, and their learning
+Except in ``adamw-orthostart`` (which differs from ``adamw`` in its start only), W_Q and W_K get no weight
+decay in every arm here, like the frames of the ``stiefel`` arm, and their learning
 rate is ``OptimConfig.effective_frame_lr``; the trust region :math:`\Delta` applies where the method has one.
 """
 
@@ -31,10 +35,10 @@ import torch
 
 from .. import _linalg
 from ..manifolds import is_frame
-from .arms import ARMS, Arm, OptimizerGroup, _adamw, register_arm, split_frame_groups
+from .arms import ARMS, Arm, OptimizerGroup, _adamw, build_adamw, register_arm, split_frame_groups
 from .config import OptimConfig
 
-__all__ = ["FrameScalarAdam", "frame_scalar_adam_update", "freeze_frames", "build_frozen", "build_stiefel_sgd",
+__all__ = ["FrameScalarAdam", "frame_scalar_adam_update", "freeze_frames", "orthonormal_start", "build_frozen", "build_stiefel_sgd",
            "build_stiefel_element", "build_framescalar_euclidean", "ABLATION_ARMS"]
 
 
@@ -135,6 +139,29 @@ def freeze_frames(model: torch.nn.Module) -> None:
         p.requires_grad_(False)
 
 
+def orthonormal_start(model: torch.nn.Module) -> None:
+    r"""Replace every W_Q, W_K block of the library's Euclidean attention modules by its polar factor, in place.
+
+    Each head's block :math:`A \in \mathbb R^{d\times r}` becomes :math:`U = A (A^\top A)^{-1/2}`, computed by
+    the same :meth:`PolarStiefel.projx <geoopt_stiefel_attention.PolarStiefel.projx>` call with which
+    :class:`~geoopt_stiefel_attention.StiefelMultiheadAttention` makes its frames, so a model built from the same
+    seed starts from bit-identical W_Q, W_K in both arms (and the same logit scale: both modules scale the
+    logits by :math:`1/\sqrt{r}`). The matrices stay ordinary parameters: nothing holds them on the manifold.
+    """
+    from ..manifolds import PolarStiefel
+    from ..nn import EuclideanMultiheadAttention
+
+    modules = [m for m in model.modules() if isinstance(m, EuclideanMultiheadAttention)]
+    if not modules:
+        raise ValueError("arm 'adamw-orthostart': the model has no EuclideanMultiheadAttention whose W_Q, W_K "
+                         "could start orthonormal; build it with attention='euclidean'.")
+    manifold = PolarStiefel()
+    with torch.no_grad():
+        for m in modules:
+            for w in (m.w_q, m.w_k):
+                w.copy_(manifold.projx(w))
+
+
 def build_frozen(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> torch.optim.AdamW:
     """AdamW on every trainable parameter; the frames, frozen by :func:`freeze_frames`, are left out."""
     frame_groups, others = split_frame_groups(groups, optim)
@@ -204,6 +231,9 @@ ABLATION_ARMS = (
     Arm("framescalar-euclidean", "euclidean", build_framescalar_euclidean,
         "unconstrained W_Q, W_K trained by the per-frame-scalar Adam step (scale-free, equivariant; no "
         "projector, no retraction, no weight decay); AdamW on the rest"),
+    Arm("adamw-orthostart", "euclidean", build_adamw,
+        "AdamW on every parameter, W_Q, W_K unconstrained but starting from the stiefel arm's orthonormal frames",
+        prepare=orthonormal_start),
 )
 
 for _arm in ABLATION_ARMS:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import ablation_arms  # noqa: F401  (registers the frozen, orthostart and ablation arms)
 from .arms import Arm
 from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require
 from .data.batches import FullBatch
