@@ -24,6 +24,8 @@ __all__ = [
     "polar_svd",
     "cap_step",
     "compute_dtype",
+    "ADJUST_LR_FNS",
+    "frame_step_scale",
 ]
 
 
@@ -159,3 +161,32 @@ def cap_step(s: torch.Tensor, radius: float | None) -> torch.Tensor:
     norm = frame_norm(s)
     scale = (radius / norm.clamp_min(torch.finfo(norm.dtype).tiny)).clamp(max=1.0)
     return s * scale
+
+
+#: The accepted values of the ``adjust_lr_fn`` option (the names torch's ``Muon`` uses for the same job).
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+
+
+def frame_step_scale(adjust_lr_fn: str, d: int, r: int) -> float:
+    r"""The factor :math:`c` by which a ``d x r`` frame's ``lr`` and trust radius :math:`\Delta` are multiplied.
+
+    With one second moment per frame the normalised direction :math:`\hat m / \sqrt{\hat v}` has Frobenius
+    norm about 1, so a frame's step has :math:`\|s\|_F \approx c\,\mathrm{lr}`:
+
+    - ``"original"`` (the paper's fixed step): :math:`c = 1`. ``lr`` and :math:`\Delta` are Frobenius norms of
+      a whole frame's step, whatever its shape.
+    - ``"match_rms_adamw"``: :math:`c = \sqrt{d r}`. ``lr`` and :math:`\Delta` are per-entry (RMS) sizes, as
+      for AdamW, which moves each of the :math:`d r` entries of a block by about ``lr``, i.e. the block by about
+      :math:`\mathrm{lr}\sqrt{d r}`. One learning rate then serves the frames and the Euclidean parameters (as
+      ``adjust_lr_fn="match_rms_adamw"`` does for torch's ``Muon``), and the trust radius keeps its ratio to the
+      step at every shape.
+
+    Either way the step stays scale-free in the gradient and O(d)-equivariant: :math:`c` depends on the shape
+    only.
+    """
+    if adjust_lr_fn == "original":
+        return 1.0
+    if adjust_lr_fn == "match_rms_adamw":
+        return math.sqrt(d * r)
+    raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r} is unknown; use one of {ADJUST_LR_FNS}.")
+

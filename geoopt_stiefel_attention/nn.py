@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._linalg import ADJUST_LR_FNS
+
 # The converter lives in .convert (which imports this module only lazily, so there is no cycle); its
 # stiefelize is re-exported here, and the module-replacement helpers are used by from_euclidean/from_torch.
 from .convert import _convert, _source_parts, converted_query_key_frames, stiefelize  # noqa: F401
@@ -647,7 +649,7 @@ class EuclideanMultiheadAttention(_MultiheadAttentionBase):
 
 # ---------------------------------------------------------------------------------------------- parameters
 def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frames: bool = True,
-                 expect_frames: bool = True) -> list[dict]:
+                 expect_frames: bool = True, adjust_lr_fn: str | None = None) -> list[dict]:
     r"""Split the trainable parameters of ``model`` into three optimizer groups.
 
     1. ``"frames"``: every parameter for which :func:`~geoopt_stiefel_attention.is_frame` holds
@@ -683,6 +685,13 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     expect_frames : bool, default True
         Warn when the model holds no frame, trainable or frozen (and no
         :class:`EuclideanMultiheadAttention`); pass ``False`` for another Euclidean baseline.
+    adjust_lr_fn : {"original", "match_rms_adamw"} or None, default None
+        Written into the ``"frames"`` group when given: what ``lr`` means for each ``d x r`` frame under
+        :class:`~geoopt_stiefel_attention.StiefelAdam`. ``"match_rms_adamw"`` multiplies the frame's step and
+        trust radius by :math:`\sqrt{d r}`, so the model's AdamW learning rate moves a frame as much per step
+        as AdamW would move the same block; ``"original"`` is the paper's step, :math:`\|s\|_F \approx
+        \mathrm{lr}` (see :func:`~geoopt_stiefel_attention.optim.frame_step_scale`). ``None``: the optimizer's
+        own default.
 
     Returns
     -------
@@ -700,6 +709,9 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not (
             weight_decay >= 0 and math.isfinite(weight_decay)):
         raise ValueError(f"param_groups: weight_decay={weight_decay!r} is invalid; pass a finite float >= 0.")
+    if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"param_groups: adjust_lr_fn={adjust_lr_fn!r} is unknown; pass one of {ADJUST_LR_FNS} "
+                         f"or None (the optimizer's default).")
     frames, decay, no_decay = [], [], []
     for p in model.parameters():
         if not p.requires_grad:
@@ -718,8 +730,11 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
                       f"it finds no attention), or pass expect_frames=False for a Euclidean baseline.",
                       UserWarning, stacklevel=2)
     wd = float(weight_decay)
+    frame_group = {"name": "frames", "params": frames, "weight_decay": 0.0 if no_decay_frames else wd}
+    if adjust_lr_fn is not None:
+        frame_group["adjust_lr_fn"] = adjust_lr_fn
     return [
-        {"name": "frames", "params": frames, "weight_decay": 0.0 if no_decay_frames else wd},
+        frame_group,
         {"name": "decay", "params": decay, "weight_decay": wd},
         {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
     ]

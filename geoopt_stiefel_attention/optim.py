@@ -18,12 +18,14 @@ from geoopt.manifolds import EuclideanStiefel
 
 from . import _linalg
 from . import distributed as _distributed
+from ._linalg import ADJUST_LR_FNS, frame_step_scale
 from .manifolds import has_manifold as _has_manifold
 from .manifolds import is_frame as _is_frame
 
 _local = _distributed.local_tensor  # a DTensor's local shard (whole frames; see distributed), else the tensor
 
-__all__ = ["StiefelAdam", "stiefel_adam_update", "SECOND_MOMENTS", "ORTHONORMALITY_TOLERANCE"]
+__all__ = ["StiefelAdam", "stiefel_adam_update", "frame_step_scale", "SECOND_MOMENTS", "ADJUST_LR_FNS",
+           "ORTHONORMALITY_TOLERANCE"]
 
 #: The accepted values of the ``second_moment`` option.
 SECOND_MOMENTS = ("frame", "column", "element", None)
@@ -42,7 +44,7 @@ _DEFAULT_TRUST_REGION = 0.1
 #: The group options StiefelAdam adds to torch's Adam options, with the defaults a state dict saved before an
 #: option existed (or by geoopt's RiemannianAdam) loads with.
 _GROUP_DEFAULTS = {"trust_region": _DEFAULT_TRUST_REGION, "second_moment": "frame", "stabilize": None,
-                   "master_weights": False}
+                   "master_weights": False, "adjust_lr_fn": "original"}
 
 
 def _require(ok: bool, message: str, exc: type[Exception] = ValueError) -> None:
@@ -75,6 +77,10 @@ def _validate_hyperparameters(group: dict[str, Any]) -> None:
     _require(sm in SECOND_MOMENTS,
              f"StiefelAdam: second_moment={sm!r} is unknown; use one of 'frame' (default), 'column', "
              f"'element', or None (fixed-step Riemannian SGD with momentum).")
+    fn = group.get("adjust_lr_fn", "original")
+    _require(fn in ADJUST_LR_FNS,
+             f"StiefelAdam: adjust_lr_fn={fn!r} is unknown; use 'original' (lr is a frame's step norm, the "
+             f"paper's step) or 'match_rms_adamw' (lr is a per-entry step, as for AdamW).")
     st = group["stabilize"]
     _require(st is None or (isinstance(st, int) and not isinstance(st, bool) and st > 0),
              f"StiefelAdam: stabilize={st!r} is invalid; pass a positive int (re-project every that many "
@@ -457,6 +463,20 @@ def _frame_update_(
     return finite
 
 
+def _frame_lr(group: dict[str, Any], d: int, r: int, device: torch.device, dtype: torch.dtype,
+              capturable: bool) -> tuple[float | torch.Tensor, float | None]:
+    """The learning rate and trust radius a group's ``d x r`` frames step with (:func:`frame_step_scale`); a
+    tensor ``lr`` stays a tensor on the capturable path (no host read) and is read as a float otherwise."""
+    c = frame_step_scale(group["adjust_lr_fn"], d, r)
+    lr, radius = group["lr"], group["trust_region"]
+    if isinstance(lr, torch.Tensor):
+        lr = lr.to(device=device, dtype=dtype) if capturable else float(lr)
+    if c != 1.0:
+        lr = lr * c
+        radius = None if radius is None else radius * c
+    return lr, radius
+
+
 def _frame_batches(frames: list[torch.Tensor], steps: list[int] | None,
                    stack_numel: int | None = None) -> list[tuple[int | None, list[torch.Tensor]]]:
     """Split frame parameters into update batches of one shape, dtype, device and step count (``steps=None``:
@@ -527,12 +547,14 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         \xi &= G - W \operatorname{sym}(W^\top G) \\
         m &\leftarrow \beta_1 m + (1 - \beta_1)\,\xi \\
         v &\leftarrow \beta_2 v + (1 - \beta_2)\,\|\xi\|_F^2 \qquad \text{(one scalar per frame)} \\
-        s &= \mathrm{lr}\cdot \frac{m / (1 - \beta_1^t)}{\sqrt{v / (1 - \beta_2^t)} + \epsilon} \\
-        s &\leftarrow s \cdot \min\!\big(1, \Delta / \|s\|_F\big) \qquad \text{(trust region)} \\
+        s &= c\,\mathrm{lr}\cdot \frac{m / (1 - \beta_1^t)}{\sqrt{v / (1 - \beta_2^t)} + \epsilon} \\
+        s &\leftarrow s \cdot \min\!\big(1, c\,\Delta / \|s\|_F\big) \qquad \text{(trust region)} \\
         W &\leftarrow \operatorname{polar}(W - s) = (W - s)\big((W - s)^\top (W - s)\big)^{-1/2} \\
         m &\leftarrow m - W \operatorname{sym}(W^\top m) \qquad \text{(transport by projection)}
 
-    where :math:`\operatorname{sym}(A) = (A + A^\top)/2`. The second moment ``v`` is stored at its true
+    where :math:`\operatorname{sym}(A) = (A + A^\top)/2` and :math:`c` is set by ``adjust_lr_fn``
+    (:func:`frame_step_scale`): :math:`c = 1` for ``"original"`` (the paper's step), :math:`c = \sqrt{d r}` for
+    ``"match_rms_adamw"``. The second moment ``v`` is stored at its true
     shape ``(..., 1, 1)``, so a frame's state is its first moment plus one number. Every other parameter
     (plain tensors, and geoopt tensors on ``Euclidean``) is updated exactly as by
     :class:`torch.optim.AdamW` with the group's ``lr``, ``betas``, ``eps`` and ``weight_decay``.
@@ -544,8 +566,8 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         whose ``"params"`` are any of these (lists, tuples or generators); frames and Euclidean parameters may
         be mixed.
     lr : float, default 1e-3
-        Learning rate, ``>= 0``. For a frame, :math:`\|s\|_F \approx \mathrm{lr}` per step for a steady
-        gradient. With ``lr = 0`` (the start of a warm-up) frames stay bit for bit where they are while their
+        Learning rate, ``>= 0``. For a frame, :math:`\|s\|_F \approx c\,\mathrm{lr}` per step for a steady
+        gradient (see ``adjust_lr_fn``). With ``lr = 0`` (the start of a warm-up) frames stay bit for bit where they are while their
         moments and step count advance, as with torch's Adam.
     betas : (float, float), default (0.9, 0.999)
         Decay rates of the first and second moments, each in ``[0, 1)``.
@@ -558,8 +580,9 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         :math:`P_W(\lambda W) = \lambda (W - W \operatorname{sym}(W^\top W)) = 0` identically on
         :math:`\mathrm{St}(d, r)`, and decaying the point itself would only be undone by the retraction.
     trust_region : float or None, default 0.1
-        Per-frame cap :math:`\Delta` on :math:`\|s\|_F`; ``None`` disables it. Inside the trust region the
-        matrix inverted by the retraction has condition number at most :math:`1 + \Delta^2`, which lets the
+        Per-frame cap :math:`c\,\Delta` on :math:`\|s\|_F`, in the units of ``lr``; ``None`` disables it.
+        Inside the trust region the matrix inverted by the retraction has condition number at most
+        :math:`1 + c^2\Delta^2`, which lets the
         retraction use a short Taylor series, exact to rounding, instead of an eigendecomposition.
     second_moment : {"frame", "column", "element", None}, default "frame"
         ``"frame"``: one scalar per frame (the method). ``"column"``: one per column. ``"element"``: a
@@ -576,6 +599,14 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         :math:`2^{-9}|W_{ij}|`) per entry is lost. Entries of the parameter changed outside the optimizer
         (no longer the rounding of the master) are taken from the parameter. No effect on float32/float64
         frames.
+    adjust_lr_fn : {"original", "match_rms_adamw"}, default "original"
+        What ``lr`` and ``trust_region`` measure for a ``d x r`` frame (:func:`frame_step_scale`).
+        ``"original"``: the Frobenius norm of the frame's step (:math:`c = 1`, the paper's fixed step), so at
+        the same ``lr`` a frame moves :math:`\sqrt{d r}` times less than AdamW moves the same block (64 times at
+        128 x 32). ``"match_rms_adamw"``: a per-entry size, as for AdamW (:math:`c = \sqrt{d r}`), so the model's
+        AdamW learning rate serves the frames too, as with torch's ``Muon(adjust_lr_fn="match_rms_adamw")``.
+        Use it when training from scratch with one learning rate; ``"original"`` reproduces the paper and
+        suits fine-tuning a converted trained model with small frame steps.
     amsgrad, maximize, foreach : bool
         As in :class:`torch.optim.AdamW`; ``amsgrad`` applies to Euclidean parameters only, ``foreach``
         selects torch's AdamW implementation for them (frames always use their own fused kernel).
@@ -645,6 +676,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         second_moment: str | None = "frame",
         stabilize: int | None = None,
         master_weights: bool = False,
+        adjust_lr_fn: str = "original",
         amsgrad: bool = False,
         maximize: bool = False,
         foreach: bool | None = None,
@@ -668,7 +700,8 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             raise ValueError("StiefelAdam: got an empty parameter list; pass model.parameters(), a list of "
                              "tensors or a list of group dicts (is the generator already consumed?).")
         self._pending_defaults = {"trust_region": trust_region, "second_moment": second_moment,
-                                  "stabilize": stabilize, "master_weights": master_weights}
+                                  "stabilize": stabilize, "master_weights": master_weights,
+                                  "adjust_lr_fn": adjust_lr_fn}
         self._constructing = True
         _validate_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                        capturable=capturable, **self._pending_defaults))
@@ -986,12 +1019,10 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                 torch._foreach_copy_(m_k, exp_avgs)
                 w, g, m = staged.view(3, n, d, r).unbind(0)
                 v = torch.stack(exp_avg_sqs).view(n, 1, 1) if exp_avg_sqs else None
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            lr = lr.to(device=p0.device, dtype=ct) if capturable else float(lr)
+        lr, radius = _frame_lr(group, d, r, p0.device, ct, capturable)
         finite = _frame_update_(
             w, g, m, v, scratch, step=self._step_tensor(params, ct) if capturable else step, lr=lr,
-            beta1=beta1, beta2=beta2, eps=group["eps"], trust_region=group["trust_region"],
+            beta1=beta1, beta2=beta2, eps=group["eps"], trust_region=radius,
             maximize=group["maximize"], capturable=capturable)
         stabilize = group["stabilize"]  # None in capturable mode (refused by the validation)
         if stabilize is not None and step % stabilize == 0:
@@ -1017,14 +1048,14 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         """Update frames with the pure :func:`stiefel_adam_update` (the ``"column"`` and ``"element"`` variants);
         ``step=None`` is the capturable path."""
         beta1, beta2 = group["betas"]
-        radius = group["trust_region"]
         d, r = params[0].shape[-2:]
         ct = _linalg.compute_dtype(params[0].dtype)
+        capturable = step is None
+        lr, radius = _frame_lr(group, d, r, params[0].device, ct, capturable)
         order = None if radius is None else _linalg.series_order(float(radius) ** 2, ct)
         states = [self.state[p] for p in params]
         locals_ = [_local(p).detach() for p in params]
         counts = [t.numel() // (d * r) for t in locals_]
-        capturable = step is None
 
         def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
             return torch.cat([t.reshape((-1,) + t.shape[-2:]) for t in tensors]).to(ct)
@@ -1036,9 +1067,6 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             step = torch.cat([self.state[p]["step"].to(device=p.device, dtype=ct).expand(c)
                               for p, c in zip(params, counts, strict=True)])
             step = step.view(-1, 1, 1)
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            lr = lr.to(device=params[0].device, dtype=ct) if capturable else float(lr)
         g = stacked([_distributed.local_grad(p) for p in params])
         exp_avg_sqs = [_local(s["exp_avg_sq"]) for s in states] if group["second_moment"] is not None else None
         exp_avgs = [_local(s["exp_avg"]) for s in states]

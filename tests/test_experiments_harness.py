@@ -413,3 +413,16 @@ def test_finalize_writes_summary_plots_and_report_from_run_folders(tmp_path):
     assert out.report_path.exists() and json.loads((tmp_path / "summary.json").read_text())["title"] == "toy"
     assert set(out.summary["speed"]) == {"adamw/seed0", "stiefel/seed0"}
     assert "97.0%" in out.report_path.read_text()
+
+
+def test_a_field_added_later_is_recorded_only_when_it_differs_from_what_old_records_mean():
+    from geoopt_stiefel_attention.experiments.config import OptimConfig, to_dict
+
+    assert "adjust_lr_fn" not in to_dict(OptimConfig())  # old records were written without it
+    rule = OptimConfig(adjust_lr_fn="match_rms_adamw")
+    recorded = to_dict(rule)
+    assert recorded["adjust_lr_fn"] == "match_rms_adamw"  # companion: a non-default value is recorded
+    assert OptimConfig(**{**recorded, "betas": tuple(recorded["betas"])}) == rule
+    assert OptimConfig(**{k: v for k, v in recorded.items() if k != "adjust_lr_fn"}).adjust_lr_fn == "original"
+    with pytest.raises(ValueError, match="--adjust-lr-fn 'rms'"):
+        OptimConfig(adjust_lr_fn="rms")

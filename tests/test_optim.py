@@ -621,3 +621,97 @@ def test_bf16_frames_with_master_copies_update_the_stacked_masters(capturable):
     # the masters moved (a no-op update would pass the comparisons above)
     start = _frames((2, 12, 4), seed=50).to(torch.bfloat16).float()
     assert (masters[0] - start).abs().max() > 1e-3
+
+
+# ----------------------------------------------------------------------------- adjust_lr_fn (the frame-step rule)
+@pytest.mark.parametrize(("shape", "mode", "capturable"), [((3, 12, 4), "frame", False), ((2, 20, 5), "frame", True),
+                                                           ((3, 12, 4), "column", False), ((3, 12, 4), None, False)])
+def test_match_rms_adamw_is_the_reference_with_lr_and_radius_times_sqrt_dr(shape, mode, capturable):
+    """``match_rms_adamw`` = the written-out update with lr and Delta multiplied by sqrt(d r), on every path."""
+    _, d, r = shape
+    c = np.sqrt(d * r)  # written out here, not taken from the code under test
+    w0 = _frames(shape, seed=3)
+    grad_fn = _grad_fn_factory(shape, seed=4)
+    lr, delta = 0.004, 0.02  # the radius binds on some steps: c * lr ~ 0.03 against c * delta ~ 0.14
+    reference = _ref_stiefel_adam(list(w0.numpy()), grad_fn, 55, lr=c * lr, b1=0.9, b2=0.99, eps=1e-8,
+                                  delta=c * delta, mode=mode)
+    ours, opt, _ = _run_torch(w0, grad_fn, 55, lr=lr, betas=(0.9, 0.99), eps=1e-8, trust_region=delta,
+                              second_moment=mode, adjust_lr_fn="match_rms_adamw", capturable=capturable)
+    assert max(np.abs(a - b).max() for a, b in zip(ours, reference, strict=True)) < REFERENCE_TOL
+    assert opt.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
+    # companion: the paper's step at the same lr is a different trajectory (c times smaller steps)
+    original, _, _ = _run_torch(w0, grad_fn, 55, lr=lr, betas=(0.9, 0.99), eps=1e-8, trust_region=delta,
+                                second_moment=mode, capturable=capturable)
+    assert max(np.abs(a - b).max() for a, b in zip(original, reference, strict=True)) > 1e-2
+
+
+def test_match_rms_adamw_moves_a_frame_as_adamw_moves_the_same_block():
+    """First step: AdamW moves each entry by lr (sign step), a frame's step has Frobenius norm lr sqrt(d r)
+    under the rule, for every shape; the paper's step has norm lr whatever the shape."""
+    lr = 1e-3
+    for d, r in ((16, 4), (64, 16), (128, 32)):
+        g = torch.randn(1, d, r, dtype=torch.float64)
+        block = torch.nn.Parameter(torch.randn(d, r, dtype=torch.float64))
+        start = block.detach().clone()
+        block.grad = g[0].clone()
+        torch.optim.AdamW([block], lr=lr, weight_decay=0.0).step()
+        adamw_move = float((block.detach() - start).norm())
+        moves = {}
+        for fn in ("original", "match_rms_adamw"):
+            w = geoopt.ManifoldParameter(_frames((1, d, r), seed=d), manifold=PolarStiefel())
+            w0 = w.detach().clone()
+            w.grad = g.clone()
+            StiefelAdam([w], lr=lr, adjust_lr_fn=fn).step()
+            # the polar retraction shortens a tangent step s to first order only: ||polar(W - s) - W|| ~ ||s||
+            moves[fn] = float((w.detach() - w0).norm())
+        assert moves["match_rms_adamw"] == pytest.approx(adamw_move, rel=1e-3)
+        assert moves["original"] == pytest.approx(lr, rel=1e-3)  # companion: shape-blind, sqrt(d r) times less
+        assert adamw_move / moves["original"] == pytest.approx(np.sqrt(d * r), rel=1e-3)
+
+
+def test_match_rms_adamw_keeps_the_step_scale_free():
+    """Certificate 2a under the rule: gradient times 1e4 gives the same step (eps = 0)."""
+    w0 = _frames((2, 24, 6), seed=5)
+    g = torch.randn(2, 24, 6, dtype=torch.float64)
+    out = []
+    for scale in (1.0, 1e4):
+        w = geoopt.ManifoldParameter(w0.clone(), manifold=PolarStiefel())
+        w.grad = scale * g
+        StiefelAdam([w], lr=1e-3, eps=0.0, adjust_lr_fn="match_rms_adamw").step()
+        out.append(w.detach())
+    assert float((out[0] - out[1]).abs().max()) < REFERENCE_TOL
+    # companion: a different gradient direction does change the step
+    w = geoopt.ManifoldParameter(w0.clone(), manifold=PolarStiefel())
+    w.grad = g + torch.randn_like(g)
+    StiefelAdam([w], lr=1e-3, eps=0.0, adjust_lr_fn="match_rms_adamw").step()
+    assert float((out[0] - w.detach()).abs().max()) > 1e-4
+
+
+def test_adjust_lr_fn_is_validated_and_old_checkpoints_load_with_the_papers_step():
+    model = _toy_model()
+    with pytest.raises(ValueError, match="adjust_lr_fn='rms'.*match_rms_adamw"):
+        StiefelAdam(model.parameters(), adjust_lr_fn="rms")
+    opt = StiefelAdam(model.parameters(), lr=0.01, adjust_lr_fn="match_rms_adamw")
+    with pytest.raises(ValueError, match="adjust_lr_fn="):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "adjust_lr_fn": None})
+    sd = StiefelAdam(model.parameters(), lr=0.01).state_dict()
+    for group in sd["param_groups"]:
+        del group["adjust_lr_fn"]  # a checkpoint saved before the option existed
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["adjust_lr_fn"] == "original"
+    assert optim.frame_step_scale("match_rms_adamw", 128, 32) == 64.0
+    assert optim.frame_step_scale("original", 128, 32) == 1.0
+
+
+def test_param_groups_carries_the_rule_to_the_frames_group_only():
+    from geoopt_stiefel_attention import TinyTransformer, param_groups
+
+    model = TinyTransformer(11, 4, width=16, heads=2, mlp=32, attention="stiefel")
+    groups = param_groups(model, adjust_lr_fn="match_rms_adamw")
+    assert groups[0]["name"] == "frames" and groups[0]["adjust_lr_fn"] == "match_rms_adamw"
+    assert all("adjust_lr_fn" not in g for g in groups[1:])
+    opt = StiefelAdam(groups, lr=1e-3)
+    assert [g["adjust_lr_fn"] for g in opt.param_groups] == ["match_rms_adamw", "original", "original"]
+    assert "adjust_lr_fn" not in param_groups(model)[0]  # companion: not given, the optimizer decides
+    with pytest.raises(ValueError, match="param_groups: adjust_lr_fn='x'"):
+        param_groups(model, adjust_lr_fn="x")

@@ -181,7 +181,7 @@ def _stiefel_variant(name: str, second_moment: str | None):
                              f"attention='stiefel'.")
         return StiefelAdam(frame_groups + others, lr=optim.lr, betas=optim.betas, eps=optim.eps,
                            weight_decay=optim.weight_decay, trust_region=optim.trust_region,
-                           second_moment=second_moment)
+                           second_moment=second_moment, adjust_lr_fn=optim.adjust_lr_fn)
 
     build.__name__ = build.__qualname__ = f"build_{name.replace('-', '_')}"
     build.__doc__ = (f"StiefelAdam with ``second_moment={second_moment!r}`` on the frames (lr ``frame_lr``), its "

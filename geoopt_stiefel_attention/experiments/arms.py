@@ -257,7 +257,8 @@ def build_stiefel(model: torch.nn.Module, groups: list[dict[str, Any]], optim: O
     frame_groups, others = split_frame_groups(groups, optim)
     _require_frames("stiefel", frame_groups, present=True)
     return StiefelAdam(frame_groups + others, lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                       weight_decay=optim.weight_decay, trust_region=optim.trust_region)
+                       weight_decay=optim.weight_decay, trust_region=optim.trust_region,
+                       adjust_lr_fn=optim.adjust_lr_fn)
 
 
 def use_stock_euclidean_stiefel(model: torch.nn.Module) -> None:

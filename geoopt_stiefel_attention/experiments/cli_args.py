@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from .._linalg import ADJUST_LR_FNS
 from .config import OptimConfig, TrainConfig
 
 __all__ = ["add_schedule_arguments", "add_optim_arguments", "add_runner_arguments", "train_config_from_args",
@@ -31,7 +32,8 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, default: TrainConfig
 
 
 def add_optim_arguments(parser: argparse.ArgumentParser, default: OptimConfig) -> None:
-    """``--lr``, ``--frame-lr``, ``--betas``, ``--eps``, ``--weight-decay``, ``--trust-region``, ``--momentum``."""
+    """``--lr``, ``--frame-lr``, ``--betas``, ``--eps``, ``--weight-decay``, ``--trust-region``, ``--momentum``,
+    ``--adjust-lr-fn``."""
     g = parser.add_argument_group("optimizer")
     g.add_argument("--lr", type=float, default=default.lr, help=f"learning rate (default {default.lr:g})")
     g.add_argument("--frame-lr", type=float, default=default.frame_lr,
@@ -46,6 +48,10 @@ def add_optim_arguments(parser: argparse.ArgumentParser, default: OptimConfig) -
                    help=f"StiefelAdam's per-frame step cap, or 'none' (default {default.trust_region})")
     g.add_argument("--momentum", type=float, default=default.momentum,
                    help=f"momentum of the geoopt-rsgd arm (default {default.momentum:g})")
+    g.add_argument("--adjust-lr-fn", choices=ADJUST_LR_FNS, default=default.adjust_lr_fn,
+                   help="what the frames' lr measures under StiefelAdam: 'original' (a frame's step norm, the "
+                        "paper's step) or 'match_rms_adamw' (a per-entry step, as for AdamW: the frame step and "
+                        f"trust radius times sqrt(d r)) (default {default.adjust_lr_fn})")
 
 
 def add_runner_arguments(parser: argparse.ArgumentParser, *, arms: Sequence[str], seeds: Sequence[int],
@@ -83,7 +89,8 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def optim_config_from_args(args: argparse.Namespace) -> OptimConfig:
     return OptimConfig(lr=args.lr, betas=tuple(args.betas), eps=args.eps, weight_decay=args.weight_decay,
-                       frame_lr=args.frame_lr, trust_region=args.trust_region, momentum=args.momentum)
+                       frame_lr=args.frame_lr, trust_region=args.trust_region, momentum=args.momentum,
+                       adjust_lr_fn=args.adjust_lr_fn)
 
 
 def invoked_command() -> str | None:

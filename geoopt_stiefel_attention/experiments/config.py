@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .._linalg import ADJUST_LR_FNS
+
 __all__ = ["TrainConfig", "OptimConfig", "RunSpec", "to_dict", "require", "flag_of", "config_value", "config_from_dict"]
 
 
@@ -84,6 +86,10 @@ class OptimConfig:
         :class:`~geoopt_stiefel_attention.StiefelAdam`'s per-frame cap :math:`\Delta` on the step.
     momentum : float
         Momentum of the ``geoopt-rsgd`` arm's :class:`geoopt.optim.RiemannianSGD` on the frames.
+    adjust_lr_fn : {"original", "match_rms_adamw"}
+        What the frames' learning rate measures under :class:`~geoopt_stiefel_attention.StiefelAdam`
+        (:func:`~geoopt_stiefel_attention.optim.frame_step_scale`): ``"original"`` (the paper's step, and what
+        every run recorded before the option existed used) or ``"match_rms_adamw"``.
     """
 
     lr: float = 1e-3
@@ -93,6 +99,7 @@ class OptimConfig:
     frame_lr: float | None = None
     trust_region: float | None = 0.1
     momentum: float = 0.9
+    adjust_lr_fn: str = dataclasses.field(default="original", metadata={"omit_if_default": True})
 
     def __post_init__(self) -> None:
         require(_finite(self.lr) and self.lr > 0, f"--lr {self.lr!r}: must be a finite float > 0 (field lr).")
@@ -109,6 +116,9 @@ class OptimConfig:
                 f"--trust-region {self.trust_region!r}: must be a finite float > 0, or none (field trust_region).")
         require(_finite(self.momentum) and 0 <= self.momentum < 1,
                 f"--momentum {self.momentum!r}: must be a float in [0, 1) (field momentum).")
+        require(self.adjust_lr_fn in ADJUST_LR_FNS,
+                f"--adjust-lr-fn {self.adjust_lr_fn!r}: must be one of {', '.join(ADJUST_LR_FNS)} "
+                f"(field adjust_lr_fn).")
 
     @property
     def effective_frame_lr(self) -> float:
@@ -161,9 +171,12 @@ class RunSpec:
 
 
 def to_dict(obj: Any) -> Any:
-    """Plain-JSON form of a (nested) config: dataclasses become dicts, tuples lists."""
+    """Plain-JSON form of a (nested) config: dataclasses become dicts, tuples lists. A field added after runs
+    were recorded (``metadata={"omit_if_default": True}``) is written only when it differs from its default,
+    which is what the older records, written without it, mean: their configs and reports stay byte for byte."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out = {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+               if not (f.metadata.get("omit_if_default") and getattr(obj, f.name) == f.default)}
         if isinstance(obj, RunSpec):
             out["config_class"] = f"{type(obj.config).__module__}.{type(obj.config).__qualname__}"
         return out
