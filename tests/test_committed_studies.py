@@ -70,3 +70,28 @@ def test_report_only_rebuilds_the_committed_grokking_and_lm_studies_byte_for_byt
     assert main([command, "--report-only", "--out", str(copy)]) == 0
     for file in ("report.md", "summary.json"):
         assert (copy / file).read_bytes() == (folder / file).read_bytes(), file
+
+
+def test_grokking_readme_quotes_the_tail_and_dip_definitions_and_counts_from_the_records():
+    """The README's tail window, dip definition and per-seed dip counts are the code's, from summary.json."""
+    import json
+
+    from geoopt_stiefel_attention.experiments.records import DIP_DEFINITION, tail_description
+
+    readme = (ROOT / "experiments" / "grokking" / "README.md").read_text()
+    summary = json.loads((ROOT / "experiments" / "grokking" / "runs" / "p97_add_5seeds" / "summary.json").read_text())
+    tail = tail_description(summary["summary"])
+    assert tail == "the last 10% of training: the evaluations at epochs 18,000–20,000 (21 per run)"
+    assert tail in readme and DIP_DEFINITION in readme
+    arms = summary["summary"]["arms"]
+    for key, label in (("dips_after_reaching", "dips below 95% after grokking, per seed (total)"),
+                       ("evaluations_below_after_reaching", "evaluations below 95% in those dips, per seed (total)")):
+        row = next(line for line in readme.splitlines() if line.startswith(f"| {label} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")[1:4]]
+        for cell, arm in zip(cells, ("adamw", "stiefel", "geoopt-radam"), strict=True):
+            per_seed = list(arms[arm][key]["per_seed"].values())
+            assert cell == f"{' / '.join(map(str, per_seed))} ({sum(per_seed)})", (label, arm)
+    # companion: the old wording (epochs 18,100-20,000; evaluations counted as dips) is gone
+    assert "18,100" not in readme
+    assert arms["adamw"]["dips_after_reaching"]["per_seed"]["4"] != arms["adamw"][
+        "evaluations_below_after_reaching"]["per_seed"]["4"]

@@ -426,3 +426,36 @@ def test_a_field_added_later_is_recorded_only_when_it_differs_from_what_old_reco
     assert OptimConfig(**{k: v for k, v in recorded.items() if k != "adjust_lr_fn"}).adjust_lr_fn == "original"
     with pytest.raises(ValueError, match="--adjust-lr-fn 'rms'"):
         OptimConfig(adjust_lr_fn="rms")
+
+
+def test_dip_count_counts_separate_dips_and_the_evaluations_they_span():
+    from geoopt_stiefel_attention.experiments.records import dip_count
+
+    assert dip_count([0.5, 0.96, 0.9, 0.8, 0.97, 0.9], 0.95) == (2, 3)
+    assert dip_count([0.5, 0.96, 0.97], 0.95) == (0, 0)
+    assert dip_count([0.5, 0.6], 0.95) == (0, 0)  # never reached: nothing after it
+    assert dip_count([0.96, 0.5, 0.96, 0.5, 0.96, 0.5], 0.95) == (3, 3)  # companion: alternating, every one a dip
+
+
+def test_tail_records_include_both_ends_of_the_last_fraction():
+    from geoopt_stiefel_attention.experiments.records import tail_records
+
+    recs = [{"epoch": e} for e in range(0, 20001, 100)]
+    tail = tail_records(recs, 0.1)
+    assert (tail[0]["epoch"], tail[-1]["epoch"], len(tail)) == (18000, 20000, 21)
+    assert tail_records([], 0.1) == []
+
+
+def test_holm_adjustment_against_a_written_out_case():
+    from geoopt_stiefel_attention.experiments.stats import holm, with_holm
+
+    # sorted 0.01, 0.02, 0.04 -> 3*0.01, max(0.03, 2*0.02), max(0.04, 1*0.04)
+    out = holm([0.04, 0.01, None, 0.02])
+    assert out[2] is None and out[0] == pytest.approx(0.04) and out[1] == pytest.approx(0.03)
+    assert out[3] == pytest.approx(0.04)
+    assert holm([0.6, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1
+    comps = with_holm({"a": {"p_value": 0.01, "sign_test_p": 0.5}, "b": {"p_value": 0.04, "sign_test_p": None}})
+    assert comps["a"]["p_holm"] == pytest.approx(0.02) and comps["b"]["p_holm"] == pytest.approx(0.04)
+    assert comps["b"]["sign_test_p_holm"] is None
+    # companion: a single test is not adjusted
+    assert holm([0.03]) == pytest.approx([0.03])

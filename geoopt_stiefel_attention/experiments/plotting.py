@@ -19,7 +19,7 @@ from typing import Any
 
 from .records import group_runs
 
-__all__ = ["records_frame", "plot_curves", "plot_accuracy", "plot_weight_norms", "plot_principal_angles",
+__all__ = ["records_frame", "plot_curves", "plot_accuracy", "plot_reached_fraction", "plot_weight_norms", "plot_principal_angles",
            "plot_movement", "plot_overview", "plot_per_seed", "plot_study", "plot_pairs", "plot_movement_ratio",
            "plot_distance", "plot_gap_sweep", "plot_ablation", "plot_per_head"]
 
@@ -117,6 +117,31 @@ def plot_accuracy(records: Sequence[dict[str, Any]], path: str | os.PathLike, *,
     if threshold is not None:
         ax.axhline(threshold, color="grey", linestyle=":", linewidth=1)
     _accuracy_axis(ax)
+    return _save(fig, path)
+
+
+def plot_reached_fraction(records: Sequence[dict[str, Any]], path: str | os.PathLike, *, metric: str = "val_acc",
+                          threshold: float = 0.95) -> Path | None:
+    """The fraction of seeds whose ``metric`` has reached ``threshold`` (first evaluation at or above it) by each
+    epoch, one step curve per arm: when each arm groks, seed by seed. ``None`` (no figure) when no run reached it."""
+    runs = group_runs(records)
+    firsts = {arm: [next((r["epoch"] for r in recs if (r.get(metric) or 0.0) >= threshold), None)
+                    for recs in seeds.values()] for arm, seeds in runs.items()}
+    if not any(e is not None for es in firsts.values() for e in es):
+        return None
+    end = max(recs[-1]["epoch"] for seeds in runs.values() for recs in seeds.values())
+    fig, (ax,) = _row(width=7.0, height=4.0)
+    for arm, es in firsts.items():
+        xs = sorted(e for e in es if e is not None)
+        steps = [0, *xs, end]
+        fractions = [0.0, *[(i + 1) / len(es) for i in range(len(xs))], len(xs) / len(es)]
+        ax.step(steps, fractions, where="post", linewidth=1.6, label=f"{arm} ({len(xs)}/{len(es)} seeds)")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel(f"fraction of seeds with {metric} ≥ {threshold:g}")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(f"first epoch at {metric} ≥ {threshold:g}, per arm", fontsize=10)
     return _save(fig, path)
 
 
@@ -243,6 +268,8 @@ def plot_study(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike, *,
     out_dir = Path(out_dir)
     made = {"accuracy": plot_accuracy(records, out_dir / "accuracy.png", threshold=threshold),
             "per_seed": plot_per_seed(records, out_dir / "per_seed.png", threshold=threshold),
+            "reached": (None if threshold is None else
+                        plot_reached_fraction(records, out_dir / "reached.png", threshold=threshold)),
             "overview": plot_overview(records, out_dir / "overview.png"),
             "weight_norms": plot_weight_norms(records, out_dir / "weight_norms.png"),
             "principal_angles": plot_principal_angles(records, out_dir / "principal_angles.png"),

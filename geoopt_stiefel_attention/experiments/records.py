@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["METRICS_FILE", "append_record", "read_records", "truncate_records", "load_study_records",
-           "summarize", "summarize_cell", "mean_std", "group_runs"]
+           "summarize", "summarize_cell", "mean_std", "group_runs", "tail_records", "tail_description",
+           "dip_count", "DIP_DEFINITION"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -90,6 +91,52 @@ def group_runs(records: Iterable[dict[str, Any]]) -> dict[str, dict[int, list[di
     return runs
 
 
+def tail_records(recs: Sequence[dict[str, Any]], last_fraction: float) -> list[dict[str, Any]]:
+    r"""The evaluations of one run that form its tail: every record with epoch :math:`e \ge (1 - f)\,E`, where
+    :math:`E` is the run's last evaluated epoch and :math:`f` = ``last_fraction`` (both ends included). At
+    :math:`E` = 20,000, :math:`f` = 0.1 and an evaluation every 100 epochs that is epochs 18,000 to 20,000:
+    21 evaluations. ``recs`` sorted by epoch (:func:`group_runs`). The one definition of "the last ``f`` of
+    training" that summaries, reports and READMEs use (:func:`tail_description` words it)."""
+    if not recs:
+        return []
+    end = recs[-1]["epoch"]
+    return [r for r in recs if r["epoch"] >= (1.0 - last_fraction) * end]
+
+
+def tail_description(summary: dict[str, Any]) -> str:
+    """The tail window of a :func:`summarize` result in words, from its records (``tail_window``), e.g. "the last
+    10% of training: the evaluations at epochs 18,000–20,000 (21 per run)"; different windows across runs are
+    listed."""
+    windows = sorted({(w["first"], w["last"], w["n"]) for a in summary["arms"].values()
+                      for w in a.get("tail_window", {}).values()})
+    pct = f"{100 * summary['last_fraction']:.0f}%"
+    if not windows:
+        return f"the last {pct} of training"
+    text = "; ".join(f"epochs {first:,}–{last:,} ({n} per run)" for first, last, n in windows)
+    return f"the last {pct} of training: the evaluations at {text}"
+
+
+#: What :func:`dip_count` counts, in the words reports and READMEs quote.
+DIP_DEFINITION = ("a dip is a maximal run of consecutive evaluations below the threshold after the first evaluation "
+                  "at or above it (a run still below at the end counts)")
+
+
+def dip_count(values: Sequence[float], threshold: float) -> tuple[int, int]:
+    """``(dips, evaluations below)`` of a metric's values after the first one at or above ``threshold``
+    (:data:`DIP_DEFINITION`): e.g. ``[0.5, 0.96, 0.9, 0.8, 0.97, 0.9]`` at 0.95 has 2 dips over 3 evaluations."""
+    first = next((i for i, v in enumerate(values) if v >= threshold), None)
+    if first is None:
+        return 0, 0
+    dips = below = 0
+    previous_below = False
+    for v in values[first + 1:]:
+        is_below = v < threshold
+        below += is_below
+        dips += is_below and not previous_below
+        previous_below = is_below
+    return dips, below
+
+
 def _stat(per_seed: dict[int, float | None]) -> dict[str, Any]:
     mean, std = mean_std([v for v in per_seed.values() if v is not None])
     return {"mean": mean, "std": std, "per_seed": {str(k): v for k, v in sorted(per_seed.items())}}
@@ -106,12 +153,16 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
     - ``final``: ``metric`` at epoch :math:`E` (mean, sample std, every seed);
     - ``first_epoch_reaching``: the first evaluated epoch with ``metric >= threshold`` (``None`` if never);
       its resolution is the evaluation interval;
-    - ``stays_above``: whether every evaluation with epoch :math:`\ge (1 - \text{last\_fraction})E` has
-      ``metric >= threshold``; ``fraction`` is the share of seeds for which it holds;
+    - ``tail_window``: the evaluations of the tail (:func:`tail_records`: epoch
+      :math:`\ge (1 - \text{last\_fraction})E`, both ends included), as ``first``, ``last`` epoch and ``n``;
+    - ``stays_above``: whether every evaluation of the tail has ``metric >= threshold``; ``fraction`` is the
+      share of seeds for which it holds;
     - ``tail_mean`` and ``tail_share_above``: the mean of ``metric`` over those last evaluations, and the
       share of them at or above ``threshold`` (less brittle than ``stays_above``, which one dip breaks);
-    - ``dips_after_reaching``: how many evaluations after the first one at ``threshold`` fall below it
-      (``None`` if it was never reached): transient collapses such as loss spikes; ``lowest_after_reaching``:
+    - ``dips_after_reaching``: how many separate dips follow the first evaluation at ``threshold``
+      (:data:`DIP_DEFINITION`, :func:`dip_count`; ``None`` if it was never reached): transient collapses such as
+      loss spikes; ``evaluations_below_after_reaching``: how many evaluations those dips span;
+      ``lowest_after_reaching``:
       the lowest ``metric`` after that first evaluation (the depth of the deepest dip is
       ``threshold - lowest`` when it is below ``threshold``);
     - ``final_<key>`` for each of ``final_keys`` present in the records, and ``mean_<key>`` (the mean over
@@ -123,16 +174,17 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
     ``paired`` compares the arms seed by seed (:func:`~.stats.compare_arms`: every other arm against the
     first one listed, and ``stiefel`` against every other arm) on the final ``metric``; ``paired_tail_mean``
     and ``paired_first_epoch`` do the same for the tail mean and for the first epoch reaching ``threshold``
-    (on the seeds where both arms reached it).
+    (on the seeds where both arms reached it). Each comparison carries its p-values adjusted by Holm's method
+    over the comparisons of its table (:func:`~.stats.with_holm`: ``p_holm``, ``sign_test_p_holm``).
     """
-    from .stats import compare_arms, describe
+    from .stats import compare_arms, describe, with_holm
 
     runs = group_runs(records)
     arms: dict[str, Any] = {}
     per_seed_of: dict[str, dict[str, dict[int, Any]]] = {}
     for arm, seeds in runs.items():
         final, first, stays, last_epoch = {}, {}, {}, {}
-        tail_mean, tail_share, dips, lowest = {}, {}, {}, {}
+        tail_mean, tail_share, dips, below, lowest, window = {}, {}, {}, {}, {}, {}
         extra_final: dict[str, dict[int, Any]] = {k: {} for k in final_keys}
         extra_mean: dict[str, dict[int, Any]] = {k: {} for k in mean_keys}
         for seed, recs in seeds.items():
@@ -140,13 +192,15 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
             last_epoch[seed] = end
             final[seed] = recs[-1].get(metric)
             first[seed] = next((r["epoch"] for r in recs if (r.get(metric) or 0.0) >= threshold), None)
-            tail = [r for r in recs if r["epoch"] >= (1.0 - last_fraction) * end]
+            tail = tail_records(recs, last_fraction)
+            window[seed] = {"first": tail[0]["epoch"], "last": tail[-1]["epoch"], "n": len(tail)}
             stays[seed] = bool(tail) and all((r.get(metric) or 0.0) >= threshold for r in tail)
             tail_vals = [r.get(metric) or 0.0 for r in tail]
             tail_mean[seed] = sum(tail_vals) / len(tail_vals) if tail_vals else None
             tail_share[seed] = sum(v >= threshold for v in tail_vals) / len(tail_vals) if tail_vals else None
             after = [r.get(metric) or 0.0 for r in recs if first[seed] is not None and r["epoch"] > first[seed]]
-            dips[seed] = None if first[seed] is None else sum(v < threshold for v in after)
+            counts = dip_count([r.get(metric) or 0.0 for r in recs], threshold)
+            dips[seed], below[seed] = (None, None) if first[seed] is None else counts
             lowest[seed] = min(after) if after else None
             for k in final_keys:
                 if k in recs[-1]:
@@ -164,9 +218,11 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
                                      "distribution": describe(reached)},
             "stays_above": {"per_seed": {str(k): v for k, v in sorted(stays.items())},
                             "fraction": sum(stays.values()) / len(stays)},
+            "tail_window": {str(k): v for k, v in sorted(window.items())},
             "tail_mean": _stat(tail_mean),
             "tail_share_above": _stat(tail_share),
             "dips_after_reaching": _stat(dips),
+            "evaluations_below_after_reaching": _stat(below),
             "lowest_after_reaching": _stat(lowest),
         }
         for k, per in extra_final.items():
@@ -180,7 +236,7 @@ def summarize(records: Iterable[dict[str, Any]], *, metric: str = "val_acc", thr
     order = list(runs)
 
     def paired(key: str) -> dict[str, Any]:
-        return compare_arms({a: per_seed_of[a][key] for a in order}, order)
+        return with_holm(compare_arms({a: per_seed_of[a][key] for a in order}, order))
 
     return {"metric": metric, "threshold": threshold, "last_fraction": last_fraction, "arms": arms,
             "paired": paired("final"), "paired_tail_mean": paired("tail_mean"),

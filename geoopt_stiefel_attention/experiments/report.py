@@ -107,19 +107,23 @@ def fmt_p(p: float | None) -> str:
 
 def comparison_table(comparisons: Mapping[str, Mapping[str, Any]], *, unit: str = "pp") -> list[str]:
     """Markdown rows of paired comparisons (:meth:`~.stats.PairedStats.to_dict` dicts): pairs, mean difference,
-    sd, confidence interval, paired t and two-sided p, positive pairs and the sign test. ``unit="pp"`` shows
+    sd, confidence interval, paired t and two-sided p, positive pairs and the sign test, and where the comparisons
+    carry them (:func:`~.stats.with_holm`) both p-values adjusted by Holm's method over the table. ``unit="pp"`` shows
     fractions as percentage points; any other unit shows the raw numbers with that unit."""
     def f(x: float | None, sign: bool = True) -> str:
         if unit == "pp":
             return fmt_pp(x, sign=sign)
         return "–" if x is None else (f"{x:+.4g}" if sign else f"{x:.4g}")
 
+    holm = any("p_holm" in c for c in comparisons.values())
+    extra = (" | Holm p (t / sign)", "|---") if holm else ("", "")
     lines = [f"| comparison | pairs | mean Δ ({unit}) | sd ({unit}) | 95% CI ({unit}) | paired t | p (two-sided) "
-             f"| positive | sign-test p |", "|---|---|---|---|---|---|---|---|---|"]
+             f"| positive | sign-test p{extra[0]} |", "|---|---|---|---|---|---|---|---|---" + extra[1] + "|"]
     for name, c in comparisons.items():
         ci = "–" if c["ci_low"] is None else f"[{f(c['ci_low'])}, {f(c['ci_high'])}]"
+        adjusted = f" | {fmt_p(c.get('p_holm'))} / {fmt_p(c.get('sign_test_p_holm'))}" if holm else ""
         lines.append(f"| {name} | {c['n']} | {f(c['mean'])} | {f(c['std'], sign=False)} | {ci} | {fmt_num(c['t'])} "
-                     f"| {fmt_p(c['p_value'])} | {c['n_positive']}/{c['n']} | {fmt_p(c['sign_test_p'])} |")
+                     f"| {fmt_p(c['p_value'])} | {c['n_positive']}/{c['n']} | {fmt_p(c['sign_test_p'])}{adjusted} |")
     return lines
 
 
@@ -204,16 +208,17 @@ def render_report(*, title: str, summary: Mapping[str, Any], intro: str = "",
     notes : sequence of str
         Bullet points at the end (caveats).
     """
+    from .records import DIP_DEFINITION, tail_description
+
     metric = summary["metric"]
     thr = _pct(summary["threshold"], 0)
-    frac = _pct(summary["last_fraction"], 0)
     arms = summary["arms"]
     lines = [f"# {title}", ""]
     if intro:
         lines += [intro, ""]
     lines += ["## Endpoint per arm", "",
-              f"`{metric}` at the last evaluated epoch, and its mean over the evaluations of the last {frac} of "
-              f"training (tail mean); 'stays ≥ {thr}': seeds whose `{metric}` is ≥ {thr} at every one of those "
+              f"`{metric}` at the last evaluated epoch, and its mean over the tail, {tail_description(summary)} "
+              f"(tail mean); 'stays ≥ {thr}': seeds whose `{metric}` is ≥ {thr} at every one of those "
               f"evaluations.", "",
               "| arm | seeds | last epoch | final (mean ± sd) | final per seed | tail mean (mean ± sd) "
               "| tail mean per seed | stays ≥ thr |", "|---|---|---|---|---|---|---|---|"]
@@ -226,16 +231,18 @@ def render_report(*, title: str, summary: Mapping[str, Any], intro: str = "",
                      f"| {_seed_list(a.get('tail_mean'), _pct)} | {round(stays['fraction'] * n)}/{n} |")
     lines += ["", f"## Reaching {thr} and falling back", "",
               f"First evaluated epoch with `{metric}` ≥ {thr} (resolution: the evaluation interval), its median "
-              f"[min, max] over the seeds that reached it; dips: evaluations below {thr} after first reaching it, "
-              f"and the lowest `{metric}` after that epoch (the depth of the deepest dip).", "",
+              f"[min, max] over the seeds that reached it; dips: {DIP_DEFINITION.replace('the threshold', thr)}; "
+              f"the evaluations below {thr} they span; and the lowest `{metric}` after first reaching {thr} (the "
+              f"depth of the deepest dip).", "",
               "| arm | reached | first epoch ≥ thr per seed | median [min, max] | dips per seed "
-              "| lowest after reaching, per seed |", "|---|---|---|---|---|---|"]
+              "| evaluations below, per seed | lowest after reaching, per seed |", "|---|---|---|---|---|---|---|"]
     for arm, a in arms.items():
         first = a["first_epoch_reaching"]
         first_txt = ", ".join(f"{k}: {'never' if v is None else v}" for k, v in first["per_seed"].items())
         lines.append(f"| {arm} | {first['n_reached']}/{first['n']} | {first_txt} "
                      f"| {_distribution(first.get('distribution'))} "
                      f"| {_seed_list(a.get('dips_after_reaching'), _dip)} "
+                     f"| {_seed_list(a.get('evaluations_below_after_reaching'), _dip)} "
                      f"| {_seed_list(a.get('lowest_after_reaching'), _pct)} |")
     if any(a.get("final_move_total/q") or a.get("mean_move_step/q") for a in arms.values()):
         lines += ["", "## Movement of W_Q", "", "| arm | ‖W_Q − W_Q0‖_F at the end | mean over evaluations of the "

@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["PairedStats", "paired_stats", "paired_from_mapping", "mean_ci", "describe", "compare_arms"]
+__all__ = ["PairedStats", "paired_stats", "paired_from_mapping", "mean_ci", "describe", "compare_arms", "holm",
+           "with_holm"]
 
 
 @dataclass(frozen=True)
@@ -173,3 +174,31 @@ def compare_arms(per_arm: Mapping[str, Mapping[Any, float | None]], arms: Sequen
             if arm not in (a, base):
                 out[f"{a} - {arm}"] = paired_from_mapping(per_arm[a], per_arm[arm], confidence=confidence).to_dict()
     return out
+
+
+def holm(p_values: Sequence[float | None]) -> list[float | None]:
+    r"""Holm's step-down adjustment of a family of p-values (``None`` entries are left out of the family).
+
+    With the :math:`m` p-values sorted, :math:`p_{(1)} \le \dots \le p_{(m)}`, the adjusted values are
+    :math:`\tilde p_{(i)} = \min\big(1, \max_{j \le i} (m - j + 1)\, p_{(j)}\big)`: rejecting where
+    :math:`\tilde p < \alpha` keeps the family-wise error rate at most :math:`\alpha` (no assumption on the
+    dependence between the tests). Returned in the order given.
+    """
+    present = sorted((float(p), i) for i, p in enumerate(p_values) if p is not None)
+    m = len(present)
+    out: list[float | None] = [None] * len(p_values)
+    running = 0.0
+    for rank, (p, i) in enumerate(present):
+        running = max(running, min(1.0, (m - rank) * p))
+        out[i] = running
+    return out
+
+
+def with_holm(comparisons: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``comparisons`` (:func:`compare_arms`) with ``p_holm`` and ``sign_test_p_holm`` added: the paired-t and
+    sign-test p-values adjusted by :func:`holm` over the family of every comparison listed."""
+    names = list(comparisons)
+    t_adj = holm([comparisons[n].get("p_value") for n in names])
+    s_adj = holm([comparisons[n].get("sign_test_p") for n in names])
+    return {n: {**comparisons[n], "p_holm": t, "sign_test_p_holm": s}
+            for n, t, s in zip(names, t_adj, s_adj, strict=True)}

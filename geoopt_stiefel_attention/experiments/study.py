@@ -39,6 +39,7 @@ FIGURE_CAPTIONS = {
     "accuracy": "Accuracy per arm (mean over seeds, band ±1 sd)",
     "per_seed": "Validation accuracy of each seed, every arm on its panel (the dips a mean over seeds smooths "
                 "away)",
+    "reached": "Fraction of seeds that have reached the threshold by each epoch, per arm (when each seed groks)",
     "overview": "Validation accuracy, weight norm of the Euclidean matrices, and the largest principal angle "
                 "of W_Q to its initial subspace",
     "weight_norms": "Frobenius norm of every weight matrix",
