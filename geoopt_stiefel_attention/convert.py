@@ -16,8 +16,14 @@ before and gets
 
 in the ``(out, in)`` layout of :class:`torch.nn.Linear` (transposed for GPT-2's ``Conv1D``, which stores
 ``(in, out)``). :math:`\gamma_h` is an optional per-head logit gain (see :func:`stiefelize`); biases stay
-free parameters. :func:`export_state_dict` gives the stock model's keys back and :func:`unstiefelize`
-removes the parametrizations in place.
+free parameters.
+
+The state dict of a converted model is the stock model's: a state-dict post hook on every module owning a
+converted weight stores that weight under its stock key, rebuilt as above, and a load-state-dict pre hook
+maps a stock entry back onto the frames (the polar factor of each head block, the query gain from its
+scale), so ``save_pretrained`` writes a checkpoint the stock class loads. :func:`parametrized_state_dict`
+gives the frames as stored (exact resume), :func:`export_state_dict` the stock dict, checked, and
+:func:`unstiefelize` removes the parametrizations in place.
 """
 
 from __future__ import annotations
@@ -851,6 +857,20 @@ def stiefelize(
     -------
     ConversionReport
         The converted modules (path, layout, heads q/kv, d, r, gain), skipped modules and the output change.
+
+    Notes
+    -----
+    **Saving and loading.** ``model.state_dict()`` (hence ``save_pretrained`` and ``Trainer`` checkpoints)
+    is the stock model's: each converted weight under its stock key, :math:`W_Q = [\gamma_h U_{Q,h}]^\top`,
+    :math:`W_K = [U_{K,g}]^\top` with the rest in place, in the stock key order. ``load_state_dict`` maps a
+    stock weight back: the rest as given; for each head block :math:`A_h`, with a query gain
+    :math:`\gamma_h = \|A_h\|_F/\sqrt r` (:math:`\theta_h = \log\gamma_h/\text{gain_rate}`) and
+    :math:`A_h \leftarrow A_h/\gamma_h`, then the frame :math:`A_h` itself when it is orthonormal within
+    :data:`~geoopt_stiefel_attention.optim.ORTHONORMALITY_TOLERANCE`, else its polar factor (with a
+    warning: the function changes). Without a gain a state dict round-trips bit for bit, with one to float
+    rounding; :func:`parametrized_state_dict` writes the frames as stored. Entries in that parametrized form
+    load as they are. A pure ``q_proj``/``k_proj`` weight keeps its empty rest as a non-persistent buffer, so
+    no zero-size parameter appears.
 
     Raises
     ------
