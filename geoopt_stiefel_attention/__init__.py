@@ -13,6 +13,7 @@ from .convert import (
     ConvertedAttention,
     Layout,
     export_state_dict,
+    parametrized_state_dict,
     unstiefelize,
 )
 from .manifolds import PolarStiefel, is_frame
@@ -32,4 +33,4 @@ __version__ = "0.1.0"
 __all__ = ["PolarStiefel", "StiefelAdam", "is_frame", "stiefel_adam_update", "__version__",
            "StiefelMultiheadAttention", "EuclideanMultiheadAttention", "stiefelize", "param_groups",
            "frame_parameters", "query_key_projections", "TinyTransformer", "PatchViT", "unstiefelize",
-           "export_state_dict", "Layout", "Block", "LAYOUTS", "ConversionReport", "ConvertedAttention"]
+           "export_state_dict", "parametrized_state_dict", "Layout", "Block", "LAYOUTS", "ConversionReport", "ConvertedAttention"]

@@ -58,3 +58,16 @@ def bad_frame():
     """``bad_frame(kind) -> (parameter, exception, message pattern)`` for the kinds of parameter the optimizer
     refuses: off_manifold, r_greater_than_d, canonical, sphere, complex."""
     return _make_bad_frame
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+#: logits of two float32 models that should compute the same function (a converted model against the stock
+#: class loaded from its checkpoint, or a restored converted model): float32 rounding (measured 0 to 8e-8)
+F32_LOGIT_TOL = 1e-5
+#: a frame or log-gain brought back from the stock form, whose blocks are gamma_h * U_h rounded to float32
+#: (measured 2.4e-7)
+F32_ROUNDTRIP_TOL = 1e-6
+#: max |W^T W - I| of a float32 frame after a step
+F32_ORTHO_TOL = 1e-5
+#: a change of the function (relative) must exceed this in a companion case
+CHANGED_MIN = 1e-4

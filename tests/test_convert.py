@@ -720,10 +720,10 @@ class _Repeats(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def _trainer_run(out_dir, max_steps, resume=None):
+def _trainer_run(out_dir, max_steps, resume=None, logit_gain="learn"):
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(_gpt2_config(n_embd=32, n_head=4))
-    stiefelize(model, logit_gain="learn")
+    stiefelize(model, logit_gain=logit_gain)
     opt = StiefelAdam(param_groups(model, weight_decay=0.01), lr=1e-2)
     args = transformers.TrainingArguments(
         str(out_dir), max_steps=max_steps, per_device_train_batch_size=8, save_steps=3, logging_steps=1,
@@ -733,25 +733,50 @@ def _trainer_run(out_dir, max_steps, resume=None):
     return model, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+#: a Trainer run resumed from its checkpoint against the uninterrupted run, with a learned logit gain: the
+#: checkpoint is the stock model's, from which U_h and theta_h come back to float32 rounding only (measured: logits
+#: 3e-7, losses 2e-7; the parameters themselves differ by up to 2e-4, in the key bias, whose gradient is zero in
+#: exact arithmetic (softmax invariance) so that Adam's normalised step turns rounding noise into steps of size lr)
+TRAINER_RESUME_TOL = 1e-5
+
+
+def _max_logit_diff(a, b):
+    ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
+    a.eval()
+    b.eval()
+    with torch.no_grad():
+        return float((a(ids).logits - b(ids).logits).abs().max())
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_hf_trainer_checkpoints_resume_bit_identically_and_generate_uses_the_cache(tmp_path):
-    full, losses = _trainer_run(tmp_path / "full", 6)
+@pytest.mark.parametrize("gain", [None, "learn"])
+def test_hf_trainer_checkpoints_resume_and_generate_uses_the_cache(tmp_path, gain):
+    full, losses = _trainer_run(tmp_path / "full", 6, logit_gain=gain)
     assert losses[-1] < losses[0]
     assert all(max_ortho_error(f) < 1e-5 for f in frame_parameters(full))
-    resumed, _ = _trainer_run(tmp_path / "resumed", 6, resume=str(tmp_path / "full" / "checkpoint-3"))
-    for (name, a), (_, b) in zip(full.named_parameters(), resumed.named_parameters(), strict=True):
-        assert torch.equal(a, b), name
+    checkpoint = tmp_path / "full" / "checkpoint-3"
+    saved = pytest.importorskip("safetensors.torch").load_file(checkpoint / "model.safetensors")
+    assert not [k for k in saved if "parametrizations" in k]  # the stock checkpoint
+    resumed, resumed_losses = _trainer_run(tmp_path / "resumed", 6, resume=str(checkpoint), logit_gain=gain)
+    if gain is None:  # the frames are stored as they are: resume is bit-identical
+        for (name, a), (_, b) in zip(full.named_parameters(), resumed.named_parameters(), strict=True):
+            assert torch.equal(a, b), name
+        assert resumed_losses == losses
+    else:  # gamma_h * U_h is rounded in the checkpoint: the same run to float32 rounding
+        assert _max_logit_diff(full, resumed) <= TRAINER_RESUME_TOL
+        torch.testing.assert_close(resumed_losses, losses, rtol=TRAINER_RESUME_TOL, atol=0)
+        assert all(max_ortho_error(f) < 1e-5 for f in frame_parameters(resumed))
     full.eval()
     prompt = torch.tensor([[3, 5, 7, 9]])
     cached = full.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
     uncached = full.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False)
     assert cached.shape == (1, 10) and torch.equal(cached, uncached)
-    # companion: without the optimizer's state (moments, step counts) the resumed run differs
+    # companion: without the optimizer's state (moments, step counts) the resumed run differs, beyond the tolerance
     partial = tmp_path / "partial"
-    shutil.copytree(tmp_path / "full" / "checkpoint-3", partial)
+    shutil.copytree(checkpoint, partial)
     (partial / "optimizer.pt").unlink()
-    other, _ = _trainer_run(tmp_path / "other", 6, resume=str(partial))
-    assert not all(torch.equal(a, b) for a, b in zip(full.parameters(), other.parameters(), strict=True))
+    other, _ = _trainer_run(tmp_path / "other", 6, resume=str(partial), logit_gain=gain)
+    assert _max_logit_diff(full, other) > TRAINER_RESUME_TOL
 
 
 def test_torch_compile_of_a_converted_model_matches_eager():

@@ -19,7 +19,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from geoopt_stiefel_attention import StiefelAdam, TinyTransformer, frame_parameters, is_frame, param_groups
+from geoopt_stiefel_attention import (
+    StiefelAdam,
+    TinyTransformer,
+    frame_parameters,
+    is_frame,
+    param_groups,
+    parametrized_state_dict,
+)
 from geoopt_stiefel_attention._linalg import orthonormality_error
 from geoopt_stiefel_attention.distributed import (
     fully_shard_by_heads,
@@ -96,7 +103,10 @@ def _train(forward, opt, x, y, steps):
 
 
 def _full_state(model):
-    return {k: (v.full_tensor() if is_sharded(v) else v).detach().clone() for k, v in model.state_dict().items()}
+    # the parametrized form (frames as stored): the tests read the frames by parameter name; under FSDP2 the
+    # state dict of sharded frames is in this form anyway
+    state = parametrized_state_dict(model)
+    return {k: (v.full_tensor() if is_sharded(v) else v).detach().clone() for k, v in state.items()}
 
 
 def _outputs(forward):
@@ -185,7 +195,7 @@ def single_process_runs():
     for case in CASES:
         model = _model(case)
         _train(model, _optimizer(model), *_batch(), STEPS)
-        runs[case] = {"state": _full_state(model), "out": _outputs(model), "initial": _model(case).state_dict()}
+        runs[case] = {"state": _full_state(model), "out": _outputs(model), "initial": parametrized_state_dict(_model(case))}
     return runs
 
 

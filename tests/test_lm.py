@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from geoopt_stiefel_attention import parametrized_state_dict  # noqa: E402
 from geoopt_stiefel_attention.cli import main as cli_main  # noqa: E402
 from geoopt_stiefel_attention.experiments import arms as arms_module  # noqa: E402
 from geoopt_stiefel_attention.experiments.config import OptimConfig, RunSpec, TrainConfig  # noqa: E402
@@ -112,7 +113,7 @@ def test_paired_starts_share_every_non_frame_weight():
     d, h, r = 32, 4, 8
     for gain in (None, "learn"):
         conv = build_model(cfg, seed=3, stiefel=True, logit_gain=gain)
-        conv_state = conv.state_dict()
+        conv_state = parametrized_state_dict(conv)  # the frames as stored (state_dict() is the stock form)
         for name, w in plain.state_dict().items():
             if name.endswith("c_attn.weight"):
                 prefix = name[:-len("weight")]

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..convert import parametrized_state_dict
 from .arms import Arm, default_param_groups, get_arm
 from .config import RunSpec, flag_of, to_dict
 from .data.batches import BatchSource
@@ -299,7 +300,9 @@ def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
 def _save_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: Any, epoch: int, step: int,
                      n_records: int, completed: bool, device: torch.device) -> None:
     state = {
-        "model": model.state_dict(),
+        # frames and log-gains as stored (a stiefelized model's state_dict() is the stock form, whose gains
+        # come back only to float rounding): a resumed run continues bit for bit
+        "model": parametrized_state_dict(model),
         "optimizer": optimizer.state_dict(),
         "epoch": epoch,
         "step": step,
