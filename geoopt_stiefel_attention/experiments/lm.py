@@ -768,6 +768,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--frame-lrs", type=positive_float, nargs="+", default=[], metavar="LR",
                    help="frame-lr sweep of the stiefel arm: extra cells at these frame lrs (a value equal to the "
                         "frame lr reuses the main runs), e.g. 1e-3 1e-2 3e-2; default: no sweep")
+    g.add_argument("--transfer-report", action="store_true",
+                   help="train nothing: --out holds one lm study per model shape (experiments/lm/run_frame_step.sh); "
+                        "write the report of the frame lr against the multiplier, one curve per shape")
     add_schedule_arguments(parser, d.train)
     add_optim_arguments(parser, d.optim)
     add_runner_arguments(parser, arms=LM_ARMS, seeds=(0, 1, 2), out="runs/lm", study="lm")
@@ -796,10 +799,29 @@ def _config_for_report(out: str) -> LMConfig:
     return config_from_dict(LMConfig, recorded)
 
 
+def _run_transfer_report(args: argparse.Namespace) -> int:
+    from ..cli import UsageError
+    from .transfer import transfer_report
+
+    if not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out}: no such folder; pass the folder of per-shape lm studies "
+                         f"(e.g. experiments/lm/runs/frame-step).")
+    try:
+        summary = transfer_report(args.out)
+    except ValueError as err:
+        raise UsageError(f"--out {err}") from None
+    for s in summary["shapes"]:
+        print(f"  {s['name']}: best multiplier {s['best_multiplier']}, seeds {', '.join(s['seeds']) or 'none finished'}")
+    print(f"lm: transfer report -> {Path(args.out) / 'report.md'}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from .cli_args import build_config, check_runner_args, invoked_command, require_modules, runner_modules, user_errors
 
+    if args.transfer_report:
+        return _run_transfer_report(args)
     check_runner_args(args, study="lm")
     if args.frame_lrs and args.arms is not None and "stiefel" not in args.arms:
         raise UsageError(f"--frame-lrs sweeps the stiefel arm's frame lr, but --arms {' '.join(args.arms)} has no "

@@ -1,0 +1,75 @@
+"""The frame-step transfer report (experiments.transfer): optimum location, bracketing, grid distance."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from geoopt_stiefel_attention.cli import main
+from geoopt_stiefel_attention.experiments.transfer import collect_shapes, summarize_transfer, transfer_report
+
+LR = 1e-3
+MULTIPLIERS = (1 / 9, 1 / 3, 1.0, 3.0, 9.0)
+
+
+def _run(folder, arm, seed, width, heads, frame_lr, final_bpb, epochs=2):
+    run = folder / "runs" / arm / f"seed{seed}"
+    run.mkdir(parents=True)
+    config = {"width": width, "heads": heads, "depth": 2, "steps_per_epoch": 10,
+              "train": {"epochs": epochs, "eval_every": 1},
+              "optim": {"lr": LR, "frame_lr": frame_lr, "adjust_lr_fn": "match_rms_adamw"}}
+    (run / "config.json").write_text(json.dumps({"config": config}))
+    lines = [{"arm": arm, "seed": seed, "epoch": e, "val_bpb": final_bpb + (epochs - e)} for e in range(epochs + 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def _shape(root, name, width, heads, curve, seeds=(0, 1), adamw=3.0):
+    """A shape whose stiefel final bpb is curve(multiplier) + 0.01 * seed."""
+    folder = root / name
+    for seed in seeds:
+        _run(folder, "adamw", seed, width, heads, None, adamw + 0.01 * seed)
+        _run(folder, "stiefel", seed, width, heads, None, curve(1.0) + 0.01 * seed)
+        for m in MULTIPLIERS:
+            if m != 1.0:
+                _run(folder / f"frame-lr-{m * LR:g}", "stiefel", seed, width, heads, m * LR, curve(m) + 0.01 * seed)
+
+
+def test_optimum_bracketing_and_distance_of_the_default(tmp_path):
+    _shape(tmp_path, "w64", 64, 2, lambda m: 2.0 + (math.log(m / 3.0)) ** 2)      # optimum at 3: one point away
+    _shape(tmp_path, "w128", 128, 4, lambda m: 2.0 + (math.log(m)) ** 2)           # optimum at 1
+    _shape(tmp_path, "w256", 256, 8, lambda m: 2.0 - math.log(m), seeds=(0,))       # at the edge: not bracketed
+    summary = summarize_transfer(collect_shapes(tmp_path))
+    by = {s["name"]: s for s in summary["shapes"]}
+    assert [s["name"] for s in summary["shapes"]] == ["w64", "w128", "w256"]
+    assert by["w64"]["best_multiplier"] == pytest.approx(3.0) and by["w64"]["bracketed"]
+    assert by["w64"]["default_grid_distance"] == pytest.approx(1.0)
+    assert by["w64"]["default_loss_bpb"] == pytest.approx(math.log(3.0) ** 2)
+    assert by["w128"]["best_multiplier"] == pytest.approx(1.0) and by["w128"]["default_grid_distance"] == 0
+    assert by["w128"]["best_minus_adamw"] == pytest.approx(-1.0)  # means over seeds 0 and 1 on both sides
+    # companion: an optimum at the largest multiplier is reported as not bracketed
+    assert by["w256"]["best_multiplier"] == pytest.approx(9.0) and by["w256"]["bracketed"] is False
+    assert by["w256"]["seeds"] == ["0"] and by["w128"]["head_size"] == 32
+
+
+def test_only_seeds_present_at_every_multiplier_are_averaged(tmp_path):
+    _shape(tmp_path, "w64", 64, 2, lambda m: 2.0 + (math.log(m)) ** 2, seeds=(0,))
+    _run(tmp_path / "w64", "stiefel", 1, 64, 2, None, 0.0)  # seed 1 ran only at multiplier 1, far better
+    s = summarize_transfer(collect_shapes(tmp_path))["shapes"][0]
+    assert s["seeds"] == ["0"] and s["best_multiplier"] == pytest.approx(1.0)
+    assert min(r["mean"] for r in s["rows"]) == pytest.approx(2.0)  # seed 1's 0.0 left out
+
+
+def test_transfer_report_writes_and_rebuilds_byte_for_byte_and_the_cli_names_a_bad_folder(tmp_path, capsys):
+    _shape(tmp_path, "w64", 64, 2, lambda m: 2.0 + (math.log(m)) ** 2)
+    assert main(["lm", "--transfer-report", "--out", str(tmp_path)]) == 0
+    first = {f: (tmp_path / f).read_bytes() for f in ("report.md", "summary.json", "transfer.png")}
+    assert b"| w64 (width 64, 2 heads of 32) | 0, 1 |" in first["report.md"]
+    transfer_report(tmp_path)
+    assert all((tmp_path / f).read_bytes() == b for f, b in first.items())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["lm", "--transfer-report", "--out", str(empty)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out" in err[0] and "run_frame_step.sh" in err[0]
