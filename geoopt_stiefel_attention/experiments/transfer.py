@@ -144,6 +144,11 @@ def render_transfer(summary: Mapping[str, Any], *, intro: str = "") -> str:
                      f"| {_f(s['default_grid_distance'], '.3g')} | {_f(s['default_loss_bpb'], sign=True)} "
                      f"| {_f(s['default_minus_adamw'], sign=True)} | {_f(s['best_minus_adamw'], sign=True)} |")
     lines += ["", f"![final validation bpb against the multiplier]({FIGURE_FILE})", ""]
+    info = summary.get("trained_on")
+    if info:
+        shas = ", ".join(c["sha"][:10] + (" (uncommitted changes)" if c["dirty"] else "") for c in info["commits"])
+        lines += ["## Run", "", f"- trained on commit(s): {shas}", f"- CPU: {', '.join(info['cpus'])}",
+                  f"- training time, all runs: {info['train_seconds'] / 3600:.2f} core-hours", ""]
     return "\n".join(lines)
 
 
@@ -173,6 +178,22 @@ def plot_transfer(summary: Mapping[str, Any], path: str | os.PathLike) -> Path |
     return _save(fig, path)
 
 
+def trained_on(root: str | os.PathLike) -> dict[str, Any]:
+    """The git commits (``sha``, whether the tree was ``dirty``), CPU models and total training seconds of every
+    run under ``root``, from the runs' ``environment.json`` (one entry per training call)."""
+    commits: dict[str, bool] = {}
+    cpus: set[str] = set()
+    seconds = 0.0
+    for path in sorted(Path(root).glob("**/runs/*/seed*/environment.json")):
+        for call in json.loads(path.read_text()):
+            sha = call.get("git_sha") or "unknown"
+            commits[sha] = commits.get(sha, False) or bool(call.get("git_dirty"))
+            cpus.add(call.get("cpu_model") or "unknown")
+            seconds += float(call.get("seconds") or 0.0)
+    return {"commits": [{"sha": k, "dirty": v} for k, v in sorted(commits.items())], "cpus": sorted(cpus),
+            "train_seconds": round(seconds, 1)}
+
+
 def transfer_report(root: str | os.PathLike, *, intro: str = "") -> dict[str, Any]:
     """Write ``summary.json``, ``report.md`` and ``transfer.png`` into ``root`` from the lm studies under it;
     returns the summary. Raises ``ValueError`` naming ``root`` when it holds no study."""
@@ -181,7 +202,7 @@ def transfer_report(root: str | os.PathLike, *, intro: str = "") -> dict[str, An
     if not shapes:
         raise ValueError(f"{root}: holds no language-model study folder (<shape>/runs/<arm>/seed<k>/config.json); "
                          f"train them first with experiments/lm/run_frame_step.sh.")
-    summary = {"shapes_collected": shapes, **summarize_transfer(shapes)}
+    summary = {"shapes_collected": shapes, **summarize_transfer(shapes), "trained_on": trained_on(root)}
     (root / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     plot_transfer(summary, root / FIGURE_FILE)
     (root / REPORT_FILE).write_text(render_transfer(summary, intro=intro))
