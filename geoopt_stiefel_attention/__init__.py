@@ -26,11 +26,11 @@ from .nn import (
     query_key_projections,
     stiefelize,
 )
-from .optim import StiefelAdam, stiefel_adam_update
+from .optim import StiefelAdam, frame_step_scale, stiefel_adam_update
 
 __version__ = "0.1.0"
 
-__all__ = ["PolarStiefel", "StiefelAdam", "is_frame", "stiefel_adam_update", "__version__",
+__all__ = ["PolarStiefel", "StiefelAdam", "is_frame", "stiefel_adam_update", "frame_step_scale", "__version__",
            "StiefelMultiheadAttention", "EuclideanMultiheadAttention", "stiefelize", "param_groups",
            "frame_parameters", "query_key_projections", "TinyTransformer", "PatchViT", "unstiefelize",
            "export_state_dict", "parametrized_state_dict", "Layout", "Block", "LAYOUTS", "ConversionReport", "ConvertedAttention"]

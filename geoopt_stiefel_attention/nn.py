@@ -690,7 +690,7 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
         :class:`~geoopt_stiefel_attention.StiefelAdam`. ``"match_rms_adamw"`` multiplies the frame's step and
         trust radius by :math:`\sqrt{d r}`, so the model's AdamW learning rate moves a frame as much per step
         as AdamW would move the same block; ``"original"`` is the paper's step, :math:`\|s\|_F \approx
-        \mathrm{lr}` (see :func:`~geoopt_stiefel_attention.optim.frame_step_scale`). ``None``: the optimizer's
+        \mathrm{lr}` (see :func:`~geoopt_stiefel_attention.frame_step_scale`). ``None``: the optimizer's
         own default.
 
     Returns
