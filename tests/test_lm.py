@@ -358,3 +358,49 @@ def test_report_refuses_a_sweep_cell_trained_with_other_settings(corpus_root, tm
     err = capsys.readouterr().err
     assert "frame-lr-0.003" in err and "width" in err and "Traceback" not in err
     assert (out / "report.md").read_text() == before
+
+
+# ------------------------------------------------------------------------------------------ Muon arms
+@pytest.mark.parametrize("arm", ["muon", "stiefel-muon"])
+def test_muon_arms_give_muon_the_hidden_matrices_and_adamw_the_rest(arm):
+    from geoopt_stiefel_attention.experiments.arms import get_arm, hidden_matrices
+
+    spec = get_arm(arm)
+    cfg = LMConfig(depth=1, width=16, heads=2, context=8)
+    model = build_model(cfg, seed=0, stiefel=spec.attention == "stiefel")
+    names = {id(p): n for n, p in model.named_parameters()}
+    hidden = sorted(names[id(p)] for p in hidden_matrices(model))
+    c_attn = ("transformer.h.0.attn.c_attn.weight" if arm == "muon"
+              else "transformer.h.0.attn.c_attn.parametrizations.weight.original")  # value rows only under frames
+    assert hidden == sorted([c_attn, "transformer.h.0.attn.c_proj.weight", "transformer.h.0.mlp.c_fc.weight",
+                             "transformer.h.0.mlp.c_proj.weight"])
+    opt = spec.build(model, lm_param_groups(model, 0.1), OptimConfig(lr=1e-3, weight_decay=0.1,
+                                                                      adjust_lr_fn="match_rms_adamw"))
+    by_type = {type(o).__name__: {names[id(p)] for g in o.param_groups for p in g["params"]} for o in opt.optimizers}
+    assert by_type["Muon"] == set(hidden)
+    assert "transformer.wte.weight" in by_type["AdamW"] and "transformer.ln_f.weight" in by_type["AdamW"]
+    covered = [n for members in by_type.values() for n in members]
+    assert sorted(covered) == sorted(names.values())  # every parameter exactly once
+    if arm == "stiefel-muon":
+        assert by_type["StiefelAdam"] == {n for n in names.values() if n.endswith(("q_frames", "k_frames"))}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    opt.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert set(hidden) <= moved
+
+
+def test_muon_arm_refuses_a_model_with_frames_and_hidden_matrices_skip_the_output_layer():
+    from geoopt_stiefel_attention.experiments.arms import get_arm, hidden_matrices
+    from geoopt_stiefel_attention.models import TinyTransformer
+
+    model = build_model(LMConfig(depth=1, width=16, heads=2, context=8), seed=0, stiefel=True)
+    with pytest.raises(ValueError, match="arm 'muon'.*attention='euclidean'"):
+        get_arm("muon").build(model, lm_param_groups(model, 0.1), OptimConfig())
+    tiny = TinyTransformer(11, 4, width=16, heads=2, mlp=32, attention="euclidean")
+    names = {id(p): n for n, p in tiny.named_parameters()}
+    hidden = {names[id(p)] for p in hidden_matrices(tiny)}
+    assert hidden and not any(n.startswith(("unembed", "token_embedding", "position_embedding")) for n in hidden)
+    assert any(n.startswith("unembed") for n in names.values())  # companion: the output layer exists, and is skipped

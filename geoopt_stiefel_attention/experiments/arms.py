@@ -21,6 +21,12 @@ arm                       attention    optimizer
                                        full-size buffer), the rest by :class:`torch.optim.AdamW`
 ``geoopt-rsgd``           stiefel      stock geoopt: frames on ``EuclideanStiefel`` trained by
                                        :class:`geoopt.optim.RiemannianSGD` with momentum, the rest by AdamW
+``muon``                  euclidean    :class:`torch.optim.Muon` (``adjust_lr_fn="match_rms_adamw"``, so it shares
+                                       AdamW's lr) on the hidden matrices (:func:`hidden_matrices`, W_Q and W_K
+                                       included), AdamW on embeddings, the output layer, norms and biases, as
+                                       Muon's documentation recommends
+``stiefel-muon``          stiefel      frames as in ``stiefel`` (StiefelAdam), Muon on the other hidden matrices,
+                                       AdamW on the rest
 ========================  ===========  ==========================================================================
 
 Frames never get weight decay (on :math:`\mathrm{St}(d, r)` its Riemannian gradient
@@ -49,7 +55,7 @@ from ..manifolds import is_frame
 from .config import OptimConfig
 
 __all__ = ["Arm", "ARMS", "register_arm", "get_arm", "available_arms", "OptimizerGroup", "split_frame_groups",
-           "default_param_groups"]
+           "default_param_groups", "hidden_matrices", "OUTPUT_LAYER_NAMES", "build_muon", "build_stiefel_muon"]
 
 ATTENTIONS = ("euclidean", "stiefel")
 
@@ -293,6 +299,84 @@ def build_geoopt_rsgd(model: torch.nn.Module, groups: list[dict[str, Any]], opti
     return OptimizerGroup(rsgd, _adamw(others, optim)) if others else OptimizerGroup(rsgd)
 
 
+#: Leaf names of output layers, which Muon's documentation leaves to AdamW (with the embeddings).
+OUTPUT_LAYER_NAMES = ("lm_head", "unembed", "head", "classifier", "fc_out")
+
+
+def hidden_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The hidden 2-D weight matrices of ``model``, in ``named_modules()`` order: the weights of ``nn.Linear``
+    and HuggingFace ``Conv1D`` modules (for a weight converted by
+    :func:`~geoopt_stiefel_attention.stiefelize`, its non-frame rest ``parametrizations.weight.original``),
+    without the output layer (a module whose leaf name is in :data:`OUTPUT_LAYER_NAMES`), without a weight shared
+    with an ``nn.Embedding`` (a tied unembedding) and without frames. Embeddings, norms and biases are not
+    matrices of a hidden layer and are left out."""
+    from torch.nn.utils import parametrize
+
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    found, seen = [], set()
+    for path, m in model.named_modules():
+        if not (isinstance(m, torch.nn.Linear) or any(c.__name__ == "Conv1D" for c in type(m).__mro__)):
+            continue
+        if path.rpartition(".")[2] in OUTPUT_LAYER_NAMES:
+            continue
+        w = m.parametrizations.weight.original if parametrize.is_parametrized(m, "weight") else m.weight
+        if (isinstance(w, torch.nn.Parameter) and w.ndim == 2 and w.numel() and id(w) not in embedded
+                and id(w) not in seen and not is_frame(w)):
+            seen.add(id(w))
+            found.append(w)
+    return found
+
+
+def _split_hidden(model: torch.nn.Module, groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
+                                                                                 list[dict[str, Any]]]:
+    """Split (non-frame) groups into their hidden matrices and the rest, each keeping the group's options."""
+    hidden = {id(p) for p in hidden_matrices(model)}
+    muon, rest = [], []
+    for group in groups:
+        opts = {k: v for k, v in group.items() if k != "params"}
+        mine = [p for p in group["params"] if id(p) in hidden]
+        theirs = [p for p in group["params"] if id(p) not in hidden]
+        if mine:
+            muon.append({**opts, "params": mine})
+        if theirs:
+            rest.append({**opts, "params": theirs})
+    return muon, rest
+
+
+def _muon(groups: list[dict[str, Any]], optim: OptimConfig) -> torch.optim.Optimizer:
+    groups = [{k: v for k, v in g.items() if k != "name"} for g in groups]  # Muon keeps only its own options
+    return torch.optim.Muon(groups, lr=optim.lr, weight_decay=optim.weight_decay, momentum=0.95,
+                            adjust_lr_fn="match_rms_adamw")
+
+
+def build_muon(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> OptimizerGroup:
+    """torch's :class:`~torch.optim.Muon` on :func:`hidden_matrices` (W_Q, W_K included; momentum 0.95, Nesterov,
+    ``adjust_lr_fn="match_rms_adamw"`` so that ``optim.lr`` means what it means for AdamW, decoupled decay
+    ``optim.weight_decay`` where the study's group decays), AdamW on everything else."""
+    frame_groups, others = split_frame_groups(groups, optim)
+    _require_frames("muon", frame_groups, present=False)
+    muon_groups, rest = _split_hidden(model, others)
+    if not muon_groups:
+        raise ValueError("arm 'muon': the model has no hidden Linear/Conv1D matrix for Muon to train.")
+    return OptimizerGroup(_muon(muon_groups, optim), _adamw(rest, optim)) if rest else OptimizerGroup(
+        _muon(muon_groups, optim))
+
+
+def build_stiefel_muon(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> OptimizerGroup:
+    """Frames by :class:`~geoopt_stiefel_attention.StiefelAdam` (as in ``stiefel``: lr ``frame_lr``, the run's
+    ``adjust_lr_fn``), torch's Muon on the other hidden matrices (as in ``muon``), AdamW on the rest."""
+    from ..optim import StiefelAdam
+
+    frame_groups, others = split_frame_groups(groups, optim)
+    _require_frames("stiefel-muon", frame_groups, present=True)
+    muon_groups, rest = _split_hidden(model, others)
+    stiefel = StiefelAdam(frame_groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=0.0,
+                          trust_region=optim.trust_region, adjust_lr_fn=optim.adjust_lr_fn)
+    members = [stiefel] + ([_muon(muon_groups, optim)] if muon_groups else []) + ([_adamw(rest, optim)] if rest
+                                                                                  else [])
+    return OptimizerGroup(*members)
+
+
 register_arm(Arm("adamw", "euclidean", build_adamw, "AdamW on every parameter (Euclidean W_Q, W_K)"))
 register_arm(Arm("stiefel", "stiefel", build_stiefel,
                  "W_Q, W_K on PolarStiefel trained by StiefelAdam (frame-scalar Riemannian Adam); AdamW on the rest"))
@@ -302,3 +386,9 @@ register_arm(Arm("geoopt-radam", "stiefel", build_geoopt_radam,
 register_arm(Arm("geoopt-rsgd", "stiefel", build_geoopt_rsgd,
                  "W_Q, W_K on stock geoopt EuclideanStiefel trained by geoopt RiemannianSGD with momentum; "
                  "AdamW on the rest", prepare=use_stock_euclidean_stiefel))
+register_arm(Arm("muon", "euclidean", build_muon,
+                 "torch Muon (match_rms_adamw) on the hidden matrices, W_Q and W_K included; AdamW on embeddings, "
+                 "output layer, norms and biases"))
+register_arm(Arm("stiefel-muon", "stiefel", build_stiefel_muon,
+                 "W_Q, W_K on PolarStiefel trained by StiefelAdam; torch Muon on the other hidden matrices; AdamW on "
+                 "the rest"))
