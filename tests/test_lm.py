@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -404,3 +405,44 @@ def test_muon_arm_refuses_a_model_with_frames_and_hidden_matrices_skip_the_outpu
     hidden = {names[id(p)] for p in hidden_matrices(tiny)}
     assert hidden and not any(n.startswith(("unembed", "token_embedding", "position_embedding")) for n in hidden)
     assert any(n.startswith("unembed") for n in names.values())  # companion: the output layer exists, and is skipped
+
+
+@pytest.fixture(scope="module")
+def varied_root(tmp_path_factory):
+    """40 modules of text that does not repeat across files (so held-out windows pass the overlap test)."""
+    import random
+
+    rng = random.Random(3)
+    root = tmp_path_factory.mktemp("varied")
+    for k in range(40):
+        body = "".join(f"def f_{rng.randrange(10**9)}(x):\n    # note {rng.randrange(10**9)}\n    return x * "
+                       f"{rng.randrange(10**6)}\n" for _ in range(40))
+        (root / f"mod{k:02d}.py").write_text(f'"""Module {k}: {rng.randrange(10**9)}."""\n\n' + body)
+    return str(root)
+
+
+def test_held_out_test_split_is_evaluated_per_category_and_kept_out_of_training(varied_root, tmp_path):
+    out = tmp_path / "held"
+    assert _cli(varied_root, out, "--arms", "adamw", "--seeds", "0", "--val-fraction", "0.2", "--test-fraction",
+                "0.2", "--max-file-share", "0.5", "--skip-report") == 0
+    recs = read_records(out / "runs" / "adamw" / "seed0" / "metrics.jsonl")
+    keys = set(recs[-1])
+    assert {"val_bpb", "test_bpb"} <= keys
+    categories = {k for k in keys if k.endswith("_bpb") and k.startswith(("val_", "test_"))} - {"val_bpb", "test_bpb"}
+    assert categories and all(k.split("_")[1] in ("code", "prose", "data") for k in categories)
+    config = json.loads((out / "runs" / "adamw" / "seed0" / "config.json").read_text())["config"]
+    assert config["test_fraction"] == 0.2
+    cfg = LMConfig(corpus_root=varied_root, val_fraction=0.2, test_fraction=0.2, max_file_share=0.5, context=16,
+                   eval_windows=4, eval_batch=4)
+    from geoopt_stiefel_attention.experiments.data.heldout import split_of
+    from geoopt_stiefel_attention.experiments.lm import heldout_eval_data
+
+    train, sets, _ = heldout_eval_data(cfg, torch.device("cpu"))
+    test_files = set(sets["test"].windows.files)
+    assert test_files and all(split_of(f, 0.2, 0.2) == "test" for f in test_files)
+    held_text = (Path(varied_root) / sorted(test_files)[0]).read_bytes()[:64]
+    assert held_text not in bytes(train.numpy())  # the test files' text is not trained on
+    # companion: without a test split the records have no test set (the plain validation windows)
+    plain = tmp_path / "plain"
+    assert _cli(varied_root, plain, "--arms", "adamw", "--seeds", "0", "--skip-report") == 0
+    assert "test_bpb" not in read_records(plain / "runs" / "adamw" / "seed0" / "metrics.jsonl")[-1]

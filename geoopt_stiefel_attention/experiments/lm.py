@@ -127,6 +127,15 @@ class LMConfig:
         Global gradient-norm clipping before each step; ``None``: off.
     gain_rate : float
         ``gain_rate`` of the ``stiefel-gain`` arm's :func:`~geoopt_stiefel_attention.stiefelize`.
+    test_fraction : float
+        ``0`` (the default, and what every run recorded before the option existed used): validation windows
+        evenly spaced over the validation files (:class:`~.data.text.EvalWindows`). ``> 0``: the held-out
+        evaluation of :mod:`~.data.heldout`: this share of the files is a test split, validation and test
+        windows are cut inside files, dropped when more than ``max_overlap`` of their ``overlap_ngram``-byte
+        substrings occur in the training text, at most ``max_file_share`` of them from one file, and
+        evaluated per category too (``val_code``, ``test_prose``, ...). ``eval_windows`` windows each.
+    max_file_share, max_overlap, overlap_ngram
+        The held-out windows' per-file cap, overlap threshold and substring length (``test_fraction > 0``).
     """
 
     experiment: str = "lm"
@@ -148,6 +157,10 @@ class LMConfig:
     warmup_fraction: float = 0.05
     grad_clip: float | None = 1.0
     gain_rate: float = 10.0
+    test_fraction: float = field(default=0.0, metadata={"omit_if_default": True})
+    max_file_share: float = field(default=0.03, metadata={"omit_if_default": True})
+    max_overlap: float = field(default=0.25, metadata={"omit_if_default": True})
+    overlap_ngram: int = field(default=32, metadata={"omit_if_default": True})
     train: TrainConfig = field(default_factory=_default_train)
     optim: OptimConfig = field(default_factory=_default_optim)
 
@@ -169,6 +182,16 @@ class LMConfig:
                 f"--grad-clip {self.grad_clip!r}: must be a finite float > 0, or none.")
         require(isinstance(self.gain_rate, (int, float)) and math.isfinite(self.gain_rate) and self.gain_rate > 0,
                 f"--gain-rate {self.gain_rate!r}: must be a finite float > 0.")
+        require(isinstance(self.test_fraction, (int, float)) and 0 <= self.test_fraction < 1
+                and self.val_fraction + self.test_fraction < 1,
+                f"--test-fraction {self.test_fraction!r}: must be in [0, 1) with --val-fraction + --test-fraction < 1 "
+                f"(0: no test split).")
+        require(isinstance(self.max_file_share, (int, float)) and 0 < self.max_file_share <= 1,
+                f"--max-file-share {self.max_file_share!r}: must be in (0, 1], e.g. 0.03.")
+        require(isinstance(self.max_overlap, (int, float)) and 0 <= self.max_overlap <= 1,
+                f"--max-overlap {self.max_overlap!r}: must be in [0, 1], e.g. 0.25.")
+        require(_is_int(self.overlap_ngram) and self.overlap_ngram >= 8,
+                f"--overlap-ngram {self.overlap_ngram!r}: must be an int >= 8, e.g. 32.")
         require(isinstance(self.train, TrainConfig), "LMConfig.train must be a TrainConfig.")
         require(isinstance(self.optim, OptimConfig), "LMConfig.optim must be an OptimConfig.")
 
@@ -358,6 +381,47 @@ def _load(corpus: str, val_fraction: float, root: str | None):
     return load_corpus(corpus, val_fraction=val_fraction, root=root)
 
 
+@functools.lru_cache(maxsize=2)
+def _load_heldout(config: LMConfig):
+    from .data.heldout import load_heldout_corpus
+
+    return load_heldout_corpus(val_fraction=config.val_fraction, test_fraction=config.test_fraction,
+                               context=config.context, count=config.eval_windows,
+                               max_file_share=config.max_file_share, ngram=config.overlap_ngram,
+                               max_overlap=config.max_overlap, root=config.corpus_root)
+
+
+class _Fixed:
+    """A held-out :class:`~.data.heldout.WindowSet` as an evaluation source (targets flattened, on ``device``)."""
+
+    def __init__(self, windows, batch_size: int, device: torch.device) -> None:
+        self.windows, self.batch_size, self.device = windows, batch_size, device
+
+    def __len__(self) -> int:
+        return -(-len(self.windows.files) // self.batch_size)
+
+    def batches(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for x, y in self.windows.batches(self.batch_size):
+            yield x.to(self.device), y.reshape(-1).to(self.device)
+
+
+def heldout_eval_data(config: LMConfig, device: torch.device) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor]:
+    """For ``test_fraction > 0``: the training stream, the evaluation sets (``val``, ``test`` and their non-empty
+    categories ``val_code``, ``test_prose``, ...) and the probe windows (the first validation windows)."""
+    from .data.heldout import CATEGORIES
+
+    held = _load_heldout(dataclasses.replace(config, corpus_identity=None, train=TrainConfig(), optim=OptimConfig()))
+    sets: dict[str, Any] = {}
+    for split in (held.val, held.test):
+        sets[split.name] = _Fixed(split, config.eval_batch, device)
+        for category in CATEGORIES:
+            part = split.subset(category)
+            if part.files:
+                sets[part.name] = _Fixed(part, config.eval_batch, device)
+    probe = held.val.windows[:config.probe_windows, :-1].long()
+    return held.train, sets, probe
+
+
 def corpus_of(config: LMConfig):
     """The config's corpus (cached per process); refuses one whose identity differs from the recorded one."""
     corpus = _load(config.corpus, float(config.val_fraction), config.corpus_root)
@@ -376,15 +440,17 @@ def build_task(spec: RunSpec, arm: Arm, device: torch.device) -> Task:
     corpus = corpus_of(cfg)
     model = build_model(cfg, seed=spec.seed, logit_gain=LOGIT_GAIN.get(spec.arm),
                         stiefel=arm.attention == "stiefel")
-    train = _Flat(RandomWindows(corpus.train, context=cfg.context, batch_size=cfg.batch_size,
+    if cfg.test_fraction > 0:
+        train_stream, held_out, probe = heldout_eval_data(cfg, device)
+    else:
+        train_stream, held_out = corpus.train, {"val": _Flat(EvalWindows(
+            corpus.val, context=cfg.context, count=cfg.eval_windows, batch_size=cfg.eval_batch), device)}
+        probe = next(iter(EvalWindows(corpus.val, context=cfg.context, count=cfg.probe_windows,
+                                      batch_size=cfg.probe_windows).batches()))[0]
+    train = _Flat(RandomWindows(train_stream, context=cfg.context, batch_size=cfg.batch_size,
                                 steps=cfg.steps_per_epoch, seed=spec.seed), device)
-    eval_data = {
-        "train": _Flat(EvalWindows(corpus.train, context=cfg.context, count=cfg.train_eval_windows,
-                                   batch_size=cfg.eval_batch), device),
-        "val": _Flat(EvalWindows(corpus.val, context=cfg.context, count=cfg.eval_windows,
-                                 batch_size=cfg.eval_batch), device)}
-    probe = next(iter(EvalWindows(corpus.val, context=cfg.context, count=cfg.probe_windows,
-                                  batch_size=cfg.probe_windows).batches()))[0]
+    eval_data = {"train": _Flat(EvalWindows(train_stream, context=cfg.context, count=cfg.train_eval_windows,
+                                            batch_size=cfg.eval_batch), device), **held_out}
     lr_factor = None
     if cfg.lr_schedule == "cosine":
         lr_factor = functools.partial(warmup_cosine, total=cfg.total_steps,
@@ -738,6 +804,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="read the *.py files under DIR instead of the standard library")
     g.add_argument("--val-fraction", type=positive_float, default=d.val_fraction,
                    help=f"share of files held out for validation (default {d.val_fraction})")
+    g.add_argument("--test-fraction", type=float, default=d.test_fraction,
+                   help="share of files held out for a test split, with clean, capped, categorised validation and "
+                        "test windows (data/heldout.py); 0: the plain validation windows (default 0)")
+    g.add_argument("--max-file-share", type=positive_float, default=d.max_file_share,
+                   help=f"held-out windows: largest share from one file (default {d.max_file_share})")
+    g.add_argument("--max-overlap", type=float, default=d.max_overlap,
+                   help=f"held-out windows: largest share of substrings also in the training text "
+                        f"(default {d.max_overlap})")
+    g.add_argument("--overlap-ngram", type=positive_int, default=d.overlap_ngram,
+                   help=f"held-out windows: substring length of the overlap test, bytes (default {d.overlap_ngram})")
     g = parser.add_argument_group("model")
     g.add_argument("--context", type=positive_int, default=d.context, help=f"positions (default {d.context})")
     g.add_argument("--width", type=positive_int, default=d.width, help=f"n_embd (default {d.width})")
@@ -785,6 +861,8 @@ def config_from_args(args: argparse.Namespace) -> LMConfig:
                     train_eval_windows=args.train_eval_windows, eval_batch=args.eval_batch,
                     probe_windows=args.probe_windows, lr_schedule=args.lr_schedule,
                     warmup_fraction=args.warmup_fraction, grad_clip=args.grad_clip, gain_rate=args.gain_rate,
+                    test_fraction=args.test_fraction, max_file_share=args.max_file_share,
+                    max_overlap=args.max_overlap, overlap_ngram=args.overlap_ngram,
                     train=train_config_from_args(args), optim=optim_config_from_args(args))
 
 
