@@ -274,12 +274,20 @@ class ConversionReport:
         Modules that look like attention and were left unchanged (only with ``strict=False``).
     output_change : float or None
         :math:`\\|y_\\text{after} - y_\\text{before}\\|_F / \\|y_\\text{before}\\|_F` on the probe batch, when
-        ``probe`` was given.
+        ``probe`` was given and the ratio is defined; ``None`` without a probe, or when the output before
+        conversion is zero or not finite (``str(report)`` then says which, and gives the absolute change).
+    output_change_abs : float or None
+        :math:`\\|y_\\text{after} - y_\\text{before}\\|_F`, when ``probe`` was given.
+    output_norm_before : float or None
+        :math:`\\|y_\\text{before}\\|_F`, when ``probe`` was given (zero, for example, for a model whose head is
+        initialised to zero, as torchvision's ViT is).
     """
 
     converted: tuple[ConvertedAttention, ...]
     skipped: tuple[tuple[str, str], ...] = ()
     output_change: float | None = None
+    output_change_abs: float | None = None
+    output_norm_before: float | None = None
 
     @property
     def num_frames(self) -> int:
@@ -298,6 +306,10 @@ class ConversionReport:
         lines += [f"  skipped {_where(p)}: {why}" for p, why in self.skipped]
         if self.output_change is not None:
             lines.append(f"  relative output change on the probe batch: {self.output_change:.3g}")
+        elif self.output_norm_before is not None:
+            why = "zero" if self.output_norm_before == 0 else f"not finite (norm {self.output_norm_before})"
+            lines.append(f"  relative output change on the probe batch undefined: the output before conversion is "
+                         f"{why}; absolute change {self.output_change_abs:.3g}")
         return "\n".join(lines)
 
 
@@ -765,11 +777,13 @@ def stiefelize(
     gains = [_initial_gain(site, logit_gain) for site in sites]  # checked for every site before any change
     before = _probe(model, probe) if probe is not None else None
     rows = [_apply(site, logit_gain, gain_rate, gain) for site, gain in zip(sites, gains, strict=True)]
-    change = None
+    change = absolute = scale = None
     if before is not None:
         after = _probe(model, probe)
-        change = float((after - before).norm() / before.norm())
-    return ConversionReport(tuple(rows), tuple(problems), change)
+        absolute, scale = float((after - before).norm()), float(before.norm())
+        # a ratio only where it is defined: a zero (or non-finite) output before conversion has no relative change
+        change = absolute / scale if scale > 0 and math.isfinite(scale) else None
+    return ConversionReport(tuple(rows), tuple(problems), change, absolute, scale)
 
 
 def _legacy(logit_gain: Any, qk_bias: str, frames: Any, drop_qk_bias: Any) -> tuple[Any, str]:

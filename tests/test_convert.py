@@ -496,6 +496,27 @@ def test_unforeseen_attention_is_refused_then_converted_by_an_explicit_layout():
         stiefelize(no_heads, targets=[Layout("wq/wk", Block("wq.weight"), Block("wk.weight"))])
 
 
+def test_probe_of_a_zero_output_says_why_the_relative_change_is_undefined():
+    """torchvision's ViT starts its head at zero: no relative change exists, and the report says so (not nan)."""
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(image_size=16, patch_size=8, num_layers=1, num_heads=2,
+                                                 hidden_dim=16, mlp_dim=32, num_classes=3).to(F64).eval()
+    probe = torch.randn(2, 3, 16, 16, dtype=F64)
+    report = stiefelize(model, probe=probe)
+    assert report.output_change is None and report.output_norm_before == 0 and report.output_change_abs == 0
+    text = str(report)
+    assert "relative output change on the probe batch undefined: the output before conversion is zero; " \
+           "absolute change 0" in text and "nan" not in text
+    # companion: a non-zero head gives the relative change, printed as a number
+    changed = _tv_vit()
+    report = stiefelize(changed, probe=torch.randn(2, 3, 16, 16, dtype=F64))
+    assert report.output_change > DIFFER_MIN and report.output_norm_before > 0
+    assert report.output_change == pytest.approx(report.output_change_abs / report.output_norm_before, rel=1e-12)
+    assert f"relative output change on the probe batch: {report.output_change:.3g}" in str(report)
+    # and without a probe nothing is said about the output
+    assert "output change" not in str(stiefelize(_tv_vit()))
+
+
 class ToQK(nn.Module):
     """A custom attention block whose class name does not say "attention": ``to_q``/``to_k``/``to_v`` and
     ``num_heads`` (diffusers' and lucidrains' spelling)."""
