@@ -2,14 +2,18 @@
 
 Each type is an ``argparse`` ``type=`` callable: a bad value makes argparse print one ``error:`` line that
 names the flag and exit with status 2 (no traceback). :func:`usage_error` does the same for checks that
-involve several flags and can only run after parsing.
+involve several flags and can only run after parsing. :func:`output_path_problem` says why an output path
+cannot be written, so that a command checks its output flags before it starts any work.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -51,3 +55,50 @@ def usage_error(command: str, message: str) -> NoReturn:
     """Print ``"<command>: error: <message>"`` on stderr and exit with status 2, as argparse does."""
     print(f"{command}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def output_path_problem(path: str | os.PathLike, *, folder: bool) -> str | None:
+    """Why ``path`` cannot be written as an output, or ``None`` when it can; creates nothing that stays.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The value of an output flag: a file to write (``folder=False``) or a folder to create or fill
+        (``folder=True``); missing parent folders are allowed (the command creates them).
+    folder : bool
+        Whether ``path`` names a folder rather than a file.
+
+    Returns
+    -------
+    str or None
+        A reason that completes ``"<flag> <path>: "``, ending with the fix, or ``None``.
+
+    Notes
+    -----
+    Permissions are asked of :func:`os.access` and then tried for real: a folder is created in (and removed
+    from) the deepest existing folder on the way, since ``os.access`` answers yes to root on read-only and
+    virtual file systems (``/proc``, ``/sys``), where creating anything fails.
+    """
+    target = Path(path)
+    if str(path) == "":
+        return "is empty; pass a path."
+    if folder and target.exists() and not target.is_dir():
+        return "is a file, not a folder; pass a folder (it is created if missing)."
+    if not folder and target.is_dir():
+        return "is a folder; pass the path of a file to write."
+    existing = target if folder else target.parent
+    while not existing.exists():
+        if existing == existing.parent:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, so {'the folder' if folder else 'the file'} cannot be created; pass another path."
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable; pass a path you can write to."
+    if not folder and target.exists() and not os.access(target, os.W_OK):
+        return "is a read-only file; pass a path you can write to."
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=existing))
+    except OSError as err:
+        return f"nothing can be created in {existing} ({err.strerror}); pass a path you can write to."
+    return None

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._argtypes import nonnegative_int, positive_float, positive_int, usage_error
+from ._argtypes import nonnegative_int, output_path_problem, positive_float, positive_int, usage_error
 
 HELP = "Time the StiefelAdam step against AdamW and stock geoopt RiemannianAdam (ratios, memory); --json."
 
@@ -1039,9 +1039,12 @@ def run(args: argparse.Namespace) -> int:
     if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         usage_error("stiefel-attention bench", f"--compile-backend {args.compile_backend!r} is not a torch.compile "
                                                f"backend; use e.g. inductor or aot_eager")
+    if args.what == "gpu" and args.out is None:
+        usage_error("stiefel-attention bench", "'gpu' writes its results as JSON: pass --out PATH")
+    problem = None if args.out is None else output_path_problem(args.out, folder=False)
+    if problem is not None:  # checked before the benchmark runs, not after
+        usage_error("stiefel-attention bench", f"--out {args.out}: {problem}")
     if args.what == "gpu":
-        if args.out is None:
-            usage_error("stiefel-attention bench", "'gpu' writes its results as JSON: pass --out PATH")
         doc = accelerator_check(args.device, scale=args.scale, clock=args.clock, threads=args.threads,
                                 compile_backend=args.compile_backend, seed=args.seed)
         text = json.dumps(doc, indent=2, default=str)

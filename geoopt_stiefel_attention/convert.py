@@ -285,12 +285,20 @@ class ConversionReport:
         Modules that look like attention and were left unchanged (only with ``strict=False``).
     output_change : float or None
         :math:`\\|y_\\text{after} - y_\\text{before}\\|_F / \\|y_\\text{before}\\|_F` on the probe batch, when
-        ``probe`` was given.
+        ``probe`` was given and the ratio is defined; ``None`` without a probe, or when the output before
+        conversion is zero or not finite (``str(report)`` then says which, and gives the absolute change).
+    output_change_abs : float or None
+        :math:`\\|y_\\text{after} - y_\\text{before}\\|_F`, when ``probe`` was given.
+    output_norm_before : float or None
+        :math:`\\|y_\\text{before}\\|_F`, when ``probe`` was given (zero, for example, for a model whose head is
+        initialised to zero, as torchvision's ViT is).
     """
 
     converted: tuple[ConvertedAttention, ...]
     skipped: tuple[tuple[str, str], ...] = ()
     output_change: float | None = None
+    output_change_abs: float | None = None
+    output_norm_before: float | None = None
 
     @property
     def num_frames(self) -> int:
@@ -309,6 +317,10 @@ class ConversionReport:
         lines += [f"  skipped {_where(p)}: {why}" for p, why in self.skipped]
         if self.output_change is not None:
             lines.append(f"  relative output change on the probe batch: {self.output_change:.3g}")
+        elif self.output_norm_before is not None:
+            why = "zero" if self.output_norm_before == 0 else f"not finite (norm {self.output_norm_before})"
+            lines.append(f"  relative output change on the probe batch undefined: the output before conversion is "
+                         f"{why}; absolute change {self.output_change_abs:.3g}")
         return "\n".join(lines)
 
 
@@ -741,8 +753,19 @@ def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str) -> _Site:
     return _Site(path, module, layout, r, q, k, spans)
 
 
+#: Names of query/key Linear children that mark a module as attention even when its class name does not say so.
+_QK_CHILD_NAMES = (("to_q", "to_k"), ("wq", "wk"), ("w_q", "w_k"), ("q", "k"), ("query", "key"), ("q_proj", "k_proj"),
+                   ("q_lin", "k_lin"), ("query_proj", "key_proj"))
+
+
+def _qk_children(module: nn.Module) -> tuple[str, str] | None:
+    """The first pair of query/key-like Linear children of ``module`` (``to_q``/``to_k``, ``wq``/``wk``, ...)."""
+    return next((pair for pair in _QK_CHILD_NAMES if _children_are(module, pair, _is_linear)), None)
+
+
 def _looks_like_attention(module: nn.Module) -> bool:
-    if not ("attention" in type(module).__name__.lower() or isinstance(module, nn.MultiheadAttention)):
+    if not ("attention" in type(module).__name__.lower() or isinstance(module, nn.MultiheadAttention)
+            or _qk_children(module) is not None):
         return False
     params = list(module.parameters())
     return bool(params) and not any(is_frame(p) for p in params)
@@ -947,9 +970,9 @@ def stiefelize(
                 m = model.get_submodule(p)
                 problems.append((p, f"{type(m).__name__} looks like attention but matches no layout "
                                     f"({_hint(m)})"))
-    searched = "; ".join(lay.describe() for lay in (table or LAYOUTS))
+    searched = ", ".join(lay.name for lay in (table or LAYOUTS))  # names only: the table is in the docs
     if problems and strict:
-        listing = "\n".join(f"  {_where(p)}: {why}" for p, why in problems)
+        listing = "\n".join(f"  {line}" for line in _grouped(problems))
         raise ValueError(f"stiefelize: cannot convert {len(problems)} module(s) of {type(model).__name__}; "
                          f"nothing was changed.\n{listing}\nLayouts searched: {searched}.\nPass targets= with a "
                          f"Layout for them, or strict=False to leave them Euclidean.")
@@ -957,13 +980,15 @@ def stiefelize(
         existing = sum(1 for p in model.parameters() if is_frame(p))
         held = f" (it already holds {existing} Stiefel frame tensors)" if existing else ""
         msg = (f"stiefelize: no attention module of {type(model).__name__} was converted{held}. Layouts "
-               f"searched: {searched}. Pass targets=(*LAYOUTS, Layout(...)) for another layout.")
+               f"searched: {searched}. Pass targets=(*LAYOUTS, Layout(...)) for another layout"
+               + ("; left unconverted: " + "; ".join(_grouped(problems))
+                  if problems else " (no module looked like attention: a class named *Attention*, or query/key "
+                                   "Linears such as to_q/to_k, wq/wk, q/k)."))
         if strict:
             raise ValueError(msg)
         warnings.warn(msg, stacklevel=2)
     elif problems:
-        warnings.warn("stiefelize: left unconverted (strict=False): "
-                      + "; ".join(f"{_where(p)}: {why}" for p, why in problems), stacklevel=2)
+        warnings.warn("stiefelize: left unconverted (strict=False): " + "; ".join(_grouped(problems)), stacklevel=2)
 
     if qk_bias == "drop":
         nothing = [s.path for s in sites if not s.bias_spans]
@@ -974,11 +999,13 @@ def stiefelize(
     gains = [_initial_gain(site, logit_gain) for site in sites]  # checked for every site before any change
     before = _probe(model, probe) if probe is not None else None
     rows = [_apply(site, logit_gain, gain_rate, gain) for site, gain in zip(sites, gains, strict=True)]
-    change = None
+    change = absolute = scale = None
     if before is not None:
         after = _probe(model, probe)
-        change = float((after - before).norm() / before.norm())
-    return ConversionReport(tuple(rows), tuple(problems), change)
+        absolute, scale = float((after - before).norm()), float(before.norm())
+        # a ratio only where it is defined: a zero (or non-finite) output before conversion has no relative change
+        change = absolute / scale if scale > 0 and math.isfinite(scale) else None
+    return ConversionReport(tuple(rows), tuple(problems), change, absolute, scale)
 
 
 def _legacy(logit_gain: Any, qk_bias: str, frames: Any, drop_qk_bias: Any) -> tuple[Any, str]:
@@ -1007,11 +1034,35 @@ def _where(path: str) -> str:
     return repr(path) if path else "<root>"
 
 
+def _grouped(problems: Sequence[tuple[str, str]], shown: int = 3) -> list[str]:
+    """``"<paths>: <why>"`` once per distinct reason, naming at most ``shown`` paths (and how many there are)."""
+    groups: dict[str, list[str]] = {}
+    for path, why in problems:
+        groups.setdefault(why, []).append(path)
+    lines = []
+    for why, paths in groups.items():
+        more = f", ... ({len(paths)} modules)" if len(paths) > shown else ""
+        lines.append(f"{', '.join(_where(p) for p in paths[:shown])}{more}: {why}")
+    return lines
+
+
 def _hint(module: nn.Module) -> str:
+    """Why ``module`` matched no layout, and the :class:`Layout` to write for it (short: no layout table)."""
     if type(module).__name__ == "EuclideanMultiheadAttention":
         return "it is this library's Euclidean module: use StiefelMultiheadAttention.from_euclidean(module)"
-    names = [n for n, _ in module.named_parameters()][:6]
-    return f"its parameters: {', '.join(names)}"
+    pair = _qk_children(module)
+    if pair is None:
+        names = [n for n, _ in module.named_parameters()][:6]
+        return (f"its parameters: {', '.join(names)}; write a Layout naming its query and key weights, e.g. "
+                f"Layout('mine', q=Block('<query>.weight'), k=Block('<key>.weight'), head_dim=<int>)")
+    q, k = pair
+    known = (HEAD_DIM_ATTRS + NUM_HEADS_ATTRS)
+    found = next((a for a in known if _is_count(getattr(module, a, None))), None)
+    head_dim = "" if found is not None else ", head_dim=<int>"
+    heads = f"heads from its {found}={getattr(module, found)}" if found is not None else "no head count found"
+    return (f"query/key Linears {q!r}/{k!r}, {heads}; no built-in layout uses these names. Add one: "
+            f"stiefelize(model, targets=(*LAYOUTS, Layout('{q}/{k}', q=Block('{q}.weight'), "
+            f"k=Block('{k}.weight'){head_dim})))")
 
 
 def _initial_gain(site: _Site, logit_gain: str | None) -> Tensor | None:

@@ -646,6 +646,9 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
       capturable path allocates its scratch per step). The step makes no host synchronisation on
       accelerators (``capturable``). ``stiefel-attention bench`` measures all of this
       against AdamW and stock geoopt.
+    - Given no frame at all, it is plain AdamW and says so once, at construction (a ``UserWarning`` naming
+      :func:`~geoopt_stiefel_attention.stiefelize`), unless the groups come from
+      :func:`~geoopt_stiefel_attention.param_groups`, which warns itself (or not, with ``expect_frames=False``).
     - The ``"frame"`` and ``None`` second moments run a fused in-place kernel; ``"column"`` and
       ``"element"`` (for ablations) run :func:`stiefel_adam_update`, the same update written as a pure
       function.
@@ -714,6 +717,14 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             raise ValueError(f"StiefelAdam: all {len(self.param_groups)} parameter groups are empty, so the "
                              f"optimizer would train nothing; pass groups whose 'params' hold the tensors to "
                              f"train (is a generator already consumed?).")
+        # Groups made by param_groups() (a group named "frames") were checked there, where expect_frames=False
+        # marks a deliberate Euclidean baseline; anything else with no frame at all gets one warning here.
+        if not any(_is_frame(p) for group in self.param_groups for p in group["params"]) and not any(
+                group.get("name") == "frames" for group in self.param_groups):
+            warnings.warn("StiefelAdam was constructed with no Stiefel frame among its parameters, so it trains "
+                          "them all as plain AdamW. Convert the model first (stiefelize(model)) or build it with "
+                          "attention='stiefel', then pass param_groups(model); for a Euclidean model use "
+                          "torch.optim.AdamW.", UserWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ groups and checkpoints
     def add_param_group(self, param_group: dict[str, Any]) -> None:

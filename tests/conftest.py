@@ -1,5 +1,7 @@
 """Shared pytest fixtures and helpers."""
 
+import math
+
 import geoopt
 import pytest
 import torch
@@ -71,3 +73,54 @@ F32_ROUNDTRIP_TOL = 1e-6
 F32_ORTHO_TOL = 1e-5
 #: a change of the function (relative) must exceed this in a companion case
 CHANGED_MIN = 1e-4
+
+
+# ------------------------------------------------------------------------ trajectories recorded on another CPU
+#: Relative tolerance of a float record (loss, accuracy, norm, movement, angle) of a float32 training run compared
+#: with a fixture recorded on another x86-64 CPU. The same torch build picks other kernels on other CPUs (AVX-512,
+#: AVX2 or no SIMD: other reduction orders), so each float32 operation may round differently (unit roundoff 6e-8)
+#: and the difference is carried along the trajectory. Measured for tests/data/format_v1 (recorded with AVX-512)
+#: by rerunning with ``ATEN_CPU_CAPABILITY=avx2`` and ``=default``: losses differ by at most 1.1e-7 relative, norms
+#: by 2e-8, principal angles by 2.7e-6 and per-step movements by 1.2e-5 (a difference of two nearby frames, so
+#: cancellation magnifies the rounding); 1e-4 leaves a margin of 8 over the largest. A real change falls
+#: outside it: the vision run with ``--lr`` 1% larger moves its frames 1% farther (the companion test).
+TRAJECTORY_RTOL = 1e-4
+#: Absolute floor of the same comparison, for values that are rounding noise around zero (principal angles of a
+#: frame with itself at epoch 0 are 1e-14 degrees, computed in float64); in the measurements above, values below
+#: 0.2 differed by at most 4e-8, and one training step moves a frame by about 1e-3, far above the floor.
+TRAJECTORY_ATOL = 1e-6
+
+
+def record_mismatches(new: list[dict], old: list[dict], *, rtol: float = TRAJECTORY_RTOL,
+                      atol: float = TRAJECTORY_ATOL) -> list[str]:
+    """Where two lists of run records differ beyond float rounding across machines.
+
+    Parameters
+    ----------
+    new, old : list of dict
+        Records (``metrics.jsonl`` rows) of the run to check and of the fixture.
+    rtol, atol : float
+        Float values ``x, y`` agree when ``|x - y| <= max(rtol * max(|x|, |y|), atol)`` (:func:`math.isclose`);
+        every other value (epoch, step, arm, ``None``, strings) and the set of keys must be equal exactly.
+
+    Returns
+    -------
+    list of str
+        One line per disagreement (empty when the records agree).
+    """
+    if len(new) != len(old):
+        return [f"{len(new)} records against {len(old)}"]
+    out = []
+    for i, (a, b) in enumerate(zip(new, old, strict=True)):
+        if a.keys() != b.keys():
+            out.append(f"record {i}: keys {sorted(a.keys() ^ b.keys())} in one only")
+            continue
+        for key, x in a.items():
+            y = b[key]
+            floats = isinstance(x, float) or isinstance(y, float)
+            if floats and isinstance(x, (int, float)) and isinstance(y, (int, float)) and not isinstance(x, bool):
+                if not math.isclose(x, y, rel_tol=rtol, abs_tol=atol):
+                    out.append(f"record {i} (epoch {a.get('epoch')}): {key} = {x!r}, fixture {y!r}")
+            elif x != y:
+                out.append(f"record {i} (epoch {a.get('epoch')}): {key} = {x!r}, fixture {y!r}")
+    return out

@@ -374,6 +374,35 @@ def test_cli_certify_writes_json_and_markdown(tmp_path, capsys):
     assert out_md.read_text().startswith("| certificate |")
 
 
+@pytest.mark.parametrize("flag", ["--json", "--markdown"])
+def test_cli_certify_checks_its_output_paths_before_computing_anything(tmp_path, monkeypatch, capsys, flag):
+    """A folder, a path under a file, an unwritable folder: one line naming the flag, exit 2, no table computed."""
+    import os
+
+    from geoopt_stiefel_attention.analysis import suite
+    from geoopt_stiefel_attention.cli import main
+
+    computed = []
+    monkeypatch.setattr(suite, "run_certificates", lambda *a, **k: computed.append(1) or [])
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(locked) else real_access(path, mode))
+    for path, reason in ((tmp_path, "is a folder"), (afile / "cert", "is a file"), (locked / "cert", "not writable")):
+        with pytest.raises(SystemExit) as exc:
+            main(["certify", "--quiet", flag, str(path)])
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert err.startswith(f"stiefel-attention certify: error: {flag} {path}: ") and reason in err, err
+    assert computed == [] and not list(locked.iterdir()) and afile.read_text() == "x"
+    # companion: a writable path (in a folder that does not exist yet) is accepted and written after the table
+    monkeypatch.setattr(os, "access", real_access)
+    assert main(["certify", "--quiet", flag, str(tmp_path / "new" / "cert")]) == 0
+    assert computed == [1] and (tmp_path / "new" / "cert").is_file()
+
+
 def test_cli_exits_non_zero_when_a_stiefel_adam_certificate_fails(monkeypatch, capsys):
     from geoopt_stiefel_attention.analysis import suite
     from geoopt_stiefel_attention.cli import main

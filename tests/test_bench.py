@@ -248,6 +248,28 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert "grokking, 5 epochs" in proc.stdout and str(out) in proc.stdout
 
 
+class _Started(Exception):
+    """Raised by a faked benchmark: the command got past its checks."""
+
+
+@pytest.mark.parametrize("what", ["step", "paths", "train", "gpu"])
+def test_cli_out_is_checked_before_the_benchmark_runs(tmp_path, monkeypatch, capsys, what):
+    def started(*args, **kwargs):
+        raise _Started
+
+    for name in ("step_time_benchmark", "step_path_benchmark", "train_step_benchmark", "accelerator_check"):
+        monkeypatch.setattr(bench, name, started)
+    argv = ["bench", what, "--rounds", "1", "--steps", "1", "--device", "cpu", "--out"]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert err == f"stiefel-attention bench: error: --out {tmp_path}: is a folder; pass the path of a file to write."
+    # companion: a file path passes the check, and the benchmark starts
+    with pytest.raises(_Started):
+        main([*argv, str(tmp_path / "new" / "bench.json")])
+
+
 def test_cli_hf_gpt2_without_transformers_is_a_usage_error(monkeypatch, capsys):
     import importlib.util
 

@@ -496,6 +496,71 @@ def test_unforeseen_attention_is_refused_then_converted_by_an_explicit_layout():
         stiefelize(no_heads, targets=[Layout("wq/wk", Block("wq.weight"), Block("wk.weight"))])
 
 
+def test_probe_of_a_zero_output_says_why_the_relative_change_is_undefined():
+    """torchvision's ViT starts its head at zero: no relative change exists, and the report says so (not nan)."""
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(image_size=16, patch_size=8, num_layers=1, num_heads=2,
+                                                 hidden_dim=16, mlp_dim=32, num_classes=3).to(F64).eval()
+    probe = torch.randn(2, 3, 16, 16, dtype=F64)
+    report = stiefelize(model, probe=probe)
+    assert report.output_change is None and report.output_norm_before == 0 and report.output_change_abs == 0
+    text = str(report)
+    assert "relative output change on the probe batch undefined: the output before conversion is zero; " \
+           "absolute change 0" in text and "nan" not in text
+    # companion: a non-zero head gives the relative change, printed as a number
+    changed = _tv_vit()
+    report = stiefelize(changed, probe=torch.randn(2, 3, 16, 16, dtype=F64))
+    assert report.output_change > DIFFER_MIN and report.output_norm_before > 0
+    assert report.output_change == pytest.approx(report.output_change_abs / report.output_norm_before, rel=1e-12)
+    assert f"relative output change on the probe batch: {report.output_change:.3g}" in str(report)
+    # and without a probe nothing is said about the output
+    assert "output change" not in str(stiefelize(_tv_vit()))
+
+
+class ToQK(nn.Module):
+    """A custom attention block whose class name does not say "attention": ``to_q``/``to_k``/``to_v`` and
+    ``num_heads`` (diffusers' and lucidrains' spelling)."""
+
+    def __init__(self, width=16, num_heads=2):
+        super().__init__()
+        self.num_heads = num_heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(width, width, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        b, t, e = x.shape
+        h = self.num_heads
+        split = [p(x).view(b, t, h, e // h).transpose(1, 2) for p in (self.to_q, self.to_k, self.to_v)]
+        return nn.functional.scaled_dot_product_attention(*split).transpose(1, 2).reshape(b, t, e)
+
+
+def test_custom_attention_named_by_its_qk_children_is_refused_by_path_with_the_layout_to_write():
+    model = nn.ModuleDict({"blocks": nn.ModuleList([nn.ModuleDict({"mix": ToQK(), "mlp": nn.Linear(16, 16)})
+                                                    for _ in range(4)])})
+    with pytest.raises(ValueError) as err:
+        stiefelize(model)
+    msg = str(err.value)
+    assert "'blocks.0.mix', 'blocks.1.mix', 'blocks.2.mix', ... (4 modules): ToQK looks like attention" in msg
+    assert "query/key Linears 'to_q'/'to_k', heads from its num_heads=2" in msg
+    snippet = "Layout('to_q/to_k', q=Block('to_q.weight'), k=Block('to_k.weight'))"
+    assert snippet in msg and msg.count(snippet) == 1  # once for the four identical modules
+    assert len(msg) < 800 and "q = in_proj_weight" not in msg  # the layout table by name only, not described
+    assert not frame_parameters(model)
+    # the layout the message shows converts them
+    report = stiefelize(model, targets=(*LAYOUTS, eval(snippet)))  # noqa: S307 - the message's own code
+    assert [(c.path, c.q_heads, c.r) for c in report] == [(f"blocks.{i}.mix", 2, 8) for i in range(4)]
+    # without a head count the snippet asks for head_dim
+    plain = ToQK()
+    del plain.num_heads
+    with pytest.raises(ValueError, match=r"no head count found.*k=Block\('to_k.weight'\), head_dim=<int>\)"):
+        stiefelize(nn.Sequential(plain))
+    # companion: a model with nothing attention-like says so, instead of naming a module
+    with pytest.raises(ValueError, match=r"no attention module of Sequential was converted.*no module looked like"):
+        stiefelize(nn.Sequential(nn.Linear(4, 4)))
+    # strict=False with nothing converted names the modules it left, in the warning
+    with pytest.warns(UserWarning, match=r"no attention module.*left unconverted: 'blocks.0.mix'"):
+        stiefelize(nn.ModuleDict({"blocks": nn.ModuleList([nn.ModuleDict({"mix": ToQK()})])}), strict=False)
+
+
 class FusedGQA(nn.Module):
     """A fused (q | k | v) projection under grouped-query attention: 4 query heads, 2 key/value heads of 4."""
 

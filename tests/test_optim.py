@@ -383,6 +383,7 @@ def test_off_manifold_frame_raises_at_first_step_and_changes_nothing():
     opt.step()  # the suggested fix works
 
 
+@pytest.mark.filterwarnings("ignore:StiefelAdam was constructed with no Stiefel frame:UserWarning")
 def test_sparse_gradient_is_rejected():
     emb = torch.nn.Embedding(10, 4, sparse=True)
     opt = StiefelAdam(emb.parameters())
@@ -391,6 +392,7 @@ def test_sparse_gradient_is_rejected():
         opt.step()
 
 
+@pytest.mark.filterwarnings("ignore:StiefelAdam was constructed with no Stiefel frame:UserWarning")
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [

@@ -157,6 +157,7 @@ def _offer(p, form):
     return opt.add_param_group({"params": iter([("w", p)] if form == "add_named" else [p])})
 
 
+@pytest.mark.filterwarnings("ignore:StiefelAdam was constructed with no Stiefel frame:UserWarning")
 @pytest.mark.parametrize("kind", ["canonical", "sphere", "complex"])
 @pytest.mark.parametrize("form", ["list", "generator", "named", "group_generator", "named_group", "add_generator",
                                   "add_named"])
@@ -168,6 +169,7 @@ def test_validation_is_the_same_whatever_form_the_params_arrive_in(kind, form, b
         _offer(p, form)
 
 
+@pytest.mark.filterwarnings("ignore:StiefelAdam was constructed with no Stiefel frame:UserWarning")
 def test_a_good_frame_is_accepted_in_every_form():
     """Companion of the validation test: the same forms accept a PolarStiefel frame."""
     for form in ["list", "generator", "named", "group_generator", "named_group", "add_generator", "add_named"]:
@@ -452,6 +454,7 @@ def test_zero_grad(set_to_none):
         assert p.grad is None if set_to_none else torch.equal(p.grad, torch.zeros_like(p))
 
 
+@pytest.mark.filterwarnings("ignore:StiefelAdam was constructed with no Stiefel frame:UserWarning")
 @pytest.mark.parametrize("foreach", [False, True])
 def test_foreach_flag_gives_torch_adamw_on_euclidean_parameters(foreach):
     def run(make):
@@ -469,6 +472,7 @@ def test_foreach_flag_gives_torch_adamw_on_euclidean_parameters(foreach):
     assert _same_tensors(ours, torchs)
 
 
+@pytest.mark.filterwarnings("ignore:StiefelAdam was constructed with no Stiefel frame:UserWarning")
 @pytest.mark.parametrize("flag", ["differentiable", "fused"])
 def test_unsupported_torch_flags_are_refused_clearly(flag):
     p = torch.nn.Parameter(torch.ones(2))
@@ -882,3 +886,37 @@ def test_lr_zero_written_by_a_scheduler_is_accepted_and_moves_nothing():
     start = w.detach().clone()
     opt.step()
     assert torch.equal(w, start)
+
+
+# ----------------------------------------------------------------------------- a model with no frame
+_NO_FRAME = "StiefelAdam was constructed with no Stiefel frame"
+
+
+def test_no_frame_at_all_warns_once_naming_the_fix():
+    """``StiefelAdam(model.parameters())`` on an unconverted model is plain AdamW: say so, once, with the fix."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = StiefelAdam(model.parameters(), lr=1e-3)
+    (w,) = [c for c in caught if _NO_FRAME in str(c.message)]
+    assert w.category is UserWarning and w.filename == __file__  # points at the caller's line
+    for fix in ("stiefelize(model)", "attention='stiefel'", "torch.optim.AdamW"):
+        assert fix in str(w.message), fix
+    with warnings.catch_warnings():  # the optimizer still works (it is AdamW), and stepping says nothing more
+        warnings.simplefilter("error")
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+
+
+def test_no_warning_with_a_frame_or_through_param_groups():
+    """Companions: any frame (even one among Euclidean parameters) silences it; so do the groups of
+    ``param_groups``, which warns itself unless ``expect_frames=False`` marks a Euclidean baseline."""
+    plain = torch.nn.Linear(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        StiefelAdam([*plain.parameters(), _frame_param()], lr=1e-3)
+        StiefelAdam([{"params": list(plain.parameters())}, {"params": [_frame_param()], "lr": 1e-2}], lr=1e-3)
+        StiefelAdam(param_groups(plain, expect_frames=False), lr=1e-3)
+    with pytest.warns(UserWarning, match="param_groups: Linear has no Stiefel frame") as record:
+        StiefelAdam(param_groups(plain), lr=1e-3)
+    assert not [r for r in record if _NO_FRAME in str(r.message)]  # one warning, not two

@@ -1,14 +1,22 @@
 """Packaging a user can trust: the license file matches the declared license, the citation file is complete and
-consistent, the built metadata says Apache-2.0, and importing the package leaves ``warnings.filters`` alone.
+consistent, the built metadata says Apache-2.0, and importing the package leaves ``warnings.filters`` alone; a
+fresh machine gets every test's dependency from the extras and CI runs the README's command in a fresh virtual
+environment; the wheel built offline carries what a package index shows (version, Python versions, classifiers,
+project URLs, extras, ``py.typed``, the README with absolute links).
 
 Import checks run in fresh interpreters (``subprocess``), since this process imported everything long ago.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import re
 import subprocess
 import sys
+import tarfile
+import zipfile
+from email.message import Message
 from email.parser import Parser
 from pathlib import Path
 
@@ -28,6 +36,8 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 #: Seconds allowed for one fresh interpreter that imports torch and the package.
 IMPORT_TIMEOUT_S = 120
+#: Seconds allowed for building the sdist and the wheel offline (about 5 s on an idle 2-core machine).
+BUILD_TIMEOUT_S = 300
 #: Every module of the package a user may import (the experiments package needs optional dependencies).
 MODULES = ("geoopt_stiefel_attention", "geoopt_stiefel_attention.nn", "geoopt_stiefel_attention.optim",
            "geoopt_stiefel_attention.manifolds", "geoopt_stiefel_attention.models",
@@ -146,3 +156,169 @@ def test_import_is_quiet_even_when_future_warnings_are_errors(fresh):
     rc, out, err = fresh["future_warnings_are_errors"]
     assert rc == 0 and err == "", err
     assert out and out[0].startswith("live:") and "torch.jit.script" in out[0]  # companion: the warning is real
+
+
+# ------------------------------------------------------------------------------------- a fresh machine
+README_TEXT = (ROOT / "README.md").read_text(encoding="utf-8")
+#: The README's test command (the second of its two commands).
+TEST_COMMAND = 'pip install torch==2.14.1 torchvision==0.29.1 -e ".[dev,experiments,docs,models]" && python -m pytest'
+#: Import name -> the distribution that provides it, where the two differ (docutils comes with sphinx).
+IMPORT_TO_DIST = {"yaml": "pyyaml", "sklearn": "scikit-learn", "docutils": "sphinx", "tomli": "tomli"}
+#: Imports that are not distributions: this package, pytest's conftest, the test modules themselves.
+LOCAL_IMPORTS = {"geoopt_stiefel_attention", "conftest", "gsa_docs"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
+
+
+def _requirement_name(spec: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0].strip().lower().replace("_", "-")
+
+
+def _declared() -> set[str]:
+    project = PYPROJECT["project"]
+    specs = list(project["dependencies"]) + [s for extra in project["optional-dependencies"].values() for s in extra]
+    return {_requirement_name(s) for s in specs}
+
+
+def _third_party_imports(paths: list[Path]) -> dict[str, str]:
+    """Top-level module imported (or ``pytest.importorskip``-ed) -> one file importing it, stdlib excluded."""
+    found: dict[str, str] = {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "importorskip" and node.args
+                  and isinstance(node.args[0], ast.Constant)):
+                names = [node.args[0].value]
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in LOCAL_IMPORTS:
+                    found.setdefault(top, str(path.relative_to(ROOT)))
+    return found
+
+
+def _undeclared(imports: dict[str, str]) -> list[str]:
+    declared = _declared()
+    return [f"{module} ({where})" for module, where in sorted(imports.items())
+            if IMPORT_TO_DIST.get(module, module).lower().replace("_", "-") not in declared]
+
+
+def test_every_import_of_the_tests_docs_and_package_is_declared():
+    """What the tests, the docs' code and the package import is a dependency or in an extra, so that the README's
+    test command installs it in a fresh environment."""
+    paths = [*(ROOT / "tests").glob("*.py"), *(ROOT / "docs").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
+             *(ROOT / "geoopt_stiefel_attention").rglob("*.py")]
+    assert not _undeclared(_third_party_imports(paths))
+    # companion: an import nobody declared is caught
+    assert _undeclared({"polars": "tests/x.py"}) == ["polars (tests/x.py)"]
+
+
+def test_extras_install_what_the_trainer_and_the_packaging_tests_need():
+    extras = {name: {_requirement_name(s) for s in specs}
+              for name, specs in PYPROJECT["project"]["optional-dependencies"].items()}
+    assert "accelerate" in extras["models"]  # transformers' Trainer: "requires accelerate>=1.1.0"
+    assert any(s.startswith("accelerate>=1.1") for s in PYPROJECT["project"]["optional-dependencies"]["models"])
+    assert {"build", "setuptools", "twine", "pyyaml", "pytest", "pytest-timeout", "hypothesis"} <= extras["dev"]
+
+
+def test_ci_runs_the_readme_test_command_in_a_fresh_virtual_environment():
+    assert README_TEXT.count(TEST_COMMAND) == 1
+    script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    commands = [line for line in script.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert commands[-1] == TEST_COMMAND  # the README's command, verbatim, as the last thing CI does
+    assert re.search(r'-m venv "\$venv"', script) and 'source "$venv/bin/activate"' in script
+    assert "system-site-packages" not in script and "PYTHONNOUSERSITE=1" in script
+    assert script.index("-m venv") < script.index(TEST_COMMAND)
+    # companion: the comparison sees a changed command
+    assert commands[-1] != TEST_COMMAND.replace("models", "")
+
+
+# ------------------------------------------------------------------------------------- ready to publish
+#: Names of the project URLs a package index page shows.
+URL_NAMES = ("Homepage", "Documentation", "Repository", "Issues", "Changelog")
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _relative_links(markdown: str) -> list[str]:
+    return [url for url in _LINK.findall(markdown) if not re.match(r"https?://", url)]
+
+
+def test_readme_links_work_on_the_package_index_page():
+    """No relative link (it would point into the index, not the repository); links into the repository name
+    files that exist."""
+    assert _LINK.findall(README_TEXT) and not _relative_links(README_TEXT)
+    blob = PYPROJECT["project"]["urls"]["Repository"] + "/blob/main/"
+    ours = [url[len(blob):] for url in _LINK.findall(README_TEXT) if url.startswith(blob)]
+    assert ours and all((ROOT / path).is_file() for path in ours), ours
+    # companion: a relative link is caught
+    assert _relative_links("see [the docs](docs/index.rst) and [geoopt](https://github.com/geoopt/geoopt)") == [
+        "docs/index.rst"]
+
+
+def test_project_urls_agree_with_the_citation_file_and_the_version_lives_in_one_place():
+    yaml = pytest.importorskip("yaml")
+    urls = PYPROJECT["project"]["urls"]
+    assert tuple(urls) == URL_NAMES
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text(encoding="utf-8"))
+    assert cff["repository-code"] == urls["Repository"] == urls["Homepage"]
+    assert all(url.startswith(urls["Repository"]) for url in urls.values())
+    # the version: written once in the package, read by pyproject and the docs, checked in CITATION.cff
+    assert PYPROJECT["project"]["dynamic"] == ["version"] and "version" not in PYPROJECT["project"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "geoopt_stiefel_attention.__version__"}
+    assert "release = geoopt_stiefel_attention.__version__" in (ROOT / "docs" / "conf.py").read_text(encoding="utf-8")
+    assert cff["version"] == geoopt_stiefel_attention.__version__
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert "Keep a Changelog" in changelog and "## [Unreleased]" in changelog
+    assert geoopt_stiefel_attention.__version__ in changelog
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, Path]:
+    """``(wheel, sdist)`` built offline from this checkout (``python -m build --no-isolation``: no download;
+    the wheel is built from the sdist, as an index would)."""
+    pytest.importorskip("build", reason="the dev extra is not installed (pip install -e '.[dev]')")
+    out = tmp_path_factory.mktemp("dist")
+    proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
+                          capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (wheel,), (sdist,) = out.glob("*.whl"), out.glob("*.tar.gz")
+    return wheel, sdist
+
+
+def _wheel_metadata(wheel: Path) -> tuple[Message, list[str]]:
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        return Parser().parsestr(z.read(meta).decode("utf-8")), names
+
+
+def test_wheel_metadata_is_ready_to_publish(built):
+    wheel, sdist = built
+    meta, names = _wheel_metadata(wheel)
+    assert meta["Version"] == geoopt_stiefel_attention.__version__
+    assert wheel.name.startswith(f"geoopt_stiefel_attention-{geoopt_stiefel_attention.__version__}-py3-none-any")
+    assert meta["Requires-Python"] == PYPROJECT["project"]["requires-python"] == ">=3.10"
+    classifiers = meta.get_all("Classifier")
+    assert [c for c in classifiers if c.startswith("Development Status ::")] == ["Development Status :: 3 - Alpha"]
+    assert {f"Programming Language :: Python :: 3.{m}" for m in (10, 11, 12, 13)} <= set(classifiers)
+    assert "Typing :: Typed" in classifiers
+    assert set(meta.get_all("Provides-Extra")) == {"dev", "docs", "experiments", "models"}
+    assert any(r.startswith("accelerate>=1.1.0") and 'extra == "models"' in r for r in meta.get_all("Requires-Dist"))
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))
+    assert urls == PYPROJECT["project"]["urls"]
+    assert "geoopt_stiefel_attention/py.typed" in names  # PEP 561
+    assert meta["Description-Content-Type"] == "text/markdown"
+    description = meta.get_payload()
+    assert description.strip() == README_TEXT.strip() and not _relative_links(description)
+    with tarfile.open(sdist) as tar:
+        members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
+    assert {"CHANGELOG.md", "CITATION.cff", "LICENSE", "README.md", "geoopt_stiefel_attention/py.typed"} <= members
+
+
+def test_twine_accepts_the_distributions(built):
+    """``twine check --strict``: the long description renders on the package index."""
+    pytest.importorskip("twine", reason="the dev extra is not installed (pip install -e '.[dev]')")
+    proc = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *map(str, built)],
+                          capture_output=True, text=True, timeout=IMPORT_TIMEOUT_S)
+    assert proc.returncode == 0 and proc.stdout.count("PASSED") == 2, proc.stdout + proc.stderr

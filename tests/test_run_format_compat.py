@@ -10,8 +10,12 @@ was refactored), on CPU with one torch thread:
 - ``vision_full``: ``stiefel-attention vision --dataset digits --seeds 0 --epochs 2 --width 8 --heads 2
   --depth 1 --mlp 16 --train-size 256 --eval-train-size 64 --arms adamw stiefel`` (records only).
 
-Training is deterministic on CPU for a given torch build, so the comparison is exact; it is skipped when
-torch's version differs from the one that wrote the fixture (other kernels may round differently).
+Training is deterministic on one CPU for a given torch build, but another x86-64 CPU picks other kernels
+(AVX-512, AVX2) that round differently, so new float records are compared with the fixture within
+``TRAJECTORY_RTOL`` / ``TRAJECTORY_ATOL`` (``tests/conftest.py``, where their size is measured), and each
+tolerance comparison has a companion that must fall outside it. Exact equality is kept where it is guaranteed:
+``config.json``, the records written before the cut (the resume keeps them as they were), and everything that is
+not a float. The tests are skipped when torch's version differs from the one that wrote the fixture.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TRAJECTORY_RTOL, record_mismatches
 
 from geoopt_stiefel_attention.cli import main
 from geoopt_stiefel_attention.experiments import RunSpec, TrainConfig, to_dict
@@ -75,7 +80,10 @@ def test_an_old_checkpoint_resumes_to_the_old_uninterrupted_records(tmp_path):
     for arm in ARMS:
         resumed, full = _records(out / "runs", arm), _records(FIXTURE / "grokking_full", arm)
         assert [r["epoch"] for r in resumed] == [0, 10, 20, 30, 40]
-        assert resumed == full, arm
+        assert resumed[:2] == full[:2], arm  # written before the cut and kept: exact
+        assert not record_mismatches(resumed, full), (arm, record_mismatches(resumed, full))
+        # companion: a trajectory perturbed by ten times the tolerance is caught
+        assert record_mismatches(resumed, _perturbed(full, 10 * TRAJECTORY_RTOL)), arm
         env = json.loads((out / "runs" / arm / "seed0" / "environment.json").read_text())
         assert [c["start_epoch"] for c in env] == [0, 15] and env[-1]["end_epoch"] == 40
     # --report-only reads the resumed folder
@@ -83,11 +91,30 @@ def test_an_old_checkpoint_resumes_to_the_old_uninterrupted_records(tmp_path):
     assert (out / "report.md").exists() and (out / "summary.json").exists()
 
 
+def _perturbed(records: list[dict], rel: float) -> list[dict]:
+    """``records`` with the last record's train_loss scaled by ``1 + rel``."""
+    out = [dict(r) for r in records]
+    out[-1]["train_loss"] *= 1 + rel
+    return out
+
+
 @same_torch
 def test_vision_training_trajectory_is_unchanged(tmp_path):
     assert main([*VISION, "--out", str(tmp_path), "--skip-report"]) == 0
     for arm in ARMS:
-        new = _records(tmp_path / "runs", arm)
-        assert new == _records(FIXTURE / "vision_full", arm), arm
+        new, old = _records(tmp_path / "runs", arm), _records(FIXTURE / "vision_full", arm)
+        assert not record_mismatches(new, old), (arm, record_mismatches(new, old))
+        assert [{k: v for k, v in r.items() if not isinstance(v, float)} for r in new] == \
+            [{k: v for k, v in r.items() if not isinstance(v, float)} for r in old]  # epochs, steps: exact
         assert (json.loads((tmp_path / "runs" / arm / "seed0" / "config.json").read_text())
                 == json.loads((FIXTURE / "vision_full" / arm / "seed0" / "config.json").read_text()))
+
+
+@same_torch
+def test_trajectory_tolerance_is_smaller_than_a_one_percent_change_of_the_learning_rate(tmp_path):
+    """Companion of the tolerance: the same vision run with ``--lr`` 1% larger falls outside it in both arms (its
+    frames move 1% farther; its losses, after two epochs, by less than the tolerance)."""
+    assert main([*VISION, "--lr", "0.00101", "--out", str(tmp_path), "--skip-report"]) == 0
+    for arm in ARMS:
+        mismatches = record_mismatches(_records(tmp_path / "runs", arm), _records(FIXTURE / "vision_full", arm))
+        assert any("move_total/q" in m for m in mismatches), arm

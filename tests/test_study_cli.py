@@ -107,6 +107,68 @@ def test_unwritable_out(tmp_path, capsys, monkeypatch):
     assert main(["grokking", *TINY, "--epochs", "10", "--out", str(locked / "study")]) == 0
 
 
+def _read_only_file_system(monkeypatch, root: Path) -> None:
+    """Creating anything under ``root`` fails as on a read-only or virtual file system (``/proc``, ``/sys``),
+    where ``os.access`` still answers yes to root; elsewhere the real ``tempfile.mkdtemp`` runs."""
+    import errno
+    import tempfile
+
+    real = tempfile.mkdtemp
+
+    def mkdtemp(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir).resolve().is_relative_to(root.resolve()):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(dir))
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+
+
+@pytest.mark.parametrize("study", ["grokking", "vision", "lm"])
+def test_out_on_a_read_only_file_system_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, study):
+    """As root, ``os.access`` says yes on a read-only file system; the check tries for real, before training."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    _read_only_file_system(monkeypatch, ro)
+    argv = {"grokking": ["grokking", *TINY], "vision": VISION_TINY, "lm": ["lm", "--device", "cpu"]}[study]
+    _usage_error(capsys, [*argv, "--out", str(ro / "a" / "study")], "--out", "nothing can be created",
+                 "Read-only file system")
+    (ro / "done").mkdir()
+    _usage_error(capsys, [study, "--report-only", "--out", str(ro / "done")], "--out", "nothing can be created")
+    assert sorted(p.name for p in ro.iterdir()) == ["done"] and not list((ro / "done").iterdir())
+    # companion: elsewhere the same check passes (the probe folder it makes is removed again)
+    from geoopt_stiefel_attention._argtypes import output_path_problem
+
+    assert output_path_problem(tmp_path / "rw" / "study", folder=True) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_out_under_proc_is_one_line(capsys):
+    """The case met in practice: a virtual file system refuses mkdir even to root."""
+    _usage_error(capsys, ["grokking", *TINY, "--out", "/proc/stiefel-attention-study"], "--out /proc/")
+
+
+def test_output_path_problem_for_files_and_folders(tmp_path, monkeypatch):
+    from geoopt_stiefel_attention._argtypes import output_path_problem
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert "is a folder" in output_path_problem(tmp_path, folder=False)
+    assert "is a file, not a folder" in output_path_problem(afile, folder=True)
+    assert "is a file, so the file cannot be created" in output_path_problem(afile / "x.json", folder=False)
+    assert "is a file, so the folder cannot be created" in output_path_problem(afile / "sub", folder=True)
+    assert "is empty" in output_path_problem("", folder=False)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(tmp_path) else real_access(path, mode))
+    assert "is not writable" in output_path_problem(tmp_path / "new" / "x.md", folder=False)
+    monkeypatch.setattr(os, "access", real_access)
+    # companions: a new file in a new folder, an existing file to overwrite, a new folder: all fine, none created
+    assert output_path_problem(tmp_path / "new" / "x.md", folder=False) is None
+    assert output_path_problem(afile, folder=False) is None
+    assert output_path_problem(tmp_path / "new", folder=True) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 @pytest.mark.parametrize("module, flags", [("seaborn", []), ("tqdm", []), ("torchvision", None)])
 def test_missing_optional_dependency_is_one_line(tmp_path, capsys, monkeypatch, module, flags):
     monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError, as if not installed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._argtypes import nonnegative_int, positive_int, usage_error
+from .._argtypes import nonnegative_int, output_path_problem, positive_int, usage_error
 
 HELP = ("Certify the five propositions and the gauge negative result numerically (float64) for StiefelAdam "
         "and stock optimizers; print the table.")
@@ -42,6 +42,10 @@ def run(args: argparse.Namespace) -> int:
         columns = [column_by_name(n) for n in args.optimizers] if args.optimizers else list(default_columns())
     except KeyError as err:
         usage_error("stiefel-attention certify", f"--optimizers: {err.args[0]}")
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown)):  # before the table is computed
+        problem = None if path is None else output_path_problem(path, folder=False)
+        if problem is not None:
+            usage_error("stiefel-attention certify", f"{flag} {path}: {problem}")
     torch.set_num_threads(1)  # tiny matrices: threads only add overhead
     start = time.perf_counter()
 
@@ -59,10 +63,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"Certificates of the propositions, seed {args.seed}, float64 unless stated "
               f"({len(certs)} cells in {elapsed:.1f} s):\n")
     print(report.format_text(certs, labels, legend=not args.quiet, notes=not args.quiet))
-    if args.json:
-        Path(args.json).write_text(report.to_json(certs) + "\n")
-    if args.markdown:
-        Path(args.markdown).write_text(report.format_markdown(certs, labels))
+    for path, text in ((args.json, report.to_json(certs) + "\n"), (args.markdown, report.format_markdown(certs, labels))):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
     failed = report.stiefel_adam_failures(certs)
     if failed:
         print("\nStiefelAdam FAILED: " + ", ".join(c.name for c in failed), file=sys.stderr)

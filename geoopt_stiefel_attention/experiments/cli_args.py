@@ -151,11 +151,11 @@ def check_runner_args(args: argparse.Namespace, study: str | None = None) -> Non
 
 
 def check_out_dir(out: str, *, must_exist: bool = False) -> None:
-    """Refuse an ``--out`` that is a file, lies under a file, cannot be created for lack of permission, or (for
-    ``--report-only``) does not exist. Creates nothing."""
-    import os
+    """Refuse an ``--out`` that is a file, lies under a file, cannot be created for lack of permission (or on a
+    read-only file system), or (for ``--report-only``) does not exist. Leaves nothing behind."""
     from pathlib import Path
 
+    from .._argtypes import output_path_problem
     from ..cli import UsageError
 
     path = Path(out)
@@ -165,14 +165,9 @@ def check_out_dir(out: str, *, must_exist: bool = False) -> None:
         if not path.is_dir():
             raise UsageError(f"--out {out}: no such folder; --report-only rebuilds the report of a study folder "
                              f"that holds runs.")
-        return
-    parent = path
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(f"--out {out}: {parent} is a file, so the folder cannot be created; pass another --out.")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {out}: {parent} is not writable; pass a folder you can write to.")
+    problem = output_path_problem(out, folder=True)
+    if problem is not None:
+        raise UsageError(f"--out {out}: {problem}")
 
 
 #: optional package -> what needs it
