@@ -365,7 +365,11 @@ class _QKWeight(nn.Module):
         self.segments = tuple(segments)
 
     def _rows(self, role: str) -> Tensor:
-        frames = getattr(self, f"{role}_frames").as_subclass(Tensor)
+        # The frame is used as it is, not through ``.as_subclass(Tensor)``: a ManifoldTensor disables
+        # ``__torch_function__``, so every op below already returns a plain Tensor (whose gradient flows back
+        # to the ManifoldParameter), and Dynamo traces it like any parameter; ``as_subclass`` of a tensor
+        # subclass is a graph break under torch.compile (one per converted weight).
+        frames = getattr(self, f"{role}_frames")
         if role == "q" and getattr(self, "q_log_gain", None) is not None:
             frames = frames * torch.exp(self.gain_rate * self.q_log_gain).to(frames.dtype).view(-1, 1, 1)
         h, d, r = frames.shape
