@@ -42,7 +42,7 @@ from torch.nn.utils import parametrize
 
 from ._linalg import orthonormality_error
 from .distributed import is_sharded
-from .manifolds import PolarStiefel, is_frame
+from .manifolds import PolarStiefel, frame_dtypes, is_frame, reproject_after_cast_
 from .optim import ORTHONORMALITY_TOLERANCE
 
 __all__ = [
@@ -363,6 +363,14 @@ class _QKWeight(nn.Module):
         if cursor < weight.shape[dim]:
             segments.append(("rest", cursor, weight.shape[dim] - cursor))
         self.segments = tuple(segments)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _QKWeight:
+        """``.to()``, ``.double()``, ``.half()``, ...: after a cast to a more precise dtype the frames are
+        re-projected to that precision (:func:`~geoopt_stiefel_attention.manifolds.reproject_after_cast_`)."""
+        before = frame_dtypes(self)
+        super()._apply(fn, recurse)
+        reproject_after_cast_(self, before)
+        return self
 
     def _rows(self, role: str) -> Tensor:
         # The frame is used as it is, not through ``.as_subclass(Tensor)``: a ManifoldTensor disables
