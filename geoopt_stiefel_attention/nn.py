@@ -535,7 +535,7 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
     to the new precision, keeping the parameter objects; a cast to a coarser one (``.half()``,
     ``.bfloat16()``) rounds them, which StiefelAdam's tolerance for that dtype accepts. A frame that was off
     the manifold before the cast is left as it is (see
-    :func:`~geoopt_stiefel_attention.manifolds.reproject_after_cast_`).
+    ``geoopt_stiefel_attention.manifolds.reproject_after_cast_``).
 """ + _LAYOUT_DOC + _CONSTRUCTOR_DOC + r"""
     Examples
     --------
