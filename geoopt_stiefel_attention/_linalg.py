@@ -26,7 +26,18 @@ __all__ = [
     "compute_dtype",
     "ADJUST_LR_FNS",
     "frame_step_scale",
+    "ORTHONORMALITY_TOLERANCE",
 ]
+
+#: Largest ``max |W^T W - I|`` accepted for a frame at its first step, per parameter dtype. A bf16-rounded
+#: orthonormal frame is already about 1e-3 off, so the low-precision tolerances are loose. Shared by
+#: ``StiefelAdam``'s first-step check and the re-projection of frames after a cast (``manifolds``).
+ORTHONORMALITY_TOLERANCE = {
+    torch.float64: 1e-8,
+    torch.float32: 1e-4,
+    torch.bfloat16: 3e-2,
+    torch.float16: 5e-3,
+}
 
 
 def sym(a: torch.Tensor) -> torch.Tensor:

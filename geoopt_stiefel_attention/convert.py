@@ -42,7 +42,7 @@ from torch.nn.utils import parametrize
 
 from ._linalg import orthonormality_error
 from .distributed import is_sharded
-from .manifolds import PolarStiefel, is_frame
+from .manifolds import PolarStiefel, frame_dtypes, is_frame, reproject_after_cast_
 from .optim import ORTHONORMALITY_TOLERANCE
 
 __all__ = [
@@ -376,8 +376,20 @@ class _QKWeight(nn.Module):
             segments.append(("rest", cursor, weight.shape[dim] - cursor))
         self.segments = tuple(segments)
 
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _QKWeight:
+        """``.to()``, ``.double()``, ``.half()``, ...: after a cast to a more precise dtype the frames are
+        re-projected to that precision (:func:`~geoopt_stiefel_attention.manifolds.reproject_after_cast_`)."""
+        before = frame_dtypes(self)
+        super()._apply(fn, recurse)
+        reproject_after_cast_(self, before)
+        return self
+
     def _rows(self, role: str) -> Tensor:
-        frames = getattr(self, f"{role}_frames").as_subclass(Tensor)
+        # The frame is used as it is, not through ``.as_subclass(Tensor)``: a ManifoldTensor disables
+        # ``__torch_function__``, so every op below already returns a plain Tensor (whose gradient flows back
+        # to the ManifoldParameter), and Dynamo traces it like any parameter; ``as_subclass`` of a tensor
+        # subclass is a graph break under torch.compile (one per converted weight).
+        frames = getattr(self, f"{role}_frames")
         if role == "q" and getattr(self, "q_log_gain", None) is not None:
             frames = frames * torch.exp(self.gain_rate * self.q_log_gain).to(frames.dtype).view(-1, 1, 1)
         h, d, r = frames.shape

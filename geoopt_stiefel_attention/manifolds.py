@@ -8,7 +8,7 @@ from geoopt.manifolds.stiefel import Stiefel
 
 from . import _linalg
 
-__all__ = ["PolarStiefel", "is_frame", "has_manifold"]
+__all__ = ["PolarStiefel", "is_frame", "has_manifold", "frame_dtypes", "reproject_after_cast_"]
 
 
 class PolarStiefel(EuclideanStiefel):
@@ -136,3 +136,74 @@ def is_frame(p: torch.Tensor) -> bool:
     ``StiefelAdam`` refuses with a message saying how to move it to :class:`PolarStiefel`.
     """
     return isinstance(getattr(p, "manifold", None), Stiefel)
+
+
+def frame_dtypes(module: torch.nn.Module) -> dict[str, torch.dtype]:
+    """The dtype of every frame that ``module`` holds itself (not its children's), by parameter name: what
+    :func:`reproject_after_cast_` compares with after a cast."""
+    return {name: p.dtype for name, p in module._parameters.items() if p is not None and is_frame(p)}
+
+
+def reproject_after_cast_(module: torch.nn.Module, before: dict[str, torch.dtype]) -> tuple[str, ...]:
+    r"""Re-project, in place, the frames of ``module`` that a cast moved to a more precise dtype.
+
+    Called by the ``_apply`` of the modules that own frames (the parametrization of
+    :func:`~geoopt_stiefel_attention.stiefelize` and :class:`~geoopt_stiefel_attention.StiefelMultiheadAttention`)
+    after ``.double()``, ``.float()``, ``.to(dtype)``: ``before`` is :func:`frame_dtypes` taken before the cast.
+
+    A frame made in dtype :math:`a` is orthonormal to :math:`a`'s rounding only (:math:`\max|W^\top W - I|`
+    about :math:`10^{-6}` in float32). A cast to a dtype :math:`b` with a smaller machine epsilon,
+    :math:`\varepsilon_b < \varepsilon_a` (float32 to float64, float16 or bfloat16 to float32), keeps the
+    values, so the frame is then off the manifold by far more than :math:`b`'s rounding, and StiefelAdam
+    refuses it at its first step. Each such frame is replaced by its polar factor, computed in float64 and
+    rounded to :math:`b`,
+
+    .. math::
+
+        W \leftarrow U V^\top, \qquad W = U \Sigma V^\top \ \text{(thin SVD)}, \qquad
+        \|W - U V^\top\|_F = \|\Sigma - I\|_F \le \|\Sigma^2 - I\|_F = \|W^\top W - I\|_F,
+
+    the closest frame in Frobenius norm, which moves :math:`W` by no more than its rounding offset. The
+    parameter object is kept (optimizers hold references to it); only its values change.
+
+    Left as they are:
+
+    - frames cast to a coarser or equal dtype (``.half()``, ``.bfloat16()`` of a float32 frame, device moves):
+      rounding an orthonormal frame to :math:`b` is already orthonormal to :math:`b`'s rounding, the best
+      :math:`b` can hold, and StiefelAdam's tolerance for :math:`b` accepts it;
+    - frames that were off the manifold before the cast, by more than StiefelAdam's first-step tolerance
+      ``ORTHONORMALITY_TOLERANCE`` for their old dtype (changed by hand, or trained by a Euclidean
+      optimizer): that is not rounding, and StiefelAdam's first step reports it, naming ``proj_()``;
+    - sharded (``DTensor``), meta and empty frames.
+
+    Parameters
+    ----------
+    module : nn.Module
+        Owner of the frames (its own parameters only; children are re-projected by their own ``_apply``).
+    before : dict of str to torch.dtype
+        :func:`frame_dtypes` of ``module`` before the cast.
+
+    Returns
+    -------
+    tuple of str
+        Names of the frames re-projected.
+    """
+    done = []
+    for name, old in before.items():
+        p = module._parameters.get(name)
+        if p is None or not is_frame(p) or not p.is_floating_point() or p.dtype == old:
+            continue
+        tol = _linalg.ORTHONORMALITY_TOLERANCE.get(old)
+        if tol is None or not torch.finfo(p.dtype).eps < torch.finfo(old).eps:
+            continue
+        if type(p.data) is not torch.Tensor or p.device.type == "meta" or p.numel() == 0:
+            continue
+        # float64 where the device has it (not on MPS); the work is one small SVD per frame, once per cast
+        device = p.device if p.device.type in ("cpu", "cuda") else torch.device("cpu")
+        with torch.no_grad():
+            w64 = p.detach().to(device=device, dtype=torch.float64)
+            if not float(_linalg.orthonormality_error(w64)) <= tol:
+                continue
+            p.copy_(_linalg.polar_svd(w64).to(device=p.device, dtype=p.dtype))
+        done.append(name)
+    return tuple(done)

@@ -32,7 +32,7 @@ from ._linalg import ADJUST_LR_FNS
 # The converter lives in .convert (which imports this module only lazily, so there is no cycle); its
 # stiefelize is re-exported here, and the module-replacement helpers are used by from_euclidean/from_torch.
 from .convert import _convert, _source_parts, converted_query_key_frames, stiefelize  # noqa: F401
-from .manifolds import PolarStiefel, is_frame
+from .manifolds import PolarStiefel, frame_dtypes, is_frame, reproject_after_cast_
 
 __all__ = [
     "FRAME_LAYOUTS",
@@ -530,9 +530,12 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
     Differences: no query/key biases, ``add_bias_kv``/``add_zero_attn`` are refused, and ``is_causal=True``
     without ``attn_mask`` applies the causal mask instead of raising.
 
-    Frames are orthonormal to the precision of the dtype they were built in: build the module in the dtype
-    you train in (``dtype=``). After ``.to(torch.float64)`` of a float32 module, re-project the frames with
-    ``p.proj_()`` (under ``torch.no_grad()``); StiefelAdam otherwise refuses them at its first step.
+    Frames are orthonormal to the precision of the dtype they are held in. A cast to a more precise dtype
+    (``.double()`` or ``.to(torch.float64)`` of a float32 module, ``.float()`` of a half one) re-projects them
+    to the new precision, keeping the parameter objects; a cast to a coarser one (``.half()``,
+    ``.bfloat16()``) rounds them, which StiefelAdam's tolerance for that dtype accepts. A frame that was off
+    the manifold before the cast is left as it is (see
+    ``geoopt_stiefel_attention.manifolds.reproject_after_cast_``).
 """ + _LAYOUT_DOC + _CONSTRUCTOR_DOC + r"""
     Examples
     --------
@@ -550,6 +553,14 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
     def _wrap_frame(self, w: Tensor) -> nn.Parameter:
         manifold = PolarStiefel()
         return geoopt.ManifoldParameter(manifold.projx(w), manifold=manifold)
+
+    def _apply(self, fn, recurse: bool = True) -> StiefelMultiheadAttention:
+        """``.to()``, ``.double()``, ``.half()``, ...: after a cast to a more precise dtype the frames are
+        re-projected to that precision (:func:`~geoopt_stiefel_attention.manifolds.reproject_after_cast_`)."""
+        before = frame_dtypes(self)
+        super()._apply(fn, recurse)
+        reproject_after_cast_(self, before)
+        return self
 
     @classmethod
     def from_euclidean(

@@ -1,0 +1,200 @@
+"""Casting or moving a model whose attention holds Stiefel frames (issue 23): ``.double()``, ``.half()``,
+``.to(torch.bfloat16)``, ``.to(dtype)``, ``.to(device)``.
+
+Both owners of frames, the parametrization of ``stiefelize`` and ``StiefelMultiheadAttention``, re-project their
+frames after a cast to a more precise dtype (``manifolds.reproject_after_cast_``): a float32 frame is orthonormal
+to float32 rounding only, which StiefelAdam's float64 first-step check refuses. A cast to a coarser dtype rounds
+the frames, which is the best that dtype holds.
+"""
+
+import geoopt
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import geoopt_stiefel_attention.convert as convert_module
+import geoopt_stiefel_attention.nn as nn_module
+from geoopt_stiefel_attention import StiefelAdam, TinyTransformer, frame_parameters, param_groups, stiefelize
+from geoopt_stiefel_attention._linalg import orthonormality_error
+from geoopt_stiefel_attention.manifolds import reproject_after_cast_
+from geoopt_stiefel_attention.optim import ORTHONORMALITY_TOLERANCE
+
+#: Largest max|W^T W - I| of a frame after a cast from float32, and after a few steps in the new dtype: the
+#: rounding of that dtype (measured after the cast: float64 2.4e-15, float16 2.6e-4, bfloat16 2.4e-3; float32
+#: after half -> float 2.4e-7). Each is below StiefelAdam's first-step tolerance for the dtype, and the float64
+#: one is far below float32 rounding (about 1e-6), which the companion checks it can see.
+CAST_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+#: Adam's eps for float16 parameters: 1e-8 rounds to 0 in float16, and torch's AdamW (the non-frame parameters)
+#: then divides 0 by 0 wherever a gradient entry underflows (torch.optim.AdamW alone does the same).
+EPS = {torch.float16: 1e-4}
+
+STEPS = 3
+
+
+def _converted():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    stiefelize(model)
+    return model
+
+
+def _library():
+    return TinyTransformer(11, 4, width=16, heads=2, mlp=32, attention="stiefel", seed=0)
+
+
+#: kind -> (builder, loss(model, dtype, step))
+MODELS = {
+    "stiefelize": (_converted, lambda m, dt, i: m(torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(i))
+                                                   .to(dt)).float().square().mean()),
+    "StiefelMultiheadAttention": (_library, lambda m, dt, i: F.cross_entropy(
+        m(torch.randint(0, 11, (4, 4), generator=torch.Generator().manual_seed(i))).float().reshape(-1, 11),
+        torch.randint(0, 11, (16,), generator=torch.Generator().manual_seed(100 + i)))),
+}
+
+#: name -> (cast, dtype after it)
+CASTS = {
+    "double": (lambda m: m.double(), torch.float64),
+    "to(float64)": (lambda m: m.to(torch.float64), torch.float64),
+    "to(cpu, float64)": (lambda m: m.to("cpu", torch.float64), torch.float64),
+    "half": (lambda m: m.half(), torch.float16),
+    "to(bfloat16)": (lambda m: m.to(torch.bfloat16), torch.bfloat16),
+    "half then float": (lambda m: m.half().float(), torch.float32),
+    "to(cpu)": (lambda m: m.to("cpu"), torch.float32),
+}
+
+
+def _frame_norm(a):
+    """Largest Frobenius norm over the frames of a stack, in float64."""
+    return float(torch.linalg.matrix_norm(a.detach().double()).amax())
+
+
+def _gram_offset(w):
+    """Largest ||W^T W - I||_F over the frames of a stack, in float64."""
+    w = w.detach().double()
+    return _frame_norm(w.mT @ w - torch.eye(w.shape[-1], dtype=torch.float64))
+
+
+def _train(model, loss_of, dtype, opt):
+    losses = []
+    for i in range(STEPS):
+        opt.zero_grad()
+        loss = loss_of(model, dtype, i)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("cast", list(CASTS))
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_cast_model_trains_with_frames_orthonormal_to_its_new_precision(kind, cast):
+    build, loss_of = MODELS[kind]
+    apply, dtype = CASTS[cast]
+    model = build()
+    frames = frame_parameters(model)
+    before = [p.detach().clone() for p in frames]
+    # built before the cast: the optimizer holds the parameter objects, which the cast must keep
+    opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2, eps=EPS.get(dtype, 1e-8))
+    assert apply(model) is model
+    assert len(frames) == 2
+    assert all(p is q for p, q in zip(frame_parameters(model), frames, strict=True))
+    for p, b in zip(frames, before, strict=True):
+        assert isinstance(p, geoopt.ManifoldParameter) and p.dtype == dtype
+        assert float(orthonormality_error(p)) <= CAST_TOL[dtype] <= ORTHONORMALITY_TOLERANCE[dtype]
+        if cast == "to(cpu)":
+            assert torch.equal(p, b)  # no cast, nothing moved
+        elif torch.finfo(dtype).eps < torch.finfo(b.dtype).eps:
+            # re-projected: moved by at most the rounding offset, ||W - polar(W)||_F <= ||W^T W - I||_F
+            assert 0 < _frame_norm(p.double() - b.double()) <= _gram_offset(b) + CAST_TOL[dtype]
+        elif cast != "half then float":
+            assert torch.equal(p, b.to(dtype))  # a coarser dtype: rounded, not re-projected
+    start = [p.detach().clone() for p in frames]
+    losses = _train(model, loss_of, dtype, opt)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(not torch.equal(p, s) for p, s in zip(frames, start, strict=True))  # the frames trained
+    for p in frames:
+        assert float(orthonormality_error(p)) <= CAST_TOL[dtype]
+
+
+def test_a_converted_gpt2_trains_after_double():
+    """The order of calls in the issue: ``stiefelize(m); m.double()``, then StiefelAdam."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=2, n_head=2, n_positions=16, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    stiefelize(model)
+    model.double()
+    frames = frame_parameters(model)
+    assert len(frames) == 4
+    assert all(p.dtype == torch.float64 and float(orthonormality_error(p)) <= CAST_TOL[torch.float64] for p in frames)
+    opt = StiefelAdam(param_groups(model), lr=1e-2)
+    x = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(1))
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = model(x, labels=x).loss
+        loss.backward()
+        opt.step()
+        assert torch.isfinite(loss)
+    assert all(float(orthonormality_error(p)) <= CAST_TOL[torch.float64] for p in frames)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_companion_without_the_reprojection_a_double_model_is_refused(monkeypatch, kind):
+    """The float64 tolerances see float32 rounding: with the re-projection switched off, the frames of a
+    ``.double()`` model exceed them and StiefelAdam's first step raises, as it did before issue 23."""
+    for module in (convert_module, nn_module):
+        monkeypatch.setattr(module, "reproject_after_cast_", lambda module, before: ())
+    build, loss_of = MODELS[kind]
+    model = build().double()
+    assert all(float(orthonormality_error(p)) > ORTHONORMALITY_TOLERANCE[torch.float64] > CAST_TOL[torch.float64]
+               for p in frame_parameters(model))
+    opt = StiefelAdam(param_groups(model), lr=1e-2)
+    loss_of(model, torch.float64, 0).backward()
+    with pytest.raises(ValueError, match=r"off the Stiefel manifold at its first step.*proj_\(\)"):
+        opt.step()
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_frame_off_the_manifold_before_the_cast_is_left_for_the_optimizer_to_report(kind):
+    """Only rounding is corrected: a frame moved off the manifold by hand (here scaled by 1.01, far beyond
+    float32's tolerance) keeps its values through ``.double()``, and StiefelAdam names the problem and the fix."""
+    build, loss_of = MODELS[kind]
+    model = build()
+    bad, good = frame_parameters(model)
+    with torch.no_grad():
+        bad.mul_(1.01)
+    off = bad.detach().clone()
+    model.double()
+    assert torch.equal(bad, off.double())  # left as it is
+    assert float(orthonormality_error(good)) <= CAST_TOL[torch.float64]  # its neighbour was re-projected
+    opt = StiefelAdam(param_groups(model), lr=1e-2)
+    loss_of(model, torch.float64, 0).backward()
+    with pytest.raises(ValueError, match=r"\(torch.float64\) is off the Stiefel manifold.*proj_\(\)"):
+        opt.step()
+
+
+@pytest.mark.parametrize("dtype", list(CAST_TOL))
+def test_companion_the_cast_tolerances_see_a_frame_off_by_more_than_rounding(dtype):
+    """Each tolerance can fail: a frame of the dtype scaled by 1 + 2 tol (so max|W^T W - I| is about 4 tol)
+    exceeds it."""
+    frames = _library().to(dtype)
+    w = frame_parameters(frames)[0].detach()
+    assert float(orthonormality_error((1 + 2 * CAST_TOL[dtype]) * w.double())) > CAST_TOL[dtype]
+
+
+def test_reproject_after_cast_names_what_it_reprojected_and_leaves_sharded_meta_and_coarser_frames():
+    model = _library()
+    attention = next(m for m in model.modules() if isinstance(m, nn_module.StiefelMultiheadAttention))
+    with torch.no_grad():  # the frames as a cast to float64 leaves them (the module's _apply not involved)
+        attention.w_q.data = attention.w_q.data.double()
+        attention.w_k.data = attention.w_k.data.half()
+    done = reproject_after_cast_(attention, {"w_q": torch.float32, "w_k": torch.float32})
+    assert done == ("w_q",)  # w_k went to a coarser dtype
+    assert float(orthonormality_error(attention.w_q)) <= CAST_TOL[torch.float64]
+    meta = _library().to("meta", torch.float64)  # no values to re-project: left, no error
+    assert all(p.device.type == "meta" and p.dtype == torch.float64 for p in frame_parameters(meta))
