@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
+from conftest import F64
 
 from geoopt_stiefel_attention import stiefel_adam_update
 from geoopt_stiefel_attention.experiments import ARMS, OptimConfig, RunSpec, TrainConfig, train_run
@@ -44,7 +45,6 @@ from geoopt_stiefel_attention.experiments.vision import (
 )
 from geoopt_stiefel_attention.manifolds import is_frame
 
-F64 = torch.float64
 #: agreement with scipy's t-test / distributions (same formulas, different code paths)
 SCIPY_TOL = 1e-12
 #: agreement with numbers published to 4-5 significant digits (R's `t.test` on the sleep data)
@@ -55,14 +55,6 @@ UPDATE_TOL = 1e-12
 PIXEL_TOL = 1e-6
 #: float32 agreement of the movement hook with hand-computed step norms
 MOVE_TOL = 1e-5
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    """The smoke runs use one torch thread (``threads=1`` sets it process-wide); put the setting back."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
 
 TINY = dict(width=8, depth=1, heads=2, mlp=16, batch_size=64, train_size=192, eval_train_size=64)
 

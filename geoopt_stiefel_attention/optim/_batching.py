@@ -4,6 +4,7 @@ per batch, a reusable workspace, and :func:`update_batch`, the one driver that s
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -148,73 +149,100 @@ def _stage(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor],
            masters: list[torch.Tensor] | None, capturable: bool) -> _Staged:
     """Stage same-shaped frames of one dtype and device for the update.
 
-    A lone parameter whose frames (or float32 master copy) are dense in the compute dtype, row-major or
-    column-major like its first moment, is updated in place, with its state. Several parameters are
-    updated as one stack: their state tensors (first and second moments, master copies) are kept as
-    consecutive slices of one buffer per batch (:func:`_stacked_state`), which the update reads and writes
-    in place; frames (unless a master stack stands for them) and gradients are staged in the workspace, and
-    the frames copied back.
+    Several plain (unsharded) parameters, outside a region torch.compile traces (where reading storage
+    pointers would break the graph), are updated as one stack (:func:`_stage_stacked`). A lone parameter whose
+    frames (or float32 master copy) are dense in the compute dtype, row-major or column-major like its first
+    moment, is updated in place, with its state (:func:`_stage_in_place`). Anything else is copied into the
+    workspace and back (:func:`_stage_copied`).
     """
-    p0 = params[0]
-    d, r = p0.shape[-2:]
-    ct = _linalg.compute_dtype(p0.dtype)
-    states = [optimizer.state[p] for p in params]
     # local shards of sharded frames (whole frames, updated independently), else the tensors themselves
     locals_ = [_local(p).detach() for p in params]
     grads = [_distributed.local_grad(p) for p in params]
-    shape = locals_[0].shape
-    k = len(params)
+    ct = _linalg.compute_dtype(params[0].dtype)
+    ws = functools.partial(workspace, optimizer, dtype=ct, device=params[0].device, reuse=not capturable)
+    if len(params) > 1 and all(_local(p) is p for p in params) and not torch.compiler.is_compiling():
+        return _stage_stacked(optimizer, group, params, masters, locals_, grads, ws)
+    states = [optimizer.state[p] for p in params]
+    exp_avgs = [_local(state["exp_avg"]) for state in states]
+    exp_avg_sqs = [_local(state["exp_avg_sq"]) for state in states] if group["second_moment"] is not None else None
+    src, m0 = (masters or locals_)[0], exp_avgs[0]  # what the update reads: the master copy if any
+    if len(params) == 1 and src.dtype == ct and src.stride() == m0.stride() and (
+            src.is_contiguous() or src.mT.is_contiguous()):
+        return _stage_in_place(src, grads[0], m0, exp_avg_sqs, masters, locals_, ws)
+    return _stage_copied(masters or locals_, grads, exp_avgs, exp_avg_sqs, masters, locals_, ws)
+
+
+def _stage_stacked(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor],
+                   masters: list[torch.Tensor] | None, locals_: list[torch.Tensor], grads: list[torch.Tensor],
+                   ws: Callable[[int], torch.Tensor]) -> _Staged:
+    """Several parameters as one stack: their state tensors (first and second moments, master copies) are kept
+    as consecutive slices of one buffer per batch (:func:`_stacked_state`), which the update reads and writes
+    in place; frames (unless a master stack stands for them) and gradients are staged in the workspace, and
+    the frames copied back."""
+    shape, k = locals_[0].shape, len(params)
+    d, r = shape[-2:]
     n = k * locals_[0].numel() // (d * r)
     size = n * d * r
-    has_v = group["second_moment"] is not None
-    # state kept stacked: several plain (unsharded) parameters, outside a region torch.compile traces (where
-    # reading storage pointers would break the graph)
-    if k > 1 and all(_local(p) is p for p in params) and not torch.compiler.is_compiling():
-        keys = ["exp_avg"] + (["exp_avg_sq"] if has_v else []) + (["master"] if masters else [])
-        members = set(params)
+    states = [optimizer.state[p] for p in params]
+    keys = ["exp_avg"] + (["exp_avg_sq"] if group["second_moment"] is not None else []) + (
+        ["master"] if masters else [])
+    members = set(params)
 
-        def others() -> list[dict[str, Any]]:  # only asked for when a batch is stacked anew
-            return [optimizer.state[q] for q in group["params"] if q not in members and q in optimizer.state]
+    def others() -> list[dict[str, Any]]:  # only asked for when a batch is stacked anew
+        return [optimizer.state[q] for q in group["params"] if q not in members and q in optimizer.state]
 
-        stacks = {key: _stacked_state(states, key, others) for key in keys}
-        m, v = stacks["exp_avg"].view(n, d, r), stacks.get("exp_avg_sq")
-        v = v.view(n, *v.shape[-2:]) if v is not None else None
-        master = stacks.get("master")  # the stacked master copies are the frames the update reads
-        ws = workspace(optimizer, (2 if master is not None else 3) * size, ct, p0.device, reuse=not capturable)
-        scratch, g = ws[:size].view(n, d, r), ws[size:2 * size].view(n, d, r)
-        torch._foreach_copy_(list(g.view(k, *shape).unbind(0)), grads)
-        if master is None:
-            w = ws[2 * size:].view(n, d, r)
-            torch._foreach_copy_(list(w.view(k, *shape).unbind(0)), locals_)
-        else:
-            w = master.view(n, d, r)
+    stacks = {key: _stacked_state(states, key, others) for key in keys}
+    m, v = stacks["exp_avg"].view(n, d, r), stacks.get("exp_avg_sq")
+    v = v.view(n, *v.shape[-2:]) if v is not None else None
+    master = stacks.get("master")  # the stacked master copies are the frames the update reads
+    buf = ws((2 if master is not None else 3) * size)
+    scratch, g = buf[:size].view(n, d, r), buf[size:2 * size].view(n, d, r)
+    torch._foreach_copy_(list(g.view(k, *shape).unbind(0)), grads)
+    if master is None:
+        w = buf[2 * size:].view(n, d, r)
+        torch._foreach_copy_(list(w.view(k, *shape).unbind(0)), locals_)
+    else:
+        w = master.view(n, d, r)
 
-        def write_back() -> None:  # moments and masters were updated in place; the frames come back from w
-            torch._foreach_copy_(locals_, list(w.view(k, *shape).unbind(0)))
+    def write_back() -> None:  # moments and masters were updated in place; the frames come back from w
+        torch._foreach_copy_(locals_, list(w.view(k, *shape).unbind(0)))
 
-        return _Staged(w, g, m, v, scratch, write_back)
-    exp_avgs = [_local(state["exp_avg"]) for state in states]
-    exp_avg_sqs = [_local(state["exp_avg_sq"]) for state in states] if has_v else None
-    src, m0 = (masters or locals_)[0], exp_avgs[0]  # what the update reads: the master copy if any
-    direct = k == 1 and src.dtype == ct and src.stride() == m0.stride() and (src.is_contiguous()
-                                                                            or src.mT.is_contiguous())
-    ws = workspace(optimizer, size if direct else 4 * size, ct, p0.device, reuse=not capturable)
-    scratch = ws[:size].view(n, d, r)
-    if direct:
-        if not src.is_contiguous():  # column-major frames: a column-major scratch, same strides
-            scratch = ws[:size].view(n, r, d).mT
-        v = exp_avg_sqs[0].view(n, *exp_avg_sqs[0].shape[-2:]) if exp_avg_sqs else None
+    return _Staged(w, g, m, v, scratch, write_back)
 
-        def write_back() -> None:  # frames (or their master copy) and moments were updated in place
-            if masters:
-                torch._foreach_copy_(locals_, masters)
 
-        return _Staged(src.view(n, d, r), grads[0].reshape(n, d, r).to(ct), m0.view(n, d, r), v, scratch,
-                       write_back)
-    # a frame whose dtype or layout differs from its first moment's, or sharded/compiled stacks
-    staged = ws[size:].view(3, k, *shape)
+def _stage_in_place(src: torch.Tensor, grad: torch.Tensor, m0: torch.Tensor,
+                    exp_avg_sqs: list[torch.Tensor] | None, masters: list[torch.Tensor] | None,
+                    locals_: list[torch.Tensor], ws: Callable[[int], torch.Tensor]) -> _Staged:
+    """A lone parameter (or its master copy) ``src``, laid out like its first moment ``m0``, updated in place;
+    only the scratch comes from the workspace (column-major like ``src`` if it is)."""
+    d, r = src.shape[-2:]
+    n = src.numel() // (d * r)
+    size = n * d * r
+    buf = ws(size)
+    scratch = buf.view(n, d, r) if src.is_contiguous() else buf.view(n, r, d).mT
+    v = exp_avg_sqs[0].view(n, *exp_avg_sqs[0].shape[-2:]) if exp_avg_sqs else None
+
+    def write_back() -> None:  # frames (or their master copy) and moments were updated in place
+        if masters:
+            torch._foreach_copy_(locals_, masters)
+
+    return _Staged(src.view(n, d, r), grad.reshape(n, d, r).to(src.dtype), m0.view(n, d, r), v, scratch,
+                   write_back)
+
+
+def _stage_copied(sources: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                  exp_avg_sqs: list[torch.Tensor] | None, masters: list[torch.Tensor] | None,
+                  locals_: list[torch.Tensor], ws: Callable[[int], torch.Tensor]) -> _Staged:
+    """Frames whose dtype or layout differs from their first moment's, or sharded/compiled stacks: frames,
+    gradients and first moments copied into the workspace, everything copied back."""
+    shape, k = locals_[0].shape, len(locals_)
+    d, r = shape[-2:]
+    n = k * locals_[0].numel() // (d * r)
+    size = n * d * r
+    buf = ws(4 * size)
+    staged = buf[size:].view(3, k, *shape)
     w_k, g_k, m_k = (list(t.unbind(0)) for t in staged.unbind(0))
-    torch._foreach_copy_(w_k, masters or locals_)
+    torch._foreach_copy_(w_k, sources)
     torch._foreach_copy_(g_k, grads)
     torch._foreach_copy_(m_k, exp_avgs)
     w, g, m = staged.view(3, n, d, r).unbind(0)
@@ -228,7 +256,7 @@ def _stage(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor],
             torch._foreach_copy_(masters, w_k)
         torch._foreach_copy_(locals_, masters or w_k)
 
-    return _Staged(w, g, m, v, scratch, write_back)
+    return _Staged(w, g, m, v, buf[:size].view(n, d, r), write_back)
 
 
 def update_batch(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor], step: int | None) -> None:
