@@ -17,6 +17,7 @@ for tests, benchmarks and the distributed helpers).
 # ruff: noqa: F401
 
 from .._linalg import ADJUST_LR_FNS, frame_step_scale
+from . import _reference, _validation
 from ._batching import (
     ACCELERATOR_STACK_NUMEL,
     STACK_NUMEL,
@@ -26,12 +27,11 @@ from ._batching import (
     _stacked_view,
 )
 from ._kernel import _FAST_MODES, _frame_update_, _rounding_margin
-from ._reference import SECOND_MOMENTS, stiefel_adam_update
+from ._reference import stiefel_adam_update
 from ._state import _capturable, _frame_state_shapes, _loaded_state, _zeros_like_layout
 from ._validation import (
     _DEFAULT_TRUST_REGION,
     _GROUP_DEFAULTS,
-    ORTHONORMALITY_TOLERANCE,
     _can_read_host,
     _check_manifold,
     _check_parameter,
@@ -41,3 +41,11 @@ from .adam import _TORCH_CAPTURABLE_DEVICES, StiefelAdam
 
 __all__ = ["StiefelAdam", "stiefel_adam_update", "frame_step_scale", "SECOND_MOMENTS", "ADJUST_LR_FNS",
            "ORTHONORMALITY_TOLERANCE"]
+
+#: The accepted values of the ``second_moment`` option (defined in ``_reference``, documented here).
+SECOND_MOMENTS = _reference.SECOND_MOMENTS
+
+#: Largest ``max |W^T W - I|`` accepted for a frame at its first step, per parameter dtype (defined in
+#: ``_validation``). A bf16-rounded orthonormal frame is already about 1e-3 off, so the low-precision
+#: tolerances are loose.
+ORTHONORMALITY_TOLERANCE = _validation.ORTHONORMALITY_TOLERANCE
