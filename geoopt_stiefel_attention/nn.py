@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import geoopt
@@ -29,9 +30,9 @@ from torch import Tensor, nn
 
 from ._linalg import ADJUST_LR_FNS
 
-# The converter lives in .convert (which imports this module only lazily, so there is no cycle); its
-# stiefelize is re-exported here, and the module-replacement helpers are used by from_euclidean/from_torch.
-from .convert import _convert, _source_parts, converted_query_key_frames, stiefelize  # noqa: F401
+# The converter lives in .convert, which does not import this module (no cycle); its stiefelize is re-exported
+# here. The module-replacement helpers of from_euclidean/from_torch are at the end of this module.
+from .convert import converted_query_key_frames, stiefelize
 from .manifolds import PolarStiefel, frame_dtypes, is_frame, reproject_after_cast_
 
 __all__ = [
@@ -659,22 +660,34 @@ class EuclideanMultiheadAttention(_MultiheadAttentionBase):
 
 
 # ---------------------------------------------------------------------------------------------- parameters
+def decays_matrices(name: str, p: Tensor) -> bool:
+    """The default weight-decay rule of :func:`param_groups`: a non-frame parameter is decayed when it is a
+    matrix or higher (``p.ndim >= 2``), whatever its ``name``."""
+    return p.dim() >= 2
+
+
 def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frames: bool = True,
-                 expect_frames: bool = True, adjust_lr_fn: str | None = None) -> list[dict]:
+                 expect_frames: bool = True, adjust_lr_fn: str | None = None,
+                 decay: Callable[[str, Tensor], bool] = decays_matrices, drop_empty: bool = False) -> list[dict]:
     r"""Split the trainable parameters of ``model`` into three optimizer groups.
+
+    The one function that groups parameters for the optimizer: the studies call it too, with their own
+    ``decay`` rule (the language-model study keeps its token and position embeddings out of decay).
 
     1. ``"frames"``: every parameter for which :func:`~geoopt_stiefel_attention.is_frame` holds
        (:class:`geoopt.ManifoldParameter` s on an embedded-metric Stiefel manifold), ``weight_decay=0`` (with
        ``no_decay_frames=True``). For a Riemannian optimizer decay on a frame is a no-op anyway:
        :math:`P_W(\lambda W) = \lambda (W - W\operatorname{sym}(W^\top W)) = 0`.
-    2. ``"decay"``: every other parameter with ``ndim >= 2`` (linear/attention/convolution weights,
+    2. ``"decay"``: every other parameter for which ``decay(name, p)`` holds; by default
+       (:func:`decays_matrices`) those with ``ndim >= 2`` (linear/attention/convolution weights,
        token and position embeddings, class tokens, the unembedding), ``weight_decay=weight_decay``. As in
-       nanoGPT, embeddings are decayed: the weight-decay-driven dynamics the experiments study act on them.
-    3. ``"no_decay"``: parameters with ``ndim < 2`` (biases, LayerNorm weights and biases, logit gains),
-       ``weight_decay=0``.
+       nanoGPT, embeddings are decayed by default: the weight-decay-driven dynamics the experiments study act
+       on them.
+    3. ``"no_decay"``: the rest (by default parameters with ``ndim < 2``: biases, LayerNorm weights and biases,
+       logit gains), ``weight_decay=0``.
 
-    Each group is a dict with ``"name"``, ``"params"`` and ``"weight_decay"``; all three are always present
-    (possibly with an empty ``params`` list, e.g. ``"frames"`` for a Euclidean model). A model without
+    Each group is a dict with ``"name"``, ``"params"`` and ``"weight_decay"``; all three are present
+    (possibly with an empty ``params`` list, e.g. ``"frames"`` for a Euclidean model) unless ``drop_empty``. A model without
     frames gets a ``UserWarning`` (``StiefelAdam`` would then train it as plain AdamW: call
     :func:`~geoopt_stiefel_attention.stiefelize` first) unless ``expect_frames=False`` or the model is
     built from :class:`EuclideanMultiheadAttention` (the Euclidean arm of a paired experiment, by design).
@@ -703,11 +716,16 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
         as AdamW would move the same block; ``"original"`` is the paper's step, :math:`\|s\|_F \approx
         \mathrm{lr}` (see :func:`~geoopt_stiefel_attention.frame_step_scale`). ``None``: the optimizer's
         own default.
+    decay : callable ``(name, parameter) -> bool``, default :func:`decays_matrices`
+        Which non-frame parameters get ``weight_decay``; ``name`` is the parameter's name in
+        ``model.named_parameters()``.
+    drop_empty : bool, default False
+        Leave out groups without parameters.
 
     Returns
     -------
     list of dict
-        ``[frames, decay, no_decay]`` in that order.
+        ``[frames, decay, no_decay]`` in that order (without the empty ones if ``drop_empty``).
 
     Examples
     --------
@@ -723,14 +741,14 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
         raise ValueError(f"param_groups: adjust_lr_fn={adjust_lr_fn!r} is unknown; pass one of {ADJUST_LR_FNS} "
                          f"or None (the optimizer's default).")
-    frames, decay, no_decay = [], [], []
-    for p in model.parameters():
+    frames, decayed, no_decay = [], [], []
+    for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         if is_frame(p):
             frames.append(p)
-        elif p.dim() >= 2:
-            decay.append(p)
+        elif decay(name, p):
+            decayed.append(p)
         else:
             no_decay.append(p)
     explicit_euclidean = any(isinstance(m, EuclideanMultiheadAttention) for m in model.modules())
@@ -744,11 +762,12 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     frame_group = {"name": "frames", "params": frames, "weight_decay": 0.0 if no_decay_frames else wd}
     if adjust_lr_fn is not None:
         frame_group["adjust_lr_fn"] = adjust_lr_fn
-    return [
+    groups = [
         frame_group,
-        {"name": "decay", "params": decay, "weight_decay": wd},
+        {"name": "decay", "params": decayed, "weight_decay": wd},
         {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
     ]
+    return [g for g in groups if g["params"]] if drop_empty else groups
 
 
 def frame_parameters(model: nn.Module) -> list[geoopt.ManifoldParameter]:
@@ -773,3 +792,72 @@ def query_key_projections(model: nn.Module) -> list[tuple[str, Tensor, Tensor]]:
     found += converted_query_key_frames(model)
     order = {path: i for i, (path, _) in enumerate(model.named_modules())}
     return sorted(found, key=lambda item: order[item[0]])
+
+
+# ---------------------------------------------------------------------------------------------- module replacement
+# from_euclidean/from_torch: a module of this library or a torch nn.MultiheadAttention, read as a config
+# and flat weights, rebuilt as another module of this library (stiefelize, in .convert, converts in place)
+def _convert(cls: type, source: nn.Module, *, frames: str | None, logit_gain: bool | None, drop_qk_bias: bool,
+             ignore_batch_first: bool, path: str | None = None) -> nn.Module:
+    """Build a library attention module ``cls`` from ``source``'s configuration and weights (used by
+    :meth:`~geoopt_stiefel_attention.StiefelMultiheadAttention.from_euclidean` and ``from_torch``)."""
+    config, weights = _source_parts(source, drop_qk_bias=drop_qk_bias, ignore_batch_first=ignore_batch_first,
+                                    path=path)
+    if frames is not None:
+        config["frames"] = frames
+    if logit_gain is not None:
+        config["logit_gain"] = bool(logit_gain)
+        if not logit_gain:
+            weights["gain"] = None
+    return cls._build(config, weights, training=source.training)
+
+
+def _t(w: Tensor) -> Tensor:
+    """A contiguous copy of the transpose (``.t().clone()`` would keep the transposed strides)."""
+    return w.detach().t().clone(memory_format=torch.contiguous_format)
+
+
+def _source_parts(source: nn.Module, *, drop_qk_bias: bool, ignore_batch_first: bool,
+                  path: str | None = None) -> tuple[dict[str, Any], dict[str, Tensor | None]]:
+    """Configuration and flat weights of a module that can be converted; ``ValueError`` naming why not."""
+    where = f"module {path!r} " if path is not None else ""
+    if isinstance(source, _MultiheadAttentionBase):
+        config = source._config()
+        if ignore_batch_first:
+            config["batch_first"] = True
+        return config, source._export()
+    if not isinstance(source, nn.MultiheadAttention):
+        raise TypeError(f"{where}({type(source).__name__}) is not an nn.MultiheadAttention or an "
+                        f"EuclideanMultiheadAttention; nothing to convert.")
+    name = f"{where}(nn.MultiheadAttention)"
+    if source.bias_k is not None or source.bias_v is not None:
+        raise ValueError(f"{name} has add_bias_kv=True (learned extra key/value rows), which the Stiefel "
+                         f"module does not implement; build the model without add_bias_kv, or keep the torch "
+                         f"module and use stiefelize(model).")
+    if source.add_zero_attn:
+        raise ValueError(f"{name} has add_zero_attn=True, which the Stiefel module does not implement; build "
+                         f"the model without add_zero_attn, or keep the torch module and use stiefelize(model).")
+    e, h = source.embed_dim, source.num_heads
+    with torch.no_grad():
+        if source._qkv_same_embed_dim:
+            wq, wk, wv = source.in_proj_weight.detach().chunk(3, dim=0)
+        else:
+            wq, wk, wv = (source.q_proj_weight.detach(), source.k_proj_weight.detach(),
+                          source.v_proj_weight.detach())
+        b_v = b_o = None
+        if source.in_proj_bias is not None:
+            b_q, _b_k, b_v = source.in_proj_bias.detach().chunk(3)
+            if not drop_qk_bias and bool((b_q != 0).any()):
+                raise ValueError(
+                    f"{name} has a non-zero query bias (max |b_Q| = {float(b_q.abs().max()):.3g}); the Stiefel "
+                    f"module has no query/key biases and dropping b_Q changes the attention. Pass "
+                    f"drop_qk_bias=True to drop it anyway (the key bias is always dropped: it is "
+                    f"softmax-invariant).")
+            b_v = b_v.clone()
+            b_o = source.out_proj.bias.detach().clone() if source.out_proj.bias is not None else torch.zeros_like(b_v)
+        weights = {"q": _t(wq), "k": _t(wk), "v": _t(wv), "o": _t(source.out_proj.weight), "b_v": b_v,
+                   "b_o": b_o, "gain": None}
+    config = dict(embed_dim=e, num_heads=h, head_dim=e // h, dropout=float(source.dropout),
+                  bias=source.in_proj_bias is not None, kdim=source.kdim, vdim=source.vdim,
+                  batch_first=bool(source.batch_first or ignore_batch_first), frames="head", logit_gain=False)
+    return config, weights

@@ -1,4 +1,8 @@
-"""Shared pytest fixtures and helpers."""
+"""Shared pytest fixtures, helpers and tolerances.
+
+Test modules import the named tolerances and helpers from here (``from conftest import F64, ORTHO_TOL_F64``);
+a tolerance used by one file only stays in that file, next to the measurement that sets it.
+"""
 
 import math
 
@@ -6,7 +10,14 @@ import geoopt
 import pytest
 import torch
 
-from geoopt_stiefel_attention import PolarStiefel
+from geoopt_stiefel_attention import PolarStiefel, TinyTransformer
+
+#: The dtype of numerical checks.
+F64 = torch.float64
+#: max |W^T W - I| of a float64 frame (after construction, conversion or training)
+ORTHO_TOL_F64 = 1e-12
+#: max |W^T W - I| of a float32 frame after training
+ORTHO_TOL_F32 = 1e-5
 
 # The tests use small tensors, for which intra-op threading only adds overhead; on a loaded 2-core machine
 # two threads made a 16x10 optimizer step 10-70x slower. One thread also makes timings reproducible.
@@ -124,3 +135,16 @@ def record_mismatches(new: list[dict], old: list[dict], *, rtol: float = TRAJECT
             elif x != y:
                 out.append(f"record {i} (epoch {a.get('epoch')}): {key} = {x!r}, fixture {y!r}")
     return out
+
+
+def tiny_transformer(vocab: int = 11, seq: int = 4, **overrides) -> TinyTransformer:
+    """The tests' tiny Stiefel model: a one-layer TinyTransformer of width 16 with two heads, seed 0;
+    ``overrides`` replace any of its keyword arguments (``attention``, ``seed``, ``dtype``, ...)."""
+    kwargs = dict(width=16, heads=2, mlp=32, attention="stiefel", seed=0)
+    return TinyTransformer(vocab, seq, **{**kwargs, **overrides})
+
+
+@pytest.fixture()
+def tiny_model():
+    """``tiny_model(**overrides)``: :func:`tiny_transformer` as a fixture."""
+    return tiny_transformer

@@ -12,6 +12,7 @@ import geoopt
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ORTHO_TOL_F32, tiny_transformer
 from torch import nn
 
 from geoopt_stiefel_attention import StiefelAdam, TinyTransformer, frame_parameters, param_groups, stiefelize
@@ -21,18 +22,15 @@ from geoopt_stiefel_attention.convert import _QKWeight
 COMPILE_TOL_AOT = 1e-6  # float32, aot_eager vs eager after 3 steps (measured: 0, bit-identical)
 COMPILE_TOL_INDUCTOR = 1e-5  # float32, inductor vs eager after 3 steps (measured: 1.3e-7)
 COMPILED_STEP_TOL = 1e-5  # float32, compiled opt.step vs eager after 4 steps (measured: 4.8e-7)
-MANIFOLD_TOL_F32 = 1e-5
 VOCAB, SEQ, STEPS = 11, 4, 3
 
 
 @pytest.fixture(autouse=True)
-def _one_thread_and_fresh_dynamo():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _fresh_dynamo():
+    """Each test compiles from scratch (one intra-op thread: conftest's autouse fixture)."""
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-    torch.set_num_threads(previous)
 
 
 def _batches(n):
@@ -42,7 +40,7 @@ def _batches(n):
 
 
 def _run(*, model_backend=None, step_backend=None, steps=STEPS):
-    model = TinyTransformer(VOCAB, SEQ, width=16, heads=2, mlp=32, attention="stiefel", seed=0)
+    model = tiny_transformer(VOCAB, SEQ)
     opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2)
     forward = model if model_backend is None else torch.compile(model, backend=model_backend)
 
@@ -70,9 +68,9 @@ def _check(compiled, eager, tol):
     assert float((losses_c - losses_e).abs().max()) <= tol
     assert _max_diff(model_c, model_e) <= tol
     for p in frame_parameters(model_c):
-        assert float(orthonormality_error(p)) < MANIFOLD_TOL_F32
+        assert float(orthonormality_error(p)) < ORTHO_TOL_F32
     # the comparison has teeth: the steps moved the parameters by much more than the tolerance
-    start = TinyTransformer(VOCAB, SEQ, width=16, heads=2, mlp=32, attention="stiefel", seed=0)
+    start = tiny_transformer(VOCAB, SEQ)
     assert _max_diff(model_e, start) > 100 * tol
 
 
@@ -93,7 +91,7 @@ def test_compiled_optimizer_step_matches_eager_without_graph_breaks():
     host (issue 18; more in tests/test_optim_contract.py)."""
     eager = _run(steps=4)
     _check(_run(step_backend="aot_eager", steps=4), eager, COMPILED_STEP_TOL)
-    model = TinyTransformer(VOCAB, SEQ, width=16, heads=2, mlp=32, attention="stiefel", seed=0)
+    model = tiny_transformer(VOCAB, SEQ)
     opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2)
     x, y = _batches(1)[0]
     F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
@@ -314,7 +312,7 @@ def _check_converted(compiled, eager, tol, name):
     frames = frame_parameters(model_c)
     assert len(frames) == 4 and all(isinstance(p, geoopt.ManifoldParameter) for p in frames)
     for p in frames:
-        assert float(orthonormality_error(p)) < MANIFOLD_TOL_F32
+        assert float(orthonormality_error(p)) < ORTHO_TOL_F32
     # the comparison has teeth: the steps moved the parameters by much more than the tolerance
     assert _max_diff(model_e, _converted_lm(name)) > 100 * tol
 

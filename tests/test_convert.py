@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import geoopt
 import pytest
 import torch
+from conftest import F64, ORTHO_TOL_F64
 from torch import nn
 
 from geoopt_stiefel_attention import (
@@ -36,9 +37,6 @@ from geoopt_stiefel_attention import (
     unstiefelize,
 )
 
-F64 = torch.float64
-#: max |W^T W - I| of a float64 frame after training
-ORTHO_TOL = 1e-12
 #: agreement of two float64 forward passes that compute the same function in different orders
 SAME_TOL = 1e-10
 #: a change of the function must exceed this (relative)
@@ -47,9 +45,24 @@ DIFFER_MIN = 1e-4
 F32_TOL = 1e-5
 STEPS = 20
 
-transformers = pytest.importorskip("transformers")
-timm = pytest.importorskip("timm")
-torchvision = pytest.importorskip("torchvision")
+
+
+class _Optional:
+    """A library imported at its first use: a test that needs it and lacks it is skipped there, alone, while
+    the torch-only tests of this file run without transformers, timm or torchvision."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("_"):  # pytest's collection probes module attributes for private markers
+            raise AttributeError(attr)
+        return getattr(pytest.importorskip(self._name), attr)
+
+
+transformers = _Optional("transformers")
+timm = _Optional("timm")
+torchvision = _Optional("torchvision")
 
 
 # ------------------------------------------------------------------------------------------ cases
@@ -277,7 +290,7 @@ def test_trains_on_the_manifold_and_loss_goes_down(name):
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.9 * losses[0], losses
     frames = frame_parameters(model)
-    assert all(max_ortho_error(f) < ORTHO_TOL for f in frames)
+    assert all(max_ortho_error(f) < ORTHO_TOL_F64 for f in frames)
     assert all(float((f.detach() - f0).abs().max()) > DIFFER_MIN for f, f0 in zip(frames, start, strict=True))
     # companion: AdamW on the same frames leaves the manifold
     plain = case.build()
@@ -589,7 +602,7 @@ def test_explicit_spans_convert_a_fused_gqa_projection():
     w, bias = model.wqkv.weight.detach(), model.wqkv.bias.detach()
     for rows in ([0, 4], [4, 8], [8, 12], [12, 16], [16, 20], [20, 24]):  # each head block is orthonormal
         block = w[rows[0]:rows[1]]
-        assert float((block @ block.t() - torch.eye(4, dtype=F64)).abs().max()) < ORTHO_TOL
+        assert float((block @ block.t() - torch.eye(4, dtype=F64)).abs().max()) < ORTHO_TOL_F64
     assert bool((bias[:24] == 0).all()) and bool((bias[24:] != 0).all())  # value bias kept
     x = _x(2, 5, 16)
     target = torch.randn(2, 5, 16, dtype=F64)
@@ -598,7 +611,7 @@ def test_explicit_spans_convert_a_fused_gqa_projection():
         opt.zero_grad()
         (model(x) - target).square().mean().backward()
         opt.step()
-    assert all(max_ortho_error(f) < ORTHO_TOL for f in frame_parameters(model))
+    assert all(max_ortho_error(f) < ORTHO_TOL_F64 for f in frame_parameters(model))
     # companions: a span outside the weight is refused, and so is an invalid span
     with pytest.raises(ValueError, match=r"fewer than span=\(16, 40\)"):
         stiefelize(FusedGQA(), targets=[Layout("bad", Block("wqkv.weight", span=(0, 16)),
@@ -734,7 +747,7 @@ def test_assigning_a_weight_sets_frames_to_its_polar_factors():
     assert torch.equal(rebuilt[32:], new[32:])  # value rows: as assigned
     for h in range(4):  # query head h: the polar factor U of its block A (U orthonormal, U^T A symmetric PD)
         a, u = new[4 * h:4 * h + 4].t(), rebuilt[4 * h:4 * h + 4].t()
-        assert float((u.t() @ u - torch.eye(4, dtype=F64)).abs().max()) < ORTHO_TOL
+        assert float((u.t() @ u - torch.eye(4, dtype=F64)).abs().max()) < ORTHO_TOL_F64
         sym = u.t() @ a
         assert float((sym - sym.t()).abs().max()) < 1e-12 and bool((torch.linalg.eigvalsh(sym) > 0).all())
     assert not torch.allclose(rebuilt[:16], new[:16])  # companion: the query rows are not copied as given
@@ -876,7 +889,7 @@ def test_fitted_gain_of_a_zero_block_is_refused_before_anything_changes():
 
 def test_dropping_a_bias_the_layout_cannot_see_is_refused():
     """timm's BEiT attention keeps q_bias beside a bias-free fused qkv: 'drop' must not leave it active."""
-    from timm.models.beit import Attention as BeitAttention
+    BeitAttention = pytest.importorskip("timm.models.beit").Attention
 
     torch.manual_seed(0)
     attn = BeitAttention(32, num_heads=4, qkv_bias=True)

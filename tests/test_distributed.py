@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import ORTHO_TOL_F64
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from geoopt_stiefel_attention import (
@@ -38,7 +39,6 @@ from geoopt_stiefel_attention.distributed import (
 
 PARALLEL_TOL = 1e-6  # 2 ranks vs one process on the whole batch (float64; measured 1e-15, GPT-2 4e-11)
 RESUME_TOL = 1e-12  # a resumed run vs the uninterrupted one (the same arithmetic: measured 0)
-MANIFOLD_TOL_F64 = 1e-12  # max |W^T W - I| of every frame on every rank
 MOVED_AT_LEAST = 1e-2  # training must move every frame far more than PARALLEL_TOL
 STEPS = 10
 RESUME_AT = 5
@@ -218,7 +218,7 @@ def test_two_ranks_match_one_process_on_the_concatenated_batch(parallel_runs, si
         assert _max_diff(got["state"], reference["state"]) < PARALLEL_TOL, (case, mode, rank)
         assert float((got["out"] - reference["out"]).abs().max()) < PARALLEL_TOL, (case, mode, rank)
         for k in frame_keys:
-            assert float(orthonormality_error(got["state"][k])) < MANIFOLD_TOL_F64, (case, mode, rank, k)
+            assert float(orthonormality_error(got["state"][k])) < ORTHO_TOL_F64, (case, mode, rank, k)
     # the comparison has teeth: training moved every frame far more than the tolerance
     moved = min(float((reference["state"][k] - reference["initial"][k]).abs().max()) for k in frame_keys)
     assert moved > MOVED_AT_LEAST
@@ -353,7 +353,7 @@ def test_deprecated_helper_warns_and_still_keeps_frames_whole(one_rank_group):
     assert all(not is_sharded(p) for p in frame_parameters(model)) and len(frame_parameters(model)) == 4
     opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2)
     _train(model, opt, *_batch(), 1)
-    assert all(float(orthonormality_error(p)) < MANIFOLD_TOL_F64 for p in frame_parameters(model))
+    assert all(float(orthonormality_error(p)) < ORTHO_TOL_F64 for p in frame_parameters(model))
 
 
 # ----------------------------------------------------------------------------- one meaning of "frame"

@@ -176,16 +176,6 @@ def _package_modules() -> list[str]:
     return sorted(names)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny examples on a shared 2-core machine: one intra-op thread is many times faster than two that
-    contend with other processes."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 # --------------------------------------------------------------------------------------- 1. the Sphinx build
 def _sphinx_build(src: Path, out: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", "-d", str(out / "doctrees"),

@@ -18,6 +18,7 @@ import pytest
 import scipy.linalg
 import scipy.stats
 import torch
+from conftest import F64, ORTHO_TOL_F32
 
 from geoopt_stiefel_attention import PolarStiefel
 from geoopt_stiefel_attention.experiments import (
@@ -42,13 +43,10 @@ from geoopt_stiefel_attention.experiments.records import read_records, summarize
 from geoopt_stiefel_attention.experiments.report import PaperReference, render_report
 from geoopt_stiefel_attention.experiments.study import finalize_study
 
-F64 = torch.float64
 #: float64 agreement of principal angles with scipy's (radians)
 ANGLE_TOL = 1e-10
 #: float64 agreement of hand-computed movement / norms
 NORM_TOL = 1e-12
-#: max |W^T W - I| of float32 frames after training
-ORTHO_TOL_F32 = 1e-5
 #: float64 agreement of summary statistics with their written-out values
 STAT_TOL = 1e-12
 

@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from conftest import ORTHO_TOL_F32
 
 from geoopt_stiefel_attention.cli import main as cli_main
 from geoopt_stiefel_attention.experiments import OptimConfig, RunSpec, TrainConfig, get_arm, train_run
@@ -29,8 +30,6 @@ from geoopt_stiefel_attention.models import TinyTransformer
 
 #: float64 agreement of the fast path with the full forward (logits and gradients)
 FAST_F64_TOL = 1e-10
-#: max |W^T W - I| of float32 frames after training
-ORTHO_TOL_F32 = 1e-5
 
 SMALL = dict(p=11, width=16, heads=2, mlp=32)
 

@@ -16,11 +16,11 @@ import inspect
 
 import pytest
 import torch
+from conftest import F64
 from torch import nn
 
 from geoopt_stiefel_attention import EuclideanMultiheadAttention, StiefelMultiheadAttention
 
-F64 = torch.float64
 #: max |difference| between the library's float64 forward and torch's (outputs and attention weights)
 TORCH_TOL = 1e-12
 #: a difference that a real change of the function must exceed (for the must-fail companions)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import F64, ORTHO_TOL_F64
 
 from geoopt_stiefel_attention import (
     PatchViT,
@@ -15,9 +16,6 @@ from geoopt_stiefel_attention import (
     query_key_projections,
 )
 
-F64 = torch.float64
-#: max |W^T W - I| of a float64 frame
-ORTHO_TOL = 1e-12
 #: symmetry of U^T A for a float64 polar factor U of A
 POLAR_SYM_TOL = 1e-12
 #: logits that must not depend on an input agree to this (float64)
@@ -44,7 +42,7 @@ def batch(name: str, seed: int = 0) -> torch.Tensor:
 def assert_polar_factor(u: torch.Tensor, a: torch.Tensor) -> None:
     """``u`` is the polar factor of ``a``: U^T U = I and U^T A symmetric positive definite (per frame)."""
     eye = torch.eye(u.shape[-1], dtype=u.dtype)
-    assert (u.transpose(-1, -2) @ u - eye).abs().max() < ORTHO_TOL
+    assert (u.transpose(-1, -2) @ u - eye).abs().max() < ORTHO_TOL_F64
     m = u.transpose(-1, -2) @ a
     assert (m - m.transpose(-1, -2)).abs().max() < POLAR_SYM_TOL
     assert torch.linalg.eigvalsh(0.5 * (m + m.transpose(-1, -2))).min() > 0
@@ -134,7 +132,7 @@ def test_one_training_step(name):
     opt.step()
     for w in frame_parameters(model):
         eye = torch.eye(w.shape[-1], dtype=F64)
-        assert (w.detach().transpose(-1, -2) @ w.detach() - eye).abs().max() < ORTHO_TOL
+        assert (w.detach().transpose(-1, -2) @ w.detach() - eye).abs().max() < ORTHO_TOL_F64
     moved = [float((w.detach() - w0).norm()) for (_, w, _), w0 in zip(query_key_projections(model), start,
                                                                          strict=True)]
     assert min(moved) > 0

@@ -13,6 +13,7 @@ import warnings
 import geoopt
 import pytest
 import torch
+from conftest import F64, ORTHO_TOL_F64
 from torch import nn
 
 from geoopt_stiefel_attention import (
@@ -20,16 +21,14 @@ from geoopt_stiefel_attention import (
     StiefelAdam,
     StiefelMultiheadAttention,
     frame_parameters,
+    is_frame,
     param_groups,
     query_key_projections,
     stiefelize,
 )
 
-F64 = torch.float64
 #: agreement of two float64 computations of the same attention (different association orders)
 REF_TOL = 1e-12
-#: max |W^T W - I| of a float64 frame
-ORTHO_TOL = 1e-12
 #: symmetry of U^T A for a float64 polar factor U of A
 POLAR_SYM_TOL = 1e-12
 #: a difference that a real change of the function must exceed
@@ -290,7 +289,7 @@ def test_from_euclidean_changes_non_orthonormal_blocks():
 def assert_polar_factor(u: torch.Tensor, a: torch.Tensor) -> None:
     """``u`` is the polar factor of ``a``: U^T U = I and U^T A symmetric positive definite (per frame)."""
     eye = torch.eye(u.shape[-1], dtype=u.dtype)
-    assert (u.transpose(-1, -2) @ u - eye).abs().max() < ORTHO_TOL
+    assert (u.transpose(-1, -2) @ u - eye).abs().max() < ORTHO_TOL_F64
     m = u.transpose(-1, -2) @ a
     assert (m - m.transpose(-1, -2)).abs().max() < POLAR_SYM_TOL
     assert torch.linalg.eigvalsh(0.5 * (m + m.transpose(-1, -2))).min() > 0
@@ -533,7 +532,7 @@ def test_stiefelize_transformer_encoder_runs_and_trains():
     opt.step()
     for p in frame_parameters(enc):
         eye = torch.eye(p.shape[-1], dtype=F64)
-        assert (p.detach().transpose(-1, -2) @ p.detach() - eye).abs().max() < ORTHO_TOL
+        assert (p.detach().transpose(-1, -2) @ p.detach() - eye).abs().max() < ORTHO_TOL_F64
     after = [p.detach() for p in enc.parameters() if p.requires_grad]
     assert all(not torch.equal(b, p) for b, p in zip(before, after, strict=True))
 
@@ -621,3 +620,83 @@ def test_query_key_projections():
     assert [path for path, _, _ in got] == ["first", "second"]
     assert got[0][1] is model.first.w_q and got[0][2] is model.first.w_k
     assert got[1][1] is model.second.w_q and got[1][2] is model.second.w_k
+
+
+# ----------------------------------------------------------------------------- one grouping function (issue 24)
+def _former_default_groups(model, weight_decay):
+    """The studies' grouping as it was written before it called param_groups (the independent reference)."""
+    frames, decayed, plain = [], [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (frames if is_frame(p) else decayed if p.ndim >= 2 else plain).append(p)
+    groups = [(frames, 0.0), (decayed, weight_decay), (plain, 0.0)]
+    return [(g, wd) for g, wd in groups if g]
+
+
+def _former_lm_groups(model, weight_decay):
+    frames, decay, plain = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if is_frame(p):
+            frames.append(p)
+        elif p.ndim >= 2 and not name.endswith(("wte.weight", "wpe.weight")):
+            decay.append(p)
+        else:
+            plain.append(p)
+    return [(g, wd) for g, wd in [(frames, 0.0), (decay, float(weight_decay)), (plain, 0.0)] if g]
+
+
+def _as_ids(groups):
+    """Groups as comparable data: (parameter ids in order, weight decay) per group."""
+    if groups and isinstance(groups[0], dict):
+        groups = [(g["params"], g["weight_decay"]) for g in groups]
+    return [([id(p) for p in params], wd) for params, wd in groups]
+
+
+def _study_models():
+    from geoopt_stiefel_attention.models import PatchViT, TinyTransformer
+
+    models = {}
+    for attention in ("stiefel", "euclidean"):
+        models[f"grokking-{attention}"] = TinyTransformer(99, 4, width=16, depth=1, heads=2, mlp=32,
+                                                          attention=attention)
+        models[f"vision-{attention}"] = PatchViT(image_size=8, patch_size=4, in_channels=1, num_classes=3, width=8,
+                                                 depth=1, heads=2, mlp=8, attention=attention, seed=0)
+    return models
+
+
+def test_study_groupings_are_param_groups_and_unchanged():
+    """default_param_groups (grokking, vision) and lm_param_groups are param_groups with a decay rule, and put
+    the same parameters in the same groups with the same weight decay as the former hand-written functions."""
+    from geoopt_stiefel_attention.experiments.arms import default_param_groups
+
+    for name, model in _study_models().items():
+        for wd in (0.0, 1.0):
+            assert _as_ids(default_param_groups(model, wd)) == _as_ids(_former_default_groups(model, wd)), name
+    model = _study_models()["grokking-stiefel"]
+    next(p for p in model.parameters() if p.ndim >= 2 and not is_frame(p)).requires_grad_(False)
+    assert _as_ids(default_param_groups(model, 0.5)) == _as_ids(_former_default_groups(model, 0.5))
+
+
+def test_lm_grouping_is_param_groups_and_unchanged():
+    pytest.importorskip("transformers")
+    from geoopt_stiefel_attention.experiments.lm import LMConfig, build_model, lm_param_groups
+
+    cfg = LMConfig(depth=1, width=16, heads=2, context=8)
+    for stiefel, gain in ((False, None), (True, None), (True, "fit")):
+        model = build_model(cfg, seed=0, stiefel=stiefel, logit_gain=gain)
+        groups = lm_param_groups(model, 0.1)
+        assert _as_ids(groups) == _as_ids(_former_lm_groups(model, 0.1))
+        assert [g["name"] for g in groups] == (["frames", "decay", "no_decay"] if stiefel else ["decay", "no_decay"])
+
+
+def test_grouping_comparison_detects_a_different_rule():
+    """Companion: the LM rule (embeddings not decayed) and the default rule differ on a model with an
+    embedding, and the comparison sees it; a custom rule moves exactly the parameters it names."""
+    model = _study_models()["grokking-stiefel"]
+    lm_rule = param_groups(model, 0.1, expect_frames=False, drop_empty=True,
+                           decay=lambda name, p: p.ndim >= 2 and "embed" not in name)
+    assert _as_ids(lm_rule) != _as_ids(_former_default_groups(model, 0.1))
+    moved = {id(p) for name, p in model.named_parameters() if p.ndim >= 2 and "embed" in name and not is_frame(p)}
+    assert moved and {id(p) for p in lm_rule[2]["params"]} - {id(p) for p in param_groups(model)[2]["params"]} == moved

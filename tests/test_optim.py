@@ -7,6 +7,7 @@ import geoopt
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_transformer
 
 from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, optim
 
@@ -706,9 +707,9 @@ def test_adjust_lr_fn_is_validated_and_old_checkpoints_load_with_the_papers_step
 
 
 def test_param_groups_carries_the_rule_to_the_frames_group_only():
-    from geoopt_stiefel_attention import TinyTransformer, param_groups
+    from geoopt_stiefel_attention import param_groups
 
-    model = TinyTransformer(11, 4, width=16, heads=2, mlp=32, attention="stiefel")
+    model = tiny_transformer()
     groups = param_groups(model, adjust_lr_fn="match_rms_adamw")
     assert groups[0]["name"] == "frames" and groups[0]["adjust_lr_fn"] == "match_rms_adamw"
     assert all("adjust_lr_fn" not in g for g in groups[1:])

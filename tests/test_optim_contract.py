@@ -15,6 +15,7 @@ import warnings
 import geoopt
 import pytest
 import torch
+from conftest import ORTHO_TOL_F64, tiny_transformer
 
 from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, param_groups, stiefel_adam_update
 from geoopt_stiefel_attention._linalg import orthonormality_error
@@ -23,7 +24,6 @@ KERNEL_TOL = 1e-11  # float64: fused kernel vs stiefel_adam_update after 120 ste
 SCHEDULE_TOL = 1e-12  # float64: optimizer under OneCycleLR vs the update written with the scheduled lr, beta1
 DTYPE_RESUME_TOL = 1e-5  # float32 continuation of a float64 run vs the float64 continuation (4 steps)
 GEOOPT_TOL = 1e-7  # StiefelAdam resumed from a geoopt checkpoint vs geoopt (QR vs polar, trust region off)
-MANIFOLD_TOL_F64 = 1e-12
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -239,7 +239,7 @@ def test_warm_up_from_lr_zero_then_moves():
         sched.step()
         moved.append(float((net.base.w.detach() - w0).abs().max()))
     assert moved[0] == 0.0 and moved[1] > 1e-4 and moved[2] > moved[1]
-    assert float(orthonormality_error(net.base.w)) < MANIFOLD_TOL_F64
+    assert float(orthonormality_error(net.base.w)) < ORTHO_TOL_F64
 
 
 @pytest.mark.parametrize("second_moment", ["frame", "column", "element"])
@@ -257,7 +257,7 @@ def test_eps_zero_with_a_zero_gradient_takes_no_step_and_gives_no_nan(second_mom
     assert torch.isfinite(w).all() and all(torch.isfinite(v).all() for v in opt.state[w].values())
     assert torch.equal(w[1], w0[1])
     assert (w[0] - w0[0]).abs().max() > 1e-3 and (w[2] - w0[2]).abs().max() > 1e-3
-    assert float(orthonormality_error(w)) < MANIFOLD_TOL_F64
+    assert float(orthonormality_error(w)) < ORTHO_TOL_F64
 
 
 def test_eps_zero_in_the_pure_update_gives_no_nan():
@@ -293,7 +293,7 @@ def test_state_dict_loads_after_the_model_changed_dtype(saved, loaded):
     diff = max(float((p.detach().double() - q.detach().double()).abs().max()) for p, q in zip(net.parameters(), moved.parameters(),
                                                                              strict=True))
     assert diff < DTYPE_RESUME_TOL
-    assert float(orthonormality_error(moved.base.w)) < (1e-5 if loaded == torch.float32 else MANIFOLD_TOL_F64)
+    assert float(orthonormality_error(moved.base.w)) < (1e-5 if loaded == torch.float32 else ORTHO_TOL_F64)
 
 
 def test_load_state_dict_pre_hook_that_rewrites_frame_state_is_honoured():
@@ -575,7 +575,7 @@ def test_fused_kernel_matches_the_readable_update_for_120_steps(lr, trust_region
             assert float(((state["exp_avg_sq"] - v).abs() / v.clamp_min(1e-300)).max()) < KERNEL_TOL
         assert int(state["skipped_frames"]) == int(skipped)
         assert float((p.detach() - w0).abs().max()) > 100 * KERNEL_TOL  # every parameter really moved
-        assert float(orthonormality_error(p)) < MANIFOLD_TOL_F64
+        assert float(orthonormality_error(p)) < ORTHO_TOL_F64
     assert sum(int(opt.state[p]["skipped_frames"]) for p in params) == len(NON_FINITE)
     if trust_region == 0.02:
         assert binding > steps  # the cap was active on many frame-steps
@@ -753,9 +753,8 @@ def test_capturable_option_is_validated_and_resolved_per_device():
 
 
 def _model_and_groups(capturable):
-    from geoopt_stiefel_attention import TinyTransformer
 
-    model = TinyTransformer(11, 4, width=16, heads=2, mlp=32, attention="stiefel", seed=0)
+    model = tiny_transformer()
     return model, StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2, capturable=capturable)
 
 

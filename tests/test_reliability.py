@@ -14,8 +14,9 @@ import geoopt
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_transformer
 
-from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, TinyTransformer, frame_parameters, param_groups
+from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, frame_parameters, param_groups
 from geoopt_stiefel_attention._linalg import orthonormality_error
 
 DRIFT_TOL_F32 = 1e-5  # max |W^T W - I| after 100,000 float32 steps (issue 8)
@@ -32,16 +33,6 @@ VOCAB, SEQ = 11, 4
 
 
 # ----------------------------------------------------------------------------- helpers
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny problems: one intra-op thread. On a loaded 2-core machine two OpenMP threads make these small
-    kernels 30-70x slower (measured: 0.38 ms vs 26 ms per float64 step at load 8)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _frames(shape=SHAPE, seed=0, dtype=torch.float64):
     return PolarStiefel().random(*shape, dtype=dtype, generator=torch.Generator().manual_seed(seed))
 
@@ -51,7 +42,7 @@ def _frame_param(shape=SHAPE, seed=0, dtype=torch.float64):
 
 
 def _model(seed=0, dtype=torch.float64, device=None):
-    return TinyTransformer(VOCAB, SEQ, width=16, heads=2, mlp=32, attention="stiefel", seed=seed, dtype=dtype,
+    return tiny_transformer(VOCAB, SEQ, seed=seed, dtype=dtype,
                            device=device)
 
 

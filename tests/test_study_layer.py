@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
+from conftest import F64
 
 from geoopt_stiefel_attention.experiments import OptimConfig, TrainConfig, get_arm, plotting
 from geoopt_stiefel_attention.experiments.config import flag_of
@@ -28,7 +29,6 @@ from geoopt_stiefel_attention.experiments.vision import VisionConfig
 
 #: float64 agreement with scipy's t statistic and interval
 SCIPY_TOL = 1e-12
-F64 = torch.float64
 
 
 # ------------------------------------------------------------------------------------------ paired statistics

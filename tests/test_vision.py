@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
+from conftest import F64
 
+from geoopt_stiefel_attention import stiefel_adam_update
 from geoopt_stiefel_attention.experiments import ARMS, OptimConfig, RunSpec, TrainConfig, train_run
 from geoopt_stiefel_attention.experiments.ablation_arms import (
     FrameScalarAdam,
@@ -43,7 +45,6 @@ from geoopt_stiefel_attention.experiments.vision import (
 )
 from geoopt_stiefel_attention.manifolds import is_frame
 
-F64 = torch.float64
 #: agreement with scipy's t-test / distributions (same formulas, different code paths)
 SCIPY_TOL = 1e-12
 #: agreement with numbers published to 4-5 significant digits (R's `t.test` on the sleep data)
@@ -54,14 +55,6 @@ UPDATE_TOL = 1e-12
 PIXEL_TOL = 1e-6
 #: float32 agreement of the movement hook with hand-computed step norms
 MOVE_TOL = 1e-5
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    """The smoke runs use one torch thread (``threads=1`` sets it process-wide); put the setting back."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
 
 TINY = dict(width=8, depth=1, heads=2, mlp=16, batch_size=64, train_size=192, eval_train_size=64)
 
@@ -329,8 +322,8 @@ def test_frame_scalar_step_is_scale_free_and_equivariant():
     q = torch.linalg.qr(torch.randn(5, 5, dtype=F64, generator=gen)).Q
 
     def fs(w, g, m, v):
-        return frame_scalar_adam_update(w, g, m, v, step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=0.0,
-                                        trust_region=None)
+        return stiefel_adam_update(w, g, m, v, step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=0.0,
+                                   trust_region=None, constrained=False)
 
     s = _one_step(fs, w, g)
     assert torch.allclose(_one_step(fs, w, 1e3 * g), s, atol=UPDATE_TOL)  # scale-free
@@ -348,6 +341,28 @@ def test_frame_scalar_step_is_scale_free_and_equivariant():
         return w - 1e-2 * g, m, v
 
     assert not torch.allclose(_one_step(sgd, w, 1e3 * g), _one_step(sgd, w, g), atol=1e-3)
+
+
+def test_frame_scalar_adam_update_is_a_deprecated_alias_of_the_unconstrained_reference():
+    """The ablation step is an option of the reference, not a third copy: the old name warns and returns the
+    same tensors, decay included; companion: the constrained (Stiefel) step differs, and refuses a decay."""
+    gen = torch.Generator().manual_seed(2)
+    w, g = torch.randn(2, 5, 3, dtype=F64, generator=gen), torch.randn(2, 5, 3, dtype=F64, generator=gen)
+    m, v = torch.randn(2, 5, 3, dtype=F64, generator=gen), torch.rand(2, 1, 1, dtype=F64, generator=gen)
+    hyper = dict(step=3, lr=0.05, beta1=0.9, beta2=0.99, eps=1e-8, trust_region=0.08)
+    with pytest.warns(DeprecationWarning, match="constrained=False"):
+        old = frame_scalar_adam_update(w, g, m, v, weight_decay=0.3, **hyper)
+    new = stiefel_adam_update(w, g, m, v, constrained=False, weight_decay=0.3, **hyper)
+    for a, b in zip(old, new[:3], strict=True):
+        assert torch.equal(a, b)
+    s = new[0] - (1.0 - 0.05 * 0.3) * w  # the decayed point minus the capped step
+    assert float(s.flatten(-2).norm(dim=-1).max()) <= 0.08 + UPDATE_TOL
+    w_frame = torch.linalg.qr(w).Q
+    constrained = stiefel_adam_update(w_frame, g, m, v, **hyper)[0]
+    unconstrained = stiefel_adam_update(w_frame, g, m, v, constrained=False, **hyper)[0]
+    assert float((constrained - unconstrained).abs().max()) > 1e3 * UPDATE_TOL
+    with pytest.raises(ValueError, match="weight_decay"):
+        stiefel_adam_update(w_frame, g, m, v, weight_decay=0.3, **hyper)
 
 
 def _tiny_vit(attention):

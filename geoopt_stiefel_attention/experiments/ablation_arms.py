@@ -28,13 +28,14 @@ rate is ``OptimConfig.effective_frame_lr``; the trust region :math:`\Delta` appl
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from .. import _linalg
 from ..manifolds import is_frame
+from ..optim import stiefel_adam_update
 from .arms import ARMS, Arm, OptimizerGroup, _adamw, build_adamw, register_arm, split_frame_groups
 from .config import OptimConfig
 
@@ -46,30 +47,22 @@ def frame_scalar_adam_update(w: torch.Tensor, grad: torch.Tensor, exp_avg: torch
                              step: int, lr: float, beta1: float, beta2: float, eps: float,
                              trust_region: float | None, weight_decay: float = 0.0
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""One frame-scalar Adam step on unconstrained matrices; pure (returns new tensors).
+    r"""Deprecated: use :func:`~geoopt_stiefel_attention.stiefel_adam_update` with ``constrained=False``.
 
-    For each matrix :math:`W \in \mathbb R^{d \times r}` of the stack ``(..., d, r)`` with gradient :math:`G`:
-
-    1. :math:`m \leftarrow \beta_1 m + (1 - \beta_1) G`
-    2. :math:`v \leftarrow \beta_2 v + (1 - \beta_2)\|G\|_F^2` (one scalar per matrix, shape ``(..., 1, 1)``)
-    3. :math:`s = \mathrm{lr}\,\dfrac{m/(1-\beta_1^t)}{\sqrt{v/(1-\beta_2^t)} + \epsilon}`
-    4. :math:`s \leftarrow s \min(1, \Delta/\|s\|_F)` (skipped for ``trust_region=None``)
-    5. :math:`W \leftarrow (1 - \mathrm{lr}\,\lambda) W - s`
-
-    This is the StiefelAdam step with the Riemannian gradient replaced by :math:`G`, without the retraction and
-    without the transport. It is scale-free (:math:`G \to cG`, :math:`c > 0`, leaves :math:`s` unchanged up to
-    :math:`\epsilon`) and O(d)-equivariant (:math:`G \to QG` maps :math:`s \to Qs`).
+    One frame-scalar Adam step on unconstrained matrices (:math:`\xi = G`, no retraction, no transport,
+    :math:`W \leftarrow (1 - \mathrm{lr}\,\lambda) W - s`); returns ``(w, exp_avg, exp_avg_sq)``.
     """
-    m = beta1 * exp_avg + (1.0 - beta1) * grad
-    v = beta2 * exp_avg_sq + (1.0 - beta2) * _linalg.frame_sq_norm(grad)
-    bias1, bias2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
-    s = _linalg.cap_step((lr / bias1) * m / ((v / bias2).sqrt() + eps), trust_region)
-    w_new = w * (1.0 - lr * weight_decay) - s if weight_decay else w - s
+    warnings.warn("frame_scalar_adam_update is deprecated; use geoopt_stiefel_attention.stiefel_adam_update("
+                  "..., constrained=False, weight_decay=...) instead.", DeprecationWarning, stacklevel=2)
+    w_new, m, v, _ = stiefel_adam_update(w, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
+                                         eps=eps, trust_region=trust_region, constrained=False,
+                                         weight_decay=weight_decay)
     return w_new, m, v
 
 
 class FrameScalarAdam(torch.optim.Optimizer):
-    r"""The per-frame-scalar Adam step (:func:`frame_scalar_adam_update`) on plain matrices ``(..., d, r)``.
+    r"""The per-frame-scalar Adam step on plain matrices ``(..., d, r)``: :func:`~geoopt_stiefel_attention.
+    stiefel_adam_update` with ``constrained=False`` (no projector, retraction or transport).
 
     Every parameter is read as a stack of ``d x r`` matrices (its last two dimensions) with one second moment
     each, e.g. a Euclidean ``w_q`` of shape ``(heads, d, head_dim)`` gets one scalar per head.
@@ -118,10 +111,10 @@ class FrameScalarAdam(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros(p.shape[:-2] + (1, 1), dtype=p.dtype, device=p.device)
                 state["step"] += 1
-                w, m, v = frame_scalar_adam_update(
+                w, m, v, _ = stiefel_adam_update(
                     p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"]), lr=float(group["lr"]),
                     beta1=beta1, beta2=beta2, eps=group["eps"], trust_region=group["trust_region"],
-                    weight_decay=group["weight_decay"])
+                    constrained=False, weight_decay=group["weight_decay"])
                 p.copy_(w)
                 state["exp_avg"].copy_(m)
                 state["exp_avg_sq"].copy_(v)

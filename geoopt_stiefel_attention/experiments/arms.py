@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from ..manifolds import is_frame
+from ..nn import param_groups
 from .config import OptimConfig
 
 __all__ = ["Arm", "ARMS", "register_arm", "get_arm", "available_arms", "OptimizerGroup", "split_frame_groups",
@@ -136,16 +137,10 @@ def available_arms(study: str | None = None) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- groups
 def default_param_groups(model: torch.nn.Module, weight_decay: float = 0.0) -> list[dict[str, Any]]:
-    """A simple grouping for models that bring none: frames without decay, other matrices (``ndim >= 2``)
-    with ``weight_decay``, vectors (biases, norms) without. Trainable parameters only; empty groups dropped."""
-    frames, decayed, plain = [], [], []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        (frames if is_frame(p) else decayed if p.ndim >= 2 else plain).append(p)
-    groups = [{"params": frames, "weight_decay": 0.0}, {"params": decayed, "weight_decay": weight_decay},
-              {"params": plain, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+    """The studies' grouping: :func:`~geoopt_stiefel_attention.param_groups` with its default rule (frames
+    without decay, other matrices (``ndim >= 2``) with ``weight_decay``, vectors without), no warning for
+    Euclidean arms, empty groups dropped."""
+    return param_groups(model, weight_decay, expect_frames=False, drop_empty=True)
 
 
 def split_frame_groups(groups: Iterable[dict[str, Any]], optim: OptimConfig

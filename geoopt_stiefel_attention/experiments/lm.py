@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from ..nn import param_groups
 from .arms import ARMS, Arm, build_stiefel, register_arm
 from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
 from .data.text import CORPORA, EvalWindows, RandomWindows, bits_per_byte, load_corpus
@@ -252,26 +253,17 @@ def gpt2_query_keys(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, tor
     return out
 
 
-def lm_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """GPT-style groups: frames (no decay); the blocks' matrices (``weight_decay``); everything else, i.e.
-    biases, LayerNorms, logit gains and the token/position embeddings (tied to the unembedding), without decay.
-    Trainable parameters only; shared ones once; empty groups dropped."""
-    from ..manifolds import is_frame
+def _lm_decays(name: str, p: torch.Tensor) -> bool:
+    """GPT-style decay rule: the blocks' matrices; not the token/position embeddings (tied to the unembedding)."""
+    return p.ndim >= 2 and not name.endswith(("wte.weight", "wpe.weight"))
 
-    frames, decay, plain = [], [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if is_frame(p):
-            frames.append(p)
-        elif p.ndim >= 2 and not name.endswith(("wte.weight", "wpe.weight")):
-            decay.append(p)
-        else:
-            plain.append(p)
-    groups = [{"name": "frames", "params": frames, "weight_decay": 0.0},
-              {"name": "decay", "params": decay, "weight_decay": float(weight_decay)},
-              {"name": "no_decay", "params": plain, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+
+def lm_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """GPT-style groups: :func:`~geoopt_stiefel_attention.param_groups` with frames (no decay); the blocks'
+    matrices (``weight_decay``); everything else, i.e. biases, LayerNorms, logit gains and the token/position
+    embeddings (tied to the unembedding), without decay. Trainable parameters only; shared ones once; empty
+    groups dropped."""
+    return param_groups(model, float(weight_decay), expect_frames=False, decay=_lm_decays, drop_empty=True)
 
 
 # ---------------------------------------------------------------------------------------------- probe

@@ -1,0 +1,301 @@
+"""How frames reach the update: same-shaped frames grouped into batches, their state kept stacked in one buffer
+per batch, a reusable workspace, and :func:`update_batch`, the one driver that stages a batch, runs the update
+(the fast kernel, or the readable reference for the ablation second moments) and writes the results back."""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import _linalg
+from .. import distributed as _distributed
+from .._linalg import frame_step_scale
+from ._kernel import _FAST_MODES, _frame_update_
+from ._reference import stiefel_adam_update
+from ._state import master_copies
+
+_local = _distributed.local_tensor  # a DTensor's local shard (whole frames; see distributed), else the tensor
+
+#: Same-shaped frame parameters of a group are stacked into batches of at most this many elements, one call
+#: per operation per batch (per-op dispatch dominates small problems); a parameter of more than half as many
+#: elements is a batch of its own, updated in place with no staging copies. 2**16 was the fastest choice for
+#: the widths 128-768 of ``stiefel-attention bench`` on a 2-core CPU.
+STACK_NUMEL = 1 << 16
+
+#: The batch size limit on other devices (accelerators), where kernel launches, not caches, set the cost: all
+#: same-shaped frames of a group up to this many elements (64 MiB in float32) are updated by one call per
+#: operation. Their first and second moments (and float32 master copies) are then kept stacked in one buffer
+#: per batch, so only frames and gradients are staged (see :func:`update_batch`).
+ACCELERATOR_STACK_NUMEL = 1 << 24
+
+def _frame_lr(group: dict[str, Any], d: int, r: int, device: torch.device, dtype: torch.dtype,
+              capturable: bool) -> tuple[float | torch.Tensor, float | None]:
+    """The learning rate and trust radius a group's ``d x r`` frames step with (:func:`frame_step_scale`); a
+    tensor ``lr`` stays a tensor on the capturable path (no host read) and is read as a float otherwise."""
+    c = frame_step_scale(group["adjust_lr_fn"], d, r)
+    lr, radius = group["lr"], group["trust_region"]
+    if isinstance(lr, torch.Tensor):
+        lr = lr.to(device=device, dtype=dtype) if capturable else float(lr)
+    if c != 1.0:
+        lr = lr * c
+        radius = None if radius is None else radius * c
+    return lr, radius
+
+
+def _frame_batches(frames: list[torch.Tensor], steps: list[int] | None,
+                   stack_numel: int | None = None) -> list[tuple[int | None, list[torch.Tensor]]]:
+    """Split frame parameters into update batches of one shape, dtype, device and step count (``steps=None``:
+    any step count, the capturable path), each of at most ``stack_numel`` elements (default: :data:`STACK_NUMEL`
+    on the CPU, :data:`ACCELERATOR_STACK_NUMEL` elsewhere); a parameter of more than half that many is a batch of
+    its own."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for p, step in zip(frames, steps if steps is not None else [None] * len(frames), strict=True):
+        groups[(_local(p).shape, p.dtype, p.device, step)].append(p)
+    batches = []
+    for (_, _, device, step), params in groups.items():
+        limit = stack_numel or (STACK_NUMEL if device.type == "cpu" else ACCELERATOR_STACK_NUMEL)
+        per_batch = max(1, limit // max(_local(params[0]).numel(), 1))
+        batches.extend((step, params[k:k + per_batch]) for k in range(0, len(params), per_batch))
+    return batches
+
+
+def _stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.stack(tensors)`` without a copy, when the tensors are dense, row-major, of one shape and dtype,
+    and lie one after the other, in this order, in one storage; otherwise ``None``."""
+    t0 = tensors[0]
+    block = t0.numel() * t0.element_size()
+    base, storage = t0.data_ptr(), t0.untyped_storage().data_ptr()
+    for i, t in enumerate(tensors):
+        if (not t.is_contiguous() or t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device
+                or t.untyped_storage().data_ptr() != storage or t.data_ptr() != base + i * block):
+            return None
+    return t0.as_strided((len(tensors), *t0.shape), (t0.numel(), *t0.stride()))
+
+
+def _stacked_state(states: list[dict[str, Any]], key: str,
+                   others: Callable[[], Iterable[dict[str, Any]]] = tuple) -> torch.Tensor:
+    """The ``states[i][key]`` tensors as one ``(k, ...)`` stack whose slices they are: a view if they already
+    are consecutive slices of one buffer (every step after the first), else a new buffer, whose slices then
+    replace them in the states (the first step of a batch, after ``load_state_dict``, or when the batch's
+    members changed). The stacked slices are ordinary tensors of the same shape, dtype and values; they only
+    share one storage.
+
+    When a new buffer is made, a tensor of ``others()`` (the states of the group's other parameters) that is
+    still a slice of one of the replaced buffers gets a storage of its own, so that no old buffer is kept
+    alive by a slice left behind (a frame that had no gradient this step, or a step count that split a batch).
+    """
+    tensors = [state[key] for state in states]
+    stacked = _stacked_view(tensors)
+    if stacked is None:
+        replaced = {t.untyped_storage().data_ptr() for t in tensors}
+        stacked = torch.stack(tensors)  # row-major, whatever the layout of the originals
+        for state, view in zip(states, stacked.unbind(0), strict=True):
+            state[key] = view
+        for state in others():
+            t = state.get(key)
+            if (isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in replaced
+                    and t.untyped_storage().nbytes() > t.numel() * t.element_size()):
+                state[key] = t.clone(memory_format=torch.contiguous_format)
+    return stacked
+
+
+def workspace(optimizer: Any, numel: int, dtype: torch.dtype, device: torch.device, reuse: bool = True) -> torch.Tensor:
+    """A reusable flat buffer of ``numel`` elements: one per (dtype, device) in ``optimizer._workspaces``, grown
+    to the largest batch, never part of the state (neither saved nor loaded). ``reuse=False`` (the capturable
+    path) allocates a fresh one, which compiled and captured steps handle better than a buffer kept on the
+    optimizer."""
+    if not reuse:
+        return torch.empty(numel, dtype=dtype, device=device)
+    workspaces = optimizer.__dict__.setdefault("_workspaces", {})
+    buf = workspaces.get((dtype, device))
+    if buf is None or buf.numel() < numel:
+        buf = workspaces[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def step_tensor(states: dict[torch.Tensor, dict[str, Any]], params: list[torch.Tensor],
+                dtype: torch.dtype) -> torch.Tensor:
+    """The step counts of ``params`` as a tensor broadcastable to their stacked frames ``(n, 1, 1)``, in
+    ``dtype``, on their device (the capturable path: no host read)."""
+    device = params[0].device
+    steps = [states[p]["step"] for p in params]
+    if len(params) == 1:
+        return steps[0].to(device=device, dtype=dtype)
+    per_param = _local(params[0]).numel() // (params[0].shape[-2] * params[0].shape[-1])
+    return torch.stack(steps).to(device=device, dtype=dtype).repeat_interleave(per_param).view(-1, 1, 1)
+
+
+@dataclass
+class _Staged:
+    """A batch of ``n`` frames as the update reads and writes them, in the compute dtype: frames ``w``,
+    gradients ``g`` and first moments ``m`` ``(n, d, r)``, second moments ``v`` ``(n, 1, 1)``, ``(n, 1, r)`` or
+    ``(n, d, r)`` (or ``None``), a ``scratch`` laid out like ``w``; ``write_back()`` copies ``w``, ``m``, ``v``
+    to wherever they did not already live (parameters, master copies, state)."""
+
+    w: torch.Tensor
+    g: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor | None
+    scratch: torch.Tensor
+    write_back: Callable[[], None]
+
+
+def _stage(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor],
+           masters: list[torch.Tensor] | None, capturable: bool) -> _Staged:
+    """Stage same-shaped frames of one dtype and device for the update.
+
+    Several plain (unsharded) parameters, outside a region torch.compile traces (where reading storage
+    pointers would break the graph), are updated as one stack (:func:`_stage_stacked`). A lone parameter whose
+    frames (or float32 master copy) are dense in the compute dtype, row-major or column-major like its first
+    moment, is updated in place, with its state (:func:`_stage_in_place`). Anything else is copied into the
+    workspace and back (:func:`_stage_copied`).
+    """
+    # local shards of sharded frames (whole frames, updated independently), else the tensors themselves
+    locals_ = [_local(p).detach() for p in params]
+    grads = [_distributed.local_grad(p) for p in params]
+    ct = _linalg.compute_dtype(params[0].dtype)
+    ws = functools.partial(workspace, optimizer, dtype=ct, device=params[0].device, reuse=not capturable)
+    if len(params) > 1 and all(_local(p) is p for p in params) and not torch.compiler.is_compiling():
+        return _stage_stacked(optimizer, group, params, masters, locals_, grads, ws)
+    states = [optimizer.state[p] for p in params]
+    exp_avgs = [_local(state["exp_avg"]) for state in states]
+    exp_avg_sqs = [_local(state["exp_avg_sq"]) for state in states] if group["second_moment"] is not None else None
+    src, m0 = (masters or locals_)[0], exp_avgs[0]  # what the update reads: the master copy if any
+    if len(params) == 1 and src.dtype == ct and src.stride() == m0.stride() and (
+            src.is_contiguous() or src.mT.is_contiguous()):
+        return _stage_in_place(src, grads[0], m0, exp_avg_sqs, masters, locals_, ws)
+    return _stage_copied(masters or locals_, grads, exp_avgs, exp_avg_sqs, masters, locals_, ws)
+
+
+def _stage_stacked(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor],
+                   masters: list[torch.Tensor] | None, locals_: list[torch.Tensor], grads: list[torch.Tensor],
+                   ws: Callable[[int], torch.Tensor]) -> _Staged:
+    """Several parameters as one stack: their state tensors (first and second moments, master copies) are kept
+    as consecutive slices of one buffer per batch (:func:`_stacked_state`), which the update reads and writes
+    in place; frames (unless a master stack stands for them) and gradients are staged in the workspace, and
+    the frames copied back."""
+    shape, k = locals_[0].shape, len(params)
+    d, r = shape[-2:]
+    n = k * locals_[0].numel() // (d * r)
+    size = n * d * r
+    states = [optimizer.state[p] for p in params]
+    keys = ["exp_avg"] + (["exp_avg_sq"] if group["second_moment"] is not None else []) + (
+        ["master"] if masters else [])
+    members = set(params)
+
+    def others() -> list[dict[str, Any]]:  # only asked for when a batch is stacked anew
+        return [optimizer.state[q] for q in group["params"] if q not in members and q in optimizer.state]
+
+    stacks = {key: _stacked_state(states, key, others) for key in keys}
+    m, v = stacks["exp_avg"].view(n, d, r), stacks.get("exp_avg_sq")
+    v = v.view(n, *v.shape[-2:]) if v is not None else None
+    master = stacks.get("master")  # the stacked master copies are the frames the update reads
+    buf = ws((2 if master is not None else 3) * size)
+    scratch, g = buf[:size].view(n, d, r), buf[size:2 * size].view(n, d, r)
+    torch._foreach_copy_(list(g.view(k, *shape).unbind(0)), grads)
+    if master is None:
+        w = buf[2 * size:].view(n, d, r)
+        torch._foreach_copy_(list(w.view(k, *shape).unbind(0)), locals_)
+    else:
+        w = master.view(n, d, r)
+
+    def write_back() -> None:  # moments and masters were updated in place; the frames come back from w
+        torch._foreach_copy_(locals_, list(w.view(k, *shape).unbind(0)))
+
+    return _Staged(w, g, m, v, scratch, write_back)
+
+
+def _stage_in_place(src: torch.Tensor, grad: torch.Tensor, m0: torch.Tensor,
+                    exp_avg_sqs: list[torch.Tensor] | None, masters: list[torch.Tensor] | None,
+                    locals_: list[torch.Tensor], ws: Callable[[int], torch.Tensor]) -> _Staged:
+    """A lone parameter (or its master copy) ``src``, laid out like its first moment ``m0``, updated in place;
+    only the scratch comes from the workspace (column-major like ``src`` if it is)."""
+    d, r = src.shape[-2:]
+    n = src.numel() // (d * r)
+    size = n * d * r
+    buf = ws(size)
+    scratch = buf.view(n, d, r) if src.is_contiguous() else buf.view(n, r, d).mT
+    v = exp_avg_sqs[0].view(n, *exp_avg_sqs[0].shape[-2:]) if exp_avg_sqs else None
+
+    def write_back() -> None:  # frames (or their master copy) and moments were updated in place
+        if masters:
+            torch._foreach_copy_(locals_, masters)
+
+    return _Staged(src.view(n, d, r), grad.reshape(n, d, r).to(src.dtype), m0.view(n, d, r), v, scratch,
+                   write_back)
+
+
+def _stage_copied(sources: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                  exp_avg_sqs: list[torch.Tensor] | None, masters: list[torch.Tensor] | None,
+                  locals_: list[torch.Tensor], ws: Callable[[int], torch.Tensor]) -> _Staged:
+    """Frames whose dtype or layout differs from their first moment's, or sharded/compiled stacks: frames,
+    gradients and first moments copied into the workspace, everything copied back."""
+    shape, k = locals_[0].shape, len(locals_)
+    d, r = shape[-2:]
+    n = k * locals_[0].numel() // (d * r)
+    size = n * d * r
+    buf = ws(4 * size)
+    staged = buf[size:].view(3, k, *shape)
+    w_k, g_k, m_k = (list(t.unbind(0)) for t in staged.unbind(0))
+    torch._foreach_copy_(w_k, sources)
+    torch._foreach_copy_(g_k, grads)
+    torch._foreach_copy_(m_k, exp_avgs)
+    w, g, m = staged.view(3, n, d, r).unbind(0)
+    v = torch.stack(exp_avg_sqs).view(n, *exp_avg_sqs[0].shape[-2:]) if exp_avg_sqs else None
+
+    def write_back() -> None:
+        torch._foreach_copy_(exp_avgs, m_k)
+        if exp_avg_sqs:
+            torch._foreach_copy_(exp_avg_sqs, list(v.view(k, *exp_avg_sqs[0].shape).unbind(0)))
+        if masters:
+            torch._foreach_copy_(masters, w_k)
+        torch._foreach_copy_(locals_, masters or w_k)
+
+    return _Staged(w, g, m, v, buf[:size].view(n, d, r), write_back)
+
+
+def update_batch(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor], step: int | None) -> None:
+    """Update same-shaped frames of one dtype, device and step count (``step=None``: the capturable path, any
+    step counts, read from the state as tensors), in place, with their state.
+
+    The batch is staged (:func:`_stage`), updated by the fused kernel :func:`_frame_update_` (second moment
+    ``"frame"`` or ``None``) or by the readable :func:`stiefel_adam_update` (``"column"``, ``"element"``), then
+    optionally re-projected (``stabilize``), written back, and its skipped frames counted in
+    ``state["skipped_frames"]``.
+    """
+    beta1, beta2 = group["betas"]
+    p0 = params[0]
+    d, r = p0.shape[-2:]
+    ct = _linalg.compute_dtype(p0.dtype)
+    capturable = step is None
+    masters = (master_copies(optimizer.state, params) if group["master_weights"] and p0.dtype != ct
+               else None)
+    batch = _stage(optimizer, group, params, masters, capturable)
+    lr, radius = _frame_lr(group, d, r, p0.device, ct, capturable)
+    hyper = dict(step=step_tensor(optimizer.state, params, ct) if capturable else step, lr=lr, beta1=beta1,
+                 beta2=beta2, eps=group["eps"], trust_region=radius)
+    if group["second_moment"] in _FAST_MODES:
+        finite = _frame_update_(batch.w, batch.g, batch.m, batch.v, batch.scratch, maximize=group["maximize"],
+                                capturable=capturable, **hyper)
+    else:
+        order = None if radius is None else _linalg.series_order(float(radius) ** 2, ct)
+        w, m, v, finite = stiefel_adam_update(batch.w, -batch.g if group["maximize"] else batch.g, batch.m,
+                                              batch.v, second_moment=group["second_moment"],
+                                              series_order=order, **hyper)
+        batch.w.copy_(w)
+        batch.m.copy_(m)
+        batch.v.copy_(v)
+    stabilize = group["stabilize"]  # None in capturable mode (refused by the validation)
+    if stabilize is not None and step % stabilize == 0:
+        batch.w.copy_(_linalg.polar_svd(batch.w))
+        batch.m.copy_(_linalg.proju(batch.w, batch.m))
+    batch.write_back()
+    # on the CPU outside the capturable path, count only when a frame was skipped (a cheap host read)
+    if capturable or p0.device.type != "cpu" or not bool(finite.all()):
+        skipped = (~finite).reshape(len(params), -1).sum(dim=1)
+        torch._foreach_add_([optimizer.state[p]["skipped_frames"] for p in params], list(skipped.unbind(0)))

@@ -1,0 +1,153 @@
+"""Optimizer state of a frame: where it lives, its shapes, its creation, float32 master copies, and the
+checks and casts of :meth:`StiefelAdam.load_state_dict <geoopt_stiefel_attention.StiefelAdam.load_state_dict>`.
+
+A frame parameter ``(..., d, r)`` has ``step`` (float32 scalar; on the CPU unless capturable), ``exp_avg``
+``(..., d, r)``, ``exp_avg_sq`` at its true shape (``(..., 1, 1)`` for one second moment per frame),
+``skipped_frames`` (int64) and, with ``master_weights`` for bf16/fp16 frames, a float32 ``master``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from .. import _linalg
+from .. import distributed as _distributed
+from ..manifolds import is_frame as _is_frame
+
+_local = _distributed.local_tensor  # a DTensor's local shard (whole frames; see distributed), else the tensor
+
+
+def _capturable(group: dict[str, Any], device: torch.device) -> bool:
+    """Whether the group's step runs the capturable path on ``device``: the group's ``capturable``, or, when it
+    is ``None`` (the default), whether ``device`` is not the CPU."""
+    cap = group.get("capturable")
+    return device.type != "cpu" if cap is None else bool(cap)
+
+
+def _zeros_like_layout(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A plain zero tensor of ``p``'s shape and device, column-major like ``p`` when ``p`` is (e.g. the ``Q`` of
+    ``torch.linalg.qr``), else contiguous."""
+    if p.dim() >= 2 and not p.is_contiguous() and p.mT.is_contiguous():
+        return torch.zeros(p.mT.shape, dtype=dtype, device=p.device).mT
+    return torch.zeros(p.shape, dtype=dtype, device=p.device)
+
+
+def _frame_state_shapes(p: torch.Tensor, second_moment: str | None) -> dict[str, tuple[int, ...]]:
+    """The shape of each state tensor of a frame parameter ``p`` of shape ``(..., d, r)``."""
+    shapes = {"exp_avg": tuple(p.shape), "master": tuple(p.shape)}
+    if second_moment is not None:
+        batch, r = tuple(p.shape[:-2]), p.shape[-1]
+        shapes["exp_avg_sq"] = {"frame": batch + (1, 1), "column": batch + (1, r),
+                                "element": tuple(p.shape)}[second_moment]
+    return shapes
+
+
+def _loaded_state(p: torch.Tensor, saved: Any, group: dict[str, Any], label: str) -> dict[str, Any]:
+    """The state of ``p`` from a state dict, checked against ``p`` and its group, converted and cast (see
+    :meth:`StiefelAdam.load_state_dict`); raises before anything changes."""
+    where = f"StiefelAdam.load_state_dict: {label}"
+    if not isinstance(saved, dict):
+        raise ValueError(f"{where}: its state is a {type(saved).__name__}, not a dict of state entries.")
+    state = dict(saved)
+    if not state:
+        return state
+    if "step" in state and not isinstance(state["step"], torch.Tensor):  # geoopt stores a Python int
+        state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+    frame = _is_frame(p)
+    sm = group["second_moment"]
+    if frame:
+        required = ["step", "exp_avg"] + (["exp_avg_sq"] if sm is not None else [])
+        shapes = _frame_state_shapes(p, sm)
+        if "max_exp_avg_sq" in state:
+            del state["max_exp_avg_sq"]
+            warnings.warn(f"{where}: dropped the frame's AMSGrad buffer 'max_exp_avg_sq' (a geoopt checkpoint?); "
+                          f"StiefelAdam's amsgrad applies to Euclidean parameters only.", UserWarning, stacklevel=3)
+        v = state.get("exp_avg_sq")
+        if sm == "frame" and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) \
+                and tuple(p.shape[-2:]) != (1, 1):
+            head = v[..., :1, :1]
+            if not torch.equal(v, head.expand_as(v)):
+                raise ValueError(
+                    f"{where}: its full-size exp_avg_sq {tuple(v.shape)} is not constant on each frame, so it is "
+                    f"not one second moment per frame (geoopt's RiemannianAdam on EuclideanStiefel stores one "
+                    f"scalar per frame at every entry; this state is not of that kind). Load it into an "
+                    f"optimizer with second_moment='element', or drop this parameter's state in a "
+                    f"register_load_state_dict_pre_hook to restart its moments.")
+            state["exp_avg_sq"] = head
+    else:
+        required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        shapes = {key: tuple(p.shape) for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+    missing = [key for key in required if key not in state]
+    if missing:
+        raise ValueError(f"{where}: its state lacks {missing} (has {sorted(state)}); the state dict does not "
+                         f"belong to this parameter and group (second_moment={sm!r}, amsgrad={group['amsgrad']}).")
+    for key, shape in shapes.items():
+        value = state.get(key)
+        if value is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{where}: its state {key!r} has shape {got}, expected {shape} "
+                             f"(second_moment={sm!r}); the state dict does not belong to this parameter.")
+    compute = _linalg.compute_dtype(p.dtype) if frame else p.dtype
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        device = p.device
+        if key == "step":  # float32, on the parameter's device in capturable mode (torch's rule), else on the CPU
+            dtype = torch.float32
+            device = p.device if _capturable(group, p.device) else torch.device("cpu")
+        elif key == "master":
+            dtype = torch.float32
+        elif value.is_floating_point() and (frame or p.is_floating_point()):
+            dtype = compute
+        else:
+            dtype = value.dtype
+        if _distributed.is_sharded(p) and key not in ("step", "skipped_frames"):  # sharded like the parameter
+            state[key] = _distributed.to_placements_of(p, value, dtype)
+        elif tuple(value.shape) == tuple(p.shape):  # the parameter's memory layout (e.g. column-major frames)
+            state[key] = _zeros_like_layout(p, dtype).to(device).copy_(value)
+        else:
+            state[key] = value.to(dtype=dtype, device=device, copy=True)
+    if frame:
+        state.setdefault("skipped_frames", torch.zeros((), dtype=torch.int64, device=p.device))
+    return state
+
+
+def init_frame_state(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    """Fill the empty ``state`` of frame parameter ``p`` with zero moments in the compute dtype, at their true
+    shapes (:func:`_frame_state_shapes`), laid out like ``p``; returns ``state``."""
+    ct = _linalg.compute_dtype(p.dtype)
+    step_device = p.device if _capturable(group, p.device) else torch.device("cpu")
+    state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+    # the parameter's memory layout (column-major frames then take the in-place path); a sharded frame's
+    # state is a DTensor sharded like it, created at its local shape (whole frames: no communication)
+    local = _local(p)
+    state["exp_avg"] = _distributed.like_parameter(p, _zeros_like_layout(local, ct), tuple(p.shape))
+    second_moment = group["second_moment"]
+    if second_moment is not None:
+        local_v = torch.zeros(_frame_state_shapes(local, second_moment)["exp_avg_sq"], dtype=ct,
+                              device=p.device)
+        state["exp_avg_sq"] = _distributed.like_parameter(
+            p, local_v, _frame_state_shapes(p, second_moment)["exp_avg_sq"])
+    state["skipped_frames"] = torch.zeros((), dtype=torch.int64, device=p.device)
+    return state
+
+
+def master_copies(states: dict[torch.Tensor, dict[str, Any]], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The float32 master copies of low-precision frames (``state["master"]``), made from the parameter at
+    first use; entries that the parameter no longer rounds to (changed outside the optimizer, e.g. by
+    ``proj_()`` or ``load_state_dict`` of the model alone) are re-read from the parameter."""
+    masters = []
+    for p in params:
+        state = states[p]
+        local = _local(p).detach()
+        if state.get("master") is None:
+            master = local.to(torch.float32, copy=True)
+            state["master"] = _distributed.like_parameter(p, master, tuple(p.shape))
+        else:
+            master = _local(state["master"])
+            torch.where(master.to(p.dtype) == local, master, local.to(master.dtype), out=master)
+        masters.append(master)
+    return masters
