@@ -1,9 +1,11 @@
-"""Argument types and the usage-error exit shared by the command-line subcommands.
+"""Argument types and the usage error shared by the command-line subcommands.
 
 Each type is an ``argparse`` ``type=`` callable: a bad value makes argparse print one ``error:`` line that
-names the flag and exit with status 2 (no traceback). :func:`usage_error` does the same for checks that
-involve several flags and can only run after parsing. :func:`output_path_problem` says why an output path
-cannot be written, so that a command checks its output flags before it starts any work.
+names the flag and exit with status 2 (no traceback). :class:`UsageError` does the same for checks that
+involve several flags and can only run after parsing: a subcommand raises it, and
+:func:`geoopt_stiefel_attention.cli.main` prints it as one line and returns 2. :func:`output_path_problem`
+says why an output path cannot be written, so that a command checks its output flags before it starts any work.
+This module imports nothing of the package, so that the CLI and the studies can both import it.
 """
 
 from __future__ import annotations
@@ -11,10 +13,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import tempfile
 from pathlib import Path
-from typing import NoReturn
 
 
 def _int(text: str) -> int:
@@ -51,10 +51,9 @@ def positive_float(text: str) -> float:
     return value
 
 
-def usage_error(command: str, message: str) -> NoReturn:
-    """Print ``"<command>: error: <message>"`` on stderr and exit with status 2, as argparse does."""
-    print(f"{command}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+class UsageError(ValueError):
+    """A user error on the command line: :func:`~geoopt_stiefel_attention.cli.main` prints it as one line
+    (``stiefel-attention <command>: error: <message>``, naming the flag) and returns exit status 2."""
 
 
 def output_path_problem(path: str | os.PathLike, *, folder: bool) -> str | None:

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._argtypes import nonnegative_int, output_path_problem, positive_float, positive_int, usage_error
+from ._argtypes import UsageError, nonnegative_int, output_path_problem, positive_float, positive_int
 
 HELP = "Time the StiefelAdam step against AdamW and stock geoopt RiemannianAdam (ratios, memory); --json."
 
@@ -1018,32 +1018,32 @@ def run(args: argparse.Namespace) -> int:
     try:
         device = torch.device(args.device)
     except RuntimeError:
-        usage_error("stiefel-attention bench", f"--device {args.device!r} is not a torch device; use e.g. cpu or cuda")
+        raise UsageError(f"--device {args.device!r} is not a torch device; use e.g. cpu or cuda") from None
     backend = getattr(torch, device.type, None)
     if device.type != "cpu" and not (backend is not None and backend.is_available()):
-        usage_error("stiefel-attention bench", f"--device {args.device!r} is not available on this machine; "
+        raise UsageError(f"--device {args.device!r} is not available on this machine; "
                                                f"use --device cpu")
     if args.what == "train" and "hf_gpt2" in args.models and importlib.util.find_spec("transformers") is None:
-        usage_error("stiefel-attention bench", "--models hf_gpt2 needs HuggingFace transformers; install the "
+        raise UsageError("--models hf_gpt2 needs HuggingFace transformers; install the "
                                                "models extra (pip install -e '.[models]')")
     allowed = PATH_ARMS if args.what == "paths" else STEP_ARMS
     args.arms = list(allowed) if args.arms is None else args.arms
     wrong = [a for a in args.arms if a not in allowed]
     if args.what in ("step", "paths") and wrong:
-        usage_error("stiefel-attention bench", f"--arms {' '.join(wrong)}: not an arm of '{args.what}'; use any of "
+        raise UsageError(f"--arms {' '.join(wrong)}: not an arm of '{args.what}'; use any of "
                                                f"{' '.join(allowed)}")
     if args.what == "step" and "stiefel" not in args.arms:
-        usage_error("stiefel-attention bench", "--arms must include 'stiefel' (every ratio is relative to it)")
+        raise UsageError("--arms must include 'stiefel' (every ratio is relative to it)")
     if args.what == "paths" and "matmul_floor" not in args.arms:
-        usage_error("stiefel-attention bench", "--arms must include 'matmul_floor' (every ratio is relative to it)")
+        raise UsageError("--arms must include 'matmul_floor' (every ratio is relative to it)")
     if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
-        usage_error("stiefel-attention bench", f"--compile-backend {args.compile_backend!r} is not a torch.compile "
+        raise UsageError(f"--compile-backend {args.compile_backend!r} is not a torch.compile "
                                                f"backend; use e.g. inductor or aot_eager")
     if args.what == "gpu" and args.out is None:
-        usage_error("stiefel-attention bench", "'gpu' writes its results as JSON: pass --out PATH")
+        raise UsageError("'gpu' writes its results as JSON: pass --out PATH")
     problem = None if args.out is None else output_path_problem(args.out, folder=False)
     if problem is not None:  # checked before the benchmark runs, not after
-        usage_error("stiefel-attention bench", f"--out {args.out}: {problem}")
+        raise UsageError(f"--out {args.out}: {problem}")
     if args.what == "gpu":
         doc = accelerator_check(args.device, scale=args.scale, clock=args.clock, threads=args.threads,
                                 compile_backend=args.compile_backend, seed=args.seed)

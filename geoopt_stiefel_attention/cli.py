@@ -10,6 +10,10 @@ import argparse
 import importlib
 import sys
 
+from ._argtypes import UsageError  # defined beside the argument types, which the studies import too
+
+__all__ = ["SUBCOMMANDS", "UsageError", "build_parser", "main"]
+
 #: subcommand name -> module implementing it
 SUBCOMMANDS: dict[str, str] = {
     "demo": "geoopt_stiefel_attention.demo",
@@ -40,27 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: Flags that ``--report-only`` honours or that only say how to run (everything else sets up training, which
-#: a report-only call does not do: it reads the settings recorded with the runs).
-_REPORT_ONLY_FLAGS = frozenset({"report_only", "out", "arms", "seeds", "workers", "device", "threads", "quiet",
-                                "skip_report", "stop_after_epochs", "checkpoint_interval", "study", "data_dir",
-                                "download", "corpus_root", "command", "_run", "_parser", "help"})
-
-
-def ignored_by_report_only(args: argparse.Namespace) -> list[str]:
-    """The flags given with ``--report-only`` (different from their defaults) that it does not use."""
-    parser = getattr(args, "_parser", None)
-    if parser is None or not getattr(args, "report_only", False):
-        return []
-    return [action.option_strings[-1] for action in parser._actions
-            if action.option_strings and action.dest not in _REPORT_ONLY_FLAGS
-            and getattr(args, action.dest, action.default) != action.default]
-
-
-class UsageError(ValueError):
-    """A user error on the command line: :func:`main` prints it as one line naming the flag and returns 2."""
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``stiefel-attention`` console script; returns the exit status.
 
@@ -70,10 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     prog = f"stiefel-attention {args.command}"
-    ignored = ignored_by_report_only(args)
-    if ignored:  # not silent: say that these flags do nothing here
-        print(f"{prog}: note: --report-only rebuilds the report with the settings recorded in --out; ignoring "
-              f"{' '.join(ignored)}", file=sys.stderr)
     try:
         return int(args._run(args) or 0)
     except UsageError as err:

@@ -10,7 +10,7 @@ import argparse
 import time
 from dataclasses import dataclass
 
-from ._argtypes import nonnegative_int, positive_float, positive_int, usage_error
+from ._argtypes import UsageError, nonnegative_int, positive_float, positive_int
 
 HELP = "Train a stack of Stiefel frames with StiefelAdam and stock geoopt RiemannianAdam; print the comparison."
 
@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.r > args.d:
-        usage_error("stiefel-attention demo", f"--r {args.r} exceeds --d {args.d}: a frame in St(d, r) needs "
+        raise UsageError(f"--r {args.r} exceeds --d {args.d}: a frame in St(d, r) needs "
                                               f"r <= d; lower --r or raise --d")
     results = run_demo(heads=args.heads, d=args.d, r=args.r, steps=args.steps, lr=args.lr, seed=args.seed)
     print(f"Minimise mean_h ||W_h - W*_h||_F^2 over {args.heads} frames on St({args.d}, {args.r}), "

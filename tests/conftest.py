@@ -148,3 +148,18 @@ def tiny_transformer(vocab: int = 11, seq: int = 4, **overrides) -> TinyTransfor
 def tiny_model():
     """``tiny_model(**overrides)``: :func:`tiny_transformer` as a fixture."""
     return tiny_transformer
+
+
+@pytest.fixture
+def cli_status():
+    """``cli_status(argv)``: the exit status of ``stiefel-attention argv``, whether :func:`main` returns it (a
+    :class:`UsageError`) or argparse raises ``SystemExit`` (a bad flag value)."""
+    from geoopt_stiefel_attention.cli import main
+
+    def status(argv: list[str]) -> int:
+        try:
+            return main(argv)
+        except SystemExit as err:
+            return err.code
+
+    return status

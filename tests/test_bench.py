@@ -253,31 +253,28 @@ class _Started(Exception):
 
 
 @pytest.mark.parametrize("what", ["step", "paths", "train", "gpu"])
-def test_cli_out_is_checked_before_the_benchmark_runs(tmp_path, monkeypatch, capsys, what):
+def test_cli_out_is_checked_before_the_benchmark_runs(tmp_path, monkeypatch, capsys, cli_status, what):
     def started(*args, **kwargs):
         raise _Started
 
     for name in ("step_time_benchmark", "step_path_benchmark", "train_step_benchmark", "accelerator_check"):
         monkeypatch.setattr(bench, name, started)
     argv = ["bench", what, "--rounds", "1", "--steps", "1", "--device", "cpu", "--out"]
-    with pytest.raises(SystemExit) as exc:
-        main([*argv, str(tmp_path)])
+    status = cli_status([*argv, str(tmp_path)])
     err = capsys.readouterr().err.strip()
-    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert status == 2 and "Traceback" not in err, err
     assert err == f"stiefel-attention bench: error: --out {tmp_path}: is a folder; pass the path of a file to write."
     # companion: a file path passes the check, and the benchmark starts
     with pytest.raises(_Started):
         main([*argv, str(tmp_path / "new" / "bench.json")])
 
 
-def test_cli_hf_gpt2_without_transformers_is_a_usage_error(monkeypatch, capsys):
+def test_cli_hf_gpt2_without_transformers_is_a_usage_error(monkeypatch, capsys, cli_status):
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
-    with pytest.raises(SystemExit) as exc:
-        main(["bench", "train", "--models", "hf_gpt2", "--rounds", "1", "--steps", "1"])
-    assert exc.value.code == 2
+    assert cli_status(["bench", "train", "--models", "hf_gpt2", "--rounds", "1", "--steps", "1"]) == 2
     assert "--models hf_gpt2 needs HuggingFace transformers" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
@@ -318,10 +315,8 @@ BAD_COMMANDS = {
 
 
 @pytest.mark.parametrize("command", list(BAD_COMMANDS))
-def test_cli_user_errors_are_one_line_exit_2(command, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(command.split())
-    assert exc.value.code == 2
+def test_cli_user_errors_are_one_line_exit_2(command, capsys, cli_status):
+    assert cli_status(command.split()) == 2
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"stiefel-attention {command.split()[0]}: error: ") and BAD_COMMANDS[command] in last

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from geoopt_stiefel_attention.cli import main
+from geoopt_stiefel_attention.cli import build_parser, main
 from geoopt_stiefel_attention.experiments import grokking
 from geoopt_stiefel_attention.experiments.metrics import MetricHook
 from geoopt_stiefel_attention.experiments.records import read_records
@@ -326,3 +326,37 @@ def test_report_only_names_the_training_flags_it_ignores(tmp_path, capsys):
     # companion: the flags report-only uses (and how to run) draw no note
     assert main(["grokking", "--report-only", "--quiet", "--out", str(out), "--arms", "stiefel", "--seeds", "0"]) == 0
     assert "ignoring" not in capsys.readouterr().err
+
+
+def test_run_options_are_made_once_from_the_flags():
+    from geoopt_stiefel_attention.experiments.runner import RunOptions
+
+    args = build_parser().parse_args(["grokking", "--workers", "2", "--device", "cpu", "--threads", "3", "--quiet",
+                                      "--stop-after-epochs", "5", "--checkpoint-interval", "7"])
+    options = RunOptions.from_args(args)
+    assert options == RunOptions(workers=2, device="cpu", threads=3, quiet=True, stop_after_epochs=5,
+                                 checkpoint_interval_s=7.0)
+    # the keyword form replaces single fields and leaves the others; companion: a field that does not exist fails
+    assert RunOptions.of(options, workers=1) == RunOptions(1, "cpu", 3, True, 5, 7.0)
+    with pytest.raises(TypeError):
+        RunOptions.of(options, worker=1)
+
+
+def test_report_only_flags_are_declared_beside_their_study():
+    from geoopt_stiefel_attention.experiments.command import ignored_by_report_only
+    from geoopt_stiefel_attention.experiments.lm import STUDY as LM
+    from geoopt_stiefel_attention.experiments.vision import STUDY as VISION
+
+    args = build_parser().parse_args(["vision", "--report-only", "--study", "scaling", "--data-dir", "d",
+                                      "--width", "8"])
+    assert ignored_by_report_only(args, VISION.report_only_flags) == ["--width"]
+    # companion: without the study's own flags, --study and --data-dir are reported as ignored too
+    assert ignored_by_report_only(args) == ["--data-dir", "--study", "--width"]
+    assert LM.report_only_flags == {"corpus_root"} and LM.arms and VISION.seeds == tuple(range(12))
+
+
+def test_usage_error_is_one_class_for_the_cli_and_the_studies():
+    from geoopt_stiefel_attention import _argtypes, cli
+    from geoopt_stiefel_attention.experiments import command
+
+    assert cli.UsageError is _argtypes.UsageError is command.UsageError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._argtypes import nonnegative_int, output_path_problem, positive_int, usage_error
+from .._argtypes import UsageError, nonnegative_int, output_path_problem, positive_int
 
 HELP = ("Certify the five propositions and the gauge negative result numerically (float64) for StiefelAdam "
         "and stock optimizers; print the table.")
@@ -41,11 +41,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         columns = [column_by_name(n) for n in args.optimizers] if args.optimizers else list(default_columns())
     except KeyError as err:
-        usage_error("stiefel-attention certify", f"--optimizers: {err.args[0]}")
+        raise UsageError(f"--optimizers: {err.args[0]}") from None
     for flag, path in (("--json", args.json), ("--markdown", args.markdown)):  # before the table is computed
         problem = None if path is None else output_path_problem(path, folder=False)
         if problem is not None:
-            usage_error("stiefel-attention certify", f"{flag} {path}: {problem}")
+            raise UsageError(f"{flag} {path}: {problem}")
     torch.set_num_threads(1)  # tiny matrices: threads only add overhead
     start = time.perf_counter()
 

@@ -2,7 +2,9 @@
 
 - :mod:`.config`: frozen, validated configs (:class:`TrainConfig`, :class:`OptimConfig`, :class:`RunSpec`);
 - :mod:`.arms`: the open registry of arms (``adamw``, ``stiefel``, ``geoopt-radam``, ``geoopt-rsgd``);
-- :mod:`.runner`: the one training loop (:func:`train_run`) and the parallel job runner (:func:`run_jobs`);
+- :mod:`.runner`: the one training loop (:func:`train_run`), the parallel job runner (:func:`run_jobs`) and
+  how to run (:class:`RunOptions`);
+- :mod:`.command`: the one study command (:class:`~.command.StudyCommand`) every study subcommand is;
 - :mod:`.metrics`: per-evaluation hooks (weight norms, movement and principal angles of W_Q, W_K);
 - :mod:`.records`, :mod:`.plotting`, :mod:`.report`: JSON-lines records, summaries, seaborn figures,
   markdown reports;
@@ -14,8 +16,8 @@ Plotting libraries, pandas and tqdm are imported lazily, inside the functions th
   (:mod:`.stats`), figures (:mod:`.plotting`) and the markdown report (:mod:`.report`), shared by every study;
 - :mod:`.vision`: the ViT-on-patches study (data, model, arms and sweep cells only).
 
-To add a study (a config, a model builder, a data module and its arms; the docs page "Experiments" walks
-through it):
+Adding a study (the docs page "Experiments", section "Adding a study", walks through it): a study is a
+config, its task builder, its arms and its report sections; the harness does the rest.
 
 1. A frozen dataclass config with the fields ``experiment`` (str), ``train``
    (:class:`~.config.TrainConfig`), ``optim`` (:class:`~.config.OptimConfig`) and the study's own fields,
@@ -25,18 +27,23 @@ through it):
    seeded with ``spec.seed`` so that paired arms see the same order), the parameter grouping, and the metric
    hooks (:class:`~.metrics.WeightNorms`, :class:`~.metrics.QKGeometry`, or your own
    :class:`~.metrics.MetricHook`).
-3. :func:`~.study.run_study` (one cell) or :func:`~.study.run_cells` (a sweep of :class:`~.study.Cell`)
-   runs the grid, resumably, and :func:`~.study.finalize_study` writes ``summary.json``, the figures and
-   ``report.md``; new arms go to the registry with :func:`~.arms.register_arm`; the paper's figures are a
-   :class:`~.report.PaperReference` with the ``protocol`` they were measured under. The CLI flags and their
-   checks come from :mod:`.cli_args`.
+3. Its arms: the registered ones, or new ones with :func:`~.arms.register_arm`.
+4. A ``run_<study>(config, out, *, arms, seeds, options, report_only, skip_report, command)`` calling
+   :func:`~.study.run_study` (one cell) or :func:`~.study.run_cells` (a sweep of :class:`~.study.Cell`), and
+   :func:`~.study.finalize_study` for the report: its sections are the title, intro, notes and the paper's
+   figures as a :class:`~.report.PaperReference` with the ``protocol`` they were measured under. How to run
+   is one :class:`~.runner.RunOptions`.
+5. The command: ``STUDY = StudyCommand(...)`` (:mod:`.command`: name, config type, the study's own flags,
+   ``config_from_args``, ``train``, default arms and seeds, the flags ``--report-only`` honours, summary
+   lines), then ``add_arguments = STUDY.add_arguments`` and ``run = STUDY.run``, and the module listed in
+   ``SUBCOMMANDS`` of :mod:`geoopt_stiefel_attention.cli`. :mod:`.grokking` is the shortest complete example.
 """
 
 from .arms import ARMS, Arm, OptimizerGroup, get_arm, register_arm
 from .config import OptimConfig, RunSpec, TrainConfig, to_dict
 from .metrics import MetricHook, QKGeometry, WeightNorms, principal_angles
-from .runner import RunResult, Task, run_jobs, train_run
+from .runner import RunOptions, RunResult, Task, run_jobs, train_run
 
 __all__ = ["ARMS", "Arm", "OptimizerGroup", "get_arm", "register_arm", "OptimConfig", "RunSpec", "TrainConfig",
-           "to_dict", "MetricHook", "QKGeometry", "WeightNorms", "principal_angles", "RunResult", "Task",
+           "to_dict", "MetricHook", "QKGeometry", "WeightNorms", "principal_angles", "RunOptions", "RunResult", "Task",
            "run_jobs", "train_run"]

@@ -105,10 +105,10 @@ def check_runner_args(args: argparse.Namespace, study: str | None = None) -> Non
     """Refuse bad running flags before anything is written: unknown or repeated ``--arms``, negative or
     repeated ``--seeds``, ``--workers``/``--threads``/``--stop-after-epochs`` below 1, a negative
     ``--checkpoint-interval``, a ``--device`` torch cannot use, and an ``--out`` that cannot be a folder.
-    Raises :class:`~geoopt_stiefel_attention.cli.UsageError` naming the flag."""
+    Raises :class:`~geoopt_stiefel_attention._argtypes.UsageError` naming the flag."""
     import math
 
-    from ..cli import UsageError
+    from .._argtypes import UsageError
     from .arms import ARMS, available_arms
 
     if args.arms is not None:
@@ -155,8 +155,7 @@ def check_out_dir(out: str, *, must_exist: bool = False) -> None:
     read-only file system), or (for ``--report-only``) does not exist. Leaves nothing behind."""
     from pathlib import Path
 
-    from .._argtypes import output_path_problem
-    from ..cli import UsageError
+    from .._argtypes import UsageError, output_path_problem
 
     path = Path(out)
     if path.exists() and not path.is_dir():
@@ -179,10 +178,10 @@ OPTIONAL_PACKAGES = {"tqdm": "progress bars (or pass --quiet)", "seaborn": "the 
 
 def require_modules(names: Sequence[str]) -> None:
     """Import each optional package in ``names``; one missing raises
-    :class:`~geoopt_stiefel_attention.cli.UsageError` saying what needs it and how to install it."""
+    :class:`~geoopt_stiefel_attention._argtypes.UsageError` saying what needs it and how to install it."""
     import importlib
 
-    from ..cli import UsageError
+    from .._argtypes import UsageError
 
     for name in names:
         try:
@@ -205,9 +204,9 @@ def runner_modules(args: argparse.Namespace) -> list[str]:
 
 
 def build_config(factory, args: argparse.Namespace):
-    """``factory(args)`` with a config error turned into a :class:`~geoopt_stiefel_attention.cli.UsageError`
+    """``factory(args)`` with a config error turned into a :class:`~geoopt_stiefel_attention._argtypes.UsageError`
     (the config messages name the flags)."""
-    from ..cli import UsageError
+    from .._argtypes import UsageError
 
     try:
         return factory(args)
@@ -217,13 +216,13 @@ def build_config(factory, args: argparse.Namespace):
 
 class user_errors:  # noqa: N801 - used as a context manager: ``with user_errors(): ...``
     """Turn the harness's user-facing errors (a run folder holding another run, a folder being trained by
-    another process) into :class:`~geoopt_stiefel_attention.cli.UsageError` (one line, exit status 2)."""
+    another process) into :class:`~geoopt_stiefel_attention._argtypes.UsageError` (one line, exit status 2)."""
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind, err, tb) -> bool:
-        from ..cli import UsageError
+        from .._argtypes import UsageError
         from .runner import ConfigMismatchError, RunLockedError
 
         if isinstance(err, (ConfigMismatchError, RunLockedError)):

@@ -16,22 +16,22 @@ each, and calls the endpoint unstable; this study reruns it over several seeds.
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from . import ablation_arms  # noqa: F401  (registers the frozen, orthostart and ablation arms)
 from .arms import Arm
-from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require
+from .command import StudyCommand
+from .config import OptimConfig, RunSpec, TrainConfig, require
 from .data.batches import FullBatch
 from .data.modular import canonical_operation, is_prime, modular_split
 from .metrics import QKGeometry, WeightNorms
 from .report import PaperReference
-from .runner import Task
+from .runner import RunOptions, Task
 from .study import StudyOutputs, finalize_study, run_study
 
-__all__ = ["GrokkingConfig", "build_task", "run_grokking", "PAPER", "HELP", "add_arguments", "run"]
+__all__ = ["GrokkingConfig", "build_task", "run_grokking", "PAPER", "HELP", "STUDY", "add_arguments", "run"]
 
 HELP = "Modular-arithmetic grokking: Stiefel W_Q/W_K (StiefelAdam) vs AdamW over seeds; records, plots, report."
 
@@ -173,29 +173,25 @@ NOTES = (
 )
 
 
-def run_grokking(config: GrokkingConfig, out_dir, *, arms=("adamw", "stiefel"), seeds=(0,), workers: int = 1,
-                 device: str = "auto", threads: int | None = None, quiet: bool = False,
-                 stop_after_epochs: int | None = None, checkpoint_interval_s: float = 30.0,
-                 report_only: bool = False, skip_report: bool = False, command: str | None = None) -> StudyOutputs:
+def run_grokking(config: GrokkingConfig, out_dir, *, arms=("adamw", "stiefel"), seeds=(0,),
+                 options: RunOptions | None = None, report_only: bool = False, skip_report: bool = False,
+                 command: str | None = None, **run_kwargs) -> StudyOutputs:
     """Run (or resume) the study and write ``summary.json``, ``report.md`` and the PNG figures into
     ``out_dir``; returns :class:`~.study.StudyOutputs` (without a summary when ``skip_report``). With
     ``report_only`` nothing is trained and the report is rebuilt from the records (``arms``/``seeds`` ``None``:
-    every arm and seed on disk). ``command`` is recorded in ``out_dir/study.json`` and shown in the report."""
+    every arm and seed on disk). ``command`` is recorded in ``out_dir/study.json`` and shown in the report.
+    ``options`` (:class:`~.runner.RunOptions`) says how to run; its fields may also be given by keyword."""
     kwargs = dict(title=f"Grokking on (a {config.operation} b) mod {config.p}: Stiefel W_Q/W_K vs AdamW",
                   intro=_intro(config), paper=PAPER, notes=NOTES)
     if report_only:
         return finalize_study(out_dir, config=config, arms=None if arms is None else list(arms),
                               seeds=None if seeds is None else list(seeds), **kwargs)
-    return run_study(config, build_task, out_dir, arms=list(arms), seeds=list(seeds), workers=workers, device=device,
-                     threads=threads, quiet=quiet, stop_after_epochs=stop_after_epochs,
-                     checkpoint_interval_s=checkpoint_interval_s, skip_report=skip_report, command=command, **kwargs)
+    return run_study(config, build_task, out_dir, arms=list(arms), seeds=list(seeds),
+                     options=RunOptions.of(options, **run_kwargs), skip_report=skip_report, command=command, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .cli_args import add_optim_arguments, add_runner_arguments, add_schedule_arguments
-
-    d = GrokkingConfig()
+def _task_arguments(parser: argparse.ArgumentParser, d: GrokkingConfig) -> None:
     g = parser.add_argument_group("task and model")
     g.add_argument("--p", type=int, default=d.p, help=f"modulus (default {d.p})")
     g.add_argument("--operation", default=d.operation, help="+ - * / (or add sub mul div; default +)")
@@ -207,9 +203,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mlp", type=int, default=d.mlp, help=f"MLP hidden width (default {d.mlp})")
     g.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
                    help="run the full forward at every position (default: last block at the last position only)")
-    add_schedule_arguments(parser, d.train)
-    add_optim_arguments(parser, d.optim)
-    add_runner_arguments(parser, arms=("adamw", "stiefel"), seeds=(0,), out="runs/grokking", study="grokking")
 
 
 def config_from_args(args: argparse.Namespace) -> GrokkingConfig:
@@ -221,57 +214,30 @@ def config_from_args(args: argparse.Namespace) -> GrokkingConfig:
                           optim=optim_config_from_args(args))
 
 
-def _config_for_report(args: argparse.Namespace) -> GrokkingConfig:
-    """For ``--report-only``: the config the runs in ``--out`` were trained with (their ``config.json``)."""
-    from .study import recorded_config
-
-    recorded = recorded_config(args.out)
-    if recorded is None:
-        from ..cli import UsageError
-
-        raise UsageError(f"--out {args.out}: holds no runs (no runs/<arm>/seed<k>/config.json); train the study "
-                         f"first, without --report-only.")
-    return config_from_dict(GrokkingConfig, recorded)
+def _train(config: GrokkingConfig, args: argparse.Namespace, **kwargs) -> StudyOutputs:
+    return run_grokking(config, args.out, report_only=args.report_only, skip_report=args.skip_report, **kwargs)
 
 
-def run(args: argparse.Namespace) -> int:
-    from .cli_args import (
-        build_config,
-        check_runner_args,
-        invoked_command,
-        require_modules,
-        runner_modules,
-        user_errors,
-    )
+def _result_line(r, config: GrokkingConfig) -> str:
+    rate = "" if r.epochs_per_second is None else f", {r.epochs_per_second:.2f} epochs/s"
+    acc = (r.final_record or {}).get("val_acc")
+    return f"{r.name}: epoch {r.epoch}{rate}" + ("" if acc is None else f", val acc {100 * acc:.1f}%")
 
-    check_runner_args(args, study="grokking")
-    config = _config_for_report(args) if args.report_only else build_config(config_from_args, args)
-    require_modules(runner_modules(args))
-    arms = args.arms if args.arms is not None or args.report_only else ["adamw", "stiefel"]
-    seeds = args.seeds if args.seeds is not None or args.report_only else [0]
-    t0 = time.perf_counter()
-    with user_errors():
-        outputs = run_grokking(config, args.out, arms=arms, seeds=seeds, workers=args.workers,
-                               device=args.device, threads=args.threads, quiet=args.quiet,
-                               stop_after_epochs=args.stop_after_epochs,
-                               checkpoint_interval_s=args.checkpoint_interval, report_only=args.report_only,
-                               skip_report=args.skip_report, command=None if args.report_only else invoked_command())
-    results = outputs.results
-    pending = [r.name for r in results if not r.completed]
-    print(f"grokking: {len(results)} run(s) in {time.perf_counter() - t0:.1f} s -> {args.out}")
-    for r in results:
-        rate = "" if r.epochs_per_second is None else f", {r.epochs_per_second:.2f} epochs/s"
-        acc = (r.final_record or {}).get("val_acc")
-        print(f"  {r.name}: epoch {r.epoch}{rate}" + ("" if acc is None else f", val acc {100 * acc:.1f}%"))
-    if pending:
-        print(f"  stopped before the end (rerun the same command to resume): {', '.join(pending)}")
-    if outputs.summary is None:
-        return 0
-    for arm, s in outputs.summary["summary"]["arms"].items():
+
+def _summary_lines(summary: dict) -> list[str]:
+    lines = []
+    for arm, s in summary["summary"]["arms"].items():
         fin = s["final"]
         std = "" if fin["std"] is None else f" ± {100 * fin['std']:.1f}"
-        print(f"  {arm:<14} final val acc {100 * fin['mean']:.1f}%{std} over seeds {s['seeds']}; "
-              f"reached 95% in {s['first_epoch_reaching']['n_reached']}/{s['first_epoch_reaching']['n']}; "
-              f"stays ≥95% (last 10%): {s['stays_above']['fraction']:.2f}")
-    print(f"  report: {outputs.report_path}")
-    return 0
+        lines.append(f"{arm:<14} final val acc {100 * fin['mean']:.1f}%{std} over seeds {s['seeds']}; "
+                     f"reached 95% in {s['first_epoch_reaching']['n_reached']}/{s['first_epoch_reaching']['n']}; "
+                     f"stays ≥95% (last 10%): {s['stays_above']['fraction']:.2f}")
+    return lines
+
+
+#: The ``stiefel-attention grokking`` command.
+STUDY = StudyCommand(name="grokking", config_type=GrokkingConfig, task_arguments=_task_arguments,
+                     config_from_args=config_from_args, train=_train, arms=("adamw", "stiefel"), seeds=(0,),
+                     result_line=_result_line, summary_lines=_summary_lines)
+add_arguments = STUDY.add_arguments
+run = STUDY.run

@@ -39,7 +39,6 @@ import functools
 import json
 import math
 import os
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,18 +46,20 @@ from typing import Any
 
 import torch
 
+from .._argtypes import UsageError
 from ..nn import param_groups
 from .arms import ARMS, Arm, build_stiefel, register_arm
+from .command import StudyCommand
 from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
 from .data.text import CORPORA, EvalWindows, RandomWindows, bits_per_byte, load_corpus
 from .metrics import MetricHook, QKGeometry
-from .runner import ConfigMismatchError, Task
+from .runner import ConfigMismatchError, RunOptions, Task
 from .schedules import warmup_cosine
 from .study import Cell, StudyOutputs
 
 __all__ = ["LMConfig", "build_model", "build_task", "gpt2_query_keys", "attention_logit_stats", "AttentionProbe",
            "lm_param_groups", "SweepMismatchError", "run_lm", "finalize_lm", "sweep_cells", "LM_ARMS", "LOGIT_GAIN", "PUBLISHED",
-           "HELP", "add_arguments", "run"]
+           "HELP", "STUDY", "add_arguments", "run"]
 
 HELP = ("Byte-level GPT-2 on the Python standard library's sources: AdamW vs Stiefel W_Q/W_K (StiefelAdam, "
         "learned logit gain, geoopt RiemannianAdam) over paired seeds; records, plots, report.")
@@ -743,10 +744,9 @@ def _check_recorded_corpus(out_dir: str | os.PathLike, config: LMConfig) -> None
 
 
 def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] | None = LM_ARMS,
-           seeds: Sequence[int] | None = (0, 1, 2), frame_lrs: Sequence[float] = (), workers: int = 1,
-           device: str = "auto", threads: int | None = None, quiet: bool = False,
-           stop_after_epochs: int | None = None, checkpoint_interval_s: float = 30.0, report_only: bool = False,
-           skip_report: bool = False, command: str | None = None) -> StudyOutputs:
+           seeds: Sequence[int] | None = (0, 1, 2), frame_lrs: Sequence[float] = (),
+           options: RunOptions | None = None, report_only: bool = False, skip_report: bool = False,
+           command: str | None = None, **run_kwargs: Any) -> StudyOutputs:
     """Run (or resume) every (arm, seed) of the main cell, then the ``stiefel`` arm at every extra frame lr of
     ``frame_lrs`` (:func:`sweep_cells`), and write the report into ``out_dir``. ``report_only``: train nothing,
     rebuild the report from the records (``config`` is then the recorded one; ``arms``/``seeds`` ``None``: all
@@ -767,11 +767,11 @@ def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] 
     config = with_corpus_identity(config)
     _check_recorded_corpus(out_dir, config)
     sweep = [dataclasses.replace(c, config=with_corpus_identity(c.config)) for c in sweep]
-    kwargs = dict(workers=workers, device=device, threads=threads, quiet=quiet, stop_after_epochs=stop_after_epochs,
-                  checkpoint_interval_s=checkpoint_interval_s)
-    results = run_cells([Cell(config)], build_task, out_dir, arms=arms, seeds=seeds, command=command, **kwargs)
+    options = RunOptions.of(options, **run_kwargs)
+    results = run_cells([Cell(config)], build_task, out_dir, arms=arms, seeds=seeds, command=command, options=options)
     if sweep:
-        results += run_cells(sweep, build_task, out_dir, arms=["stiefel"], seeds=seeds, command=command, **kwargs)
+        results += run_cells(sweep, build_task, out_dir, arms=["stiefel"], seeds=seeds, command=command,
+                             options=options)
     if skip_report:
         return StudyOutputs(results=tuple(results))
     return finalize_lm(out_dir, config, arms=arms, seeds=seeds, results=results)
@@ -784,11 +784,9 @@ def _none_or_positive_float(text: str) -> float | None:
     return None if text.lower() in ("none", "off") else positive_float(text)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def _task_arguments(parser: argparse.ArgumentParser, d: LMConfig) -> None:
     from .._argtypes import positive_float, positive_int
-    from .cli_args import add_optim_arguments, add_runner_arguments, add_schedule_arguments
 
-    d = LMConfig()
     g = parser.add_argument_group("corpus")
     g.add_argument("--corpus", choices=CORPORA, default=d.corpus,
                    help="python-stdlib: the running Python's standard-library sources (default)")
@@ -839,9 +837,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--transfer-report", action="store_true",
                    help="train nothing: --out holds one lm study per model shape (experiments/lm/run_frame_step.sh); "
                         "write the report of the frame lr against the multiplier, one curve per shape")
-    add_schedule_arguments(parser, d.train)
-    add_optim_arguments(parser, d.optim)
-    add_runner_arguments(parser, arms=LM_ARMS, seeds=(0, 1, 2), out="runs/lm", study="lm")
 
 
 def config_from_args(args: argparse.Namespace) -> LMConfig:
@@ -858,19 +853,7 @@ def config_from_args(args: argparse.Namespace) -> LMConfig:
                     train=train_config_from_args(args), optim=optim_config_from_args(args))
 
 
-def _config_for_report(out: str) -> LMConfig:
-    from ..cli import UsageError
-    from .study import recorded_config
-
-    recorded = recorded_config(out)
-    if recorded is None:
-        raise UsageError(f"--out {out}: holds no runs (no runs/<arm>/seed<k>/config.json); train the study first, "
-                         f"without --report-only.")
-    return config_from_dict(LMConfig, recorded)
-
-
 def _run_transfer_report(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
     from .transfer import transfer_report
 
     if not Path(args.out).is_dir():
@@ -886,47 +869,52 @@ def _run_transfer_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
-    from .cli_args import build_config, check_runner_args, invoked_command, require_modules, runner_modules, user_errors
-
-    if args.transfer_report:
-        return _run_transfer_report(args)
-    check_runner_args(args, study="lm")
+def _check(args: argparse.Namespace) -> None:
     if args.frame_lrs and args.arms is not None and "stiefel" not in args.arms:
         raise UsageError(f"--frame-lrs sweeps the stiefel arm's frame lr, but --arms {' '.join(args.arms)} has no "
                          f"stiefel arm; add stiefel to --arms or drop --frame-lrs.")
     if args.corpus_root is not None and not Path(args.corpus_root).is_dir():
         raise UsageError(f"--corpus-root {args.corpus_root}: no such folder; pass a folder holding *.py files.")
-    config = _config_for_report(args.out) if args.report_only else build_config(config_from_args, args)
-    require_modules(runner_modules(args) + ([] if args.report_only else ["transformers"]))
-    if not args.report_only:
-        try:  # the sweep's values and the corpus, checked before anything is written
-            sweep_cells(config, args.frame_lrs)
-            config = with_corpus_identity(config)
-        except (ValueError, FileNotFoundError) as err:
-            raise UsageError(str(err)) from None
-    t0 = time.perf_counter()
-    with user_errors():
-        outputs = run_lm(config, args.out, arms=args.arms if args.arms is not None or args.report_only else LM_ARMS,
-                         seeds=args.seeds if args.seeds is not None or args.report_only else (0, 1, 2),
-                         frame_lrs=args.frame_lrs, workers=args.workers, device=args.device, threads=args.threads,
-                         quiet=args.quiet, stop_after_epochs=args.stop_after_epochs,
-                         checkpoint_interval_s=args.checkpoint_interval, report_only=args.report_only,
-                         skip_report=args.skip_report, command=None if args.report_only else invoked_command())
-    results = outputs.results
-    print(f"lm: {len(results)} run(s) in {time.perf_counter() - t0:.1f} s -> {args.out}")
-    for r in results:
-        rate = "" if r.epochs_per_second is None else f", {r.epochs_per_second * config.steps_per_epoch:.2f} steps/s"
-        bpb = (r.final_record or {}).get("val_bpb")
-        print(f"  {r.run_dir}: epoch {r.epoch}{rate}" + ("" if bpb is None else f", val {bpb:.4f} bpb"))
-    pending = [r.name for r in results if not r.completed]
-    if pending:
-        print(f"  stopped before the end (rerun the same command to resume): {', '.join(pending)}")
-    if outputs.summary is not None:
-        for arm, a in outputs.summary["main"]["arms"].items():
-            f = a["final_val_bpb"]
-            sd = "" if f.get("std") is None else f" ± {f['std']:.4f}"
-            print(f"  {arm:<14} final val {f['mean']:.4f}{sd} bpb over {len(a['seeds'])} seed(s)")
-        print(f"  report: {outputs.report_path}")
-    return 0
+
+
+def _prepare(config: LMConfig, args: argparse.Namespace) -> LMConfig:
+    """The sweep's values and the corpus, checked before anything is written."""
+    sweep_cells(config, args.frame_lrs)
+    return with_corpus_identity(config)
+
+
+def _train(config: LMConfig, args: argparse.Namespace, **kwargs: Any) -> StudyOutputs:
+    return run_lm(config, args.out, frame_lrs=args.frame_lrs, report_only=args.report_only,
+                  skip_report=args.skip_report, **kwargs)
+
+
+def _result_line(r: Any, config: LMConfig) -> str:
+    rate = "" if r.epochs_per_second is None else f", {r.epochs_per_second * config.steps_per_epoch:.2f} steps/s"
+    bpb = (r.final_record or {}).get("val_bpb")
+    return f"{r.run_dir}: epoch {r.epoch}{rate}" + ("" if bpb is None else f", val {bpb:.4f} bpb")
+
+
+def _summary_lines(summary: dict[str, Any]) -> list[str]:
+    lines = []
+    for arm, a in summary["main"]["arms"].items():
+        f = a["final_val_bpb"]
+        sd = "" if f.get("std") is None else f" ± {f['std']:.4f}"
+        lines.append(f"{arm:<14} final val {f['mean']:.4f}{sd} bpb over {len(a['seeds'])} seed(s)")
+    return lines
+
+
+#: The ``stiefel-attention lm`` command (``--transfer-report``: :func:`run` reports over per-width studies).
+STUDY = StudyCommand(name="lm", config_type=LMConfig, task_arguments=_task_arguments,
+                     config_from_args=config_from_args, train=_train, arms=LM_ARMS, seeds=(0, 1, 2),
+                     report_only_flags=frozenset({"corpus_root"}), check=_check, prepare=_prepare,
+                     modules=lambda config, args: ["transformers"], result_line=_result_line,
+                     summary_lines=_summary_lines)
+add_arguments = STUDY.add_arguments
+
+
+def run(args: argparse.Namespace) -> int:
+    """``stiefel-attention lm``: the study (:data:`STUDY`), or with ``--transfer-report`` the report over a
+    folder of per-shape studies."""
+    if args.transfer_report:
+        return _run_transfer_report(args)
+    return STUDY.run(args)

@@ -23,6 +23,7 @@ same thread count).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -45,7 +46,7 @@ from .data.batches import BatchSource
 from .metrics import MetricHook
 from .records import METRICS_FILE, append_record, read_records, truncate_records
 
-__all__ = ["Task", "RunResult", "train_run", "run_jobs", "resolve_device", "environment_info", "CONFIG_FILE",
+__all__ = ["Task", "RunResult", "RunOptions", "train_run", "run_jobs", "resolve_device", "environment_info", "CONFIG_FILE",
            "CHECKPOINT_FILE", "ENVIRONMENT_FILE", "ConfigMismatchError", "TrainingInterrupted", "check_run_dir",
            "RunLockedError"]
 
@@ -671,21 +672,62 @@ def _job(args: tuple) -> RunResult:
     return train_run(spec, build_task, run_dir, **kwargs)
 
 
-def run_jobs(specs: Sequence[RunSpec], build_task: TaskBuilder, out_dir: str | os.PathLike, *, workers: int = 1,
-             device: str = "auto", threads: int | None = None, quiet: bool = False,
-             stop_after_epochs: int | None = None, checkpoint_interval_s: float = 30.0) -> list[RunResult]:
-    """Run (or resume) every spec, each in ``out_dir/runs/<arm>/seed<k>``, ``workers`` at a time.
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run a study's jobs: the six running flags, made once from the command line and passed down.
+
+    Parameters
+    ----------
+    workers : int
+        Runs trained at the same time, in separate processes when more than one.
+    device : str
+        ``"auto"`` (CUDA when present, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+    threads : int or None
+        torch threads per run (``None``: torch's choice for one worker, else ``cpu_count // workers``).
+    quiet : bool
+        No progress bars.
+    stop_after_epochs : int or None
+        Train at most this many epochs per run in this call, then checkpoint and stop.
+    checkpoint_interval_s : float
+        Least seconds between two checkpoints (one is always written at the end).
+    """
+
+    workers: int = 1
+    device: str = "auto"
+    threads: int | None = None
+    quiet: bool = False
+    stop_after_epochs: int | None = None
+    checkpoint_interval_s: float = 30.0
+
+    @classmethod
+    def from_args(cls, args: Any) -> RunOptions:
+        """The options of a parsed study command (``--workers`` ... ``--checkpoint-interval``)."""
+        return cls(workers=args.workers, device=args.device, threads=args.threads, quiet=args.quiet,
+                   stop_after_epochs=args.stop_after_epochs, checkpoint_interval_s=args.checkpoint_interval)
+
+    @classmethod
+    def of(cls, options: RunOptions | None = None, **kwargs: Any) -> RunOptions:
+        """``options`` with any option given by keyword (the older keyword form) replaced."""
+        return dataclasses.replace(options or cls(), **kwargs)
+
+
+def run_jobs(specs: Sequence[RunSpec], build_task: TaskBuilder, out_dir: str | os.PathLike,
+             options: RunOptions | None = None, **kwargs: Any) -> list[RunResult]:
+    """Run (or resume) every spec, each in ``out_dir/runs/<arm>/seed<k>``, ``options.workers`` at a time.
 
     With ``workers > 1`` the runs go to separate processes (``spawn``); ``build_task`` must then be a
     module-level function. ``threads=None`` gives each process ``max(1, cpu_count // workers)`` threads when
     ``workers > 1`` and leaves torch's default otherwise. Per-run progress bars are shown for ``workers=1``;
-    with more workers one bar counts finished runs.
+    with more workers one bar counts finished runs. The options may also be given one by one as keywords
+    (``workers=2, device="cpu"``), which replace those of ``options``.
 
     Returns
     -------
     list of RunResult
         In the order of ``specs``.
     """
+    options = RunOptions.of(options, **kwargs)
+    workers, threads, quiet = options.workers, options.threads, options.quiet
     if not (isinstance(workers, int) and workers >= 1):
         raise ValueError(f"run_jobs: workers={workers!r} must be an int >= 1.")
     names = [s.name for s in specs]
@@ -697,8 +739,8 @@ def run_jobs(specs: Sequence[RunSpec], build_task: TaskBuilder, out_dir: str | o
         check_run_dir(out_dir / "runs" / s.name, s)  # ... or on a folder that holds another run
     if workers > 1 and threads is None:
         threads = max(1, (os.cpu_count() or 1) // workers)
-    kwargs = {"device": device, "threads": threads, "stop_after_epochs": stop_after_epochs,
-              "checkpoint_interval_s": checkpoint_interval_s}
+    kwargs = {"device": options.device, "threads": threads, "stop_after_epochs": options.stop_after_epochs,
+              "checkpoint_interval_s": options.checkpoint_interval_s}
     jobs = [(s, build_task, out_dir / "runs" / s.name, kwargs) for s in specs]
     if workers == 1 or len(jobs) == 1:
         return [_job((s, b, d, {**kw, "quiet": quiet})) for s, b, d, kw in jobs]

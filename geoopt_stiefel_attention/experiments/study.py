@@ -24,7 +24,7 @@ from .arms import get_arm
 from .config import RunSpec, to_dict
 from .records import load_study_records, summarize
 from .report import PaperReference, render_report, write_text
-from .runner import CONFIG_FILE, ENVIRONMENT_FILE, RunResult, TaskBuilder, check_run_dir, run_jobs
+from .runner import CONFIG_FILE, ENVIRONMENT_FILE, RunOptions, RunResult, TaskBuilder, check_run_dir, run_jobs
 
 __all__ = ["Cell", "finished_runs", "StudyOutputs", "run_study", "run_cells", "finalize_study", "speed_from_environment",
            "record_command", "recorded_commands", "cell_records", "recorded_config", "run_info_from_records"]
@@ -252,12 +252,14 @@ def finalize_study(out_dir: str | os.PathLike, *, title: str, intro: str = "", c
 
 
 def run_cells(cells: Sequence[Cell], build_task: TaskBuilder, out_dir: str | os.PathLike, *, arms: Sequence[str],
-              seeds: Sequence[int], arm_config: Any = None, command: str | None = None, **run_kwargs: Any
-              ) -> list[RunResult]:
+              seeds: Sequence[int], arm_config: Any = None, command: str | None = None,
+              options: RunOptions | None = None, **run_kwargs: Any) -> list[RunResult]:
     """Run (or resume) every (cell, arm, seed) with :func:`~.runner.run_jobs`, cell by cell, and record
     ``command`` in ``study.json``. ``arm_config(config, arm)`` may adapt a cell's config to an arm (e.g. an
     arm's own frame learning rate); default: the cell's config. Paired: each seed gives every arm of a cell the
-    same data and initial weights."""
+    same data and initial weights. ``options`` (:class:`~.runner.RunOptions`) says how to run; single options
+    given by keyword replace its fields."""
+    options = RunOptions.of(options, **run_kwargs)
     grid = [(cell, [RunSpec(cell.config if arm_config is None else arm_config(cell.config, a), a, s)
                     for a in arms for s in seeds]) for cell in cells]
     for cell, specs in grid:  # refuse a folder holding other runs before anything is trained or written
@@ -267,19 +269,19 @@ def run_cells(cells: Sequence[Cell], build_task: TaskBuilder, out_dir: str | os.
     record_command(out_dir, command)
     results: list[RunResult] = []
     for cell, specs in grid:
-        results += run_jobs(specs, build_task, cell.folder(out_dir), **run_kwargs)
+        results += run_jobs(specs, build_task, cell.folder(out_dir), options)
     return results
 
 
 def run_study(config: Any, build_task: TaskBuilder, out_dir: str | os.PathLike, *, arms: Sequence[str],
-              seeds: Sequence[int], workers: int = 1, device: str = "auto", threads: int | None = None,
-              quiet: bool = False, stop_after_epochs: int | None = None, checkpoint_interval_s: float = 30.0,
-              skip_report: bool = False, command: str | None = None, **finalize_kwargs: Any) -> StudyOutputs:
+              seeds: Sequence[int], options: RunOptions | None = None, skip_report: bool = False,
+              command: str | None = None, **kwargs: Any) -> StudyOutputs:
     """Run (or resume) every (arm, seed) of a single-cell study (:func:`run_cells`), then :func:`finalize_study`
-    unless ``skip_report``. Returns :class:`StudyOutputs` either way (without a summary when skipped)."""
+    unless ``skip_report``. Returns :class:`StudyOutputs` either way (without a summary when skipped). Keywords
+    naming a field of :class:`~.runner.RunOptions` replace that option; the others go to :func:`finalize_study`."""
+    run_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in RunOptions.__dataclass_fields__}
     results = run_cells([Cell(config)], build_task, out_dir, arms=arms, seeds=seeds, command=command,
-                        workers=workers, device=device, threads=threads, quiet=quiet,
-                        stop_after_epochs=stop_after_epochs, checkpoint_interval_s=checkpoint_interval_s)
+                        options=RunOptions.of(options, **run_kwargs))
     if skip_report:
         return StudyOutputs(results=tuple(results))
-    return finalize_study(out_dir, config=config, arms=arms, seeds=seeds, results=results, **finalize_kwargs)
+    return finalize_study(out_dir, config=config, arms=arms, seeds=seeds, results=results, **kwargs)

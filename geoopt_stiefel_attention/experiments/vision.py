@@ -32,7 +32,6 @@ import dataclasses
 import functools
 import json
 import os
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,9 +41,18 @@ import torch
 
 from . import ablation_arms  # noqa: F401  (registers the ablation and frozen arms)
 from .arms import Arm
+from .cli_args import build_config
+from .command import StudyCommand
 from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
 from .data.batches import MiniBatches
-from .data.vision import DISPLAY_NAMES, canonical_dataset, load_vision, random_crop_flip, subsample
+from .data.vision import (
+    DISPLAY_NAMES,
+    DatasetNotFoundError,
+    canonical_dataset,
+    load_vision,
+    random_crop_flip,
+    subsample,
+)
 from .metrics import QKGeometry, StepMovement, WeightNorms
 from .records import group_runs, summarize_cell
 from .report import (
@@ -58,13 +66,13 @@ from .report import (
     protocol_differences,
     run_lines,
 )
-from .runner import Task
+from .runner import RunOptions, Task
 from .schedules import warmup_cosine  # noqa: F401  (re-exported: vision.warmup_cosine)
 from .stats import describe
 from .study import Cell, StudyOutputs
 
 __all__ = ["VisionConfig", "StepMovement", "build_task", "study_cells", "run_vision", "finalize_vision",
-           "analyze_cell", "STUDIES", "STUDY_ARMS", "PAPER", "HELP", "add_arguments", "run"]
+           "analyze_cell", "STUDIES", "STUDY_ARMS", "PAPER", "HELP", "STUDY", "add_arguments", "run"]
 
 HELP = ("ViT on image patches (CIFAR-10, Fashion-MNIST, digits): paired Stiefel-vs-AdamW starts, data scaling, "
         "movement, frozen frames, weight decay, ablation; records, plots, report.")
@@ -575,7 +583,7 @@ def recorded_cells(out_dir: str | os.PathLike, study: str) -> list[Cell]:
             value = config.train_size if sweep[0] == "train_size" else config.optim.weight_decay
             cells.append(Cell(config, folder.name, sweep[0], float(value)))
     if not cells:
-        from ..cli import UsageError
+        from .._argtypes import UsageError
 
         raise UsageError(f"--out {out_dir}: holds no runs of a {study} study (runs/<arm>/seed<k>/config.json"
                          f"{'' if sweep is None else ' under ' + sweep[1] + '*/'}); check --out and --study, or train "
@@ -587,14 +595,14 @@ def run_vision(config: VisionConfig, out_dir: str | os.PathLike, *, study: str =
                arms: Sequence[str] | None = None, seeds: Sequence[int] = tuple(range(12)),
                train_sizes: Sequence[float] = (0.1, 0.25, 0.5, 1.0),
                weight_decays: Sequence[float] = (0.0, 0.05, 0.5), data_dir: str | os.PathLike = "data",
-               download: bool = False, workers: int = 1, device: str = "auto", threads: int | None = None,
-               quiet: bool = False, stop_after_epochs: int | None = None, checkpoint_interval_s: float = 30.0,
-               report_only: bool = False, skip_report: bool = False, command: str | None = None) -> StudyOutputs:
+               download: bool = False, options: RunOptions | None = None, report_only: bool = False,
+               skip_report: bool = False, command: str | None = None, **run_kwargs: Any) -> StudyOutputs:
     """Run (or resume) every (cell, arm, seed) of ``study`` and write the report; returns
     :class:`~.study.StudyOutputs` (without a summary when ``skip_report``). ``arms=None`` takes
     :data:`STUDY_ARMS` ``[study]``. ``report_only``: train nothing, rebuild the report from the records of
     every cell on disk (``arms``/``seeds`` ``None``: every one on disk). ``command`` is recorded in
-    ``out_dir/study.json``."""
+    ``out_dir/study.json``. ``options`` (:class:`~.runner.RunOptions`) says how to run; its fields may also be
+    given by keyword."""
     from .arms import get_arm
     from .study import run_cells
 
@@ -608,8 +616,7 @@ def run_vision(config: VisionConfig, out_dir: str | os.PathLike, *, study: str =
     cells = study_cells(study, config, train_sizes=train_sizes, weight_decays=weight_decays,
                         n_train=DATASET_SIZES[config.dataset][0])
     results = run_cells(cells, functools.partial(build_task, data_dir=data_dir), out_dir, arms=arms, seeds=seeds,
-                        arm_config=arm_config, command=command, workers=workers, device=device, threads=threads,
-                        quiet=quiet, stop_after_epochs=stop_after_epochs, checkpoint_interval_s=checkpoint_interval_s)
+                        arm_config=arm_config, command=command, options=RunOptions.of(options, **run_kwargs))
     if skip_report:
         return StudyOutputs(results=tuple(results))
     return finalize_vision(out_dir, study, cells, arms, seeds, results=results)
@@ -624,10 +631,7 @@ def _none_or_int(text: str) -> int | None:
     return None if text.lower() in ("none", "all") else int(text)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .cli_args import add_optim_arguments, add_runner_arguments, add_schedule_arguments
-
-    d = VisionConfig()
+def _task_arguments(parser: argparse.ArgumentParser, d: VisionConfig) -> None:
     g = parser.add_argument_group("data")
     g.add_argument("--dataset", default=d.dataset,
                    help="cifar10 (the paper's), fashion-mnist (Debian's dataset-fashion-mnist, or torchvision), "
@@ -664,13 +668,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-fraction", type=float, default=d.warmup_fraction,
                    help=f"share of the steps spent warming up (default {d.warmup_fraction})")
     g.add_argument("--amp", choices=("none", "bf16"), default="none", help="mixed precision (bf16 autocast; CUDA)")
-    add_schedule_arguments(parser, d.train)
-    add_optim_arguments(parser, d.optim)
-    add_runner_arguments(parser, arms=(), seeds=tuple(range(12)), out="runs/vision", study="vision")
-    for action in parser._actions:
-        if action.dest == "arms":
-            action.help = ("arms to run (default: the study's: "
-                           + "; ".join(f"{k}: {' '.join(v)}" for k, v in STUDY_ARMS.items()) + ")")
 
 
 def config_from_args(args: argparse.Namespace) -> VisionConfig:
@@ -697,64 +694,57 @@ def _recorded_study(out: str) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
-    from .cli_args import (
-        build_config,
-        check_runner_args,
-        invoked_command,
-        require_modules,
-        runner_modules,
-        user_errors,
-    )
-    from .data.vision import DatasetNotFoundError
+def _study_of(args: argparse.Namespace) -> str:
+    """The study a command trains or reports: ``--study``, else (``--report-only``) the recorded one, else paired."""
+    return args.study or (_recorded_study(args.out) if args.report_only else None) or "paired"
 
-    check_runner_args(args, study="vision")
-    config = build_config(config_from_args, args)
-    if not args.report_only:
-        require_modules(runner_modules(args) + ["sklearn" if config.dataset == "digits" else "torchvision"])
-    else:
-        require_modules(runner_modules(args))
-    t0 = time.perf_counter()
-    seeds = args.seeds if args.seeds is not None else (None if args.report_only else tuple(range(12)))
-    study = args.study or (_recorded_study(args.out) if args.report_only else None) or "paired"
-    if not args.report_only:
-        try:  # the sweep's values, checked before anything is loaded or written
-            study_cells(study, config, train_sizes=args.train_sizes, weight_decays=args.weight_decays,
-                        n_train=DATASET_SIZES[config.dataset][0])
-        except ValueError as err:
-            raise UsageError(str(err)) from None
-    try:
-        with user_errors():
-            outputs = run_vision(
-                config, args.out, study=study, arms=args.arms, seeds=seeds, train_sizes=args.train_sizes,
-                weight_decays=args.weight_decays, data_dir=args.data_dir, download=args.download,
-                workers=args.workers, device=args.device, threads=args.threads, quiet=args.quiet,
-                stop_after_epochs=args.stop_after_epochs, checkpoint_interval_s=args.checkpoint_interval,
-                report_only=args.report_only, skip_report=args.skip_report,
-                command=None if args.report_only else invoked_command())
-    except DatasetNotFoundError as err:
-        raise UsageError(str(err)) from None
-    summary, results = outputs.summary, outputs.results
-    print(f"vision ({config.display_name if summary is None else summary['dataset_name']}, study {study}): "
-          f"{len(results)} run(s) in {time.perf_counter() - t0:.1f} s -> {args.out}")
-    for cell in (summary or {}).get("cells", []):
-        prefix = f"  [{cell['label']}] " if cell["sweep"] else "  "
+
+def _prepare(config: VisionConfig, args: argparse.Namespace) -> VisionConfig:
+    """Check the sweep's values before anything is loaded or written."""
+    study_cells(_study_of(args), config, train_sizes=args.train_sizes, weight_decays=args.weight_decays,
+                n_train=DATASET_SIZES[config.dataset][0])
+    return config
+
+
+def _train(config: VisionConfig, args: argparse.Namespace, *, arms, seeds, **kwargs) -> StudyOutputs:
+    return run_vision(config, args.out, study=_study_of(args), arms=arms, seeds=seeds, train_sizes=args.train_sizes, weight_decays=args.weight_decays, data_dir=args.data_dir,
+                      download=args.download, report_only=args.report_only, skip_report=args.skip_report, **kwargs)
+
+
+def _header(config: VisionConfig, args: argparse.Namespace, outputs: StudyOutputs) -> str:
+    name = config.display_name if outputs.summary is None else outputs.summary["dataset_name"]
+    return f"vision ({name}, study {_study_of(args)})"
+
+
+def _summary_lines(summary: dict) -> list[str]:
+    lines = []
+    for cell in summary.get("cells", []):
+        prefix = f"[{cell['label']}] " if cell["sweep"] else ""
         for arm, a in cell["arms"].items():
             f = a["final_test_acc"]
             sd = "" if f.get("std") is None else f" ± {100 * f['std']:.2f}"
-            print(f"{prefix}{arm:<22} final test acc {100 * f['mean']:.2f}%{sd} over {len(a['seeds'])} seed(s)")
+            lines.append(f"{prefix}{arm:<22} final test acc {100 * f['mean']:.2f}%{sd} over {len(a['seeds'])} seed(s)")
         for name, c in cell["comparisons"].items():
             t = "–" if c["t"] is None else f"{c['t']:.2f}"
             p = "–" if c["p_value"] is None else f"{c['p_value']:.2g}"
-            print(f"{prefix}{name:<34} {100 * c['mean']:+.2f} pp, t = {t}, p = {p}, {c['n_positive']}/{c['n']} positive")
+            lines.append(f"{prefix}{name:<34} {100 * c['mean']:+.2f} pp, t = {t}, p = {p}, "
+                         f"{c['n_positive']}/{c['n']} positive")
         for name, mv in cell["movement"].items():
             r = mv.get("ratio_q")
             if r:
-                print(f"{prefix}per-step movement {name} (W_Q): {r['min']:.1f}–{r['max']:.1f}x, median {r['median']:.1f}x")
-    pending = [r.name for r in results if not r.completed]
-    if pending:
-        print(f"  stopped before the end (rerun the same command to resume): {', '.join(pending)}")
-    if summary is not None:
-        print(f"  report: {Path(args.out) / 'report.md'}")
-    return 0
+                lines.append(f"{prefix}per-step movement {name} (W_Q): {r['min']:.1f}–{r['max']:.1f}x, "
+                             f"median {r['median']:.1f}x")
+    return lines
+
+
+#: The ``stiefel-attention vision`` command (``--report-only`` reads the study, the data's place, from its flags).
+STUDY = StudyCommand(
+    name="vision", config_type=VisionConfig, task_arguments=_task_arguments, config_from_args=config_from_args,
+    train=_train, arms=(), seeds=tuple(range(12)), report_only_flags=frozenset({"study", "data_dir", "download"}),
+    config_for_report=lambda args: build_config(config_from_args, args), prepare=_prepare,
+    modules=lambda config, args: ["sklearn" if config.dataset == "digits" else "torchvision"],
+    errors=(DatasetNotFoundError,), header=_header, summary_lines=_summary_lines,
+    arms_help="arms to run (default: the study's: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in STUDY_ARMS.items())
+              + ")")
+add_arguments = STUDY.add_arguments
+run = STUDY.run
