@@ -33,13 +33,14 @@ machine. Timings are not assertions: nothing here decides pass or fail.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -232,6 +233,26 @@ def _ratio(num: list[list[float]], den: list[list[float]]) -> float:
     return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(num, den, strict=True))
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """``torch.set_num_threads(threads)`` inside the block (``None``: unchanged), the previous count restored."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _workspace_bytes(opt: Any) -> int | None:
+    """Bytes of an optimizer's step workspaces (StiefelAdam's ``_workspaces``), ``None`` when it keeps none."""
+    ws = getattr(opt, "_workspaces", None)
+    return None if ws is None else sum(b.numel() * b.element_size() for b in ws.values())
+
+
 def _state_bytes(opt: Any) -> int:
     import torch
 
@@ -388,10 +409,7 @@ def step_time_benchmark(
     bad = [w for w in widths if w not in configs]
     if bad:
         raise ValueError(f"bench: widths {bad} have no configuration; choose from {sorted(configs)} or pass configs.")
-    previous = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         results = []
         for width in widths:
             depth, heads = configs[width]
@@ -408,8 +426,7 @@ def step_time_benchmark(
                 if arm in opts:
                     state = _state_bytes(opts[arm])
                     state_ratio[arm] = state / param_bytes
-                    ws = getattr(opts[arm], "_workspaces", None)
-                    workspace = sum(b.numel() * b.element_size() for b in ws.values()) if ws is not None else None
+                    workspace = _workspace_bytes(opts[arm])
                 timings[arm] = _timing(arm, samples[arm], state_bytes=state, workspace_bytes=workspace,
                                        note=notes.get(arm, ""))
             for arm, note in notes.items():
@@ -422,8 +439,6 @@ def step_time_benchmark(
                 rounds=rounds, clock=clock, threads=torch.get_num_threads()))
             del steps, opts
         return results
-    finally:
-        torch.set_num_threads(previous)
 
 
 # ----------------------------------------------------------------------------------------------- train step
@@ -537,10 +552,7 @@ def train_step_benchmark(
         raise ValueError(f"bench: autocast={autocast!r} is unknown; use None, 'bfloat16' or 'float16'.")
     amp = dict(device_type=torch.device(device).type, dtype=getattr(torch, autocast or "bfloat16"),
                enabled=autocast is not None)
-    previous = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         results = []
         for model in models:
             if model not in table:
@@ -574,8 +586,6 @@ def train_step_benchmark(
                 ratio=_ratio(samples["stiefel"], samples["adamw"]), rounds=rounds, clock=clock,
                 threads=torch.get_num_threads(), autocast=autocast))
         return results
-    finally:
-        torch.set_num_threads(previous)
 
 
 # ----------------------------------------------------------------------------------------------- step paths
@@ -748,10 +758,7 @@ def step_path_benchmark(
     if "matmul_floor" not in arms:
         raise ValueError("bench: arms must include 'matmul_floor' (every ratio is relative to it).")
     frame_sets = [BENCH_FRAMES] if frame_sets is None else frame_sets
-    previous = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         results = []
         for fs in frame_sets:
             steps, opts, compile_s = _path_steps(fs, arms=arms, lr=lr, dtype=getattr(torch, dtype), device=device,
@@ -760,10 +767,8 @@ def step_path_benchmark(
                                      clock=clock, device=device, required=tuple(steps))
             timings = {}
             for arm in samples:
-                ws = getattr(opts.get(arm), "_workspaces", None)
                 timings[arm] = _timing(arm, samples[arm], state_bytes=_state_bytes(opts[arm]) if arm in opts else None,
-                                       workspace_bytes=sum(b.numel() * b.element_size() for b in ws.values())
-                                       if ws is not None else None)
+                                       workspace_bytes=_workspace_bytes(opts.get(arm)))
             results.append(StepPathResult(
                 frames=fs, dtype=dtype, device=device, timings=timings,
                 floor_ratio={arm: _ratio(samples[arm], samples["matmul_floor"]) for arm in samples
@@ -773,8 +778,6 @@ def step_path_benchmark(
             del steps, opts
             torch._dynamo.reset()  # each frame set compiles its own step; drop the last one's graphs
         return results
-    finally:
-        torch.set_num_threads(previous)
 
 
 def format_path_table(results: list[StepPathResult]) -> str:
@@ -797,37 +800,10 @@ def format_path_table(results: list[StepPathResult]) -> str:
 #: Sizes of :func:`accelerator_check`: the largest step-benchmark configuration and the issue's bench
 #: shape (``"default"``, a GPU run of a few minutes), or a smoke test (``"tiny"``, seconds on a CPU).
 CHECK_SCALES: dict[str, dict[str, Any]] = {
-    "default": dict(width=max(CONFIGS), configs=CONFIGS, frames=BENCH_FRAMES, grok=dict(), grok_epochs=300,
-                    rounds=7),
+    "default": dict(width=max(CONFIGS), configs=CONFIGS, frames=BENCH_FRAMES, rounds=7),
     "tiny": dict(width=64, configs={64: (1, 2)}, frames=FrameSet(2, 2, 16, 4),
-                 grok=dict(p=7, width=16, heads=2, mlp=32), grok_epochs=5, rounds=2),
+                 rounds=2),
 }
-
-
-def grokking_speed(device: str = "cpu", *, epochs: int = 300, arms: tuple[str, ...] = ("adamw", "stiefel"),
-                   seed: int = 0, threads: int | None = None, workdir: str | None = None,
-                   **config: Any) -> dict[str, float]:
-    """Epochs per second of the grokking study's runs (its model, data and the shared training loop,
-    full batch, evaluated at the first and last epoch) for ``epochs`` epochs of each arm.
-
-    ``config`` overrides :class:`~geoopt_stiefel_attention.experiments.grokking.GrokkingConfig` fields (the
-    study's defaults otherwise). Run folders go to a temporary directory unless ``workdir`` is given.
-    """
-    import tempfile
-    from pathlib import Path
-
-    from .experiments.config import RunSpec, TrainConfig
-    from .experiments.grokking import GrokkingConfig, build_task
-    from .experiments.runner import train_run
-
-    cfg = GrokkingConfig(train=TrainConfig(epochs=epochs, eval_every=epochs), **config)
-    speeds = {}
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        for arm in arms:
-            result = train_run(RunSpec(cfg, arm, seed), build_task, Path(tmp) / arm, device=device, quiet=True,
-                               threads=threads)
-            speeds[arm] = result.epochs_per_second
-    return speeds
 
 
 def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: str = "wall",
@@ -843,12 +819,12 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
     3. ``train``: :func:`train_step_benchmark` under bfloat16 autocast, stiefel arm against the adamw arm, of
        a HuggingFace GPT-2 converted by :func:`~geoopt_stiefel_attention.stiefelize` (``"hf_gpt2"``) when
        ``transformers`` is installed, else TinyTransformer.
-    4. ``grokking``: :func:`grokking_speed`, epochs per second of the grokking study for a few hundred
-       epochs per arm.
+
+    The grokking study's epochs per second, which ``benchmarks/gpu.sh`` adds next, belong to the studies
+    (:mod:`geoopt_stiefel_attention.experiments.speed`): the benchmarks measure the library only.
 
     Returns a JSON-ready dict: ``machine``, ``settings``, ``seconds`` (per part) and one entry per part.
     """
-    import torch
 
     if scale not in CHECK_SCALES:
         raise ValueError(f"bench: scale={scale!r} is unknown; use one of {tuple(CHECK_SCALES)}.")
@@ -878,15 +854,6 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
         (model,), autocast="bfloat16", scale=scale, **timing)]
     seconds["train"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    previous = torch.get_num_threads()
-    try:
-        epochs = sizes["grok_epochs"]
-        out["grokking"] = dict(epochs=epochs, epochs_per_second=grokking_speed(
-            device, epochs=epochs, seed=seed, threads=threads, **sizes["grok"]))
-    finally:
-        torch.set_num_threads(previous)
-    seconds["grokking"] = time.perf_counter() - t0
 
     return {"machine": asdict(machine_info(device)), "settings": dict(scale=scale, **timing,
                                                                       compile_backend=compile_backend),
@@ -911,9 +878,10 @@ def format_check(doc: dict[str, Any]) -> str:
     for r in doc["train"]:
         lines.append(f"train {r['model']} ({r['autocast']} autocast): adamw {r['full_step']['adamw']['median_ms']:.2f}"
                      f" ms, stiefel {r['full_step']['stiefel']['median_ms']:.2f} ms, stiefel / adamw {r['ratio']:.3f}")
-    g = doc["grokking"]
-    lines.append(f"grokking, {g['epochs']} epochs: " + ", ".join(f"{a} {v:.1f} epochs/s"
-                                                               for a, v in g["epochs_per_second"].items()))
+    g = doc.get("grokking")  # added by experiments/speed.py (benchmarks/gpu.sh) after the library's parts
+    if g is not None:
+        lines.append(f"grokking, {g['epochs']} epochs: " + ", ".join(f"{a} {v:.1f} epochs/s"
+                                                                   for a, v in g["epochs_per_second"].items()))
     lines.append("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in doc["seconds"].items()))
     return "\n".join(lines)
 
@@ -1069,11 +1037,8 @@ def run(args: argparse.Namespace) -> int:
         results = train_step_benchmark(tuple(args.models), rounds=args.rounds, steps_per_round=steps, lr=args.lr,
                                        device=args.device, clock=args.clock, threads=args.threads, seed=args.seed)
         table = format_train_table(results)
-    previous = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    machine = machine_info(args.device)
-    torch.set_num_threads(previous)
+    with torch_threads(args.threads):
+        machine = machine_info(args.device)
     text = to_json(results, machine, benchmark=args.what, rounds=args.rounds, steps_per_round=steps, lr=args.lr,
                    dtype=args.dtype, clock=args.clock, threads=args.threads, seed=args.seed,
                    **(dict(grid=args.grid, compile_backend=args.compile_backend) if args.what == "paths" else {}))
@@ -1095,3 +1060,17 @@ def _write_out(path: str, text: str) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(text + "\n")
+
+
+def __getattr__(name: str) -> Any:
+    """``bench.grokking_speed``: moved to :mod:`geoopt_stiefel_attention.experiments.speed` (deprecated alias)."""
+    if name == "grokking_speed":
+        import warnings
+
+        from .experiments.speed import grokking_speed
+
+        warnings.warn("geoopt_stiefel_attention.bench.grokking_speed moved to "
+                      "geoopt_stiefel_attention.experiments.speed.grokking_speed (the benchmarks measure the library, "
+                      "not the studies)", DeprecationWarning, stacklevel=2)
+        return grokking_speed
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
