@@ -97,6 +97,7 @@ def fmt_pp(x: float | None, digits: int = 2, sign: bool = True) -> str:
 
 
 def fmt_num(x: float | None, fmt: str = ".3g") -> str:
+    """A number in ``fmt`` (three significant digits by default), ``–`` for a missing one."""
     return "–" if x is None else format(x, fmt)
 
 
@@ -146,10 +147,6 @@ def run_lines(run_info: Mapping[str, Any] | None) -> list[str]:
 
 def _pct(x: float | None, digits: int = 1) -> str:
     return "–" if x is None else f"{100 * x:.{digits}f}%"
-
-
-def _num(x: float | None, fmt: str = ".3g") -> str:
-    return "–" if x is None else format(x, fmt)
 
 
 def _dip(x: int | None) -> str:
@@ -248,8 +245,8 @@ def render_report(*, title: str, summary: Mapping[str, Any], intro: str = "",
         lines += ["", "## Movement of W_Q", "", "| arm | ‖W_Q − W_Q0‖_F at the end | mean over evaluations of the "
                   "last step's ‖ΔW_Q‖_F |", "|---|---|---|"]
         for arm, a in arms.items():
-            lines.append(f"| {arm} | {_mean_std(a.get('final_move_total/q'), _num)} "
-                         f"| {_mean_std(a.get('mean_move_step/q'), _num)} |")
+            lines.append(f"| {arm} | {_mean_std(a.get('final_move_total/q'), fmt_num)} "
+                         f"| {_mean_std(a.get('mean_move_step/q'), fmt_num)} |")
     lines.append("")
     paired = [(f"final `{metric}`", summary.get("paired"), "pp"),
               ("tail mean", summary.get("paired_tail_mean"), "pp"),
