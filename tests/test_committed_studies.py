@@ -95,3 +95,16 @@ def test_grokking_readme_quotes_the_tail_and_dip_definitions_and_counts_from_the
     assert "18,100" not in readme
     assert arms["adamw"]["dips_after_reaching"]["per_seed"]["4"] != arms["adamw"][
         "evaluations_below_after_reaching"]["per_seed"]["4"]
+
+
+def test_the_committed_frame_step_transfer_report_rebuilds_byte_for_byte(tmp_path):
+    folder = ROOT / "experiments" / "lm" / "runs" / "frame-step"
+    if not (folder / "report.md").exists():
+        pytest.skip("frame-step transfer report not committed yet")
+    copy = tmp_path / "frame-step"
+    shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("*.pt", ".lock"))
+    for name in ("report.md", "summary.json", "transfer.png"):
+        (copy / name).unlink()  # removed first, so the comparison cannot pass on the copied files
+    assert main(["lm", "--transfer-report", "--out", str(copy)]) == 0
+    for name in ("report.md", "summary.json"):
+        assert (copy / name).read_bytes() == (folder / name).read_bytes(), name

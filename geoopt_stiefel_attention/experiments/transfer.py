@@ -194,6 +194,30 @@ def trained_on(root: str | os.PathLike) -> dict[str, Any]:
             "train_seconds": round(seconds, 1)}
 
 
+def setup_text(root: str | os.PathLike) -> str:
+    """The shared setup of the studies under ``root`` in words, from the first run's ``config.json``."""
+    from .runner import CONFIG_FILE
+
+    first = next(iter(sorted(Path(root).glob(f"*/runs/*/seed*/{CONFIG_FILE}"))), None)
+    if first is None:
+        return ""
+    c = json.loads(first.read_text())["config"]
+    needed = ("depth", "context", "batch_size", "steps_per_epoch", "lr_schedule", "warmup_fraction", "eval_windows")
+    if any(k not in c for k in needed):  # not an lm study's config: no setup paragraph
+        return ""
+    o, t = c["optim"], c["train"]
+    steps = t["epochs"] * c["steps_per_epoch"]
+    corpus = (c.get("corpus_identity") or {}).get("source", c.get("corpus"))
+    return (f"Byte-level GPT-2, depth {c['depth']}, context {c['context']}, batch {c['batch_size']}, {steps:,} steps "
+            f"({c['lr_schedule']} schedule, warm-up {c['warmup_fraction']:g}), trained on {corpus}; final bits per "
+            f"byte on {c['eval_windows']} fixed validation windows. Every non-frame parameter: AdamW lr {o['lr']:g}, "
+            f"betas {tuple(o['betas'])}, weight decay {o['weight_decay']:g}. The stiefel arm's frames: StiefelAdam with "
+            f"adjust_lr_fn={o.get('adjust_lr_fn', 'original')!r}, frame lr = μ · lr, trust radius "
+            f"{o['trust_region']} (per entry under match_rms_adamw). Width and heads per shape below; every other "
+            f"setting is shared. Short runs chosen to locate each optimum within the session's CPU budget, not "
+            f"to reach the best loss; read the figures as where the optimum lies, not as final model quality.")
+
+
 def transfer_report(root: str | os.PathLike, *, intro: str = "") -> dict[str, Any]:
     """Write ``summary.json``, ``report.md`` and ``transfer.png`` into ``root`` from the lm studies under it;
     returns the summary. Raises ``ValueError`` naming ``root`` when it holds no study."""
@@ -205,5 +229,5 @@ def transfer_report(root: str | os.PathLike, *, intro: str = "") -> dict[str, An
     summary = {"shapes_collected": shapes, **summarize_transfer(shapes), "trained_on": trained_on(root)}
     (root / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     plot_transfer(summary, root / FIGURE_FILE)
-    (root / REPORT_FILE).write_text(render_transfer(summary, intro=intro))
+    (root / REPORT_FILE).write_text(render_transfer(summary, intro=intro or setup_text(root)))
     return summary
