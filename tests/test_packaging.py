@@ -322,3 +322,17 @@ def test_twine_accepts_the_distributions(built):
     proc = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *map(str, built)],
                           capture_output=True, text=True, timeout=IMPORT_TIMEOUT_S)
     assert proc.returncode == 0 and proc.stdout.count("PASSED") == 2, proc.stdout + proc.stderr
+
+
+def test_no_lock_or_checkpoint_files_are_committed():
+    """Run folders' locks and checkpoints stay local (.gitignore); only fixtures under tests/data may hold .pt."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    assert files  # companion: the listing itself works
+    locks = [f for f in files if f.endswith(".lock")]
+    checkpoints = [f for f in files if f.endswith(".pt") and not f.startswith("tests/data/")]
+    assert not locks and not checkpoints, (locks, checkpoints)
