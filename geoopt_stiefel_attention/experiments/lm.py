@@ -51,21 +51,28 @@ from ..nn import param_groups
 from .arms import ARMS, Arm, build_stiefel, register_arm
 from .command import StudyCommand
 from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
-from .data.text import CORPORA, EvalWindows, RandomWindows, bits_per_byte, load_corpus
+from .data.text import CORPORA, EvalWindows, RandomWindows, bits_per_byte, corpus_licence, load_corpus
 from .metrics import MetricHook, QKGeometry
 from .runner import ConfigMismatchError, RunOptions, Task
 from .schedules import warmup_cosine
 from .study import Cell, StudyOutputs
+from .tuned import FINAL_DIR, GRID_PREFIX, finalize_tuned, find_config, is_tuned_folder, run_tuned
 
 __all__ = ["LMConfig", "build_model", "build_task", "gpt2_query_keys", "attention_logit_stats", "AttentionProbe",
            "lm_param_groups", "SweepMismatchError", "run_lm", "finalize_lm", "sweep_cells", "LM_ARMS", "LOGIT_GAIN", "PUBLISHED",
-           "HELP", "STUDY", "add_arguments", "run"]
+           "HELP", "STUDY", "TUNED_ARMS", "TUNED_GRID_SEEDS", "add_arguments", "run"]
 
 HELP = ("Byte-level GPT-2 on the Python standard library's sources: AdamW vs Stiefel W_Q/W_K (StiefelAdam, "
         "learned logit gain, geoopt RiemannianAdam) over paired seeds; records, plots, report.")
 
 #: The arms of the study, baseline first.
 LM_ARMS = ("adamw", "stiefel", "stiefel-gain", "geoopt-radam")
+
+#: The arms of a tuned study (``--lrs`` / ``--final-seeds`` without ``--arms``), baselines first.
+TUNED_ARMS = ("adamw", "muon", "stiefel", "stiefel-muon")
+
+#: Seeds of every grid point of a tuned study when ``--lrs`` comes without ``--seeds``.
+TUNED_GRID_SEEDS = (0, 1)
 
 #: ``logit_gain`` passed to :func:`~geoopt_stiefel_attention.stiefelize` per arm (frame arms not listed: none).
 LOGIT_GAIN = {"stiefel-gain": "learn"}
@@ -726,7 +733,10 @@ def finalize_lm(out_dir: str | os.PathLike, config: LMConfig, *, arms: Sequence[
 def with_corpus_identity(config: LMConfig) -> LMConfig:
     """``config`` with ``corpus_identity`` set from the corpus it names (loaded here; refused if it differs)."""
     corpus = corpus_of(config)
-    return dataclasses.replace(config, corpus_identity=corpus.describe())
+    identity = corpus.describe()
+    if config.test_fraction > 0:  # held-out studies name the licence (older folders' identities stay as recorded)
+        identity["licence"] = corpus_licence(config.corpus_root)
+    return dataclasses.replace(config, corpus_identity=identity)
 
 
 def _check_recorded_corpus(out_dir: str | os.PathLike, config: LMConfig) -> None:
@@ -743,19 +753,45 @@ def _check_recorded_corpus(out_dir: str | os.PathLike, config: LMConfig) -> None
             f"{str(now.get('sha256'))[:12]}…); use the same Python or --corpus-root, or another --out folder.")
 
 
+def _tuned_folders(out_dir: str | os.PathLike) -> list[Path]:
+    """The cell folders of a tuned study under ``out_dir`` (grid cells and the final cell) that exist."""
+    out_dir = Path(out_dir)
+    return sorted(p for p in out_dir.glob(f"{GRID_PREFIX}*") if p.is_dir()) + [
+        p for p in [out_dir / FINAL_DIR] if p.is_dir()]
+
+
 def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] | None = LM_ARMS,
            seeds: Sequence[int] | None = (0, 1, 2), frame_lrs: Sequence[float] = (),
            options: RunOptions | None = None, report_only: bool = False, skip_report: bool = False,
-           command: str | None = None, **run_kwargs: Any) -> StudyOutputs:
+           command: str | None = None, lrs: Sequence[float] = (), final_seeds: Sequence[int] = (),
+           time_steps: int | None = None, allow_unbracketed: bool = False, **run_kwargs: Any) -> StudyOutputs:
     """Run (or resume) every (arm, seed) of the main cell, then the ``stiefel`` arm at every extra frame lr of
     ``frame_lrs`` (:func:`sweep_cells`), and write the report into ``out_dir``. ``report_only``: train nothing,
     rebuild the report from the records (``config`` is then the recorded one; ``arms``/``seeds`` ``None``: all
-    on disk). ``command`` is recorded in ``out_dir/study.json``."""
+    on disk). ``command`` is recorded in ``out_dir/study.json``.
+
+    With ``lrs``, ``final_seeds`` or ``time_steps`` it is a tuned study instead (:func:`~.tuned.run_tuned`: the
+    lr grid on ``seeds``, default 0 1; the final cell; the timing pass), which has no main cell; a folder holding
+    one is reported by :func:`~.tuned.finalize_tuned`."""
     from .arms import get_arm
     from .study import run_cells
 
     if report_only:
+        if is_tuned_folder(out_dir):
+            return finalize_tuned(out_dir, LMConfig, arms=arms)
         return finalize_lm(out_dir, config, arms=arms, seeds=seeds)
+    if lrs or final_seeds or time_steps:
+        if frame_lrs:
+            raise ValueError("--frame-lrs sweeps the main cell's stiefel arm; a tuned study (--lrs, --final-seeds, "
+                             "--time-steps) has no main cell: drop --frame-lrs.")
+        config = with_corpus_identity(config)
+        for folder in _tuned_folders(out_dir):
+            _check_recorded_corpus(folder, config)
+        return run_tuned(config, out_dir, build_task, arms=list(arms or TUNED_ARMS),
+                         seeds=list(TUNED_GRID_SEEDS) if lrs and seeds is None else seeds,
+                         lrs=lrs, final_seeds=final_seeds, time_steps=time_steps, allow_unbracketed=allow_unbracketed,
+                         options=RunOptions.of(options, **run_kwargs), command=command, skip_report=skip_report,
+                         config_type=LMConfig)
     arms = list(arms or LM_ARMS)
     seeds = list(seeds if seeds is not None else (0, 1, 2))
     for a in arms:
@@ -834,6 +870,21 @@ def _task_arguments(parser: argparse.ArgumentParser, d: LMConfig) -> None:
     g.add_argument("--frame-lrs", type=positive_float, nargs="+", default=[], metavar="LR",
                    help="frame-lr sweep of the stiefel arm: extra cells at these frame lrs (a value equal to the "
                         "frame lr reuses the main runs), e.g. 1e-3 1e-2 3e-2; default: no sweep")
+    g = parser.add_argument_group("tuned study (experiments/tuned.py: lr grid, selection on validation, final "
+                                  "cell on test)")
+    g.add_argument("--lrs", type=positive_float, nargs="+", default=[], metavar="LR",
+                   help="lr grid: every --arms arm at each lr (cells lr-<v>/; --lr is not used; the frames follow "
+                        "--adjust-lr-fn, and --frame-lr if given), on --seeds (default 0 1); resumable")
+    g.add_argument("--final-seeds", type=int, nargs="+", default=[], metavar="SEED",
+                   help="final cell (final/): each --arms arm at its lr selected on validation from the grid on "
+                        "disk, on these paired seeds (e.g. 0 1 2 3 4); refused while the grid misses a run or an "
+                        "optimum is at a grid edge; resumable")
+    g.add_argument("--allow-unbracketed", action="store_true",
+                   help="with --final-seeds: run the final cell even where an arm's best lr is at a grid edge")
+    g.add_argument("--time-steps", type=positive_int, default=None, metavar="N",
+                   help="timing pass: time every --arms arm's training step (N steps per round, 3 interleaved "
+                        "rounds after a warm-up round, one process) at its selected lr; writes timing.json for the "
+                        "equal-wall-clock readout")
     g.add_argument("--transfer-report", action="store_true",
                    help="train nothing: --out holds one lm study per model shape (experiments/lm/run_frame_step.sh); "
                         "write the report of the frame lr against the multiplier, one curve per shape")
@@ -870,6 +921,15 @@ def _run_transfer_report(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
+    tuned = bool(args.lrs or args.final_seeds or args.time_steps)
+    if tuned and args.frame_lrs:
+        raise UsageError("--frame-lrs sweeps the main cell's stiefel arm; a tuned study (--lrs, --final-seeds, "
+                         "--time-steps) has no main cell: drop --frame-lrs.")
+    if args.final_seeds and (min(args.final_seeds) < 0 or len(set(args.final_seeds)) != len(args.final_seeds)):
+        raise UsageError(f"--final-seeds {' '.join(map(str, args.final_seeds))}: seeds are distinct ints >= 0, "
+                         f"e.g. --final-seeds 0 1 2 3 4.")
+    if args.allow_unbracketed and not args.final_seeds:
+        raise UsageError("--allow-unbracketed only changes --final-seeds; pass --final-seeds too, or drop it.")
     if args.frame_lrs and args.arms is not None and "stiefel" not in args.arms:
         raise UsageError(f"--frame-lrs sweeps the stiefel arm's frame lr, but --arms {' '.join(args.arms)} has no "
                          f"stiefel arm; add stiefel to --arms or drop --frame-lrs.")
@@ -878,14 +938,40 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _prepare(config: LMConfig, args: argparse.Namespace) -> LMConfig:
-    """The sweep's values and the corpus, checked before anything is written."""
+    """The sweep's (or the grid's) values and the corpus, checked before anything is written."""
+    from .tuned import grid_cells
+
     sweep_cells(config, args.frame_lrs)
+    grid_cells(config, args.lrs)
     return with_corpus_identity(config)
 
 
 def _train(config: LMConfig, args: argparse.Namespace, **kwargs: Any) -> StudyOutputs:
+    tuned = {}
+    if not args.report_only and (args.lrs or args.final_seeds or args.time_steps):
+        from .tuned import IncompleteSelectionError
+
+        kwargs.update(arms=args.arms, seeds=args.seeds)  # not the plain study's defaults
+        tuned = dict(lrs=args.lrs, final_seeds=args.final_seeds, time_steps=args.time_steps,
+                     allow_unbracketed=args.allow_unbracketed)
+        try:
+            return run_lm(config, args.out, frame_lrs=args.frame_lrs, skip_report=args.skip_report, **tuned,
+                          **kwargs)
+        except IncompleteSelectionError as err:
+            raise UsageError(f"--final-seeds: {err}") from None
+        except ValueError as err:
+            if str(err).startswith("--"):
+                raise UsageError(str(err)) from None
+            raise
     return run_lm(config, args.out, frame_lrs=args.frame_lrs, report_only=args.report_only,
                   skip_report=args.skip_report, **kwargs)
+
+
+def _config_for_report(args: argparse.Namespace) -> LMConfig:
+    """The config recorded in ``--out``: its main cell's runs, or for a tuned study (no main cell) its cells'."""
+    if not any(Path(args.out).glob("runs/*/seed*/config.json")) and is_tuned_folder(args.out):
+        return config_from_dict(LMConfig, find_config(args.out))
+    return STUDY.recorded_config(args.out)
 
 
 def _result_line(r: Any, config: LMConfig) -> str:
@@ -895,6 +981,12 @@ def _result_line(r: Any, config: LMConfig) -> str:
 
 
 def _summary_lines(summary: dict[str, Any]) -> list[str]:
+    if "selection" in summary:  # a tuned study
+        lines = [f"{arm:<14} selected lr {s['best_lr']:g}" + ("" if s["bracketed"] else " (at a grid edge)")
+                 for arm, s in summary["selection"]["arms"].items()]
+        test = summary["final"]["test"]
+        return lines + [f"{arm:<14} test {t['test']['mean']:.4f} bpb over {t['test']['n']} seed(s)"
+                        for arm, t in test.items() if t.get("test", {}).get("mean") is not None]
     lines = []
     for arm, a in summary["main"]["arms"].items():
         f = a["final_val_bpb"]
@@ -907,6 +999,7 @@ def _summary_lines(summary: dict[str, Any]) -> list[str]:
 STUDY = StudyCommand(name="lm", config_type=LMConfig, task_arguments=_task_arguments,
                      config_from_args=config_from_args, train=_train, arms=LM_ARMS, seeds=(0, 1, 2),
                      report_only_flags=frozenset({"corpus_root"}), check=_check, prepare=_prepare,
+                     config_for_report=_config_for_report,
                      modules=lambda config, args: ["transformers"], result_line=_result_line,
                      summary_lines=_summary_lines)
 add_arguments = STUDY.add_arguments

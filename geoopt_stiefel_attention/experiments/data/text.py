@@ -31,7 +31,7 @@ import torch
 
 from .batches import epoch_generator
 
-__all__ = ["CORPORA", "TextCorpus", "load_corpus", "stdlib_files", "RandomWindows", "EvalWindows",
+__all__ = ["CORPORA", "TextCorpus", "load_corpus", "corpus_licence", "stdlib_files", "RandomWindows", "EvalWindows",
            "bits_per_byte"]
 
 #: Corpus names accepted by :func:`load_corpus`.
@@ -100,6 +100,25 @@ class TextCorpus:
                 "train_files": self.train_files, "val_files": self.val_files,
                 "train_bytes": int(self.train.numel()), "val_bytes": int(self.val.numel()),
                 "val_fraction": self.val_fraction, "split": "by file (SHA-256 of the relative path)"}
+
+
+#: The licence of the Python standard library's sources, as its ``LICENSE.txt`` names it.
+PSF_LICENCE = "PSF License Agreement (Python Software Foundation License Version 2)"
+
+
+def corpus_licence(root: str | Path | None = None) -> str:
+    """The licence of the corpus' text, in words, read from the ``LICENSE.txt`` that CPython installs next to the
+    standard library (``root=None``); for another folder, what its ``LICENSE*`` file's first line says, or that
+    none was found."""
+    base = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
+    files = sorted(base.glob("LICEN[CS]E*"))
+    if not files:
+        return f"not stated (no LICENSE file in {base.name if root is not None else 'the standard library'})"
+    text = files[0].read_text(errors="replace")
+    if "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2" in text:
+        return f"{PSF_LICENCE}; {files[0].name} next to the sources"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"see {files[0].name} ({first[:80]})"
 
 
 def load_corpus(name: str = "python-stdlib", *, val_fraction: float = 0.1,
