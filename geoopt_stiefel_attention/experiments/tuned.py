@@ -11,8 +11,8 @@ folder                    what it holds
                           arm's frames follow its ``adjust_lr_fn`` rule, so ``v`` is the arm's one knob)
 ``final/runs/<arm>/``     the final cell: each arm at *its* selected lr, on the final seeds
 ``timing.json``           the timing pass: every arm's training step timed in one process, interleaved
-``summary.json``,         the report, a function of the files above only (rebuilt byte for byte by
-``report.md``, PNG        ``--report-only``)
+``report.md``              the report (with ``summary.json`` and ``lr_grid.png``), a function of the files
+                          above only (rebuilt byte for byte by ``--report-only``)
 ========================  ===============================================================================
 
 **Selection** (:func:`select_lrs`). For arm :math:`a` with grid :math:`\eta_1 < \dots < \eta_K` (the lr cells

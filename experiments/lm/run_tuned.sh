@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Tuned against tuned (issue 26): each arm's lr grid (2 seeds per point), then the final cell (each arm at the lr
+# its grid selects on validation, 5 paired seeds, read once on test), then the timing pass for the
+# equal-wall-clock readout, then the report. Flags and grids: experiments/lm/configs/tuned.args. Every step is
+# resumable: rerun the script and it continues where it stopped (finished runs are skipped). Run it on ONE clean
+# commit (the report names the commits and marks uncommitted changes).
+#
+# Usage: experiments/lm/run_tuned.sh OUT [grid|final|timing|report|all]   (e.g. experiments/lm/runs/tuned)
+# If the final step says an arm's optimum is at a grid edge, add the value it names to that arm's "# grid" line
+# in tuned.args and rerun (the grid step trains only the new point).
+set -euo pipefail
+out=${1:?output folder}
+step=${2:-all}
+args=experiments/lm/configs/tuned.args
+flags=$(grep -v '^#' "$args")
+arms=$(grep '^# grid ' "$args" | awk '{print $3}' | tr '\n' ' ')
+lm() {
+  echo "=== lm $* at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
+  # shellcheck disable=SC2086
+  python -m geoopt_stiefel_attention lm $flags --out "$out" --workers 1 --threads 1 --quiet "$@" 2>&1 \
+      | tee -a "$out/log.txt"
+}
+mkdir -p "$out"
+if [[ $step == grid || $step == all ]]; then
+  for seed in 0 1; do  # seed by seed, so that every grid point has seed 0 before any has seed 1
+    for arm in $arms; do
+      # shellcheck disable=SC2046
+      lm --arms "$arm" --lrs $(grep "^# grid $arm " "$args" | cut -d' ' -f4-) --seeds "$seed" --skip-report
+    done
+  done
+fi
+if [[ $step == final || $step == all ]]; then
+  for seed in 0 1 2 3 4; do
+    # shellcheck disable=SC2086
+    lm --arms $arms --seeds 0 1 --final-seeds "$seed" --skip-report
+  done
+fi
+if [[ $step == timing || $step == all ]]; then
+  # shellcheck disable=SC2086
+  [[ -f "$out/timing.json" ]] || lm --arms $arms --seeds 0 1 --time-steps 20 --skip-report
+fi
+if [[ $step == report || $step == all ]]; then
+  python -m geoopt_stiefel_attention lm --report-only --out "$out"
+fi
+echo "=== done ($step) at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"

@@ -1,0 +1,368 @@
+"""Tests of the tuned study (``stiefel-attention lm --lrs / --final-seeds / --time-steps``, experiments/tuned.py):
+the grid cells, the selection and its bracketing, the final cell at each arm's lr on paired seeds, the report
+(byte for byte from the records; paired statistics against scipy; the equal-wall-clock readout), the CLI errors,
+the README's generated table and the proposed configuration."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from geoopt_stiefel_attention.cli import main as cli_main  # noqa: E402
+from geoopt_stiefel_attention.experiments import tuned  # noqa: E402
+from geoopt_stiefel_attention.experiments.config import OptimConfig, RunSpec, TrainConfig, to_dict  # noqa: E402
+from geoopt_stiefel_attention.experiments.lm import LMConfig  # noqa: E402
+from geoopt_stiefel_attention.experiments.records import read_records  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+#: statistics recomputed by scipy agree to rounding of float64 sums
+STAT_TOL = 1e-12
+
+TINY = ["--depth", "2", "--width", "32", "--heads", "4", "--context", "16", "--batch-size", "4",
+        "--steps-per-epoch", "3", "--epochs", "2", "--eval-windows", "4", "--train-eval-windows", "4",
+        "--eval-batch", "4", "--probe-windows", "2", "--val-fraction", "0.2", "--test-fraction", "0.2",
+        "--max-file-share", "0.5", "--adjust-lr-fn", "match_rms_adamw", "--device", "cpu", "--quiet",
+        "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def varied_root(tmp_path_factory):
+    """40 modules of text that does not repeat across files (so held-out windows pass the overlap test)."""
+    import random
+
+    rng = random.Random(3)
+    root = tmp_path_factory.mktemp("varied")
+    for k in range(40):
+        body = "".join(f"def f_{rng.randrange(10**9)}(x):\n    # note {rng.randrange(10**9)}\n    return x * "
+                       f"{rng.randrange(10**6)}\n" for _ in range(40))
+        (root / f"mod{k:02d}.py").write_text(f'"""Module {k}: {rng.randrange(10**9)}."""\n\n' + body)
+    return str(root)
+
+
+def _cli(root, out, *extra):
+    return cli_main(["lm", *TINY, "--corpus-root", root, "--out", str(out), *extra])
+
+
+def _exit_code(call) -> int:
+    try:
+        return call()
+    except SystemExit as err:
+        return err.code
+
+
+@pytest.fixture(scope="module")
+def study(varied_root, tmp_path_factory):
+    """A tiny tuned study: adamw and stiefel on a two-point grid (seeds 0 1), then the final cell (seeds 0 1 2,
+    unbracketed allowed: a two-point grid has its best at an edge) and the timing pass."""
+    out = tmp_path_factory.mktemp("tuned") / "study"
+    assert _cli(varied_root, out, "--arms", "adamw", "stiefel", "--lrs", "1e-3", "3e-2", "--skip-report") == 0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- grid and final
+def test_grid_cells_hold_every_arm_at_every_lr_on_the_grid_seeds(study):
+    for lr, name in ((1e-3, "lr-0.001"), (3e-2, "lr-0.03")):
+        for arm in ("adamw", "stiefel"):
+            seeds = sorted(p.name for p in (study / name / "runs" / arm).iterdir())
+            assert seeds == ["seed0", "seed1"]  # the default grid seeds
+            cfg = json.loads((study / name / "runs" / arm / "seed0" / "config.json").read_text())["config"]
+            assert cfg["optim"]["lr"] == lr and cfg["optim"]["frame_lr"] is None  # frames follow the lr
+            assert cfg["optim"]["adjust_lr_fn"] == "match_rms_adamw"
+            assert "PSF" not in cfg["corpus_identity"]["licence"]  # a custom root: no licence stated
+    assert not (study / "runs").exists() and not (study / "final").exists()  # no main cell, no final yet
+
+
+def test_final_cell_refuses_an_unbracketed_grid_then_runs_each_arm_at_its_own_lr(study, varied_root, capsys):
+    grid = tuned.read_grid(study)
+    selection = tuned.select_lrs(grid, strict=True)
+    assert all(not s["bracketed"] for s in selection["arms"].values())  # two points: the best is at an edge
+    capsys.readouterr()
+    code = _exit_code(lambda: _cli(varied_root, study, "--arms", "adamw", "stiefel", "--final-seeds", "0", "1", "2"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--final-seeds" in err[0] and "add" in err[0] and "adamw" in err[0]
+    assert not (study / "final").exists()
+    # companion: allowed explicitly, it runs, each arm at the lr its grid selected
+    assert _cli(varied_root, study, "--arms", "adamw", "stiefel", "--final-seeds", "0", "1", "2",
+                "--allow-unbracketed", "--time-steps", "2") == 0
+    for arm, s in selection["arms"].items():
+        for seed in (0, 1, 2):
+            run = study / "final" / "runs" / arm / f"seed{seed}"
+            assert json.loads((run / "config.json").read_text())["config"]["optim"]["lr"] == s["best_lr"]
+            assert {r["seed"] for r in read_records(run / "metrics.jsonl")} == {seed}
+    # paired seeds: the same seed sees the same training windows in both arms and starts from the same
+    # non-frame weights (checked for the task in test_lm.py); here the evaluation windows agree too
+    a = read_records(study / "final/runs/adamw/seed2/metrics.jsonl")[0]
+    b = read_records(study / "final/runs/stiefel/seed2/metrics.jsonl")[0]
+    assert {k for k in a if k.endswith("_bpb")} == {k for k in b if k.endswith("_bpb")}
+    timing = json.loads((study / tuned.TIMING_FILE).read_text())
+    assert set(timing["arms"]) == {"adamw", "stiefel"} and all(
+        len(v["rounds"]) == 3 and v["seconds_per_step"] > 0 for v in timing["arms"].values())
+
+
+def test_report_rebuilds_byte_for_byte_and_names_what_it_must(study, tmp_path):
+    if not (study / "final").exists():
+        pytest.skip("needs the final cell of the previous test")
+    copy = tmp_path / "copy"
+    shutil.copytree(study, copy, ignore=shutil.ignore_patterns("*.pt", ".lock"))
+    for f in ("report.md", "summary.json"):
+        (copy / f).unlink()
+    assert cli_main(["lm", "--report-only", "--out", str(copy), "--quiet"]) == 0
+    for f in ("report.md", "summary.json"):
+        assert (copy / f).read_bytes() == (study / f).read_bytes(), f
+    report = (study / "report.md").read_text()
+    assert "## 3. At equal wall-clock" in report and "timing pass" in report and "lr_grid.png" in report
+    assert "not bracketed" not in report and "no: adamw: best lr" in report  # the edge is said, per arm
+    assert "*" in report.split("## Run")[1] or "one clean commit" in report  # commits named, dirt marked
+    assert "suggest" in report  # three seeds: no claims
+
+
+# ---------------------------------------------------------------------------------------------- selection
+def _grid(values: dict[str, dict[float, dict[int, float]]], unfinished=()):
+    return {"finals": values, "unfinished": list(unfinished)}
+
+
+def test_selection_brackets_an_inner_optimum():
+    sel = tuned.select_lrs(_grid({"adamw": {1e-3: {0: 2.0, 1: 2.2}, 3e-3: {0: 1.8, 1: 1.9}, 1e-2: {0: 1.9, 1: 2.1}}}),
+                           strict=True)["arms"]["adamw"]
+    assert sel["best_lr"] == 3e-3 and sel["bracketed"] and sel["edge"] is None and sel["next_lr"] is None
+    assert sel["best_mean"] == pytest.approx(1.85, abs=STAT_TOL)
+
+
+@pytest.mark.parametrize("values, edge, next_lr", [
+    ({1e-3: {0: 2.0}, 3e-3: {0: 1.9}, 9e-3: {0: 1.8}}, "high", 2.7e-2),
+    ({1e-3: {0: 1.7}, 3e-3: {0: 1.9}, 9e-3: {0: 1.8}}, "low", 3.33e-4),
+    ({3e-3: {0: 1.7}}, "only", 9e-3),
+])
+def test_selection_at_an_edge_is_not_bracketed_and_names_the_next_value(values, edge, next_lr):
+    sel = tuned.select_lrs(_grid({"muon": values}), strict=True)["arms"]["muon"]
+    assert not sel["bracketed"] and sel["edge"] == edge and sel["next_lr"] == pytest.approx(next_lr, rel=1e-12)
+    assert f"add {next_lr:g}" in tuned._unbracketed_text("muon", sel)
+
+
+def test_selection_names_a_missing_seed_arm_or_unfinished_run():
+    values = {"adamw": {1e-3: {0: 2.0, 1: 2.1}, 3e-3: {0: 1.8}, 1e-2: {0: 1.9, 1: 2.0}}}
+    with pytest.raises(tuned.IncompleteSelectionError, match="adamw at lr 0.003 seed 1"):
+        tuned.select_lrs(_grid(values), strict=True)
+    with pytest.raises(tuned.IncompleteSelectionError, match="stiefel: no grid runs"):
+        tuned.select_lrs(_grid(values), arms=["adamw", "stiefel"], strict=True)
+    with pytest.raises(tuned.IncompleteSelectionError, match=r"seed 1 \(at epoch 3 of 20\)"):
+        tuned.select_lrs(_grid(values, [("adamw", 3e-3, 1, 3, 20)]), strict=True)
+    with pytest.warns(UserWarning, match="seed 1"):  # not strict: warns, and selects on the common seeds
+        sel = tuned.select_lrs(_grid(values))
+    assert sel["arms"]["adamw"]["seeds"] == [0] and sel["missing"]
+    # companion: a complete grid raises and warns nothing
+    values["adamw"][3e-3][1] = 1.9
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not tuned.select_lrs(_grid(values), strict=True)["missing"]
+
+
+def test_grid_cells_refuse_bad_values():
+    cfg = LMConfig()
+    cells = tuned.grid_cells(cfg, [3e-3, 1e-3])
+    assert [c.subdir for c in cells] == ["lr-0.001", "lr-0.003"] and cells[1].config.optim.lr == 3e-3
+    for bad in ([-1e-3], [math.inf], [1e-3, 1.0000001e-3]):
+        with pytest.raises(ValueError, match="--lrs"):
+            tuned.grid_cells(cfg, bad)
+
+
+# ---------------------------------------------------------------------------------------------- synthetic report
+def _write_run(folder: Path, config: LMConfig, arm: str, seed: int, records: list[dict], *, sha: str = "a" * 40,
+               dirty: bool = False) -> None:
+    run = folder / "runs" / arm / f"seed{seed}"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(to_dict(RunSpec(config, arm, seed)), indent=2, sort_keys=True))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"arm": arm, "seed": seed, **r}) + "\n" for r in records))
+    (run / "environment.json").write_text(json.dumps([{"git_sha": sha, "git_dirty": dirty, "device": "cpu",
+                                                       "cpu_model": "test CPU", "torch_threads": 1, "torch": "x",
+                                                       "start_epoch": 0, "end_epoch": 2, "seconds": 10.0}]))
+
+
+#: synthetic final test bpb per arm and seed: (test, test_code, test_prose, test_data)
+FINAL = {"adamw": [(2.00, 1.9, 2.3, 1.5), (2.03, 1.95, 2.31, 1.52), (1.98, 1.91, 2.2, 1.49), (2.01, 1.96, 2.29, 1.5),
+                   (2.02, 1.92, 2.33, 1.51)],
+         "muon": [(1.95, 1.85, 2.25, 1.49), (1.99, 1.9, 2.3, 1.5), (1.96, 1.86, 2.21, 1.45), (1.97, 1.88, 2.24, 1.5),
+                  (1.94, 1.87, 2.26, 1.47)],
+         "stiefel": [(1.97, 1.84, 2.28, 1.48), (1.96, 1.88, 2.25, 1.53), (1.97, 1.9, 2.24, 1.46),
+                     (1.99, 1.89, 2.27, 1.49), (1.93, 1.83, 2.22, 1.44)]}
+
+
+@pytest.fixture()
+def synthetic(tmp_path):
+    """A tuned study written by hand: a 3-point grid per arm (2 seeds), a final cell of 5 seeds with per-category
+    test bpb at every epoch, and a timing file (muon twice as slow as adamw)."""
+    out = tmp_path / "synthetic"
+    base = LMConfig(corpus_root="/nowhere", test_fraction=0.1, steps_per_epoch=10, train=TrainConfig(epochs=2),
+                    optim=OptimConfig(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+                    corpus_identity={"source": "fake", "sha256": "0" * 64, "licence": "PSF License Agreement"})
+    best = {"adamw": 3e-3, "muon": 1e-2, "stiefel": 3e-3}
+    for lr in (1e-3, 3e-3, 1e-2):
+        for arm in best:
+            for seed in (0, 1):
+                score = 2.0 + abs(math.log(lr / best[arm])) / 10 + 0.01 * seed
+                _write_run(out / f"lr-{lr:g}", tuned.with_lr(base, lr), arm, seed,
+                           [{"epoch": 0, "val_bpb": 8.0}, {"epoch": 2, "val_bpb": score}])
+    for arm, rows in FINAL.items():
+        for seed, (t, c, p, d) in enumerate(rows):
+            recs = [{"epoch": e, "val_bpb": 3.0, "test_bpb": t + (2 - e) * 0.1 + 0.001 * seed, "test_code_bpb": c,
+                     "test_prose_bpb": p, "test_data_bpb": d} for e in range(3)]
+            _write_run(out / "final", tuned.with_lr(base, best[arm]), arm, seed, recs)
+    (out / tuned.TIMING_FILE).write_text(json.dumps({"steps_per_round": 5, "rounds": 3, "arms": {
+        "adamw": {"lr": 3e-3, "seconds_per_step": 0.5, "rounds": [0.5] * 3},
+        "muon": {"lr": 1e-2, "seconds_per_step": 1.0, "rounds": [1.0] * 3},
+        "stiefel": {"lr": 3e-3, "seconds_per_step": 0.6, "rounds": [0.6] * 3}},
+        "environment": {"device": "cpu", "cpu_model": "test CPU", "torch_threads": 1, "git_sha": "a" * 40}}))
+    return out, best
+
+
+def test_synthetic_report_selects_compares_against_scipy_and_rebuilds(synthetic):
+    from scipy import stats
+
+    out, best = synthetic
+    summary = tuned.finalize_tuned(out, LMConfig).summary
+    sel = summary["selection"]["arms"]
+    assert {a: s["best_lr"] for a, s in sel.items()} == best
+    assert sel["adamw"]["bracketed"] and not sel["muon"]["bracketed"] and sel["muon"]["next_lr"] == pytest.approx(0.0333)  # one grid ratio (10/3) beyond
+    comps = summary["final"]["comparisons"]
+    for k, name in enumerate(tuned.CATEGORY_SETS):
+        for arm, base in (("muon", "adamw"), ("stiefel", "adamw"), ("stiefel", "muon")):
+            a = [r[k] for r in FINAL[arm]]
+            b = [r[k] for r in FINAL[base]]
+            if name == "test":
+                a = [v + 0.001 * s for s, v in enumerate(a)]
+                b = [v + 0.001 * s for s, v in enumerate(b)]
+            c = comps[f"{name}: {arm} - {base}"]
+            ref = stats.ttest_rel(a, b)
+            diffs = [x - y for x, y in zip(a, b, strict=True)]
+            assert c["t"] == pytest.approx(ref.statistic, rel=1e-9)
+            assert c["p_value"] == pytest.approx(ref.pvalue, rel=1e-9)
+            pos = sum(d > 0 for d in diffs)
+            nz = sum(d != 0 for d in diffs)
+            assert c["sign_test_p"] == pytest.approx(stats.binomtest(pos, nz, 0.5).pvalue, rel=1e-12)
+    # Holm over the whole family (12 comparisons): the smallest p is multiplied by 12
+    ps = sorted(c["p_value"] for c in comps.values())
+    smallest = min(comps.values(), key=lambda c: c["p_value"])
+    assert len(comps) == 12 and smallest["p_holm"] == pytest.approx(min(1.0, 12 * ps[0]), rel=1e-12)
+    report = (out / "report.md").read_text()
+    assert "licence: PSF License Agreement" in report and "test_data bpb" in report
+    assert "aaaaaaaaaaaa (one clean commit)" in report
+    before = {f: (out / f).read_bytes() for f in ("report.md", "summary.json")}
+    tuned.finalize_tuned(out, LMConfig)
+    assert {f: (out / f).read_bytes() for f in before} == before
+    # companion: a final run trained on a dirty tree is marked
+    env = out / "final/runs/muon/seed0/environment.json"
+    env.write_text(env.read_text().replace('"git_dirty": false', '"git_dirty": true'))
+    tuned.finalize_tuned(out, LMConfig)
+    assert "**not one clean commit**" in (out / "report.md").read_text()
+
+
+def test_equal_wallclock_reads_each_arm_at_the_steps_that_fit_the_budget(synthetic):
+    out, _ = synthetic
+    wall = tuned.finalize_tuned(out, LMConfig).summary["equal_wallclock"]
+    # 20 steps; fastest adamw 0.5 s/step -> budget 10 s; muon (1.0 s/step) fits 10 steps = epoch 1; stiefel
+    # (0.6 s/step) fits 16 steps -> its last evaluation within them is epoch 1 (step 10)
+    assert wall["budget_seconds"] == pytest.approx(10.0)
+    assert wall["arms"]["adamw"]["steps_fit"] == 20 and wall["arms"]["adamw"]["epoch_read"] == [2]
+    assert wall["arms"]["muon"]["steps_fit"] == 10 and wall["arms"]["muon"]["epoch_read"] == [1]
+    assert wall["arms"]["stiefel"]["steps_fit"] == 16 and wall["arms"]["stiefel"]["epoch_read"] == [1]
+    assert wall["arms"]["muon"]["test_bpb"]["0"] == pytest.approx(FINAL["muon"][0][0] + 0.1, abs=STAT_TOL)
+    # companion: equal step times read every arm at its last epoch
+    same = tuned.equal_wallclock({"a": 1.0, "b": 1.0}, total_steps=20, steps_per_epoch=10,
+                                 records={"a": {0: [{"epoch": 1, "test_bpb": 3.0}, {"epoch": 2, "test_bpb": 2.0}]},
+                                          "b": {0: [{"epoch": 1, "test_bpb": 3.5}, {"epoch": 2, "test_bpb": 2.5}]}})
+    assert same["arms"]["b"]["epoch_read"] == [2] and same["arms"]["b"]["test_bpb"] == {"0": 2.5}
+
+
+def test_report_states_an_incomplete_grid(synthetic):
+    out, _ = synthetic
+    shutil.rmtree(out / "lr-0.01/runs/stiefel/seed1")
+    summary = tuned.finalize_tuned(out, LMConfig).summary
+    assert summary["selection"]["missing"] == ["stiefel at lr 0.01 seed 1"]
+    assert "**The grid is incomplete**: missing stiefel at lr 0.01 seed 1" in (out / "report.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------- CLI errors
+@pytest.mark.parametrize("flags, fragment", [
+    (["--lrs", "-1"], "--lrs"),
+    (["--lrs", "1e-3", "--frame-lrs", "1e-2"], "--frame-lrs"),
+    (["--final-seeds", "-1"], "--final-seeds"),
+    (["--final-seeds", "0", "0"], "--final-seeds"),
+    (["--allow-unbracketed"], "--allow-unbracketed"),
+    (["--time-steps", "0"], "--time-steps"),
+    (["--arms", "adamw", "--final-seeds", "0"], "--final-seeds"),  # no grid on disk: names the missing arm
+])
+def test_cli_errors_are_one_line_exit_2_and_write_nothing(varied_root, tmp_path, capsys, flags, fragment):
+    out = tmp_path / "never"
+    assert _exit_code(lambda: _cli(varied_root, out, *flags)) == 2
+    msg = capsys.readouterr().err.strip().splitlines()
+    assert fragment in msg[-1] and "Traceback" not in "\n".join(msg)
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------- README, configs
+def test_numbers_not_in_summary_finds_a_misquoted_number():
+    summary = {"a": {"mean": 1.81734, "diff": -0.03412}, "lr": 0.003}
+    assert tuned.numbers_not_in_summary("bpb 1.817, better by 0.034 (−0.0341), lr 3e-3", summary) == []
+    assert tuned.numbers_not_in_summary("bpb 1.818, lr 1e-3", summary) == ["1.818", "1e-3"]  # companion
+
+
+def _readme_block() -> str:
+    text = (ROOT / "experiments/lm/README.md").read_text()
+    assert tuned.README_BEGIN in text and tuned.README_END in text
+    return text.split(tuned.README_BEGIN, 1)[1].split(tuned.README_END, 1)[0].strip()
+
+
+def test_readme_results_block_is_generated_from_the_committed_summary():
+    block = _readme_block()
+    path = ROOT / "experiments/lm/runs/tuned/summary.json"
+    if not path.exists():  # the study has not run: the block claims nothing
+        assert block == tuned.README_PLACEHOLDER and not re.search(r"\d", block)
+        return
+    summary = json.loads(path.read_text())
+    assert "\n".join(tuned.readme_table(summary)) in block
+    assert tuned.numbers_not_in_summary(block, summary) == []
+
+
+def test_readme_table_of_the_synthetic_study_quotes_only_its_summary(synthetic):
+    out, _ = synthetic
+    summary = tuned.finalize_tuned(out, LMConfig).summary
+    table = "\n".join(tuned.readme_table(summary))
+    assert "| `muon` | 0.01 | no | 5 |" in table
+    assert tuned.numbers_not_in_summary(table, summary) == []
+    good = f"{summary['final']['test']['adamw']['test']['mean']:.4f}"
+    bad = f"{float(good) + 0.0071:.4f}"  # companion: a misquoted mean is found
+    assert good in table and tuned.numbers_not_in_summary(table.replace(good, bad), summary) == [bad]
+
+
+def _grids() -> dict[str, list[float]]:
+    lines = (ROOT / "experiments/lm/configs/tuned.args").read_text().splitlines()
+    return {ln.split()[2]: [float(v) for v in ln.split()[3:]] for ln in lines if ln.startswith("# grid ")}
+
+
+def test_tuned_args_parse_and_every_grid_has_five_values_about_three_apart():
+    import argparse
+
+    from geoopt_stiefel_attention.experiments.lm import STUDY, config_from_args
+
+    text = (ROOT / "experiments/lm/configs/tuned.args").read_text()
+    flags = [w for ln in text.splitlines() if not ln.startswith("#") for w in ln.split()]
+    parser = argparse.ArgumentParser()
+    STUDY.add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(flags))
+    assert (cfg.width, cfg.depth, cfg.heads, cfg.context, cfg.batch_size) == (128, 4, 4, 128, 32)
+    assert cfg.test_fraction == 0.1 and cfg.max_file_share == 0.03 and cfg.optim.adjust_lr_fn == "match_rms_adamw"
+    grids = _grids()
+    assert set(grids) == {"adamw", "muon", "stiefel", "stiefel-muon"}
+    for arm, values in grids.items():
+        ratios = [b / a for a, b in zip(values, values[1:], strict=False)]
+        assert len(values) == 5 and all(2.9 < r < 3.4 for r in ratios), (arm, values)
+    script = (ROOT / "experiments/lm/run_tuned.sh").read_text()
+    assert "--final-seeds" in script and "--time-steps" in script and "tuned.args" in script
