@@ -6,12 +6,13 @@
 # commit (the report names the commits and marks uncommitted changes).
 #
 # Usage: experiments/lm/run_tuned.sh OUT [grid|final|timing|report|all]   (e.g. experiments/lm/runs/tuned)
+# TUNED_ARGS=FILE reads the flags and grids from FILE instead (a smoke test on a tiny model).
 # If the final step says an arm's optimum is at a grid edge, add the value it names to that arm's "# grid" line
 # in tuned.args and rerun (the grid step trains only the new point).
 set -euo pipefail
 out=${1:?output folder}
 step=${2:-all}
-args=experiments/lm/configs/tuned.args
+args=${TUNED_ARGS:-experiments/lm/configs/tuned.args}
 flags=$(grep -v '^#' "$args")
 arms=$(grep '^# grid ' "$args" | awk '{print $3}' | tr '\n' ' ')
 lm() {
