@@ -9,7 +9,7 @@ from . import _geoopt_import  # noqa: F401  (first: imports geoopt quietly)
 from .convert import (
     LAYOUTS,
     Block,
-    ConversionReport,
+    ConversionResult,
     ConvertedAttention,
     Layout,
     export_state_dict,
@@ -33,4 +33,15 @@ __version__ = "0.1.0"
 __all__ = ["PolarStiefel", "StiefelAdam", "is_frame", "stiefel_adam_update", "frame_step_scale", "__version__",
            "StiefelMultiheadAttention", "EuclideanMultiheadAttention", "stiefelize", "param_groups",
            "frame_parameters", "query_key_projections", "TinyTransformer", "PatchViT", "unstiefelize",
-           "export_state_dict", "parametrized_state_dict", "Layout", "Block", "LAYOUTS", "ConversionReport", "ConvertedAttention"]
+           "export_state_dict", "parametrized_state_dict", "Layout", "Block", "LAYOUTS", "ConversionResult", "ConvertedAttention"]
+
+
+def __getattr__(name: str):
+    """Deprecated aliases of renamed public names (``ConversionReport``: :class:`ConversionResult`)."""
+    if name == "ConversionReport":
+        import warnings
+
+        warnings.warn("ConversionReport is deprecated; use ConversionResult (what stiefelize returns; a 'report' "
+                      "is a study's report)", DeprecationWarning, stacklevel=2)
+        return ConversionResult
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
