@@ -5,7 +5,10 @@ Query/key projections live on the Stiefel manifold :math:`\\mathrm{St}(d, r)` an
 polar retraction, with AdamW for every other parameter.
 """
 
-from . import _geoopt_import  # noqa: F401  (first: imports geoopt quietly)
+from . import (
+    _deprecated,
+    _geoopt_import,  # noqa: F401  (before any geoopt import: imports geoopt quietly; _deprecated imports none)
+)
 from .convert import (
     LAYOUTS,
     Block,
@@ -36,12 +39,5 @@ __all__ = ["PolarStiefel", "StiefelAdam", "is_frame", "stiefel_adam_update", "fr
            "export_state_dict", "parametrized_state_dict", "Layout", "Block", "LAYOUTS", "ConversionResult", "ConvertedAttention"]
 
 
-def __getattr__(name: str):
-    """Deprecated aliases of renamed public names (``ConversionReport``: :class:`ConversionResult`)."""
-    if name == "ConversionReport":
-        import warnings
-
-        warnings.warn("ConversionReport is deprecated; use ConversionResult (what stiefelize returns; a 'report' "
-                      "is a study's report)", DeprecationWarning, stacklevel=2)
-        return ConversionResult
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _deprecated.renamed_names(__name__, globals(), {
+    "ConversionReport": ("ConversionResult", "what stiefelize returns; a 'report' is a study's report")})

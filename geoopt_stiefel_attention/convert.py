@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from . import _deprecated
 from ._linalg import orthonormality_error
 from .distributed import is_sharded
 from .manifolds import PolarStiefel, frame_dtypes, is_frame, reproject_after_cast_
@@ -1297,10 +1298,5 @@ def converted_query_key_frames(model: nn.Module) -> list[tuple[str, Tensor, Tens
     return found
 
 
-def __getattr__(name: str) -> Any:
-    """``ConversionReport``: the former name of :class:`ConversionResult` (deprecated alias)."""
-    if name == "ConversionReport":
-        warnings.warn("ConversionReport is deprecated; use ConversionResult (what stiefelize returns; a 'report' "
-                      "is a study's report)", DeprecationWarning, stacklevel=2)
-        return ConversionResult
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _deprecated.renamed_names(__name__, globals(), {
+    "ConversionReport": ("ConversionResult", "what stiefelize returns; a 'report' is a study's report")})

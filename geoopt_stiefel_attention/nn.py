@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import _deprecated
 from ._linalg import ADJUST_LR_FNS
 
 # The converter lives in .convert, which does not import this module (no cycle); its stiefelize is re-exported
@@ -866,10 +867,5 @@ def _source_parts(source: nn.Module, *, drop_qk_bias: bool, ignore_batch_first: 
     return config, weights
 
 
-def __getattr__(name: str) -> Any:
-    """``FRAME_LAYOUTS``: the former name of :data:`FRAME_GRANULARITIES` (deprecated alias)."""
-    if name == "FRAME_LAYOUTS":
-        warnings.warn("geoopt_stiefel_attention.nn.FRAME_LAYOUTS is deprecated; use FRAME_GRANULARITIES (a "
-                      "'layout' is the converter's table entry, convert.Layout)", DeprecationWarning, stacklevel=2)
-        return FRAME_GRANULARITIES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _deprecated.renamed_names(__name__, globals(), {
+    "FRAME_LAYOUTS": ("FRAME_GRANULARITIES", "a 'layout' is the converter's table entry, convert.Layout")})

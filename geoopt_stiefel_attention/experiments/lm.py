@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from .. import _deprecated
 from .._argtypes import UsageError
 from ..nn import param_groups
 from .arms import ARMS, Arm, build_stiefel, register_arm
@@ -922,12 +923,5 @@ def run(args: argparse.Namespace) -> int:
     return STUDY.run(args)
 
 
-def __getattr__(name: str) -> Any:
-    """``LM_ARMS``: the former name of :data:`STUDY_ARMS` (deprecated alias)."""
-    if name == "LM_ARMS":
-        import warnings
-
-        warnings.warn("geoopt_stiefel_attention.experiments.lm.LM_ARMS is deprecated; use STUDY_ARMS (every study "
-                      "names its arms so)", DeprecationWarning, stacklevel=2)
-        return STUDY_ARMS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _deprecated.renamed_names(__name__, globals(), {
+    "LM_ARMS": ("STUDY_ARMS", "every study names its arms so")})

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .. import _deprecated
 from . import ablation_arms  # noqa: F401  (registers the ablation and frozen arms)
 from .arms import Arm
 from .cli_args import build_config
@@ -751,16 +752,5 @@ add_arguments = STUDY.add_arguments
 run = STUDY.run
 
 
-_RENAMED = {"VISION_FINAL_KEYS": "FINAL_KEYS", "VISION_ALL_KEYS": "ALL_KEYS"}
-
-
-def __getattr__(name: str) -> Any:
-    """``VISION_FINAL_KEYS``, ``VISION_ALL_KEYS``: former names of :data:`FINAL_KEYS`, :data:`ALL_KEYS`
-    (deprecated aliases)."""
-    if name in _RENAMED:
-        import warnings
-
-        warnings.warn(f"geoopt_stiefel_attention.experiments.vision.{name} is deprecated; use {_RENAMED[name]} "
-                      f"(the name lm uses too)", DeprecationWarning, stacklevel=2)
-        return globals()[_RENAMED[name]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _deprecated.renamed_names(__name__, globals(), {
+    "VISION_FINAL_KEYS": ("FINAL_KEYS", "the name lm uses too"), "VISION_ALL_KEYS": ("ALL_KEYS", "the name lm uses too")})
