@@ -5,11 +5,14 @@ Query/key projections live on the Stiefel manifold :math:`\\mathrm{St}(d, r)` an
 polar retraction, with AdamW for every other parameter.
 """
 
-from . import _geoopt_import  # noqa: F401  (first: imports geoopt quietly)
+from . import (
+    _deprecated,
+    _geoopt_import,  # noqa: F401  (before any geoopt import: imports geoopt quietly; _deprecated imports none)
+)
 from .convert import (
     LAYOUTS,
     Block,
-    ConversionReport,
+    ConversionResult,
     ConvertedAttention,
     Layout,
     export_state_dict,
@@ -33,4 +36,8 @@ __version__ = "0.1.0"
 __all__ = ["PolarStiefel", "StiefelAdam", "is_frame", "stiefel_adam_update", "frame_step_scale", "__version__",
            "StiefelMultiheadAttention", "EuclideanMultiheadAttention", "stiefelize", "param_groups",
            "frame_parameters", "query_key_projections", "TinyTransformer", "PatchViT", "unstiefelize",
-           "export_state_dict", "parametrized_state_dict", "Layout", "Block", "LAYOUTS", "ConversionReport", "ConvertedAttention"]
+           "export_state_dict", "parametrized_state_dict", "Layout", "Block", "LAYOUTS", "ConversionResult", "ConvertedAttention"]
+
+
+__getattr__ = _deprecated.renamed_names(__name__, globals(), {
+    "ConversionReport": ("ConversionResult", "what stiefelize returns; a 'report' is a study's report")})

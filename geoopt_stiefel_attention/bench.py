@@ -41,7 +41,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ._argtypes import UsageError, nonnegative_int, output_path_problem, positive_float, positive_int
@@ -60,6 +60,64 @@ TRAIN_MODELS = ("tiny_transformer", "patch_vit")
 EXTRA_TRAIN_MODELS = ("hf_gpt2",)
 
 CLOCKS = ("wall", "cpu")
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """The settings every benchmark shares: the interleaving protocol (see the module docstring), the
+    optimizers' learning rate, and where and how the benchmark runs.
+
+    Each benchmark takes ``settings=`` (default: its entry of :data:`BENCH_DEFAULTS`) and accepts any of these
+    fields as a keyword too, which replaces the field (``step_time_benchmark(rounds=3)``).
+
+    Attributes
+    ----------
+    rounds, steps_per_round, warmup : int
+        Interleaved rounds, timed steps per arm and round (one for arms slower than 0.25 s per
+        step), untimed steps per arm before the first round.
+    lr : float
+        Learning rate of every optimizer (1e-3: a typical value; with it a StiefelAdam step is far inside its
+        trust region, and on CPU the retraction's series has order 1).
+    dtype : str
+        Of the parameters of :func:`step_time_benchmark` and :func:`step_path_benchmark`;
+        :func:`train_step_benchmark` trains float32 parameters (mixed precision: its ``autocast``).
+    device : str
+        Torch device of the parameters.
+    clock : {"wall", "cpu"}
+        Wall time, or the process's CPU time (robust to other processes on a shared machine with one thread).
+    threads : int or None
+        ``torch.set_num_threads`` for the run (restored afterwards); ``None`` keeps the current setting.
+    seed : int
+        Seed of the parameters, gradients and data (each arm gets identical copies).
+    """
+
+    rounds: int = 7
+    steps_per_round: int = 5
+    warmup: int = 3
+    lr: float = 1e-3
+    dtype: str = "float32"
+    device: str = "cpu"
+    clock: str = "wall"
+    threads: int | None = None
+    seed: int = 0
+
+
+#: Default :class:`BenchSettings` of each benchmark (``stiefel-attention bench step|train|paths``).
+BENCH_DEFAULTS: dict[str, BenchSettings] = {
+    "step": BenchSettings(steps_per_round=5, warmup=3),
+    "train": BenchSettings(steps_per_round=3, warmup=2),
+    "paths": BenchSettings(steps_per_round=5, warmup=3),
+}
+
+
+def _settings(benchmark: str, settings: BenchSettings | None, overrides: dict[str, Any]) -> BenchSettings:
+    """``settings`` (default ``BENCH_DEFAULTS[benchmark]``) with the fields named in ``overrides`` replaced."""
+    names = {f.name for f in fields(BenchSettings)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise TypeError(f"bench: {', '.join(unknown)} is not a benchmark setting; use any of {sorted(names)}.")
+    return replace(BENCH_DEFAULTS[benchmark] if settings is None else settings, **overrides)
+
 
 _SLOW_STEP_S = 0.25  # an arm whose warm-up step takes longer runs one step per round
 
@@ -173,16 +231,18 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _interleave(steps: dict[str, Callable[[], Any]], *, rounds: int, steps_per_round: int, warmup: int,
-                clock: str, device: str, required: tuple[str, ...] = ()) -> tuple[dict[str, list[list[float]]],
-                                                                              dict[str, str]]:
-    """Run every arm ``warmup`` times, then ``rounds`` rounds of ``steps_per_round`` timed steps per arm (one
-    step for arms slower than ``_SLOW_STEP_S``), rotating the arm order each round.
+def _interleave(steps: dict[str, Callable[[], Any]], settings: BenchSettings, *, warmup: int | None = None,
+                required: tuple[str, ...] = ()) -> tuple[dict[str, list[list[float]]], dict[str, str]]:
+    """Run every arm ``warmup`` times (default ``settings.warmup``), then ``settings.rounds`` rounds of
+    ``settings.steps_per_round`` timed steps per arm (one step for arms slower than ``_SLOW_STEP_S``), rotating
+    the arm order each round, timed with ``settings.clock`` on ``settings.device``.
 
     Returns the per-round lists of step times (seconds) of each arm that completed, and a note for each arm
     that raised (a competitor's bug must not abort the whole benchmark; an arm in ``required`` re-raises).
     """
-    now = _clock(clock)
+    warmup = settings.warmup if warmup is None else warmup
+    rounds, steps_per_round, device = settings.rounds, settings.steps_per_round, settings.device
+    now = _clock(settings.clock)
     per_round, failed = {}, {}
     for name, fn in steps.items():
         t0 = time.perf_counter()
@@ -360,16 +420,9 @@ def step_time_benchmark(
     widths: tuple[int, ...] = tuple(CONFIGS),
     *,
     arms: tuple[str, ...] = STEP_ARMS,
-    rounds: int = 7,
-    steps_per_round: int = 5,
-    warmup: int = 3,
-    lr: float = 1e-3,
-    dtype: str = "float32",
-    device: str = "cpu",
-    clock: str = "wall",
-    threads: int | None = None,
-    seed: int = 0,
     configs: dict[int, tuple[int, int]] | None = None,
+    settings: BenchSettings | None = None,
+    **overrides: Any,
 ) -> list[StepTimeResult]:
     """Time one optimizer step on the query/key frames of each configuration, every arm in one process.
 
@@ -379,22 +432,13 @@ def step_time_benchmark(
         Keys of ``configs`` (default :data:`CONFIGS`: 128, 256, 512, 768).
     arms : tuple of str
         Any of :data:`STEP_ARMS`; ``"stiefel"`` must be among them (the ratios are relative to it).
-    rounds, steps_per_round, warmup : int
-        Interleaving protocol (see the module docstring). Arms slower than 0.25 s per step (geoopt's
-        canonical Stiefel at large widths) run one step per round.
-    lr : float
-        Learning rate of every optimizer (1e-3: a typical value; with it a StiefelAdam step is far inside its
-        trust region, and on CPU the retraction's series has order 1).
-    dtype, device : str
-        Of the parameters (``"float32"``, ``"cpu"`` by default).
-    clock : {"wall", "cpu"}
-        Wall time, or the process's CPU time (robust to other processes on a shared machine with one thread).
-    threads : int or None
-        ``torch.set_num_threads`` for the run (restored afterwards); ``None`` keeps the current setting.
-    seed : int
-        Seed of the frames and gradients (each arm gets identical copies).
     configs : dict, optional
         ``width -> (depth, heads)``; defaults to :data:`CONFIGS`.
+    settings : BenchSettings, optional
+        Protocol, lr, dtype, device, clock, threads and seed; default ``BENCH_DEFAULTS["step"]``. Arms slower
+        than 0.25 s per step (geoopt's canonical Stiefel at large widths) run one step per round.
+    **overrides
+        Fields of :class:`BenchSettings` replacing those of ``settings`` (``rounds=3``, ``clock="cpu"``).
 
     Returns
     -------
@@ -403,21 +447,22 @@ def step_time_benchmark(
     """
     import torch
 
+    s = _settings("step", settings, overrides)
+    _clock(s.clock)  # an unknown clock is refused before anything is built
     configs = CONFIGS if configs is None else configs
     if "stiefel" not in arms:
         raise ValueError("bench: arms must include 'stiefel' (every ratio is relative to it).")
     bad = [w for w in widths if w not in configs]
     if bad:
         raise ValueError(f"bench: widths {bad} have no configuration; choose from {sorted(configs)} or pass configs.")
-    with torch_threads(threads):
+    with torch_threads(s.threads):
         results = []
         for width in widths:
             depth, heads = configs[width]
             shapes = frame_shapes(width, depth, heads)
-            tdtype = getattr(torch, dtype)
-            steps, opts, notes = _step_arms(shapes, arms=arms, lr=lr, dtype=tdtype, device=device, seed=seed)
-            samples, failed = _interleave(steps, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
-                                          clock=clock, device=device, required=("stiefel",))
+            tdtype = getattr(torch, s.dtype)
+            steps, opts, notes = _step_arms(shapes, arms=arms, lr=s.lr, dtype=tdtype, device=s.device, seed=s.seed)
+            samples, failed = _interleave(steps, s, required=("stiefel",))
             notes.update(failed)
             param_bytes = sum(math.prod(s) for s in shapes) * torch.tensor([], dtype=tdtype).element_size()
             timings, state_ratio = {}, {}
@@ -435,8 +480,8 @@ def step_time_benchmark(
             ratios = {arm: _ratio(samples["stiefel"], samples[arm]) for arm in samples if arm != "stiefel"}
             results.append(StepTimeResult(
                 width=width, depth=depth, heads=heads, head_dim=width // heads, frames=len(shapes) * heads,
-                param_bytes=param_bytes, dtype=dtype, timings=timings, ratios=ratios, state_ratio=state_ratio,
-                rounds=rounds, clock=clock, threads=torch.get_num_threads()))
+                param_bytes=param_bytes, dtype=s.dtype, timings=timings, ratios=ratios, state_ratio=state_ratio,
+                rounds=s.rounds, clock=s.clock, threads=torch.get_num_threads()))
             del steps, opts
         return results
 
@@ -514,17 +559,11 @@ def _hf_gpt2_setup(attention: str, kw: dict[str, Any], batch: int, *, seed: int,
 def train_step_benchmark(
     models: tuple[str, ...] = TRAIN_MODELS,
     *,
-    rounds: int = 7,
-    steps_per_round: int = 3,
-    warmup: int = 2,
-    lr: float = 1e-3,
     weight_decay: float = 0.1,
-    device: str = "cpu",
-    clock: str = "wall",
-    threads: int | None = None,
-    seed: int = 0,
     scale: str = "default",
     autocast: str | None = None,
+    settings: BenchSettings | None = None,
+    **overrides: Any,
 ) -> list[TrainStepResult]:
     """Time a full training step (zero_grad, forward, loss, backward, optimizer step) of each model for the
     ``"adamw"`` arm (Euclidean attention, ``torch.optim.AdamW`` with its default implementation) and the
@@ -538,13 +577,20 @@ def train_step_benchmark(
     grokking batch is 512 rather than the study's full batch, which only lowers the optimizer's share),
     ``scale="tiny"`` :data:`TINY_TRAIN_SETTINGS`. The optimizer step is also timed on its own.
     ``autocast="bfloat16"`` (or ``"float16"``) runs forward and loss under ``torch.autocast`` on the device
-    (parameters and optimizer stay float32: mixed precision the way torch users do it).
+    (parameters and optimizer stay float32: mixed precision the way torch users do it). ``settings`` (default
+    ``BENCH_DEFAULTS["train"]``) and ``**overrides`` as in :func:`step_time_benchmark`; its ``dtype`` must
+    stay ``"float32"``.
     """
     import torch
 
     from .nn import param_groups
     from .optim import StiefelAdam
 
+    s = _settings("train", settings, overrides)
+    if s.dtype != "float32":
+        raise ValueError(f"bench: dtype={s.dtype!r}: the train benchmark trains float32 parameters; use "
+                         f"autocast='bfloat16' or 'float16' for mixed precision.")
+    device = s.device
     table = {"default": TRAIN_SETTINGS, "tiny": TINY_TRAIN_SETTINGS}.get(scale)
     if table is None:
         raise ValueError(f"bench: scale={scale!r} is unknown; use 'default' or 'tiny'.")
@@ -552,7 +598,7 @@ def train_step_benchmark(
         raise ValueError(f"bench: autocast={autocast!r} is unknown; use None, 'bfloat16' or 'float16'.")
     amp = dict(device_type=torch.device(device).type, dtype=getattr(torch, autocast or "bfloat16"),
                enabled=autocast is not None)
-    with torch_threads(threads):
+    with torch_threads(s.threads):
         results = []
         for model in models:
             if model not in table:
@@ -561,9 +607,9 @@ def train_step_benchmark(
             steps: dict[str, Callable[[], Any]] = {}
             opt_steps: dict[str, Callable[[], Any]] = {}
             for arm, attention in (("adamw", "euclidean"), ("stiefel", "stiefel")):
-                net, x, y, loss_fn = _train_setup(model, attention, table[model], seed=seed, device=device)
+                net, x, y, loss_fn = _train_setup(model, attention, table[model], seed=s.seed, device=device)
                 groups = param_groups(net, weight_decay=weight_decay, expect_frames=arm == "stiefel")
-                opt = torch.optim.AdamW(groups, lr=lr) if arm == "adamw" else StiefelAdam(groups, lr=lr)
+                opt = torch.optim.AdamW(groups, lr=s.lr) if arm == "adamw" else StiefelAdam(groups, lr=s.lr)
 
                 def full(net=net, opt=opt, x=x, y=y, loss_fn=loss_fn) -> None:
                     opt.zero_grad(set_to_none=True)
@@ -573,17 +619,15 @@ def train_step_benchmark(
                     opt.step()
 
                 steps[arm], opt_steps[arm] = full, opt.step
-            samples, _ = _interleave(steps, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
-                                     clock=clock, device=device, required=tuple(steps))
+            samples, _ = _interleave(steps, s, required=tuple(steps))
             # the optimizer alone, on the gradients of the last full step
-            opt_samples, _ = _interleave(opt_steps, rounds=rounds, steps_per_round=steps_per_round, warmup=1,
-                                         clock=clock, device=device, required=tuple(opt_steps))
+            opt_samples, _ = _interleave(opt_steps, s, warmup=1, required=tuple(opt_steps))
             settings = dict(table[model])
             results.append(TrainStepResult(
                 model=model, config={k: v for k, v in settings.items() if k != "batch"}, batch=settings["batch"],
                 full_step={arm: _timing(arm, samples[arm]) for arm in steps},
                 optimizer_step={arm: _timing(arm, opt_samples[arm]) for arm in opt_steps},
-                ratio=_ratio(samples["stiefel"], samples["adamw"]), rounds=rounds, clock=clock,
+                ratio=_ratio(samples["stiefel"], samples["adamw"]), rounds=s.rounds, clock=s.clock,
                 threads=torch.get_num_threads(), autocast=autocast))
         return results
 
@@ -715,16 +759,9 @@ def step_path_benchmark(
     frame_sets: list[FrameSet] | None = None,
     *,
     arms: tuple[str, ...] = PATH_ARMS,
-    rounds: int = 7,
-    steps_per_round: int = 5,
-    warmup: int = 3,
-    lr: float = 1e-3,
-    dtype: str = "float32",
-    device: str = "cpu",
-    clock: str = "wall",
-    threads: int | None = None,
-    seed: int = 0,
     compile_backend: str = "inductor",
+    settings: BenchSettings | None = None,
+    **overrides: Any,
 ) -> list[StepPathResult]:
     """Time the paths of one :class:`~geoopt_stiefel_attention.StiefelAdam` step against the six batched
     ``d x r x r`` products alone (``"matmul_floor"``, see :func:`_matmul_floor`), every arm in one process.
@@ -743,10 +780,12 @@ def step_path_benchmark(
     ----------
     frame_sets : list of FrameSet, optional
         Default ``[BENCH_FRAMES]`` (:func:`path_frame_sets`).
-    arms, rounds, steps_per_round, warmup, lr, dtype, device, clock, threads, seed
-        As in :func:`step_time_benchmark`.
+    arms : tuple of str
+        Any of :data:`PATH_ARMS`.
     compile_backend : str, default "inductor"
         ``torch.compile`` backend of the compiled arm (``"aot_eager"`` traces without generating code).
+    settings : BenchSettings, optional
+        Default ``BENCH_DEFAULTS["paths"]``; with ``**overrides`` as in :func:`step_time_benchmark`.
 
     Returns
     -------
@@ -755,26 +794,26 @@ def step_path_benchmark(
     """
     import torch
 
+    s = _settings("paths", settings, overrides)
     if "matmul_floor" not in arms:
         raise ValueError("bench: arms must include 'matmul_floor' (every ratio is relative to it).")
     frame_sets = [BENCH_FRAMES] if frame_sets is None else frame_sets
-    with torch_threads(threads):
+    with torch_threads(s.threads):
         results = []
         for fs in frame_sets:
-            steps, opts, compile_s = _path_steps(fs, arms=arms, lr=lr, dtype=getattr(torch, dtype), device=device,
-                                                 seed=seed, compile_backend=compile_backend)
-            samples, _ = _interleave(steps, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
-                                     clock=clock, device=device, required=tuple(steps))
+            steps, opts, compile_s = _path_steps(fs, arms=arms, lr=s.lr, dtype=getattr(torch, s.dtype),
+                                                 device=s.device, seed=s.seed, compile_backend=compile_backend)
+            samples, _ = _interleave(steps, s, required=tuple(steps))
             timings = {}
             for arm in samples:
                 timings[arm] = _timing(arm, samples[arm], state_bytes=_state_bytes(opts[arm]) if arm in opts else None,
                                        workspace_bytes=_workspace_bytes(opts.get(arm)))
             results.append(StepPathResult(
-                frames=fs, dtype=dtype, device=device, timings=timings,
+                frames=fs, dtype=s.dtype, device=s.device, timings=timings,
                 floor_ratio={arm: _ratio(samples[arm], samples["matmul_floor"]) for arm in samples
                              if arm != "matmul_floor"},
                 compile_s=compile_s, compile_backend=compile_backend if "compiled" in arms else None,
-                rounds=rounds, clock=clock, threads=torch.get_num_threads()))
+                rounds=s.rounds, clock=s.clock, threads=torch.get_num_threads()))
             del steps, opts
             torch._dynamo.reset()  # each frame set compiles its own step; drop the last one's graphs
         return results
@@ -967,7 +1006,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "converted by stiefelize, needs the models extra)")
     parser.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (default 7)")
     parser.add_argument("--steps", type=positive_int, default=None,
-                        help="timed steps per arm and round (default 5 for 'step', 3 for 'train')")
+                        help="timed steps per arm and round (default "
+                             + ", ".join(f"{s.steps_per_round} for '{w}'" for w, s in BENCH_DEFAULTS.items()) + ")")
     parser.add_argument("--lr", type=positive_float, default=1e-3,
                         help="learning rate of every optimizer, > 0 (default 1e-3)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
@@ -1019,23 +1059,20 @@ def run(args: argparse.Namespace) -> int:
         _write_out(args.out, text)
         print(text if args.json else format_check(doc) + f"\nwritten to {args.out}")
         return 0
+    defaults = BENCH_DEFAULTS[args.what]
+    steps = defaults.steps_per_round if args.steps is None else args.steps
+    settings = replace(defaults, rounds=args.rounds, steps_per_round=steps, lr=args.lr, device=args.device,
+                       clock=args.clock, threads=args.threads, seed=args.seed,
+                       dtype=defaults.dtype if args.what == "train" else args.dtype)  # train: float32 + autocast
     if args.what == "paths":
-        steps = 5 if args.steps is None else args.steps
-        results = step_path_benchmark(path_frame_sets(args.grid), arms=tuple(args.arms), rounds=args.rounds,
-                                      steps_per_round=steps, lr=args.lr, dtype=args.dtype, device=args.device,
-                                      clock=args.clock, threads=args.threads, seed=args.seed,
-                                      compile_backend=args.compile_backend)
+        results = step_path_benchmark(path_frame_sets(args.grid), arms=tuple(args.arms),
+                                      compile_backend=args.compile_backend, settings=settings)
         table = format_path_table(results)
     elif args.what == "step":
-        steps = 5 if args.steps is None else args.steps
-        results = step_time_benchmark(tuple(args.widths), arms=tuple(args.arms), rounds=args.rounds,
-                                      steps_per_round=steps, lr=args.lr, dtype=args.dtype, device=args.device,
-                                      clock=args.clock, threads=args.threads, seed=args.seed)
+        results = step_time_benchmark(tuple(args.widths), arms=tuple(args.arms), settings=settings)
         table = format_step_table(results)
     else:
-        steps = 3 if args.steps is None else args.steps
-        results = train_step_benchmark(tuple(args.models), rounds=args.rounds, steps_per_round=steps, lr=args.lr,
-                                       device=args.device, clock=args.clock, threads=args.threads, seed=args.seed)
+        results = train_step_benchmark(tuple(args.models), settings=settings)
         table = format_train_table(results)
     with torch_threads(args.threads):
         machine = machine_info(args.device)

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from . import _deprecated
 from ._linalg import orthonormality_error
 from .distributed import is_sharded
 from .manifolds import PolarStiefel, frame_dtypes, is_frame, reproject_after_cast_
@@ -50,7 +51,7 @@ __all__ = [
     "Layout",
     "LAYOUTS",
     "ConvertedAttention",
-    "ConversionReport",
+    "ConversionResult",
     "stiefelize",
     "unstiefelize",
     "export_state_dict",
@@ -167,7 +168,7 @@ class Layout:
     Parameters
     ----------
     name : str
-        Shown in the report.
+        Shown in the conversion result.
     q, k : Block
         The query and key projections. The key may have fewer heads than the query (grouped-query
         attention): heads are counted as ``rows // head_dim`` for each.
@@ -237,10 +238,10 @@ LAYOUTS: tuple[Layout, ...] = (
 )
 
 
-# ---------------------------------------------------------------------------------------------- the report
+# ---------------------------------------------------------------------------------------------- the result
 @dataclass(frozen=True)
 class ConvertedAttention:
-    r"""One converted attention module (a row of the report).
+    r"""One converted attention module (a row of the :class:`ConversionResult`).
 
     Attributes
     ----------
@@ -274,8 +275,11 @@ class ConvertedAttention:
 
 
 @dataclass(frozen=True)
-class ConversionReport:
-    """What :func:`stiefelize` did. ``str(report)`` is a readable summary; iterate for the rows.
+class ConversionResult:
+    """What :func:`stiefelize` did. ``str(result)`` is a readable summary; iterate for the rows.
+
+    (Formerly ``ConversionReport``, still importable as a deprecated alias: in this project a *report* is a
+    study's report.)
 
     Attributes
     ----------
@@ -286,7 +290,7 @@ class ConversionReport:
     output_change : float or None
         :math:`\\|y_\\text{after} - y_\\text{before}\\|_F / \\|y_\\text{before}\\|_F` on the probe batch, when
         ``probe`` was given and the ratio is defined; ``None`` without a probe, or when the output before
-        conversion is zero or not finite (``str(report)`` then says which, and gives the absolute change).
+        conversion is zero or not finite (``str(result)`` then says which, and gives the absolute change).
     output_change_abs : float or None
         :math:`\\|y_\\text{after} - y_\\text{before}\\|_F`, when ``probe`` was given.
     output_norm_before : float or None
@@ -825,7 +829,7 @@ def stiefelize(
     gain_rate: float = GAIN_RATE,
     frames: str | None = None,
     drop_qk_bias: bool | None = None,
-) -> ConversionReport:
+) -> ConversionResult:
     r"""Put the query/key projections of every attention module of ``model`` on the Stiefel manifold, in place.
 
     For each attention module found, the query weight :math:`W_Q` (``H`` heads of size ``r``) and the key
@@ -874,7 +878,7 @@ def stiefelize(
         Raise ``ValueError`` when nothing is converted, or when a module that looks like attention (its class
         name contains "Attention", or it is an ``nn.MultiheadAttention``, and it holds no frame) matches no
         layout or cannot be converted. With ``False`` those modules are left as they are, listed in
-        ``report.skipped`` and named in a warning.
+        ``result.skipped`` and named in a warning.
     probe : Tensor, tuple or dict, optional
         An input batch (``model(probe)``, ``model(*probe)`` or ``model(**probe)``) on which the relative
         output change is measured in eval mode without gradients; the output is the tensor returned, or its
@@ -890,7 +894,7 @@ def stiefelize(
 
     Returns
     -------
-    ConversionReport
+    ConversionResult
         The converted modules (path, layout, heads q/kv, d, r, gain), skipped modules and the output change.
 
     Notes
@@ -1017,7 +1021,7 @@ def stiefelize(
         absolute, scale = float((after - before).norm()), float(before.norm())
         # a ratio only where it is defined: a zero (or non-finite) output before conversion has no relative change
         change = absolute / scale if scale > 0 and math.isfinite(scale) else None
-    return ConversionReport(tuple(rows), tuple(problems), change, absolute, scale)
+    return ConversionResult(tuple(rows), tuple(problems), change, absolute, scale)
 
 
 def _legacy(logit_gain: Any, qk_bias: str, frames: Any, drop_qk_bias: Any) -> tuple[Any, str]:
@@ -1292,3 +1296,7 @@ def converted_query_key_frames(model: nn.Module) -> list[tuple[str, Tensor, Tens
             frames.append(getattr(owner.parametrizations[attr][0], f"{role}_frames"))
         found.append((path, frames[0], frames[1]))
     return found
+
+
+__getattr__ = _deprecated.renamed_names(__name__, globals(), {
+    "ConversionReport": ("ConversionResult", "what stiefelize returns; a 'report' is a study's report")})

@@ -23,7 +23,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .nn import FRAME_LAYOUTS, EuclideanMultiheadAttention, StiefelMultiheadAttention
+from .nn import FRAME_GRANULARITIES, EuclideanMultiheadAttention, StiefelMultiheadAttention
 
 __all__ = ["ATTENTION_KINDS", "TinyTransformer", "PatchViT"]
 
@@ -45,8 +45,8 @@ def _check_common(owner: str, *, width, depth, heads, mlp, attention, frames, se
                          f"divide the width (head_dim = width // heads).")
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"{owner}: attention={attention!r} is unknown; use 'euclidean' or 'stiefel'.")
-    if frames not in FRAME_LAYOUTS:
-        raise ValueError(f"{owner}: frames={frames!r} is unknown; use 'head' or 'layer'.")
+    if frames not in FRAME_GRANULARITIES:
+        raise ValueError(f"{owner}: frames={frames!r} is not a frame granularity; use 'head' or 'layer'.")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"{owner}: seed={seed!r} is invalid; pass an int.")
 
@@ -115,7 +115,7 @@ class TinyTransformer(nn.Module):
     seed : int
         Seed of the generator every weight is drawn from (see the module docstring for the laws and order).
     frames : {"head", "layer"}
-        Frame layout of the attention modules.
+        Frame granularity of the attention modules (one frame per head or per layer).
     dtype, device : optional
         Parameter dtype (draws are made in it) and device (parameters are moved there after drawing).
 

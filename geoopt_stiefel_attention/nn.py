@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import _deprecated
 from ._linalg import ADJUST_LR_FNS
 
 # The converter lives in .convert, which does not import this module (no cycle); its stiefelize is re-exported
@@ -36,7 +37,7 @@ from .convert import converted_query_key_frames, stiefelize
 from .manifolds import PolarStiefel, frame_dtypes, is_frame, reproject_after_cast_
 
 __all__ = [
-    "FRAME_LAYOUTS",
+    "FRAME_GRANULARITIES",
     "StiefelMultiheadAttention",
     "EuclideanMultiheadAttention",
     "stiefelize",
@@ -45,8 +46,10 @@ __all__ = [
     "query_key_projections",
 ]
 
-#: The accepted values of the ``frames`` option.
-FRAME_LAYOUTS = ("head", "layer")
+#: The frame granularities: the accepted values of the ``frames`` option (how many frames a query or key
+#: projection is cut into: ``"head"``, one frame per head; ``"layer"``, one frame for all heads). Not to be
+#: confused with a :class:`~geoopt_stiefel_attention.Layout` (where a model stores its attention weights).
+FRAME_GRANULARITIES = ("head", "layer")
 
 #: Names of the three groups returned by :func:`param_groups`, in order.
 GROUP_NAMES = ("frames", "decay", "no_decay")
@@ -143,9 +146,9 @@ class _MultiheadAttentionBase(nn.Module):
         head_dim = _check_int(owner, "head_dim", head_dim)
         kdim = embed_dim if kdim is None else _check_int(owner, "kdim", kdim)
         vdim = embed_dim if vdim is None else _check_int(owner, "vdim", vdim)
-        if frames not in FRAME_LAYOUTS:
-            raise ValueError(f"{owner}: frames={frames!r} is unknown; use 'head' (one frame per head) or "
-                             f"'layer' (one frame for all heads).")
+        if frames not in FRAME_GRANULARITIES:
+            raise ValueError(f"{owner}: frames={frames!r} is not a frame granularity; use 'head' (one frame per "
+                             f"head) or 'layer' (one frame for all heads).")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"{owner}: dropout={dropout!r} is invalid; pass a float in [0, 1).")
         r = head_dim if frames == "head" else num_heads * head_dim
@@ -499,8 +502,8 @@ _CONSTRUCTOR_DOC = r"""
     head_dim : int, optional
         ``Dh``; default ``embed_dim // num_heads`` (which must then divide exactly).
     frames : {"head", "layer"}, default "head"
-        ``"head"``: each head's ``(d, Dh)`` block is one frame (needs ``Dh <= embed_dim, kdim``).
-        ``"layer"``: the whole ``(d, H*Dh)`` projection is one frame, so heads are also mutually orthogonal
+        The frame granularity (:data:`~geoopt_stiefel_attention.nn.FRAME_GRANULARITIES`). ``"head"``: each
+        head's ``(d, Dh)`` block is one frame (needs ``Dh <= embed_dim, kdim``). ``"layer"``: the whole ``(d, H*Dh)`` projection is one frame, so heads are also mutually orthogonal
         (needs ``H*Dh <= embed_dim, kdim``).
     logit_gain : bool, default False
         Learn a per-head logit gain :math:`e^{g_h}`. Orthonormal frames cannot scale the logits:
@@ -586,7 +589,8 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
         source : nn.MultiheadAttention or EuclideanMultiheadAttention
             The module to convert (left unchanged).
         frames : {"head", "layer"}, optional
-            Frame layout; default the source's (``"head"`` for ``nn.MultiheadAttention``).
+            Frame granularity (:data:`FRAME_GRANULARITIES`); default the source's (``"head"`` for
+            ``nn.MultiheadAttention``).
         logit_gain : bool, optional
             Add per-head log-gains (initialised to 0, so the function is unchanged); default the source's
             (``False`` for ``nn.MultiheadAttention``).
@@ -603,7 +607,7 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
         ------
         ValueError
             For ``add_bias_kv``, ``add_zero_attn``, a non-zero query bias without ``drop_qk_bias``, or a
-            layout whose frames cannot exist.
+            frame granularity whose frames cannot exist.
         TypeError
             For another kind of source.
         """
@@ -861,3 +865,7 @@ def _source_parts(source: nn.Module, *, drop_qk_bias: bool, ignore_batch_first: 
                   bias=source.in_proj_bias is not None, kdim=source.kdim, vdim=source.vdim,
                   batch_first=bool(source.batch_first or ignore_batch_first), frames="head", logit_gain=False)
     return config, weights
+
+
+__getattr__ = _deprecated.renamed_names(__name__, globals(), {
+    "FRAME_LAYOUTS": ("FRAME_GRANULARITIES", "a 'layout' is the converter's table entry, convert.Layout")})

@@ -16,7 +16,7 @@ import torch
 
 from geoopt_stiefel_attention import PolarStiefel, analysis
 from geoopt_stiefel_attention.analysis import _numerics as num
-from geoopt_stiefel_attention.analysis import conditioning, gauge, report, scale, steepest, weight_decay
+from geoopt_stiefel_attention.analysis import conditioning, gauge, scale, steepest, table, weight_decay
 from geoopt_stiefel_attention.analysis.optimizers import OptimizerColumn, column_by_name, stiefel_adam_column
 
 EXACT_TOL = 1e-12  # float64 agreement of two exact formulas
@@ -336,7 +336,7 @@ def test_gauge_on_the_library_attention_modules(sa):
         assert certs[0].details["model"].endswith("MultiheadAttention")
 
 
-# ------------------------------------------------------------------------------------- report and CLI
+# ------------------------------------------------------------------------------ certificate table and CLI
 def test_table_json_and_markdown_from_a_reduced_suite():
     columns = [stiefel_adam_column("frame"), column_by_name("AdamW")]
     certs = analysis.run_certificates(columns, steps=30, other_steps=30)
@@ -345,18 +345,18 @@ def test_table_json_and_markdown_from_a_reduced_suite():
     ours = [c for c in certs if c.optimizer == "StiefelAdam"]
     assert all(c.passed for c in ours), [c.name for c in ours if not c.passed]
     assert any(c.passed is None for c in certs if c.optimizer == "torch AdamW (unconstrained)")
-    text = report.format_text(certs)
+    text = table.format_text(certs)
     assert "StiefelAdam" in text and "n/a" in text and "FAIL" in text
     assert all(row in text for row in analysis.ROWS)
-    md = report.format_markdown(certs)
-    table = [line for line in md.splitlines() if line.startswith("| ")]
-    assert len(table) == len(analysis.ROWS) + 1  # header + rows
-    for line in table:  # "||xi||" in a row name must not open extra cells
+    md = table.format_markdown(certs)
+    lines = [line for line in md.splitlines() if line.startswith("| ")]
+    assert len(lines) == len(analysis.ROWS) + 1  # header + rows
+    for line in lines:  # "||xi||" in a row name must not open extra cells
         assert line.replace("\\|", "").count("|") == len(columns) + 2
-    records = json.loads(report.to_json(certs))
+    records = json.loads(table.to_json(certs))
     assert len(records) == len(certs)
     assert {"certificate", "optimizer", "passed", "measured", "tolerance", "details"} <= records[0].keys()
-    assert report.stiefel_adam_failures(certs) == []
+    assert table.stiefel_adam_failures(certs) == []
 
 
 def test_cli_certify_writes_json_and_markdown(tmp_path, capsys):

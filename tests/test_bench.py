@@ -57,15 +57,15 @@ def test_a_failing_competitor_is_reported_not_fatal():
     def broken():
         raise RuntimeError("lu_solve: pivots must be >= 1\nsecond line")
 
+    settings = bench.BenchSettings(rounds=2, steps_per_round=2, warmup=1, clock="wall", device="cpu")
     samples, failed = bench._interleave({"stiefel": lambda: calls.append(1), "geoopt-radam-canonical": broken},
-                                        rounds=2, steps_per_round=2, warmup=1, clock="wall", device="cpu",
-                                        required=("stiefel",))
+                                        settings, required=("stiefel",))
     assert set(samples) == {"stiefel"} and [len(r) for r in samples["stiefel"]] == [2, 2] and len(calls) == 5
     assert failed == {"geoopt-radam-canonical": "failed: RuntimeError: lu_solve: pivots must be >= 1"}
     # companion: a failure of the arm under test is not swallowed
     with pytest.raises(RuntimeError, match="pivots"):
-        bench._interleave({"stiefel": broken}, rounds=1, steps_per_round=1, warmup=1, clock="wall",
-                          device="cpu", required=("stiefel",))
+        bench._interleave({"stiefel": broken}, bench.BenchSettings(rounds=1, steps_per_round=1, warmup=1),
+                          required=("stiefel",))
 
 
 class _CountProducts(TorchDispatchMode):
@@ -362,3 +362,18 @@ def test_torch_threads_restores_the_count():
         assert torch.get_num_threads() == 1
         raise RuntimeError
     assert torch.get_num_threads() == before
+
+
+def test_benchmarks_share_one_settings_object():
+    settings = bench.BenchSettings(rounds=1, steps_per_round=1, warmup=1, clock="cpu", threads=1)
+    (res,) = bench.step_time_benchmark((64,), arms=("stiefel", "adamw_foreach"), configs=TINY, settings=settings)
+    assert (res.rounds, res.clock, res.threads) == (1, "cpu", 1)
+    # a keyword replaces one field of the settings (or of the benchmark's defaults)
+    (res,) = bench.step_time_benchmark((64,), arms=("stiefel",), configs=TINY, settings=settings, rounds=2)
+    assert res.rounds == 2 and res.timings["stiefel"].steps == 2
+    assert bench.BENCH_DEFAULTS["train"].steps_per_round == 3 and bench.BENCH_DEFAULTS["step"].warmup == 3
+    # companion: a keyword that is no setting, and a dtype the train benchmark cannot honour, are refused
+    with pytest.raises(TypeError, match="not a benchmark setting"):
+        bench.step_time_benchmark((64,), configs=TINY, rounnds=1)
+    with pytest.raises(ValueError, match="float32"):
+        bench.train_step_benchmark(scale="tiny", dtype="bfloat16")

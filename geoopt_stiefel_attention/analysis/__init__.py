@@ -2,7 +2,7 @@
 
 Each certificate is a function returning a frozen :class:`Certificate` (``name, statement, measured,
 tolerance, passed, details``); :func:`run_certificates` runs them all for every optimizer column of
-:func:`default_columns`, and :mod:`~geoopt_stiefel_attention.analysis.report` renders the table. Nothing
+:func:`default_columns`, and :mod:`~geoopt_stiefel_attention.analysis.table` renders the certificate table. Nothing
 here prints. The command ``stiefel-attention certify`` prints the table.
 
 1. steepest descent in the embedded metric (:mod:`.steepest`);
@@ -25,10 +25,10 @@ from .gauge import (
     multihead_attention,
 )
 from .optimizers import OptimizerColumn, column_by_name, default_columns, stiefel_adam_column
-from .report import format_markdown, format_text, stiefel_adam_failures, to_json, to_records
 from .scale import certify_scale_invariance, certify_scale_with_eps
 from .steepest import certify_first_step, certify_projection, certify_retraction_order, certify_step_direction
 from .suite import ROWS, run_certificates
+from .table import format_markdown, format_text, stiefel_adam_failures, to_json, to_records
 from .weight_decay import (
     certify_coupled_decay,
     certify_decay_gradient,

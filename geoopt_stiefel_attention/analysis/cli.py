@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from . import report
+    from . import table
     from .optimizers import column_by_name, default_columns
     from .suite import run_certificates
 
@@ -62,12 +62,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"Certificates of the propositions, seed {args.seed}, float64 unless stated "
               f"({len(certs)} cells in {elapsed:.1f} s):\n")
-    print(report.format_text(certs, labels, legend=not args.quiet, notes=not args.quiet))
-    for path, text in ((args.json, report.to_json(certs) + "\n"), (args.markdown, report.format_markdown(certs, labels))):
+    print(table.format_text(certs, labels, legend=not args.quiet, notes=not args.quiet))
+    for path, text in ((args.json, table.to_json(certs) + "\n"), (args.markdown, table.format_markdown(certs, labels))):
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(text)
-    failed = report.stiefel_adam_failures(certs)
+    failed = table.stiefel_adam_failures(certs)
     if failed:
         print("\nStiefelAdam FAILED: " + ", ".join(c.name for c in failed), file=sys.stderr)
         return 1

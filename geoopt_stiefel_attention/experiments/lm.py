@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from .. import _deprecated
 from .._argtypes import UsageError
 from ..nn import param_groups
 from .arms import ARMS, Arm, build_stiefel, register_arm
@@ -59,14 +60,14 @@ from .study import Cell, StudyOutputs
 from .tuned import FINAL_DIR, GRID_PREFIX, finalize_tuned, find_config, is_tuned_folder, run_tuned
 
 __all__ = ["LMConfig", "build_model", "build_task", "gpt2_query_keys", "attention_logit_stats", "AttentionProbe",
-           "lm_param_groups", "SweepMismatchError", "run_lm", "finalize_lm", "sweep_cells", "LM_ARMS", "LOGIT_GAIN", "PUBLISHED",
+           "lm_param_groups", "SweepMismatchError", "run_lm", "finalize_lm", "sweep_cells", "STUDY_ARMS", "LOGIT_GAIN", "PUBLISHED",
            "HELP", "STUDY", "TUNED_ARMS", "TUNED_GRID_SEEDS", "add_arguments", "run"]
 
 HELP = ("Byte-level GPT-2 on the Python standard library's sources: AdamW vs Stiefel W_Q/W_K (StiefelAdam, "
         "learned logit gain, geoopt RiemannianAdam) over paired seeds; records, plots, report.")
 
-#: The arms of the study, baseline first.
-LM_ARMS = ("adamw", "stiefel", "stiefel-gain", "geoopt-radam")
+#: The arms of the study, baseline first (the same name as ``vision.STUDY_ARMS``; formerly ``LM_ARMS``).
+STUDY_ARMS = ("adamw", "stiefel", "stiefel-gain", "geoopt-radam")
 
 #: The arms of a tuned study (``--lrs`` / ``--final-seeds`` without ``--arms``), baselines first.
 TUNED_ARMS = ("adamw", "muon", "stiefel", "stiefel-muon")
@@ -83,6 +84,8 @@ if "stiefel-gain" not in ARMS:
                      "AdamW on the rest", studies=("lm",)))
 
 #: The two published findings this study is set beside (no numbers of theirs are quoted: we have none).
+#: ``(source, finding)`` pairs in prose, not a ``report.PaperReference`` (the grokking and vision studies'
+#: ``PAPER``: one paper's figures, compared number for number); hence its own name.
 PUBLISHED = (
     ("Knight, 2026", "rank-factored Riemannian attention on small language models \"does not conclusively "
                      "outperform AdamW\""),
@@ -639,8 +642,8 @@ def finalize_lm(out_dir: str | os.PathLike, config: LMConfig, *, arms: Sequence[
     config = config if recorded is None else config_from_dict(LMConfig, recorded)
     records = cell_records(out_dir, Cell(config), arms, seeds)
     on_disk = list(dict.fromkeys(r["arm"] for r in records))
-    arms = list(arms) if arms is not None else [a for a in LM_ARMS if a in on_disk] + [
-        a for a in on_disk if a not in LM_ARMS]
+    arms = list(arms) if arms is not None else [a for a in STUDY_ARMS if a in on_disk] + [
+        a for a in on_disk if a not in STUDY_ARMS]
     main = summarize_cell(records, arms, metric="val_bpb", final_keys=FINAL_KEYS)
     runs = group_runs(records)
     speed = speed_from_environment(out_dir)
@@ -760,7 +763,7 @@ def _tuned_folders(out_dir: str | os.PathLike) -> list[Path]:
         p for p in [out_dir / FINAL_DIR] if p.is_dir()]
 
 
-def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] | None = LM_ARMS,
+def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] | None = STUDY_ARMS,
            seeds: Sequence[int] | None = (0, 1, 2), frame_lrs: Sequence[float] = (),
            options: RunOptions | None = None, report_only: bool = False, skip_report: bool = False,
            command: str | None = None, lrs: Sequence[float] = (), final_seeds: Sequence[int] = (),
@@ -792,7 +795,7 @@ def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] 
                          lrs=lrs, final_seeds=final_seeds, time_steps=time_steps, allow_unbracketed=allow_unbracketed,
                          options=RunOptions.of(options, **run_kwargs), command=command, skip_report=skip_report,
                          config_type=LMConfig)
-    arms = list(arms or LM_ARMS)
+    arms = list(arms or STUDY_ARMS)
     seeds = list(seeds if seeds is not None else (0, 1, 2))
     for a in arms:
         get_arm(a, "lm")
@@ -997,7 +1000,7 @@ def _summary_lines(summary: dict[str, Any]) -> list[str]:
 
 #: The ``stiefel-attention lm`` command (``--transfer-report``: :func:`run` reports over per-width studies).
 STUDY = StudyCommand(name="lm", config_type=LMConfig, task_arguments=_task_arguments,
-                     config_from_args=config_from_args, train=_train, arms=LM_ARMS, seeds=(0, 1, 2),
+                     config_from_args=config_from_args, train=_train, arms=STUDY_ARMS, seeds=(0, 1, 2),
                      report_only_flags=frozenset({"corpus_root"}), check=_check, prepare=_prepare,
                      config_for_report=_config_for_report,
                      modules=lambda config, args: ["transformers"], result_line=_result_line,
@@ -1011,3 +1014,7 @@ def run(args: argparse.Namespace) -> int:
     if args.transfer_report:
         return _run_transfer_report(args)
     return STUDY.run(args)
+
+
+__getattr__ = _deprecated.renamed_names(__name__, globals(), {
+    "LM_ARMS": ("STUDY_ARMS", "every study names its arms so")})

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .. import _deprecated
 from . import ablation_arms  # noqa: F401  (registers the ablation and frozen arms)
 from .arms import Arm
 from .cli_args import build_config
@@ -324,17 +325,18 @@ def analyze_cell(records: Sequence[Mapping[str, Any]], arms: Sequence[str],
     """:func:`~.records.summarize_cell` of one cell's records (final accuracies, paired comparisons), plus
     ``movement``: ``"adamw / <arm>"`` ratios of the per-step rms movement of W_Q (``ratio_q``) and W_K
     (``ratio_k``) over every (seed, evaluation) pair."""
-    out = summarize_cell(records, arms, metric=metric, final_keys=VISION_FINAL_KEYS, all_keys=VISION_ALL_KEYS)
+    out = summarize_cell(records, arms, metric=metric, final_keys=FINAL_KEYS, all_keys=ALL_KEYS)
     runs = group_runs(records)
     run_arms = [a for a in arms if a in runs]
     out["movement"] = _movement(runs, run_arms[0]) if run_arms else {}
     return out
 
 
-#: record keys summarised at the last evaluation, and over every evaluation, of each run
-VISION_FINAL_KEYS = ("train_acc", "move_total_rel/q", "move_total_rel/k", "angle_max_deg/q", "angle_mean_deg/q",
+#: record keys summarised at the last evaluation, and over every evaluation, of each run (the same names as
+#: ``lm.FINAL_KEYS``; formerly ``VISION_FINAL_KEYS``, ``VISION_ALL_KEYS``)
+FINAL_KEYS = ("train_acc", "move_total_rel/q", "move_total_rel/k", "angle_max_deg/q", "angle_mean_deg/q",
                      "norm/euclidean")
-VISION_ALL_KEYS = ("move_step_rms/q", "move_step_rms/k", "move_step_rel_rms/q")
+ALL_KEYS = ("move_step_rms/q", "move_step_rms/k", "move_step_rel_rms/q")
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -748,3 +750,7 @@ STUDY = StudyCommand(
               + ")")
 add_arguments = STUDY.add_arguments
 run = STUDY.run
+
+
+__getattr__ = _deprecated.renamed_names(__name__, globals(), {
+    "VISION_FINAL_KEYS": ("FINAL_KEYS", "the name lm uses too"), "VISION_ALL_KEYS": ("ALL_KEYS", "the name lm uses too")})
