@@ -12,7 +12,7 @@ import pytest
 from geoopt_stiefel_attention.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-VISION = ROOT / "experiments" / "vision" / "runs"
+VISION = ROOT / "studies" / "vision" / "runs"
 #: committed vision studies: folder -> --study
 VISION_STUDIES = {"fashion-mnist-ablation": "ablation", "fashion-mnist-decay": "decay",
                   "fashion-mnist-scaling": "scaling", "fashion-mnist-paired": "paired"}
@@ -53,14 +53,14 @@ def test_report_only_rebuilds_every_committed_vision_study(tmp_path, name):
     _rebuild_matches(tmp_path, name)
 
 
-#: the other committed studies with records: (command, folder under experiments/)
+#: the other committed studies with records: (command, folder under studies/)
 OTHER_STUDIES = [("grokking", "grokking/runs/p97_add_5seeds"), ("lm", "lm/runs/full"), ("lm", "lm/runs/pilot"),
                  ("lm", "lm/runs/lr-3e-3")]
 
 
 @pytest.mark.parametrize(("command", "name"), OTHER_STUDIES)
 def test_report_only_rebuilds_the_committed_grokking_and_lm_studies_byte_for_byte(tmp_path, command, name):
-    folder = ROOT / "experiments" / name
+    folder = ROOT / "studies" / name
     assert (folder / "study.json").exists(), f"{name}: the committed study lost its study.json"
     copy = tmp_path / "study"
     shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("*.pt", ".lock"))
@@ -78,8 +78,8 @@ def test_grokking_readme_quotes_the_tail_and_dip_definitions_and_counts_from_the
 
     from geoopt_stiefel_attention.experiments.records import DIP_DEFINITION, tail_description
 
-    readme = (ROOT / "experiments" / "grokking" / "README.md").read_text()
-    summary = json.loads((ROOT / "experiments" / "grokking" / "runs" / "p97_add_5seeds" / "summary.json").read_text())
+    readme = (ROOT / "studies" / "grokking" / "README.md").read_text()
+    summary = json.loads((ROOT / "studies" / "grokking" / "runs" / "p97_add_5seeds" / "summary.json").read_text())
     tail = tail_description(summary["summary"])
     assert tail == "the last 10% of training: the evaluations at epochs 18,000–20,000 (21 per run)"
     assert tail in readme and DIP_DEFINITION in readme
@@ -98,7 +98,7 @@ def test_grokking_readme_quotes_the_tail_and_dip_definitions_and_counts_from_the
 
 
 def test_the_committed_frame_step_transfer_report_rebuilds_byte_for_byte(tmp_path):
-    folder = ROOT / "experiments" / "lm" / "runs" / "frame-step"
+    folder = ROOT / "studies" / "lm" / "runs" / "frame-step"
     if not (folder / "report.md").exists():
         pytest.skip("frame-step transfer report not committed yet")
     copy = tmp_path / "frame-step"

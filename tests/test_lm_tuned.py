@@ -315,14 +315,14 @@ def test_numbers_not_in_summary_finds_a_misquoted_number():
 
 
 def _readme_block() -> str:
-    text = (ROOT / "experiments/lm/README.md").read_text()
+    text = (ROOT / "studies/lm/README.md").read_text()
     assert tuned.README_BEGIN in text and tuned.README_END in text
     return text.split(tuned.README_BEGIN, 1)[1].split(tuned.README_END, 1)[0].strip()
 
 
 def test_readme_results_block_is_generated_from_the_committed_summary():
     block = _readme_block()
-    path = ROOT / "experiments/lm/runs/tuned/summary.json"
+    path = ROOT / "studies/lm/runs/tuned/summary.json"
     if not path.exists():  # the study has not run: the block claims nothing
         assert block == tuned.README_PLACEHOLDER and not re.search(r"\d", block)
         return
@@ -343,7 +343,7 @@ def test_readme_table_of_the_synthetic_study_quotes_only_its_summary(synthetic):
 
 
 def _grids() -> dict[str, list[float]]:
-    lines = (ROOT / "experiments/lm/configs/tuned.args").read_text().splitlines()
+    lines = (ROOT / "studies/lm/configs/tuned.args").read_text().splitlines()
     return {ln.split()[2]: [float(v) for v in ln.split()[3:]] for ln in lines if ln.startswith("# grid ")}
 
 
@@ -352,7 +352,7 @@ def test_tuned_args_parse_and_every_grid_has_five_values_about_three_apart():
 
     from geoopt_stiefel_attention.experiments.lm import STUDY, config_from_args
 
-    text = (ROOT / "experiments/lm/configs/tuned.args").read_text()
+    text = (ROOT / "studies/lm/configs/tuned.args").read_text()
     flags = [w for ln in text.splitlines() if not ln.startswith("#") for w in ln.split()]
     parser = argparse.ArgumentParser()
     STUDY.add_arguments(parser)
@@ -364,5 +364,5 @@ def test_tuned_args_parse_and_every_grid_has_five_values_about_three_apart():
     for arm, values in grids.items():
         ratios = [b / a for a, b in zip(values, values[1:], strict=False)]
         assert len(values) == 5 and all(2.9 < r < 3.4 for r in ratios), (arm, values)
-    script = (ROOT / "experiments/lm/run_tuned.sh").read_text()
+    script = (ROOT / "studies/lm/run_tuned.sh").read_text()
     assert "--final-seeds" in script and "--time-steps" in script and "tuned.args" in script

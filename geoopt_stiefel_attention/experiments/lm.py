@@ -889,7 +889,7 @@ def _task_arguments(parser: argparse.ArgumentParser, d: LMConfig) -> None:
                         "rounds after a warm-up round, one process) at its selected lr; writes timing.json for the "
                         "equal-wall-clock readout")
     g.add_argument("--transfer-report", action="store_true",
-                   help="train nothing: --out holds one lm study per model shape (experiments/lm/run_frame_step.sh); "
+                   help="train nothing: --out holds one lm study per model shape (studies/lm/run_frame_step.sh); "
                         "write the report of the frame lr against the multiplier, one curve per shape")
 
 
@@ -912,7 +912,7 @@ def _run_transfer_report(args: argparse.Namespace) -> int:
 
     if not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out}: no such folder; pass the folder of per-shape lm studies "
-                         f"(e.g. experiments/lm/runs/frame-step).")
+                         f"(e.g. studies/lm/runs/frame-step).")
     try:
         summary = transfer_report(args.out)
     except ValueError as err:

@@ -172,9 +172,10 @@ def environment_info(device: torch.device) -> dict[str, Any]:
 
     from .. import __version__
 
-    # uncommitted changes to anything but the top-level experiments/ folder (run records committed while
-    # studies train would otherwise mark every call)
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)experiments")
+    # uncommitted changes to anything but the top-level studies/ folder (run records committed while studies
+    # train would otherwise mark every call; experiments/ is its name before 2026-12-03)
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)studies",
+                  ":(top,exclude)experiments")
     info = {
         "geoopt_stiefel_attention": __version__,
         "git_sha": _git("rev-parse", "HEAD"),

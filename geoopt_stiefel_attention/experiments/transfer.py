@@ -225,7 +225,7 @@ def transfer_report(root: str | os.PathLike, *, intro: str = "") -> dict[str, An
     shapes = collect_shapes(root)
     if not shapes:
         raise ValueError(f"{root}: holds no language-model study folder (<shape>/runs/<arm>/seed<k>/config.json); "
-                         f"train them first with experiments/lm/run_frame_step.sh.")
+                         f"train them first with studies/lm/run_frame_step.sh.")
     summary = {"shapes_collected": shapes, **summarize_transfer(shapes), "trained_on": trained_on(root)}
     (root / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     plot_transfer(summary, root / FIGURE_FILE)

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Tuned against tuned (issue 26): each arm's lr grid (2 seeds per point), then the final cell (each arm at the lr
 # its grid selects on validation, 5 paired seeds, read once on test), then the timing pass for the
-# equal-wall-clock readout, then the report. Flags and grids: experiments/lm/configs/tuned.args. Every step is
+# equal-wall-clock readout, then the report. Flags and grids: studies/lm/configs/tuned.args. Every step is
 # resumable: rerun the script and it continues where it stopped (finished runs are skipped). Run it on ONE clean
 # commit (the report names the commits and marks uncommitted changes).
 #
-# Usage: experiments/lm/run_tuned.sh OUT [grid|final|timing|report|all]   (e.g. experiments/lm/runs/tuned)
+# Usage: studies/lm/run_tuned.sh OUT [grid|final|timing|report|all]   (e.g. studies/lm/runs/tuned)
 # TUNED_ARGS=FILE reads the flags and grids from FILE instead (a smoke test on a tiny model).
 # If the final step says an arm's optimum is at a grid edge, add the value it names to that arm's "# grid" line
 # in tuned.args and rerun (the grid step trains only the new point).
 set -euo pipefail
 out=${1:?output folder}
 step=${2:-all}
-args=${TUNED_ARGS:-experiments/lm/configs/tuned.args}
+args=${TUNED_ARGS:-studies/lm/configs/tuned.args}
 flags=$(grep -v '^#' "$args")
 arms=$(grep '^# grid ' "$args" | awk '{print $3}' | tr '\n' ' ')
 lm() {
