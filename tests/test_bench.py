@@ -258,7 +258,7 @@ def test_cli_out_is_checked_before_the_benchmark_runs(tmp_path, monkeypatch, cap
         raise _Started
 
     for name in ("step_time_benchmark", "step_path_benchmark", "train_step_benchmark", "accelerator_check"):
-        monkeypatch.setattr(bench, name, started)
+        monkeypatch.setattr(bench.cli, name, started)  # the names `bench.cli.run` calls
     argv = ["bench", what, "--rounds", "1", "--steps", "1", "--device", "cpu", "--out"]
     status = cli_status([*argv, str(tmp_path)])
     err = capsys.readouterr().err.strip()
