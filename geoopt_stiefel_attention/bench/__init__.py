@@ -7,9 +7,9 @@ prepared accelerator check:
 - :func:`step_time_benchmark`: the optimizer step alone on the query/key projections of transformer
   configurations (:data:`CONFIGS`: one frame per head, parameters shaped ``(heads, width, head_dim)``, two per
   layer), against ``AdamW(foreach=True)``, ``AdamW(fused=True)``, ``RiemannianAdam`` on
-  ``geoopt.EuclideanStiefel()`` (QR retraction; arm ``"geoopt-radam"``, the name the studies and
+  ``geoopt.EuclideanStiefel()`` (QR retraction; optimizer ``"geoopt-radam"``, the name the studies and
   ``certify`` use too) and on ``geoopt.Stiefel()`` (canonical metric, Cayley retraction: a ``d x d`` solve
-  per frame; arm ``"geoopt-radam-canonical"``), and the *matrix-product floor*: the six batched ``d x r x r``
+  per frame; optimizer ``"geoopt-radam-canonical"``), and the *matrix-product floor*: the six batched ``d x r x r``
   products a StiefelAdam step performs, run bare on tensors of the same shapes and batching.
 - :func:`train_step_benchmark`: a full training step (forward, backward, optimizer) of
   :class:`~geoopt_stiefel_attention.TinyTransformer` and :class:`~geoopt_stiefel_attention.PatchViT`, the
@@ -20,11 +20,17 @@ prepared accelerator check:
   ``torch.compile(opt.step)``; row- and column-major frames) against the matrix-product floor, on the bench
   shape :data:`BENCH_FRAMES` and a grid of widths and ranks.
 - :func:`accelerator_check` (``stiefel-attention bench gpu``, ``benchmarks/gpu.sh``): a few minutes on one
-  GPU, all of the above at GPU sizes plus the grokking study's epochs per second, written as JSON.
+  GPU, all of the above at GPU sizes, written as JSON (``benchmarks/gpu.sh`` then adds the grokking study's
+  epochs per second, which belong to the studies).
 
-Protocol. The arms are interleaved: every round runs each arm for a few steps, in an order that rotates from
-round to round, so slow drift of a shared machine hits all arms alike. Each step is timed on its own; an arm's
-time is the median over all its steps, and a ratio is the median over rounds of the per-round ratio of
+Words: what a benchmark times is an *optimizer* in ``step`` (``optimizers=``, ``--optimizers``; the floor is
+timed as one), a *path* in ``paths`` (``paths=``, ``--paths``) and an *arm* in ``train``, where it is a study arm
+(model preparation plus optimizer). The former names (``STEP_ARMS``, ``PATH_ARMS``, ``ArmTiming``, ``arms=``,
+``--arms``) still work, with a deprecation warning.
+
+Protocol. What a benchmark times is interleaved: every round runs each entry for a few steps, in an order that
+rotates from round to round, so slow drift of a shared machine hits all entries alike. Each step is timed on its
+own; an entry's time is the median over all its steps, and a ratio is the median over rounds of the per-round ratio of
 medians. ``clock="cpu"`` measures the process's CPU time instead of wall time: with one thread
 (``threads=1``) it is not inflated when other processes take the core, the usual situation on a shared
 machine. Timings are not assertions: nothing here decides pass or fail.
@@ -38,6 +44,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._deprecated import renamed_names
+
 # Every name of the former single module ``bench.py`` stays importable from here; the private helpers among
 # them (tests and scripts reach ``_interleave`` and ``_matmul_floor``) are marked ``noqa: F401``.
 from .cli import HELP, add_arguments, run
@@ -47,7 +55,7 @@ from .paths import (
     GRID_RANKS,
     GRID_WIDTHS,
     GRIDS,
-    PATH_ARMS,
+    STEP_PATHS,
     FrameSet,
     StepPathResult,
     _path_steps,  # noqa: F401
@@ -55,8 +63,9 @@ from .paths import (
     path_frame_sets,
     step_path_benchmark,
 )
-from .records import ArmTiming, Machine, machine_info, to_json
+from .records import Machine, Timing, as_record, machine_info, to_json
 from .settings import (
+    _RENAMED_WHY,
     _SLOW_STEP_S,  # noqa: F401
     BENCH_DEFAULTS,
     CLOCKS,
@@ -72,12 +81,12 @@ from .settings import (
     torch_threads,
 )
 from .step import (
-    _ARM_LABELS,  # noqa: F401
+    _OPTIMIZER_LABELS,  # noqa: F401
     CONFIGS,
-    STEP_ARMS,
+    STEP_OPTIMIZERS,
     StepTimeResult,
     _matmul_floor,  # noqa: F401
-    _step_arms,  # noqa: F401
+    _optimizer_steps,  # noqa: F401
     format_step_table,
     frame_shapes,
     step_time_benchmark,
@@ -96,16 +105,27 @@ from .train import (
 
 __all__ = [
     "BENCH_DEFAULTS", "BENCH_FRAMES", "CHECK_SCALES", "CLOCKS", "CONFIGS", "EXTRA_TRAIN_MODELS", "GRIDS",
-    "GRID_RANKS", "GRID_WIDTHS", "HELP", "PATH_ARMS", "STEP_ARMS", "TINY_TRAIN_SETTINGS", "TRAIN_MODELS",
-    "TRAIN_SETTINGS", "ArmTiming", "BenchSettings", "FrameSet", "Machine", "StepPathResult", "StepTimeResult",
-    "TrainStepResult", "accelerator_check", "add_arguments", "format_check", "format_path_table",
+    "GRID_RANKS", "GRID_WIDTHS", "HELP", "STEP_OPTIMIZERS", "STEP_PATHS", "TINY_TRAIN_SETTINGS", "TRAIN_MODELS",
+    "TRAIN_SETTINGS", "BenchSettings", "FrameSet", "Machine", "StepPathResult", "StepTimeResult", "Timing",
+    "TrainStepResult", "accelerator_check", "add_arguments", "as_record", "format_check", "format_path_table",
     "format_step_table", "format_train_table", "frame_shapes", "machine_info", "path_frame_sets", "run",
     "step_path_benchmark", "step_time_benchmark", "to_json", "torch_threads", "train_step_benchmark",
 ]
 
+#: former name -> (current name, why); each answers with a DeprecationWarning (``_deprecated.renamed_names``)
+_RENAMED = {
+    "STEP_ARMS": ("STEP_OPTIMIZERS", _RENAMED_WHY),
+    "PATH_ARMS": ("STEP_PATHS", _RENAMED_WHY),
+    "ArmTiming": ("Timing", _RENAMED_WHY),
+    "_ARM_LABELS": ("_OPTIMIZER_LABELS", _RENAMED_WHY),
+    "_step_arms": ("_optimizer_steps", _RENAMED_WHY),
+}
+_renamed = renamed_names(__name__, globals(), _RENAMED)
+
 
 def __getattr__(name: str) -> Any:
-    """``bench.grokking_speed``: moved to :mod:`geoopt_stiefel_attention.experiments.speed` (deprecated alias)."""
+    """Deprecated aliases: the names renamed when bench took the words "optimizer" and "path" (see
+    ``_RENAMED``), and ``bench.grokking_speed``, moved to :mod:`geoopt_stiefel_attention.experiments.speed`."""
     if name == "grokking_speed":
         import warnings
 
@@ -115,4 +135,4 @@ def __getattr__(name: str) -> Any:
                       "geoopt_stiefel_attention.experiments.speed.grokking_speed (the benchmarks measure the library, "
                       "not the studies)", DeprecationWarning, stacklevel=2)
         return grokking_speed
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _renamed(name)

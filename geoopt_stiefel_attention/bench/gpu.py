@@ -9,7 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .paths import BENCH_FRAMES, FrameSet, step_path_benchmark
-from .records import machine_info
+from .records import as_record, machine_info
 from .step import CONFIGS, step_time_benchmark
 from .train import train_step_benchmark
 
@@ -31,7 +31,7 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
        against ``AdamW(fused=True)``, ``geoopt-radam`` and the product floor, in float32 and bfloat16.
     2. ``paths``: :func:`step_path_benchmark` on :data:`BENCH_FRAMES`, default (on an accelerator:
        capturable, same-shaped frames batched into one call), per-parameter and compiled step against the
-       product floor (``compile_backend=None`` leaves the compiled arm out).
+       product floor (``compile_backend=None`` leaves the compiled path out).
     3. ``train``: :func:`train_step_benchmark` under bfloat16 autocast, stiefel arm against the adamw arm, of
        a HuggingFace GPT-2 converted by :func:`~geoopt_stiefel_attention.stiefelize` (``"hf_gpt2"``) when
        ``transformers`` is installed, else TinyTransformer.
@@ -52,25 +52,23 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
     out: dict[str, Any] = {}
 
     t0 = time.perf_counter()
-    out["step"] = [asdict(r) for dtype in ("float32", "bfloat16") for r in step_time_benchmark(
-        (sizes["width"],), arms=("stiefel", "adamw_fused", "geoopt-radam", "matmul_floor"), dtype=dtype,
+    out["step"] = [as_record(r) for dtype in ("float32", "bfloat16") for r in step_time_benchmark(
+        (sizes["width"],), optimizers=("stiefel", "adamw_fused", "geoopt-radam", "matmul_floor"), dtype=dtype,
         configs=sizes["configs"], **timing)]
     seconds["step"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    arms = ("eager", "eager-per-param", "compiled", "matmul_floor") if compile_backend else (
+    paths = ("eager", "eager-per-param", "compiled", "matmul_floor") if compile_backend else (
         "eager", "eager-per-param", "matmul_floor")
-    out["paths"] = [asdict(r) for r in step_path_benchmark(
-        [sizes["frames"]], arms=arms, compile_backend=compile_backend or "inductor", **timing)]
+    out["paths"] = [as_record(r) for r in step_path_benchmark(
+        [sizes["frames"]], paths=paths, compile_backend=compile_backend or "inductor", **timing)]
     seconds["paths"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     model = "hf_gpt2" if importlib.util.find_spec("transformers") is not None else "tiny_transformer"
-    out["train"] = [asdict(r) for r in train_step_benchmark(
+    out["train"] = [as_record(r) for r in train_step_benchmark(
         (model,), autocast="bfloat16", scale=scale, **timing)]
     seconds["train"] = time.perf_counter() - t0
-
-
     return {"machine": asdict(machine_info(device)), "settings": dict(scale=scale, **timing,
                                                                       compile_backend=compile_backend),
             "seconds": seconds, **out}

@@ -8,8 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .records import ArmTiming
+from .._deprecated import renamed_keyword
+from .records import Timing
 from .settings import (
+    _RENAMED_WHY,
     BenchSettings,
     _interleave,
     _ratio,
@@ -52,10 +54,10 @@ BENCH_FRAMES = FrameSet(params=24, heads=8, d=512, r=64)
 GRID_WIDTHS = (128, 256, 512, 1024)
 GRID_RANKS = (32, 64, 128)
 
-#: The arms of :func:`step_path_benchmark`, in display order. ``-colmajor``: the same frames stored
-#: column-major (the layout ``torch.linalg.qr(...).Q`` returns).
-PATH_ARMS = ("eager", "capturable", "compiled", "eager-colmajor", "capturable-colmajor", "eager-per-param",
-             "matmul_floor")
+#: What :func:`step_path_benchmark` times, in display order: the step's paths and the matrix-product floor.
+#: ``-colmajor``: the same frames stored column-major (the layout ``torch.linalg.qr(...).Q`` returns).
+STEP_PATHS = ("eager", "capturable", "compiled", "eager-colmajor", "capturable-colmajor", "eager-per-param",
+              "matmul_floor")
 GRIDS = ("short", "full")
 
 
@@ -76,15 +78,15 @@ def path_frame_sets(grid: str = "short") -> list[FrameSet]:
 class StepPathResult:
     """:func:`step_path_benchmark` for one :class:`FrameSet`.
 
-    ``floor_ratio[arm]`` is the arm's step time over the matrix-product floor's (median over rounds of the
-    per-round ratio of medians); ``compile_s`` the seconds the compiled arm's first steps took (compilation;
-    excluded from its timing), ``None`` without that arm.
+    ``floor_ratio[path]`` is the path's step time over the matrix-product floor's (median over rounds of the
+    per-round ratio of medians); ``compile_s`` the seconds the compiled path's first steps took (compilation;
+    excluded from its timing), ``None`` without that path.
     """
 
     frames: FrameSet
     dtype: str
     device: str
-    timings: dict[str, ArmTiming]
+    timings: dict[str, Timing]
     floor_ratio: dict[str, float]
     compile_s: float | None
     compile_backend: str | None
@@ -93,9 +95,9 @@ class StepPathResult:
     threads: int
 
 
-def _path_steps(fs: FrameSet, *, arms: tuple[str, ...], lr: float, dtype: Any, device: str, seed: int,
+def _path_steps(fs: FrameSet, *, paths: tuple[str, ...], lr: float, dtype: Any, device: str, seed: int,
                 compile_backend: str) -> tuple[dict[str, Callable[[], Any]], dict[str, Any], float | None]:
-    """Each arm's step on its own copy of the same frames and gradients; compiles the compiled arm (its
+    """Each path's step on its own copy of the same frames and gradients; compiles the compiled path (its
     first three calls, timed and returned) so that its timed steps exclude compilation."""
     import geoopt
     import torch
@@ -125,22 +127,22 @@ def _path_steps(fs: FrameSet, *, arms: tuple[str, ...], lr: float, dtype: Any, d
     steps: dict[str, Callable[[], Any]] = {}
     opts: dict[str, Any] = {}
     compile_s = None
-    for arm in arms:
-        if arm not in PATH_ARMS:
-            raise ValueError(f"bench: arm {arm!r} is unknown; use any of {PATH_ARMS}.")
-        if arm == "matmul_floor":
-            steps[arm] = _matmul_floor(frames(False), [1] * fs.params)
+    for path in paths:
+        if path not in STEP_PATHS:
+            raise ValueError(f"bench: path {path!r} is unknown; use any of {STEP_PATHS}.")
+        if path == "matmul_floor":
+            steps[path] = _matmul_floor(frames(False), [1] * fs.params)
             continue
-        capturable = None if arm.startswith("eager") else True  # None: the device's default (False on CPU)
-        opts[arm] = StiefelAdam(frames(arm.endswith("-colmajor")), lr=lr, capturable=capturable)
-        if arm == "eager-per-param":  # one update call per parameter: what batching saves
-            opts[arm]._stack_numel = 1
-        steps[arm] = opts[arm].step
-        if arm == "compiled":
-            steps[arm] = torch.compile(opts[arm].step, backend=compile_backend)
+        capturable = None if path.startswith("eager") else True  # None: the device's default (False on CPU)
+        opts[path] = StiefelAdam(frames(path.endswith("-colmajor")), lr=lr, capturable=capturable)
+        if path == "eager-per-param":  # one update call per parameter: what batching saves
+            opts[path]._stack_numel = 1
+        steps[path] = opts[path].step
+        if path == "compiled":
+            steps[path] = torch.compile(opts[path].step, backend=compile_backend)
             t0 = time.perf_counter()
             for _ in range(3):  # the first step creates the state; the next ones run the steady-state graph
-                steps[arm]()
+                steps[path]()
             _synchronize(device)
             compile_s = time.perf_counter() - t0
     return steps, opts, compile_s
@@ -149,15 +151,15 @@ def _path_steps(fs: FrameSet, *, arms: tuple[str, ...], lr: float, dtype: Any, d
 def step_path_benchmark(
     frame_sets: list[FrameSet] | None = None,
     *,
-    arms: tuple[str, ...] = PATH_ARMS,
+    paths: tuple[str, ...] = STEP_PATHS,
     compile_backend: str = "inductor",
     settings: BenchSettings | None = None,
     **overrides: Any,
 ) -> list[StepPathResult]:
     """Time the paths of one :class:`~geoopt_stiefel_attention.StiefelAdam` step against the six batched
-    ``d x r x r`` products alone (``"matmul_floor"``, see :func:`_matmul_floor`), every arm in one process.
+    ``d x r x r`` products alone (``"matmul_floor"``, see :func:`_matmul_floor`), every path in one process.
 
-    Arms (:data:`PATH_ARMS`): ``"eager"``, the default path (``capturable=None``: the host-reading path on
+    Paths (:data:`STEP_PATHS`): ``"eager"``, the default path (``capturable=None``: the host-reading path on
     the CPU, the capturable one on accelerators); ``"capturable"``, ``capturable=True`` (step counts as
     tensors, no host read: the path a GPU runs, selectable on the CPU); ``"compiled"``,
     ``torch.compile(opt.step, backend=compile_backend)`` of a capturable optimizer, timed after its first
@@ -165,18 +167,19 @@ def step_path_benchmark(
     column-major, as ``torch.linalg.qr(...).Q`` returns them; ``"eager-per-param"``, the default path with one
     update call per parameter instead of one per batch of same-shaped parameters (on an accelerator the batches
     span up to :data:`~geoopt_stiefel_attention.optim.ACCELERATOR_STACK_NUMEL` elements, on the CPU
-    :data:`~geoopt_stiefel_attention.optim.STACK_NUMEL`). ``"matmul_floor"`` must be among the arms.
+    :data:`~geoopt_stiefel_attention.optim.STACK_NUMEL`). ``"matmul_floor"`` must be among the paths.
 
     Parameters
     ----------
     frame_sets : list of FrameSet, optional
         Default ``[BENCH_FRAMES]`` (:func:`path_frame_sets`).
-    arms : tuple of str
-        Any of :data:`PATH_ARMS`.
+    paths : tuple of str
+        Any of :data:`STEP_PATHS`.
     compile_backend : str, default "inductor"
-        ``torch.compile`` backend of the compiled arm (``"aot_eager"`` traces without generating code).
+        ``torch.compile`` backend of the compiled path (``"aot_eager"`` traces without generating code).
     settings : BenchSettings, optional
-        Default ``BENCH_DEFAULTS["paths"]``; with ``**overrides`` as in :func:`step_time_benchmark`.
+        Default ``BENCH_DEFAULTS["paths"]``; with ``**overrides`` as in :func:`step_time_benchmark` (``arms=``,
+        the former name of ``paths=``, is accepted with a :class:`DeprecationWarning`).
 
     Returns
     -------
@@ -185,25 +188,27 @@ def step_path_benchmark(
     """
     import torch
 
+    paths = renamed_keyword(overrides, "arms", "paths", paths, STEP_PATHS, where="step_path_benchmark",
+                            why=_RENAMED_WHY)
     s = _settings("paths", settings, overrides)
-    if "matmul_floor" not in arms:
-        raise ValueError("bench: arms must include 'matmul_floor' (every ratio is relative to it).")
+    if "matmul_floor" not in paths:
+        raise ValueError("bench: paths must include 'matmul_floor' (every ratio is relative to it).")
     frame_sets = [BENCH_FRAMES] if frame_sets is None else frame_sets
     with torch_threads(s.threads):
         results = []
         for fs in frame_sets:
-            steps, opts, compile_s = _path_steps(fs, arms=arms, lr=s.lr, dtype=getattr(torch, s.dtype),
+            steps, opts, compile_s = _path_steps(fs, paths=paths, lr=s.lr, dtype=getattr(torch, s.dtype),
                                                  device=s.device, seed=s.seed, compile_backend=compile_backend)
             samples, _ = _interleave(steps, s, required=tuple(steps))
             timings = {}
-            for arm in samples:
-                timings[arm] = _timing(arm, samples[arm], state_bytes=_state_bytes(opts[arm]) if arm in opts else None,
-                                       workspace_bytes=_workspace_bytes(opts.get(arm)))
+            for path in samples:
+                timings[path] = _timing(path, samples[path], state_bytes=_state_bytes(opts[path]) if path in opts else None,
+                                       workspace_bytes=_workspace_bytes(opts.get(path)))
             results.append(StepPathResult(
                 frames=fs, dtype=s.dtype, device=s.device, timings=timings,
-                floor_ratio={arm: _ratio(samples[arm], samples["matmul_floor"]) for arm in samples
-                             if arm != "matmul_floor"},
-                compile_s=compile_s, compile_backend=compile_backend if "compiled" in arms else None,
+                floor_ratio={path: _ratio(samples[path], samples["matmul_floor"]) for path in samples
+                             if path != "matmul_floor"},
+                compile_s=compile_s, compile_backend=compile_backend if "compiled" in paths else None,
                 rounds=s.rounds, clock=s.clock, threads=torch.get_num_threads()))
             del steps, opts
             torch._dynamo.reset()  # each frame set compiles its own step; drop the last one's graphs
@@ -211,13 +216,13 @@ def step_path_benchmark(
 
 
 def format_path_table(results: list[StepPathResult]) -> str:
-    """A Markdown table: per frame set, each arm's median step time and its ratio to the product floor."""
-    arms = [a for a in PATH_ARMS if a != "matmul_floor" and any(a in r.timings for r in results)]
-    head = ["frames (params x (heads, d, r))", "floor ms"] + [f"{a} ms (x floor)" for a in arms]
+    """A Markdown table: per frame set, each path's median step time and its ratio to the product floor."""
+    timed = [a for a in STEP_PATHS if a != "matmul_floor" and any(a in r.timings for r in results)]
+    head = ["frames (params x (heads, d, r))", "floor ms"] + [f"{a} ms (x floor)" for a in timed]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         row = [r.frames.label, f"{r.timings['matmul_floor'].median_ms:.3f}"]
-        row += [f"{r.timings[a].median_ms:.3f} ({r.floor_ratio[a]:.2f})" if a in r.timings else "n/a" for a in arms]
+        row += [f"{r.timings[a].median_ms:.3f} ({r.floor_ratio[a]:.2f})" if a in r.timings else "n/a" for a in timed]
         lines.append("| " + " | ".join(row) + " |")
     compiled = [f"{r.frames.label}: {r.compile_s:.1f} s" for r in results if r.compile_s is not None]
     if compiled:

@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import json
 import platform
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
 # ----------------------------------------------------------------------------------------------- results
 @dataclass(frozen=True)
-class ArmTiming:
-    """Step time of one arm: median and quartiles over every timed step (milliseconds)."""
+class Timing:
+    """Step time of what one benchmark entry ``name`` times: an optimizer (``bench step``), a path of the
+    StiefelAdam step (``bench paths``) or a study arm, model preparation plus optimizer (``bench train``); the
+    median and quartiles over every timed step (milliseconds).
 
-    arm: str
+    Written to JSON by :func:`as_record`, which keeps the file format's key ``"arm"`` for ``name``.
+    """
+
+    name: str
     median_ms: float
     q1_ms: float
     q3_ms: float
@@ -22,6 +28,12 @@ class ArmTiming:
     state_bytes: int | None = None
     workspace_bytes: int | None = None
     note: str = ""
+
+    @property
+    def arm(self) -> str:
+        """Deprecated: :attr:`name` (bench's entries are optimizers and paths; an "arm" is a study arm)."""
+        warnings.warn("Timing.arm is deprecated; use Timing.name", DeprecationWarning, stacklevel=2)
+        return self.name
 
 
 @dataclass(frozen=True)
@@ -62,8 +74,27 @@ def machine_info(device: str = "cpu") -> Machine:
                    platform=platform.platform(), device=device)
 
 
+#: The key under which a :class:`Timing`'s ``name`` is written. The JSON documents are a stable file format
+#: (``benchmarks/results/*.json``, the accelerator check's file, and whoever reads them), written when bench still
+#: called what it times an "arm": they keep that key, so that old and new files read alike.
+_FILE_KEYS = {"name": "arm"}
+_TIMING_FIELDS = tuple(f.name for f in fields(Timing))
+
+
+def _file_dict(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``dataclasses.asdict``'s ``dict_factory``: a :class:`Timing`'s fields under their file keys."""
+    if tuple(key for key, _ in pairs) == _TIMING_FIELDS:
+        return {_FILE_KEYS.get(key, key): value for key, value in pairs}
+    return dict(pairs)
+
+
+def as_record(result: Any) -> dict[str, Any]:
+    """A result object (its :class:`Timing` entries included) as the JSON-ready dict the files hold."""
+    return asdict(result, dict_factory=_file_dict)
+
+
 def to_json(results: list[Any], machine: Machine, **meta: Any) -> str:
     """JSON document with the machine, the run's settings and every result."""
-    return json.dumps({"machine": asdict(machine), "settings": meta, "results": [asdict(r) for r in results]},
+    return json.dumps({"machine": asdict(machine), "settings": meta, "results": [as_record(r) for r in results]},
                       indent=2, default=str)
 

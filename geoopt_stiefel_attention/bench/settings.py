@@ -11,9 +11,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from .records import ArmTiming
+from .records import Timing
 
 CLOCKS = ("wall", "cpu")
+
+#: Why the step and paths benchmarks renamed what they time (the deprecation warnings of ``arms=``, ``--arms``).
+_RENAMED_WHY = 'in the package an "arm" is a study arm; bench times optimizers (step) and paths (paths)'
 
 
 @dataclass(frozen=True)
@@ -27,8 +30,9 @@ class BenchSettings:
     Attributes
     ----------
     rounds, steps_per_round, warmup : int
-        Interleaved rounds, timed steps per arm and round (one for arms slower than 0.25 s per
-        step), untimed steps per arm before the first round.
+        Interleaved rounds, timed steps per entry and round (one for entries slower than 0.25 s per step),
+        untimed steps per entry before the first round. An entry is what a benchmark times: an optimizer
+        (``step``), a path of the step (``paths``), a study arm (``train``).
     lr : float
         Learning rate of every optimizer (1e-3: a typical value; with it a StiefelAdam step is far inside its
         trust region, and on CPU the retraction's series has order 1).
@@ -42,7 +46,7 @@ class BenchSettings:
     threads : int or None
         ``torch.set_num_threads`` for the run (restored afterwards); ``None`` keeps the current setting.
     seed : int
-        Seed of the parameters, gradients and data (each arm gets identical copies).
+        Seed of the parameters, gradients and data (each entry gets identical copies).
     """
 
     rounds: int = 7
@@ -73,7 +77,7 @@ def _settings(benchmark: str, settings: BenchSettings | None, overrides: dict[st
     return replace(BENCH_DEFAULTS[benchmark] if settings is None else settings, **overrides)
 
 
-_SLOW_STEP_S = 0.25  # an arm whose warm-up step takes longer runs one step per round
+_SLOW_STEP_S = 0.25  # an entry whose warm-up step takes longer runs one step per round
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -92,12 +96,12 @@ def _synchronize(device: str) -> None:
 
 def _interleave(steps: dict[str, Callable[[], Any]], settings: BenchSettings, *, warmup: int | None = None,
                 required: tuple[str, ...] = ()) -> tuple[dict[str, list[list[float]]], dict[str, str]]:
-    """Run every arm ``warmup`` times (default ``settings.warmup``), then ``settings.rounds`` rounds of
-    ``settings.steps_per_round`` timed steps per arm (one step for arms slower than ``_SLOW_STEP_S``), rotating
-    the arm order each round, timed with ``settings.clock`` on ``settings.device``.
+    """Run every entry of ``steps`` (name -> step function) ``warmup`` times (default ``settings.warmup``), then
+    ``settings.rounds`` rounds of ``settings.steps_per_round`` timed steps per entry (one step for entries slower
+    than ``_SLOW_STEP_S``), rotating the order each round, timed with ``settings.clock`` on ``settings.device``.
 
-    Returns the per-round lists of step times (seconds) of each arm that completed, and a note for each arm
-    that raised (a competitor's bug must not abort the whole benchmark; an arm in ``required`` re-raises).
+    Returns the per-round lists of step times (seconds) of each entry that completed, and a note for each entry
+    that raised (a competitor's bug must not abort the whole benchmark; an entry in ``required`` re-raises).
     """
     warmup = settings.warmup if warmup is None else warmup
     rounds, steps_per_round, device = settings.rounds, settings.steps_per_round, settings.device
@@ -140,10 +144,10 @@ def _interleave(steps: dict[str, Callable[[], Any]], settings: BenchSettings, *,
     return {name: t for name, t in samples.items() if name not in failed}, failed
 
 
-def _timing(name: str, rounds: list[list[float]], **extra: Any) -> ArmTiming:
+def _timing(name: str, rounds: list[list[float]], **extra: Any) -> Timing:
     flat = sorted(t for r in rounds for t in r)
     q = statistics.quantiles(flat, n=4) if len(flat) > 1 else [flat[0]] * 3
-    return ArmTiming(arm=name, median_ms=1e3 * statistics.median(flat), q1_ms=1e3 * q[0], q3_ms=1e3 * q[2],
+    return Timing(name=name, median_ms=1e3 * statistics.median(flat), q1_ms=1e3 * q[0], q3_ms=1e3 * q[2],
                      steps=len(flat), **extra)
 
 

@@ -9,8 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .records import ArmTiming
+from .._deprecated import renamed_keyword
+from .records import Timing
 from .settings import (
+    _RENAMED_WHY,
     BenchSettings,
     _clock,
     _interleave,
@@ -25,18 +27,19 @@ from .settings import (
 #: Benchmark configurations, width -> (depth, heads); head_dim = width // heads, one frame per head.
 CONFIGS: dict[int, tuple[int, int]] = {128: (2, 4), 256: (4, 4), 512: (8, 8), 768: (12, 12)}
 
-#: The arms of :func:`step_time_benchmark`, in display order.
-STEP_ARMS = ("stiefel", "adamw_foreach", "adamw_fused", "geoopt-radam", "geoopt-radam-canonical", "matmul_floor")
+#: What :func:`step_time_benchmark` times, in display order: StiefelAdam, its competitors and the matrix-product
+#: floor (not an optimizer, but timed beside them under the same name: the benchmark's word is "optimizer").
+STEP_OPTIMIZERS = ("stiefel", "adamw_foreach", "adamw_fused", "geoopt-radam", "geoopt-radam-canonical", "matmul_floor")
 
 
 @dataclass(frozen=True)
 class StepTimeResult:
     """:func:`step_time_benchmark` for one configuration.
 
-    ``ratios[arm]`` is StiefelAdam's time over ``arm``'s (median over rounds), so ``ratios["adamw_foreach"]``
+    ``ratios[name]`` is StiefelAdam's time over optimizer ``name``'s (median over rounds), so ``ratios["adamw_foreach"]``
     below 1.5 meets the AdamW target, ``ratios["matmul_floor"]`` below 1.3 the floor target, and
     ``1 / ratios["geoopt-radam"]`` is the speed-up over stock geoopt. ``state_ratio`` is optimizer-state
-    bytes over parameter bytes per arm.
+    bytes over parameter bytes per optimizer.
     """
 
     width: int
@@ -46,7 +49,7 @@ class StepTimeResult:
     frames: int
     param_bytes: int
     dtype: str
-    timings: dict[str, ArmTiming]
+    timings: dict[str, Timing]
     ratios: dict[str, float]
     state_ratio: dict[str, float]
     rounds: int
@@ -94,9 +97,9 @@ def _matmul_floor(params: list[Any], steps: list[int]) -> Callable[[], None]:
     return run
 
 
-def _step_arms(shapes: list[tuple[int, ...]], *, arms: tuple[str, ...], lr: float, dtype: Any, device: str,
-               seed: int) -> tuple[dict[str, Callable[[], Any]], dict[str, Any], dict[str, str]]:
-    """Build each arm's step function on its own copy of the same frames and gradients."""
+def _optimizer_steps(shapes: list[tuple[int, ...]], *, optimizers: tuple[str, ...], lr: float, dtype: Any,
+                     device: str, seed: int) -> tuple[dict[str, Callable[[], Any]], dict[str, Any], dict[str, str]]:
+    """Build each optimizer's step function on its own copy of the same frames and gradients."""
     import geoopt
     import torch
 
@@ -121,29 +124,29 @@ def _step_arms(shapes: list[tuple[int, ...]], *, arms: tuple[str, ...], lr: floa
     steps: dict[str, Callable[[], Any]] = {}
     opts: dict[str, Any] = {}
     notes: dict[str, str] = {}
-    for arm in arms:
-        if arm == "stiefel":
-            opts[arm] = StiefelAdam(params(PolarStiefel()), lr=lr)
-        elif arm == "adamw_foreach":
-            opts[arm] = torch.optim.AdamW(params(None), lr=lr, weight_decay=0.0, foreach=True)
-        elif arm == "adamw_fused":
+    for name in optimizers:
+        if name == "stiefel":
+            opts[name] = StiefelAdam(params(PolarStiefel()), lr=lr)
+        elif name == "adamw_foreach":
+            opts[name] = torch.optim.AdamW(params(None), lr=lr, weight_decay=0.0, foreach=True)
+        elif name == "adamw_fused":
             try:
-                opts[arm] = torch.optim.AdamW(params(None), lr=lr, weight_decay=0.0, fused=True)
-                opts[arm].step()
+                opts[name] = torch.optim.AdamW(params(None), lr=lr, weight_decay=0.0, fused=True)
+                opts[name].step()
             except (RuntimeError, ValueError) as exc:  # fused AdamW is not built for every device and dtype
-                notes[arm] = f"unavailable: {exc}".splitlines()[0][:120]
-                opts.pop(arm)
+                notes[name] = f"unavailable: {exc}".splitlines()[0][:120]
+                opts.pop(name)
                 continue
-        elif arm == "geoopt-radam":
-            opts[arm] = geoopt.optim.RiemannianAdam(params(geoopt.EuclideanStiefel()), lr=lr)
-        elif arm == "geoopt-radam-canonical":
-            opts[arm] = geoopt.optim.RiemannianAdam(params(geoopt.Stiefel()), lr=lr)
-        elif arm == "matmul_floor":
+        elif name == "geoopt-radam":
+            opts[name] = geoopt.optim.RiemannianAdam(params(geoopt.EuclideanStiefel()), lr=lr)
+        elif name == "geoopt-radam-canonical":
+            opts[name] = geoopt.optim.RiemannianAdam(params(geoopt.Stiefel()), lr=lr)
+        elif name == "matmul_floor":
             continue
         else:
-            raise ValueError(f"bench: arm {arm!r} is unknown; use any of {STEP_ARMS}.")
-        steps[arm] = opts[arm].step
-    if "matmul_floor" in arms:
+            raise ValueError(f"bench: optimizer {name!r} is unknown; use any of {STEP_OPTIMIZERS}.")
+        steps[name] = opts[name].step
+    if "matmul_floor" in optimizers:
         frames = params(PolarStiefel())
         steps["matmul_floor"] = _matmul_floor(frames, [1] * len(frames))
     return steps, opts, notes
@@ -152,26 +155,28 @@ def _step_arms(shapes: list[tuple[int, ...]], *, arms: tuple[str, ...], lr: floa
 def step_time_benchmark(
     widths: tuple[int, ...] = tuple(CONFIGS),
     *,
-    arms: tuple[str, ...] = STEP_ARMS,
+    optimizers: tuple[str, ...] = STEP_OPTIMIZERS,
     configs: dict[int, tuple[int, int]] | None = None,
     settings: BenchSettings | None = None,
     **overrides: Any,
 ) -> list[StepTimeResult]:
-    """Time one optimizer step on the query/key frames of each configuration, every arm in one process.
+    """Time one optimizer step on the query/key frames of each configuration, every optimizer in one
+    process.
 
     Parameters
     ----------
     widths : tuple of int
         Keys of ``configs`` (default :data:`CONFIGS`: 128, 256, 512, 768).
-    arms : tuple of str
-        Any of :data:`STEP_ARMS`; ``"stiefel"`` must be among them (the ratios are relative to it).
+    optimizers : tuple of str
+        Any of :data:`STEP_OPTIMIZERS`; ``"stiefel"`` must be among them (the ratios are relative to it).
     configs : dict, optional
         ``width -> (depth, heads)``; defaults to :data:`CONFIGS`.
     settings : BenchSettings, optional
-        Protocol, lr, dtype, device, clock, threads and seed; default ``BENCH_DEFAULTS["step"]``. Arms slower
+        Protocol, lr, dtype, device, clock, threads and seed; default ``BENCH_DEFAULTS["step"]``. Optimizers slower
         than 0.25 s per step (geoopt's canonical Stiefel at large widths) run one step per round.
     **overrides
-        Fields of :class:`BenchSettings` replacing those of ``settings`` (``rounds=3``, ``clock="cpu"``).
+        Fields of :class:`BenchSettings` replacing those of ``settings`` (``rounds=3``, ``clock="cpu"``);
+        ``arms=``, the former name of ``optimizers=``, is accepted with a :class:`DeprecationWarning`.
 
     Returns
     -------
@@ -180,11 +185,13 @@ def step_time_benchmark(
     """
     import torch
 
+    optimizers = renamed_keyword(overrides, "arms", "optimizers", optimizers, STEP_OPTIMIZERS,
+                                 where="step_time_benchmark", why=_RENAMED_WHY)
     s = _settings("step", settings, overrides)
     _clock(s.clock)  # an unknown clock is refused before anything is built
     configs = CONFIGS if configs is None else configs
-    if "stiefel" not in arms:
-        raise ValueError("bench: arms must include 'stiefel' (every ratio is relative to it).")
+    if "stiefel" not in optimizers:
+        raise ValueError("bench: optimizers must include 'stiefel' (every ratio is relative to it).")
     bad = [w for w in widths if w not in configs]
     if bad:
         raise ValueError(f"bench: widths {bad} have no configuration; choose from {sorted(configs)} or pass configs.")
@@ -194,23 +201,24 @@ def step_time_benchmark(
             depth, heads = configs[width]
             shapes = frame_shapes(width, depth, heads)
             tdtype = getattr(torch, s.dtype)
-            steps, opts, notes = _step_arms(shapes, arms=arms, lr=s.lr, dtype=tdtype, device=s.device, seed=s.seed)
+            steps, opts, notes = _optimizer_steps(shapes, optimizers=optimizers, lr=s.lr, dtype=tdtype,
+                                                  device=s.device, seed=s.seed)
             samples, failed = _interleave(steps, s, required=("stiefel",))
             notes.update(failed)
             param_bytes = sum(math.prod(s) for s in shapes) * torch.tensor([], dtype=tdtype).element_size()
             timings, state_ratio = {}, {}
-            for arm in samples:
+            for name in samples:
                 state = workspace = None
-                if arm in opts:
-                    state = _state_bytes(opts[arm])
-                    state_ratio[arm] = state / param_bytes
-                    workspace = _workspace_bytes(opts[arm])
-                timings[arm] = _timing(arm, samples[arm], state_bytes=state, workspace_bytes=workspace,
-                                       note=notes.get(arm, ""))
-            for arm, note in notes.items():
-                timings[arm] = ArmTiming(arm=arm, median_ms=math.nan, q1_ms=math.nan, q3_ms=math.nan, steps=0,
+                if name in opts:
+                    state = _state_bytes(opts[name])
+                    state_ratio[name] = state / param_bytes
+                    workspace = _workspace_bytes(opts[name])
+                timings[name] = _timing(name, samples[name], state_bytes=state, workspace_bytes=workspace,
+                                       note=notes.get(name, ""))
+            for name, note in notes.items():
+                timings[name] = Timing(name=name, median_ms=math.nan, q1_ms=math.nan, q3_ms=math.nan, steps=0,
                                          note=note)
-            ratios = {arm: _ratio(samples["stiefel"], samples[arm]) for arm in samples if arm != "stiefel"}
+            ratios = {name: _ratio(samples["stiefel"], samples[name]) for name in samples if name != "stiefel"}
             results.append(StepTimeResult(
                 width=width, depth=depth, heads=heads, head_dim=width // heads, frames=len(shapes) * heads,
                 param_bytes=param_bytes, dtype=s.dtype, timings=timings, ratios=ratios, state_ratio=state_ratio,
@@ -220,7 +228,7 @@ def step_time_benchmark(
 
 
 # ----------------------------------------------------------------------------------------------- rendering
-_ARM_LABELS = {
+_OPTIMIZER_LABELS = {
     "adamw_foreach": "AdamW foreach",
     "adamw_fused": "AdamW fused",
     "geoopt-radam": "geoopt-radam",
@@ -232,25 +240,25 @@ _ARM_LABELS = {
 def format_step_table(results: list[StepTimeResult]) -> str:
     """A Markdown table: StiefelAdam's median step time, and for each competitor its time and the ratio
     (StiefelAdam / competitor for AdamW and the floor; competitor / StiefelAdam, the speed-up, for geoopt)."""
-    arms = [a for a in STEP_ARMS if a != "stiefel" and any(a in r.timings for r in results)]
+    competitors = [a for a in STEP_OPTIMIZERS if a != "stiefel" and any(a in r.timings for r in results)]
     head = ["width (layers x heads x head_dim)", "StiefelAdam ms"]
-    for arm in arms:
-        label = _ARM_LABELS[arm]
-        head += [f"{label} ms", f"speed-up vs {label}" if arm.startswith("geoopt") else f"x {label}"]
+    for name in competitors:
+        label = _OPTIMIZER_LABELS[name]
+        head += [f"{label} ms", f"speed-up vs {label}" if name.startswith("geoopt") else f"x {label}"]
     head += ["state / params (StiefelAdam, AdamW)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         row = [f"{r.width} ({r.depth} x {r.heads} x {r.head_dim})", f"{r.timings['stiefel'].median_ms:.3f}"]
-        for arm in arms:
-            t = r.timings.get(arm)
-            if t is None or arm not in r.ratios:
+        for name in competitors:
+            t = r.timings.get(name)
+            if t is None or name not in r.ratios:
                 row += ["n/a", "n/a"]
                 continue
-            ratio = r.ratios[arm]
-            row += [f"{t.median_ms:.3f}", f"{1 / ratio:.1f}x" if arm.startswith("geoopt") else f"{ratio:.2f}"]
+            ratio = r.ratios[name]
+            row += [f"{t.median_ms:.3f}", f"{1 / ratio:.1f}x" if name.startswith("geoopt") else f"{ratio:.2f}"]
         adamw = r.state_ratio.get("adamw_foreach", math.nan)
         row += [f"{r.state_ratio.get('stiefel', math.nan):.4f}, {adamw:.2f}"]
         lines.append("| " + " | ".join(row) + " |")
-    notes = [f"- width {r.width}, {_ARM_LABELS.get(t.arm, t.arm)}: {t.note}" for r in results
+    notes = [f"- width {r.width}, {_OPTIMIZER_LABELS.get(t.name, t.name)}: {t.note}" for r in results
              for t in r.timings.values() if t.note]
     return "\n".join(lines + ([""] + notes if notes else []))

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .records import ArmTiming
+from .records import Timing
 from .settings import BenchSettings, _interleave, _ratio, _settings, _timing, torch_threads
 
 #: The models of :func:`train_step_benchmark`.
@@ -24,8 +24,8 @@ class TrainStepResult:
     model: str
     config: dict[str, Any]
     batch: int
-    full_step: dict[str, ArmTiming]
-    optimizer_step: dict[str, ArmTiming]
+    full_step: dict[str, Timing]
+    optimizer_step: dict[str, Timing]
     ratio: float
     rounds: int
     clock: str
