@@ -5,7 +5,7 @@ A thin wrapper around :func:`geoopt_stiefel_attention.bench.step_path_benchmark`
 ``stiefel-attention bench paths``. Examples (the README's tables)::
 
     python benchmarks/step_paths.py --threads 1 --clock cpu --rounds 9
-    python benchmarks/step_paths.py --grid full --arms eager capturable eager-colmajor matmul_floor \
+    python benchmarks/step_paths.py --grid full --paths eager capturable eager-colmajor matmul_floor \
         --threads 1 --clock cpu --rounds 5 --steps 3
 """
 

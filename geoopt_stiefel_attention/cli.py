@@ -17,7 +17,7 @@ __all__ = ["SUBCOMMANDS", "UsageError", "build_parser", "main"]
 #: subcommand name -> module implementing it
 SUBCOMMANDS: dict[str, str] = {
     "demo": "geoopt_stiefel_attention.demo",
-    "bench": "geoopt_stiefel_attention.bench",
+    "bench": "geoopt_stiefel_attention.bench.cli",
     "certify": "geoopt_stiefel_attention.analysis.cli",
     "grokking": "geoopt_stiefel_attention.experiments.grokking",
     "vision": "geoopt_stiefel_attention.experiments.vision",

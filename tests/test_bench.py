@@ -15,23 +15,24 @@ TINY = {64: (1, 2)}  # width 64, 1 layer, 2 heads of 32: two (2, 64, 32) frame s
 STATE_RATIO_MAX = 1.01  # StiefelAdam's state over parameter bytes (issue #7)
 
 
-def _tiny_step_results(arms=bench.STEP_ARMS):
-    return bench.step_time_benchmark((64,), arms=arms, rounds=2, steps_per_round=1, warmup=1, configs=TINY,
+def _tiny_step_results(optimizers=bench.STEP_OPTIMIZERS):
+    return bench.step_time_benchmark((64,), optimizers=optimizers, rounds=2, steps_per_round=1, warmup=1, configs=TINY,
                                      clock="cpu", threads=1)
 
 
-def test_step_time_benchmark_reports_every_arm_and_memory():
+def test_step_time_benchmark_reports_every_optimizer_and_memory():
     (res,) = _tiny_step_results()
     assert (res.width, res.depth, res.heads, res.head_dim, res.frames) == (64, 1, 2, 32, 4)
     assert res.param_bytes == 2 * 2 * 64 * 32 * 4
-    for arm in bench.STEP_ARMS:
-        t = res.timings[arm]
+    for name in bench.STEP_OPTIMIZERS:
+        t = res.timings[name]
+        assert t.name == name
         if t.note:  # fused AdamW where torch lacks it, or a competitor that raised
-            assert math.isnan(t.median_ms) and arm not in res.ratios
+            assert math.isnan(t.median_ms) and name not in res.ratios
             continue
         assert t.median_ms > 0 and t.steps >= 2 and t.q1_ms <= t.median_ms <= t.q3_ms
-        if arm != "stiefel":
-            assert res.ratios[arm] > 0
+        if name != "stiefel":
+            assert res.ratios[name] > 0
     # state: first moment + one scalar per frame (+ step and skip counters) vs AdamW's two full buffers
     assert res.state_ratio["stiefel"] <= STATE_RATIO_MAX
     assert res.state_ratio["adamw_foreach"] > 1.99  # companion: the measure does see a 2x state
@@ -44,11 +45,11 @@ def test_step_time_benchmark_reports_every_arm_and_memory():
 
 def test_step_time_benchmark_validates_arguments():
     with pytest.raises(ValueError, match="stiefel"):
-        bench.step_time_benchmark((64,), arms=("adamw_foreach",), configs=TINY)
+        bench.step_time_benchmark((64,), optimizers=("adamw_foreach",), configs=TINY)
     with pytest.raises(ValueError, match="width"):
         bench.step_time_benchmark((100,), configs=TINY)
     with pytest.raises(ValueError, match="clock"):
-        bench.step_time_benchmark((64,), arms=("stiefel",), configs=TINY, clock="sundial", rounds=1)
+        bench.step_time_benchmark((64,), optimizers=("stiefel",), configs=TINY, clock="sundial", rounds=1)
 
 
 def test_a_failing_competitor_is_reported_not_fatal():
@@ -143,13 +144,13 @@ def test_train_step_benchmark_tiny_models():
 
 
 def test_cli_bench_json(capsys):
-    assert main(["bench", "step", "--widths", "128", "--arms", "stiefel", "adamw_foreach", "matmul_floor",
+    assert main(["bench", "step", "--widths", "128", "--optimizers", "stiefel", "adamw_foreach", "matmul_floor",
                  "--rounds", "1", "--steps", "1", "--threads", "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["settings"]["benchmark"] == "step" and doc["machine"]["torch"] == torch.__version__
     (row,) = doc["results"]
     assert row["width"] == 128 and set(row["ratios"]) == {"adamw_foreach", "matmul_floor"}
-    assert main(["bench", "step", "--widths", "128", "--arms", "stiefel", "--rounds", "1", "--steps", "1"]) == 0
+    assert main(["bench", "step", "--widths", "128", "--optimizers", "stiefel", "--rounds", "1", "--steps", "1"]) == 0
     assert "| 128 (2 x 4 x 32) |" in capsys.readouterr().out
 
 
@@ -177,8 +178,8 @@ def test_step_path_benchmark_reports_every_path_against_the_floor():
     (res,) = bench.step_path_benchmark([LONE], rounds=2, steps_per_round=1, warmup=1, clock="cpu", threads=1,
                                        compile_backend="aot_eager")
     assert res.frames == LONE and res.dtype == "float32" and res.compile_backend == "aot_eager"
-    assert set(res.timings) == set(bench.PATH_ARMS)
-    assert set(res.floor_ratio) == set(bench.PATH_ARMS) - {"matmul_floor"}
+    assert set(res.timings) == set(bench.STEP_PATHS)
+    assert set(res.floor_ratio) == set(bench.STEP_PATHS) - {"matmul_floor"}
     for t in res.timings.values():
         assert t.median_ms > 0 and t.steps == 2 and not t.note
     assert all(x > 0 for x in res.floor_ratio.values())
@@ -191,7 +192,7 @@ def test_step_path_benchmark_reports_every_path_against_the_floor():
     # companion: two small parameters form one batch whose frames and gradients are staged (moments stay in
     # their stacked state), and the measure sees it; one update call per parameter stages nothing
     (staged,) = bench.step_path_benchmark([bench.FrameSet(2, 2, 16, 4)],
-                                          arms=("eager", "eager-per-param", "matmul_floor"),
+                                          paths=("eager", "eager-per-param", "matmul_floor"),
                                           rounds=1, steps_per_round=1, warmup=1)
     assert staged.timings["eager"].workspace_bytes == 3 * (2 * 2 * 16 * 4 * 4)
     assert staged.timings["eager-per-param"].workspace_bytes == 2 * 16 * 4 * 4
@@ -199,12 +200,12 @@ def test_step_path_benchmark_reports_every_path_against_the_floor():
     table = bench.format_path_table([res])
     assert "| 1 x (3, 256, 64) |" in table and "Compilation (aot_eager" in table
     with pytest.raises(ValueError, match="matmul_floor"):
-        bench.step_path_benchmark([LONE], arms=("eager",))
+        bench.step_path_benchmark([LONE], paths=("eager",))
 
 
 def test_cli_bench_paths_json(capsys, tmp_path):
     out = tmp_path / "paths.json"
-    assert main(["bench", "paths", "--arms", "eager", "capturable", "matmul_floor", "--rounds", "1", "--steps", "1",
+    assert main(["bench", "paths", "--paths", "eager", "capturable", "matmul_floor", "--rounds", "1", "--steps", "1",
                  "--threads", "1", "--clock", "cpu", "--json", "--out", str(out)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert json.loads(out.read_text()) == doc
@@ -258,7 +259,7 @@ def test_cli_out_is_checked_before_the_benchmark_runs(tmp_path, monkeypatch, cap
         raise _Started
 
     for name in ("step_time_benchmark", "step_path_benchmark", "train_step_benchmark", "accelerator_check"):
-        monkeypatch.setattr(bench, name, started)
+        monkeypatch.setattr(bench.cli, name, started)  # the names `bench.cli.run` calls
     argv = ["bench", what, "--rounds", "1", "--steps", "1", "--device", "cpu", "--out"]
     status = cli_status([*argv, str(tmp_path)])
     err = capsys.readouterr().err.strip()
@@ -305,7 +306,13 @@ BAD_COMMANDS = {
     "bench --device meta": "--device 'meta' is not available",
     "bench --arms adamw_foreach": "--arms must include 'stiefel'",
     "bench paths --arms eager": "--arms must include 'matmul_floor'",
-    "bench step --arms stiefel compiled": "--arms compiled: not an arm of 'step'",
+    "bench step --arms stiefel compiled": "--arms compiled: not an optimizer of 'step'",
+    "bench --optimizers adamw_foreach": "--optimizers must include 'stiefel'",
+    "bench paths --paths eager": "--paths must include 'matmul_floor'",
+    "bench step --optimizers stiefel compiled": "argument --optimizers: invalid choice: 'compiled'",
+    "bench paths --optimizers stiefel": "--optimizers chooses what 'step' times; 'paths' does not take it",
+    "bench train --paths eager": "--paths chooses what 'paths' times; 'train' does not take it",
+    "bench step --arms stiefel --optimizers stiefel": "--arms is the former name of --optimizers",
     "bench paths --grid long": "argument --grid: invalid choice: 'long'",
     "bench paths --compile-backend nope": "--compile-backend 'nope' is not a torch.compile backend",
     "bench gpu --device cpu": "'gpu' writes its results as JSON: pass --out PATH",
@@ -366,10 +373,10 @@ def test_torch_threads_restores_the_count():
 
 def test_benchmarks_share_one_settings_object():
     settings = bench.BenchSettings(rounds=1, steps_per_round=1, warmup=1, clock="cpu", threads=1)
-    (res,) = bench.step_time_benchmark((64,), arms=("stiefel", "adamw_foreach"), configs=TINY, settings=settings)
+    (res,) = bench.step_time_benchmark((64,), optimizers=("stiefel", "adamw_foreach"), configs=TINY, settings=settings)
     assert (res.rounds, res.clock, res.threads) == (1, "cpu", 1)
     # a keyword replaces one field of the settings (or of the benchmark's defaults)
-    (res,) = bench.step_time_benchmark((64,), arms=("stiefel",), configs=TINY, settings=settings, rounds=2)
+    (res,) = bench.step_time_benchmark((64,), optimizers=("stiefel",), configs=TINY, settings=settings, rounds=2)
     assert res.rounds == 2 and res.timings["stiefel"].steps == 2
     assert bench.BENCH_DEFAULTS["train"].steps_per_round == 3 and bench.BENCH_DEFAULTS["step"].warmup == 3
     # companion: a keyword that is no setting, and a dtype the train benchmark cannot honour, are refused
@@ -377,3 +384,31 @@ def test_benchmarks_share_one_settings_object():
         bench.step_time_benchmark((64,), configs=TINY, rounnds=1)
     with pytest.raises(ValueError, match="float32"):
         bench.train_step_benchmark(scale="tiny", dtype="bfloat16")
+
+
+# ------------------------------------------------------------------------------------- former words (deprecated)
+def test_former_arm_words_still_work_with_a_warning(capsys):
+    """bench's entries were "arms" (an "arm" is a study arm): the former Python names, keyword and flag still
+    work, with a DeprecationWarning or a one-line note on stderr; the JSON keeps its key "arm"."""
+    for old, new in (("STEP_ARMS", "STEP_OPTIMIZERS"), ("PATH_ARMS", "STEP_PATHS"), ("ArmTiming", "Timing")):
+        with pytest.warns(DeprecationWarning, match=new):
+            assert getattr(bench, old) is getattr(bench, new)
+    with pytest.warns(DeprecationWarning, match="optimizers="):
+        (res,) = bench.step_time_benchmark((64,), arms=("stiefel",), configs=TINY, rounds=1, steps_per_round=1,
+                                           warmup=1)
+    with pytest.warns(DeprecationWarning, match="Timing.name"):
+        assert res.timings["stiefel"].arm == "stiefel"
+    record = bench.as_record(res)
+    assert list(record["timings"]["stiefel"])[0] == "arm" and "name" not in record["timings"]["stiefel"]
+    with pytest.warns(DeprecationWarning, match="paths="):
+        (res,) = bench.step_path_benchmark([bench.FrameSet(1, 1, 8, 2)], arms=("eager", "matmul_floor"), rounds=1,
+                                           steps_per_round=1, warmup=1)
+    assert set(res.timings) == {"eager", "matmul_floor"}
+    # companion: the former keyword beside the new one is refused, and the flag prints its note and works
+    with pytest.raises(TypeError, match="optimizers="):
+        bench.step_time_benchmark((64,), optimizers=("stiefel",), arms=("stiefel",), configs=TINY)
+    assert main(["bench", "step", "--widths", "128", "--arms", "stiefel", "--rounds", "1", "--steps", "1",
+                 "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "--arms is deprecated; use --optimizers" in err
+    assert set(json.loads(out)["results"][0]["timings"]["stiefel"]) >= {"arm", "median_ms"}

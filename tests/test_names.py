@@ -20,6 +20,9 @@ RENAMED = [
     (f"{PKG}.experiments.lm", "LM_ARMS", "STUDY_ARMS"),
     (f"{PKG}.experiments.vision", "VISION_FINAL_KEYS", "FINAL_KEYS"),
     (f"{PKG}.experiments.vision", "VISION_ALL_KEYS", "ALL_KEYS"),
+    (f"{PKG}.bench", "STEP_ARMS", "STEP_OPTIMIZERS"),
+    (f"{PKG}.bench", "PATH_ARMS", "STEP_PATHS"),
+    (f"{PKG}.bench", "ArmTiming", "Timing"),
 ]
 
 

@@ -1,0 +1,138 @@
+"""``stiefel-attention bench``: what a :class:`~geoopt_stiefel_attention.StiefelAdam` step costs, measured
+next to :class:`torch.optim.AdamW` and stock geoopt ``RiemannianAdam`` in the same process.
+
+Three benchmarks, each returning frozen result objects (the CLI and ``benchmarks/*.py`` print them), and one
+prepared accelerator check:
+
+- :func:`step_time_benchmark`: the optimizer step alone on the query/key projections of transformer
+  configurations (:data:`CONFIGS`: one frame per head, parameters shaped ``(heads, width, head_dim)``, two per
+  layer), against ``AdamW(foreach=True)``, ``AdamW(fused=True)``, ``RiemannianAdam`` on
+  ``geoopt.EuclideanStiefel()`` (QR retraction; optimizer ``"geoopt-radam"``, the name the studies and
+  ``certify`` use too) and on ``geoopt.Stiefel()`` (canonical metric, Cayley retraction: a ``d x d`` solve
+  per frame; optimizer ``"geoopt-radam-canonical"``), and the *matrix-product floor*: the six batched ``d x r x r``
+  products a StiefelAdam step performs, run bare on tensors of the same shapes and batching.
+- :func:`train_step_benchmark`: a full training step (forward, backward, optimizer) of
+  :class:`~geoopt_stiefel_attention.TinyTransformer` and :class:`~geoopt_stiefel_attention.PatchViT`, the
+  ``"stiefel"`` arm (Stiefel attention, StiefelAdam) against the ``"adamw"`` arm (Euclidean attention,
+  ``torch.optim.AdamW``), both on :func:`~geoopt_stiefel_attention.param_groups`; optionally under
+  ``torch.autocast``.
+- :func:`step_path_benchmark`: the StiefelAdam step's own paths (default, ``capturable=True``,
+  ``torch.compile(opt.step)``; row- and column-major frames) against the matrix-product floor, on the bench
+  shape :data:`BENCH_FRAMES` and a grid of widths and ranks.
+- :func:`accelerator_check` (``stiefel-attention bench gpu``, ``benchmarks/gpu.sh``): a few minutes on one
+  GPU, all of the above at GPU sizes, written as JSON (``benchmarks/gpu.sh`` then adds the grokking study's
+  epochs per second, which belong to the studies).
+
+Words: what a benchmark times is an *optimizer* in ``step`` (``optimizers=``, ``--optimizers``; the floor is
+timed as one), a *path* in ``paths`` (``paths=``, ``--paths``) and an *arm* in ``train``, where it is a study arm
+(model preparation plus optimizer). The former names (``STEP_ARMS``, ``PATH_ARMS``, ``ArmTiming``, ``arms=``,
+``--arms``) still work, with a deprecation warning.
+
+Protocol. What a benchmark times is interleaved: every round runs each entry for a few steps, in an order that
+rotates from round to round, so slow drift of a shared machine hits all entries alike. Each step is timed on its
+own; an entry's time is the median over all its steps, and a ratio is the median over rounds of the per-round ratio of
+medians. ``clock="cpu"`` measures the process's CPU time instead of wall time: with one thread
+(``threads=1``) it is not inflated when other processes take the core, the usual situation on a shared
+machine. Timings are not assertions: nothing here decides pass or fail.
+
+Layout, one module per job: ``settings`` (:class:`BenchSettings`, the interleaving protocol),
+``records`` (timings, machine, JSON), ``step``, ``train``, ``paths`` (one benchmark each,
+with its table), ``gpu`` (the accelerator check) and ``cli`` (``HELP``, ``add_arguments``, ``run``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._deprecated import renamed_names
+
+# Every name of the former single module ``bench.py`` stays importable from here; the private helpers among
+# them (tests and scripts reach ``_interleave`` and ``_matmul_floor``) are marked ``noqa: F401``.
+from .cli import HELP, add_arguments, run
+from .gpu import CHECK_SCALES, accelerator_check, format_check
+from .paths import (
+    BENCH_FRAMES,
+    GRID_RANKS,
+    GRID_WIDTHS,
+    GRIDS,
+    STEP_PATHS,
+    FrameSet,
+    StepPathResult,
+    _path_steps,  # noqa: F401
+    format_path_table,
+    path_frame_sets,
+    step_path_benchmark,
+)
+from .records import Machine, Timing, as_record, machine_info, to_json
+from .settings import (
+    _RENAMED_WHY,
+    _SLOW_STEP_S,  # noqa: F401
+    BENCH_DEFAULTS,
+    CLOCKS,
+    BenchSettings,
+    _clock,  # noqa: F401
+    _interleave,  # noqa: F401
+    _ratio,  # noqa: F401
+    _settings,  # noqa: F401
+    _state_bytes,  # noqa: F401
+    _synchronize,  # noqa: F401
+    _timing,  # noqa: F401
+    _workspace_bytes,  # noqa: F401
+    torch_threads,
+)
+from .step import (
+    _OPTIMIZER_LABELS,  # noqa: F401
+    CONFIGS,
+    STEP_OPTIMIZERS,
+    StepTimeResult,
+    _matmul_floor,  # noqa: F401
+    _optimizer_steps,  # noqa: F401
+    format_step_table,
+    frame_shapes,
+    step_time_benchmark,
+)
+from .train import (
+    EXTRA_TRAIN_MODELS,
+    TINY_TRAIN_SETTINGS,
+    TRAIN_MODELS,
+    TRAIN_SETTINGS,
+    TrainStepResult,
+    _hf_gpt2_setup,  # noqa: F401
+    _train_setup,  # noqa: F401
+    format_train_table,
+    train_step_benchmark,
+)
+
+__all__ = [
+    "BENCH_DEFAULTS", "BENCH_FRAMES", "CHECK_SCALES", "CLOCKS", "CONFIGS", "EXTRA_TRAIN_MODELS", "GRIDS",
+    "GRID_RANKS", "GRID_WIDTHS", "HELP", "STEP_OPTIMIZERS", "STEP_PATHS", "TINY_TRAIN_SETTINGS", "TRAIN_MODELS",
+    "TRAIN_SETTINGS", "BenchSettings", "FrameSet", "Machine", "StepPathResult", "StepTimeResult", "Timing",
+    "TrainStepResult", "accelerator_check", "add_arguments", "as_record", "format_check", "format_path_table",
+    "format_step_table", "format_train_table", "frame_shapes", "machine_info", "path_frame_sets", "run",
+    "step_path_benchmark", "step_time_benchmark", "to_json", "torch_threads", "train_step_benchmark",
+]
+
+#: former name -> (current name, why); each answers with a DeprecationWarning (``_deprecated.renamed_names``)
+_RENAMED = {
+    "STEP_ARMS": ("STEP_OPTIMIZERS", _RENAMED_WHY),
+    "PATH_ARMS": ("STEP_PATHS", _RENAMED_WHY),
+    "ArmTiming": ("Timing", _RENAMED_WHY),
+    "_ARM_LABELS": ("_OPTIMIZER_LABELS", _RENAMED_WHY),
+    "_step_arms": ("_optimizer_steps", _RENAMED_WHY),
+}
+_renamed = renamed_names(__name__, globals(), _RENAMED)
+
+
+def __getattr__(name: str) -> Any:
+    """Deprecated aliases: the names renamed when bench took the words "optimizer" and "path" (see
+    ``_RENAMED``), and ``bench.grokking_speed``, moved to :mod:`geoopt_stiefel_attention.experiments.speed`."""
+    if name == "grokking_speed":
+        import warnings
+
+        from ..experiments.speed import grokking_speed
+
+        warnings.warn("geoopt_stiefel_attention.bench.grokking_speed moved to "
+                      "geoopt_stiefel_attention.experiments.speed.grokking_speed (the benchmarks measure the library, "
+                      "not the studies)", DeprecationWarning, stacklevel=2)
+        return grokking_speed
+    return _renamed(name)

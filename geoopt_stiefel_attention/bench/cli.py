@@ -1,0 +1,177 @@
+"""``stiefel-attention bench``: the subcommand's ``HELP``, ``add_arguments`` and ``run`` (see
+:mod:`geoopt_stiefel_attention.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from dataclasses import replace
+
+from .._argtypes import UsageError, nonnegative_int, output_path_problem, positive_float, positive_int
+from .gpu import CHECK_SCALES, accelerator_check, format_check
+from .paths import (
+    BENCH_FRAMES,
+    GRID_RANKS,
+    GRID_WIDTHS,
+    GRIDS,
+    STEP_PATHS,
+    format_path_table,
+    path_frame_sets,
+    step_path_benchmark,
+)
+from .records import machine_info, to_json
+from .settings import _RENAMED_WHY, BENCH_DEFAULTS, CLOCKS, torch_threads
+from .step import CONFIGS, STEP_OPTIMIZERS, format_step_table, step_time_benchmark
+from .train import EXTRA_TRAIN_MODELS, TRAIN_MODELS, format_train_table, train_step_benchmark
+
+HELP = "Time the StiefelAdam step against AdamW and stock geoopt RiemannianAdam (ratios, memory); --json."
+
+# ----------------------------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``stiefel-attention bench``."""
+    parser.add_argument("what", nargs="?", choices=("step", "train", "paths", "gpu"), default="step",
+                        help="'step': optimizer step on Q/K frames against competitors (default); 'train': full "
+                             "training step; 'paths': the step's eager, capturable and compiled paths against "
+                             "the product floor; 'gpu': the prepared accelerator check (needs --out)")
+    parser.add_argument("--widths", type=positive_int, nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                        metavar="WIDTH", help=f"configurations for 'step', any of {' '.join(map(str, CONFIGS))} "
+                                              f"(default: all)")
+    parser.add_argument("--optimizers", nargs="+", default=None, choices=STEP_OPTIMIZERS, metavar="OPTIMIZER",
+                        help=f"what 'step' times, any of {' '.join(STEP_OPTIMIZERS)} (default: all)")
+    parser.add_argument("--paths", nargs="+", default=None, choices=STEP_PATHS, metavar="PATH",
+                        help=f"what 'paths' times, any of {' '.join(STEP_PATHS)} (default: all)")
+    parser.add_argument("--arms", nargs="+", default=None, choices=tuple(dict.fromkeys(STEP_OPTIMIZERS + STEP_PATHS)),
+                        metavar="NAME", help="deprecated: the former name of --optimizers ('step') and --paths "
+                                             "('paths')")
+    parser.add_argument("--grid", default="short", choices=GRIDS,
+                        help=f"frame sets for 'paths': 'short', the bench shape {BENCH_FRAMES.label} (default); "
+                             f"'full', also widths {min(GRID_WIDTHS)}-{max(GRID_WIDTHS)} with r = "
+                             f"{', '.join(map(str, GRID_RANKS))}")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend of the compiled path of 'paths' and 'gpu' (default inductor)")
+    parser.add_argument("--scale", default="default", choices=tuple(CHECK_SCALES),
+                        help="sizes of 'gpu': 'default' (a few minutes on a GPU) or 'tiny' (a smoke test)")
+    parser.add_argument("--out", default=None, metavar="PATH", help="also write the JSON to PATH")
+    parser.add_argument("--models", nargs="+", default=list(TRAIN_MODELS), choices=TRAIN_MODELS + EXTRA_TRAIN_MODELS,
+                        help="models for 'train' (default: the first two; hf_gpt2, a HuggingFace GPT-2 "
+                             "converted by stiefelize, needs the models extra)")
+    parser.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (default 7)")
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help="timed steps per round of each optimizer ('step'), path ('paths') or arm ('train') (default "
+                             + ", ".join(f"{s.steps_per_round} for '{w}'" for w, s in BENCH_DEFAULTS.items()) + ")")
+    parser.add_argument("--lr", type=positive_float, default=1e-3,
+                        help="learning rate of every optimizer, > 0 (default 1e-3)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--clock", default="wall", choices=CLOCKS,
+                        help="'wall' time, or process 'cpu' time (robust on a shared machine with --threads 1)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads for the run")
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark and print a Markdown table (or JSON with ``--json``)."""
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"--device {args.device!r} is not a torch device; use e.g. cpu or cuda") from None
+    backend = getattr(torch, device.type, None)
+    if device.type != "cpu" and not (backend is not None and backend.is_available()):
+        raise UsageError(f"--device {args.device!r} is not available on this machine; "
+                                               f"use --device cpu")
+    if args.what == "train" and "hf_gpt2" in args.models and importlib.util.find_spec("transformers") is None:
+        raise UsageError("--models hf_gpt2 needs HuggingFace transformers; install the "
+                                               "models extra (pip install -e '.[models]')")
+    timed = _timed(args)
+    if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise UsageError(f"--compile-backend {args.compile_backend!r} is not a torch.compile "
+                                               f"backend; use e.g. inductor or aot_eager")
+    if args.what == "gpu" and args.out is None:
+        raise UsageError("'gpu' writes its results as JSON: pass --out PATH")
+    problem = None if args.out is None else output_path_problem(args.out, folder=False)
+    if problem is not None:  # checked before the benchmark runs, not after
+        raise UsageError(f"--out {args.out}: {problem}")
+    if args.what == "gpu":
+        doc = accelerator_check(args.device, scale=args.scale, clock=args.clock, threads=args.threads,
+                                compile_backend=args.compile_backend, seed=args.seed)
+        text = json.dumps(doc, indent=2, default=str)
+        _write_out(args.out, text)
+        print(text if args.json else format_check(doc) + f"\nwritten to {args.out}")
+        return 0
+    defaults = BENCH_DEFAULTS[args.what]
+    steps = defaults.steps_per_round if args.steps is None else args.steps
+    settings = replace(defaults, rounds=args.rounds, steps_per_round=steps, lr=args.lr, device=args.device,
+                       clock=args.clock, threads=args.threads, seed=args.seed,
+                       dtype=defaults.dtype if args.what == "train" else args.dtype)  # train: float32 + autocast
+    if args.what == "paths":
+        results = step_path_benchmark(path_frame_sets(args.grid), paths=timed,
+                                      compile_backend=args.compile_backend, settings=settings)
+        table = format_path_table(results)
+    elif args.what == "step":
+        results = step_time_benchmark(tuple(args.widths), optimizers=timed, settings=settings)
+        table = format_step_table(results)
+    else:
+        results = train_step_benchmark(tuple(args.models), settings=settings)
+        table = format_train_table(results)
+    with torch_threads(args.threads):
+        machine = machine_info(args.device)
+    text = to_json(results, machine, benchmark=args.what, rounds=args.rounds, steps_per_round=steps, lr=args.lr,
+                   dtype=args.dtype, clock=args.clock, threads=args.threads, seed=args.seed,
+                   **(dict(grid=args.grid, compile_backend=args.compile_backend) if args.what == "paths" else {}))
+    if args.out is not None:
+        _write_out(args.out, text)
+    if args.json:
+        print(text)
+    else:
+        print(table)
+        print(f"\n{machine.cpu}, {machine.logical_cpus} logical CPUs, torch {machine.torch} "
+              f"({machine.torch_threads} threads), geoopt {machine.geoopt}; clock={args.clock}, "
+              f"rounds={args.rounds}, steps/round={steps}, lr={args.lr}, {args.dtype} on {args.device}.")
+    return 0
+
+
+#: benchmark -> (its option naming what it times, that option's destination, the choices, the one that every
+#: ratio is relative to, the word for one of them)
+_TIMED_OPTIONS = {
+    "step": ("--optimizers", "optimizers", STEP_OPTIMIZERS, "stiefel", "an optimizer"),
+    "paths": ("--paths", "paths", STEP_PATHS, "matmul_floor", "a path"),
+}
+
+
+def _timed(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """What 'step' (``--optimizers``) or 'paths' (``--paths``) times, checked; ``None`` for the other benchmarks.
+    ``--arms``, the former name of both, still works, with a one-line deprecation note on stderr."""
+    if args.arms is not None:
+        print(f"stiefel-attention bench: --arms is deprecated; use --optimizers for 'step' and --paths for 'paths' "
+              f"({_RENAMED_WHY})", file=sys.stderr)
+    for what, (flag, dest, *_) in _TIMED_OPTIONS.items():
+        if getattr(args, dest) is not None and args.what != what:
+            raise UsageError(f"{flag} chooses what '{what}' times; '{args.what}' does not take it")
+    if args.what not in _TIMED_OPTIONS:
+        return None  # --arms was never read by 'train' and 'gpu'
+    flag, dest, allowed, relative_to, word = _TIMED_OPTIONS[args.what]
+    chosen = getattr(args, dest)
+    if args.arms is not None:
+        if chosen is not None:
+            raise UsageError(f"--arms is the former name of {flag}; pass {flag} only")
+        flag, chosen = "--arms", args.arms
+    chosen = list(allowed) if chosen is None else chosen
+    wrong = [a for a in chosen if a not in allowed]
+    if wrong:
+        raise UsageError(f"{flag} {' '.join(wrong)}: not {word} of '{args.what}'; use any of {' '.join(allowed)}")
+    if relative_to not in chosen:
+        raise UsageError(f"{flag} must include '{relative_to}' (every ratio is relative to it)")
+    return tuple(chosen)
+
+
+def _write_out(path: str, text: str) -> None:
+    from pathlib import Path
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text + "\n")

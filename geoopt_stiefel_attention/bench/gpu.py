@@ -1,0 +1,100 @@
+"""The prepared accelerator check (``stiefel-attention bench gpu``, ``benchmarks/gpu.sh``): every benchmark
+at GPU sizes in a few minutes, as one JSON document."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import asdict
+from typing import Any
+
+from .paths import BENCH_FRAMES, FrameSet, step_path_benchmark
+from .records import as_record, machine_info
+from .step import CONFIGS, step_time_benchmark
+from .train import train_step_benchmark
+
+#: Sizes of :func:`accelerator_check`: the largest step-benchmark configuration and the issue's bench
+#: shape (``"default"``, a GPU run of a few minutes), or a smoke test (``"tiny"``, seconds on a CPU).
+CHECK_SCALES: dict[str, dict[str, Any]] = {
+    "default": dict(width=max(CONFIGS), configs=CONFIGS, frames=BENCH_FRAMES, rounds=7),
+    "tiny": dict(width=64, configs={64: (1, 2)}, frames=FrameSet(2, 2, 16, 4),
+                 rounds=2),
+}
+
+
+def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: str = "wall",
+                      threads: int | None = None, compile_backend: str | None = "inductor",
+                      seed: int = 0) -> dict[str, Any]:
+    """The prepared accelerator check of issue #18 (``benchmarks/gpu.sh``; a few minutes on one GPU).
+
+    1. ``step``: :func:`step_time_benchmark` at the largest configuration of :data:`CONFIGS`, StiefelAdam
+       against ``AdamW(fused=True)``, ``geoopt-radam`` and the product floor, in float32 and bfloat16.
+    2. ``paths``: :func:`step_path_benchmark` on :data:`BENCH_FRAMES`, default (on an accelerator:
+       capturable, same-shaped frames batched into one call), per-parameter and compiled step against the
+       product floor (``compile_backend=None`` leaves the compiled path out).
+    3. ``train``: :func:`train_step_benchmark` under bfloat16 autocast, stiefel arm against the adamw arm, of
+       a HuggingFace GPT-2 converted by :func:`~geoopt_stiefel_attention.stiefelize` (``"hf_gpt2"``) when
+       ``transformers`` is installed, else TinyTransformer.
+
+    The grokking study's epochs per second, which ``benchmarks/gpu.sh`` adds next, belong to the studies
+    (:mod:`geoopt_stiefel_attention.experiments.speed`): the benchmarks measure the library only.
+
+    Returns a JSON-ready dict: ``machine``, ``settings``, ``seconds`` (per part) and one entry per part.
+    """
+
+    if scale not in CHECK_SCALES:
+        raise ValueError(f"bench: scale={scale!r} is unknown; use one of {tuple(CHECK_SCALES)}.")
+    sizes = CHECK_SCALES[scale]
+    rounds = sizes["rounds"]
+    timing = dict(rounds=rounds, steps_per_round=3, warmup=2, device=device, clock=clock, threads=threads,
+                  seed=seed)
+    seconds: dict[str, float] = {}
+    out: dict[str, Any] = {}
+
+    t0 = time.perf_counter()
+    out["step"] = [as_record(r) for dtype in ("float32", "bfloat16") for r in step_time_benchmark(
+        (sizes["width"],), optimizers=("stiefel", "adamw_fused", "geoopt-radam", "matmul_floor"), dtype=dtype,
+        configs=sizes["configs"], **timing)]
+    seconds["step"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    paths = ("eager", "eager-per-param", "compiled", "matmul_floor") if compile_backend else (
+        "eager", "eager-per-param", "matmul_floor")
+    out["paths"] = [as_record(r) for r in step_path_benchmark(
+        [sizes["frames"]], paths=paths, compile_backend=compile_backend or "inductor", **timing)]
+    seconds["paths"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    model = "hf_gpt2" if importlib.util.find_spec("transformers") is not None else "tiny_transformer"
+    out["train"] = [as_record(r) for r in train_step_benchmark(
+        (model,), autocast="bfloat16", scale=scale, **timing)]
+    seconds["train"] = time.perf_counter() - t0
+    return {"machine": asdict(machine_info(device)), "settings": dict(scale=scale, **timing,
+                                                                      compile_backend=compile_backend),
+            "seconds": seconds, **out}
+
+
+def format_check(doc: dict[str, Any]) -> str:
+    """A short plain-text summary of :func:`accelerator_check`'s result."""
+    lines = [f"accelerator check on {doc['machine']['device']} ({doc['machine']['cpu']}), "
+             f"torch {doc['machine']['torch']}, scale {doc['settings']['scale']}"]
+    for r in doc["step"]:
+        t = r["timings"]
+        cells = ", ".join(f"{a} {t[a]['note']}" if t[a]["note"] else f"{a} {t[a]['median_ms']:.3f} ms" for a in t)
+        ratios = [f"StiefelAdam / AdamW fused {r['ratios']['adamw_fused']:.2f}" if "adamw_fused" in r["ratios"] else "",
+                  f"speed-up vs geoopt-radam {1 / r['ratios']['geoopt-radam']:.2f}x"
+                  if "geoopt-radam" in r["ratios"] else ""]
+        lines.append(f"step {r['dtype']} width {r['width']}: {cells}; " + ", ".join(x for x in ratios if x))
+    for r in doc["paths"]:
+        cells = ", ".join(f"{a} {x:.2f}x floor" for a, x in r["floor_ratio"].items())
+        lines.append(f"paths {FrameSet(**r['frames']).label}: floor {r['timings']['matmul_floor']['median_ms']:.3f} ms; "
+                     f"{cells}" + (f"; compiled in {r['compile_s']:.1f} s" if r["compile_s"] is not None else ""))
+    for r in doc["train"]:
+        lines.append(f"train {r['model']} ({r['autocast']} autocast): adamw {r['full_step']['adamw']['median_ms']:.2f}"
+                     f" ms, stiefel {r['full_step']['stiefel']['median_ms']:.2f} ms, stiefel / adamw {r['ratio']:.3f}")
+    g = doc.get("grokking")  # added by experiments/speed.py (benchmarks/gpu.sh) after the library's parts
+    if g is not None:
+        lines.append(f"grokking, {g['epochs']} epochs: " + ", ".join(f"{a} {v:.1f} epochs/s"
+                                                                   for a, v in g["epochs_per_second"].items()))
+    lines.append("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in doc["seconds"].items()))
+    return "\n".join(lines)

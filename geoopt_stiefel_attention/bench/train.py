@@ -1,0 +1,188 @@
+"""The training-step benchmark (``stiefel-attention bench train``): forward, backward and optimizer step of
+a model, the stiefel arm against the adamw arm."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .records import Timing
+from .settings import BenchSettings, _interleave, _ratio, _settings, _timing, torch_threads
+
+#: The models of :func:`train_step_benchmark`.
+TRAIN_MODELS = ("tiny_transformer", "patch_vit")
+#: Models that need the ``models`` extra (HuggingFace ``transformers``); run only when asked for.
+EXTRA_TRAIN_MODELS = ("hf_gpt2",)
+
+
+@dataclass(frozen=True)
+class TrainStepResult:
+    """:func:`train_step_benchmark` for one model: full-step and optimizer-only times per arm, and the ratio
+    of the stiefel arm's full step to the adamw arm's (median over rounds)."""
+
+    model: str
+    config: dict[str, Any]
+    batch: int
+    full_step: dict[str, Timing]
+    optimizer_step: dict[str, Timing]
+    ratio: float
+    rounds: int
+    clock: str
+    threads: int
+    autocast: str | None = None
+
+# ----------------------------------------------------------------------------------------------- train step
+#: Model settings of :func:`train_step_benchmark`: the defaults of the grokking and vision studies.
+TRAIN_SETTINGS: dict[str, dict[str, Any]] = {
+    "tiny_transformer": dict(vocab_size=99, seq_len=4, width=128, depth=1, heads=4, mlp=512, batch=512),
+    "patch_vit": dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, mlp=128, batch=128),
+    "hf_gpt2": dict(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4, batch=16),
+}
+
+#: The same models shrunk to a smoke test (``scale="tiny"``).
+TINY_TRAIN_SETTINGS: dict[str, dict[str, Any]] = {
+    "tiny_transformer": dict(vocab_size=11, seq_len=4, width=16, depth=1, heads=2, mlp=32, batch=8),
+    "patch_vit": dict(image_size=8, patch_size=4, width=16, depth=1, heads=2, mlp=32, batch=4),
+    "hf_gpt2": dict(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, batch=2),
+}
+
+
+def _train_setup(model: str, attention: str, settings: dict[str, Any], *, seed: int,
+                 device: str) -> tuple[Any, Any, Any, Callable[[Any, Any], Any]]:
+    """Model, input batch, targets and loss of one arm (the same data for both arms)."""
+    import torch
+
+    from ..models import PatchViT, TinyTransformer
+
+    gen = torch.Generator().manual_seed(seed)
+    kw = {k: v for k, v in settings.items() if k != "batch"}
+    batch = settings["batch"]
+    if model == "tiny_transformer":
+        net = TinyTransformer(attention=attention, seed=seed, **kw)
+        x = torch.randint(0, kw["vocab_size"], (batch, kw["seq_len"]), generator=gen)
+        y = torch.randint(0, kw["vocab_size"], (batch,), generator=gen)
+
+        def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(out[:, -1], target)  # the answer at the last position
+    elif model == "patch_vit":
+        net = PatchViT(in_channels=3, num_classes=10, attention=attention, seed=seed, **kw)
+        x = torch.randn(batch, 3, kw["image_size"], kw["image_size"], generator=gen)
+        y = torch.randint(0, 10, (batch,), generator=gen)
+        loss_fn = torch.nn.functional.cross_entropy
+    elif model == "hf_gpt2":
+        net, x, y, loss_fn = _hf_gpt2_setup(attention, kw, batch, seed=seed, gen=gen)
+    else:
+        raise ValueError(f"bench: model {model!r} is unknown; use one of {TRAIN_MODELS + EXTRA_TRAIN_MODELS}.")
+    return net.to(device), x.to(device), y.to(device), loss_fn
+
+
+def _hf_gpt2_setup(attention: str, kw: dict[str, Any], batch: int, *, seed: int, gen: Any):
+    """A randomly initialised HuggingFace GPT-2 LM, converted by ``stiefelize`` (``logit_gain="learn"``) for
+    the stiefel arm; next-token loss on random tokens of the full context length."""
+    import torch
+
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as err:
+        raise ValueError("bench: model 'hf_gpt2' needs HuggingFace transformers; install the models extra "
+                         "(pip install -e '.[models]').") from err
+    from ..convert import stiefelize
+
+    torch.manual_seed(seed)
+    config = GPT2Config(**kw, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    net = GPT2LMHeadModel(config)
+    if attention == "stiefel":
+        stiefelize(net, logit_gain="learn")
+    x = torch.randint(0, kw["vocab_size"], (batch, kw["n_positions"]), generator=gen)
+
+    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = out.logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
+    return net, x, x.clone(), loss_fn
+
+
+def train_step_benchmark(
+    models: tuple[str, ...] = TRAIN_MODELS,
+    *,
+    weight_decay: float = 0.1,
+    scale: str = "default",
+    autocast: str | None = None,
+    settings: BenchSettings | None = None,
+    **overrides: Any,
+) -> list[TrainStepResult]:
+    """Time a full training step (zero_grad, forward, loss, backward, optimizer step) of each model for the
+    ``"adamw"`` arm (Euclidean attention, ``torch.optim.AdamW`` with its default implementation) and the
+    ``"stiefel"`` arm (Stiefel attention, :class:`~geoopt_stiefel_attention.StiefelAdam`), both on
+    ``param_groups(model, weight_decay)``, interleaved in one process. ``"hf_gpt2"`` (in
+    :data:`EXTRA_TRAIN_MODELS`) is a HuggingFace GPT-2 whose stiefel arm is converted by
+    :func:`~geoopt_stiefel_attention.stiefelize` (``logit_gain="learn"``): the cost of the converter's
+    parametrization plus the Riemannian step.
+
+    ``scale="default"`` uses :data:`TRAIN_SETTINGS` (the grokking and vision studies' default models; the
+    grokking batch is 512 rather than the study's full batch, which only lowers the optimizer's share),
+    ``scale="tiny"`` :data:`TINY_TRAIN_SETTINGS`. The optimizer step is also timed on its own.
+    ``autocast="bfloat16"`` (or ``"float16"``) runs forward and loss under ``torch.autocast`` on the device
+    (parameters and optimizer stay float32: mixed precision the way torch users do it). ``settings`` (default
+    ``BENCH_DEFAULTS["train"]``) and ``**overrides`` as in :func:`step_time_benchmark`; its ``dtype`` must
+    stay ``"float32"``.
+    """
+    import torch
+
+    from ..nn import param_groups
+    from ..optim import StiefelAdam
+
+    s = _settings("train", settings, overrides)
+    if s.dtype != "float32":
+        raise ValueError(f"bench: dtype={s.dtype!r}: the train benchmark trains float32 parameters; use "
+                         f"autocast='bfloat16' or 'float16' for mixed precision.")
+    device = s.device
+    table = {"default": TRAIN_SETTINGS, "tiny": TINY_TRAIN_SETTINGS}.get(scale)
+    if table is None:
+        raise ValueError(f"bench: scale={scale!r} is unknown; use 'default' or 'tiny'.")
+    if autocast not in (None, "bfloat16", "float16"):
+        raise ValueError(f"bench: autocast={autocast!r} is unknown; use None, 'bfloat16' or 'float16'.")
+    amp = dict(device_type=torch.device(device).type, dtype=getattr(torch, autocast or "bfloat16"),
+               enabled=autocast is not None)
+    with torch_threads(s.threads):
+        results = []
+        for model in models:
+            if model not in table:
+                raise ValueError(f"bench: model {model!r} is unknown; use one of "
+                                 f"{TRAIN_MODELS + EXTRA_TRAIN_MODELS}.")
+            steps: dict[str, Callable[[], Any]] = {}
+            opt_steps: dict[str, Callable[[], Any]] = {}
+            for arm, attention in (("adamw", "euclidean"), ("stiefel", "stiefel")):
+                net, x, y, loss_fn = _train_setup(model, attention, table[model], seed=s.seed, device=device)
+                groups = param_groups(net, weight_decay=weight_decay, expect_frames=arm == "stiefel")
+                opt = torch.optim.AdamW(groups, lr=s.lr) if arm == "adamw" else StiefelAdam(groups, lr=s.lr)
+
+                def full(net=net, opt=opt, x=x, y=y, loss_fn=loss_fn) -> None:
+                    opt.zero_grad(set_to_none=True)
+                    with torch.autocast(**amp):
+                        loss = loss_fn(net(x), y)
+                    loss.backward()
+                    opt.step()
+
+                steps[arm], opt_steps[arm] = full, opt.step
+            samples, _ = _interleave(steps, s, required=tuple(steps))
+            # the optimizer alone, on the gradients of the last full step
+            opt_samples, _ = _interleave(opt_steps, s, warmup=1, required=tuple(opt_steps))
+            settings = dict(table[model])
+            results.append(TrainStepResult(
+                model=model, config={k: v for k, v in settings.items() if k != "batch"}, batch=settings["batch"],
+                full_step={arm: _timing(arm, samples[arm]) for arm in steps},
+                optimizer_step={arm: _timing(arm, opt_samples[arm]) for arm in opt_steps},
+                ratio=_ratio(samples["stiefel"], samples["adamw"]), rounds=s.rounds, clock=s.clock,
+                threads=torch.get_num_threads(), autocast=autocast))
+        return results
+
+def format_train_table(results: list[TrainStepResult]) -> str:
+    """A Markdown table of full-step times per arm and the stiefel / adamw ratio."""
+    lines = ["| model | batch | adamw step ms (optimizer ms) | stiefel step ms (optimizer ms) | stiefel / adamw |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        cells = [f"{r.full_step[a].median_ms:.2f} ({r.optimizer_step[a].median_ms:.2f})" for a in ("adamw", "stiefel")]
+        cfg = ", ".join(f"{k}={v}" for k, v in r.config.items())
+        lines.append(f"| {r.model} ({cfg}) | {r.batch} | {cells[0]} | {cells[1]} | {r.ratio:.3f} |")
+    return "\n".join(lines)
