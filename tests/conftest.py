@@ -163,3 +163,18 @@ def cli_status():
             return err.code
 
     return status
+
+
+# ---------------------------------------------------------------------------------------------- text corpora
+@pytest.fixture(scope="session")
+def varied_root(tmp_path_factory):
+    """A fake standard library for the language-model tests: 40 modules of text that does not repeat across files (so held-out windows pass the overlap test)."""
+    import random
+
+    rng = random.Random(3)
+    root = tmp_path_factory.mktemp("varied")
+    for k in range(40):
+        body = "".join(f"def f_{rng.randrange(10**9)}(x):\n    # note {rng.randrange(10**9)}\n    return x * "
+                       f"{rng.randrange(10**6)}\n" for _ in range(40))
+        (root / f"mod{k:02d}.py").write_text(f'"""Module {k}: {rng.randrange(10**9)}."""\n\n' + body)
+    return str(root)

@@ -407,20 +407,6 @@ def test_muon_arm_refuses_a_model_with_frames_and_hidden_matrices_skip_the_outpu
     assert any(n.startswith("unembed") for n in names.values())  # companion: the output layer exists, and is skipped
 
 
-@pytest.fixture(scope="module")
-def varied_root(tmp_path_factory):
-    """40 modules of text that does not repeat across files (so held-out windows pass the overlap test)."""
-    import random
-
-    rng = random.Random(3)
-    root = tmp_path_factory.mktemp("varied")
-    for k in range(40):
-        body = "".join(f"def f_{rng.randrange(10**9)}(x):\n    # note {rng.randrange(10**9)}\n    return x * "
-                       f"{rng.randrange(10**6)}\n" for _ in range(40))
-        (root / f"mod{k:02d}.py").write_text(f'"""Module {k}: {rng.randrange(10**9)}."""\n\n' + body)
-    return str(root)
-
-
 def test_held_out_test_split_is_evaluated_per_category_and_kept_out_of_training(varied_root, tmp_path):
     out = tmp_path / "held"
     assert _cli(varied_root, out, "--arms", "adamw", "--seeds", "0", "--val-fraction", "0.2", "--test-fraction",
