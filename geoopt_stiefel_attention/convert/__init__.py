@@ -197,6 +197,7 @@ class ConversionResult:
                          f"{why}; absolute change {self.output_change_abs:.3g}")
         return "\n".join(lines)
 
+# ---------------------------------------------------------------------------------------------- planning
 @dataclass
 class _Piece:
     role: str
