@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import geoopt_stiefel_attention.convert as convert_module
+import geoopt_stiefel_attention.convert.parametrization as convert_module  # where _QKWeight._apply reads it
 import geoopt_stiefel_attention.nn as nn_module
 from geoopt_stiefel_attention import StiefelAdam, TinyTransformer, frame_parameters, param_groups, stiefelize
 from geoopt_stiefel_attention._linalg import orthonormality_error

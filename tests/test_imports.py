@@ -94,7 +94,8 @@ def test_core_modules_keep_their_boundaries():
     optim = {m for m in graph if m == f"{NAME}.optim" or m.startswith(f"{NAME}.optim.")}
     assert not graph[f"{NAME}.nn"] & optim
     assert not any(f"{NAME}.nn" in graph[m] for m in optim)
-    core = [f"{NAME}.{m}" for m in ("manifolds", "_linalg", "nn", "convert", "models")] + sorted(optim)
+    convert = sorted(m for m in graph if m.startswith(f"{NAME}.convert."))
+    core = [f"{NAME}.{m}" for m in ("manifolds", "_linalg", "nn", "convert", "models")] + sorted(optim) + convert
     assert not any(t.startswith(f"{NAME}.experiments") for m in core for t in graph[m])
 
 

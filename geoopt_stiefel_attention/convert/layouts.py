@@ -1,0 +1,184 @@
+r"""The table of attention layouts: where the query and key rows of an attention module live.
+
+A :class:`Layout` names, for one kind of attention module, the :class:`Block` holding its query rows and the one
+holding its key rows (a parameter, an axis, a slice); :data:`LAYOUTS` is the built-in table that
+:func:`~geoopt_stiefel_attention.stiefelize` tries in order. A layout nobody foresaw is one more entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from .parametrization import _get
+
+#: Attribute names read (in order) for a module's head size, then for its number of query heads.
+HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim")
+NUM_HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+
+
+# ---------------------------------------------------------------------------------------------- the table
+@dataclass(frozen=True)
+class Block:
+    """Where one projection (query or key) lives inside an attention module.
+
+    Parameters
+    ----------
+    param : str
+        Dotted name of the weight, relative to the attention module (``"q_proj.weight"``, ``"in_proj_weight"``).
+    dim : {0, 1}, default 0
+        The axis that enumerates output features: ``0`` for an ``(out, in)`` weight (:class:`torch.nn.Linear`,
+        ``nn.MultiheadAttention``), ``1`` for an ``(in, out)`` weight (GPT-2's ``Conv1D``).
+    part, parts : int, default 0, 1
+        The projection is slice ``part`` of ``parts`` equal slices along ``dim`` (``part=1, parts=3`` is the
+        key block of a fused q|k|v weight).
+    span : (int, int), optional
+        An explicit ``(start, stop)`` range along ``dim`` instead of ``part``/``parts``, for fused projections
+        with unequal blocks (a fused q|k|v weight under grouped-query attention).
+    """
+
+    param: str
+    dim: int = 0
+    part: int = 0
+    parts: int = 1
+    span: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.dim not in (0, 1):
+            raise ValueError(f"Block: dim={self.dim!r} is invalid; pass 0 for an (out, in) weight or 1 for "
+                             f"an (in, out) weight.")
+        if not (isinstance(self.parts, int) and isinstance(self.part, int) and 0 <= self.part < self.parts):
+            raise ValueError(f"Block: part={self.part!r} of parts={self.parts!r} is invalid; pass ints with "
+                             f"0 <= part < parts.")
+        if self.span is not None and not (
+                len(self.span) == 2 and all(_is_index(i) for i in self.span) and self.span[0] < self.span[1]):
+            raise ValueError(f"Block: span={self.span!r} is invalid; pass (start, stop) ints with "
+                             f"0 <= start < stop.")
+        if self.span is not None and (self.part, self.parts) != (0, 1):
+            raise ValueError(f"Block: span={self.span!r} and part={self.part!r}, parts={self.parts!r} both say "
+                             f"where the block is; pass either span (an explicit range) or part/parts (equal "
+                             f"slices), not both.")
+
+    def locate(self, width: int) -> tuple[int, int]:
+        """``(start, length)`` of this block in a tensor with ``width`` entries along ``dim``."""
+        if self.span is not None:
+            if self.span[1] > width:
+                raise ValueError(f"{self.param} has {width} output features, fewer than span={self.span}")
+            return self.span[0], self.span[1] - self.span[0]
+        if width % self.parts:
+            raise ValueError(f"{self.param} has {width} output features, not divisible into {self.parts} "
+                             f"equal parts")
+        length = width // self.parts
+        return self.part * length, length
+
+    def bias_block(self) -> Block:
+        """Where the matching bias lives by default: the same slice of ``q_proj.bias`` / ``in_proj_bias``."""
+        head, _, last = self.param.rpartition(".")
+        name = "bias" if last == "weight" else last.replace("weight", "bias")
+        return Block(f"{head}.{name}" if head else name, 0, self.part, self.parts, self.span)
+
+    def describe(self) -> str:
+        axis = "rows" if self.dim == 0 else "columns"
+        if self.span is not None:
+            where = f"{axis} {self.span[0]}:{self.span[1]}"
+        else:
+            where = f"{axis}" if self.parts == 1 else f"{axis} part {self.part + 1}/{self.parts}"
+        return f"{self.param} ({where})"
+
+
+def _is_index(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _is_linear(m: Any) -> bool:
+    return isinstance(m, nn.Linear)
+
+
+def _is_conv1d(m: Any) -> bool:
+    """GPT-2's ``Conv1D``: an ``(in, out)`` weight with ``nf`` output features (recognised by structure)."""
+    w = getattr(m, "weight", None)
+    return isinstance(w, Tensor) and w.dim() == 2 and getattr(m, "nf", None) == w.shape[1]
+
+
+def _children_are(module: nn.Module, names: Sequence[str], kind: Callable[[Any], bool]) -> bool:
+    return all(kind(getattr(module, n, None)) for n in names)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One attention layout: where the query and key rows of a module live.
+
+    Parameters
+    ----------
+    name : str
+        Shown in the conversion result.
+    q, k : Block
+        The query and key projections. The key may have fewer heads than the query (grouped-query
+        attention): heads are counted as ``rows // head_dim`` for each.
+    when : callable, optional
+        ``when(module) -> bool``, a structural test beyond "the named parameters exist".
+    q_bias, k_bias : Block, optional
+        Where the query/key biases live, for ``qk_bias="drop"``; default the same slice of the weight's
+        sibling bias (``q_proj.bias``, ``in_proj_bias``).
+    head_dim : int, str or callable, optional
+        The head size ``r``: an int, the name of a module attribute, or ``head_dim(module) -> int``. Default:
+        the first int attribute among :data:`HEAD_DIM_ATTRS`, else the query width divided by the first
+        among :data:`NUM_HEADS_ATTRS` (on the module, then on ``module.config``).
+
+    Examples
+    --------
+    A layout nobody foresaw, with projections called ``wq``/``wk`` and ``n_heads`` heads:
+
+    >>> from geoopt_stiefel_attention import LAYOUTS, Block, Layout
+    >>> mine = Layout("wq/wk", Block("wq.weight"), Block("wk.weight"))
+    >>> table = (*LAYOUTS, mine)   # pass as stiefelize(model, targets=table)
+    """
+
+    name: str
+    q: Block
+    k: Block
+    when: Callable[[nn.Module], bool] | None = field(default=None, compare=False)
+    head_dim: int | str | Callable[[nn.Module], int] | None = field(default=None, compare=False)
+    q_bias: Block | None = None
+    k_bias: Block | None = None
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether ``module`` has this layout: both parameters exist and ``when`` (if any) holds."""
+        for block in (self.q, self.k):
+            try:
+                t = _get(module, block.param)
+            except AttributeError:
+                return False
+            if not isinstance(t, Tensor) or t.dim() != 2:
+                return False
+        return self.when is None or bool(self.when(module))
+
+    def describe(self) -> str:
+        return f"{self.name}: q = {self.q.describe()}, k = {self.k.describe()}"
+
+
+def _is_torch_mha(m: nn.Module) -> bool:
+    return isinstance(m, nn.MultiheadAttention)
+
+
+#: The built-in layouts, tried in this order; the first that matches a module converts it.
+LAYOUTS: tuple[Layout, ...] = (
+    Layout("torch MultiheadAttention", Block("in_proj_weight", 0, 0, 3), Block("in_proj_weight", 0, 1, 3),
+           when=lambda m: _is_torch_mha(m) and m._qkv_same_embed_dim),
+    Layout("torch MultiheadAttention (kdim/vdim)", Block("q_proj_weight"), Block("k_proj_weight"),
+           when=lambda m: _is_torch_mha(m) and not m._qkv_same_embed_dim,
+           q_bias=Block("in_proj_bias", 0, 0, 3), k_bias=Block("in_proj_bias", 0, 1, 3)),
+    Layout("q_proj/k_proj Linear", Block("q_proj.weight"), Block("k_proj.weight"),
+           when=lambda m: _children_are(m, ("q_proj", "k_proj"), _is_linear)),
+    Layout("query/key Linear", Block("query.weight"), Block("key.weight"),
+           when=lambda m: _children_are(m, ("query", "key"), _is_linear)),
+    Layout("fused qkv Linear", Block("qkv.weight", 0, 0, 3), Block("qkv.weight", 0, 1, 3),
+           when=lambda m: _children_are(m, ("qkv",), _is_linear)),
+    Layout("GPT-2 c_attn Conv1D", Block("c_attn.weight", 1, 0, 3), Block("c_attn.weight", 1, 1, 3),
+           when=lambda m: _children_are(m, ("c_attn",), _is_conv1d) and getattr(m, "q_attn", None) is None),
+    Layout("GPT-2 cross-attention q_attn + c_attn Conv1D", Block("q_attn.weight", 1), Block("c_attn.weight", 1, 0, 2),
+           when=lambda m: _children_are(m, ("q_attn", "c_attn"), _is_conv1d)),
+)
