@@ -53,6 +53,19 @@ def test_optimum_bracketing_and_distance_of_the_default(tmp_path):
     assert by["w256"]["seeds"] == ["0"] and by["w128"]["head_size"] == 32
 
 
+def test_a_shape_with_fewer_than_three_multipliers_is_not_called_bracketed_or_at_an_edge(tmp_path):
+    folder = tmp_path / "w64"
+    _run(folder, "adamw", 0, 64, 2, None, 3.0)
+    _run(folder, "stiefel", 0, 64, 2, None, 2.5)
+    _run(folder / "frame-lr-0.003", "stiefel", 0, 64, 2, 3 * LR, 2.4)
+    s = summarize_transfer(collect_shapes(tmp_path))["shapes"][0]
+    assert s["best_multiplier"] == pytest.approx(3.0) and s["bracketed"] is None
+    # companion: a third multiplier on the low side leaves the best at the top edge, which is then said
+    _run(folder / "frame-lr-0.0003", "stiefel", 0, 64, 2, 0.3 * LR, 2.6)
+    s = summarize_transfer(collect_shapes(tmp_path))["shapes"][0]
+    assert s["bracketed"] is False
+
+
 def test_only_seeds_present_at_every_multiplier_are_averaged(tmp_path):
     _shape(tmp_path, "w64", 64, 2, lambda m: 2.0 + (math.log(m)) ** 2, seeds=(0,))
     _run(tmp_path / "w64", "stiefel", 1, 64, 2, None, 0.0)  # seed 1 ran only at multiplier 1, far better

@@ -81,7 +81,8 @@ def _mean(values: Mapping[str, float]) -> float | None:
 
 def summarize_transfer(shapes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     r"""Per shape: the mean final validation bpb at every multiplier (over the seeds that finished), the best
-    multiplier (lowest mean), whether it is bracketed (a grid point on each side of it), the grid distance
+    multiplier (lowest mean), whether it is bracketed (a grid point on each side of it; ``None`` with fewer than
+    three multipliers run), the grid distance
     :math:`|\log_3 \mu^*|` of :math:`\mu = 1` from it (``None`` when :math:`\mu = 1` was not run) and the bpb
     :math:`\mu = 1` loses against the best, next to AdamW's mean. Only seeds present at every multiplier of a
     shape are averaged, so the curve compares like with like."""
@@ -100,7 +101,8 @@ def summarize_transfer(shapes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "lr": shape["lr"], "adjust_lr_fn": shape["adjust_lr_fn"], "seeds": sorted(common, key=int),
             "rows": rows, "adamw_mean": adamw,
             "best_multiplier": None if best is None else best["multiplier"],
-            "bracketed": None if best is None else 0 < index < len(rows) - 1,
+            # fewer than three multipliers cannot bracket anything: None ("–"), not "at an edge"
+            "bracketed": None if best is None or len(rows) < 3 else 0 < index < len(rows) - 1,
             "default_grid_distance": (None if best is None or one is None
                                       else round(abs(math.log(best["multiplier"]) / math.log(3)), 3)),
             "default_loss_bpb": None if best is None or one is None else one["mean"] - best["mean"],
