@@ -60,6 +60,7 @@ def test_a_shape_with_fewer_than_three_multipliers_is_not_called_bracketed_or_at
     _run(folder / "frame-lr-0.003", "stiefel", 0, 64, 2, 3 * LR, 2.4)
     s = summarize_transfer(collect_shapes(tmp_path))["shapes"][0]
     assert s["best_multiplier"] == pytest.approx(3.0) and s["bracketed"] is None
+    assert s["default_grid_distance"] is None and s["best_minus_adamw"] is None
     # companion: a third multiplier on the low side leaves the best at the top edge, which is then said
     _run(folder / "frame-lr-0.0003", "stiefel", 0, 64, 2, 0.3 * LR, 2.6)
     s = summarize_transfer(collect_shapes(tmp_path))["shapes"][0]

@@ -95,6 +95,7 @@ def summarize_transfer(shapes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         best = min(rows, key=lambda r: r["mean"]) if rows else None
         one = next((r for r in rows if math.isclose(r["multiplier"], 1.0, rel_tol=1e-3)), None)
         index = rows.index(best) if best else None
+        located = best is not None and len(rows) >= 3  # an optimum is located by three or more multipliers
         adamw = _mean({s: v for s, v in shape["adamw"].items() if s in common}) if common else None
         out.append({
             "name": shape["name"], "width": shape["width"], "heads": shape["heads"], "head_size": shape["head_size"],
@@ -102,12 +103,12 @@ def summarize_transfer(shapes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "rows": rows, "adamw_mean": adamw,
             "best_multiplier": None if best is None else best["multiplier"],
             # fewer than three multipliers cannot bracket anything: None ("–"), not "at an edge"
-            "bracketed": None if best is None or len(rows) < 3 else 0 < index < len(rows) - 1,
-            "default_grid_distance": (None if best is None or one is None
+            "bracketed": None if not located else 0 < index < len(rows) - 1,
+            "default_grid_distance": (None if not located or one is None
                                       else round(abs(math.log(best["multiplier"]) / math.log(3)), 3)),
-            "default_loss_bpb": None if best is None or one is None else one["mean"] - best["mean"],
+            "default_loss_bpb": None if not located or one is None else one["mean"] - best["mean"],
             "default_minus_adamw": None if one is None or adamw is None else one["mean"] - adamw,
-            "best_minus_adamw": None if best is None or adamw is None else best["mean"] - adamw,
+            "best_minus_adamw": None if not located or adamw is None else best["mean"] - adamw,
         })
     return {"shapes": out}
 
