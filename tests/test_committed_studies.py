@@ -59,6 +59,11 @@ OTHER_STUDIES = [("grokking", "grokking/runs/p97_add_5seeds"), ("grokking", "gro
                  ("lm", "lm/runs/lr-3e-3")]
 
 
+#: the grokking check of the frame-step rule: one study folder per multiplier, those whose report is committed
+OTHER_STUDIES += [("grokking", p.parent.relative_to(ROOT / "studies").as_posix())
+                  for p in sorted((ROOT / "studies" / "grokking" / "runs" / "frame-step").glob("mu-*/report.md"))]
+
+
 @pytest.mark.parametrize(("command", "name"), OTHER_STUDIES)
 def test_report_only_rebuilds_the_committed_grokking_and_lm_studies_byte_for_byte(tmp_path, command, name):
     folder = ROOT / "studies" / name
