@@ -114,3 +114,22 @@ def test_the_committed_frame_step_transfer_report_rebuilds_byte_for_byte(tmp_pat
     assert main(["lm", "--transfer-report", "--out", str(copy)]) == 0
     for name in ("report.md", "summary.json"):
         assert (copy / name).read_bytes() == (folder / name).read_bytes(), name
+
+
+def test_the_lm_readme_words_on_the_frame_step_sweep_match_its_summary():
+    """'the optimum sits at the same multiplier for three of the four shapes and one grid point higher for the
+    narrowest' (studies/lm/README.md) against the committed summary.json."""
+    import json
+    import math
+
+    readme = (ROOT / "studies" / "lm" / "README.md").read_text()
+    phrase = ("the optimum sits at the same multiplier for three of\nthe four shapes and one grid point higher for "
+              "the narrowest")
+    assert phrase in readme
+    shapes = json.loads((ROOT / "studies" / "lm" / "runs" / "frame-step" / "summary.json").read_text())["shapes"]
+    assert len(shapes) == 4 and all(s["bracketed"] for s in shapes)
+    best = {s["name"]: s["best_multiplier"] for s in shapes}
+    common = max(set(best.values()), key=list(best.values()).count)
+    others = [n for n, m in best.items() if m != common]
+    assert list(best.values()).count(common) == 3 and others == ["w64"]  # w64 is the narrowest
+    assert math.isclose(best["w64"] / common, 3.0)  # one grid point (x3) higher
