@@ -400,6 +400,14 @@ def test_muon_arm_refuses_a_model_with_frames_and_hidden_matrices_skip_the_outpu
     model = build_model(LMConfig(depth=1, width=16, heads=2, context=8), seed=0, stiefel=True)
     with pytest.raises(ValueError, match="arm 'muon'.*attention='euclidean'"):
         get_arm("muon").build(model, lm_param_groups(model, 0.1), OptimConfig())
+    # a model whose only matrices are frames: stiefel-muon refuses instead of silently running as stiefel
+    from geoopt_stiefel_attention.nn import StiefelMultiheadAttention
+
+    attn = StiefelMultiheadAttention(8, 2, bias=False)
+    attn.w_v.requires_grad_(False)
+    attn.w_o.requires_grad_(False)
+    with pytest.raises(ValueError, match="arm 'stiefel-muon'.*no hidden"):
+        get_arm("stiefel-muon").build(attn, [{"params": [attn.w_q, attn.w_k], "weight_decay": 0.0}], OptimConfig())
     tiny = TinyTransformer(11, 4, width=16, heads=2, mlp=32, attention="euclidean")
     names = {id(p): n for n, p in tiny.named_parameters()}
     hidden = {names[id(p)] for p in hidden_matrices(tiny)}

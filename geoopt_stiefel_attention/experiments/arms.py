@@ -365,11 +365,12 @@ def build_stiefel_muon(model: torch.nn.Module, groups: list[dict[str, Any]], opt
     frame_groups, others = split_frame_groups(groups, optim)
     _require_frames("stiefel-muon", frame_groups, present=True)
     muon_groups, rest = _split_hidden(model, others)
+    if not muon_groups:  # without Muon this arm would silently be the stiefel arm
+        raise ValueError("arm 'stiefel-muon': the model has no hidden Linear/Conv1D matrix besides the frames for "
+                         "Muon to train; use the stiefel arm.")
     stiefel = StiefelAdam(frame_groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=0.0,
                           trust_region=optim.trust_region, adjust_lr_fn=optim.adjust_lr_fn)
-    members = [stiefel] + ([_muon(muon_groups, optim)] if muon_groups else []) + ([_adamw(rest, optim)] if rest
-                                                                                  else [])
-    return OptimizerGroup(*members)
+    return OptimizerGroup(stiefel, _muon(muon_groups, optim), *([_adamw(rest, optim)] if rest else []))
 
 
 register_arm(Arm("adamw", "euclidean", build_adamw, "AdamW on every parameter (Euclidean W_Q, W_K)"))
