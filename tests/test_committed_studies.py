@@ -4,6 +4,7 @@ rebuilt)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -80,7 +81,6 @@ def test_report_only_rebuilds_the_committed_grokking_and_lm_studies_byte_for_byt
 
 def test_grokking_readme_quotes_the_tail_and_dip_definitions_and_counts_from_the_records():
     """The README's tail window, dip definition and per-seed dip counts are the code's, from summary.json."""
-    import json
 
     from geoopt_stiefel_attention.experiments.records import DIP_DEFINITION, tail_description
 
@@ -107,8 +107,14 @@ def test_the_committed_frame_step_transfer_report_rebuilds_byte_for_byte(tmp_pat
     folder = ROOT / "studies" / "lm" / "runs" / "frame-step"
     if not (folder / "report.md").exists():
         pytest.skip("frame-step transfer report not committed yet")
-    copy = tmp_path / "frame-step"
+    copy = tmp_path / folder.relative_to(ROOT)
     shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("*.pt", ".lock"))
+    # the checks on other models (checks.json, paths relative to the folder) keep their place next to it
+    checks = json.loads((folder / "checks.json").read_text())["checks"] if (folder / "checks.json").exists() else []
+    for rel in [c[k] for c in checks for k in ("path", "reference") if k in c]:
+        source = (folder / rel).resolve()
+        shutil.copytree(source, tmp_path / source.relative_to(ROOT), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.pt", ".lock", "*.png", "report.md", "summary.json"))
     for name in ("report.md", "summary.json", "transfer.png"):
         (copy / name).unlink()  # removed first, so the comparison cannot pass on the copied files
     assert main(["lm", "--transfer-report", "--out", str(copy)]) == 0
@@ -119,7 +125,6 @@ def test_the_committed_frame_step_transfer_report_rebuilds_byte_for_byte(tmp_pat
 def test_the_lm_readme_words_on_the_frame_step_sweep_match_its_summary():
     """'the optimum sits at the same multiplier for three of the four shapes and one grid point higher for the
     narrowest' (studies/lm/README.md) against the committed summary.json."""
-    import json
     import math
 
     readme = (ROOT / "studies" / "lm" / "README.md").read_text()

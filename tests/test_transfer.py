@@ -87,3 +87,93 @@ def test_transfer_report_writes_and_rebuilds_byte_for_byte_and_the_cli_names_a_b
     assert main(["lm", "--transfer-report", "--out", str(empty)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--out" in err[0] and "run_frame_step.sh" in err[0]
+
+
+# ------------------------------------------------------------------------------------ checks on other models
+def _check_run(folder, arm, seed, experiment, frame_lr, curve, epochs=40, adjust_lr_fn="match_rms_adamw"):
+    """A grokking or vision run (width 128, 4 heads) whose records follow curve(epoch) (val_acc, or test_acc)."""
+    run = folder / "runs" / arm / f"seed{seed}"
+    run.mkdir(parents=True)
+    config = {"experiment": experiment, "train": {"epochs": epochs, "eval_every": 10}, "width": 128, "heads": 4,
+              "optim": {"lr": LR, "frame_lr": frame_lr, "adjust_lr_fn": adjust_lr_fn}}
+    (run / "config.json").write_text(json.dumps({"config": config, "arm": arm, "seed": seed}))
+    key = "val_acc" if experiment == "grokking" else "test_acc"
+    lines = [{"arm": arm, "seed": seed, "epoch": e, key: curve(e)} for e in range(0, epochs + 1, 10)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def _grokking_check(root, groks_at, seeds=(0,)):
+    """mu-<m>/ folders whose stiefel runs reach 95% at epoch groks_at[m] (None: never) and an adamw reference."""
+    for m, epoch in groks_at.items():
+        for seed in seeds:
+            _check_run(root / "check" / f"mu-{m:g}", "stiefel", seed, "grokking", m * LR,
+                       lambda e, g=epoch: 1.0 if g is not None and e >= g else 0.5)
+    for seed in seeds:
+        _check_run(root / "reference", "adamw", seed, "grokking", None, lambda e: 1.0 if e >= 30 else 0.5)
+        _check_run(root / "reference", "stiefel", seed, "grokking", None, lambda e: 1.0 if e >= 10 else 0.5,
+                   adjust_lr_fn="original")  # the paper's step at the model's lr
+
+
+def test_a_grokking_check_ranks_earlier_grokking_better_and_never_reaching_last(tmp_path):
+    _grokking_check(tmp_path, {1 / 9: 30, 1 / 3: 10, 1.0: 20, 3.0: None, 9.0: None})
+    from geoopt_stiefel_attention.experiments.transfer import collect_check, summarize_check
+
+    c = summarize_check(collect_check(tmp_path / "check", name="g", reference=tmp_path / "reference"))
+    assert c["better"] == "lower" and c["best_multiplier"] == pytest.approx(1 / 3) and c["bracketed"]
+    assert [r["mean"] for r in c["rows"]] == [30.0, 10.0, 20.0, None, None]
+    assert c["default_grid_distance"] == pytest.approx(1.0) and c["default_minus_best"] == pytest.approx(10.0)
+    assert c["adamw_mean"] == pytest.approx(30.0)
+    # the paper's step is the reference's stiefel run, not a multiplier of the rule: μ = 1/sqrt(128 * 32) = 1/64
+    assert c["papers_step_mean"] == pytest.approx(10.0) and c["papers_step_multiplier"] == pytest.approx(1 / 64)
+    assert all(r["multiplier"] != pytest.approx(1.0) or r["mean"] == 20.0 for r in c["rows"])
+    # companion: when the earliest grokking is at the smallest multiplier, it is said to be at an edge
+    _grokking_check(tmp_path / "edge", {1 / 3: 10, 1.0: 20, 3.0: 30})
+    e = summarize_check(collect_check(tmp_path / "edge" / "check", name="g"))
+    assert e["best_multiplier"] == pytest.approx(1 / 3) and e["bracketed"] is False and e["adamw_mean"] is None
+
+
+def test_a_vision_check_ranks_higher_accuracy_better_and_reads_its_own_adamw_folder(tmp_path):
+    from geoopt_stiefel_attention.experiments.transfer import collect_check, summarize_check
+
+    for seed in (0, 1):
+        _check_run(tmp_path / "adamw", "adamw", seed, "vision", None, lambda e: 0.80)
+        for m, acc in {1 / 3: 0.80, 1.0: 0.84, 3.0: 0.83}.items():
+            _check_run(tmp_path / f"mu-{m:g}", "stiefel", seed, "vision", m * LR,
+                       lambda e, a=acc, s=seed: a + s / 100)
+    c = summarize_check(collect_check(tmp_path, name="v"))
+    assert c["better"] == "higher" and c["best_multiplier"] == pytest.approx(1.0) and c["bracketed"]
+    assert c["seeds"] == ["0", "1"] and c["rows"][1]["mean"] == pytest.approx(84.5)
+    assert c["adamw_mean"] == pytest.approx(80.0) and c["default_grid_distance"] == 0
+
+
+def test_a_check_refuses_runs_that_differ_in_more_than_the_frame_lr(tmp_path):
+    from geoopt_stiefel_attention.experiments.transfer import collect_check
+
+    _grokking_check(tmp_path, {1.0: 20, 3.0: 10})
+    _check_run(tmp_path / "long", "adamw", 0, "grokking", None, lambda e: 1.0, epochs=50)
+    with pytest.raises(ValueError, match="check 'g'.*adamw/seed0.*50 epochs"):
+        collect_check(tmp_path / "check", name="g", reference=tmp_path / "long")
+    with pytest.raises(ValueError, match="check 'g'.*no finished stiefel run"):
+        collect_check(tmp_path / "reference", name="g")
+    # companion: the matching reference is accepted
+    assert collect_check(tmp_path / "check", name="g", reference=tmp_path / "reference")["adamw"] == {"0": 30.0}
+
+
+def test_the_transfer_report_has_a_checks_section_from_checks_json(tmp_path):
+    lm = tmp_path / "lm"
+    _shape(lm, "w64", 64, 2, lambda m: 2.0 + (math.log(m)) ** 2)
+    _grokking_check(tmp_path, {1 / 3: 30, 1.0: 20, 3.0: 40})
+    (lm / "checks.json").write_text(json.dumps({"checks": [
+        {"name": "grokking", "path": "../check", "reference": "../reference"}]}))
+    summary = transfer_report(lm)
+    assert summary["checks"][0]["best_multiplier"] == pytest.approx(1.0)
+    report = (lm / "report.md").read_text()
+    assert "## Checks on other models" in report and "| 30 | **20** | 40 | 10 | 30 | 1 | yes | 0 | +0 |" in report
+    assert "paper's step (μ = 1/64)" in report
+    # companion: without checks.json there is no such section
+    (lm / "checks.json").unlink()
+    transfer_report(lm)
+    assert "Checks on other models" not in (lm / "report.md").read_text()
+    (lm / "checks.json").write_text(json.dumps({"checks": [{"path": "../check"}]}))
+    with pytest.raises(ValueError, match="checks.json.*'name' and 'path'"):
+        transfer_report(lm)

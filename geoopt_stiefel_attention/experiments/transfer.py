@@ -10,6 +10,13 @@ validation bits per byte against :math:`\mu` (one curve per shape, AdamW as a da
 lies, whether it is bracketed (not at an edge of the grid) and how far :math:`\mu = 1` (the rule with the
 model's lr, what a user who changes nothing gets) is from it, in grid points and in bits per byte.
 
+Other models check the same rule (:func:`collect_check`): a folder of ``mu-<μ>/`` studies of another
+experiment (the grokking or the vision study), each the ``stiefel`` arm at one multiplier, scored by that
+experiment's own measure (:data:`CHECK_MEASURES`). A ``checks.json`` in the report's folder lists them
+(``{"checks": [{"name": ..., "path": ..., "reference": ...}]}``, paths relative to that folder; ``reference``, a
+study whose ``adamw`` runs of the same seeds are the AdamW level, is optional when the folder has its own
+``adamw/`` study), and the report gets a table of where each check's optimum lies.
+
 Everything is read from the records (``runs/<arm>/seed<k>/metrics.jsonl`` and ``config.json``), so
 ``transfer_report`` rebuilds ``summary.json``, ``report.md`` and the figure byte for byte.
 """
@@ -23,11 +30,25 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["collect_shapes", "summarize_transfer", "render_transfer", "plot_transfer", "transfer_report"]
+__all__ = ["collect_shapes", "summarize_transfer", "render_transfer", "plot_transfer", "transfer_report",
+           "CHECK_MEASURES", "collect_check", "summarize_check"]
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"
 FIGURE_FILE = "transfer.png"
+CHECKS_FILE = "checks.json"
+
+#: How a check scores one finished run, per experiment: what is measured (``label``), whether ``lower`` or
+#: ``higher`` is better, the format of a value, and ``score(records) -> float | None`` (``None``: the run never
+#: got there, which ranks last). Grokking: the first evaluated epoch with validation accuracy >= 95% (the
+#: grokking study's threshold); vision: the test accuracy at the last epoch.
+CHECK_MEASURES: dict[str, dict[str, Any]] = {
+    "grokking": {"label": "first epoch with val acc ≥ 95%", "better": "lower", "fmt": ".0f",
+                 "score": lambda recs: next((float(r["epoch"]) for r in recs if (r.get("val_acc") or 0.0) >= 0.95),
+                                            None)},
+    "vision": {"label": "final test accuracy (%)", "better": "higher", "fmt": ".2f",
+               "score": lambda recs: None if recs[-1].get("test_acc") is None else 100.0 * recs[-1]["test_acc"]},
+}
 
 
 def _finished_finals(folder: Path, arm: str, epochs: int) -> dict[int, float]:
@@ -72,6 +93,113 @@ def collect_shapes(root: str | os.PathLike) -> list[dict[str, Any]]:
                        "adamw": {str(k): v for k, v in sorted(_finished_finals(folder, "adamw", epochs).items())},
                        "points": sorted(points, key=lambda p: p["multiplier"])})
     return sorted(shapes, key=lambda s: (s["width"], s["head_size"]))
+
+
+def _finished_runs(folder: Path) -> list[tuple[dict[str, Any], str, int, list[dict[str, Any]]]]:
+    """``(config, arm, seed, records)`` of every run under ``folder`` that reached its last epoch."""
+    from .records import read_records
+    from .runner import CONFIG_FILE
+
+    out = []
+    for spec in sorted(folder.glob(f"runs/*/seed*/{CONFIG_FILE}")):
+        meta = json.loads(spec.read_text())
+        recs = read_records(spec.parent / "metrics.jsonl") if (spec.parent / "metrics.jsonl").exists() else []
+        if recs and recs[-1]["epoch"] >= meta["config"]["train"]["epochs"]:
+            out.append((meta["config"], meta["arm"], int(meta["seed"]), recs))
+    return out
+
+
+def _is_papers_step(config: Mapping[str, Any]) -> bool:
+    o = config["optim"]
+    return o.get("adjust_lr_fn", "original") == "original" and (o.get("frame_lr") or o["lr"]) == o["lr"]
+
+
+def _papers_step_multiplier(config: Mapping[str, Any]) -> float | None:
+    r"""The multiplier under ``"match_rms_adamw"`` that gives the paper's step at the model's lr: a ``d x r``
+    frame's step :math:`\mathrm{lr}` is :math:`\mu\,\mathrm{lr}\sqrt{d r}` with :math:`\mu = 1/\sqrt{d r}`
+    (``d`` the width, ``r`` the head size; ``None`` when the config does not name them)."""
+    if "width" not in config or "heads" not in config:
+        return None
+    d = config["width"]
+    return 1.0 / math.sqrt(d * (d // config["heads"]))
+
+
+def collect_check(folder: str | os.PathLike, *, name: str, reference: str | os.PathLike | None = None
+                  ) -> dict[str, Any]:
+    r"""One check of the rule on another model: the ``stiefel`` runs of every study folder under ``folder``
+    (one per multiplier :math:`\mu` = ``frame_lr / lr``) scored by :data:`CHECK_MEASURES` of their experiment,
+    and the ``adamw`` runs (of ``folder``'s studies, or of ``reference``) as the AdamW level.
+
+    Raises ``ValueError`` naming the folder when it holds no finished ``stiefel`` run, when its runs mix
+    experiments, model lrs or run lengths, or when a reference run differs from them in either."""
+    folder = Path(folder)
+    studies = sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+    runs = [run for study in studies for run in _finished_runs(study)]
+    stiefel = [r for r in runs if r[1] == "stiefel"]
+    if not stiefel:
+        raise ValueError(f"check {name!r}: {folder} holds no finished stiefel run (<study>/runs/stiefel/seed<k>/).")
+    referenced = _finished_runs(Path(reference)) if reference is not None else []
+    # the AdamW level: the folder's own adamw runs, else the reference's
+    adamw = [r for r in runs if r[1] == "adamw"] or [r for r in referenced if r[1] == "adamw"]
+    # the paper's step at the model's lr (adjust_lr_fn="original", frame lr = lr), from the folder or reference
+    original = [r for r in runs + referenced if r[1] == "stiefel" and _is_papers_step(r[0])]
+    stiefel = [r for r in stiefel if not _is_papers_step(r[0])]
+    first = stiefel[0][0]
+    kind, lr, epochs = first["experiment"], first["optim"]["lr"], first["train"]["epochs"]
+    for config, arm, seed, _ in stiefel + adamw + original:
+        if (config["experiment"], config["optim"]["lr"], config["train"]["epochs"]) != (kind, lr, epochs):
+            raise ValueError(f"check {name!r}: run {arm}/seed{seed} is a {config['experiment']} run with lr "
+                             f"{config['optim']['lr']:g} and {config['train']['epochs']} epochs, the others "
+                             f"{kind} with lr {lr:g} and {epochs}; a check compares runs that differ in the frame "
+                             f"lr only.")
+    if kind not in CHECK_MEASURES:
+        raise ValueError(f"check {name!r}: no measure for {kind!r} runs; known: {', '.join(CHECK_MEASURES)}.")
+    score = CHECK_MEASURES[kind]["score"]
+    points: dict[float, dict[str, float | None]] = {}
+    for config, _, seed, recs in stiefel:
+        mu = round((config["optim"]["frame_lr"] or lr) / lr, 6)
+        points.setdefault(mu, {})[str(seed)] = score(recs)
+    return {"name": name, "experiment": kind, "lr": lr, "epochs": epochs,
+            "adjust_lr_fn": first["optim"].get("adjust_lr_fn", "original"),
+            "adamw": {str(seed): score(recs) for _, _, seed, recs in sorted(adamw, key=lambda r: r[2])},
+            "papers_step": {str(seed): score(recs) for _, _, seed, recs in sorted(original, key=lambda r: r[2])},
+            "papers_step_multiplier": _papers_step_multiplier(first),
+            "points": [{"multiplier": m, "scores": dict(sorted(v.items(), key=lambda kv: int(kv[0])))}
+                       for m, v in sorted(points.items())]}
+
+
+def summarize_check(check: Mapping[str, Any]) -> dict[str, Any]:
+    r"""Per multiplier the mean score over the seeds run at every multiplier (``None`` when a seed never got
+    there: it ranks last), the best multiplier, whether it is bracketed, the grid distance of :math:`\mu = 1`
+    from it, and AdamW's mean over the same seeds."""
+    measure = CHECK_MEASURES[check["experiment"]]
+    sign = 1.0 if measure["better"] == "lower" else -1.0
+    points = check["points"]
+    common = sorted(set.intersection(*(set(p["scores"]) for p in points)), key=int)
+
+    def mean(scores: Mapping[str, float | None]) -> float | None:
+        vals = [scores.get(k) for k in common]
+        return None if not vals or any(v is None for v in vals) else sum(vals) / len(vals)
+
+    rows = [{"multiplier": p["multiplier"], "mean": mean(p["scores"])} for p in points] if common else []
+    ranked = sorted(rows, key=lambda r: (r["mean"] is None, sign * (r["mean"] or 0.0)))
+    best = ranked[0] if ranked and ranked[0]["mean"] is not None else None
+    located = best is not None and len(rows) >= 3
+    index = rows.index(best) if best else None
+    one = next((r for r in rows if math.isclose(r["multiplier"], 1.0, rel_tol=1e-3)), None)
+    adamw = mean(check["adamw"]) if common and all(k in check["adamw"] for k in common) else None
+    papers = check.get("papers_step", {})
+    papers_mean = mean(papers) if common and all(k in papers for k in common) else None
+    return {"name": check["name"], "experiment": check["experiment"], "measure": measure["label"],
+            "better": measure["better"], "seeds": common, "rows": rows, "adamw_mean": adamw,
+            "papers_step_mean": papers_mean, "papers_step_multiplier": check.get("papers_step_multiplier"),
+            "best_multiplier": None if best is None else best["multiplier"],
+            "bracketed": None if not located else 0 < index < len(rows) - 1,
+            "default_grid_distance": (None if not located or one is None
+                                      else round(abs(math.log(best["multiplier"]) / math.log(3)), 3)),
+            "default_minus_best": (None if not located or one is None or one["mean"] is None
+                                   else one["mean"] - best["mean"]),
+            "commits": check.get("commits", [])}
 
 
 def _mean(values: Mapping[str, float]) -> float | None:
@@ -147,12 +275,45 @@ def render_transfer(summary: Mapping[str, Any], *, intro: str = "") -> str:
                      f"| {_f(s['default_grid_distance'], '.3g')} | {_f(s['default_loss_bpb'], sign=True)} "
                      f"| {_f(s['default_minus_adamw'], sign=True)} | {_f(s['best_minus_adamw'], sign=True)} |")
     lines += ["", f"![final validation bpb against the multiplier]({FIGURE_FILE})", ""]
+    checks = summary.get("checks") or []
+    if checks:
+        lines += _render_checks(checks)
     info = summary.get("trained_on")
     if info:
         shas = ", ".join(c["sha"][:10] + (" (uncommitted changes)" if c["dirty"] else "") for c in info["commits"])
         lines += ["## Run", "", f"- trained on commit(s): {shas}", f"- CPU: {', '.join(info['cpus'])}",
                   f"- training time, all runs: {info['train_seconds'] / 3600:.2f} core-hours", ""]
     return "\n".join(lines)
+
+
+def _render_checks(checks: Sequence[Mapping[str, Any]]) -> list[str]:
+    lines = ["## Checks on other models", "",
+             "The same rule on other models, each scored by its own measure (mean over the seeds run at every "
+             "multiplier; 'not reached' ranks last). Bold: the best multiplier. 'paper's step': the stiefel arm "
+             "with adjust_lr_fn='original' at the model's lr, which is the rule at μ = 1/√(d r) (d the width, "
+             "r the head size).", ""]
+    for c in checks:
+        fmt = CHECK_MEASURES[c["experiment"]]["fmt"]
+        m0 = c.get("papers_step_multiplier")
+        papers = "paper's step" + (f" (μ = 1/{1 / m0:.3g})" if m0 else "")
+        lines += [f"**{c['name']}** ({c['experiment']} study; {c['measure']}, {c['better']} is better; seeds "
+                  f"{', '.join(c['seeds']) or '–'})", "",
+                  "| " + " | ".join(f"μ = {r['multiplier']:.3g}" for r in c["rows"]) + f" | {papers} | adamw "
+                  "| best μ | bracketed | grid points from μ = 1 | μ = 1 − best |",
+                  "|" + "---|" * (len(c["rows"]) + 6)]
+        cells = []
+        for r in c["rows"]:
+            text = "not reached" if r["mean"] is None else f"{r['mean']:{fmt}}"
+            cells.append(f"**{text}**" if r["multiplier"] == c["best_multiplier"] else text)
+        bracket = "–" if c["bracketed"] is None else ("yes" if c["bracketed"] else "no (at an edge)")
+        lines += ["| " + " | ".join(cells) + f" | {_f(c.get('papers_step_mean'), fmt)} | {_f(c['adamw_mean'], fmt)} "
+                  f"| {_f(c['best_multiplier'], '.3g')} "
+                  f"| {bracket} | {_f(c['default_grid_distance'], '.3g')} "
+                  f"| {_f(c['default_minus_best'], fmt, sign=True)} |", ""]
+        if c.get("commits"):
+            lines += ["trained on commit(s): " + ", ".join(
+                x["sha"][:10] + (" (uncommitted changes)" if x["dirty"] else "") for x in c["commits"]), ""]
+    return lines
 
 
 def plot_transfer(summary: Mapping[str, Any], path: str | os.PathLike) -> Path | None:
@@ -221,6 +382,26 @@ def setup_text(root: str | os.PathLike) -> str:
             f"to reach the best loss; read the figures as where the optimum lies, not as final model quality.")
 
 
+def read_checks(root: str | os.PathLike) -> list[dict[str, Any]]:
+    """The checks listed in ``root``/``checks.json`` (:func:`collect_check` of each); ``[]`` without that file.
+    Raises ``ValueError`` naming the file for an entry without ``name`` and ``path``."""
+    path = Path(root) / CHECKS_FILE
+    if not path.exists():
+        return []
+    out = []
+    for entry in json.loads(path.read_text()).get("checks", []):
+        if not {"name", "path"} <= set(entry):
+            raise ValueError(f"{path}: every check needs 'name' and 'path' (relative to {root}); got {entry}.")
+        ref = entry.get("reference")
+        check = collect_check(Path(root) / entry["path"], name=entry["name"],
+                              reference=None if ref is None else Path(root) / ref)
+        commits = trained_on(Path(root) / entry["path"])["commits"]
+        if ref is not None:
+            commits += trained_on(Path(root) / ref)["commits"]
+        out.append({**check, "commits": sorted({c["sha"]: c for c in commits}.values(), key=lambda c: c["sha"])})
+    return out
+
+
 def transfer_report(root: str | os.PathLike, *, intro: str = "") -> dict[str, Any]:
     """Write ``summary.json``, ``report.md`` and ``transfer.png`` into ``root`` from the lm studies under it;
     returns the summary. Raises ``ValueError`` naming ``root`` when it holds no study."""
@@ -230,6 +411,10 @@ def transfer_report(root: str | os.PathLike, *, intro: str = "") -> dict[str, An
         raise ValueError(f"{root}: holds no language-model study folder (<shape>/runs/<arm>/seed<k>/config.json); "
                          f"train them first with studies/lm/run_frame_step.sh.")
     summary = {"shapes_collected": shapes, **summarize_transfer(shapes), "trained_on": trained_on(root)}
+    checks = read_checks(root)
+    if checks:
+        summary["checks_collected"] = checks
+        summary["checks"] = [summarize_check(c) for c in checks]
     (root / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     plot_transfer(summary, root / FIGURE_FILE)
     (root / REPORT_FILE).write_text(render_transfer(summary, intro=intro or setup_text(root)))
