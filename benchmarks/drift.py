@@ -12,6 +12,10 @@ Two measurements, both on a stack of frames of shape ``--shape`` (default 4 x 32
    travel. A bf16 parameter is re-rounded after every step, so a step smaller than half a bf16 spacing per entry
    is lost; the float32 master copy keeps it.
 
+``--lr`` is a frame's step norm (``--adjust-lr-fn original``, the paper's step, the default here: the figures in
+docs/guarantees.md were measured so); under ``match_rms_adamw`` (StiefelAdam's default) the same update runs at
+``lr * sqrt(d r)``.
+
 Prints two tables (or JSON with ``--json``). Example (the figures in docs/guarantees.md)::
 
     python benchmarks/drift.py --steps 100000
@@ -44,10 +48,10 @@ def _start(shape, seed):
     return PolarStiefel().random(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
 
-def drift(dtype, master, *, steps, lr, shape, seed=7, checkpoints=20):
+def drift(dtype, master, *, steps, lr, shape, seed=7, checkpoints=20, adjust_lr_fn="original"):
     """Run ``steps`` random-gradient steps; return the orthonormality errors and the time per step."""
     w = geoopt.ManifoldParameter(_start(shape, seed).to(dtype), manifold=PolarStiefel())
-    opt = StiefelAdam([w], lr=lr, master_weights=master)
+    opt = StiefelAdam([w], lr=lr, master_weights=master, adjust_lr_fn=adjust_lr_fn)
     gen = torch.Generator().manual_seed(seed + 1)
     every = max(1, steps // checkpoints)
     worst = 0.0
@@ -63,13 +67,13 @@ def drift(dtype, master, *, steps, lr, shape, seed=7, checkpoints=20):
     return {"final": final, "worst": max(worst, final), "master": master_err, "ms_per_step": 1e3 * elapsed / steps}
 
 
-def movement(dtype, master, *, steps, lr, shape, seed=11):
+def movement(dtype, master, *, steps, lr, shape, seed=11, adjust_lr_fn="original"):
     """Noisy descent towards a target frame; return the final frame (float64) and the start."""
     gen = torch.Generator().manual_seed(seed)
     start = _start(shape, seed + 1)
     target = _start(shape, seed + 2)
     w = geoopt.ManifoldParameter(start.to(dtype), manifold=PolarStiefel())
-    opt = StiefelAdam([w], lr=lr, master_weights=master)
+    opt = StiefelAdam([w], lr=lr, master_weights=master, adjust_lr_fn=adjust_lr_fn)
     for _ in range(steps):
         noise = torch.randn(shape, generator=gen, dtype=torch.float64)
         w.grad = ((w.detach().double() - target) + 0.5 * noise).to(dtype)
@@ -86,6 +90,9 @@ def main(argv=None) -> int:
     parser.add_argument("--movement-lrs", type=float, nargs="+", default=[1e-2, 1e-3, 1e-4])
     parser.add_argument("--variants", nargs="+", default=[name for name, _, _ in VARIANTS],
                         choices=[name for name, _, _ in VARIANTS])
+    parser.add_argument("--adjust-lr-fn", choices=["original", "match_rms_adamw"], default="original",
+                        help="what --lr measures: a frame's step norm (original, the default here) or a per-entry "
+                             "step (match_rms_adamw, StiefelAdam's default)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
@@ -93,15 +100,17 @@ def main(argv=None) -> int:
     shape = tuple(args.shape)
     variants = [v for v in VARIANTS if v[0] in args.variants]
 
-    drift_rows = {name: drift(dtype, master, steps=args.steps, lr=args.lr, shape=shape)
+    rule = args.adjust_lr_fn
+    drift_rows = {name: drift(dtype, master, steps=args.steps, lr=args.lr, shape=shape, adjust_lr_fn=rule)
                   for name, dtype, master in variants}
 
     movement_rows = []
     for lr in args.movement_lrs:
-        ref, start = movement(torch.float32, False, steps=args.movement_steps, lr=lr, shape=shape)
+        ref, start = movement(torch.float32, False, steps=args.movement_steps, lr=lr, shape=shape,
+                              adjust_lr_fn=rule)
         travel = float((ref - start).norm())
         for name, dtype, master in variants:
-            w, _ = movement(dtype, master, steps=args.movement_steps, lr=lr, shape=shape)
+            w, _ = movement(dtype, master, steps=args.movement_steps, lr=lr, shape=shape, adjust_lr_fn=rule)
             movement_rows.append({"lr": lr, "variant": name, "travel": float((w - start).norm()),
                                   "travel_vs_float32": float((w - start).norm()) / travel,
                                   "distance_to_float32_end": float((w - ref).norm()) / travel})
@@ -110,7 +119,7 @@ def main(argv=None) -> int:
         print(json.dumps({"shape": shape, "drift": {"steps": args.steps, "lr": args.lr, "rows": drift_rows},
                           "movement": {"steps": args.movement_steps, "rows": movement_rows}}, indent=2))
         return 0
-    print(f"Drift: {args.steps} steps, random gradients, lr={args.lr}, frames {shape}, no stabilize")
+    print(f"Drift: {args.steps} steps, random gradients, lr={args.lr} ({rule}), frames {shape}, no stabilize")
     print(f"{'variant':<17} {'max|WtW-I| end':>15} {'worst seen':>11} {'master copy':>12} {'ms/step':>8}")
     for name, row in drift_rows.items():
         master = "-" if row["master"] is None else f"{row['master']:.2e}"

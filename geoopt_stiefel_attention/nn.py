@@ -719,7 +719,7 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
         trust radius by :math:`\sqrt{d r}`, so the model's AdamW learning rate moves a frame as much per step
         as AdamW would move the same block; ``"original"`` is the paper's step, :math:`\|s\|_F \approx
         \mathrm{lr}` (see :func:`~geoopt_stiefel_attention.frame_step_scale`). ``None``: the optimizer's
-        own default.
+        own default (``"match_rms_adamw"`` for :class:`~geoopt_stiefel_attention.StiefelAdam`).
     decay : callable ``(name, parameter) -> bool``, default :func:`decays_matrices`
         Which non-frame parameters get ``weight_decay``; ``name`` is the parameter's name in
         ``model.named_parameters()``.

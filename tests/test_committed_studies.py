@@ -138,3 +138,45 @@ def test_the_lm_readme_words_on_the_frame_step_sweep_match_its_summary():
     others = [n for n, m in best.items() if m != common]
     assert list(best.values()).count(common) == 3 and others == ["w64"]  # w64 is the narrowest
     assert math.isclose(best["w64"] / common, 3.0)  # one grid point (x3) higher
+
+
+def test_the_readme_table_and_words_on_the_default_frame_step_match_the_transfer_summary():
+    """The README's table of what the default gives is default_table(summary.json), line for line; its words and
+    the docs' (quickstart, optimizer) are checked against the same summary. To regenerate the table: replace the
+    lines between the README's frame-step-default-table markers by default_table(summary)."""
+    import math
+
+    from geoopt_stiefel_attention.experiments.transfer import default_table
+
+    summary = json.loads((ROOT / "studies" / "lm" / "runs" / "frame-step" / "summary.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- frame-step-default-table")[1].split("<!-- end frame-step-default-table -->")[0]
+    assert block.splitlines()[1:] == default_table(summary)
+    shapes, checks = summary["shapes"], {c["experiment"]: c for c in summary["checks"]}
+    words = " ".join(readme.split())
+    assert ("The default is within one grid point of the best at three of the four language-model shapes and two "
+            "grid points away at width 64 and on the vision model, where the best frame step is 9 times the "
+            "model's lr") in words
+    assert sorted(s["default_grid_distance"] for s in shapes) == [1, 1, 1, 2] and len(shapes) == 4
+    assert [s["width"] for s in shapes if s["default_grid_distance"] == 2] == [64]
+    assert checks["vision"]["default_grid_distance"] == 2 and checks["vision"]["bracketed"]
+    assert checks["vision"]["best_multiplier"] == 9 and shapes[0]["best_multiplier"] == 9
+    # grokking: "the smallest steps grok earliest, the paper's step among them, and the default groks later than
+    # AdamW"
+    g = checks["grokking"]
+    means = [r["mean"] for r in g["rows"]]
+    assert means == sorted(means) and g["papers_step_mean"] <= means[0]
+    one = next(r["mean"] for r in g["rows"] if r["multiplier"] == 1.0)
+    assert one > g["adamw_mean"]
+    # docs: "the best being 3 to 9 times larger" and "about five grid points" for the paper's step
+    quick = " ".join((ROOT / "docs" / "quickstart.rst").read_text().split())
+    assert "the best being 3 to 9 times larger" in quick
+    assert {s["best_multiplier"] for s in shapes} | {checks["vision"]["best_multiplier"]} == {3, 9}
+    optimizer_doc = " ".join((ROOT / "docs" / "optimizer.rst").read_text().split())
+    assert "where the paper's step was about five grid points too small" in optimizer_doc
+    papers = [(s["best_multiplier"], 1 / math.sqrt(s["width"] * s["head_size"])) for s in shapes]
+    papers.append((checks["vision"]["best_multiplier"], checks["vision"]["papers_step_multiplier"]))
+    for best, mu0 in papers:  # grid points (factors of 3) from the paper's step to the best
+        assert 4.5 <= math.log(best / mu0, 3) <= 5.5, (best, mu0)
+    # companion: a wrong table line is caught
+    assert block.splitlines()[1:] != default_table({**summary, "shapes": shapes[:3]})

@@ -80,6 +80,9 @@ def _grad_fn_factory(shape, seed):
 
 
 def _run_torch(w0, grad_fn, steps, **opt_kwargs):
+    # the written-out reference is the paper's step (c = 1); the default rule is the same update at c * lr and
+    # c * Delta, tested on its own (test_match_rms_adamw_is_the_reference_with_lr_and_radius_times_sqrt_dr)
+    opt_kwargs.setdefault("adjust_lr_fn", "original")
     st = PolarStiefel()
     w = geoopt.ManifoldParameter(w0.clone(), manifold=st)
     opt = StiefelAdam([w], **opt_kwargs)
@@ -289,7 +292,7 @@ def test_param_groups_with_different_lr_and_trust_region():
     b = geoopt.ManifoldParameter(_frames((2, 16, 4), 2), manifold=st)
     a0, b0 = a.detach().clone(), b.detach().clone()
     opt = StiefelAdam([{"params": [a], "trust_region": 0.01}, {"params": [b], "lr": 1.0, "trust_region": 0.2}],
-                      lr=1.0)
+                      lr=1.0, adjust_lr_fn="original")  # radii as Frobenius norms (the paper's step)
     g = torch.randn(2, 16, 4, dtype=torch.float64)
     a.grad, b.grad = g.clone(), g.clone()
     opt.step()
@@ -445,7 +448,7 @@ def test_several_parameters_in_one_group_match_the_reference(mode, batching):
     st = PolarStiefel()
     params = [geoopt.ManifoldParameter(w0.clone(), manifold=st) for w0 in starts]
     opt = StiefelAdam(params, lr=0.05, betas=(0.9, 0.99), eps=1e-8, trust_region=0.1, second_moment=mode,
-                      capturable=batching.startswith("capturable"))
+                      capturable=batching.startswith("capturable"), adjust_lr_fn="original")
     if batching.endswith("accelerator"):
         opt._stack_numel = optim.ACCELERATOR_STACK_NUMEL
     for t in range(1, 51):
@@ -713,8 +716,30 @@ def test_param_groups_carries_the_rule_to_the_frames_group_only():
     groups = param_groups(model, adjust_lr_fn="match_rms_adamw")
     assert groups[0]["name"] == "frames" and groups[0]["adjust_lr_fn"] == "match_rms_adamw"
     assert all("adjust_lr_fn" not in g for g in groups[1:])
-    opt = StiefelAdam(groups, lr=1e-3)
+    opt = StiefelAdam(groups, lr=1e-3, adjust_lr_fn="original")
     assert [g["adjust_lr_fn"] for g in opt.param_groups] == ["match_rms_adamw", "original", "original"]
+    # not given anywhere, the optimizer's default rule applies to every group
+    opt = StiefelAdam(param_groups(model), lr=1e-3)
+    assert {g["adjust_lr_fn"] for g in opt.param_groups} == {"match_rms_adamw"}
     assert "adjust_lr_fn" not in param_groups(model)[0]  # companion: not given, the optimizer decides
     with pytest.raises(ValueError, match="param_groups: adjust_lr_fn='x'"):
         param_groups(model, adjust_lr_fn="x")
+
+
+def test_the_default_rule_is_match_rms_adamw_and_the_papers_step_stays_available_by_name():
+    """A user who changes nothing gets the rule (frame steps sized as AdamW's, issue 25's evidence); the paper's
+    step is ``adjust_lr_fn="original"``."""
+    g = torch.from_numpy(_grad_fn_factory((2, 16, 4), seed=5)(_frames((2, 16, 4), seed=6).numpy(), 1))
+    ends = {}
+    for fn in (None, "match_rms_adamw", "original"):
+        w = geoopt.ManifoldParameter(_frames((2, 16, 4), seed=6), manifold=PolarStiefel())
+        opt = StiefelAdam([w], lr=1e-3) if fn is None else StiefelAdam([w], lr=1e-3, adjust_lr_fn=fn)
+        w.grad = g.clone()
+        opt.step()
+        ends[fn] = (w.detach().clone(), opt.param_groups[0]["adjust_lr_fn"])
+    assert ends[None][1] == "match_rms_adamw"
+    assert torch.equal(ends[None][0], ends["match_rms_adamw"][0])
+    # companion: the paper's step is another (sqrt(16 * 4) = 8 times shorter) step
+    start = _frames((2, 16, 4), seed=6)
+    ratio = (ends[None][0] - start).norm() / (ends["original"][0] - start).norm()
+    assert abs(float(ratio) - 8.0) < 0.05

@@ -487,7 +487,7 @@ def test_one_cycle_lr_cycles_lr_and_beta1_of_the_frame_update():
     scheduled lr and beta1 at every step (compared with the pure update fed the same values)."""
     w = _frame_param((2, 10, 4), seed=4)
     w_ref, m_ref, v_ref = w.detach().clone(), torch.zeros_like(w), torch.zeros(2, 1, 1, dtype=torch.float64)
-    opt = StiefelAdam([w], lr=1e-2, betas=(0.9, 0.99))
+    opt = StiefelAdam([w], lr=1e-2, betas=(0.9, 0.99), adjust_lr_fn="original")  # the update's own lr
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=12, base_momentum=0.8,
                                                 max_momentum=0.95)
     gen = torch.Generator().manual_seed(5)
@@ -547,7 +547,7 @@ def test_fused_kernel_matches_the_readable_update_for_120_steps(lr, trust_region
     gen = torch.Generator().manual_seed(8)
     targets = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params]
     opt = StiefelAdam(params, lr=lr, betas=(beta1, beta2), eps=eps, trust_region=trust_region,
-                      second_moment=second_moment, maximize=maximize)
+                      second_moment=second_moment, maximize=maximize, adjust_lr_fn="original")
     ref = [(p.detach().clone(), torch.zeros_like(p),
             None if second_moment is None else torch.zeros(p.shape[:-2] + (1, 1), dtype=torch.float64),
             torch.zeros((), dtype=torch.int64)) for p in params]

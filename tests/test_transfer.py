@@ -177,3 +177,26 @@ def test_the_transfer_report_has_a_checks_section_from_checks_json(tmp_path):
     (lm / "checks.json").write_text(json.dumps({"checks": [{"path": "../check"}]}))
     with pytest.raises(ValueError, match="checks.json.*'name' and 'path'"):
         transfer_report(lm)
+
+
+def test_the_papers_step_of_a_shape_is_reported_beside_the_rule_and_must_be_the_papers_step(tmp_path):
+    from geoopt_stiefel_attention.experiments.transfer import default_table
+
+    _shape(tmp_path, "w64", 64, 2, lambda m: 2.0 + (math.log(m)) ** 2)
+    for seed in (0, 1):
+        _run(tmp_path / "w64" / "papers-step", "stiefel", seed, 64, 2, None, 3.5 + 0.01 * seed)
+        spec = tmp_path / "w64" / "papers-step" / "runs" / "stiefel" / f"seed{seed}" / "config.json"
+        meta = json.loads(spec.read_text())
+        meta["config"]["optim"]["adjust_lr_fn"] = "original"
+        spec.write_text(json.dumps(meta))
+    summary = summarize_transfer(collect_shapes(tmp_path))
+    shape = summary["shapes"][0]
+    assert shape["papers_step_mean"] == pytest.approx(3.505)
+    assert shape["best_multiplier"] == pytest.approx(1.0)  # papers-step/ is not a grid point
+    row = default_table(summary)[2]
+    assert row.startswith("| language model w64 (width 64, heads of 32) |") and "| 3.5050 | 3.0050 |" in row
+    # companion: a run there that is not the paper's step is refused, naming the folder
+    meta["config"]["optim"]["adjust_lr_fn"] = "match_rms_adamw"
+    spec.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="papers-step/ must be the stiefel arm with adjust_lr_fn='original'"):
+        collect_shapes(tmp_path)

@@ -31,12 +31,15 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["collect_shapes", "summarize_transfer", "render_transfer", "plot_transfer", "transfer_report",
-           "CHECK_MEASURES", "collect_check", "summarize_check"]
+           "CHECK_MEASURES", "collect_check", "summarize_check", "default_table"]
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"
 FIGURE_FILE = "transfer.png"
 CHECKS_FILE = "checks.json"
+#: The sub-folder of a shape holding its stiefel runs with the paper's step (``adjust_lr_fn="original"``, frame
+#: lr = the model's lr), what the default was before the rule: reported beside the rule, not a grid point.
+PAPERS_STEP_FOLDER = "papers-step"
 
 #: How a check scores one finished run, per experiment: what is measured (``label``), whether ``lower`` or
 #: ``higher`` is better, the format of a value, and ``score(records) -> float | None`` (``None``: the run never
@@ -58,6 +61,20 @@ def _finished_finals(folder: Path, arm: str, epochs: int) -> dict[int, float]:
     runs = group_runs(r for r in load_study_records(folder) if r["arm"] == arm)
     return {s: recs[-1]["val_bpb"] for s, recs in runs.get(arm, {}).items()
             if recs[-1]["epoch"] >= epochs and recs[-1].get("val_bpb") is not None}
+
+
+def _papers_step_finals(folder: Path, lr: float, epochs: int) -> dict[str, float]:
+    """Final ``val_bpb`` per seed of the paper's-step runs in ``folder`` (``{}`` when there is none); refuses a
+    run there that is not the paper's step at the shape's lr, so the column cannot silently be something else."""
+    if not folder.is_dir():
+        return {}
+    for spec in sorted(folder.glob("runs/*/seed*/config.json")):
+        o = json.loads(spec.read_text())["config"]["optim"]
+        if o.get("adjust_lr_fn", "original") != "original" or (o.get("frame_lr") or o["lr"]) != lr or o["lr"] != lr:
+            raise ValueError(f"{spec}: a run in {PAPERS_STEP_FOLDER}/ must be the stiefel arm with "
+                             f"adjust_lr_fn='original' at the shape's lr {lr:g} (frame lr = lr); this one has "
+                             f"lr {o['lr']:g}, frame lr {o.get('frame_lr')}, adjust_lr_fn {o.get('adjust_lr_fn')!r}.")
+    return {str(k): v for k, v in sorted(_finished_finals(folder, "stiefel", epochs).items())}
 
 
 def collect_shapes(root: str | os.PathLike) -> list[dict[str, Any]]:
@@ -91,6 +108,8 @@ def collect_shapes(root: str | os.PathLike) -> list[dict[str, Any]]:
                        "steps": epochs * config["steps_per_epoch"],
                        "adjust_lr_fn": config["optim"].get("adjust_lr_fn", "original"),
                        "adamw": {str(k): v for k, v in sorted(_finished_finals(folder, "adamw", epochs).items())},
+                       # the paper's step at the model's lr (adjust_lr_fn="original"), when run, in papers-step/
+                       "papers_step": _papers_step_finals(folder / PAPERS_STEP_FOLDER, lr, epochs),
                        "points": sorted(points, key=lambda p: p["multiplier"])})
     return sorted(shapes, key=lambda s: (s["width"], s["head_size"]))
 
@@ -225,10 +244,12 @@ def summarize_transfer(shapes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         index = rows.index(best) if best else None
         located = best is not None and len(rows) >= 3  # an optimum is located by three or more multipliers
         adamw = _mean({s: v for s, v in shape["adamw"].items() if s in common}) if common else None
+        papers = shape.get("papers_step", {})
+        papers_mean = _mean({s: papers[s] for s in common}) if common and common <= set(papers) else None
         out.append({
             "name": shape["name"], "width": shape["width"], "heads": shape["heads"], "head_size": shape["head_size"],
             "lr": shape["lr"], "adjust_lr_fn": shape["adjust_lr_fn"], "seeds": sorted(common, key=int),
-            "rows": rows, "adamw_mean": adamw,
+            "rows": rows, "adamw_mean": adamw, "papers_step_mean": papers_mean,
             "best_multiplier": None if best is None else best["multiplier"],
             # fewer than three multipliers cannot bracket anything: None ("–"), not "at an edge"
             "bracketed": None if not located else 0 < index < len(rows) - 1,
@@ -278,6 +299,10 @@ def render_transfer(summary: Mapping[str, Any], *, intro: str = "") -> str:
     checks = summary.get("checks") or []
     if checks:
         lines += _render_checks(checks)
+    lines += ["## What a user who changes nothing gets", "",
+              "`StiefelAdam`'s default rule (`adjust_lr_fn=\"match_rms_adamw\"`) at the model's lr is μ = 1; "
+              "beside it the best multiplier found, the paper's step (`\"original\"`) where it ran, and AdamW.", "",
+              *default_table(summary), ""]
     info = summary.get("trained_on")
     if info:
         shas = ", ".join(c["sha"][:10] + (" (uncommitted changes)" if c["dirty"] else "") for c in info["commits"])
@@ -313,6 +338,36 @@ def _render_checks(checks: Sequence[Mapping[str, Any]]) -> list[str]:
         if c.get("commits"):
             lines += ["trained on commit(s): " + ", ".join(
                 x["sha"][:10] + (" (uncommitted changes)" if x["dirty"] else "") for x in c["commits"]), ""]
+    return lines
+
+
+def default_table(summary: Mapping[str, Any]) -> list[str]:
+    r"""Markdown rows: what the rule at :math:`\mu = 1` (``StiefelAdam``'s default, the model's lr) gives on every
+    shape and check, next to the best multiplier found, the paper's step (where it ran) and AdamW. The README
+    quotes these lines; a test rebuilds them from the committed summary."""
+    lines = ["| model | measure | seeds | default (μ = 1) | best found (μ) | grid points from the default "
+             "| paper's step | AdamW |", "|---|---|---|---|---|---|---|---|"]
+
+    def at_one(rows: Sequence[Mapping[str, Any]]) -> float | None:
+        return next((r["mean"] for r in rows if math.isclose(r["multiplier"], 1.0, rel_tol=1e-3)), None)
+
+    def best_of(rows: Sequence[Mapping[str, Any]], mu: float | None) -> float | None:
+        return next((r["mean"] for r in rows if mu is not None and math.isclose(r["multiplier"], mu)), None)
+
+    for s in summary["shapes"]:
+        best = best_of(s["rows"], s["best_multiplier"])
+        lines.append(f"| language model {s['name']} (width {s['width']}, heads of {s['head_size']}) "
+                     f"| final validation bpb (lower is better) | {', '.join(s['seeds'])} | {_f(at_one(s['rows']))} "
+                     f"| {_f(best)} ({_f(s['best_multiplier'], '.3g')}) | {_f(s['default_grid_distance'], '.3g')} "
+                     f"| {_f(s.get('papers_step_mean'))} | {_f(s['adamw_mean'])} |")
+    for c in summary.get("checks") or []:
+        fmt = CHECK_MEASURES[c["experiment"]]["fmt"]
+        best = best_of(c["rows"], c["best_multiplier"])
+        edge = "" if c["bracketed"] is not False else ", at the grid's edge"
+        lines.append(f"| {c['name']} | {c['measure']} ({c['better']} is better) | {', '.join(c['seeds'])} "
+                     f"| {_f(at_one(c['rows']), fmt)} | {_f(best, fmt)} ({_f(c['best_multiplier'], '.3g')}{edge}) "
+                     f"| {_f(c['default_grid_distance'], '.3g')} | {_f(c.get('papers_step_mean'), fmt)} "
+                     f"| {_f(c['adamw_mean'], fmt)} |")
     return lines
 
 

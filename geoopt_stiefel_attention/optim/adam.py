@@ -66,7 +66,8 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         Parameters, ``(name, parameter)`` pairs or parameter-group dicts; frames and Euclidean parameters may
         be mixed.
     lr : float, default 1e-3
-        Learning rate, ``>= 0``; a frame's step has :math:`\|s\|_F \approx c\,\mathrm{lr}`.
+        Learning rate, ``>= 0``; a frame's step has :math:`\|s\|_F \approx c\,\mathrm{lr}`
+        (:math:`\sqrt{d r}\,\mathrm{lr}` under the default ``adjust_lr_fn``).
     betas : (float, float), default (0.9, 0.999)
         Decay rates of the first and second moments, each in ``[0, 1)``.
     eps : float, default 1e-8
@@ -82,8 +83,13 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         Re-project frames (exact SVD) and first moments every ``stabilize`` steps.
     master_weights : bool, default False
         Keep and update a float32 master copy of bf16/fp16 frames in ``state["master"]``.
-    adjust_lr_fn : {"original", "match_rms_adamw"}, default "original"
-        What ``lr`` and ``trust_region`` measure for a ``d x r`` frame (:func:`frame_step_scale`).
+    adjust_lr_fn : {"original", "match_rms_adamw"}, default "match_rms_adamw"
+        What ``lr`` and ``trust_region`` measure for a ``d x r`` frame (:func:`frame_step_scale`). The default
+        reads them per entry, as AdamW does (:math:`c = \sqrt{d r}`), so the model's AdamW learning rate moves a
+        frame about as much per step as AdamW would move the same block; ``"original"`` is the paper's step
+        (:math:`c = 1`, a frame's step has Frobenius norm about ``lr``), and what geoopt's ``RiemannianAdam``
+        takes. Groups of a state dict saved without the option (older checkpoints, geoopt's) load as
+        ``"original"``.
     amsgrad, maximize, foreach : bool
         As in :class:`torch.optim.AdamW`; ``amsgrad`` and ``foreach`` concern Euclidean parameters only.
     differentiable, fused : bool
@@ -135,7 +141,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
         second_moment: str | None = "frame",
         stabilize: int | None = None,
         master_weights: bool = False,
-        adjust_lr_fn: str = "original",
+        adjust_lr_fn: str = "match_rms_adamw",
         amsgrad: bool = False,
         maximize: bool = False,
         foreach: bool | None = None,
