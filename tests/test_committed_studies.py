@@ -161,6 +161,15 @@ def test_the_readme_table_and_words_on_the_default_frame_step_match_the_transfer
     assert [s["width"] for s in shapes if s["default_grid_distance"] == 2] == [64]
     assert checks["vision"]["default_grid_distance"] == 2 and checks["vision"]["bracketed"]
     assert checks["vision"]["best_multiplier"] == 9 and shapes[0]["best_multiplier"] == 9
+    assert ("The paper's step, the default before, is worse than the default on every language-model shape and "
+            "on the vision model, and worse than AdamW on all of them but the widest language model") in words
+    rule_at_one = {s["name"]: next(r["mean"] for r in s["rows"] if r["multiplier"] == 1.0) for s in shapes}
+    assert all(s["papers_step_mean"] > rule_at_one[s["name"]] for s in shapes)  # bpb: lower is better
+    vision_one = next(r["mean"] for r in checks["vision"]["rows"] if r["multiplier"] == 1.0)
+    assert checks["vision"]["papers_step_mean"] < vision_one  # accuracy: higher is better
+    worse_than_adamw = [s["papers_step_mean"] > s["adamw_mean"] for s in shapes]
+    assert worse_than_adamw == [s["width"] != max(x["width"] for x in shapes) for s in shapes]
+    assert checks["vision"]["papers_step_mean"] < checks["vision"]["adamw_mean"]
     # grokking: "the smallest steps grok earliest, the paper's step among them, and the default groks later than
     # AdamW"
     g = checks["grokking"]
