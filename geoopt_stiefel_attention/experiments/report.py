@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .mechanism import mechanism_lines
+
 __all__ = ["PaperReference", "protocol_differences", "paper_section_intro", "comparison_table", "figure_lines",
            "run_lines", "render_report", "write_text", "fmt_pp", "fmt_num", "fmt_p"]
 
@@ -257,6 +259,7 @@ def render_report(*, title: str, summary: Mapping[str, Any], intro: str = "",
         for label, comps, unit in paired:
             if comps:
                 lines += [f"**{label}**", ""] + comparison_table(comps, unit=unit) + [""]
+    lines += mechanism_lines(summary.get("mechanism"))
     if paper is not None:
         diffs = protocol_differences(paper, config) if config is not None else []
         reached = sorted({e for a in arms.values() for e in a["last_epoch"].values()})

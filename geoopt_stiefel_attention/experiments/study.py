@@ -228,6 +228,7 @@ def finalize_study(out_dir: str | os.PathLike, *, title: str, intro: str = "", c
     """Summarise the records under ``out_dir/runs`` (restricted to ``arms``/``seeds`` when given), draw the
     figures, and write ``summary.json`` and ``report.md`` into ``out_dir``. Everything written is a function
     of the files in ``out_dir`` and the arguments, so a rebuild gives the same bytes."""
+    from .mechanism import mechanism_summary
     from .plotting import plot_study
 
     out_dir = Path(out_dir)
@@ -236,6 +237,9 @@ def finalize_study(out_dir: str | os.PathLike, *, title: str, intro: str = "", c
     if in_progress:
         intro = f"{intro}\n\n{in_progress}" if intro else in_progress
     summary = summarize(records, threshold=threshold, last_fraction=last_fraction)
+    mechanism = mechanism_summary(summary) if summary["arms"] else None
+    if mechanism is not None:  # arms that separate the start, the constraint and the step ran
+        summary["mechanism"] = mechanism
     figures = plot_study(records, out_dir, threshold=threshold)
     speed = speed_from_environment(out_dir)
     config_dict = to_dict(config) if config is not None else None
