@@ -140,6 +140,28 @@ def test_orthostart_arm_starts_from_the_stiefel_arms_frames_exactly():
         get_arm("adamw-orthostart").prepare(tasks["stiefel"].model)
 
 
+def test_adamw_frozen_arm_keeps_the_adamw_arms_random_w_q_w_k_and_trains_the_rest(tmp_path):
+    """adamw-frozen differs from adamw only in W_Q, W_K receiving no update: same start, and they never move."""
+    cfg = GrokkingConfig(**SMALL, train=TrainConfig(epochs=20, eval_every=10),
+                         optim=OptimConfig(lr=3e-3, betas=(0.9, 0.98), weight_decay=1.0))
+    run_grokking(cfg, tmp_path, arms=("adamw", "adamw-frozen"), seeds=(0,), quiet=True, device="cpu")
+    recs = {a: read_records(tmp_path / "runs" / a / "seed0" / "metrics.jsonl") for a in ("adamw", "adamw-frozen")}
+    assert recs["adamw"][0] == {**recs["adamw-frozen"][0], "arm": "adamw"}  # the same start, record for record
+    for r in recs["adamw-frozen"]:
+        assert r["move_total/q"] == 0.0 and r["move_total/k"] == 0.0
+    # companion: in the adamw arm W_Q moves, and the rest of the frozen arm's model trains (its norms change)
+    assert recs["adamw"][-1]["move_total/q"] > 0.0
+    norms = [k for k in recs["adamw-frozen"][0] if k.startswith("norm/blocks.0.mlp")]
+    assert norms and any(recs["adamw-frozen"][-1][k] != recs["adamw-frozen"][0][k] for k in norms)
+    # it needs a Euclidean model whose W_Q, W_K were frozen, else it would silently be another arm
+    task = build_task(RunSpec(GrokkingConfig(**SMALL), "stiefel", 0), get_arm("stiefel"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="adamw-frozen.*attention='euclidean'"):
+        get_arm("adamw-frozen").prepare(task.model)
+    plain = build_task(RunSpec(GrokkingConfig(**SMALL), "adamw", 0), get_arm("adamw"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="adamw-frozen.*frozen"):
+        get_arm("adamw-frozen").build(plain.model, [{"params": list(plain.model.parameters())}], OptimConfig())
+
+
 # ------------------------------------------------------------------------------------------ the study
 def test_smoke_both_arms_records_summary_plots_report(tmp_path):
     cfg = GrokkingConfig(**SMALL, train=TrainConfig(epochs=300, eval_every=50),

@@ -19,11 +19,14 @@ arm                        attention    W_Q, W_K trained by (every other paramet
 ``adamw-orthostart``       euclidean    AdamW, unconstrained and decayed like the ``adamw`` arm, but starting
                                         from exactly the orthonormal frames the ``stiefel`` arm starts from
                                         (:func:`orthonormal_start`): the start without the constraint
+``adamw-frozen``           euclidean    nothing: W_Q, W_K stay at the ``adamw`` arm's random, not orthonormal,
+                                        start (:func:`freeze_query_key`); the control of ``stiefel-frozen``
+                                        that tells frozen attention from frozen *orthonormal* attention
 =========================  ===========  =======================================================================
 
-Except in ``adamw-orthostart`` (which differs from ``adamw`` in its start only), W_Q and W_K get no weight
-decay in every arm here, like the frames of the ``stiefel`` arm, and their learning
-rate is ``OptimConfig.effective_frame_lr``; the trust region :math:`\Delta` applies where the method has one.
+Except in ``adamw-orthostart`` and ``adamw-frozen`` (which differ from ``adamw`` in the start only, or in
+freezing W_Q and W_K only), W_Q and W_K get no weight decay in every arm here, like the frames of the ``stiefel``
+arm, and their learning rate is ``OptimConfig.effective_frame_lr``; the trust region :math:`\Delta` applies where the method has one.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from ..manifolds import is_frame
 from .arms import ARMS, Arm, OptimizerGroup, _adamw, build_adamw, register_arm, split_frame_groups
 from .config import OptimConfig
 
-__all__ = ["FrameScalarAdam", "frame_scalar_adam_update", "freeze_frames", "orthonormal_start", "build_frozen", "build_stiefel_sgd",
+__all__ = ["FrameScalarAdam", "frame_scalar_adam_update", "freeze_frames", "orthonormal_start", "freeze_query_key",
+           "build_frozen", "build_adamw_frozen", "build_stiefel_sgd",
            "build_stiefel_element", "build_framescalar_euclidean", "ABLATION_ARMS"]
 
 
@@ -162,6 +166,31 @@ def orthonormal_start(model: torch.nn.Module) -> None:
                 w.copy_(manifold.projx(w))
 
 
+def freeze_query_key(model: torch.nn.Module) -> None:
+    """Stop the gradient of W_Q and W_K of every :class:`~geoopt_stiefel_attention.nn.EuclideanMultiheadAttention`
+    of ``model`` (``requires_grad_(False)``), in place: they keep their random initial values."""
+    from ..nn import EuclideanMultiheadAttention
+
+    modules = [m for m in model.modules() if isinstance(m, EuclideanMultiheadAttention)]
+    if not modules:
+        raise ValueError("arm 'adamw-frozen': the model has no EuclideanMultiheadAttention whose W_Q, W_K could "
+                         "be frozen; build it with attention='euclidean'.")
+    for m in modules:
+        m.w_q.requires_grad_(False)
+        m.w_k.requires_grad_(False)
+
+
+def build_adamw_frozen(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> torch.optim.AdamW:
+    """AdamW on every trainable parameter; W_Q and W_K, frozen by :func:`freeze_query_key`, are left out."""
+    from ..nn import query_key_projections
+
+    qk = [w for _, wq, wk in query_key_projections(model) for w in (wq, wk)]
+    if not qk or any(w.requires_grad for w in qk):  # else the arm would silently be the adamw arm
+        raise ValueError("arm 'adamw-frozen': expected a Euclidean model whose W_Q, W_K are frozen "
+                         "(Arm.prepare=freeze_query_key runs before the optimizer is built).")
+    return build_adamw(model, groups, optim)
+
+
 def build_frozen(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> torch.optim.AdamW:
     """AdamW on every trainable parameter; the frames, frozen by :func:`freeze_frames`, are left out."""
     frame_groups, others = split_frame_groups(groups, optim)
@@ -234,6 +263,9 @@ ABLATION_ARMS = (
     Arm("adamw-orthostart", "euclidean", build_adamw,
         "AdamW on every parameter, W_Q, W_K unconstrained but starting from the stiefel arm's orthonormal frames",
         prepare=orthonormal_start),
+    Arm("adamw-frozen", "euclidean", build_adamw_frozen,
+        "W_Q, W_K frozen at the adamw arm's random start (no gradient, not orthonormal); AdamW on the rest",
+        prepare=freeze_query_key),
 )
 
 for _arm in ABLATION_ARMS:
