@@ -57,6 +57,8 @@ def test_the_verdict_rule_in_order():
     assert verdict({**base, "sign_test_p": 0.0625}) == "suggested"  # 5 of 5 pairs with one sign
     assert verdict({**base, "p_holm": 0.01, "p_value": 0.002}) == "clear"
     assert verdict({**base, "n": 2, "p_holm": 0.01}) == "too few pairs"
+    # three or four pairs can only suggest, however small their spread
+    assert verdict({**base, "n": 4, "p_holm": 0.01, "p_value": 0.002}) == "suggested"
     assert [w for w, _ in VERDICTS] == ["too few pairs", "clear", "suggested", "not seen"]
 
 

@@ -52,7 +52,7 @@ CONTRASTS: tuple[Contrast, ...] = (
 #: The rule that turns a contrast into words, applied in this order.
 VERDICTS = (
     ("too few pairs", "fewer than 3 pairs"),
-    ("clear", "Holm-adjusted paired-t p < 0.05"),
+    ("clear", "at least 5 pairs and Holm-adjusted paired-t p < 0.05"),
     ("suggested", "unadjusted paired-t p < 0.05 or unadjusted sign-test p < 0.1"),
     ("not seen", "otherwise"),
 )
@@ -63,7 +63,7 @@ def verdict(comparison: Mapping[str, Any]) -> str:
     n = comparison["n"]
     if n < 3:
         return "too few pairs"
-    if comparison.get("p_holm") is not None and comparison["p_holm"] < 0.05:
+    if n >= 5 and comparison.get("p_holm") is not None and comparison["p_holm"] < 0.05:
         return "clear"
     t_p, sign_p = comparison.get("p_value"), comparison.get("sign_test_p")
     if (t_p is not None and t_p < 0.05) or (sign_p is not None and sign_p < 0.1):
