@@ -291,6 +291,31 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(tmp_path, arm):
     assert len(json.loads(env)) == 1 and len(json.loads((tmp_path / "cut" / "environment.json").read_text())) == 3
 
 
+def test_finished_records_without_a_checkpoint_are_kept_and_cannot_be_extended(tmp_path):
+    """Committed studies keep records, not checkpoints: rerunning the study over them must leave them as they are
+    (not retrain and overwrite them), and extending such a run to more epochs must be refused, not restarted."""
+    import dataclasses
+
+    spec = RunSpec(ToyConfig(), "adamw", seed=0)
+    train_run(spec, toy_build_task, tmp_path, device="cpu", quiet=True)
+    (tmp_path / "checkpoint.pt").unlink()
+    files = {f: (tmp_path / f).read_bytes() for f in ("metrics.jsonl", "environment.json", "config.json")}
+    again = train_run(spec, toy_build_task, tmp_path, device="cpu", quiet=True)
+    assert again.completed and again.start_epoch == 12 and again.final_record == read_records(
+        tmp_path / "metrics.jsonl")[-1]
+    assert all((tmp_path / f).read_bytes() == b for f, b in files.items())
+    assert not (tmp_path / "checkpoint.pt").exists()  # no checkpoint of an untrained model is written
+    longer = RunSpec(dataclasses.replace(ToyConfig(), train=TrainConfig(epochs=16, eval_every=4)), "adamw", seed=0)
+    with pytest.raises(ValueError, match="no checkpoint.pt to continue from.*another --out folder"):
+        train_run(longer, toy_build_task, tmp_path, device="cpu", quiet=True)
+    assert all((tmp_path / f).read_bytes() == b for f, b in files.items())  # the refused call changed nothing
+    # companion: records that stop short of the end, with no checkpoint, cannot be continued: trained again
+    recs = read_records(tmp_path / "metrics.jsonl")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs[:2]))
+    redo = train_run(spec, toy_build_task, tmp_path, device="cpu", quiet=True)
+    assert redo.start_epoch == 0 and read_records(tmp_path / "metrics.jsonl") == recs
+
+
 def test_run_directory_contents_and_frames_stay_on_the_manifold(tmp_path):
     spec = RunSpec(ToyConfig(batch_size=None), "stiefel", seed=0)
     res = train_run(spec, toy_build_task, tmp_path, device="cpu", quiet=True)

@@ -248,6 +248,12 @@ def check_run_dir(run_dir: str | os.PathLike, spec: RunSpec) -> int | None:
     if [d[0] for d in diffs] == ["config.train.epochs"]:
         old, new = diffs[0][1], diffs[0][2]
         if isinstance(old, int) and isinstance(new, int) and new > old and _epochs_extendable(spec.config):
+            if not (run_dir / CHECKPOINT_FILE).exists() and (run_dir / METRICS_FILE).exists():
+                # records kept without their checkpoint (e.g. committed): nothing to continue from
+                raise ConfigMismatchError(
+                    f"{run_dir} holds the records of a run of {old} epochs but no {CHECKPOINT_FILE} to continue "
+                    f"from, so it cannot be extended to {new}: use --epochs {old} (its records are kept as they "
+                    f"are) or train the longer run in another --out folder.", diffs)
             return old
         why = (f"--epochs {new} is not more than the run's {old}" if not (isinstance(old, int) and new > old) else
                "its learning-rate schedule depends on the total number of epochs (use --lr-schedule constant "
@@ -503,9 +509,18 @@ def _build(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: torch.dev
 
 
 def _resume(run: _Run) -> None:
-    """Load ``checkpoint.pt`` when there is one (cutting ``metrics.jsonl`` back to the records it had seen);
-    without one, records cannot be continued and are removed."""
+    """Load ``checkpoint.pt`` when there is one (cutting ``metrics.jsonl`` back to the records it had seen).
+
+    Without one: records that reach the run's last epoch are a finished run whose checkpoint was not kept (e.g.
+    records committed to a repository); they are kept as they are and nothing is trained (extending such a run is
+    refused before anything is written, by :func:`check_run_dir`). Other records (a run stopped before its first
+    checkpoint) cannot be continued and are removed."""
     ckpt_path, metrics_path = run.run_dir / CHECKPOINT_FILE, run.run_dir / METRICS_FILE
+    if not ckpt_path.exists() and metrics_path.exists():
+        recs = read_records(metrics_path)
+        if recs and recs[-1]["epoch"] >= run.spec.config.train.epochs:
+            run.epoch, run.n_records, run.last_record = recs[-1]["epoch"], len(recs), recs[-1]
+            return
     if ckpt_path.exists():
         state = torch.load(ckpt_path, map_location=run.device, weights_only=True)
         run.model.load_state_dict(state["model"])
