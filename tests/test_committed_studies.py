@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from geoopt_stiefel_attention.cli import main
+from geoopt_stiefel_attention.experiments.records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 VISION = ROOT / "studies" / "vision" / "runs"
@@ -189,3 +190,49 @@ def test_the_readme_table_and_words_on_the_default_frame_step_match_the_transfer
         assert 4.5 <= math.log(best / mu0, 3) <= 5.5, (best, mu0)
     # companion: a wrong table line is caught
     assert block.splitlines()[1:] != default_table({**summary, "shapes": shapes[:3]})
+
+
+def test_the_readmes_numbers_on_the_language_model_study_match_its_records():
+    """Issue 26, item 4: the words and numbers both READMEs state about runs/full and runs/lr-3e-3, rounded as
+    printed, recomputed from their summary.json and records (the angles from the runs' last records)."""
+    lm = ROOT / "studies" / "lm" / "runs"
+    full = json.loads((lm / "full" / "summary.json").read_text())
+    follow = json.loads((lm / "lr-3e-3" / "summary.json").read_text())
+    comp = full["main"]["comparisons"]
+    sweep = {r["frame_lr"]: r["vs_adamw"] for r in full["frame_lr_sweep"]}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    lm_readme = (ROOT / "studies" / "lm" / "README.md").read_text()
+
+    def signed(x, digits=3):
+        return f"{x:+.{digits}f}".replace("-", "−")
+
+    main = comp["stiefel - adamw"]
+    assert (f"{signed(main['mean'])} bpb (95% CI [{signed(main['ci_low'])}, {signed(main['ci_high'])}]"
+            .replace("−", "-") in readme.replace("−", "-"))
+    assert main["n_positive"] == 3 and main["sign_test_p"] == 0.25  # "on all three paired seeds", p >= 0.25
+    gain = comp["stiefel-gain - adamw"]["mean"]
+    assert f"({signed(gain)})" in readme and "cuts the gap by about 40%" in readme
+    assert round(1 - gain / main["mean"], 2) == 0.41  # "halves" was wrong: 41%
+    same = comp["stiefel - geoopt-radam"]["differences"]
+    assert f"{max(abs(d) for d in same):.1e}" == "1.3e-04" and f"{abs(sum(same) / len(same)):.1e}" == "2.5e-05"
+    assert "to 1.3e-4 per seed (2.5e-5 on average)" in readme
+    assert "by 2.5e-5 on average and by at\n   most 1.3e-4 on a seed" in lm_readme
+    for lr, text in ((0.01, "+0.092 at 1e-2"), (0.03, "+0.049 at 3e-2")):
+        assert text in readme and f"{sweep[lr]['mean']:+.3f}" == text.split()[0]
+    best = sweep[0.1]
+    assert f"{signed(best['mean'])} bpb at 1e-1 (CI [{signed(best['ci_low'])}, {signed(best['ci_high'])}]" in readme
+    assert f"p = {best['p_value']:.3f}" in readme and best["n_negative"] == 3
+    again = follow["frame_lr_sweep"][0]["vs_adamw"]
+    assert (f"{signed(again['mean'])} bpb (CI [{signed(again['ci_low'])}, {signed(again['ci_high'])}], 3/3 seeds, "
+            f"p = {again['p_value']:.3f}" in readme)
+    assert f"{follow['main']['arms']['adamw']['final_val_bpb']['mean']:.3f} bpb" in readme
+    # the table's angle ranges: largest principal angle of W_Q to its start at the last record, over the seeds
+    for cell, printed in (("frame-lr-0.01", "24.8–32.5°"), ("frame-lr-0.03", "54.8–59.4°"),
+                          ("frame-lr-0.1", "73.4–76.2°")):
+        angles = [read_records(f)[-1]["angle_max_deg/q"]
+                  for f in sorted((lm / "full" / cell / "runs" / "stiefel").glob("seed*/metrics.jsonl"))]
+        assert len(angles) == 3 and f"{min(angles):.1f}–{max(angles):.1f}°" == printed
+        assert f"| {printed} |" in lm_readme
+    # companion: the wordings the issue found wrong are gone
+    for old in ("clearly worse", "halves the gap", "to 3e-5 bpb", "21–33°", "71–76°", "stays ahead"):
+        assert old not in readme and old not in lm_readme, old
