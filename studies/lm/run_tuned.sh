@@ -7,6 +7,8 @@
 #
 # Usage: studies/lm/run_tuned.sh OUT [grid|final|timing|report|all]   (e.g. studies/lm/runs/tuned)
 # TUNED_ARGS=FILE reads the flags and grids from FILE instead (a smoke test on a tiny model).
+# WORKERS=N trains N runs side by side (one process and one torch thread each; default 1). Two on a 2-core machine
+# halve the wall time. Never start two copies of this script on one folder: they would collide on the same runs.
 # If the final step says an arm's optimum is at a grid edge, add the value it names to that arm's "# grid" line
 # in tuned.args and rerun (the grid step trains only the new point).
 set -euo pipefail
@@ -18,7 +20,7 @@ arms=$(grep '^# grid ' "$args" | awk '{print $3}' | tr '\n' ' ')
 lm() {
   echo "=== lm $* at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
   # shellcheck disable=SC2086
-  python -m geoopt_stiefel_attention lm $flags --out "$out" --workers 1 --threads 1 --quiet "$@" 2>&1 \
+  python -m geoopt_stiefel_attention lm $flags --out "$out" --workers "${WORKERS:-1}" --threads 1 --quiet "$@" 2>&1 \
       | tee -a "$out/log.txt"
 }
 mkdir -p "$out"
