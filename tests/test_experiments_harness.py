@@ -369,6 +369,31 @@ def test_parallel_workers_give_the_serial_records(tmp_path):
         run_jobs(specs + specs[:1], toy_build_task, tmp_path / "dup", quiet=True)
 
 
+def test_a_study_of_several_cells_hands_all_its_runs_to_one_pool(tmp_path, monkeypatch):
+    """run_cells gives every (cell, arm, seed) to one run_placed_jobs call, so --workers keeps its processes busy
+    across cells (a grid of one arm and one seed per lr was trained one run at a time before)."""
+    from geoopt_stiefel_attention.experiments import study
+    from geoopt_stiefel_attention.experiments.study import Cell, run_cells
+
+    calls = []
+    monkeypatch.setattr(study, "run_placed_jobs", lambda placed, build, options: calls.append(
+        (list(placed), options.workers)) or [])
+    cells = [Cell(ToyConfig(), subdir=f"lr-{i}") for i in range(3)]
+    run_cells(cells, toy_build_task, tmp_path, arms=["adamw"], seeds=[0], workers=2, quiet=True)
+    assert len(calls) == 1 and calls[0][1] == 2
+    assert [d for _, d in calls[0][0]] == [tmp_path / f"lr-{i}" / "runs" / "adamw" / "seed0" for i in range(3)]
+
+
+def test_runs_placed_in_one_folder_are_refused_before_any_training(tmp_path):
+    from geoopt_stiefel_attention.experiments.runner import run_placed_jobs
+
+    spec = RunSpec(ToyConfig(), "adamw", seed=0)
+    with pytest.raises(ValueError, match="share a folder"):
+        run_placed_jobs([(spec, tmp_path / "a"), (RunSpec(ToyConfig(), "stiefel", 0), tmp_path / "a")],
+                        toy_build_task)
+    assert not (tmp_path / "a").exists()
+
+
 # ------------------------------------------------------------------------------------------ records, plots, report
 def _synthetic_records():
     recs = []

@@ -46,7 +46,7 @@ from .data.batches import BatchSource
 from .metrics import MetricHook
 from .records import METRICS_FILE, append_record, read_records, truncate_records
 
-__all__ = ["Task", "RunResult", "RunOptions", "train_run", "run_jobs", "resolve_device", "environment_info", "CONFIG_FILE",
+__all__ = ["Task", "RunResult", "RunOptions", "train_run", "run_jobs", "run_placed_jobs", "resolve_device", "environment_info", "CONFIG_FILE",
            "CHECKPOINT_FILE", "ENVIRONMENT_FILE", "ConfigMismatchError", "TrainingInterrupted", "check_run_dir",
            "RunLockedError"]
 
@@ -743,21 +743,41 @@ def run_jobs(specs: Sequence[RunSpec], build_task: TaskBuilder, out_dir: str | o
         In the order of ``specs``.
     """
     options = RunOptions.of(options, **kwargs)
-    workers, threads, quiet = options.workers, options.threads, options.quiet
-    if not (isinstance(workers, int) and workers >= 1):
-        raise ValueError(f"run_jobs: workers={workers!r} must be an int >= 1.")
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"run_jobs: duplicate (arm, seed) jobs in {names}; each arm/seed pair must appear once.")
     out_dir = Path(out_dir)
-    for s in specs:
+    return run_placed_jobs([(s, out_dir / "runs" / s.name) for s in specs], build_task, options)
+
+
+def run_placed_jobs(placed: Sequence[tuple[RunSpec, Path]], build_task: TaskBuilder,
+                    options: RunOptions | None = None) -> list[RunResult]:
+    """Run (or resume) each ``(spec, run_dir)`` pair in its own folder, ``options.workers`` at a time in one pool.
+
+    :func:`run_jobs` places every spec under one study folder; a study of several cells (one folder per
+    learning rate, say) hands all its runs here at once, so that the workers stay busy across cells instead of
+    waiting at the end of each. Runs, threads and progress bars as in :func:`run_jobs`.
+
+    Returns
+    -------
+    list of RunResult
+        In the order of ``placed``.
+    """
+    options = options or RunOptions()
+    workers, threads, quiet = options.workers, options.threads, options.quiet
+    if not (isinstance(workers, int) and workers >= 1):
+        raise ValueError(f"run_jobs: workers={workers!r} must be an int >= 1.")
+    folders = [Path(d).resolve() for _, d in placed]
+    if len(set(folders)) != len(folders):
+        raise ValueError(f"run_jobs: two runs share a folder in {[str(d) for d in folders]}; each run needs its own.")
+    for s, d in placed:
         get_arm(s.arm, s.experiment)  # fail before any work on an unknown arm
-        check_run_dir(out_dir / "runs" / s.name, s)  # ... or on a folder that holds another run
+        check_run_dir(Path(d), s)  # ... or on a folder that holds another run
     if workers > 1 and threads is None:
         threads = max(1, (os.cpu_count() or 1) // workers)
     kwargs = {"device": options.device, "threads": threads, "stop_after_epochs": options.stop_after_epochs,
               "checkpoint_interval_s": options.checkpoint_interval_s}
-    jobs = [(s, build_task, out_dir / "runs" / s.name, kwargs) for s in specs]
+    jobs = [(s, build_task, Path(d), kwargs) for s, d in placed]
     if workers == 1 or len(jobs) == 1:
         return [_job((s, b, d, {**kw, "quiet": quiet})) for s, b, d, kw in jobs]
 

@@ -24,7 +24,7 @@ from .arms import get_arm
 from .config import RunSpec, to_dict
 from .records import load_study_records, summarize
 from .report import PaperReference, render_report, write_text
-from .runner import CONFIG_FILE, ENVIRONMENT_FILE, RunOptions, RunResult, TaskBuilder, check_run_dir, run_jobs
+from .runner import CONFIG_FILE, ENVIRONMENT_FILE, RunOptions, RunResult, TaskBuilder, check_run_dir, run_placed_jobs
 
 __all__ = ["Cell", "finished_runs", "StudyOutputs", "run_study", "run_cells", "finalize_study", "speed_from_environment",
            "record_command", "recorded_commands", "cell_records", "recorded_config", "run_info_from_records"]
@@ -258,7 +258,8 @@ def finalize_study(out_dir: str | os.PathLike, *, title: str, intro: str = "", c
 def run_cells(cells: Sequence[Cell], build_task: TaskBuilder, out_dir: str | os.PathLike, *, arms: Sequence[str],
               seeds: Sequence[int], arm_config: Any = None, command: str | None = None,
               options: RunOptions | None = None, **run_kwargs: Any) -> list[RunResult]:
-    """Run (or resume) every (cell, arm, seed) with :func:`~.runner.run_jobs`, cell by cell, and record
+    """Run (or resume) every (cell, arm, seed), all cells' runs in one pool (:func:`~.runner.run_placed_jobs`,
+    so ``options.workers`` runs stay busy across cells), and record
     ``command`` in ``study.json``. ``arm_config(config, arm)`` may adapt a cell's config to an arm (e.g. an
     arm's own frame learning rate); default: the cell's config. Paired: each seed gives every arm of a cell the
     same data and initial weights. ``options`` (:class:`~.runner.RunOptions`) says how to run; single options
@@ -271,10 +272,8 @@ def run_cells(cells: Sequence[Cell], build_task: TaskBuilder, out_dir: str | os.
             get_arm(spec.arm, spec.experiment)
             check_run_dir(cell.folder(out_dir) / "runs" / spec.name, spec)
     record_command(out_dir, command)
-    results: list[RunResult] = []
-    for cell, specs in grid:
-        results += run_jobs(specs, build_task, cell.folder(out_dir), options)
-    return results
+    return run_placed_jobs([(spec, cell.folder(out_dir) / "runs" / spec.name) for cell, specs in grid for spec in specs],
+                           build_task, options)
 
 
 def run_study(config: Any, build_task: TaskBuilder, out_dir: str | os.PathLike, *, arms: Sequence[str],

@@ -25,10 +25,13 @@ lm() {
 }
 mkdir -p "$out"
 if [[ $step == grid || $step == all ]]; then
-  for seed in 0 1; do  # seed by seed, so that every grid point has seed 0 before any has seed 1
-    for arm in $arms; do
-      # shellcheck disable=SC2046
-      lm --arms "$arm" --lrs $(grep "^# grid $arm " "$args" | cut -d' ' -f4-) --seeds "$seed" --skip-report
+  # Seed by seed, so that every grid point has seed 0 before any has seed 1; arms with the same grid in one call,
+  # so that WORKERS runs stay busy across its lrs and arms.
+  for seed in 0 1; do
+    grep '^# grid ' "$args" | cut -d' ' -f4- | sort -u | while IFS= read -r grid; do
+      group=$(grep '^# grid ' "$args" | awk -v g="$grid" '{v=$4; for (i = 5; i <= NF; i++) v = v " " $i} v == g {print $3}')
+      # shellcheck disable=SC2086
+      lm --arms $group --lrs $grid --seeds "$seed" --skip-report
     done
   done
 fi
