@@ -236,3 +236,62 @@ def test_the_readmes_numbers_on_the_language_model_study_match_its_records():
     # companion: the wordings the issue found wrong are gone
     for old in ("clearly worse", "halves the gap", "to 3e-5 bpb", "21–33°", "71–76°", "stays ahead"):
         assert old not in readme and old not in lm_readme, old
+
+
+def test_the_grokking_readme_on_start_constraint_or_step_matches_its_records():
+    """Issue 27: the README's table of the five arms (grokking epoch median [min, max], W_Q's largest angle to its
+    start) and every figure of its five contrasts are the committed summary's, rounded as written."""
+    import statistics
+
+    folder = ROOT / "studies" / "grokking" / "runs" / "p97_add_arms10"
+    data = json.loads((folder / "summary.json").read_text())
+    arms, contrasts = data["summary"]["arms"], data["summary"]["mechanism"]["contrasts"]
+    readme = (ROOT / "studies" / "grokking" / "README.md").read_text()
+    block = readme.split("<!-- arms10-table")[1].split("<!-- end arms10-table -->")[0]
+    rows = {r.split("|")[1].strip(" `"): [c.strip() for c in r.strip("|").split("|")]
+            for r in block.splitlines() if r.startswith("| `")}
+    assert sorted(rows) == sorted(arms)
+
+    def range_deg(values):
+        lo, hi = min(values), max(values)
+        return "0°" if hi < 1e-6 else f"{lo:.1f}–{hi:.1f}°"
+
+    for arm, cells in rows.items():
+        first = arms[arm]["first_epoch_reaching"]
+        assert first["n_reached"] == first["n"] == 10, arm
+        epochs = list(first["per_seed"].values())
+        assert cells[2] == f"{statistics.median(epochs):,.0f} [{min(epochs):,}, {max(epochs):,}]", arm
+        assert cells[3] == range_deg(arms[arm]["final_angle_max_deg/q"]["per_seed"].values()), arm
+    words = " ".join(readme.split())
+    for c in contrasts:
+        assert c["n"] == 10
+        ci = f"[{c['ci_low']:+.0f}, {c['ci_high']:+.0f}]".replace("-", "−")
+        mean = f"{c['mean']:+.0f} epochs".replace("-", "−")
+        holm = f"Holm p = {c['p_holm']:.2g}"
+        # seeds on the side of the mean: "later on 9/10" for the start, "10/10 seeds" (earlier) for the others
+        seeds = f"{c['n_positive'] if c['question'] == 'the start' else c['n_negative']}/10"
+        for needle in (mean, f"CI {ci}", holm, seeds, c["verdict"]):
+            assert needle in words, (c["question"], needle)
+    start = next(c for c in contrasts if c["question"] == "the start")
+    assert f"later on {start['n_positive']}/10 seeds, sign test p = {start['sign_test_p']:.2g}" in words
+    assert f"{start['sign_test_p_holm']:.2g} after Holm" in words
+    step = next(c for c in contrasts if c["question"] == "the step on the manifold")
+    assert step["verdict"] == "not seen" and step["ci_low"] < 0 < step["ci_high"]
+    move = {a: arms[a]["final_move_total/q"]["mean"] for a in ("stiefel", "adamw")}
+    assert f"‖W_Q − W_Q0‖_F = {move['stiefel']:.2g} against {move['adamw']:.3g} for AdamW" in words
+    minutes = sorted(v["seconds"] / 60 for v in data["speed"].values())
+    assert (f"{sum(minutes):.0f} minutes of training in all (median {statistics.median(minutes):.1f} minutes a run, "
+            f"from {minutes[0]:.1f} to {minutes[-1]:.1f}") in words
+    # the top README's row of the claims table says the same, from the same records
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines()
+               if line.startswith("| grokking: why the Stiefel arm groks earlier |"))
+    by_question = {c["question"]: c for c in contrasts}
+    for question, text in (("training W_Q, W_K at all", "{neg:.0f} epochs before AdamW (CI [{lo}, {hi}], {n}/10"),
+                           ("the step on the manifold", "({mean} epochs, CI [{lo}, {hi}])"),
+                           ("the start", "({mean}, CI [{lo}, {hi}])")):
+        c = by_question[question]
+        fmt = {"neg": -c["mean"], "n": c["n_negative"], "mean": f"{c['mean']:+.0f}",
+               "lo": f"{c['ci_low']:+.0f}".replace("-", "−"), "hi": f"{c['ci_high']:+.0f}".replace("-", "−")}
+        assert text.format(**fmt) in row, (question, text.format(**fmt))
+    # companion: a seed that moved would change the table's range; the old in-progress wording is gone
+    assert range_deg([1.0, 2.0]) == "1.0–2.0°" and "in progress" not in readme.split("## Start, constraint")[1][:80]

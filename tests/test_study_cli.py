@@ -361,3 +361,19 @@ def test_usage_error_is_one_class_for_the_cli_and_the_studies():
     from geoopt_stiefel_attention.experiments import command
 
     assert cli.UsageError is _argtypes.UsageError is command.UsageError
+
+
+@pytest.mark.parametrize("study", ["grokking", "vision", "lm"])
+def test_help_says_the_study_default_step_differs_from_the_optimizers(study, capsys):
+    """The studies default to the paper's step (adjust_lr_fn='original') and StiefelAdam to match_rms_adamw; the
+    --help of each study says both, so that a user copying a study's flags into their own code is not surprised."""
+    import inspect
+
+    from geoopt_stiefel_attention import StiefelAdam
+
+    with pytest.raises(SystemExit):
+        main([study, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default original, the paper's step" in text
+    own = inspect.signature(StiefelAdam).parameters["adjust_lr_fn"].default
+    assert own == "match_rms_adamw" and f"StiefelAdam's own default is {own}" in text

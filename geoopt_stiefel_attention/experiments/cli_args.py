@@ -51,7 +51,9 @@ def add_optim_arguments(parser: argparse.ArgumentParser, default: OptimConfig) -
     g.add_argument("--adjust-lr-fn", choices=ADJUST_LR_FNS, default=default.adjust_lr_fn,
                    help="what the frames' lr measures under StiefelAdam: 'original' (a frame's step norm, the "
                         "paper's step) or 'match_rms_adamw' (a per-entry step, as for AdamW: the frame step and "
-                        f"trust radius times sqrt(d r)) (default {default.adjust_lr_fn})")
+                        f"trust radius times sqrt(d r)) (default {default.adjust_lr_fn}"
+                        + (", the paper's step, so that the studies rerun the paper; StiefelAdam's own default is "
+                           "match_rms_adamw)" if default.adjust_lr_fn == "original" else ")"))
 
 
 def add_runner_arguments(parser: argparse.ArgumentParser, *, arms: Sequence[str], seeds: Sequence[int],
