@@ -55,12 +55,10 @@ CHECK_MEASURES: dict[str, dict[str, Any]] = {
 
 
 def _finished_finals(folder: Path, arm: str, epochs: int) -> dict[int, float]:
-    """Final ``val_bpb`` per seed of the runs of ``arm`` in ``folder`` that reached ``epochs``."""
-    from .records import group_runs, load_study_records
-
-    runs = group_runs(r for r in load_study_records(folder) if r["arm"] == arm)
-    return {s: recs[-1]["val_bpb"] for s, recs in runs.get(arm, {}).items()
-            if recs[-1]["epoch"] >= epochs and recs[-1].get("val_bpb") is not None}
+    """Final ``val_bpb`` per seed of the runs of ``arm`` in ``folder`` that reached ``epochs``
+    (:func:`_finished_runs`, the one reader of finished runs here)."""
+    return {seed: recs[-1]["val_bpb"] for _, a, seed, recs in _finished_runs(folder)
+            if a == arm and recs[-1]["epoch"] >= epochs and recs[-1].get("val_bpb") is not None}
 
 
 def _papers_step_finals(folder: Path, lr: float, epochs: int) -> dict[str, float]:
@@ -124,7 +122,8 @@ def _finished_runs(folder: Path) -> list[tuple[dict[str, Any], str, int, list[di
         meta = json.loads(spec.read_text())
         recs = read_records(spec.parent / "metrics.jsonl") if (spec.parent / "metrics.jsonl").exists() else []
         if recs and recs[-1]["epoch"] >= meta["config"]["train"]["epochs"]:
-            out.append((meta["config"], meta["arm"], int(meta["seed"]), recs))
+            # the arm and seed from the folder (runs/<arm>/seed<k>), as the study's own reader takes them
+            out.append((meta["config"], spec.parent.parent.name, int(spec.parent.name[len("seed"):]), recs))
     return out
 
 
@@ -187,6 +186,26 @@ def collect_check(folder: str | os.PathLike, *, name: str, reference: str | os.P
                        for m, v in sorted(points.items())]}
 
 
+def _row_at(rows: Sequence[Mapping[str, Any]], mu: float | None) -> Mapping[str, Any] | None:
+    """The row of multiplier ``mu`` (``None`` when it was not run or ``mu`` is ``None``)."""
+    return next((r for r in rows if mu is not None and math.isclose(r["multiplier"], mu, rel_tol=1e-3)), None)
+
+
+def _placement(rows: Sequence[Mapping[str, Any]], best: Mapping[str, Any] | None
+               ) -> tuple[Mapping[str, Any] | None, dict[str, Any]]:
+    r"""The :math:`\mu = 1` row (``None`` when not run) and where the best row lies on the grid: ``bracketed``
+    (a grid point on each side of it; ``None`` with fewer than three multipliers, which cannot bracket anything)
+    and ``default_grid_distance`` :math:`|\log_3 \mu^*|` (``None`` when unlocated or :math:`\mu = 1` was not
+    run). One definition for the language-model shapes and the checks."""
+    one = _row_at(rows, 1.0)
+    located = best is not None and len(rows) >= 3
+    index = rows.index(best) if located else None
+    return one, {"located": located,
+                 "bracketed": None if not located else 0 < index < len(rows) - 1,
+                 "default_grid_distance": (None if not located or one is None
+                                           else round(abs(math.log(best["multiplier"]) / math.log(3)), 3))}
+
+
 def summarize_check(check: Mapping[str, Any]) -> dict[str, Any]:
     r"""Per multiplier the mean score over the seeds run at every multiplier (``None`` when a seed never got
     there: it ranks last), the best multiplier, whether it is bracketed, the grid distance of :math:`\mu = 1`
@@ -203,9 +222,8 @@ def summarize_check(check: Mapping[str, Any]) -> dict[str, Any]:
     rows = [{"multiplier": p["multiplier"], "mean": mean(p["scores"])} for p in points] if common else []
     ranked = sorted(rows, key=lambda r: (r["mean"] is None, sign * (r["mean"] or 0.0)))
     best = ranked[0] if ranked and ranked[0]["mean"] is not None else None
-    located = best is not None and len(rows) >= 3
-    index = rows.index(best) if best else None
-    one = next((r for r in rows if math.isclose(r["multiplier"], 1.0, rel_tol=1e-3)), None)
+    one, where = _placement(rows, best)
+    located = where["located"]
     adamw = mean(check["adamw"]) if common and all(k in check["adamw"] for k in common) else None
     papers = check.get("papers_step", {})
     papers_mean = mean(papers) if common and all(k in papers for k in common) else None
@@ -213,9 +231,7 @@ def summarize_check(check: Mapping[str, Any]) -> dict[str, Any]:
             "better": measure["better"], "seeds": common, "rows": rows, "adamw_mean": adamw,
             "papers_step_mean": papers_mean, "papers_step_multiplier": check.get("papers_step_multiplier"),
             "best_multiplier": None if best is None else best["multiplier"],
-            "bracketed": None if not located else 0 < index < len(rows) - 1,
-            "default_grid_distance": (None if not located or one is None
-                                      else round(abs(math.log(best["multiplier"]) / math.log(3)), 3)),
+            "bracketed": where["bracketed"], "default_grid_distance": where["default_grid_distance"],
             "default_minus_best": (None if not located or one is None or one["mean"] is None
                                    else one["mean"] - best["mean"]),
             "commits": check.get("commits", [])}
@@ -240,9 +256,8 @@ def summarize_transfer(shapes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         rows = [{"multiplier": p["multiplier"], "frame_lr": p["frame_lr"], "seeds": sorted(common, key=int),
                  "mean": _mean({s: p["finals"][s] for s in common})} for p in points] if common else []
         best = min(rows, key=lambda r: r["mean"]) if rows else None
-        one = next((r for r in rows if math.isclose(r["multiplier"], 1.0, rel_tol=1e-3)), None)
-        index = rows.index(best) if best else None
-        located = best is not None and len(rows) >= 3  # an optimum is located by three or more multipliers
+        one, where = _placement(rows, best)
+        located = where["located"]  # an optimum is located by three or more multipliers
         adamw = _mean({s: v for s, v in shape["adamw"].items() if s in common}) if common else None
         papers = shape.get("papers_step", {})
         papers_mean = _mean({s: papers[s] for s in common}) if common and common <= set(papers) else None
@@ -251,10 +266,7 @@ def summarize_transfer(shapes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "lr": shape["lr"], "adjust_lr_fn": shape["adjust_lr_fn"], "seeds": sorted(common, key=int),
             "rows": rows, "adamw_mean": adamw, "papers_step_mean": papers_mean,
             "best_multiplier": None if best is None else best["multiplier"],
-            # fewer than three multipliers cannot bracket anything: None ("–"), not "at an edge"
-            "bracketed": None if not located else 0 < index < len(rows) - 1,
-            "default_grid_distance": (None if not located or one is None
-                                      else round(abs(math.log(best["multiplier"]) / math.log(3)), 3)),
+            "bracketed": where["bracketed"], "default_grid_distance": where["default_grid_distance"],
             "default_loss_bpb": None if not located or one is None else one["mean"] - best["mean"],
             "default_minus_adamw": None if one is None or adamw is None else one["mean"] - adamw,
             "best_minus_adamw": None if not located or adamw is None else best["mean"] - adamw,
@@ -349,10 +361,10 @@ def default_table(summary: Mapping[str, Any]) -> list[str]:
              "| paper's step | AdamW |", "|---|---|---|---|---|---|---|---|"]
 
     def at_one(rows: Sequence[Mapping[str, Any]]) -> float | None:
-        return next((r["mean"] for r in rows if math.isclose(r["multiplier"], 1.0, rel_tol=1e-3)), None)
+        return best_of(rows, 1.0)
 
     def best_of(rows: Sequence[Mapping[str, Any]], mu: float | None) -> float | None:
-        return next((r["mean"] for r in rows if mu is not None and math.isclose(r["multiplier"], mu)), None)
+        return (_row_at(rows, mu) or {}).get("mean")
 
     for s in summary["shapes"]:
         best = best_of(s["rows"], s["best_multiplier"])
