@@ -20,6 +20,8 @@ __all__ = [
     "inv_sqrt_spd",
     "inv_sqrt_series",
     "series_order",
+    "newton_iterations",
+    "inv_sqrt_newton",
     "polar",
     "polar_svd",
     "cap_step",
@@ -133,6 +135,57 @@ def inv_sqrt_series(gram: torch.Tensor, order: int) -> torch.Tensor:
     for c in reversed(coeffs[: order - 1]):
         x = torch.baddbmm(eye, e, x, beta=c)  # c I + E X
     return x.reshape(gram.shape)
+
+
+def newton_iterations(radius_sq: float, dtype: torch.dtype, max_iterations: int = 40) -> int | None:
+    r"""Number of iterations after which :func:`inv_sqrt_newton` is exact to rounding.
+
+    For a symmetric positive definite :math:`A` with spectrum in :math:`(0, 1 + \rho^2]` and smallest eigenvalue
+    at least :math:`1 - \epsilon` (a Gram matrix :math:`(W - s)^\top (W - s) = I + s^\top s` of a frame
+    ``W`` and a tangent step with :math:`\|s\|_2^2 \le \rho^2`, up to rounding), each eigenvalue
+    :math:`\lambda` of the scaled :math:`A / c`, :math:`c = 1 + \rho^2`, follows the scalar recurrence
+    :math:`x_{k+1} = x_k (3 - x_k)^2 / 4` from :math:`x_0 = \lambda / c`, which increases monotonically to 1
+    on :math:`(0, 1]`. The count returned is the number of steps the smallest start
+    :math:`x_0 = (1 - \epsilon)/c` needs to come within a quarter of the unit roundoff of ``dtype`` of 1,
+    plus one; ``None`` for a bound that is not finite or needs more than ``max_iterations``.
+    """
+    if not (math.isfinite(radius_sq) and radius_sq >= 0.0):
+        return None
+    unit = torch.finfo(dtype).eps / 2
+    x = (1.0 - 64 * torch.finfo(dtype).eps) / (1.0 + radius_sq)
+    for k in range(max_iterations):
+        if 1.0 - x <= unit / 4:
+            return k + 1
+        x = x * (3.0 - x) ** 2 / 4.0
+    return None
+
+
+def inv_sqrt_newton(gram: torch.Tensor, radius_sq: float, iterations: int) -> torch.Tensor:
+    r"""Inverse square root of a stack of SPD matrices by the coupled Newton–Schulz iteration: matrix products
+    only, no eigendecomposition and no host synchronisation (for accelerators and captured graphs).
+
+    With :math:`c = 1 + \rho^2` (``radius_sq`` is :math:`\rho^2`, a bound on :math:`\lambda_{\max}(A) - 1`),
+    :math:`Y_0 = A / c`, :math:`Z_0 = I` and
+
+    .. math:: T_k = \tfrac12 (3I - Z_k Y_k), \qquad Y_{k+1} = Y_k T_k, \qquad Z_{k+1} = T_k Z_k,
+
+    :math:`Z_k \to (A/c)^{-1/2}` quadratically once :math:`\|I - Z_k Y_k\|` is small (Higham, *Functions of
+    Matrices*, 2008, §6.7; every iterate is a polynomial in :math:`A`, so each eigenvalue follows the scalar
+    recurrence of :func:`newton_iterations`, which gives the ``iterations`` that make the result exact to
+    rounding). Returns :math:`\operatorname{sym}(Z_K) / \sqrt{c}`.
+    """
+    if iterations < 1:
+        raise ValueError(f"inv_sqrt_newton: iterations={iterations!r} is invalid; pass an int >= 1 "
+                         f"(see newton_iterations).")
+    r = gram.shape[-1]
+    c = 1.0 + float(radius_sq)
+    eye = torch.eye(r, dtype=gram.dtype, device=gram.device)
+    y = (gram / c).reshape(-1, r, r)
+    z = eye.expand_as(y)
+    for _ in range(iterations):
+        t = torch.baddbmm(eye, z, y, beta=1.5, alpha=-0.5)  # (3I - Z Y) / 2
+        y, z = torch.bmm(y, t), torch.bmm(t, z)
+    return (sym(z) / math.sqrt(c)).reshape(gram.shape)
 
 
 def polar(y: torch.Tensor, *, order: int | None = None) -> torch.Tensor:

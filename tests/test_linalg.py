@@ -81,6 +81,51 @@ def test_series_order_bounds():
     assert _linalg.series_order(0.01, torch.float64) > _linalg.series_order(0.01, torch.float32)
 
 
+def _worst_case_grams(radius: float, r: int = 6, n: int = 8) -> torch.Tensor:
+    """Gram matrices I + s^T s of a step with ||s||_2 = radius whose other singular values spread down to 0: the
+    eigenvalue 1 (a column the step does not touch) is the slowest for Newton-Schulz, 1 + radius^2 the largest."""
+    q = torch.linalg.qr(torch.randn(n, r, r, dtype=torch.float64)).Q
+    sv = torch.linspace(0.0, radius, r, dtype=torch.float64).expand(n, r)
+    return (q * (1.0 + sv.square()).unsqueeze(-2)) @ q.transpose(-1, -2)
+
+
+def _reference_inv_sqrt(gram: torch.Tensor) -> np.ndarray:
+    evals, evecs = np.linalg.eigh(gram.numpy())
+    return (evecs * evals[..., None, :] ** -0.5) @ np.swapaxes(evecs, -1, -2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("radius", [0.0, 0.1, 1.0, 22.2])  # 22.2: 0.1 * sqrt(768 * 64), the default rule's radius
+def test_newton_schulz_inverse_sqrt_is_exact_within_its_bound(dtype, radius):
+    bound = radius**2 + 64 * torch.finfo(dtype).eps
+    iterations = _linalg.newton_iterations(bound, dtype)
+    assert iterations is not None
+    gram = _worst_case_grams(radius)
+    approx = _linalg.inv_sqrt_newton(gram.to(dtype), bound, iterations).double().numpy()
+    reference = _reference_inv_sqrt(gram)
+    assert np.abs(approx - reference).max() < 16 * torch.finfo(dtype).eps * (1.0 + radius**2) ** 0.5
+    assert np.abs(approx - np.swapaxes(approx, -1, -2)).max() == 0.0  # symmetric, as the retraction assumes
+
+
+def test_newton_schulz_with_fewer_iterations_than_its_count_is_not_exact():
+    # companion: three iterations short of the count at the default rule's radius leave an error far above rounding
+    bound = 22.2**2 + 64 * torch.finfo(torch.float64).eps
+    iterations = _linalg.newton_iterations(bound, torch.float64)
+    gram = _worst_case_grams(22.2)
+    short = _linalg.inv_sqrt_newton(gram, bound, iterations - 3).numpy()
+    assert np.abs(short - _reference_inv_sqrt(gram)).max() > 1e-6
+    with pytest.raises(ValueError, match="iterations=0"):
+        _linalg.inv_sqrt_newton(gram, bound, 0)
+
+
+def test_newton_iterations_bounds():
+    assert _linalg.newton_iterations(0.0, torch.float32) == 2
+    assert _linalg.newton_iterations(491.0, torch.float32) < _linalg.newton_iterations(491.0, torch.float64) <= 16
+    assert _linalg.newton_iterations(float("inf"), torch.float32) is None
+    assert _linalg.newton_iterations(float("nan"), torch.float32) is None
+    assert _linalg.newton_iterations(1e12, torch.float64) is None  # > 40 iterations: callers fall back to eigh
+
+
 @pytest.mark.parametrize("order", [None, 8])
 def test_polar_matches_svd_polar_factor(order):
     w = _frames(3, 12, 5)

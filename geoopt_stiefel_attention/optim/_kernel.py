@@ -55,7 +55,10 @@ def _frame_update_(
     ``W`` bit-identical the same way; their moments are updated. On CPU the masking runs only when a
     frame is actually skipped and the series order follows the largest step actually taken (reading a CPU
     tensor costs no synchronisation); on other devices, and with ``capturable=True`` on any device, the
-    masking always runs and the order follows the trust radius, so the step reads no tensor on the host.
+    masking always runs and the order follows the trust radius, so the step reads no tensor on the host; there a
+    trust radius beyond the series' reach is retracted by :func:`~.._linalg.inv_sqrt_newton` with the iteration
+    count that radius needs (matrix products only), and only a step without trust region takes the
+    eigendecomposition.
 
     Returns the boolean ``(n, 1, 1)`` mask of updated frames.
     """
@@ -99,21 +102,31 @@ def _frame_update_(
         moving = finite & (alpha != 0)
         masked = masked or not (on_host and bool(moving.all()))
     # 5. trust region: ||s|| = alpha ||m|| <= Delta
-    order = None
+    order = newton = None
     if trust_region is not None:
         m_norm = torch.linalg.vector_norm(exp_avg, dim=(-2, -1), keepdim=True)
         alpha = torch.minimum(alpha, trust_region / m_norm)  # Delta / 0 = inf leaves alpha as is
         radius = trust_region
         if on_host:
             radius = min(radius, float((alpha * m_norm).amax()))
-        order = _linalg.series_order(radius**2 + _rounding_margin(w.dtype), w.dtype)
+        bound = radius**2 + _rounding_margin(w.dtype)
+        order = _linalg.series_order(bound, w.dtype)
+        if order is None and not on_host:
+            # off the host a step beyond the series' reach is retracted by Newton-Schulz (matrix products, no
+            # synchronisation); torch's batched eigh of r > 32 matrices on CUDA loops over them one by one
+            newton = _linalg.newton_iterations(bound, w.dtype)
     if masked:
         alpha = alpha * moving
     # 6. W <- (W - s) X with X = ((W - s)^T (W - s))^{-1/2}
     torch.addcmul(stored(w), stored(exp_avg), alpha, value=-1.0, out=stored(scratch))
     y = scratch
     gram = torch.bmm(y.mT, y)
-    x = _linalg.inv_sqrt_spd(gram) if order is None else _linalg.inv_sqrt_series(gram, order)
+    if order is not None:
+        x = _linalg.inv_sqrt_series(gram, order)
+    elif newton is not None:
+        x = _linalg.inv_sqrt_newton(gram, bound, newton)
+    else:
+        x = _linalg.inv_sqrt_spd(gram)
     if masked:
         x = torch.where(moving, x, torch.eye(x.shape[-1], dtype=x.dtype, device=x.device))
     if row_major:
