@@ -412,3 +412,62 @@ def test_former_arm_words_still_work_with_a_warning(capsys):
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and "--arms is deprecated; use --optimizers" in err
     assert set(json.loads(out)["results"][0]["timings"]["stiefel"]) >= {"arm", "median_ms"}
+
+
+def test_the_gpu_check_numbers_in_the_readmes_are_the_committed_results():
+    """The H200 table of benchmarks/README.md and the figures the top README quotes from it are the committed
+    JSON files' medians and ratios, rounded as written; the iteration count it names is newton_iterations'."""
+    from pathlib import Path
+
+    from geoopt_stiefel_attention import _linalg
+
+    root = Path(__file__).resolve().parents[1]
+    results = root / "benchmarks" / "results"
+    before, after = (json.loads((results / f"gpu_check_20261204T{t}.json").read_text())
+                     for t in ("1143Z_h200_eigh", "1151Z_h200"))
+    text = (root / "benchmarks" / "README.md").read_text()
+    block = text.split("<!-- gpu-check-table")[1].split("<!-- end gpu-check-table -->")[0]
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.strip("|").split("|")[1:]]
+            for r in block.splitlines() if r.startswith("| ") and not r.startswith("| part")}
+
+    def ms(run, dtype, arm):
+        step = next(s for s in run["step"] if s["dtype"] == dtype)
+        return step["timings"][arm]["median_ms"]
+
+    def g(x, digits=3):
+        return f"{x:.{digits}g}"
+
+    def big(x):  # StiefelAdam's times: one decimal above 100 ms, else three significant digits
+        return f"{x:.1f}" if x >= 100 else g(x)
+
+    expected = {}
+    for label, run in (("before", before), ("after", after)):
+        f32 = next(s for s in run["step"] if s["dtype"] == "float32")
+        paths, train, grok = run["paths"][0], run["train"][0], run["grokking"]["epochs_per_second"]
+        expected[label] = [
+            f"{big(ms(run, 'float32', 'stiefel'))} ms",
+            " / ".join(g(ms(run, "float32", a)) for a in ("adamw_fused", "geoopt-radam", "matmul_floor")) + " ms",
+            g(f32["ratios"]["adamw_fused"]),
+            f"{big(ms(run, 'bfloat16', 'stiefel'))} / {g(ms(run, 'bfloat16', 'adamw_fused'))} ms",
+            g(paths["floor_ratio"]["eager"]),
+            f"{g(paths['floor_ratio']['eager-per-param'])} / {g(paths['floor_ratio']['compiled'])}",
+            g(train["ratio"]),
+            f"{grok['adamw']:.0f} / {grok['stiefel']:.0f}",
+        ]
+    assert [cells[0] for cells in rows.values()] == expected["before"]
+    assert [cells[1] for cells in rows.values()] == expected["after"]
+    words = " ".join(text.split())
+    fp = after["paths"][0]["floor_ratio"]
+    assert f"worth a factor of {fp['eager-per-param'] / fp['eager']:.3g}" in words
+    assert "about 700 times slower than fused AdamW" in words
+    assert round(next(s for s in before["step"] if s["dtype"] == "float32")["ratios"]["adamw_fused"], -2) == 700
+    radius = 0.1 * math.sqrt(768 * 64)
+    n = _linalg.newton_iterations(radius**2 + 64 * torch.finfo(torch.float32).eps, torch.float32)
+    assert f"{n} in float32 at the radius above" in words and "(22 at d = 768" in words and round(radius) == 22
+    top = " ".join((root / "README.md").read_text().split())
+    assert (f"takes {ms(after, 'float32', 'stiefel'):.3g} ms against {ms(after, 'float32', 'adamw_fused'):.3g} ms "
+            f"for fused AdamW and {ms(after, 'float32', 'geoopt-radam'):.3g} ms for stock geoopt; it took "
+            f"{big(ms(before, 'float32', 'stiefel'))} ms") in top
+    doc = " ".join((root / "docs" / "optimizer.rst").read_text().split())
+    assert (f"took {ms(before, 'float32', 'stiefel'):.0f} ms that way and takes {ms(after, 'float32', 'stiefel'):.1f} "
+            f"ms with Newton–Schulz") in doc and f"{n} in float32 for heads of 768 x 64" in doc
