@@ -676,6 +676,35 @@ def test_capturable_path_matches_the_default_path(second_moment):
         assert step.dtype == torch.float32 and step.device == p.device and float(step) == 40
 
 
+@pytest.mark.parametrize("adjust_lr_fn", ["match_rms_adamw", "original"])
+def test_the_accelerator_retraction_by_newton_schulz_matches_the_default_path(monkeypatch, adjust_lr_fn):
+    """The capturable step on an accelerator retracts a step beyond the series' reach by Newton-Schulz; run here
+    by lifting the CPU's exemption, it must give the default path's frames and moments in float64, and it must
+    have been taken (under the default rule the radius sqrt(d r) * 0.1 is beyond the series; under "original"
+    0.1 is within it, so the series runs and Newton-Schulz must not)."""
+    from geoopt_stiefel_attention import _linalg
+    from geoopt_stiefel_attention.optim import _kernel
+
+    calls = []
+    real = _linalg.inv_sqrt_newton
+    monkeypatch.setattr(_linalg, "inv_sqrt_newton", lambda *a: calls.append(a[2]) or real(*a))
+    monkeypatch.setattr(_kernel, "_EIGH_DEVICES", frozenset())
+    params, grads = _capturable_setup()
+    default = _run_frames(params, grads, 40, capturable=False, adjust_lr_fn=adjust_lr_fn, trust_region=0.1)
+    expected = _frame_results(params, default)
+    params2, _ = _capturable_setup()
+    assert not calls
+    cap = _run_frames(params2, grads, 40, capturable=True, adjust_lr_fn=adjust_lr_fn, trust_region=0.1)
+    assert _max_result_diff(expected, _frame_results(params2, cap)) < CAPTURABLE_TOL
+    assert (len(calls) > 0) == (adjust_lr_fn == "match_rms_adamw"), calls
+    # companion: on the CPU (its exemption back) the capturable path keeps the eigendecomposition
+    monkeypatch.setattr(_kernel, "_EIGH_DEVICES", frozenset({"cpu"}))
+    calls.clear()
+    params3, _ = _capturable_setup()
+    _run_frames(params3, grads, 3, capturable=True, adjust_lr_fn=adjust_lr_fn, trust_region=0.1)
+    assert not calls
+
+
 def test_capturable_step_reads_no_tensor_on_the_host():
     params, grads = _capturable_setup()
     opt = _run_frames(params, grads, 1, capturable=True)  # state created (its one-time orthonormality check)
