@@ -705,6 +705,29 @@ def test_the_accelerator_retraction_by_newton_schulz_matches_the_default_path(mo
     assert not calls
 
 
+CUDA_VS_CPU_TOL = 1e-10  # float64: CUDA's kernels round differently from the CPU's; 40 steps of well-conditioned frames
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the accelerator's own retraction)")
+@pytest.mark.parametrize("adjust_lr_fn", ["match_rms_adamw", "original"])
+def test_the_default_step_on_cuda_matches_the_cpu_default_path(adjust_lr_fn):
+    """On CUDA the default is the capturable path, with Newton-Schulz under the default rule: in float64 it
+    gives the CPU's default path's frames and moments over 40 steps, skipped frames included."""
+    params, grads = _capturable_setup()
+    cpu = _run_frames(params, grads, 40, adjust_lr_fn=adjust_lr_fn, trust_region=0.1)
+    expected = _frame_results(params, cpu)
+    params2, _ = _capturable_setup()
+    params2 = [geoopt.ManifoldParameter(p.detach().cuda(), manifold=PolarStiefel()) for p in params2]
+    gpu = _run_frames(params2, [[g.cuda() for g in gs] for gs in grads], 40, adjust_lr_fn=adjust_lr_fn,
+                      trust_region=0.1)
+    from geoopt_stiefel_attention.optim._state import _capturable
+
+    assert all(_capturable(group, params2[0].device) for group in gpu.param_groups)
+    assert gpu.state[params2[0]]["step"].device.type == "cuda"  # the capturable path's step count
+    assert _max_result_diff(expected, [(w.cpu(), {k: v.cpu() for k, v in st.items()})
+                                       for w, st in _frame_results(params2, gpu)]) < CUDA_VS_CPU_TOL
+
+
 def test_capturable_step_reads_no_tensor_on_the_host():
     params, grads = _capturable_setup()
     opt = _run_frames(params, grads, 1, capturable=True)  # state created (its one-time orthonormality check)
