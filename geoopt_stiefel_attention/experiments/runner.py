@@ -46,7 +46,7 @@ from .data.batches import BatchSource
 from .metrics import MetricHook
 from .records import METRICS_FILE, append_record, read_records, truncate_records
 
-__all__ = ["Task", "RunResult", "RunOptions", "train_run", "run_jobs", "run_placed_jobs", "resolve_device", "environment_info", "CONFIG_FILE",
+__all__ = ["Task", "RunResult", "RunOptions", "train_run", "run_jobs", "run_placed_jobs", "check_placed_jobs", "resolve_device", "environment_info", "CONFIG_FILE",
            "CHECKPOINT_FILE", "ENVIRONMENT_FILE", "ConfigMismatchError", "TrainingInterrupted", "check_run_dir",
            "RunLockedError"]
 
@@ -750,6 +750,17 @@ def run_jobs(specs: Sequence[RunSpec], build_task: TaskBuilder, out_dir: str | o
     return run_placed_jobs([(s, out_dir / "runs" / s.name) for s in specs], build_task, options)
 
 
+def check_placed_jobs(placed: Sequence[tuple[RunSpec, Path]]) -> None:
+    """Refuse, before any work, ``(spec, run_dir)`` pairs of which two share a folder, name an unknown arm, or
+    place a run in a folder that holds another run (:func:`check_run_dir`)."""
+    folders = [Path(d).resolve() for _, d in placed]
+    if len(set(folders)) != len(folders):
+        raise ValueError(f"run_jobs: two runs share a folder in {[str(d) for d in folders]}; each run needs its own.")
+    for s, d in placed:
+        get_arm(s.arm, s.experiment)  # fail before any work on an unknown arm
+        check_run_dir(Path(d), s)  # ... or on a folder that holds another run
+
+
 def run_placed_jobs(placed: Sequence[tuple[RunSpec, Path]], build_task: TaskBuilder,
                     options: RunOptions | None = None) -> list[RunResult]:
     """Run (or resume) each ``(spec, run_dir)`` pair in its own folder, ``options.workers`` at a time in one pool.
@@ -767,12 +778,7 @@ def run_placed_jobs(placed: Sequence[tuple[RunSpec, Path]], build_task: TaskBuil
     workers, threads, quiet = options.workers, options.threads, options.quiet
     if not (isinstance(workers, int) and workers >= 1):
         raise ValueError(f"run_jobs: workers={workers!r} must be an int >= 1.")
-    folders = [Path(d).resolve() for _, d in placed]
-    if len(set(folders)) != len(folders):
-        raise ValueError(f"run_jobs: two runs share a folder in {[str(d) for d in folders]}; each run needs its own.")
-    for s, d in placed:
-        get_arm(s.arm, s.experiment)  # fail before any work on an unknown arm
-        check_run_dir(Path(d), s)  # ... or on a folder that holds another run
+    check_placed_jobs(placed)
     if workers > 1 and threads is None:
         threads = max(1, (os.cpu_count() or 1) // workers)
     kwargs = {"device": options.device, "threads": threads, "stop_after_epochs": options.stop_after_epochs,

@@ -20,11 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .arms import get_arm
 from .config import RunSpec, to_dict
 from .records import load_study_records, summarize
 from .report import PaperReference, render_report, write_text
-from .runner import CONFIG_FILE, ENVIRONMENT_FILE, RunOptions, RunResult, TaskBuilder, check_run_dir, run_placed_jobs
+from .runner import (
+    CONFIG_FILE,
+    ENVIRONMENT_FILE,
+    RunOptions,
+    RunResult,
+    TaskBuilder,
+    check_placed_jobs,
+    run_placed_jobs,
+)
 
 __all__ = ["Cell", "finished_runs", "StudyOutputs", "run_study", "run_cells", "finalize_study", "speed_from_environment",
            "record_command", "recorded_commands", "cell_records", "recorded_config", "run_info_from_records"]
@@ -267,13 +274,10 @@ def run_cells(cells: Sequence[Cell], build_task: TaskBuilder, out_dir: str | os.
     options = RunOptions.of(options, **run_kwargs)
     grid = [(cell, [RunSpec(cell.config if arm_config is None else arm_config(cell.config, a), a, s)
                     for a in arms for s in seeds]) for cell in cells]
-    for cell, specs in grid:  # refuse a folder holding other runs before anything is trained or written
-        for spec in specs:
-            get_arm(spec.arm, spec.experiment)
-            check_run_dir(cell.folder(out_dir) / "runs" / spec.name, spec)
+    placed = [(spec, cell.folder(out_dir) / "runs" / spec.name) for cell, specs in grid for spec in specs]
+    check_placed_jobs(placed)  # refuse a folder holding other runs before anything is trained or written
     record_command(out_dir, command)
-    return run_placed_jobs([(spec, cell.folder(out_dir) / "runs" / spec.name) for cell, specs in grid for spec in specs],
-                           build_task, options)
+    return run_placed_jobs(placed, build_task, options)
 
 
 def run_study(config: Any, build_task: TaskBuilder, out_dir: str | os.PathLike, *, arms: Sequence[str],
