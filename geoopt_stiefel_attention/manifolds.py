@@ -29,7 +29,8 @@ class PolarStiefel(EuclideanStiefel):
 
         R_W(Z) = (W + Z)\,\big((W + Z)^\top (W + Z)\big)^{-1/2},
 
-    an ``r x r`` inverse square root (eigendecomposition) and :math:`O(d r^2)` products: no ``d x d``
+    an ``r x r`` inverse square root (an eigendecomposition on the CPU; on accelerators Newton–Schulz with a
+    residual check, :func:`~geoopt_stiefel_attention._linalg.inv_sqrt_checked`) and :math:`O(d r^2)` products: no ``d x d``
     work and no SVD of the ``d x r`` matrix (geoopt's ``EuclideanStiefel`` uses a QR factorisation, its
     default ``Stiefel()`` a ``d x d`` Cayley solve). For tangent ``Z`` the Gram matrix equals
     :math:`I + Z^\top Z` in exact arithmetic; the code forms the Gram of the actual ``W + Z`` so that each

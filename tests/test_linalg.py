@@ -126,6 +126,73 @@ def test_newton_iterations_bounds():
     assert _linalg.newton_iterations(1e12, torch.float64) is None  # > 40 iterations: callers fall back to eigh
 
 
+CHECKED_SCALES = [0.0, 0.1, 1.0, 22.2, 99.0]  # ||s||_2 of the step; 99: the reach CHECKED_NEWTON_CONDITION names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("radius", CHECKED_SCALES)
+def test_checked_newton_schulz_is_exact_without_a_bound_and_needs_no_eigendecomposition(monkeypatch, dtype, radius):
+    eigh_calls = []
+    real = _linalg.inv_sqrt_spd
+    monkeypatch.setattr(_linalg, "inv_sqrt_spd", lambda a: eigh_calls.append(a.shape) or real(a))
+    gram = _worst_case_grams(radius, r=16)
+    approx = _linalg.inv_sqrt_checked(gram.to(dtype)).double().numpy()
+    # both this and the eigh reference are accurate to a few eps * sqrt(condition) entrywise (entries are <= 1)
+    assert np.abs(approx - _reference_inv_sqrt(gram)).max() < 32 * torch.finfo(dtype).eps * (1.0 + radius**2) ** 0.5
+    assert np.abs(approx - np.swapaxes(approx, -1, -2)).max() == 0.0
+    assert not eigh_calls
+
+
+def test_checked_newton_schulz_hands_what_it_has_not_resolved_to_the_eigendecomposition(monkeypatch):
+    # companion: a stack with a Gram matrix beyond the iteration's reach (condition 1e12) and a singular one among
+    # well-conditioned ones: Newton-Schulz alone is far off on the first, and exactly those two go to eigh
+    eigh_calls = []
+    real = _linalg.inv_sqrt_spd
+    monkeypatch.setattr(_linalg, "inv_sqrt_spd", lambda a: eigh_calls.append(a.clone()) or real(a))
+    gram = _worst_case_grams(1.0, r=6, n=6)
+    q = torch.linalg.qr(torch.randn(6, 6, dtype=torch.float64)).Q
+    gram[1] = (q * torch.logspace(0, 12, 6, dtype=torch.float64)) @ q.T
+    gram[3] = torch.zeros(6, 6, dtype=torch.float64)
+    iterations = _linalg.newton_iterations(_linalg.CHECKED_NEWTON_CONDITION - 1.0, torch.float64)
+    scale = float(torch.linalg.matrix_norm(gram[1]))
+    newton_only = _linalg.inv_sqrt_newton(gram[1:2], scale - 1.0, iterations)[0].numpy()
+    reference = _reference_inv_sqrt(gram[1:2])[0]
+    assert np.abs(newton_only - reference).max() > 1e-3 * np.abs(reference).max()
+    checked = _linalg.inv_sqrt_checked(gram)
+    assert len(eigh_calls) == 1
+    sent = eigh_calls[0]
+    assert sent.shape == (2, 6, 6) and torch.equal(sent[0], gram[1]) and torch.equal(sent[1], gram[3])
+    # the eigendecomposition's answers (the clamped one for the singular matrix), as on the CPU
+    for k in (1, 3):
+        torch.testing.assert_close(checked[k], real(gram[k:k + 1])[0], rtol=EXACT_TOL, atol=0.0)
+    keep = [0, 2, 4, 5]
+    assert np.abs(checked[keep].numpy() - _reference_inv_sqrt(gram[keep])).max() < 16 * torch.finfo(torch.float64).eps * 2**0.5
+    # a non-finite matrix is not resolved either: it reaches eigh, which refuses it as it does on the CPU
+    gram[4, 0, 0] = float("nan")
+    with pytest.raises(torch.linalg.LinAlgError):
+        _linalg.inv_sqrt_checked(gram)
+    assert torch.isnan(eigh_calls[-1]).any() and eigh_calls[-1].shape == (3, 6, 6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_polar_off_the_eigh_devices_takes_checked_newton_schulz_and_matches_the_svd(monkeypatch, dtype):
+    """Run here by lifting the CPU's exemption: the polar factor of a moved frame (a step of norm 5, beyond any
+    series) must be the SVD's, through inv_sqrt_checked; with the exemption back, the CPU keeps eigh."""
+    calls = []
+    real = _linalg.inv_sqrt_checked
+    monkeypatch.setattr(_linalg, "inv_sqrt_checked", lambda a: calls.append(a.shape) or real(a))
+    w = _frames(3, 40, 8)
+    y = w - _linalg.proju(w, 5.0 * torch.randn_like(w) / 40**0.5)
+    u, _, vh = np.linalg.svd(y.numpy(), full_matrices=False)
+    monkeypatch.setattr(_linalg, "EIGH_DEVICES", frozenset())
+    polar = _linalg.polar(y.to(dtype)).double().numpy()
+    assert calls == [(3, 8, 8)]
+    assert np.abs(polar - u @ vh).max() < 64 * torch.finfo(dtype).eps
+    monkeypatch.setattr(_linalg, "EIGH_DEVICES", frozenset({"cpu"}))
+    _linalg.polar(y.to(dtype))
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("order", [None, 8])
 def test_polar_matches_svd_polar_factor(order):
     w = _frames(3, 12, 5)

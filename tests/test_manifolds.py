@@ -40,7 +40,14 @@ def test_projection_idempotent_and_tangent(st, shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_retraction_is_polar_factor_and_on_manifold(st, shape):
+@pytest.mark.parametrize("path", ["eigh", "accelerator"])
+def test_retraction_is_polar_factor_and_on_manifold(st, shape, path, monkeypatch):
+    """Both retraction paths: the CPU's eigendecomposition, and the accelerators' checked Newton-Schulz (run here
+    by lifting the CPU's exemption)."""
+    from geoopt_stiefel_attention import _linalg
+
+    if path == "accelerator":
+        monkeypatch.setattr(_linalg, "EIGH_DEVICES", frozenset())
     x, u, _ = _point_and_tangents(st, shape)
     y = st.retr(x, u)
     st.assert_check_point_on_manifold(y, atol=TOL, rtol=TOL)

@@ -683,26 +683,46 @@ def test_the_accelerator_retraction_by_newton_schulz_matches_the_default_path(mo
     have been taken (under the default rule the radius sqrt(d r) * 0.1 is beyond the series; under "original"
     0.1 is within it, so the series runs and Newton-Schulz must not)."""
     from geoopt_stiefel_attention import _linalg
-    from geoopt_stiefel_attention.optim import _kernel
 
     calls = []
     real = _linalg.inv_sqrt_newton
     monkeypatch.setattr(_linalg, "inv_sqrt_newton", lambda *a: calls.append(a[2]) or real(*a))
-    monkeypatch.setattr(_kernel, "_EIGH_DEVICES", frozenset())
     params, grads = _capturable_setup()
     default = _run_frames(params, grads, 40, capturable=False, adjust_lr_fn=adjust_lr_fn, trust_region=0.1)
     expected = _frame_results(params, default)
+    monkeypatch.setattr(_linalg, "EIGH_DEVICES", frozenset())
     params2, _ = _capturable_setup()
     assert not calls
     cap = _run_frames(params2, grads, 40, capturable=True, adjust_lr_fn=adjust_lr_fn, trust_region=0.1)
     assert _max_result_diff(expected, _frame_results(params2, cap)) < CAPTURABLE_TOL
     assert (len(calls) > 0) == (adjust_lr_fn == "match_rms_adamw"), calls
     # companion: on the CPU (its exemption back) the capturable path keeps the eigendecomposition
-    monkeypatch.setattr(_kernel, "_EIGH_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(_linalg, "EIGH_DEVICES", frozenset({"cpu"}))
     calls.clear()
     params3, _ = _capturable_setup()
     _run_frames(params3, grads, 3, capturable=True, adjust_lr_fn=adjust_lr_fn, trust_region=0.1)
     assert not calls
+
+
+def test_the_accelerator_retraction_without_a_trust_region_takes_checked_newton_schulz(monkeypatch):
+    """On an accelerator, outside capturable mode, a step without trust region (no bound for the series or for
+    inv_sqrt_newton) takes inv_sqrt_checked, not eigh; run here by lifting the CPU's exemption, 40 steps must give
+    the eigendecomposition's frames and moments in float64. Companion: with the exemption in place, the CPU takes
+    eigh and never inv_sqrt_checked."""
+    from geoopt_stiefel_attention import _linalg
+
+    calls = []
+    real = _linalg.inv_sqrt_checked
+    monkeypatch.setattr(_linalg, "inv_sqrt_checked", lambda a: calls.append(a.shape) or real(a))
+    options = {"capturable": False, "adjust_lr_fn": "match_rms_adamw", "trust_region": None}
+    params, grads = _capturable_setup()
+    expected = _frame_results(params, _run_frames(params, grads, 40, **options))
+    assert not calls
+    monkeypatch.setattr(_linalg, "EIGH_DEVICES", frozenset())
+    params2, _ = _capturable_setup()
+    checked = _frame_results(params2, _run_frames(params2, grads, 40, **options))
+    assert _max_result_diff(expected, checked) < CAPTURABLE_TOL
+    assert len(calls) >= 40, len(calls)
 
 
 CUDA_VS_CPU_TOL = 1e-10  # float64: CUDA's kernels round differently from the CPU's; 40 steps of well-conditioned frames

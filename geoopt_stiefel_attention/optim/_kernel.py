@@ -15,14 +15,6 @@ from .. import _linalg
 #: Second-moment modes with the fused in-place kernel; the ablation variants use :func:`stiefel_adam_update`.
 _FAST_MODES = ("frame", None)
 
-#: Devices whose batched ``torch.linalg.eigh`` is fast (LAPACK, matrix by matrix in cache): the capturable path
-#: keeps the eigendecomposition there. Elsewhere (CUDA runs eigh of r > 32 matrices one launch sequence at a time)
-#: a step beyond the series' reach is retracted by Newton-Schulz. Measured at the bench shape (24 x 8 x 512 x 64,
-#: float32, the default rule): on one CPU core the capturable step took 146 ms with eigh and 161 ms with
-#: Newton-Schulz (medians of 7 interleaved rounds, process time); on one H200 the step at width 768 took 168 ms
-#: with eigh and 2.9 ms with Newton-Schulz (benchmarks/README.md).
-_EIGH_DEVICES = frozenset({"cpu"})
-
 
 def _rounding_margin(dtype: torch.dtype) -> float:
     """Slack added to ``||s||^2`` in the bound on ``||(W - s)^T (W - s) - I||_2``: the rounding drift of ``W^T W``
@@ -65,8 +57,10 @@ def _frame_update_(
     tensor costs no synchronisation); on other devices, and with ``capturable=True`` on any device, the
     masking always runs and the order follows the trust radius, so the step reads no tensor on the host; on an
     accelerator a trust radius beyond the series' reach is retracted by :func:`~.._linalg.inv_sqrt_newton` with
-    the iteration count that radius needs (matrix products only; :data:`_EIGH_DEVICES` keep the
-    eigendecomposition), and only a step without trust region takes the eigendecomposition there.
+    the iteration count that radius needs (matrix products only; :data:`~.._linalg.EIGH_DEVICES` keep the
+    eigendecomposition). A step without trust region (no bound to choose either from) takes the
+    eigendecomposition on the :data:`~.._linalg.EIGH_DEVICES` and with ``capturable=True``, and elsewhere
+    :func:`~.._linalg.inv_sqrt_checked` (Newton-Schulz with a residual check, one synchronisation).
 
     Returns the boolean ``(n, 1, 1)`` mask of updated frames.
     """
@@ -119,7 +113,7 @@ def _frame_update_(
             radius = min(radius, float((alpha * m_norm).amax()))
         bound = radius**2 + _rounding_margin(w.dtype)
         order = _linalg.series_order(bound, w.dtype)
-        if order is None and not on_host and w.device.type not in _EIGH_DEVICES:
+        if order is None and not on_host and w.device.type not in _linalg.EIGH_DEVICES:
             # off the host a step beyond the series' reach is retracted by Newton-Schulz (matrix products, no
             # synchronisation); torch's batched eigh of r > 32 matrices on CUDA loops over them one by one
             newton = _linalg.newton_iterations(bound, w.dtype)
@@ -133,8 +127,10 @@ def _frame_update_(
         x = _linalg.inv_sqrt_series(gram, order)
     elif newton is not None:
         x = _linalg.inv_sqrt_newton(gram, bound, newton)
-    else:
+    elif capturable or w.device.type in _linalg.EIGH_DEVICES:
         x = _linalg.inv_sqrt_spd(gram)
+    else:  # an accelerator, allowed to synchronise: Newton-Schulz, eigh only for what it has not resolved
+        x = _linalg.inv_sqrt_checked(gram)
     if masked:
         x = torch.where(moving, x, torch.eye(x.shape[-1], dtype=x.dtype, device=x.device))
     if row_major:
