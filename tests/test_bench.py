@@ -234,7 +234,7 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["machine"]["device"] == "cpu" and doc["settings"]["scale"] == "tiny"
-    assert set(doc["seconds"]) == {"step", "paths", "train", "grokking"}
+    assert set(doc["seconds"]) == {"step", "paths", "train", "retraction", "grokking"}
     assert [r["dtype"] for r in doc["step"]] == ["float32", "bfloat16"]
     for r in doc["step"]:
         assert set(r["timings"]) == {"stiefel", "adamw_fused", "geoopt-radam", "matmul_floor"}
@@ -247,6 +247,12 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert set(doc["grokking"]["epochs_per_second"]) == {"adamw", "stiefel"}
     assert all(v > 0 for v in doc["grokking"]["epochs_per_second"].values())
     assert "grokking, 5 epochs" in proc.stdout and str(out) in proc.stdout
+    rt = doc["retraction"]
+    assert set(rt["timings"]) == {"eigh", "newton-checked", "geoopt-qr"} and not rt["failed"]
+    assert all(t["median_ms"] > 0 for t in rt["timings"].values())
+    # float32 polar factors by two exact methods: they agree, and both are frames, to a few units of roundoff
+    assert rt["max_abs_difference"] < 1e-5 and max(rt["orthonormality_error"].values()) < 1e-5
+    assert "retraction 2 x (2, 16, 4)" in proc.stdout
 
 
 class _Started(Exception):

@@ -10,6 +10,7 @@ from typing import Any
 
 from .paths import BENCH_FRAMES, FrameSet, step_path_benchmark
 from .records import as_record, machine_info
+from .settings import BenchSettings, _interleave, _timing, torch_threads
 from .step import CONFIGS, step_time_benchmark
 from .train import train_step_benchmark
 
@@ -35,6 +36,7 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
     3. ``train``: :func:`train_step_benchmark` under bfloat16 autocast, stiefel arm against the adamw arm, of
        a HuggingFace GPT-2 converted by :func:`~geoopt_stiefel_attention.stiefelize` (``"hf_gpt2"``) when
        ``transformers`` is installed, else TinyTransformer.
+    4. ``retraction``: :func:`retraction_benchmark` on the same frames, float32.
 
     The grokking study's epochs per second, which ``benchmarks/gpu.sh`` adds next, belong to the studies
     (:mod:`geoopt_stiefel_attention.experiments.speed`): the benchmarks measure the library only.
@@ -69,9 +71,54 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
     out["train"] = [as_record(r) for r in train_step_benchmark(
         (model,), autocast="bfloat16", scale=scale, **timing)]
     seconds["train"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    out["retraction"] = retraction_benchmark(sizes["frames"], BenchSettings(**timing))
+    seconds["retraction"] = time.perf_counter() - t0
     return {"machine": asdict(machine_info(device)), "settings": dict(scale=scale, **timing,
                                                                       compile_backend=compile_backend),
             "seconds": seconds, **out}
+
+
+#: Spectral norm of the tangent step :func:`retraction_benchmark` retracts: beyond the Taylor series' reach, so every
+#: path does its general work (the default rule's steps at width 768 reach 22).
+RETRACTION_STEP_NORM = 1.0
+
+
+def retraction_benchmark(frames: FrameSet, settings: BenchSettings) -> dict[str, Any]:
+    r"""Time the polar retraction :math:`R_W(Z) = (W + Z)((W + Z)^\top (W + Z))^{-1/2}` of ``frames`` (one stack,
+    float32, a tangent step of spectral norm :data:`RETRACTION_STEP_NORM` per frame) three ways on
+    ``settings.device``, interleaved: ``eigh`` (the inverse square root by ``torch.linalg.eigh``, the CPU's path),
+    ``newton-checked`` (:func:`~geoopt_stiefel_attention._linalg.inv_sqrt_checked`, the accelerators' path), and
+    ``geoopt-qr`` (stock geoopt's ``EuclideanStiefel.retr``, a QR factorisation). Also returns the largest
+    distance of the two polar results from each other and from orthonormality.
+    """
+    import geoopt
+    import torch
+
+    from .. import _linalg
+
+    gen = torch.Generator(device=settings.device).manual_seed(settings.seed)
+    like = dict(dtype=torch.float32, device=settings.device)
+    w = torch.linalg.qr(torch.randn(frames.params * frames.heads, frames.d, frames.r, generator=gen, **like)).Q
+    z = _linalg.proju(w, torch.randn(w.shape, generator=gen, **like))
+    z = z * (RETRACTION_STEP_NORM / torch.linalg.matrix_norm(z, ord=2).unsqueeze(-1).unsqueeze(-1))
+    y = w + z
+
+    def polar_by(inv_sqrt):
+        return lambda: y @ inv_sqrt(y.mT @ y)
+
+    steps = {"eigh": polar_by(_linalg.inv_sqrt_spd), "newton-checked": polar_by(_linalg.inv_sqrt_checked),
+             "geoopt-qr": lambda: geoopt.EuclideanStiefel().retr(w, z)}
+    with torch_threads(settings.threads), torch.no_grad():
+        samples, failed = _interleave(steps, settings, required=("eigh", "newton-checked"))
+        a, b = steps["eigh"](), steps["newton-checked"]()
+    eye = torch.eye(frames.r, **like)
+    return {"frames": asdict(frames), "step_norm": RETRACTION_STEP_NORM,
+            "timings": {k: asdict(_timing(k, v)) for k, v in samples.items()}, "failed": failed,
+            "max_abs_difference": float((a - b).abs().max()),
+            "orthonormality_error": {"eigh": float((a.mT @ a - eye).abs().max()),
+                                     "newton-checked": float((b.mT @ b - eye).abs().max())}}
 
 
 def format_check(doc: dict[str, Any]) -> str:
@@ -92,6 +139,11 @@ def format_check(doc: dict[str, Any]) -> str:
     for r in doc["train"]:
         lines.append(f"train {r['model']} ({r['autocast']} autocast): adamw {r['full_step']['adamw']['median_ms']:.2f}"
                      f" ms, stiefel {r['full_step']['stiefel']['median_ms']:.2f} ms, stiefel / adamw {r['ratio']:.3f}")
+    rt = doc.get("retraction")  # absent from the checks run before it was added
+    if rt is not None:
+        cells = ", ".join(f"{k} {v['median_ms']:.3f} ms" for k, v in rt["timings"].items())
+        lines.append(f"retraction {FrameSet(**rt['frames']).label}, float32, |Z|_2 = {rt['step_norm']}: {cells}; "
+                     f"eigh vs newton-checked {rt['max_abs_difference']:.1e}")
     g = doc.get("grokking")  # added by experiments/speed.py (benchmarks/gpu.sh) after the library's parts
     if g is not None:
         lines.append(f"grokking, {g['epochs']} epochs: " + ", ".join(f"{a} {v:.1f} epochs/s"
