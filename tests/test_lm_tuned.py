@@ -46,7 +46,7 @@ def _exit_code(call) -> int:
 
 @pytest.fixture(scope="module")
 def study(varied_root, tmp_path_factory):
-    """A tiny tuned study: adamw and stiefel on a two-point grid (seeds 0 1), then the final cell (seeds 0 1 2,
+    """A tiny tuned study: adamw and stiefel on a two-point grid (seeds 0 1), then the final cell (seeds 2 3 4,
     unbracketed allowed: a two-point grid has its best at an edge) and the timing pass."""
     out = tmp_path_factory.mktemp("tuned") / "study"
     assert _cli(varied_root, out, "--arms", "adamw", "stiefel", "--lrs", "1e-3", "3e-2", "--skip-report") == 0
@@ -71,15 +71,21 @@ def test_final_cell_refuses_an_unbracketed_grid_then_runs_each_arm_at_its_own_lr
     selection = tuned.select_lrs(grid, strict=True)
     assert all(not s["bracketed"] for s in selection["arms"].values())  # two points: the best is at an edge
     capsys.readouterr()
-    code = _exit_code(lambda: _cli(varied_root, study, "--arms", "adamw", "stiefel", "--final-seeds", "0", "1", "2"))
+    code = _exit_code(lambda: _cli(varied_root, study, "--arms", "adamw", "stiefel", "--final-seeds", "2", "3", "4"))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--final-seeds" in err[0] and "add" in err[0] and "adamw" in err[0]
     assert not (study / "final").exists()
-    # companion: allowed explicitly, it runs, each arm at the lr its grid selected
-    assert _cli(varied_root, study, "--arms", "adamw", "stiefel", "--final-seeds", "0", "1", "2",
+    # final seeds that selected the lr on the grid are refused, naming them and seeds that would do
+    code = _exit_code(lambda: _cli(varied_root, study, "--arms", "adamw", "stiefel", "--final-seeds", "1", "2", "3",
+                                   "--allow-unbracketed"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "seed(s) 1 selected" in err[0] and "--final-seeds 2 3 4" in err[0]
+    assert not (study / "final").exists()
+    # companion: allowed explicitly, on seeds of its own, it runs, each arm at the lr its grid selected
+    assert _cli(varied_root, study, "--arms", "adamw", "stiefel", "--final-seeds", "2", "3", "4",
                 "--allow-unbracketed", "--time-steps", "2") == 0
     for arm, s in selection["arms"].items():
-        for seed in (0, 1, 2):
+        for seed in (2, 3, 4):
             run = study / "final" / "runs" / arm / f"seed{seed}"
             assert json.loads((run / "config.json").read_text())["config"]["optim"]["lr"] == s["best_lr"]
             assert {r["seed"] for r in read_records(run / "metrics.jsonl")} == {seed}

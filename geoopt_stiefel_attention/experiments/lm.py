@@ -880,8 +880,8 @@ def _task_arguments(parser: argparse.ArgumentParser, d: LMConfig) -> None:
                         "--adjust-lr-fn, and --frame-lr if given), on --seeds (default 0 1); resumable")
     g.add_argument("--final-seeds", type=int, nargs="+", default=[], metavar="SEED",
                    help="final cell (final/): each --arms arm at its lr selected on validation from the grid on "
-                        "disk, on these paired seeds (e.g. 0 1 2 3 4); refused while the grid misses a run or an "
-                        "optimum is at a grid edge; resumable")
+                        "disk, on these paired seeds, disjoint from the grid's --seeds (e.g. 2 3 4 5 6); refused while "
+                        "the grid misses a run or an optimum is at a grid edge; resumable")
     g.add_argument("--allow-unbracketed", action="store_true",
                    help="with --final-seeds: run the final cell even where an arm's best lr is at a grid edge")
     g.add_argument("--time-steps", type=positive_int, default=None, metavar="N",
@@ -930,7 +930,7 @@ def _check(args: argparse.Namespace) -> None:
                          "--time-steps) has no main cell: drop --frame-lrs.")
     if args.final_seeds and (min(args.final_seeds) < 0 or len(set(args.final_seeds)) != len(args.final_seeds)):
         raise UsageError(f"--final-seeds {' '.join(map(str, args.final_seeds))}: seeds are distinct ints >= 0, "
-                         f"e.g. --final-seeds 0 1 2 3 4.")
+                         f"e.g. --final-seeds 2 3 4 5 6.")
     if args.allow_unbracketed and not args.final_seeds:
         raise UsageError("--allow-unbracketed only changes --final-seeds; pass --final-seeds too, or drop it.")
     if args.frame_lrs and args.arms is not None and "stiefel" not in args.arms:

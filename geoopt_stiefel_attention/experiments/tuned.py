@@ -25,7 +25,9 @@ run that has not finished) is named; the final cell refuses to start on an incom
 (the latter unless ``--allow-unbracketed``).
 
 **Final cell.** Every arm at its selected lr (``run_cells(arm_config=...)``) on the final seeds: a seed fixes
-the initial weights and the order of the training windows, so the arms are paired by seed. The test split is
+the initial weights and the order of the training windows, so the arms are paired by seed. The final seeds are
+disjoint from the grid's (refused otherwise): a run of the final cell never repeats a grid run that won the
+selection, so its test readout is independent of the selection (no winner's curse). The test split is
 read once, here: test bits per byte per arm with a Student-t 95% interval, and paired differences against
 ``adamw`` and against ``muon`` (paired t, sign test, Holm's adjustment over the family of every comparison of
 the table), overall and per category (``code``, ``prose``, ``data``).
@@ -729,7 +731,8 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
         ``final_seeds`` on a grid that misses an arm, a seed or a finished run.
     ValueError
         ``final_seeds`` on an arm whose best lr is at an edge of its grid (naming the value to add), unless
-        ``allow_unbracketed``.
+        ``allow_unbracketed``; ``final_seeds`` that include a seed of the grid's selection (those runs would
+        repeat the grid runs that won it, and the test readout would depend on the selection).
     """
     from .study import run_cells
 
@@ -755,6 +758,15 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
             if final_seeds and edge and not allow_unbracketed:
                 raise ValueError("--final-seeds: the lr grid does not bracket every arm's optimum: " + "; ".join(edge)
                                  + ". Extend the grid with --arms <arm> --lrs <value>, or pass --allow-unbracketed.")
+            reused = sorted(set(final_seeds) & set(selection["seeds"]))
+            if reused:
+                free = [s for s in range(max([*selection["seeds"], *final_seeds]) + 1 + len(final_seeds))
+                        if s not in selection["seeds"]][:len(final_seeds)]
+                raise ValueError(f"--final-seeds {' '.join(map(str, final_seeds))}: seed(s) "
+                                 f"{', '.join(map(str, reused))} selected the lrs on the grid; their final runs would "
+                                 f"repeat the grid runs that won the selection, so the test readout would not be "
+                                 f"independent of it. Use seeds the grid does not have, e.g. --final-seeds "
+                                 f"{' '.join(map(str, free))}.")
     if final_seeds:
         assert chosen is not None
         results += run_cells([final_cell(config)], build_task, out_dir, arms=arms, seeds=list(final_seeds),
