@@ -128,6 +128,22 @@ def test_selection_brackets_an_inner_optimum():
     assert sel["best_mean"] == pytest.approx(1.85, abs=STAT_TOL)
 
 
+def test_selection_ranks_a_diverged_point_below_every_finite_one_and_says_so():
+    nan, inf = float("nan"), float("inf")
+    values = {"muon": {1e-3: {0: nan, 1: 2.0}, 3e-3: {0: 1.8, 1: 1.9}, 1e-2: {0: 1.9, 1: 2.0}, 3e-2: {0: inf, 1: nan}}}
+    with pytest.warns(UserWarning, match=r"muon diverged at lr 0.001, 0.03"):
+        sel = tuned.select_lrs(_grid(values), strict=True)["arms"]["muon"]
+    # a NaN at the first grid point would be kept by a plain min() (NaN never compares smaller)
+    assert sel["best_lr"] == 3e-3 and sel["bracketed"] and sel["diverged"] == [1e-3, 3e-2]
+    # companion: a finite grid has no diverged point and warns nothing; an all-diverged arm cannot be selected
+    values["muon"][1e-3][0], values["muon"][3e-2] = 2.1, {0: 2.2, 1: 2.3}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tuned.select_lrs(_grid(values), strict=True)["arms"]["muon"]["diverged"] == []
+    with pytest.raises(tuned.IncompleteSelectionError, match="muon: every grid point diverged"):
+        tuned.select_lrs(_grid({"muon": {1e-3: {0: nan}, 3e-3: {0: inf}}}), strict=True)
+
+
 @pytest.mark.parametrize("values, edge, next_lr", [
     ({1e-3: {0: 2.0}, 3e-3: {0: 1.9}, 9e-3: {0: 1.8}}, "high", 2.7e-2),
     ({1e-3: {0: 1.7}, 3e-3: {0: 1.9}, 9e-3: {0: 1.8}}, "low", 3.33e-4),
@@ -279,6 +295,18 @@ def test_report_states_an_incomplete_grid(synthetic):
     summary = tuned.finalize_tuned(out, LMConfig).summary
     assert summary["selection"]["missing"] == ["stiefel at lr 0.01 seed 1"]
     assert "**The grid is incomplete**: missing stiefel at lr 0.01 seed 1" in (out / "report.md").read_text()
+
+
+def test_report_names_a_diverged_grid_point(synthetic):
+    out, best = synthetic
+    run = out / "lr-0.01/runs/adamw/seed1/metrics.jsonl"
+    recs = read_records(run)
+    recs[-1]["val_bpb"] = float("nan")  # how a diverged run's records read
+    run.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary = tuned.finalize_tuned(out, LMConfig).summary  # the report states it (its warnings are silenced)
+    assert summary["selection"]["arms"]["adamw"]["best_lr"] == best["adamw"]
+    assert "**Diverged** (non-finite validation bpb on a seed; ranked below every finite point): adamw at lr 0.01." in (
+        out / "report.md").read_text()
 
 
 # ---------------------------------------------------------------------------------------------- CLI errors

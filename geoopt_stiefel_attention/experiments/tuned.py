@@ -216,7 +216,9 @@ def select_lrs(grid: Mapping[str, Any], *, arms: Sequence[str] | None = None,
     -------
     dict
         ``{"arms": {arm: {"grid", "rows" [{lr, mean, per_seed}], "seeds", "best_lr", "bracketed", "edge",
-        "next_lr"}}, "seeds", "missing"}``.
+        "diverged", "next_lr"}}, "seeds", "missing"}``. A grid point whose mean is not finite (a seed diverged) is
+        listed under ``"diverged"``, warned about, and ranks below every finite point: a divergence above (below)
+        the best lr brackets it from that side.
     """
     finals = grid["finals"]
     wanted = _order(arms if arms is not None else finals)
@@ -243,7 +245,16 @@ def select_lrs(grid: Mapping[str, Any], *, arms: Sequence[str] | None = None,
             continue
         rows = [{"lr": lr, "mean": sum(per_lr[lr][s] for s in common) / len(common),
                  "per_seed": {str(s): per_lr[lr][s] for s in common}} for lr in lrs]
-        k = min(range(len(rows)), key=lambda i: rows[i]["mean"])
+        diverged = [r["lr"] for r in rows if not math.isfinite(r["mean"])]
+        if len(diverged) == len(rows):
+            missing.append(f"{arm}: every grid point diverged (non-finite validation bpb); add smaller lrs")
+            continue
+        if diverged:
+            warnings.warn(f"lr selection: {arm} diverged at lr {', '.join(map(_lr_text, diverged))} (non-finite "
+                          f"validation bpb); such a point counts as worse than every finite one", stacklevel=2)
+        # a diverged point (NaN or inf) ranks below every finite one; a NaN would otherwise never compare
+        k = min(range(len(rows)), key=lambda i: (not math.isfinite(rows[i]["mean"]), rows[i]["mean"]
+                                                 if math.isfinite(rows[i]["mean"]) else 0.0))
         best = rows[k]["lr"]
         bracketed = 0 < k < len(rows) - 1
         edge = None if bracketed else ("only" if len(rows) == 1 else ("low" if k == 0 else "high"))
@@ -256,7 +267,7 @@ def select_lrs(grid: Mapping[str, Any], *, arms: Sequence[str] | None = None,
         else:
             next_lr = None
         out[arm] = {"grid": lrs, "rows": rows, "seeds": common, "best_lr": best, "best_mean": rows[k]["mean"],
-                    "bracketed": bracketed, "edge": edge,
+                    "bracketed": bracketed, "edge": edge, "diverged": diverged,
                     "next_lr": None if next_lr is None else float(f"{next_lr:.3g}")}
     if missing and strict:
         raise IncompleteSelectionError(
@@ -589,6 +600,11 @@ def _render(summary: Mapping[str, Any], config: Any) -> list[str]:
         bracket = "yes" if s["bracketed"] else f"no: {_unbracketed_text(arm, s)}"
         lines.append(f"| {arm} | {', '.join(map(str, s['seeds']))} | " + " | ".join(cells)
                      + f" | {_lr_text(s['best_lr'])} | {bracket} |")
+    diverged = [f"{arm} at lr {', '.join(map(_lr_text, s['diverged']))}" for arm, s in sel["arms"].items()
+                if s.get("diverged")]
+    if diverged:
+        lines += ["", "**Diverged** (non-finite validation bpb on a seed; ranked below every finite point): "
+                  + "; ".join(diverged) + "."]
     lines += ["", f"With {len(sel['seeds'])} seed(s) per grid point a selection suggests where each optimum lies; "
               "neighbouring grid values within the seeds' spread are not distinguished.", ""]
     if summary["figure"]:
