@@ -23,6 +23,7 @@ __all__ = [
     "newton_iterations",
     "inv_sqrt_newton",
     "inv_sqrt_checked",
+    "takes_eigh",
     "EIGH_DEVICES",
     "CHECKED_NEWTON_CONDITION",
     "polar",
@@ -53,12 +54,18 @@ ORTHONORMALITY_TOLERANCE = {
 #: Newton-Schulz (benchmarks/README.md).
 EIGH_DEVICES = frozenset({"cpu"})
 
-#: Condition number of a Gram matrix (scaled by its Gershgorin bound) up to which :func:`inv_sqrt_checked`'s fixed
-#: Newton-Schulz iteration count reaches rounding; matrices beyond it fail the residual check and take eigh. A
-#: retraction ``W + Z`` with tangent ``Z`` has condition ``1 + ||Z||_2^2``: 1e4 covers every step up to
-#: ``||Z||_2 = 99`` (the scaling by a bound rather than by the largest eigenvalue itself costs up to a factor
-#: ``r`` of that reach).
+#: Condition number of a Gram matrix (scaled by a bound on its largest eigenvalue) up to which
+#: :func:`inv_sqrt_checked`'s fixed Newton-Schulz iteration count reaches rounding; matrices beyond it fail the
+#: residual check and take eigh. A retraction ``W + Z`` with tangent ``Z`` has condition ``1 + ||Z||_2^2``: 1e4
+#: covers every step up to ``||Z||_2 = 99`` (the scaling by a bound rather than by the largest eigenvalue itself
+#: costs up to a factor ``sqrt(r)`` of that reach).
 CHECKED_NEWTON_CONDITION = 1e4
+
+
+def takes_eigh(t: torch.Tensor) -> bool:
+    """Whether an inverse square root without a series bound takes the eigendecomposition on ``t``'s device: on the
+    :data:`EIGH_DEVICES`, and on ``meta`` tensors (shapes only: the checked path would read values)."""
+    return t.device.type in EIGH_DEVICES or t.device.type == "meta"
 
 
 def sym(a: torch.Tensor) -> torch.Tensor:
@@ -218,7 +225,8 @@ def inv_sqrt_checked(gram: torch.Tensor) -> torch.Tensor:
     Newton–Schulz with a residual check: matrix products and one host synchronisation, for accelerators.
 
     Each matrix :math:`A` is scaled by a bound on its largest eigenvalue, the smaller of its Frobenius norm and
-    its largest absolute row sum (Gershgorin), :math:`c = \min(\|A\|_F, \|A\|_\infty) \ge \lambda_{\max}(A)`,
+    its largest absolute row sum (Gershgorin), :math:`c = \min(\|A\|_F, \|A\|_\infty) \ge \lambda_{\max}(A)`
+    (both at most :math:`\sqrt r\,\lambda_{\max}`),
     and :math:`A / c` is run through the coupled iteration of :func:`inv_sqrt_newton` for the
     :func:`newton_iterations` that reach rounding from condition :data:`CHECKED_NEWTON_CONDITION`. Every iterate
     is a polynomial in :math:`A`, so :math:`Y_K = (A/c) Z_K` and the residual :math:`E = Z_K Y_K - I` gives
@@ -226,10 +234,13 @@ def inv_sqrt_checked(gram: torch.Tensor) -> torch.Tensor:
     whose residual exceeds a few units of roundoff per inner product, :math:`\max_{ij} |E_{ij}| > 8 r u`
     (condition beyond the iteration's reach, rank deficiency, or a non-finite entry), is recomputed by
     :func:`inv_sqrt_spd`, so the result is that of the eigendecomposition wherever Newton–Schulz has not
-    converged. Returns :math:`\operatorname{sym}(Z_K) / \sqrt{c}`.
+    converged. Returns :math:`\operatorname{sym}(Z_K) / \sqrt{c}`. bfloat16 and float16 matrices are computed in
+    float32 (:func:`compute_dtype`; their own roundoff would make the check empty) and rounded back.
     """
+    if gram.numel() == 0:
+        return gram.clone()
     r = gram.shape[-1]
-    a = gram.reshape(-1, r, r)
+    a = gram.reshape(-1, r, r).to(compute_dtype(gram.dtype))
     tiny = torch.finfo(a.dtype).tiny
     bound = torch.minimum(torch.linalg.matrix_norm(a), a.abs().sum(dim=-1).amax(dim=-1))
     c = bound.clamp_min(tiny)[:, None, None]
@@ -242,10 +253,10 @@ def inv_sqrt_checked(gram: torch.Tensor) -> torch.Tensor:
     if bool(unresolved.any()):
         index = unresolved.nonzero().squeeze(-1)
         x = x.index_put((index,), inv_sqrt_spd(a[index]))
-    return x.reshape(gram.shape)
+    return x.reshape(gram.shape).to(gram.dtype)
 
 
-def polar(y: torch.Tensor, *, order: int | None = None) -> torch.Tensor:
+def polar(y: torch.Tensor, *, order: int | None = None, synchronize: bool = True) -> torch.Tensor:
     r"""Orthonormal polar factor :math:`Y (Y^\top Y)^{-1/2}` of a stack of full-rank ``d x r`` matrices.
 
     The Gram matrix :math:`Y^\top Y` is formed from the actual ``Y`` (not from the identity
@@ -259,14 +270,17 @@ def polar(y: torch.Tensor, *, order: int | None = None) -> torch.Tensor:
     order : int or None
         ``None`` computes :math:`(Y^\top Y)^{-1/2}` exactly: by an ``r x r`` eigendecomposition on the
         :data:`EIGH_DEVICES`, by :func:`inv_sqrt_checked` elsewhere (Newton–Schulz, with the eigendecomposition
-        for any matrix it has not resolved); an
+        for any matrix it has not resolved; see ``synchronize``); an
         integer uses :func:`inv_sqrt_series` of that order, which callers may choose only when they know
         a bound on :math:`\|Y^\top Y - I\|_2` (see :func:`series_order`).
+    synchronize : bool, default True
+        Whether the checked path may read its residual on the host (one synchronisation). ``False`` (a capturable
+        optimizer step, which must read nothing on the host) keeps the eigendecomposition everywhere.
     """
     gram = y.transpose(-1, -2) @ y
     if order is not None:
         x = inv_sqrt_series(gram, order)
-    elif y.device.type in EIGH_DEVICES:
+    elif takes_eigh(y) or not synchronize:
         x = inv_sqrt_spd(gram)
     else:
         x = inv_sqrt_checked(gram)

@@ -174,6 +174,25 @@ def test_checked_newton_schulz_hands_what_it_has_not_resolved_to_the_eigendecomp
     assert torch.isnan(eigh_calls[-1]).any() and eigh_calls[-1].shape == (3, 6, 6)
 
 
+def test_checked_newton_schulz_edge_cases(monkeypatch):
+    # bfloat16 computes in float32 (in bf16 the residual check 8 r u would be >= 1 at r >= 32 and accept anything)
+    gram = _worst_case_grams(1.0, r=64, n=2)
+    gram[1] = 0.0  # singular: must be sent to eigh, as in float32
+    approx = _linalg.inv_sqrt_checked(gram.to(torch.bfloat16))
+    assert approx.dtype == torch.bfloat16
+    expected = _linalg.inv_sqrt_spd(gram.float())
+    assert torch.equal(approx[1], expected[1].to(torch.bfloat16))
+    assert (approx[0].double() - torch.from_numpy(_reference_inv_sqrt(gram[:1]))[0]).abs().max() < 2e-2
+    # empty stacks and zero-width frames keep their shapes
+    for shape in [(0, 5, 5), (3, 0, 0), (2, 0, 4, 4)]:
+        assert _linalg.inv_sqrt_checked(torch.zeros(shape)).shape == shape
+    # meta tensors (shapes only) take eigh: the checked path would read values
+    monkeypatch.setattr(_linalg, "EIGH_DEVICES", frozenset())
+    y = torch.empty(2, 7, 3, device="meta")
+    assert _linalg.polar(y).shape == (2, 7, 3) and _linalg.takes_eigh(y)
+    assert not _linalg.takes_eigh(torch.empty(1))  # companion: the CPU without its exemption does not
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_polar_off_the_eigh_devices_takes_checked_newton_schulz_and_matches_the_svd(monkeypatch, dtype):
     """Run here by lifting the CPU's exemption: the polar factor of a moved frame (a step of norm 5, beyond any
@@ -188,6 +207,8 @@ def test_polar_off_the_eigh_devices_takes_checked_newton_schulz_and_matches_the_
     polar = _linalg.polar(y.to(dtype)).double().numpy()
     assert calls == [(3, 8, 8)]
     assert np.abs(polar - u @ vh).max() < 64 * torch.finfo(dtype).eps
+    _linalg.polar(y.to(dtype), synchronize=False)  # a capturable caller: eigh, no host read
+    assert len(calls) == 1
     monkeypatch.setattr(_linalg, "EIGH_DEVICES", frozenset({"cpu"}))
     _linalg.polar(y.to(dtype))
     assert len(calls) == 1

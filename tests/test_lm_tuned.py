@@ -297,6 +297,32 @@ def test_report_states_an_incomplete_grid(synthetic):
     assert "**The grid is incomplete**: missing stiefel at lr 0.01 seed 1" in (out / "report.md").read_text()
 
 
+def test_final_seeds_that_decided_the_selection_are_refused_even_beyond_the_seeds_passed(synthetic):
+    """An arm selects on every seed it has at all its grid points, not only on --seeds: a seed 2 present everywhere
+    in the grid decides the selection too, so final seed 2 is refused, naming free seeds; nothing is trained."""
+    from geoopt_stiefel_attention.experiments.config import config_from_dict
+
+    out, best = synthetic
+    config = config_from_dict(LMConfig, tuned.find_config(out))
+    for lr in (1e-3, 3e-3, 1e-2):
+        for arm in best:
+            _write_run(out / f"lr-{lr:g}", tuned.with_lr(config, lr), arm, 2,
+                       [{"epoch": 0, "val_bpb": 8.0}, {"epoch": 2, "val_bpb": 2.5}])
+    shutil.rmtree(out / "final")
+
+    def build_task(*_):
+        raise AssertionError("nothing may be trained")
+
+    with pytest.raises(ValueError, match=r"seed\(s\) 2 selected the lrs .* --final-seeds 3 4"):
+        tuned.run_tuned(config, out, build_task, arms=list(best), seeds=[0, 1], final_seeds=[2, 3],
+                        allow_unbracketed=True, skip_report=True)
+    assert not (out / "final").exists()
+    # companion: seeds that no grid run has pass the check (and reach the training, stubbed here)
+    with pytest.raises(AssertionError, match="nothing may be trained"):
+        tuned.run_tuned(config, out, build_task, arms=list(best), seeds=[0, 1], final_seeds=[3, 4],
+                        allow_unbracketed=True, skip_report=True)
+
+
 def test_report_names_a_diverged_grid_point(synthetic):
     out, best = synthetic
     run = out / "lr-0.01/runs/adamw/seed1/metrics.jsonl"

@@ -765,6 +765,34 @@ def test_capturable_step_reads_no_tensor_on_the_host():
         opt.step()
 
 
+@pytest.mark.parametrize("second_moment", ["frame", "column", "element", None])
+@pytest.mark.parametrize("trust_region", [0.1, None])
+def test_capturable_step_off_the_eigh_devices_reads_nothing_for_every_second_moment(monkeypatch, second_moment,
+                                                                                     trust_region):
+    """Off the EIGH_DEVICES (an accelerator, run here by lifting the CPU's exemption) the capturable step must not
+    take the checked retraction, which reads its residual on the host: neither the fused kernel nor the ablation
+    variants' reference update. Companion: outside capturable mode, with no trust region, it does read (and is
+    caught)."""
+    from geoopt_stiefel_attention import _linalg
+
+    monkeypatch.setattr(_linalg, "EIGH_DEVICES", frozenset())
+    options = dict(second_moment=second_moment, adjust_lr_fn="match_rms_adamw", trust_region=trust_region)
+    params, grads = _capturable_setup(second_moment=second_moment)
+    opt = _run_frames(params, grads, 1, capturable=True, **options)
+    for gs in grads[1:3]:
+        for p, g in zip(params, gs, strict=True):
+            p.grad = g.clone()
+        with _NoHostReads():
+            opt.step()
+    if trust_region is None:
+        params, grads = _capturable_setup(second_moment=second_moment)
+        opt = _run_frames(params, grads, 1, capturable=False, **options)
+        for p, g in zip(params, grads[1], strict=True):
+            p.grad = g.clone()
+        with pytest.raises(AssertionError, match="host read"), _NoHostReads():
+            opt.step()
+
+
 def test_capturable_bf16_frames_with_float32_master_copies_match_the_default_path():
     params, grads = _capturable_setup(dtype=torch.bfloat16)
     default = _run_frames(params, grads, 20, master_weights=True, capturable=False)

@@ -774,10 +774,12 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
             if final_seeds and edge and not allow_unbracketed:
                 raise ValueError("--final-seeds: the lr grid does not bracket every arm's optimum: " + "; ".join(edge)
                                  + ". Extend the grid with --arms <arm> --lrs <value>, or pass --allow-unbracketed.")
-            reused = sorted(set(final_seeds) & set(selection["seeds"]))
+            # the seeds that decided the selection: each arm selects on every seed it has at all its grid points
+            deciding = sorted({seed for s in selection["arms"].values() for seed in s["seeds"]})
+            reused = sorted(set(final_seeds) & set(deciding))
             if reused:
-                free = [s for s in range(max([*selection["seeds"], *final_seeds]) + 1 + len(final_seeds))
-                        if s not in selection["seeds"]][:len(final_seeds)]
+                free = [s for s in range(max([*deciding, *final_seeds]) + 1 + len(final_seeds))
+                        if s not in deciding][:len(final_seeds)]
                 raise ValueError(f"--final-seeds {' '.join(map(str, final_seeds))}: seed(s) "
                                  f"{', '.join(map(str, reused))} selected the lrs on the grid; their final runs would "
                                  f"repeat the grid runs that won the selection, so the test readout would not be "

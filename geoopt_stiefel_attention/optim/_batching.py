@@ -286,7 +286,7 @@ def update_batch(optimizer: Any, group: dict[str, Any], params: list[torch.Tenso
         order = None if radius is None else _linalg.series_order(float(radius) ** 2, ct)
         w, m, v, finite = stiefel_adam_update(batch.w, -batch.g if group["maximize"] else batch.g, batch.m,
                                               batch.v, second_moment=group["second_moment"],
-                                              series_order=order, **hyper)
+                                              series_order=order, capturable=capturable, **hyper)
         batch.w.copy_(w)
         batch.m.copy_(m)
         batch.v.copy_(v)

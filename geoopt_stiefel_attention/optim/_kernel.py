@@ -55,12 +55,14 @@ def _frame_update_(
     ``W`` bit-identical the same way; their moments are updated. On CPU the masking runs only when a
     frame is actually skipped and the series order follows the largest step actually taken (reading a CPU
     tensor costs no synchronisation); on other devices, and with ``capturable=True`` on any device, the
-    masking always runs and the order follows the trust radius, so the step reads no tensor on the host; on an
-    accelerator a trust radius beyond the series' reach is retracted by :func:`~.._linalg.inv_sqrt_newton` with
-    the iteration count that radius needs (matrix products only; :data:`~.._linalg.EIGH_DEVICES` keep the
-    eigendecomposition). A step without trust region (no bound to choose either from) takes the
-    eigendecomposition on the :data:`~.._linalg.EIGH_DEVICES` and with ``capturable=True``, and elsewhere
-    :func:`~.._linalg.inv_sqrt_checked` (Newton-Schulz with a residual check, one synchronisation).
+    masking always runs and the order follows the trust radius; on an accelerator a trust radius beyond the
+    series' reach is retracted by :func:`~.._linalg.inv_sqrt_newton` with the iteration count that radius needs
+    (matrix products only; :data:`~.._linalg.EIGH_DEVICES` keep the eigendecomposition). A step with no such
+    bound (no trust region, or a radius too large for any iteration count) takes the eigendecomposition on the
+    :data:`~.._linalg.EIGH_DEVICES` and with ``capturable=True``, and elsewhere
+    :func:`~.._linalg.inv_sqrt_checked` (Newton-Schulz with a residual check: one synchronisation, the only host
+    read of a step off the CPU outside capturable mode). With ``capturable=True`` the step reads no tensor on the
+    host.
 
     Returns the boolean ``(n, 1, 1)`` mask of updated frames.
     """
@@ -113,7 +115,7 @@ def _frame_update_(
             radius = min(radius, float((alpha * m_norm).amax()))
         bound = radius**2 + _rounding_margin(w.dtype)
         order = _linalg.series_order(bound, w.dtype)
-        if order is None and not on_host and w.device.type not in _linalg.EIGH_DEVICES:
+        if order is None and not on_host and not _linalg.takes_eigh(w):
             # off the host a step beyond the series' reach is retracted by Newton-Schulz (matrix products, no
             # synchronisation); torch's batched eigh of r > 32 matrices on CUDA loops over them one by one
             newton = _linalg.newton_iterations(bound, w.dtype)
@@ -127,7 +129,7 @@ def _frame_update_(
         x = _linalg.inv_sqrt_series(gram, order)
     elif newton is not None:
         x = _linalg.inv_sqrt_newton(gram, bound, newton)
-    elif capturable or w.device.type in _linalg.EIGH_DEVICES:
+    elif capturable or _linalg.takes_eigh(w):
         x = _linalg.inv_sqrt_spd(gram)
     else:  # an accelerator, allowed to synchronise: Newton-Schulz, eigh only for what it has not resolved
         x = _linalg.inv_sqrt_checked(gram)

@@ -36,6 +36,7 @@ def stiefel_adam_update(
     series_order: int | None = None,
     constrained: bool = True,
     weight_decay: float = 0.0,
+    capturable: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     r"""One StiefelAdam update of a stack of frames; pure (returns new tensors, changes none of its inputs).
 
@@ -79,13 +80,17 @@ def stiefel_adam_update(
     second_moment : {"frame", "column", "element", None}
         Which second moment scales the step.
     series_order : int or None
-        ``None`` retracts with an exact ``r x r`` eigendecomposition; an integer uses the Taylor series of
-        that order, valid only when it was chosen by :func:`_linalg.series_order` for ``trust_region**2``.
+        ``None`` retracts exactly (:func:`_linalg.polar`: an ``r x r`` eigendecomposition on the CPU, checked
+        Newton–Schulz on accelerators); an integer uses the Taylor series of that order, valid only when it was
+        chosen by :func:`_linalg.series_order` for ``trust_region**2``.
     constrained : bool, default True
         ``False``: no projector, retraction or transport (see above); the result is not a frame.
     weight_decay : float, default 0
         Decoupled decay :math:`\lambda` of an unconstrained matrix; only with ``constrained=False`` (on
         :math:`\mathrm{St}(d, r)` weight decay has zero Riemannian gradient, so a frame has none).
+    capturable : bool, default False
+        ``True`` (the optimizer's capturable step): the retraction reads nothing on the host, so off the CPU it
+        keeps the eigendecomposition instead of checked Newton–Schulz (``polar(..., synchronize=False)``).
 
     Returns
     -------
@@ -127,7 +132,7 @@ def stiefel_adam_update(
         w_new = w * (1.0 - lr * weight_decay) - s if weight_decay else w - s
         return torch.where(finite, w_new, w), m, v, finite  # decay applies to a zero step too
     moving = finite & (s != 0).any(dim=-1, keepdim=True).any(dim=-2, keepdim=True)
-    w_new = _linalg.polar(w - s, order=series_order)
+    w_new = _linalg.polar(w - s, order=series_order, synchronize=not capturable)
     m_new = _linalg.proju(w_new, m)
     # skipped frames and frames without a step come back bit-identical (a zero-step retraction would round them)
     return torch.where(moving, w_new, w), torch.where(moving, m_new, m), v, finite
