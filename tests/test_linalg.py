@@ -225,6 +225,18 @@ def test_polar_matches_svd_polar_factor(order):
     assert np.abs(_linalg.polar_svd(y).numpy() - reference).max() < EXACT_TOL
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the accelerators' retraction)")
+def test_polar_on_cuda_takes_checked_newton_schulz_and_matches_the_svd(monkeypatch):
+    calls = []
+    real = _linalg.inv_sqrt_checked
+    monkeypatch.setattr(_linalg, "inv_sqrt_checked", lambda a: calls.append(a.device.type) or real(a))
+    w = _frames(6, 64, 16)
+    y = w - _linalg.proju(w, 5.0 * torch.randn_like(w) / 8.0)
+    u, _, vh = np.linalg.svd(y.numpy(), full_matrices=False)
+    polar = _linalg.polar(y.cuda()).cpu().numpy()
+    assert calls == ["cuda"] and np.abs(polar - u @ vh).max() < 64 * torch.finfo(torch.float64).eps
+
+
 def test_cap_step_caps_each_frame_independently():
     s = torch.randn(5, 7, 3, dtype=torch.float64)
     s[0] *= 1e-3
