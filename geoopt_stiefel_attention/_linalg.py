@@ -23,6 +23,7 @@ __all__ = [
     "newton_iterations",
     "inv_sqrt_newton",
     "inv_sqrt_checked",
+    "inv_sqrt",
     "takes_eigh",
     "EIGH_DEVICES",
     "CHECKED_NEWTON_CONDITION",
@@ -256,6 +257,15 @@ def inv_sqrt_checked(gram: torch.Tensor) -> torch.Tensor:
     return x.reshape(gram.shape).to(gram.dtype)
 
 
+def inv_sqrt(gram: torch.Tensor, *, synchronize: bool = True) -> torch.Tensor:
+    """Exact inverse square root of a stack of SPD matrices with no bound known in advance, by the device's method:
+    :func:`inv_sqrt_spd` on the :data:`EIGH_DEVICES` (and meta tensors, see :func:`takes_eigh`) or when the caller
+    may not ``synchronize`` (a capturable step reads nothing on the host); :func:`inv_sqrt_checked` elsewhere."""
+    if takes_eigh(gram) or not synchronize:
+        return inv_sqrt_spd(gram)
+    return inv_sqrt_checked(gram)
+
+
 def polar(y: torch.Tensor, *, order: int | None = None, synchronize: bool = True) -> torch.Tensor:
     r"""Orthonormal polar factor :math:`Y (Y^\top Y)^{-1/2}` of a stack of full-rank ``d x r`` matrices.
 
@@ -278,12 +288,7 @@ def polar(y: torch.Tensor, *, order: int | None = None, synchronize: bool = True
         optimizer step, which must read nothing on the host) keeps the eigendecomposition everywhere.
     """
     gram = y.transpose(-1, -2) @ y
-    if order is not None:
-        x = inv_sqrt_series(gram, order)
-    elif takes_eigh(y) or not synchronize:
-        x = inv_sqrt_spd(gram)
-    else:
-        x = inv_sqrt_checked(gram)
+    x = inv_sqrt(gram, synchronize=synchronize) if order is None else inv_sqrt_series(gram, order)
     return y @ x
 
 

@@ -245,16 +245,16 @@ def select_lrs(grid: Mapping[str, Any], *, arms: Sequence[str] | None = None,
             continue
         rows = [{"lr": lr, "mean": sum(per_lr[lr][s] for s in common) / len(common),
                  "per_seed": {str(s): per_lr[lr][s] for s in common}} for lr in lrs]
-        diverged = [r["lr"] for r in rows if not math.isfinite(r["mean"])]
+        # a diverged point (NaN or inf mean) scores inf: below every finite one (a NaN would never compare)
+        scores = [r["mean"] if math.isfinite(r["mean"]) else math.inf for r in rows]
+        diverged = [r["lr"] for r, score in zip(rows, scores, strict=True) if score == math.inf]
         if len(diverged) == len(rows):
             missing.append(f"{arm}: every grid point diverged (non-finite validation bpb); add smaller lrs")
             continue
         if diverged:
             warnings.warn(f"lr selection: {arm} diverged at lr {', '.join(map(_lr_text, diverged))} (non-finite "
                           f"validation bpb); such a point counts as worse than every finite one", stacklevel=2)
-        # a diverged point (NaN or inf) ranks below every finite one; a NaN would otherwise never compare
-        k = min(range(len(rows)), key=lambda i: (not math.isfinite(rows[i]["mean"]), rows[i]["mean"]
-                                                 if math.isfinite(rows[i]["mean"]) else 0.0))
+        k = min(range(len(rows)), key=scores.__getitem__)
         best = rows[k]["lr"]
         bracketed = 0 < k < len(rows) - 1
         edge = None if bracketed else ("only" if len(rows) == 1 else ("low" if k == 0 else "high"))

@@ -129,10 +129,8 @@ def _frame_update_(
         x = _linalg.inv_sqrt_series(gram, order)
     elif newton is not None:
         x = _linalg.inv_sqrt_newton(gram, bound, newton)
-    elif capturable or _linalg.takes_eigh(w):
-        x = _linalg.inv_sqrt_spd(gram)
-    else:  # an accelerator, allowed to synchronise: Newton-Schulz, eigh only for what it has not resolved
-        x = _linalg.inv_sqrt_checked(gram)
+    else:  # no bound: eigh, or on an accelerator allowed to synchronise checked Newton-Schulz
+        x = _linalg.inv_sqrt(gram, synchronize=not capturable)
     if masked:
         x = torch.where(moving, x, torch.eye(x.shape[-1], dtype=x.dtype, device=x.device))
     if row_major:
