@@ -10,6 +10,7 @@ import math
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -287,6 +288,28 @@ def test_equal_wallclock_reads_each_arm_at_the_steps_that_fit_the_budget(synthet
                                  records={"a": {0: [{"epoch": 1, "test_bpb": 3.0}, {"epoch": 2, "test_bpb": 2.0}]},
                                           "b": {0: [{"epoch": 1, "test_bpb": 3.5}, {"epoch": 2, "test_bpb": 2.5}]}})
     assert same["arms"]["b"]["epoch_read"] == [2] and same["arms"]["b"]["test_bpb"] == {"0": 2.5}
+
+
+def _rewrite_grid_records(out: Path, change: Callable[[dict], dict]) -> None:
+    for metrics in out.glob(f"{tuned.GRID_PREFIX}*/runs/*/seed*/metrics.jsonl"):
+        rows = [change(json.loads(line)) for line in metrics.read_text().splitlines()]
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_grids_test_numbers_are_never_read(synthetic):
+    """The grid's runs hold test numbers (one training loop evaluates every split): they must change neither the
+    selection nor a byte of the report; companion: the same kind of change to validation moves the selection."""
+    out, best = synthetic
+    tuned.finalize_tuned(out, LMConfig)
+    before = {f: (out / f).read_bytes() for f in ("report.md", "summary.json")}
+    # test bpb that ranks every arm's lrs backwards (the worst validation point best), in every set and epoch
+    _rewrite_grid_records(out, lambda r: {**r, **{f"{s}_bpb": -r["val_bpb"] for s in tuned.CATEGORY_SETS}})
+    tuned.finalize_tuned(out, LMConfig)
+    assert {f: (out / f).read_bytes() for f in before} == before
+    # companion: validation numbers are what the selection reads
+    _rewrite_grid_records(out, lambda r: {**r, "val_bpb": -r["val_bpb"]})
+    moved = tuned.finalize_tuned(out, LMConfig).summary["selection"]["arms"]
+    assert {a: s["best_lr"] for a, s in moved.items()} != best
 
 
 def test_report_states_an_incomplete_grid(synthetic):

@@ -30,7 +30,9 @@ disjoint from the grid's (refused otherwise): a run of the final cell never repe
 selection, so its test readout is independent of the selection (no winner's curse). The test split is
 read once, here: test bits per byte per arm with a Student-t 95% interval, and paired differences against
 ``adamw`` and against ``muon`` (paired t, sign test, Holm's adjustment over the family of every comparison of
-the table), overall and per category (``code``, ``prose``, ``data``).
+the table), overall and per category (``code``, ``prose``, ``data``). Every run evaluates every split (one
+training loop), so the grid's records hold test numbers too; :func:`read_grid` reads only the final validation
+bpb, and nothing reads the grid's test numbers.
 
 **Equal wall-clock** (:func:`equal_wallclock`). With :math:`t_a` the median seconds per training step of arm
 :math:`a` in the timing pass and :math:`N` the steps of a full run, the common budget is the fastest arm's full
@@ -585,8 +587,9 @@ def _render(summary: Mapping[str, Any], config: Any) -> list[str]:
              f"schedule, warm-up {config.warmup_fraction:g}); betas {o.betas}, weight decay {o.weight_decay:g}, "
              f"frame steps adjust_lr_fn={o.adjust_lr_fn!r}, frame lr "
              f"{'= the arm lr' if o.frame_lr is None else f'{o.frame_lr:g} (fixed)'}, trust radius {o.trust_region}. "
-             "The lr is each arm's one knob; it was chosen on validation, and the test split is read once, in the "
-             "final cell.", ""]
+             "The lr is each arm's one knob; it was chosen on validation bpb alone, and the test split is read "
+             "once, in the final cell (every run evaluates every split, so the grid's records also hold test "
+             "numbers; neither the selection nor this report reads them).", ""]
     lines += ["## 1. Learning-rate grid (validation, final bpb, mean over seeds)", ""]
     if sel["missing"]:
         lines += ["**The grid is incomplete**: missing " + "; ".join(sel["missing"]) + ". The selection below "
