@@ -416,7 +416,7 @@ def _grids() -> dict[str, list[float]]:
     return {ln.split()[2]: [float(v) for v in ln.split()[3:]] for ln in lines if ln.startswith("# grid ")}
 
 
-def test_tuned_args_parse_and_every_grid_has_five_values_about_three_apart():
+def test_tuned_args_parse_and_every_grid_has_at_least_five_values_about_three_apart():
     import argparse
 
     from geoopt_stiefel_attention.experiments.lm import STUDY, config_from_args
@@ -432,6 +432,6 @@ def test_tuned_args_parse_and_every_grid_has_five_values_about_three_apart():
     assert set(grids) == {"adamw", "muon", "stiefel", "stiefel-muon"}
     for arm, values in grids.items():
         ratios = [b / a for a, b in zip(values, values[1:], strict=False)]
-        assert len(values) == 5 and all(2.9 < r < 3.4 for r in ratios), (arm, values)
+        assert len(values) >= 5 and all(2.9 < r < 3.4 for r in ratios), (arm, values)
     script = (ROOT / "studies/lm/run_tuned.sh").read_text()
     assert "--final-seeds" in script and "--time-steps" in script and "tuned.args" in script
