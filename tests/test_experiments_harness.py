@@ -261,7 +261,9 @@ def test_weight_norms_written_out():
 
 
 # ------------------------------------------------------------------------------------------ training loop
-ARM_NAMES = ("adamw", "stiefel", "geoopt-radam", "geoopt-rsgd")
+#: every arm that trains the toy model; muon and stiefel-muon step through OptimizerGroup (two optimizers, one
+#: checkpoint), whose resume once turned StiefelAdam's tensor step counters into ints and crashed
+ARM_NAMES = ("adamw", "stiefel", "geoopt-radam", "geoopt-rsgd", "muon", "stiefel-muon")
 
 
 @pytest.mark.parametrize("arm", ARM_NAMES)

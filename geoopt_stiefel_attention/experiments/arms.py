@@ -177,7 +177,7 @@ def _restore_geoopt_int_steps(opt: torch.optim.Optimizer) -> None:
     corrections ``beta ** step`` in float32 instead of float64, so a resumed run would drift from an
     uninterrupted one in the last bits. Converting the counters back keeps resumed runs bit-identical.
     """
-    if not type(opt).__module__.startswith("geoopt"):
+    if type(opt).__module__.split(".")[0] != "geoopt":  # not geoopt_stiefel_attention: StiefelAdam keeps tensors
         return
     for state in opt.state.values():
         step = state.get("step")
