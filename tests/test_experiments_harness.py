@@ -262,7 +262,8 @@ def test_weight_norms_written_out():
 
 # ------------------------------------------------------------------------------------------ training loop
 #: every arm that trains the toy model; muon and stiefel-muon step through OptimizerGroup (two optimizers, one
-#: checkpoint), whose resume once turned StiefelAdam's tensor step counters into ints and crashed
+#: checkpoint), whose resume once turned StiefelAdam's tensor step counters into ints (a test of geoopt's module
+#: name matched geoopt_stiefel_attention) and crashed
 ARM_NAMES = ("adamw", "stiefel", "geoopt-radam", "geoopt-rsgd", "muon", "stiefel-muon")
 
 

@@ -432,6 +432,8 @@ def test_tuned_args_parse_and_every_grid_has_at_least_five_values_about_three_ap
     assert set(grids) == {"adamw", "muon", "stiefel", "stiefel-muon"}
     for arm, values in grids.items():
         ratios = [b / a for a, b in zip(values, values[1:], strict=False)]
-        assert len(values) >= 5 and all(2.9 < r < 3.4 for r in ratios), (arm, values)
+        # the five common points, then at most the extensions the selection asked for (one ratio beyond an edge)
+        assert values[:5] == [3e-4, 1e-3, 3e-3, 1e-2, 3e-2] and all(2.9 < r < 3.4 for r in ratios), (arm, values)
+    assert grids["muon"][5:] == [9e-2] and all(len(v) == 5 for a, v in grids.items() if a != "muon")
     script = (ROOT / "studies/lm/run_tuned.sh").read_text()
     assert "--final-seeds" in script and "--time-steps" in script and "tuned.args" in script

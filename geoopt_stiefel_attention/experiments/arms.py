@@ -169,20 +169,21 @@ def split_frame_groups(groups: Iterable[dict[str, Any]], optim: OptimConfig
     return frame_groups, other_groups
 
 
-def _restore_geoopt_int_steps(opt: torch.optim.Optimizer) -> None:
-    """Give a stock geoopt optimizer back the Python-int step counters it keeps itself.
+def _restore_int_steps(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Give back the Python-int step counters of ``saved`` (the state dict ``opt`` just loaded) as ints.
 
-    ``geoopt.optim.RiemannianAdam`` subclasses ``torch.optim.Adam``, whose ``__setstate__`` (run by
-    ``load_state_dict``) turns every ``state["step"]`` into a float32 tensor; geoopt then computes its bias
-    corrections ``beta ** step`` in float32 instead of float64, so a resumed run would drift from an
-    uninterrupted one in the last bits. Converting the counters back keeps resumed runs bit-identical.
+    Stock geoopt optimizers keep ``state["step"]`` as a Python int. ``geoopt.optim.RiemannianAdam`` subclasses
+    ``torch.optim.Adam``, whose ``__setstate__`` (run by ``load_state_dict``) turns every ``state["step"]`` into a
+    float32 tensor; geoopt then computes its bias corrections ``beta ** step`` in float32 instead of float64, so
+    a resumed run would drift from an uninterrupted one in the last bits. Restoring the saved type keeps resumed
+    runs bit-identical; optimizers that save tensor counters (torch's, StiefelAdam) keep their tensors.
     """
-    if type(opt).__module__.split(".")[0] != "geoopt":  # not geoopt_stiefel_attention: StiefelAdam keeps tensors
-        return
-    for state in opt.state.values():
-        step = state.get("step")
-        if isinstance(step, torch.Tensor) and step.ndim == 0:
-            state["step"] = int(step.item())
+    ids = [i for group in saved["param_groups"] for i in group["params"]]
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for i, p in zip(ids, params, strict=True):
+        step = saved["state"].get(i, {}).get("step")
+        if isinstance(step, int) and isinstance(opt.state[p].get("step"), torch.Tensor):
+            opt.state[p]["step"] = step
 
 
 class OptimizerGroup:
@@ -224,7 +225,7 @@ class OptimizerGroup:
                              f"got {None if members is None else len(members)}; was it saved by another arm?")
         for opt, sd in zip(self.optimizers, members, strict=True):
             opt.load_state_dict(sd)
-            _restore_geoopt_int_steps(opt)
+            _restore_int_steps(opt, sd)
 
     def __repr__(self) -> str:
         return "OptimizerGroup(" + ", ".join(type(o).__name__ for o in self.optimizers) + ")"
