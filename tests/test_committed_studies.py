@@ -58,7 +58,7 @@ def test_report_only_rebuilds_every_committed_vision_study(tmp_path, name):
 #: the other committed studies with records: (command, folder under studies/)
 OTHER_STUDIES = [("grokking", "grokking/runs/p97_add_5seeds"), ("grokking", "grokking/runs/p97_add_arms10"),
                  ("lm", "lm/runs/full"), ("lm", "lm/runs/pilot"),
-                 ("lm", "lm/runs/lr-3e-3")]
+                 ("lm", "lm/runs/lr-3e-3"), ("lm", "lm/runs/tuned")]
 
 
 #: the grokking check of the frame-step rule: one study folder per multiplier, those whose report is committed

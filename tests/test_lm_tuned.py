@@ -411,6 +411,16 @@ def test_readme_table_of_the_synthetic_study_quotes_only_its_summary(synthetic):
     assert good in table and tuned.numbers_not_in_summary(table.replace(good, bad), summary) == [bad]
 
 
+def test_readme_table_of_a_grid_without_final_runs_is_the_placeholder(synthetic):
+    out, _ = synthetic
+    with_final = tuned.readme_table(tuned.finalize_tuned(out, LMConfig).summary)
+    assert tuned.README_PLACEHOLDER not in with_final and len(with_final) == 2 + 3  # companion: a row per arm
+    shutil.rmtree(out / tuned.FINAL_DIR)
+    summary = tuned.finalize_tuned(out, LMConfig).summary
+    assert summary["selection"]["arms"] and not summary["final"]["arms"]
+    assert tuned.readme_table(summary) == [tuned.README_PLACEHOLDER]
+
+
 def _grids() -> dict[str, list[float]]:
     lines = (ROOT / "studies/lm/configs/tuned.args").read_text().splitlines()
     return {ln.split()[2]: [float(v) for v in ln.split()[3:]] for ln in lines if ln.startswith("# grid ")}

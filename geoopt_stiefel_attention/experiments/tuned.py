@@ -677,8 +677,13 @@ README_PLACEHOLDER = ("_No results yet: the study is in progress; the records of
 
 def readme_table(summary: Mapping[str, Any]) -> list[str]:
     """The README's results table of a tuned study, from its ``summary.json``: per arm the selected lr, whether
-    it is bracketed, test bpb with its 95% interval and the paired difference against each baseline."""
+    it is bracketed, test bpb with its 95% interval and the paired difference against each baseline.
+
+    A summary without final runs (the grid alone: the selection is fixed, nothing has read test yet) gives
+    :data:`README_PLACEHOLDER`, which quotes no number."""
     final, sel = summary["final"], summary["selection"]["arms"]
+    if not final["arms"]:
+        return [README_PLACEHOLDER]
     bases = [b for b in BASELINES if b in final["arms"]]
     lines = ["| arm | selected lr | bracketed | seeds | test bpb [95% CI] | "
              + " | ".join(f"− {b} (95% CI), Holm p" for b in bases) + " |", "|---|---|---|---|---|" + "---|" * len(bases)]
