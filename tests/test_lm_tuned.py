@@ -411,14 +411,17 @@ def test_readme_table_of_the_synthetic_study_quotes_only_its_summary(synthetic):
     assert good in table and tuned.numbers_not_in_summary(table.replace(good, bad), summary) == [bad]
 
 
-def test_readme_table_of_a_grid_without_final_runs_is_the_placeholder(synthetic):
+def test_readme_table_quotes_the_final_cell_only_once_it_is_complete(synthetic):
     out, _ = synthetic
     with_final = tuned.readme_table(tuned.finalize_tuned(out, LMConfig).summary)
-    assert tuned.README_PLACEHOLDER not in with_final and len(with_final) == 2 + 3  # companion: a row per arm
-    shutil.rmtree(out / tuned.FINAL_DIR)
+    assert tuned.README_IN_PROGRESS not in with_final and len(with_final) == 2 + 3  # companion: a row per arm
+    shutil.rmtree(out / tuned.FINAL_DIR / "runs" / "muon" / "seed4")  # one arm a seed short
+    assert tuned.readme_table(tuned.finalize_tuned(out, LMConfig).summary) == [tuned.README_IN_PROGRESS]
+    shutil.rmtree(out / tuned.FINAL_DIR)  # the grid alone
     summary = tuned.finalize_tuned(out, LMConfig).summary
     assert summary["selection"]["arms"] and not summary["final"]["arms"]
-    assert tuned.readme_table(summary) == [tuned.README_PLACEHOLDER]
+    assert tuned.readme_table(summary) == [tuned.README_IN_PROGRESS]
+    assert not re.search(r"\d", tuned.README_IN_PROGRESS)
 
 
 def _grids() -> dict[str, list[float]]:
