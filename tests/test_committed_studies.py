@@ -295,3 +295,27 @@ def test_the_grokking_readme_on_start_constraint_or_step_matches_its_records():
         assert text.format(**fmt) in row, (question, text.format(**fmt))
     # companion: a seed that moved would change the table's range; the old in-progress wording is gone
     assert range_deg([1.0, 2.0]) == "1.0–2.0°" and "in progress" not in readme.split("## Start, constraint")[1][:80]
+
+
+def _tuned_paragraphs() -> dict[str, str]:
+    """The words both READMEs say about the tuned study (issue 26): the top README's paragraph and the study
+    README's status, up to its generated results block."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("A comparison tuned against tuned")
+    lm_readme = (ROOT / "studies" / "lm" / "README.md").read_text()
+    section = lm_readme[lm_readme.index("## Tuned against tuned"):]
+    status = section[section.index("**Status** ("):section.index("Results, once the study has run")]
+    return {"README.md": readme[start:readme.index("\n\n", start)], "studies/lm/README.md status": status}
+
+
+def test_the_readmes_words_on_the_tuned_study_quote_only_its_summary():
+    """Issue 26, item 4: every decimal number the READMEs state about the tuned study (lrs, bpb, differences) is one
+    of its summary.json's, at the precision printed; the generated table is checked in test_lm_tuned."""
+    from geoopt_stiefel_attention.experiments.tuned import numbers_not_in_summary
+
+    summary = json.loads((ROOT / "studies" / "lm" / "runs" / "tuned" / "summary.json").read_text())
+    for where, text in _tuned_paragraphs().items():
+        assert numbers_not_in_summary(text, summary) == [], where
+    # companion: a number the summary does not hold is caught in the same text
+    status = _tuned_paragraphs()["studies/lm/README.md status"]
+    assert numbers_not_in_summary(status + " 1.2345 bpb", summary) == ["1.2345"]
