@@ -450,3 +450,7 @@ def test_tuned_args_parse_and_every_grid_has_at_least_five_values_about_three_ap
     assert grids["muon"][5:] == [9e-2] and all(len(v) == 5 for a, v in grids.items() if a != "muon")
     script = (ROOT / "studies/lm/run_tuned.sh").read_text()
     assert "--final-seeds" in script and "--time-steps" in script and "tuned.args" in script
+    # the final cell: at least 5 paired seeds (issue 26), disjoint from the grid's (run_tuned refuses an overlap)
+    final = re.search(r"--seeds ([\d ]+) --final-seeds ([\d ]+)", script)
+    grid_seeds, final_seeds = ({int(v) for v in final.group(k).split()} for k in (1, 2))
+    assert len(final_seeds) >= 5 and not grid_seeds & final_seeds and grid_seeds == {0, 1}

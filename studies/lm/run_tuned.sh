@@ -36,10 +36,10 @@ if [[ $step == grid || $step == all ]]; then
   done
 fi
 if [[ $step == final || $step == all ]]; then
-  for seed in 2 3 4 5 6; do  # disjoint from the grid's seeds: the runs that select an lr never report it
-    # shellcheck disable=SC2086
-    lm --arms $arms --seeds 0 1 --final-seeds "$seed" --skip-report
-  done
+  # seeds disjoint from the grid's: the runs that select an lr never report it. One call, so that WORKERS runs stay
+  # busy across arms and seeds (a call per seed left a worker idle whenever an arm was already done).
+  # shellcheck disable=SC2086
+  lm --arms $arms --seeds 0 1 --final-seeds 2 3 4 5 6 --skip-report
 fi
 if [[ $step == timing || $step == all ]]; then
   # shellcheck disable=SC2086
