@@ -415,8 +415,13 @@ def test_readme_table_quotes_the_final_cell_only_once_it_is_complete(synthetic):
     out, _ = synthetic
     with_final = tuned.readme_table(tuned.finalize_tuned(out, LMConfig).summary)
     assert tuned.README_IN_PROGRESS not in with_final and len(with_final) == 2 + 3  # companion: a row per arm
+    assert "final cell is incomplete" not in (out / tuned.REPORT_FILE).read_text()  # companion of the next check
     shutil.rmtree(out / tuned.FINAL_DIR / "runs" / "muon" / "seed4")  # one arm a seed short
     assert tuned.readme_table(tuned.finalize_tuned(out, LMConfig).summary) == [tuned.README_IN_PROGRESS]
+    shutil.rmtree(out / tuned.FINAL_DIR / "runs" / "stiefel")  # an arm without final runs: the report says so
+    assert tuned.readme_table(tuned.finalize_tuned(out, LMConfig).summary) == [tuned.README_IN_PROGRESS]
+    assert "**The final cell is incomplete**: no finished final run yet for stiefel." in (
+        out / tuned.REPORT_FILE).read_text()
     shutil.rmtree(out / tuned.FINAL_DIR)  # the grid alone
     summary = tuned.finalize_tuned(out, LMConfig).summary
     assert summary["selection"]["arms"] and not summary["final"]["arms"]

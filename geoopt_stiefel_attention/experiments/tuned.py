@@ -619,6 +619,9 @@ def _render(summary: Mapping[str, Any], config: Any) -> list[str]:
     else:
         if final["in_progress"]:
             lines += ["**In progress, left out**: " + "; ".join(final["in_progress"]) + ".", ""]
+        pending = [a for a in sel["arms"] if a not in final["arms"]]
+        if pending:
+            lines += ["**The final cell is incomplete**: no finished final run yet for " + ", ".join(pending) + ".", ""]
         mismatch = [a for a in final["arms"] if a in sel["arms"] and not math.isclose(
             final["lr"][a], sel["arms"][a]["best_lr"], rel_tol=LR_REL_TOL)]
         if mismatch:
