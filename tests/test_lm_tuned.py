@@ -283,6 +283,19 @@ def test_equal_wallclock_reads_each_arm_at_the_steps_that_fit_the_budget(synthet
     assert wall["arms"]["muon"]["steps_fit"] == 10 and wall["arms"]["muon"]["epoch_read"] == [1]
     assert wall["arms"]["stiefel"]["steps_fit"] == 16 and wall["arms"]["stiefel"]["epoch_read"] == [1]
     assert wall["arms"]["muon"]["test_bpb"]["0"] == pytest.approx(FINAL["muon"][0][0] + 0.1, abs=STAT_TOL)
+    # per category too, read at the same epoch (the synthetic categories hold one value at every epoch)
+    assert wall["keys"] == [f"{s}_bpb" for s in tuned.CATEGORY_SETS]
+    for k, name in enumerate(tuned.CATEGORY_SETS[1:], start=1):
+        assert wall["arms"]["muon"][f"{name}_bpb"] == pytest.approx(
+            {str(seed): row[k] for seed, row in enumerate(FINAL["muon"])}, abs=STAT_TOL)
+    from scipy import stats
+
+    code = wall["comparisons"]["test_code: stiefel - adamw"]
+    a, b = ([row[1] for row in FINAL[arm]] for arm in ("stiefel", "adamw"))
+    assert code["mean"] == pytest.approx(sum(x - y for x, y in zip(a, b, strict=True)) / len(a), abs=STAT_TOL)
+    assert code["p_value"] == pytest.approx(stats.ttest_rel(a, b).pvalue, abs=STAT_TOL)
+    report = (out / tuned.REPORT_FILE).read_text()
+    assert "| arm | ms per step | steps that fit | step read | test bpb [95% CI] | test_code bpb [95% CI]" in report
     # companion: equal step times read every arm at its last epoch
     same = tuned.equal_wallclock({"a": 1.0, "b": 1.0}, total_steps=20, steps_per_epoch=10,
                                  records={"a": {0: [{"epoch": 1, "test_bpb": 3.0}, {"epoch": 2, "test_bpb": 2.0}]},

@@ -38,7 +38,8 @@ bpb, and nothing reads the grid's test numbers.
 :math:`a` in the timing pass and :math:`N` the steps of a full run, the common budget is the fastest arm's full
 run, :math:`T = N \min_a t_a` (the largest budget that every arm's records cover). Arm :math:`a` fits
 :math:`n_a = \lfloor T / t_a \rfloor` steps in it; its readout is the test bpb of its last evaluation at or
-before step :math:`n_a` (records are written every ``eval_every`` epochs of ``steps_per_epoch`` steps). A slower
+before step :math:`n_a` (records are written every ``eval_every`` epochs of ``steps_per_epoch`` steps), overall
+and per category, compared as in the final cell. A slower
 arm is read mid-schedule (its cosine decay has not finished), which favours the faster arms: an upper bound on
 what equal wall-clock costs the slower ones, not a run trained for that budget.
 """
@@ -343,27 +344,32 @@ def _median(values: Sequence[float]) -> float:
 
 def equal_wallclock(seconds_per_step: Mapping[str, float], *, total_steps: int, steps_per_epoch: int,
                     records: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
-                    key: str = "test_bpb") -> dict[str, Any]:
+                    keys: str | Sequence[str] = ("test_bpb",)) -> dict[str, Any]:
     """The equal-wall-clock readout (module docstring): the budget ``T`` (seconds), and per arm its seconds per
-    step, the steps ``n_a`` that fit ``T``, the epoch read (its last record at or before step ``n_a``) and the
-    per-seed ``key`` there. ``records`` maps arm -> seed -> that run's records."""
+    step, the steps ``n_a`` that fit ``T``, the epoch read (its last record at or before step ``n_a`` that holds
+    ``keys[0]``) and, for every key of ``keys`` (the overall test bpb and its categories), the per-seed value in
+    that record. ``records`` maps arm -> seed -> that run's records."""
+    keys = [keys] if isinstance(keys, str) else list(keys)
     arms = [a for a in seconds_per_step if a in records]
     if not arms:
-        return {"budget_seconds": None, "arms": {}}
+        return {"budget_seconds": None, "keys": keys, "arms": {}}
     budget = total_steps * min(seconds_per_step[a] for a in arms)
     out = {}
     for arm in arms:
         t = seconds_per_step[arm]
         fits = min(total_steps, int(math.floor(budget / t * (1 + 1e-12))))
-        per_seed, epochs = {}, set()
+        values: dict[str, dict[str, float]] = {k: {} for k in keys}
+        epochs = set()
         for seed, recs in records[arm].items():
-            within = [r for r in recs if r["epoch"] * steps_per_epoch <= fits and r.get(key) is not None]
+            within = [r for r in recs if r["epoch"] * steps_per_epoch <= fits and r.get(keys[0]) is not None]
             if within:
-                per_seed[str(seed)] = float(within[-1][key])
+                for k in keys:
+                    if within[-1].get(k) is not None:
+                        values[k][str(seed)] = float(within[-1][k])
                 epochs.add(int(within[-1]["epoch"]))
         out[arm] = {"seconds_per_step": t, "steps_fit": fits, "epoch_read": sorted(epochs),
-                    "steps_read": sorted(e * steps_per_epoch for e in epochs), key: per_seed}
-    return {"budget_seconds": budget, "key": key, "arms": out}
+                    "steps_read": sorted(e * steps_per_epoch for e in epochs), **values}
+    return {"budget_seconds": budget, "keys": keys, "arms": out}
 
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -539,9 +545,9 @@ def finalize_tuned(out_dir: str | os.PathLike, config_type: type, *, arms: Seque
         sps = {a: v["seconds_per_step"] for a, v in timing["arms"].items() if a in final_arms}
         total = next(iter(final_epochs.values())) * config.steps_per_epoch
         wall = equal_wallclock(sps, total_steps=total, steps_per_epoch=config.steps_per_epoch,
-                               records={a: final_runs[a] for a in final_arms})
-        wall["comparisons"] = tuned_comparisons({"test": {a: v["test_bpb"] for a, v in wall["arms"].items()}},
-                                                final_arms)
+                               records={a: final_runs[a] for a in final_arms}, keys=[f"{s}_bpb" for s in sets])
+        wall["comparisons"] = tuned_comparisons(
+            {s: {a: v[f"{s}_bpb"] for a, v in wall["arms"].items()} for s in sets}, final_arms)
     trained = _trained_on(out_dir)
     identity = config.corpus_identity or {}
     licence = identity.get("licence")
@@ -647,13 +653,16 @@ def _render(summary: Mapping[str, Any], config: Any) -> list[str]:
                   f"{t['steps_per_round']} steps after a warm-up round, median over rounds. Budget: the fastest arm's "
                   f"full run, {wall['budget_seconds']:.3g} s; each arm is read at its last evaluation within the "
                   "steps that fit the budget (a slower arm mid-schedule, before its decay ends: this favours the "
-                  "faster arms).", "",
-                  "| arm | ms per step | steps that fit | step read | test bpb [95% CI] |", "|---|---|---|---|---|"]
+                  "faster arms).", ""]
+        wall_sets = [k.removesuffix("_bpb") for k in wall["keys"]]
+        lines += ["| arm | ms per step | steps that fit | step read | "
+                  + " | ".join(f"{s} bpb [95% CI]" for s in wall_sets) + " |", "|---|---|---|---|" + "---|" * len(wall_sets)]
         for a, v in wall["arms"].items():
             lines.append(f"| {a} | {1000 * v['seconds_per_step']:.1f} | {v['steps_fit']:,} | "
                          f"{', '.join(f'{s:,}' for s in v['steps_read']) or '–'} | "
-                         f"{_ci_text(_mean_ci(list(v['test_bpb'].values())))} |")
-        lines += [""] + _comparison_sections(wall["comparisons"], ["test"])
+                         + " | ".join(_ci_text(_mean_ci(list(v[f"{s}_bpb"].values()))) for s in wall_sets) + " |")
+        lines += ["", "Paired differences at equal wall-clock, as in section 2; Holm over every row of this section.",
+                  ""] + _comparison_sections(wall["comparisons"], wall_sets)
 
     lines += ["## Run", ""]
     for name, info in summary["trained_on"].items():
