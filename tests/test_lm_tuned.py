@@ -418,6 +418,11 @@ def test_readme_table_of_the_synthetic_study_quotes_only_its_summary(synthetic):
     summary = tuned.finalize_tuned(out, LMConfig).summary
     table = "\n".join(tuned.readme_table(summary))
     assert "| `muon` | 0.01 | no | 5 |" in table
+    # the overall comparisons in words, final cell and equal wall-clock, each the report's own sentence
+    report = (out / tuned.REPORT_FILE).read_text()
+    words = [ln for ln in table.splitlines() if ln.startswith("- test: ")]
+    assert len(words) == 2 * 3 and all(w in report for w in words)
+    assert "- test: stiefel - adamw: the data suggest `stiefel`'s test bpb is" in table
     assert tuned.numbers_not_in_summary(table, summary) == []
     good = f"{summary['final']['test']['adamw']['test']['mean']:.4f}"
     bad = f"{float(good) + 0.0071:.4f}"  # companion: a misquoted mean is found
@@ -427,7 +432,7 @@ def test_readme_table_of_the_synthetic_study_quotes_only_its_summary(synthetic):
 def test_readme_table_quotes_the_final_cell_only_once_it_is_complete(synthetic):
     out, _ = synthetic
     with_final = tuned.readme_table(tuned.finalize_tuned(out, LMConfig).summary)
-    assert tuned.README_IN_PROGRESS not in with_final and len(with_final) == 2 + 3  # companion: a row per arm
+    assert tuned.README_IN_PROGRESS not in with_final and with_final[2 + 3] == ""  # companion: a row per arm
     assert "final cell is incomplete" not in (out / tuned.REPORT_FILE).read_text()  # companion of the next check
     shutil.rmtree(out / tuned.FINAL_DIR / "runs" / "muon" / "seed4")  # one arm a seed short
     assert tuned.readme_table(tuned.finalize_tuned(out, LMConfig).summary) == [tuned.README_IN_PROGRESS]

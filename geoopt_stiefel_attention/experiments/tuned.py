@@ -690,8 +690,9 @@ README_IN_PROGRESS = ("_No results yet: the lr grid has selected each arm's lr (
 
 
 def readme_table(summary: Mapping[str, Any]) -> list[str]:
-    """The README's results table of a tuned study, from its ``summary.json``: per arm the selected lr, whether
-    it is bracketed, test bpb with its 95% interval and the paired difference against each baseline.
+    """The README's results block of a tuned study, from its ``summary.json``: per arm the selected lr, whether
+    it is bracketed, test bpb with its 95% interval and the paired difference against each baseline; then each
+    overall test comparison in words (the report's sentences), and the same at equal wall-clock where timed.
 
     Until the final cell is complete (every selected arm has final runs, all on the same seeds, none unfinished)
     it gives :data:`README_IN_PROGRESS`, which quotes no number: a partial cell is in ``report.md``, not in the
@@ -716,6 +717,13 @@ def readme_table(summary: Mapping[str, Any]) -> list[str]:
             diffs.append(f"{c['mean']:+.4f}{ci}{p}")
         lines.append(f"| `{a}` | {_lr_text(final['lr'][a])} | {'yes' if s.get('bracketed') else 'no'} | "
                      f"{len(final['seeds'][a])} | {_ci_text(final['test'][a].get('test', {}))} | " + " | ".join(diffs) + " |")
+    lines += ["", "In words, by the report's rule (\"suggest\" unless the Holm-adjusted paired t says otherwise):", ""]
+    lines += [_sentence(k, c) for k, c in final["comparisons"].items() if k.startswith("test: ")]
+    wall = summary.get("equal_wallclock") or {}
+    if wall.get("comparisons"):
+        lines += ["", "At equal wall-clock (each arm read at the last evaluation within the fastest arm's full-run "
+                  "time; the report has the step times):", ""]
+        lines += [_sentence(k, c) for k, c in wall["comparisons"].items() if k.startswith("test: ")]
     return lines
 
 
