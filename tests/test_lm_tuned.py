@@ -301,6 +301,10 @@ def test_equal_wallclock_reads_each_arm_at_the_steps_that_fit_the_budget(synthet
                                  records={"a": {0: [{"epoch": 1, "test_bpb": 3.0}, {"epoch": 2, "test_bpb": 2.0}]},
                                           "b": {0: [{"epoch": 1, "test_bpb": 3.5}, {"epoch": 2, "test_bpb": 2.5}]}})
     assert same["arms"]["b"]["epoch_read"] == [2] and same["arms"]["b"]["test_bpb"] == {"0": 2.5}
+    # one key may be given as a plain string (not read as a sequence of one-letter keys)
+    one = tuned.equal_wallclock({"a": 1.0, "b": 1.0}, total_steps=20, steps_per_epoch=10, keys="test_bpb",
+                                records={"a": {0: [{"epoch": 2, "test_bpb": 2.0}]}, "b": {0: [{"epoch": 2, "test_bpb": 2.5}]}})
+    assert one["keys"] == ["test_bpb"] and one["arms"]["b"]["test_bpb"] == {"0": 2.5}
 
 
 def _rewrite_grid_records(out: Path, change: Callable[[dict], dict]) -> None:
