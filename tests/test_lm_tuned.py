@@ -227,7 +227,7 @@ def synthetic(tmp_path):
     (out / tuned.TIMING_FILE).write_text(json.dumps({"steps_per_round": 5, "rounds": 3, "arms": {
         "adamw": {"lr": 3e-3, "seconds_per_step": 0.5, "rounds": [0.5] * 3},
         "muon": {"lr": 1e-2, "seconds_per_step": 1.0, "rounds": [1.0] * 3},
-        "stiefel": {"lr": 3e-3, "seconds_per_step": 0.6, "rounds": [0.6] * 3}},
+        "stiefel": {"lr": 3e-3, "seconds_per_step": 0.6, "rounds": [0.9, 0.6, 0.55]}},
         "environment": {"device": "cpu", "cpu_model": "test CPU", "torch_threads": 1, "git_sha": "a" * 40}}))
     return out, best
 
@@ -295,7 +295,10 @@ def test_equal_wallclock_reads_each_arm_at_the_steps_that_fit_the_budget(synthet
     assert code["mean"] == pytest.approx(sum(x - y for x, y in zip(a, b, strict=True)) / len(a), abs=STAT_TOL)
     assert code["p_value"] == pytest.approx(stats.ttest_rel(a, b).pvalue, abs=STAT_TOL)
     report = (out / tuned.REPORT_FILE).read_text()
-    assert "| arm | ms per step | steps that fit | step read | test bpb [95% CI] | test_code bpb [95% CI]" in report
+    assert ("| arm | ms per step | rounds (ms) | steps that fit | step read | test bpb [95% CI] | test_code bpb [95% CI]"
+            in report)
+    # each arm's row shows the range of its rounds (the machine's noise), from timing.json
+    assert "| muon | 1000.0 | 1000.0–1000.0 | 10 | " in report and "| stiefel | 600.0 | 550.0–900.0 | 16 | " in report
     # companion: equal step times read every arm at its last epoch
     same = tuned.equal_wallclock({"a": 1.0, "b": 1.0}, total_steps=20, steps_per_epoch=10,
                                  records={"a": {0: [{"epoch": 1, "test_bpb": 3.0}, {"epoch": 2, "test_bpb": 2.0}]},

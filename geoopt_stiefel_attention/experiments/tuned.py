@@ -653,12 +653,16 @@ def _render(summary: Mapping[str, Any], config: Any) -> list[str]:
                   f"{t['steps_per_round']} steps after a warm-up round, median over rounds. Budget: the fastest arm's "
                   f"full run, {wall['budget_seconds']:.3g} s; each arm is read at its last evaluation within the "
                   "steps that fit the budget (a slower arm mid-schedule, before its decay ends: this favours the "
-                  "faster arms).", ""]
+                  "faster arms). The rounds' range shows this machine's noise: step-time differences within it "
+                  "are not resolved.", ""]
         wall_sets = [k.removesuffix("_bpb") for k in wall["keys"]]
-        lines += ["| arm | ms per step | steps that fit | step read | "
-                  + " | ".join(f"{s} bpb [95% CI]" for s in wall_sets) + " |", "|---|---|---|---|" + "---|" * len(wall_sets)]
+        lines += ["| arm | ms per step | rounds (ms) | steps that fit | step read | "
+                  + " | ".join(f"{s} bpb [95% CI]" for s in wall_sets) + " |",
+                  "|---|---|---|---|---|" + "---|" * len(wall_sets)]
         for a, v in wall["arms"].items():
-            lines.append(f"| {a} | {1000 * v['seconds_per_step']:.1f} | {v['steps_fit']:,} | "
+            rounds = t["arms"][a]["rounds"]
+            lines.append(f"| {a} | {1000 * v['seconds_per_step']:.1f} | "
+                         f"{1000 * min(rounds):.1f}–{1000 * max(rounds):.1f} | {v['steps_fit']:,} | "
                          f"{', '.join(f'{s:,}' for s in v['steps_read']) or '–'} | "
                          + " | ".join(_ci_text(_mean_ci(list(v[f"{s}_bpb"].values()))) for s in wall_sets) + " |")
         lines += ["", "Paired differences at equal wall-clock, as in section 2; Holm over every row of this section.",
