@@ -304,7 +304,7 @@ def _tuned_paragraphs() -> dict[str, str]:
     start = readme.index("A comparison tuned against tuned")
     lm_readme = (ROOT / "studies" / "lm" / "README.md").read_text()
     section = lm_readme[lm_readme.index("## Tuned against tuned"):]
-    status = section[section.index("**Status** ("):section.index("Results, once the study has run")]
+    status = section[section.index("**Status** ("):section.index("Results (this block is generated")]
     return {"README.md": readme[start:readme.index("\n\n", start)], "studies/lm/README.md status": status}
 
 
