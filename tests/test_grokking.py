@@ -161,6 +161,37 @@ def test_adamw_frozen_arm_keeps_the_adamw_arms_random_w_q_w_k_and_trains_the_res
         get_arm("adamw-frozen").build(plain.model, [{"params": list(plain.model.parameters())}], OptimConfig())
 
 
+def test_adamw_qk_nodecay_arm_differs_from_adamw_only_in_the_decay_of_w_q_w_k(tmp_path):
+    """adamw-qk-nodecay: the adamw arm's optimizer, except that W_Q, W_K sit in a group with weight decay 0."""
+    from geoopt_stiefel_attention.nn import query_key_projections
+
+    optim = OptimConfig(lr=3e-3, betas=(0.9, 0.98), weight_decay=1.0)
+    task = build_task(RunSpec(GrokkingConfig(**SMALL, optim=optim), "adamw", 0), get_arm("adamw"),
+                      torch.device("cpu"))
+    qk = {id(w) for _, wq, wk in query_key_projections(task.model) for w in (wq, wk)}
+    decay = {}
+    for name in ("adamw", "adamw-qk-nodecay"):
+        opt = get_arm(name).build(task.model, task.param_groups(task.model, optim.weight_decay), optim)
+        decay[name] = {id(p): (g["weight_decay"], g["lr"]) for g in opt.param_groups for p in g["params"]}
+    assert set(decay["adamw"]) == set(decay["adamw-qk-nodecay"])  # the same parameters, each once
+    for pid, (wd, lr) in decay["adamw-qk-nodecay"].items():
+        assert lr == decay["adamw"][pid][1]
+        assert wd == (0.0 if pid in qk else decay["adamw"][pid][0])
+    # companion: the adamw arm does decay W_Q, W_K, so the two arms really differ
+    assert all(decay["adamw"][pid][0] == 1.0 for pid in qk)
+    # a model with frames is refused rather than trained as another arm
+    frames = build_task(RunSpec(GrokkingConfig(**SMALL), "stiefel", 0), get_arm("stiefel"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="adamw-qk-nodecay.*attention='euclidean'"):
+        get_arm("adamw-qk-nodecay").build(frames.model, [{"params": list(frames.model.parameters())}], optim)
+    # end to end: the same start as adamw, and W_Q shrinks less without its decay
+    cfg = GrokkingConfig(**SMALL, train=TrainConfig(epochs=20, eval_every=10), optim=optim)
+    run_grokking(cfg, tmp_path, arms=("adamw", "adamw-qk-nodecay"), seeds=(0,), quiet=True, device="cpu")
+    recs = {a: read_records(tmp_path / "runs" / a / "seed0" / "metrics.jsonl") for a in ("adamw", "adamw-qk-nodecay")}
+    assert recs["adamw"][0] == {**recs["adamw-qk-nodecay"][0], "arm": "adamw"}
+    q_norm = [k for k in recs["adamw"][0] if k.startswith("norm/") and k.endswith("w_q")]
+    assert q_norm and recs["adamw-qk-nodecay"][-1][q_norm[0]] > recs["adamw"][-1][q_norm[0]]
+
+
 # ------------------------------------------------------------------------------------------ the study
 def test_smoke_both_arms_records_summary_plots_report(tmp_path):
     cfg = GrokkingConfig(**SMALL, train=TrainConfig(epochs=300, eval_every=50),

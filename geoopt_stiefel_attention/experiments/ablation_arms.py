@@ -22,10 +22,13 @@ arm                        attention    W_Q, W_K trained by (every other paramet
 ``adamw-frozen``           euclidean    nothing: W_Q, W_K stay at the ``adamw`` arm's random, not orthonormal,
                                         start (:func:`freeze_query_key`); the control of ``stiefel-frozen``
                                         that tells frozen attention from frozen *orthonormal* attention
+``adamw-qk-nodecay``       euclidean    AdamW exactly as in the ``adamw`` arm (same lr, same start) but with
+                                        weight decay 0 on W_Q, W_K only: trained and not decayed, the arm that
+                                        tells "not trained" (``adamw-frozen``) from "not decayed"
 =========================  ===========  =======================================================================
 
-Except in ``adamw-orthostart`` and ``adamw-frozen`` (which differ from ``adamw`` in the start only, or in
-freezing W_Q and W_K only), W_Q and W_K get no weight decay in every arm here, like the frames of the ``stiefel``
+Except in ``adamw-orthostart``, ``adamw-frozen`` and ``adamw-qk-nodecay`` (which differ from ``adamw`` in the
+start only, in freezing W_Q and W_K only, or in not decaying W_Q and W_K only), W_Q and W_K get no weight decay in every arm here, like the frames of the ``stiefel``
 arm, and their learning rate is ``OptimConfig.effective_frame_lr``; the trust region :math:`\Delta` applies where the method has one.
 """
 
@@ -39,11 +42,11 @@ import torch
 
 from ..manifolds import is_frame
 from ..optim import stiefel_adam_update
-from .arms import ARMS, Arm, OptimizerGroup, _adamw, build_adamw, register_arm, split_frame_groups
+from .arms import ARMS, Arm, OptimizerGroup, _adamw, _require_frames, build_adamw, register_arm, split_frame_groups
 from .config import OptimConfig
 
 __all__ = ["FrameScalarAdam", "frame_scalar_adam_update", "freeze_frames", "orthonormal_start", "freeze_query_key",
-           "build_frozen", "build_adamw_frozen", "build_stiefel_sgd",
+           "build_frozen", "build_adamw_frozen", "build_adamw_qk_nodecay", "build_stiefel_sgd",
            "build_stiefel_element", "build_framescalar_euclidean", "ABLATION_ARMS"]
 
 
@@ -184,6 +187,35 @@ def build_adamw_frozen(model: torch.nn.Module, groups: list[dict[str, Any]], opt
     return build_adamw(model, groups, optim)
 
 
+def build_adamw_qk_nodecay(model: torch.nn.Module, groups: list[dict[str, Any]],
+                           optim: OptimConfig) -> torch.optim.AdamW:
+    """AdamW as in the ``adamw`` arm, except that W_Q and W_K (every
+    :func:`~geoopt_stiefel_attention.nn.query_key_projections` tensor) move to a group of their own with
+    ``weight_decay = 0``; every other key of their group (the lr above all) is kept."""
+    from ..nn import query_key_projections
+
+    qk = {id(w) for _, wq, wk in query_key_projections(model) for w in (wq, wk) if w.requires_grad}
+    frame_groups, others = split_frame_groups(groups, optim)
+    _require_frames("adamw-qk-nodecay", frame_groups, present=False)
+    if not qk:
+        raise ValueError("arm 'adamw-qk-nodecay': the model has no trainable W_Q, W_K of this library's attention "
+                         "modules (query_key_projections found none); build it with attention='euclidean'.")
+    split: list[dict[str, Any]] = []
+    moved = 0
+    for group in others:
+        mine = [p for p in group["params"] if id(p) in qk]
+        theirs = [p for p in group["params"] if id(p) not in qk]
+        moved += len(mine)
+        if theirs:
+            split.append({**group, "params": theirs})
+        if mine:
+            split.append({**group, "params": mine, "weight_decay": 0.0})
+    if moved != len(qk):  # else part of W_Q, W_K would silently go untrained
+        raise ValueError(f"arm 'adamw-qk-nodecay': {len(qk) - moved} of the model's {len(qk)} W_Q, W_K tensors are "
+                         f"in no parameter group; pass every parameter of the model.")
+    return _adamw(split, optim)
+
+
 def build_frozen(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> torch.optim.AdamW:
     """AdamW on every trainable parameter; the frames, frozen by :func:`freeze_frames`, are left out."""
     frame_groups, others = split_frame_groups(groups, optim)
@@ -259,6 +291,8 @@ ABLATION_ARMS = (
     Arm("adamw-frozen", "euclidean", build_adamw_frozen,
         "W_Q, W_K frozen at the adamw arm's random start (no gradient, not orthonormal); AdamW on the rest",
         prepare=freeze_query_key),
+    Arm("adamw-qk-nodecay", "euclidean", build_adamw_qk_nodecay,
+        "AdamW on every parameter as in the adamw arm, but W_Q, W_K get no weight decay (trained, not decayed)"),
 )
 
 for _arm in ABLATION_ARMS:
