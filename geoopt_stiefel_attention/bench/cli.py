@@ -9,7 +9,14 @@ import json
 import sys
 from dataclasses import replace
 
-from .._argtypes import UsageError, nonnegative_int, output_path_problem, positive_float, positive_int
+from .._argtypes import (
+    UsageError,
+    add_threads_argument,
+    nonnegative_int,
+    output_path_problem,
+    positive_float,
+    positive_int,
+)
 from .gpu import CHECK_SCALES, accelerator_check, format_check
 from .paths import (
     BENCH_FRAMES,
@@ -67,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--clock", default="wall", choices=CLOCKS,
                         help="'wall' time, or process 'cpu' time (robust on a shared machine with --threads 1)")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads for the run")
+    add_threads_argument(parser)
     parser.add_argument("--seed", type=nonnegative_int, default=0)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
