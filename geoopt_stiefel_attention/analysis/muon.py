@@ -131,7 +131,9 @@ def muon_columns(lr: float = 1e-2) -> list[MuonColumn]:
         return lambda params, weight_decay: StiefelMuon(params, lr=lr, weight_decay=weight_decay,
                                                         adjust_lr_fn="original", **solver)
 
-    original = (lambda d, r: lr * muon_lr_scale("original", d, r))
+    def original(d: int, r: int) -> float:
+        return lr * muon_lr_scale("original", d, r)
+
     return [
         MuonColumn("StiefelMuon (solved)", _stiefel_run(muon(dual_steps=60, ns_steps=30)), lr, original, True,
                    "manifold Muon solved to float64 accuracy: dual_steps=60, ns_steps=30", OPTIMALITY_TOL),

@@ -259,7 +259,6 @@ class FrameOptimizer:
                 loss = closure()
         self._check_frames_still_held()
         _validation.validate_step(self.param_groups, self.state, self._NAME, self._validate_group)
-        written = []
         for group in self.param_groups:
             frames, euclidean = [], []
             for p in group["params"]:
@@ -267,16 +266,9 @@ class FrameOptimizer:
                     (frames if _is_frame(p) else euclidean).append(p)
             if frames:
                 self._step_frames(group, frames)
-                written.extend(frames)
             if euclidean:
                 self._step_euclidean(group, euclidean)
-        self._stamp(written)
         return loss
-
-    @staticmethod
-    def _stamp(frames: list[torch.Tensor]) -> None:
-        """Hook run after the frames were written back (marks them as on the manifold, where a guard exists)."""
-        return None
 
     def _step_euclidean(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], []
