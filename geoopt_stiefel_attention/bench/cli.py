@@ -38,10 +38,12 @@ HELP = "Time the StiefelAdam step against AdamW and stock geoopt RiemannianAdam 
 # ----------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``stiefel-attention bench``."""
-    parser.add_argument("what", nargs="?", choices=("step", "train", "paths", "gpu"), default="step",
+    parser.add_argument("what", nargs="?", choices=("step", "train", "paths", "gpu", "muon"), default="step",
                         help="'step': optimizer step on Q/K frames against competitors (default); 'train': full "
                              "training step; 'paths': the step's eager, capturable and compiled paths against "
-                             "the product floor; 'gpu': the prepared accelerator check (needs --out)")
+                             "the product floor; 'gpu': the prepared accelerator check (needs --out); 'muon': "
+                             "StiefelMuon beside StiefelAdam, torch's Muon on the same frames and AdamW (minimum "
+                             "over --rounds interleaved rounds, CPU)")
     parser.add_argument("--widths", type=positive_int, nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                         metavar="WIDTH", help=f"configurations for 'step', any of {' '.join(map(str, CONFIGS))} "
                                               f"(default: all)")
@@ -110,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         _write_out(args.out, text)
         print(text if args.json else format_check(doc) + f"\nwritten to {args.out}")
         return 0
+    if args.what == "muon":
+        return _run_muon(args)
     defaults = BENCH_DEFAULTS[args.what]
     steps = defaults.steps_per_round if args.steps is None else args.steps
     settings = replace(defaults, rounds=args.rounds, steps_per_round=steps, lr=args.lr, device=args.device,
@@ -174,6 +178,23 @@ def _timed(args: argparse.Namespace) -> tuple[str, ...] | None:
     if relative_to not in chosen:
         raise UsageError(f"{flag} must include '{relative_to}' (every ratio is relative to it)")
     return tuple(chosen)
+
+
+def _run_muon(args: argparse.Namespace) -> int:
+    """``bench muon``: :func:`~.muon.muon_step_benchmark` at ``--widths``, as a table or JSON."""
+    from dataclasses import asdict
+
+    from .muon import format_muon_table, muon_step_benchmark
+
+    if args.device != "cpu":
+        raise UsageError("'muon' times the CPU step; its accelerator figures come from benchmarks/gpu.sh")
+    results = muon_step_benchmark(tuple(args.widths), rounds=args.rounds, threads=args.threads or 1)
+    text = json.dumps({"benchmark": "muon", "rounds": args.rounds, "threads": args.threads,
+                       "results": [asdict(r) for r in results]}, indent=2)
+    if args.out is not None:
+        _write_out(args.out, text)
+    print(text if args.json else format_muon_table(results))
+    return 0
 
 
 def _write_out(path: str, text: str) -> None:
