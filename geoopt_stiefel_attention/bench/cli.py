@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "training step; 'paths': the step's eager, capturable and compiled paths against "
                              "the product floor; 'gpu': the prepared accelerator check (needs --out); 'muon': "
                              "StiefelMuon beside StiefelAdam, torch's Muon on the same frames and AdamW (minimum "
-                             "over --rounds interleaved rounds, CPU)")
+                             "over --rounds interleaved rounds)")
     parser.add_argument("--widths", type=positive_int, nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                         metavar="WIDTH", help=f"configurations for 'step', any of {' '.join(map(str, CONFIGS))} "
                                               f"(default: all)")
@@ -181,16 +181,18 @@ def _timed(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 
 def _run_muon(args: argparse.Namespace) -> int:
-    """``bench muon``: :func:`~.muon.muon_step_benchmark` at ``--widths``, as a table or JSON."""
+    """``bench muon``: :func:`~.muon.muon_step_benchmark` at ``--widths`` (``--scale tiny``: width 128, one
+    round, the smoke test of ``benchmarks/gpu.sh``), as a table or JSON."""
     from dataclasses import asdict
 
     from .muon import format_muon_table, muon_step_benchmark
 
-    if args.device != "cpu":
-        raise UsageError("'muon' times the CPU step; its accelerator figures come from benchmarks/gpu.sh")
-    results = muon_step_benchmark(tuple(args.widths), rounds=args.rounds, threads=args.threads or 1)
-    text = json.dumps({"benchmark": "muon", "rounds": args.rounds, "threads": args.threads,
-                       "results": [asdict(r) for r in results]}, indent=2)
+    widths, rounds = (128,) if args.scale == "tiny" else tuple(args.widths), 1 if args.scale == "tiny" else args.rounds
+    results = muon_step_benchmark(widths, rounds=rounds, threads=args.threads or 1, device=args.device)
+    with torch_threads(args.threads):
+        machine = machine_info(args.device)
+    text = json.dumps({"benchmark": "muon", "rounds": rounds, "threads": args.threads, "device": args.device,
+                       "machine": asdict(machine), "results": [asdict(r) for r in results]}, indent=2, default=str)
     if args.out is not None:
         _write_out(args.out, text)
     print(text if args.json else format_muon_table(results))

@@ -61,7 +61,7 @@ class SolverRow:
     step_ms: float
 
 
-def _frames(width: int, depth: int, heads: int, seed: int = 0):
+def _frames(width: int, depth: int, heads: int, seed: int = 0, device: str = "cpu"):
     import geoopt
     import torch
 
@@ -70,21 +70,32 @@ def _frames(width: int, depth: int, heads: int, seed: int = 0):
     st = PolarStiefel()
     gen = torch.Generator().manual_seed(seed)
     params = [geoopt.ManifoldParameter(st.random(heads, width, width // heads, generator=gen)
-                                       .as_subclass(torch.Tensor), manifold=st) for _ in range(2 * depth)]
-    grads = [torch.randn(p.shape, generator=gen) for p in params]
+                                       .as_subclass(torch.Tensor).to(device), manifold=st) for _ in range(2 * depth)]
+    grads = [torch.randn(p.shape, generator=gen).to(device) for p in params]
     return params, grads
 
 
-def _interleaved_min(steps: dict[str, Callable[[], None]], rounds: int, warmup: int = 2) -> dict[str, float]:
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _interleaved_min(steps: dict[str, Callable[[], None]], rounds: int, warmup: int = 2,
+                     device: str = "cpu") -> dict[str, float]:
     for fn in steps.values():
         for _ in range(warmup):
             fn()
+    _sync(device)
     names = list(steps)
     best = {name: float("inf") for name in names}
     for k in range(rounds):
         for name in names[k % len(names):] + names[:k % len(names)]:
+            _sync(device)
             t0 = time.perf_counter()
             steps[name]()
+            _sync(device)
             best[name] = min(best[name], time.perf_counter() - t0)
     return {name: 1e3 * t for name, t in best.items()}
 
@@ -98,9 +109,11 @@ def _stepper(opt, params, grads) -> Callable[[], None]:
 
 
 def muon_step_benchmark(widths: Sequence[int] = (128, 512), *, rounds: int = 7, threads: int = 1,
-                        dual_steps: int | None = None, ns_steps: int | None = None) -> list[MuonStepResult]:
+                        dual_steps: int | None = None, ns_steps: int | None = None,
+                        device: str = "cpu") -> list[MuonStepResult]:
     """Time one step of StiefelMuon, StiefelAdam, torch's ``Muon`` on the same frames (one 2-D ``d x r``
-    parameter per head, as torch's Muon requires) and AdamW (foreach) on the query/key frames of each width.
+    parameter per head, as torch's Muon requires) and AdamW (foreach) on the query/key frames of each width, in
+    float32 on ``device`` (synchronised around every timed step off the CPU).
 
     Returns
     -------
@@ -121,19 +134,20 @@ def muon_step_benchmark(widths: Sequence[int] = (128, 512), *, rounds: int = 7, 
         for width in widths:
             depth, heads = MUON_CONFIGS[width]
             steps = {}
-            params, grads = _frames(width, depth, heads)
+            params, grads = _frames(width, depth, heads, device=device)
             steps["stiefel-muon"] = _stepper(StiefelMuon(params, lr=1e-3, dual_steps=dual_steps,
                                                          ns_steps=ns_steps), params, grads)
-            params, grads = _frames(width, depth, heads)
+            params, grads = _frames(width, depth, heads, device=device)
             steps["stiefel-adam"] = _stepper(StiefelAdam(params, lr=1e-3), params, grads)
-            flat = [torch.nn.Parameter(h.detach().clone()) for p in _frames(width, depth, heads)[0] for h in p]
-            flat_grads = [torch.randn(p.shape) for p in flat]
+            flat = [torch.nn.Parameter(h.detach().clone()) for p in _frames(width, depth, heads, device=device)[0]
+                    for h in p]
+            flat_grads = [torch.randn_like(p) for p in flat]
             steps["torch-muon"] = _stepper(torch.optim.Muon(flat, lr=1e-3, adjust_lr_fn="match_rms_adamw"),
                                            flat, flat_grads)
-            plain = [torch.nn.Parameter(p.detach().clone()) for p in _frames(width, depth, heads)[0]]
-            plain_grads = [torch.randn(p.shape) for p in plain]
+            plain = [torch.nn.Parameter(p.detach().clone()) for p in _frames(width, depth, heads, device=device)[0]]
+            plain_grads = [torch.randn_like(p) for p in plain]
             steps["adamw"] = _stepper(torch.optim.AdamW(plain, lr=1e-3, foreach=True), plain, plain_grads)
-            times = _interleaved_min(steps, rounds)
+            times = _interleaved_min(steps, rounds, device=device)
             ratios = {name: times["stiefel-muon"] / t for name, t in times.items() if name != "stiefel-muon"}
             results.append(MuonStepResult(width, depth, heads, width // heads, times, ratios, dual_steps, ns_steps,
                                           rounds, threads))
