@@ -156,23 +156,33 @@ def muon_step_benchmark(widths: Sequence[int] = (128, 512), *, rounds: int = 7, 
     return results
 
 
-def _relative_gaps(width: int, heads: int, dual_steps: int, ns_steps: int, frames: int, seed: int):
-    """Relative optimality gaps of the float32 direction on ``frames`` random frames with tangent Gaussian
-    momenta, against a float64 reference solve."""
+def _gap_problem(width: int, heads: int, frames: int, seed: int):
+    """``frames`` random frames ``W`` of the width's shape with tangent Gaussian momenta ``M`` (float64) and the
+    optimum's upper bound from a float64 reference solve of 150 dual steps."""
     import torch
 
     from .._linalg import proju
-    from ..optim._muon import muon_direction, muon_direction_reference
+    from ..optim._muon import muon_direction_reference
 
     d, r = width, width // heads
     gen = torch.Generator().manual_seed(seed)
     w = torch.linalg.qr(torch.randn(frames, d, r, generator=gen, dtype=torch.float64)).Q
     m = proju(w, torch.randn(frames, d, r, generator=gen, dtype=torch.float64))
     _, upper, _ = muon_direction_reference(m, w, iterations=150)
+    return w, m, upper.flatten()
+
+
+def _relative_gaps(problem, dual_steps: int, ns_steps: int):
+    """Relative optimality gaps ``(OPT - <M, A>) / OPT`` of the float32 direction on the frames of ``problem``."""
+    import torch
+
+    from .._linalg import proju
+    from ..optim._muon import muon_direction
+
+    w, m, upper = problem
     a, _ = muon_direction(m.float(), w.float(), iterations=dual_steps, ns_steps=ns_steps)
     a = proju(w, a.double())
     value = (m * a).sum((-2, -1)) / torch.linalg.matrix_norm(a, ord=2).clamp_min(1.0)
-    upper = upper.flatten()
     return ((upper - value) / upper).clamp_min(0.0)
 
 
@@ -190,11 +200,12 @@ def solver_table(widths: Sequence[int] = (128, 512), settings: Sequence[tuple[in
         for width in widths:
             depth, heads = MUON_CONFIGS[width]
             steps, gaps = {}, {}
+            problem = _gap_problem(width, heads, frames, seed)
             for dual, ns in settings:
                 params, grads = _frames(width, depth, heads)
                 steps[(dual, ns)] = _stepper(StiefelMuon(params, lr=1e-3, dual_steps=dual, ns_steps=ns), params,
                                              grads)
-                gaps[(dual, ns)] = _relative_gaps(width, heads, dual, ns, frames, seed)
+                gaps[(dual, ns)] = _relative_gaps(problem, dual, ns)
             times = _interleaved_min(steps, rounds)
             for (dual, ns), t in times.items():
                 g = gaps[(dual, ns)]

@@ -30,9 +30,9 @@ __all__ = ["StiefelMuon", "DEFAULT_DUAL_STEPS", "DEFAULT_NS_STEPS"]
 
 #: Trial steps of the dual descent per optimizer step: the cheapest setting of the table in
 #: ``benchmarks/README.md`` whose worst relative optimality gap stays below 1e-3 at the bench widths.
-DEFAULT_DUAL_STEPS = 12
+DEFAULT_DUAL_STEPS = 10
 #: Newton–Schulz iterations per ``r x r`` inverse square root inside the direction solver.
-DEFAULT_NS_STEPS = 14
+DEFAULT_NS_STEPS = 8
 
 #: The group options StiefelMuon adds to AdamW's, with the values a state dict saved without them loads with.
 _MUON_GROUP_DEFAULTS = {"momentum": 0.95, "nesterov": True, "adjust_lr_fn": "match_rms_adamw",
