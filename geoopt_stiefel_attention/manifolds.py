@@ -101,11 +101,17 @@ class PolarStiefel(EuclideanStiefel):
     def extra_repr(self) -> str:
         return "polar"
 
-    # Identity semantics (object's __eq__ and __hash__): geoopt's Manifold is an nn.Module, and module traversal
-    # (children(), modules(), named_modules()) skips a module already in its memo set, so instances that compared
-    # equal would be listed once however many a module holds. The price: geoopt refuses
-    # ``ManifoldParameter(a.random(...), manifold=b)`` for two distinct instances ``a``, ``b`` ("Manifolds do not
-    # match"); pass the tensor's own manifold, or a plain tensor (``.as_subclass(torch.Tensor)``).
+    # Equal by type, hashed by identity. Equal: the manifold has no state, so two instances are the same manifold,
+    # and geoopt compares manifolds with ``!=`` when a tensor of one is wrapped with another
+    # (``ManifoldParameter(PolarStiefel().random(...), manifold=PolarStiefel())``, which users and the tests
+    # write). Hashed by identity: a Manifold is an nn.Module, and module traversal (children(), modules(),
+    # named_modules()) skips a module already in its memo set, which compares hashes first, so instances with one
+    # hash would be listed once however many a module holds. The price is that a set or dict keyed by
+    # PolarStiefel instances keeps equal instances apart (tests/test_manifolds.py checks both sides).
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self)
+
+    __hash__ = torch.nn.Module.__hash__  # identity (object's), as for every module
 
 
 class _PolarFactorFunction(torch.autograd.Function):

@@ -178,7 +178,18 @@ def test_two_instances_in_one_module_are_both_listed_by_children():
     holder = torch.nn.Module()
     holder.a, holder.b = PolarStiefel(), PolarStiefel()
     assert len(list(holder.children())) == 2 and len(list(holder.modules())) == 3
-    assert holder.a != holder.b and holder.a == holder.a
+    assert hash(holder.a) != hash(holder.b)
     # companion: the same instance twice is listed once (torch's dedup by identity still applies)
     holder.b = holder.a
     assert len(list(holder.children())) == 1
+
+
+def test_instances_compare_equal_so_geoopt_accepts_a_point_of_another_instance():
+    """Why they compare equal: geoopt's ManifoldParameter refuses a ManifoldTensor whose manifold != the given
+    one; a different manifold type is still refused (the companion)."""
+    a, b = PolarStiefel(), PolarStiefel()
+    assert a == b and not (a != b)
+    p = geoopt.ManifoldParameter(a.random(5, 2, dtype=torch.float64), manifold=b)
+    assert p.manifold == b and isinstance(p.manifold, PolarStiefel)  # geoopt keeps the tensor's own instance
+    with pytest.raises(ValueError, match="Manifolds do not match"):
+        geoopt.ManifoldParameter(a.random(5, 2, dtype=torch.float64), manifold=geoopt.EuclideanStiefel())
