@@ -10,6 +10,7 @@ from . import (
     _deprecated,
     _geoopt_import,  # noqa: F401  (before any geoopt import: imports geoopt quietly; _deprecated imports none)
 )
+from ._guard import FrameOffManifoldError, check_frames
 from .convert import (
     LAYOUTS,
     Block,
@@ -37,7 +38,8 @@ __version__ = "0.1.0"
 __all__ = ["PolarStiefel", "StiefelAdam", "StiefelMuon", "is_frame", "stiefel_adam_update", "frame_step_scale", "__version__",
            "StiefelMultiheadAttention", "EuclideanMultiheadAttention", "stiefelize", "param_groups",
            "frame_parameters", "query_key_projections", "TinyTransformer", "PatchViT", "unstiefelize",
-           "export_state_dict", "parametrized_state_dict", "Layout", "Block", "LAYOUTS", "ConversionResult", "ConvertedAttention"]
+           "export_state_dict", "parametrized_state_dict", "Layout", "Block", "LAYOUTS", "ConversionResult", "ConvertedAttention",
+           "check_frames", "FrameOffManifoldError"]
 
 
 __getattr__ = _deprecated.renamed_names(__name__, globals(), {

@@ -127,3 +127,20 @@ def test_the_hf_trainers_default_optimizer_is_reported():
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Repeats())  # no optimizers=
     with pytest.raises(FrameOffManifoldError, match="transformer.h.0.attn.c_attn.weight: .*optimizers=\\(opt, None\\)"):
         trainer.train()
+
+
+def test_a_non_finite_frame_is_reported_and_mixed_dtypes_are_each_held_to_their_own_tolerance():
+    from geoopt_stiefel_attention._guard import check_frame_tensors
+    from geoopt_stiefel_attention.manifolds import PolarStiefel
+
+    w64 = PolarStiefel().random(3, 8, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    w = w64.float()
+    check_frame_tensors("m", [("a", w), ("b", w64)])  # on the manifold in both dtypes
+    bad = w.clone()
+    bad[1, 0, 0] = float("nan")
+    with pytest.raises(FrameOffManifoldError, match="frame 'b'.*nan"):
+        check_frame_tensors("m", [("a", w), ("b", bad)])
+    off64 = w64 * (1 + 1e-7)  # within float32's tolerance, not float64's
+    with pytest.raises(FrameOffManifoldError, match="frame 'b'.*float64"):
+        check_frame_tensors("m", [("a", w), ("b", off64)])
+    check_frame_tensors("m", [("a", w), ("b", off64.float())])  # companion: as float32 it passes
