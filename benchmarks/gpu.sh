@@ -3,7 +3,7 @@
 # (`stiefel-attention bench gpu`): the StiefelAdam step against AdamW(fused=True) and geoopt-radam at the
 # largest step-benchmark configuration in float32 and bfloat16; the default and compiled step against the
 # product floor on the bench shape; a bf16-autocast training step (stiefel vs adamw arm). Then the studies'
-# figure (`python -m geoopt_stiefel_attention.experiments.speed`): grokking epochs per second, added to the same
+# figure (`python -m experiments.grokking.speed`): grokking epochs per second, added to the same
 # JSON file (default benchmarks/results/gpu_check_<UTC time>.json).
 #
 #   benchmarks/gpu.sh                         # on cuda
@@ -13,4 +13,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="benchmarks/results/gpu_check_$(date -u +%Y%m%dT%H%M%SZ).json"
 python -m geoopt_stiefel_attention bench gpu --device cuda --out "$out" "$@"
-python -m geoopt_stiefel_attention.experiments.speed --device cuda --out "$out" "$@"
+python -m experiments.grokking.speed --device cuda --out "$out" "$@"

@@ -353,18 +353,25 @@ def test_demo_accepts_valid_arguments(capsys):
 
 
 def test_bench_measures_the_library_not_the_studies():
+    """``bench`` (the accelerator check included) loads nothing of ``experiments``, and its former
+    ``grokking_speed`` alias is gone (the figure is :func:`experiments.grokking.speed.grokking_speed`)."""
     import subprocess
     import sys
+    from pathlib import Path
 
-    code = ("import sys, geoopt_stiefel_attention.bench as b; b.accelerator_check; "
-            "print(sorted(m for m in sys.modules if m.startswith('geoopt_stiefel_attention.experiments')))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
-    # companion: the moved grokking_speed still answers under its old name, with a warning, from the studies
-    from geoopt_stiefel_attention.experiments.speed import grokking_speed
+    def loaded(extra: str) -> str:
+        code = (f"import sys, geoopt_stiefel_attention.bench as b; b.accelerator_check; {extra}"
+                "print(sorted(m for m in sys.modules if m == 'experiments' or m.startswith('experiments.')))")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parents[1])  # where ``experiments`` is importable
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
 
-    with pytest.warns(DeprecationWarning, match="experiments.speed"):
-        assert bench.grokking_speed is grokking_speed
+    assert loaded("") == "[]"
+    # companion: the same check sees the studies when something does load them
+    assert "experiments.grokking.speed" in loaded("import experiments.grokking.speed; ")
+    with pytest.raises(AttributeError):
+        bench.grokking_speed  # noqa: B018
     with pytest.raises(AttributeError):
         bench.no_such_name  # noqa: B018
 

@@ -14,10 +14,9 @@ import pytest
 import torch
 from conftest import ORTHO_TOL_F32
 
-from geoopt_stiefel_attention.cli import main as cli_main
-from geoopt_stiefel_attention.experiments import OptimConfig, RunSpec, TrainConfig, get_arm, train_run
-from geoopt_stiefel_attention.experiments.data.modular import is_prime, modular_split
-from geoopt_stiefel_attention.experiments.grokking import (
+from experiments.cli import main as cli_main
+from experiments.grokking.data import is_prime, modular_split
+from experiments.grokking.study import (
     FAST_PATH_TOLERANCE,
     GrokkingConfig,
     build_task,
@@ -25,7 +24,8 @@ from geoopt_stiefel_attention.experiments.grokking import (
     last_position_fast,
     run_grokking,
 )
-from geoopt_stiefel_attention.experiments.records import read_records
+from experiments.harness import OptimConfig, RunSpec, TrainConfig, get_arm, train_run
+from experiments.harness.records import read_records
 from geoopt_stiefel_attention.models import TinyTransformer
 
 #: float64 agreement of the fast path with the full forward (logits and gradients)
@@ -250,7 +250,7 @@ def test_train_run_of_one_grokking_arm_reports_speed(tmp_path):
 def _synthetic_study(out, *, p=97, epochs=20000, seeds=range(5)):
     """A study folder as five seeds of each arm would leave it: per run config.json, environment.json and
     metrics.jsonl with val_acc curves that reach 95% at a seed-dependent epoch and dip once afterwards."""
-    from geoopt_stiefel_attention.experiments import to_dict
+    from experiments.harness import to_dict
 
     cfg = GrokkingConfig(p=p, train=TrainConfig(epochs=epochs, eval_every=epochs // 20))
     grok = {"adamw": [8000, 12000, 10000, None, 14000], "stiefel": [4000, 5000, 3000, 6000, 4000]}

@@ -18,14 +18,14 @@ import scipy.stats
 import torch
 from conftest import F64
 
-from geoopt_stiefel_attention import stiefel_adam_update
-from geoopt_stiefel_attention.experiments import ARMS, OptimConfig, RunSpec, TrainConfig, train_run
-from geoopt_stiefel_attention.experiments.ablation_arms import (
+from experiments.harness import ARMS, OptimConfig, RunSpec, TrainConfig, train_run
+from experiments.harness.ablation_arms import (
     FrameScalarAdam,
     build_framescalar_euclidean,
     frame_scalar_adam_update,
 )
-from geoopt_stiefel_attention.experiments.data.vision import (
+from experiments.harness.stats import mean_ci, paired_stats
+from experiments.vision.data import (
     DEBIAN_FASHION_MNIST_DIR,
     DatasetNotFoundError,
     load_vision,
@@ -33,8 +33,7 @@ from geoopt_stiefel_attention.experiments.data.vision import (
     random_crop_flip,
     subsample,
 )
-from geoopt_stiefel_attention.experiments.stats import mean_ci, paired_stats
-from geoopt_stiefel_attention.experiments.vision import (
+from experiments.vision.study import (
     STUDY_ARMS,
     StepMovement,
     VisionConfig,
@@ -43,6 +42,7 @@ from geoopt_stiefel_attention.experiments.vision import (
     study_cells,
     warmup_cosine,
 )
+from geoopt_stiefel_attention import stiefel_adam_update
 from geoopt_stiefel_attention.manifolds import is_frame
 
 #: agreement with scipy's t-test / distributions (same formulas, different code paths)
@@ -494,7 +494,7 @@ def test_every_study_runs_on_digits(study, tmp_path):
 
 def test_pairs_share_initialisation_and_data(tmp_path):
     """Same seed: both arms start from the same weights (frames = polar factors) and see the same batches."""
-    from geoopt_stiefel_attention.experiments.arms import get_arm
+    from experiments.harness.arms import get_arm
 
     cfg = _tiny_config()
     tasks = {a: build_task(RunSpec(cfg, a, 3), get_arm(a), torch.device("cpu")) for a in ("adamw", "stiefel")}
@@ -510,7 +510,7 @@ def test_pairs_share_initialisation_and_data(tmp_path):
 
 
 def test_bf16_autocast_predicts_float32_logits():
-    from geoopt_stiefel_attention.experiments.arms import get_arm
+    from experiments.harness.arms import get_arm
 
     task = build_task(RunSpec(_tiny_config(amp="bf16"), "stiefel", 0), get_arm("stiefel"), torch.device("cpu"))
     x, y = next(iter(task.train_data.batches(0)))
@@ -520,7 +520,7 @@ def test_bf16_autocast_predicts_float32_logits():
 
 
 def test_cli_vision_runs_and_reports(tmp_path, capsys):
-    from geoopt_stiefel_attention.cli import main
+    from experiments.cli import main
 
     out = tmp_path / "out"
     args = ["vision", "--dataset", "digits", "--seeds", "0", "1", "--epochs", "1", "--width", "8", "--heads", "2",

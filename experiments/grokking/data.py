@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batches import STREAM_SPLIT, derived_generator
+from ..harness.batches import STREAM_SPLIT, derived_generator
 
 __all__ = ["OPERATIONS", "ModularSplit", "modular_split", "is_prime", "canonical_operation"]
 

@@ -4,15 +4,15 @@
 # only the (arm, seed) runs that have no committed records, JOBS at a time (one core each), in a worktree of
 # that commit, and copies each finished run's records (metrics.jsonl, config.json, environment.json) back here.
 # Commit them as they come; rebuild the report with
-#   stiefel-attention grokking --report-only --out studies/grokking/runs/p97_add_arms10
+#   python -m experiments grokking --report-only --out experiments/grokking/records/p97_add_arms10
 #
-# Usage: studies/grokking/resume_arms10.sh WORKTREE [JOBS]   (e.g. /tmp/grok27 2)
-#        DRY_RUN=1 studies/grokking/resume_arms10.sh WORKTREE   lists the runs it would train, and trains nothing
+# Usage: experiments/grokking/resume_arms10.sh WORKTREE [JOBS]   (e.g. /tmp/grok27 2)
+#        DRY_RUN=1 experiments/grokking/resume_arms10.sh WORKTREE   lists the runs it would train, and trains nothing
 set -euo pipefail
 repo=$(git rev-parse --show-toplevel)
 wt=${1:?worktree folder for commit d12c680}
 jobs=${2:-2}
-records=$repo/studies/grokking/runs/p97_add_arms10
+records=$repo/experiments/grokking/records/p97_add_arms10
 [ -d "$wt" ] || [ "${DRY_RUN:-0}" = 1 ] || git -C "$repo" worktree add --detach "$wt" d12c680
 out=$wt/experiments/grokking/runs/p97_add_arms10
 flags=$(git -C "$repo" show d12c680:experiments/grokking/configs/arms.args | grep -v '^#' | grep -v '^--arms')

@@ -4,10 +4,10 @@
 # evaluated every 10 (as the four-arm study in runs/p97_add_arms10, whose adamw seed 0 is the reference). One
 # folder per multiplier; rerunning resumes.
 #
-# Usage: studies/grokking/run_frame_step.sh OUT   (e.g. studies/grokking/runs/frame-step)
+# Usage: experiments/grokking/run_frame_step.sh OUT   (e.g. experiments/grokking/records/frame-step)
 set -euo pipefail
 out=${1:?output folder}
-flags=$(grep -v '^#' studies/grokking/configs/arms.args | grep -v '^--arms')
+flags=$(grep -v '^#' experiments/grokking/configs/arms.args | grep -v '^--arms')
 mkdir -p "$out"
 for mu in 1 9 3 0.33333 0.11111; do
   lr=$(python -c "print(f'{$mu * 1e-3:.6g}')")

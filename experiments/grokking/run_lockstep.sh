@@ -3,8 +3,8 @@
 # the plots after each round, until every run is complete or the time budget is spent. Rerunning the same
 # command resumes exactly where it stopped (each run folder holds its checkpoint).
 #
-# Usage: studies/grokking/run_lockstep.sh OUT MAX_MINUTES ROUND_EPOCHS [grokking flags...]
-# e.g.   studies/grokking/run_lockstep.sh studies/grokking/runs/p97_add 60 500 --seeds 0 1 2
+# Usage: experiments/grokking/run_lockstep.sh OUT MAX_MINUTES ROUND_EPOCHS [grokking flags...]
+# e.g.   experiments/grokking/run_lockstep.sh experiments/grokking/records/p97_add 60 500 --seeds 0 1 2
 set -euo pipefail
 out=${1:?output folder}; max_minutes=${2:?time budget in minutes}; round=${3:?epochs per run per round}
 shift 3

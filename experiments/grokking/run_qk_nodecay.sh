@@ -5,15 +5,15 @@
 # JOBS at a time (one core each). Finished records of the new arm are copied to the study's folder; the reproduction
 # runs go to the study's repro/ folder (they never replace the committed records).
 #
-# Usage: studies/grokking/run_qk_nodecay.sh COMMIT WORKTREE [JOBS]   (e.g. abc1234 /tmp/grok38 2)
+# Usage: experiments/grokking/run_qk_nodecay.sh COMMIT WORKTREE [JOBS]   (e.g. abc1234 /tmp/grok38 2)
 set -euo pipefail
 repo=$(git rev-parse --show-toplevel)
 commit=${1:?commit to train on}; wt=${2:?worktree folder}; jobs=${3:-2}
-records=$repo/studies/grokking/runs/p97_add_arms10
+records=$repo/experiments/grokking/records/p97_add_arms10
 [ -d "$wt" ] || git -C "$repo" worktree add --detach "$wt" "$commit"
 [ -z "$(git -C "$wt" status --porcelain)" ] || { echo "worktree $wt is not clean" >&2; exit 2; }
-out=$wt/studies/grokking/runs/p97_add_arms10_train
-flags=$(grep -v '^#' "$wt/studies/grokking/configs/arms.args" | grep -v '^--arms')
+out=$wt/experiments/grokking/records/p97_add_arms10_train
+flags=$(grep -v '^#' "$wt/experiments/grokking/configs/arms.args" | grep -v '^--arms')
 train() {  # ARM SEED DEST: train in the worktree, then copy the finished run's records to DEST
   local arm=$1 seed=$2 dest=$3
   # shellcheck disable=SC2086

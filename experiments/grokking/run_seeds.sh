@@ -2,9 +2,9 @@
 # Train a grokking study seed by seed (every arm of one seed, then the next seed), so that paired seeds finish
 # together and their records can be committed as they come. Rerunning resumes from the runs' checkpoints.
 #
-# Usage: studies/grokking/run_seeds.sh OUT ARGS_FILE FIRST_SEED LAST_SEED [more grokking flags...]
-# e.g.   studies/grokking/run_seeds.sh studies/grokking/runs/p97_add_arms10 \
-#            studies/grokking/configs/arms.args 0 9
+# Usage: experiments/grokking/run_seeds.sh OUT ARGS_FILE FIRST_SEED LAST_SEED [more grokking flags...]
+# e.g.   experiments/grokking/run_seeds.sh experiments/grokking/records/p97_add_arms10 \
+#            experiments/grokking/configs/arms.args 0 9
 set -euo pipefail
 out=${1:?output folder}; args_file=${2:?flags file}; first=${3:?first seed}; last=${4:?last seed}
 shift 4

@@ -2,7 +2,7 @@
 
 ``stiefel-attention bench`` measures the library (the optimizer step, its code paths, a training step); how
 fast a study trains is the study's own figure, so it lives with the studies. ``benchmarks/gpu.sh`` runs
-``stiefel-attention bench gpu`` and then ``python -m geoopt_stiefel_attention.experiments.speed`` with the
+``stiefel-attention bench gpu`` and then ``python -m experiments.grokking.speed`` with the
 same flags, which adds a ``grokking`` entry (and its seconds) to the JSON file the check wrote.
 """
 
@@ -29,7 +29,7 @@ def grokking_speed(device: str = "cpu", *, epochs: int = 300, arms: tuple[str, .
     """Epochs per second of the grokking study's runs (its model, data and the shared training loop,
     full batch, evaluated at the first and last epoch) for ``epochs`` epochs of each arm.
 
-    ``config`` overrides :class:`~geoopt_stiefel_attention.experiments.grokking.GrokkingConfig` fields (the
+    ``config`` overrides :class:`~experiments.grokking.study.GrokkingConfig` fields (the
     study's defaults otherwise). Run folders go to a temporary directory unless ``workdir`` is given; torch's
     thread count is restored afterwards.
     """
@@ -37,9 +37,9 @@ def grokking_speed(device: str = "cpu", *, epochs: int = 300, arms: tuple[str, .
 
     import torch
 
-    from .config import RunSpec, TrainConfig
-    from .grokking import GrokkingConfig, build_task
-    from .runner import train_run
+    from ..harness.config import RunSpec, TrainConfig
+    from ..harness.runner import train_run
+    from .study import GrokkingConfig, build_task
 
     cfg = GrokkingConfig(train=TrainConfig(epochs=epochs, eval_every=epochs), **config)
     speeds = {}
@@ -58,7 +58,7 @@ def grokking_speed(device: str = "cpu", *, epochs: int = 300, arms: tuple[str, .
 def main(argv: list[str] | None = None) -> int:
     """Add the grokking study's epochs per second to the accelerator check's JSON ``--out`` (flags of
     ``stiefel-attention bench`` that this part does not use are accepted and ignored)."""
-    parser = argparse.ArgumentParser(prog="python -m geoopt_stiefel_attention.experiments.speed",
+    parser = argparse.ArgumentParser(prog="python -m experiments.grokking.speed",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--scale", choices=tuple(GROKKING_SCALES), default="default")

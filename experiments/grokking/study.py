@@ -1,4 +1,4 @@
-r"""The modular-arithmetic grokking study: ``stiefel-attention grokking``.
+r"""The modular-arithmetic grokking study: ``python -m experiments grokking``.
 
 Task: learn :math:`(a \circ b) \bmod p` from a random ``train_fraction`` of all pairs
 (:mod:`.data.modular`; tokens ``[a, op, b, =]``, the answer predicted at the last position) with full-batch
@@ -20,16 +20,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ablation_arms  # noqa: F401  (registers the frozen, orthostart and ablation arms)
-from .arms import Arm
-from .command import StudyCommand
-from .config import OptimConfig, RunSpec, TrainConfig, require
-from .data.batches import FullBatch
-from .data.modular import canonical_operation, is_prime, modular_split
-from .metrics import QKGeometry, WeightNorms
-from .report import PaperReference
-from .runner import RunOptions, Task
-from .study import StudyOutputs, finalize_study, run_study
+from ..harness import ablation_arms  # noqa: F401  (registers the frozen, orthostart and ablation arms)
+from ..harness.arms import Arm
+from ..harness.batches import FullBatch
+from ..harness.command import StudyCommand
+from ..harness.config import OptimConfig, RunSpec, TrainConfig, require
+from ..harness.metrics import QKGeometry, WeightNorms
+from ..harness.report import PaperReference
+from ..harness.runner import RunOptions, Task
+from ..harness.study import StudyOutputs, finalize_study, run_study
+from .data import canonical_operation, is_prime, modular_split
 
 __all__ = ["GrokkingConfig", "build_task", "run_grokking", "PAPER", "HELP", "STUDY", "add_arguments", "run"]
 
@@ -141,8 +141,8 @@ def _choose_predict(model: torch.nn.Module, sample: torch.Tensor):
 def build_task(spec: RunSpec, arm: Arm, device: torch.device) -> Task:
     """The grokking task of one run: the seed's split (full batch) and a TinyTransformer with the arm's
     attention, built from the seed."""
-    from ..models import TinyTransformer
-    from ..nn import param_groups, query_key_projections
+    from geoopt_stiefel_attention.models import TinyTransformer
+    from geoopt_stiefel_attention.nn import param_groups, query_key_projections
 
     cfg: GrokkingConfig = spec.config
     split = modular_split(cfg.p, cfg.operation, cfg.train_fraction, spec.seed)
@@ -206,7 +206,7 @@ def _task_arguments(parser: argparse.ArgumentParser, d: GrokkingConfig) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> GrokkingConfig:
-    from .cli_args import optim_config_from_args, train_config_from_args
+    from ..harness.cli_args import optim_config_from_args, train_config_from_args
 
     return GrokkingConfig(p=args.p, operation=args.operation, train_fraction=args.train_fraction, width=args.width,
                           depth=args.depth, heads=args.heads, mlp=args.mlp,
@@ -235,7 +235,7 @@ def _summary_lines(summary: dict) -> list[str]:
     return lines
 
 
-#: The ``stiefel-attention grokking`` command.
+#: The ``python -m experiments grokking`` command.
 STUDY = StudyCommand(name="grokking", config_type=GrokkingConfig, task_arguments=_task_arguments,
                      config_from_args=config_from_args, train=_train, arms=("adamw", "stiefel"), seeds=(0,),
                      result_line=_result_line, summary_lines=_summary_lines)

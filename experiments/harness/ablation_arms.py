@@ -1,6 +1,6 @@
 r"""Arms that take one ingredient of the Stiefel update away at a time, and frozen frames.
 
-Registered in :data:`~geoopt_stiefel_attention.experiments.arms.ARMS` on import (the vision study imports
+Registered in :data:`~experiments.harness.arms.ARMS` on import (the vision study imports
 this module):
 
 =========================  ===========  =======================================================================
@@ -40,8 +40,9 @@ from typing import Any
 
 import torch
 
-from ..manifolds import is_frame
-from ..optim import stiefel_adam_update
+from geoopt_stiefel_attention.manifolds import is_frame
+from geoopt_stiefel_attention.optim import stiefel_adam_update
+
 from .arms import ARMS, Arm, OptimizerGroup, _adamw, _require_frames, build_adamw, register_arm, split_frame_groups
 from .config import OptimConfig
 
@@ -148,8 +149,8 @@ def orthonormal_start(model: torch.nn.Module) -> None:
     seed starts from bit-identical W_Q, W_K in both arms (and the same logit scale: both modules scale the
     logits by :math:`1/\sqrt{r}`). The matrices stay ordinary parameters: nothing holds them on the manifold.
     """
-    from ..manifolds import PolarStiefel
-    from ..nn import EuclideanMultiheadAttention
+    from geoopt_stiefel_attention.manifolds import PolarStiefel
+    from geoopt_stiefel_attention.nn import EuclideanMultiheadAttention
 
     modules = [m for m in model.modules() if isinstance(m, EuclideanMultiheadAttention)]
     if not modules:
@@ -165,7 +166,7 @@ def orthonormal_start(model: torch.nn.Module) -> None:
 def freeze_query_key(model: torch.nn.Module) -> None:
     """Stop the gradient of W_Q and W_K of every :class:`~geoopt_stiefel_attention.nn.EuclideanMultiheadAttention`
     of ``model`` (``requires_grad_(False)``), in place: they keep their random initial values."""
-    from ..nn import EuclideanMultiheadAttention
+    from geoopt_stiefel_attention.nn import EuclideanMultiheadAttention
 
     modules = [m for m in model.modules() if isinstance(m, EuclideanMultiheadAttention)]
     if not modules:
@@ -178,7 +179,7 @@ def freeze_query_key(model: torch.nn.Module) -> None:
 
 def build_adamw_frozen(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> torch.optim.AdamW:
     """AdamW on every trainable parameter; W_Q and W_K, frozen by :func:`freeze_query_key`, are left out."""
-    from ..nn import query_key_projections
+    from geoopt_stiefel_attention.nn import query_key_projections
 
     qk = [w for _, wq, wk in query_key_projections(model) for w in (wq, wk)]
     if not qk or any(w.requires_grad for w in qk):  # else the arm would silently be the adamw arm
@@ -192,7 +193,7 @@ def build_adamw_qk_nodecay(model: torch.nn.Module, groups: list[dict[str, Any]],
     """AdamW as in the ``adamw`` arm, except that W_Q and W_K (every
     :func:`~geoopt_stiefel_attention.nn.query_key_projections` tensor) move to a group of their own with
     ``weight_decay = 0``; every other key of their group (the lr above all) is kept."""
-    from ..nn import query_key_projections
+    from geoopt_stiefel_attention.nn import query_key_projections
 
     qk = {id(w) for _, wq, wk in query_key_projections(model) for w in (wq, wk) if w.requires_grad}
     frame_groups, others = split_frame_groups(groups, optim)
@@ -227,7 +228,7 @@ def build_frozen(model: torch.nn.Module, groups: list[dict[str, Any]], optim: Op
 
 def _stiefel_variant(name: str, second_moment: str | None):
     def build(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig):
-        from ..optim import StiefelAdam
+        from geoopt_stiefel_attention.optim import StiefelAdam
 
         frame_groups, others = split_frame_groups(groups, optim)
         if not frame_groups:
@@ -251,7 +252,7 @@ def build_framescalar_euclidean(model: torch.nn.Module, groups: list[dict[str, A
                                 optim: OptimConfig) -> OptimizerGroup:
     """:class:`FrameScalarAdam` (lr ``frame_lr``, no weight decay) on the unconstrained W_Q, W_K of every
     attention module (:func:`~geoopt_stiefel_attention.nn.query_key_projections`), AdamW on the rest."""
-    from ..nn import query_key_projections
+    from geoopt_stiefel_attention.nn import query_key_projections
 
     qk = {id(w) for _, wq, wk in query_key_projections(model) for w in (wq, wk)}
     if not qk:

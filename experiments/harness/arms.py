@@ -3,7 +3,7 @@ r"""Arms: how a run's model is prepared and which optimizer trains it.
 An :class:`Arm` names the attention variant the study's model builder must build (``"euclidean"`` or
 ``"stiefel"``), an optional in-place preparation of the built model, and a builder
 ``build(model, groups, optim) -> optimizer`` that receives the study's parameter groups (already carrying
-their weight decay) and the run's :class:`~geoopt_stiefel_attention.experiments.config.OptimConfig`.
+their weight decay) and the run's :class:`~experiments.harness.config.OptimConfig`.
 The registry :data:`ARMS` is open: ``register_arm(Arm(...))`` adds a variant (an ablation, frozen frames, a
 different second moment) without touching the training loop.
 
@@ -51,8 +51,9 @@ from typing import Any
 
 import torch
 
-from ..manifolds import is_frame
-from ..nn import param_groups
+from geoopt_stiefel_attention.manifolds import is_frame
+from geoopt_stiefel_attention.nn import param_groups
+
 from .config import OptimConfig
 
 __all__ = ["Arm", "ARMS", "register_arm", "get_arm", "available_arms", "OptimizerGroup", "split_frame_groups",
@@ -254,7 +255,7 @@ def build_adamw(model: torch.nn.Module, groups: list[dict[str, Any]], optim: Opt
 
 def build_stiefel(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig):
     """:class:`~geoopt_stiefel_attention.StiefelAdam` on frames (lr ``frame_lr``) and AdamW on the rest."""
-    from ..optim import StiefelAdam
+    from geoopt_stiefel_attention.optim import StiefelAdam
 
     frame_groups, others = split_frame_groups(groups, optim)
     _require_frames("stiefel", frame_groups, present=True)
@@ -361,7 +362,7 @@ def build_muon(model: torch.nn.Module, groups: list[dict[str, Any]], optim: Opti
 def build_stiefel_muon(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> OptimizerGroup:
     """Frames by :class:`~geoopt_stiefel_attention.StiefelAdam` (as in ``stiefel``: lr ``frame_lr``, the run's
     ``adjust_lr_fn``), torch's Muon on the other hidden matrices (as in ``muon``), AdamW on the rest."""
-    from ..optim import StiefelAdam
+    from geoopt_stiefel_attention.optim import StiefelAdam
 
     frame_groups, others = split_frame_groups(groups, optim)
     _require_frames("stiefel-muon", frame_groups, present=True)

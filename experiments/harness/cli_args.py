@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from .._linalg import ADJUST_LR_FNS
+from geoopt_stiefel_attention._linalg import ADJUST_LR_FNS
+
 from .config import OptimConfig, TrainConfig
 
 __all__ = ["add_schedule_arguments", "add_optim_arguments", "add_runner_arguments", "train_config_from_args",
@@ -96,11 +97,11 @@ def optim_config_from_args(args: argparse.Namespace) -> OptimConfig:
 
 
 def invoked_command() -> str | None:
-    """The command line that started this process, as ``stiefel-attention ...`` (recorded in reports)."""
+    """The command line that started this process, as ``python -m experiments ...`` (recorded in reports)."""
     import shlex
     import sys
 
-    return "stiefel-attention " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    return "python -m experiments " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
 
 
 def check_runner_args(args: argparse.Namespace, study: str | None = None) -> None:
@@ -110,7 +111,8 @@ def check_runner_args(args: argparse.Namespace, study: str | None = None) -> Non
     Raises :class:`~geoopt_stiefel_attention._argtypes.UsageError` naming the flag."""
     import math
 
-    from .._argtypes import UsageError
+    from geoopt_stiefel_attention._argtypes import UsageError
+
     from .arms import ARMS, available_arms
 
     if args.arms is not None:
@@ -157,7 +159,7 @@ def check_out_dir(out: str, *, must_exist: bool = False) -> None:
     read-only file system), or (for ``--report-only``) does not exist. Leaves nothing behind."""
     from pathlib import Path
 
-    from .._argtypes import UsageError, output_path_problem
+    from geoopt_stiefel_attention._argtypes import UsageError, output_path_problem
 
     path = Path(out)
     if path.exists() and not path.is_dir():
@@ -183,7 +185,7 @@ def require_modules(names: Sequence[str]) -> None:
     :class:`~geoopt_stiefel_attention._argtypes.UsageError` saying what needs it and how to install it."""
     import importlib
 
-    from .._argtypes import UsageError
+    from geoopt_stiefel_attention._argtypes import UsageError
 
     for name in names:
         try:
@@ -208,7 +210,7 @@ def runner_modules(args: argparse.Namespace) -> list[str]:
 def build_config(factory, args: argparse.Namespace):
     """``factory(args)`` with a config error turned into a :class:`~geoopt_stiefel_attention._argtypes.UsageError`
     (the config messages name the flags)."""
-    from .._argtypes import UsageError
+    from geoopt_stiefel_attention._argtypes import UsageError
 
     try:
         return factory(args)
@@ -224,7 +226,8 @@ class user_errors:  # noqa: N801 - used as a context manager: ``with user_errors
         return None
 
     def __exit__(self, kind, err, tb) -> bool:
-        from .._argtypes import UsageError
+        from geoopt_stiefel_attention._argtypes import UsageError
+
         from .runner import ConfigMismatchError, RunLockedError
 
         if isinstance(err, (ConfigMismatchError, RunLockedError)):

@@ -1,4 +1,4 @@
-"""One entry point for every study command (``stiefel-attention grokking``, ``vision``, ``lm``, ...).
+"""One entry point for every study command (``python -m experiments grokking``, ``vision``, ``lm``, ...).
 
 A study declares a :class:`StudyCommand`: its name, its config, how to train it, its default arms and seeds,
 the flags of its own that ``--report-only`` honours, and what its report prints. :meth:`StudyCommand.run` does
@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._argtypes import UsageError
+from geoopt_stiefel_attention._argtypes import UsageError
+
 from .runner import RunOptions, RunResult
 from .study import StudyOutputs
 
@@ -50,7 +51,7 @@ def _no_lines(*_: Any) -> list[str]:
 
 @dataclass(frozen=True)
 class StudyCommand:
-    """What makes a study a ``stiefel-attention`` subcommand; everything else is shared.
+    """What makes a study a ``python -m experiments`` subcommand; everything else is shared.
 
     Parameters
     ----------
@@ -148,7 +149,7 @@ class StudyCommand:
 
         ignored = ignored_by_report_only(args, self.report_only_flags)
         if ignored:  # not silent: say that these flags do nothing here
-            print(f"stiefel-attention {self.name}: note: --report-only rebuilds the report with the settings recorded "
+            print(f"python -m experiments {self.name}: note: --report-only rebuilds the report with the settings recorded "
                   f"in --out; ignoring {' '.join(ignored)}", file=sys.stderr)
         check_runner_args(args, study=self.name)
         if self.check is not None:

@@ -14,9 +14,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .._linalg import ADJUST_LR_FNS
+from geoopt_stiefel_attention._linalg import ADJUST_LR_FNS
 
-__all__ = ["TrainConfig", "OptimConfig", "RunSpec", "to_dict", "require", "flag_of", "config_value", "config_from_dict"]
+__all__ = ["TrainConfig", "OptimConfig", "RunSpec", "to_dict", "require", "flag_of", "config_value", "config_from_dict",
+           "FORMER_CONFIG_CLASSES", "with_current_config_class"]
 
 
 def require(ok: bool, message: str) -> None:
@@ -140,7 +141,7 @@ class RunSpec:
         The study's frozen config; it must have the fields ``experiment`` (str), ``train``
         (:class:`TrainConfig`) and ``optim`` (:class:`OptimConfig`).
     arm : str
-        A name registered in :data:`geoopt_stiefel_attention.experiments.arms.ARMS`.
+        A name registered in :data:`experiments.harness.arms.ARMS`.
     seed : int
         A non-negative int.
     """
@@ -185,6 +186,34 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {str(k): to_dict(v) for k, v in obj.items()}
     return obj
+
+
+#: Former name -> name of each study's config class, as a run's ``config.json`` records it (``config_class``):
+#: the studies left the package on 2026-12-05 (issue 39), and the runs recorded before keep their files as they are.
+FORMER_CONFIG_CLASSES = {
+    "geoopt_stiefel_attention.experiments.grokking.GrokkingConfig": "experiments.grokking.study.GrokkingConfig",
+    "geoopt_stiefel_attention.experiments.vision.VisionConfig": "experiments.vision.study.VisionConfig",
+    "geoopt_stiefel_attention.experiments.lm.LMConfig": "experiments.lm.study.LMConfig",
+}
+
+
+def with_current_config_class(recorded: dict[str, Any]) -> dict[str, Any]:
+    """A run's recorded ``config.json`` with a former ``config_class`` (:data:`FORMER_CONFIG_CLASSES`) read as its
+    current name, so that a run recorded before the studies moved is still "the same run" (it resumes and extends);
+    anything else is returned unchanged.
+
+    Examples
+    --------
+    >>> from experiments.harness.config import with_current_config_class
+    >>> with_current_config_class({"config_class": "geoopt_stiefel_attention.experiments.lm.LMConfig", "seed": 0})
+    {'config_class': 'experiments.lm.study.LMConfig', 'seed': 0}
+    >>> with_current_config_class({"config_class": "tests.Other", "seed": 0})
+    {'config_class': 'tests.Other', 'seed': 0}
+    """
+    name = recorded.get("config_class")
+    if name not in FORMER_CONFIG_CLASSES:
+        return recorded
+    return {**recorded, "config_class": FORMER_CONFIG_CLASSES[name]}
 
 
 #: Config fields whose command-line flag is not ``--<field-with-dashes>``.

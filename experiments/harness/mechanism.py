@@ -1,7 +1,7 @@
 r"""Why does an arm grok earlier? The start, the constraint and the step, as paired contrasts.
 
 The grokking study's arms differ from each other in one ingredient at a time (see
-:mod:`~geoopt_stiefel_attention.experiments.ablation_arms`), so the difference of their first epochs at the
+:mod:`~experiments.harness.ablation_arms`), so the difference of their first epochs at the
 threshold, seed by seed, measures that ingredient:
 
 - **the start**: ``adamw-orthostart`` − ``adamw`` (W_Q, W_K start orthonormal, from the ``stiefel`` arm's

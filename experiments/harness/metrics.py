@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..manifolds import is_frame
+from geoopt_stiefel_attention.manifolds import is_frame
 
 __all__ = ["MetricHook", "WeightNorms", "QKGeometry", "StepMovement", "principal_angles"]
 

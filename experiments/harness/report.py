@@ -1,6 +1,6 @@
 """Markdown report of a study: the measured numbers per arm next to the paper's, and the figures.
 
-:func:`render_report` turns a :func:`~geoopt_stiefel_attention.experiments.records.summarize` result
+:func:`render_report` turns a :func:`~experiments.harness.records.summarize` result
 into markdown; it returns text and never prints.
 """
 
@@ -195,7 +195,7 @@ def render_report(*, title: str, summary: Mapping[str, Any], intro: str = "",
     title, intro : str
         Heading and a paragraph under it.
     summary : mapping
-        The output of :func:`~geoopt_stiefel_attention.experiments.records.summarize`.
+        The output of :func:`~experiments.harness.records.summarize`.
     paper : PaperReference, optional
         Published values and their protocol.
     figures : mapping of str to path, optional

@@ -39,10 +39,11 @@ from typing import Any
 
 import torch
 
-from ..convert import parametrized_state_dict
+from geoopt_stiefel_attention.convert import parametrized_state_dict
+
 from .arms import Arm, default_param_groups, get_arm
-from .config import RunSpec, flag_of, to_dict
-from .data.batches import BatchSource
+from .batches import BatchSource
+from .config import RunSpec, flag_of, to_dict, with_current_config_class
 from .metrics import MetricHook
 from .records import METRICS_FILE, append_record, read_records, truncate_records
 
@@ -79,7 +80,7 @@ class Task:
         ``loss(logits, targets) -> mean loss``; default cross-entropy.
     param_groups : callable, optional
         ``param_groups(model, weight_decay) -> list of group dicts``; default
-        :func:`~geoopt_stiefel_attention.experiments.arms.default_param_groups`.
+        :func:`~experiments.harness.arms.default_param_groups`.
     hooks : sequence of MetricHook
         Extra per-evaluation metrics.
     lr_factor : callable, optional
@@ -170,12 +171,12 @@ def environment_info(device: torch.device) -> dict[str, Any]:
     import geoopt
     import numpy
 
-    from .. import __version__
+    from geoopt_stiefel_attention import __version__
 
-    # uncommitted changes to anything but the top-level studies/ folder (run records committed while studies
-    # train would otherwise mark every call; experiments/ is its name before 2026-12-03)
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)studies",
-                  ":(top,exclude)experiments")
+    # uncommitted changes to anything but the committed records (experiments/<study>/records/, before 2026-12-05
+    # studies/): records committed while studies train would otherwise mark every call
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                  ":(top,exclude,glob)experiments/*/records/**")
     info = {
         "geoopt_stiefel_attention": __version__,
         "git_sha": _git("rev-parse", "HEAD"),
@@ -241,7 +242,7 @@ def check_run_dir(run_dir: str | os.PathLike, spec: RunSpec) -> int | None:
     if not path.exists():
         return None
     want = _normalise(to_dict(spec))
-    have = json.loads(path.read_text())
+    have = with_current_config_class(json.loads(path.read_text()))
     if have == want:
         return None
     diffs = _differences(have, want)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .batches import epoch_generator
+from ..harness.batches import epoch_generator
 
 __all__ = ["CORPORA", "TextCorpus", "load_corpus", "corpus_licence", "stdlib_files", "RandomWindows", "EvalWindows",
            "bits_per_byte"]
@@ -186,7 +186,7 @@ class RandomWindows:
     """Training batches of random windows of a byte stream; the next byte is the target at every position.
 
     An "epoch" is ``steps`` batches. Window starts are drawn uniformly from ``[0, len(stream) - context - 1]``
-    by :func:`~geoopt_stiefel_attention.experiments.data.batches.epoch_generator` ``(seed, epoch)``, so arms
+    by :func:`~experiments.harness.batches.epoch_generator` ``(seed, epoch)``, so arms
     with the same seed see the same text in the same order and a resumed run sees what the uninterrupted
     run would have seen.
 

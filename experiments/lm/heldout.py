@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .text import _SEPARATOR, stdlib_files
+from .data import _SEPARATOR, stdlib_files
 
 __all__ = ["CATEGORIES", "split_of", "ngram_hashes", "byte_categories", "window_category", "WindowSet",
            "HeldOutCorpus", "load_heldout_corpus"]

@@ -4,10 +4,10 @@
 # 32, and at width 128 with head size 64. Runs go seed by seed so that every width has seed 0 first; rerunning
 # resumes from the checkpoints.
 #
-# Usage: studies/lm/run_frame_step.sh OUT   (e.g. studies/lm/runs/frame-step)
+# Usage: experiments/lm/run_frame_step.sh OUT   (e.g. experiments/lm/records/frame-step)
 set -euo pipefail
 out=${1:?output folder}
-flags=$(grep -v '^#' studies/lm/configs/frame-step.args)
+flags=$(grep -v '^#' experiments/lm/configs/frame-step.args)
 run() {  # run NAME SEED WIDTH HEADS
   echo "=== $1 seed $2 at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
   # shellcheck disable=SC2086

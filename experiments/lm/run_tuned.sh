@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Tuned against tuned (issue 26): each arm's lr grid (2 seeds per point), then the final cell (each arm at the lr
 # its grid selects on validation, 5 paired seeds, read once on test), then the timing pass for the
-# equal-wall-clock readout, then the report. Flags and grids: studies/lm/configs/tuned.args. Every step is
+# equal-wall-clock readout, then the report. Flags and grids: experiments/lm/configs/tuned.args. Every step is
 # resumable: rerun the script and it continues where it stopped (finished runs are skipped). Run it on ONE clean
 # commit (the report names the commits and marks uncommitted changes).
 #
-# Usage: studies/lm/run_tuned.sh OUT [grid|final|timing|report|all]   (e.g. studies/lm/runs/tuned)
+# Usage: experiments/lm/run_tuned.sh OUT [grid|final|timing|report|all]   (e.g. experiments/lm/records/tuned)
 # TUNED_ARGS=FILE reads the flags and grids from FILE instead (a smoke test on a tiny model).
 # WORKERS=N trains N runs side by side (one process and one torch thread each; default 1). Two on a 2-core machine
 # halve the wall time. Never start two copies of this script on one folder: they would collide on the same runs.
@@ -14,7 +14,7 @@
 set -euo pipefail
 out=${1:?output folder}
 step=${2:-all}
-args=${TUNED_ARGS:-studies/lm/configs/tuned.args}
+args=${TUNED_ARGS:-experiments/lm/configs/tuned.args}
 flags=$(grep -v '^#' "$args")
 arms=$(grep '^# grid ' "$args" | awk '{print $3}' | tr '\n' ' ')
 lm() {

@@ -1,4 +1,4 @@
-r"""The byte-level language-model study: ``stiefel-attention lm``.
+r"""The byte-level language-model study: ``python -m experiments lm``.
 
 Does Stiefel attention help a small GPT trained on real text? A HuggingFace
 :class:`~transformers.GPT2LMHeadModel` (pre-norm, causal; default 4 layers, width 128, 4 heads, context 128,
@@ -46,17 +46,18 @@ from typing import Any
 
 import torch
 
-from .. import _deprecated
-from .._argtypes import UsageError
-from ..nn import param_groups
-from .arms import ARMS, Arm, build_stiefel, register_arm
-from .command import StudyCommand
-from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
-from .data.text import CORPORA, EvalWindows, RandomWindows, bits_per_byte, corpus_licence, load_corpus
-from .metrics import MetricHook, QKGeometry
-from .runner import ConfigMismatchError, RunOptions, Task
-from .schedules import warmup_cosine
-from .study import Cell, StudyOutputs
+from geoopt_stiefel_attention import _deprecated
+from geoopt_stiefel_attention._argtypes import UsageError
+from geoopt_stiefel_attention.nn import param_groups
+
+from ..harness.arms import ARMS, Arm, build_stiefel, register_arm
+from ..harness.command import StudyCommand
+from ..harness.config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
+from ..harness.metrics import MetricHook, QKGeometry
+from ..harness.runner import ConfigMismatchError, RunOptions, Task
+from ..harness.schedules import warmup_cosine
+from ..harness.study import Cell, StudyOutputs
+from .data import CORPORA, EvalWindows, RandomWindows, bits_per_byte, corpus_licence, load_corpus
 from .tuned import FINAL_DIR, GRID_PREFIX, finalize_tuned, find_config, is_tuned_folder, run_tuned
 
 __all__ = ["LMConfig", "build_model", "build_task", "gpt2_query_keys", "attention_logit_stats", "AttentionProbe",
@@ -224,7 +225,7 @@ def build_model(config: LMConfig, *, seed: int, logit_gain: str | None = None, s
     with ``logit_gain`` and the config's ``gain_rate``."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ..convert import stiefelize
+    from geoopt_stiefel_attention.convert import stiefelize
 
     gpt = GPT2Config(vocab_size=256, n_positions=config.context, n_embd=config.width, n_layer=config.depth,
                      n_head=config.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
@@ -386,7 +387,7 @@ def _load(corpus: str, val_fraction: float, root: str | None):
 
 @functools.lru_cache(maxsize=2)
 def _load_heldout(config: LMConfig):
-    from .data.heldout import load_heldout_corpus
+    from .heldout import load_heldout_corpus
 
     return load_heldout_corpus(val_fraction=config.val_fraction, test_fraction=config.test_fraction,
                                context=config.context, count=config.eval_windows,
@@ -411,7 +412,7 @@ class _Fixed:
 def heldout_eval_data(config: LMConfig, device: torch.device) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor]:
     """For ``test_fraction > 0``: the training stream, the evaluation sets (``val``, ``test`` and their non-empty
     categories ``val_code``, ``test_prose``, ...) and the probe windows (the first validation windows)."""
-    from .data.heldout import CATEGORIES
+    from .heldout import CATEGORIES
 
     held = _load_heldout(dataclasses.replace(config, corpus_identity=None, train=TrainConfig(), optim=OptimConfig()))
     sets: dict[str, Any] = {}
@@ -510,7 +511,7 @@ def _setup_paragraph(config: LMConfig, arms: Sequence[str]) -> str:
 
 
 def _mean_ci_text(values: Sequence[float], fmt: str = ".4f") -> str:
-    from .stats import mean_ci
+    from ..harness.stats import mean_ci
 
     m, lo, hi = mean_ci(list(values))
     if m is None:
@@ -539,8 +540,8 @@ def _sweep_differences(main: LMConfig, cell: LMConfig) -> list[str]:
 
 
 def _results_lines(records, arms: Sequence[str], config: LMConfig) -> list[str]:
-    from .records import group_runs
-    from .report import fmt_num
+    from ..harness.records import group_runs
+    from ..harness.report import fmt_num
 
     runs = group_runs(records)
     lines = ["| arm | seeds | last epoch | val bpb, mean [95% CI] | val loss (nats/byte) | train bpb (fixed windows) "
@@ -571,7 +572,7 @@ def _results_lines(records, arms: Sequence[str], config: LMConfig) -> list[str]:
 
 
 def _per_head_lines(records, arms: Sequence[str], config: LMConfig) -> list[str]:
-    from .records import group_runs
+    from ..harness.records import group_runs
 
     runs = group_runs(records)
     lines = ["Per head at the last evaluation (mean over seeds): logit RMS / attention entropy (nats; uniform "
@@ -616,7 +617,7 @@ NOTES = (
 
 def _sweep_folders(out_dir: Path) -> list[Cell]:
     """The frame-lr cells on disk, with the configs their runs were trained with."""
-    from .runner import CONFIG_FILE
+    from ..harness.runner import CONFIG_FILE
 
     cells = []
     for folder in sorted(out_dir.glob("frame-lr-*"), key=lambda p: float(p.name[len("frame-lr-"):])):
@@ -631,11 +632,11 @@ def finalize_lm(out_dir: str | os.PathLike, config: LMConfig, *, arms: Sequence[
                 seeds: Sequence[int] | None = None, results: Sequence[Any] = ()) -> StudyOutputs:
     """Summarise the records under ``out_dir`` (the main cell and every ``frame-lr-*`` cell on disk) and write
     ``summary.json``, the figures and ``report.md``. A function of the files in ``out_dir`` only."""
-    from .plotting import plot_curves, plot_gap_sweep, plot_per_head, plot_principal_angles
-    from .records import group_runs, summarize_cell
-    from .report import comparison_table, figure_lines, run_lines, write_text
-    from .stats import compare_arms
-    from .study import cell_records, recorded_config, run_info_from_records, speed_from_environment
+    from ..harness.plotting import plot_curves, plot_gap_sweep, plot_per_head, plot_principal_angles
+    from ..harness.records import group_runs, summarize_cell
+    from ..harness.report import comparison_table, figure_lines, run_lines, write_text
+    from ..harness.stats import compare_arms
+    from ..harness.study import cell_records, recorded_config, run_info_from_records, speed_from_environment
 
     out_dir = Path(out_dir)
     recorded = recorded_config(out_dir)  # the report shows the config as the runs recorded it
@@ -744,8 +745,8 @@ def with_corpus_identity(config: LMConfig) -> LMConfig:
 
 def _check_recorded_corpus(out_dir: str | os.PathLike, config: LMConfig) -> None:
     """Refuse, naming the two corpora, to add runs on one text to a folder whose runs were trained on another."""
-    from .runner import ConfigMismatchError
-    from .study import recorded_config
+    from ..harness.runner import ConfigMismatchError
+    from ..harness.study import recorded_config
 
     recorded = (recorded_config(out_dir) or {}).get("corpus_identity")
     if recorded and recorded != config.corpus_identity:
@@ -776,8 +777,8 @@ def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] 
     With ``lrs``, ``final_seeds`` or ``time_steps`` it is a tuned study instead (:func:`~.tuned.run_tuned`: the
     lr grid on ``seeds``, default 0 1; the final cell; the timing pass), which has no main cell; a folder holding
     one is reported by :func:`~.tuned.finalize_tuned`."""
-    from .arms import get_arm
-    from .study import run_cells
+    from ..harness.arms import get_arm
+    from ..harness.study import run_cells
 
     if report_only:
         if is_tuned_folder(out_dir):
@@ -818,13 +819,13 @@ def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] 
 
 # ---------------------------------------------------------------------------------------------- CLI
 def _none_or_positive_float(text: str) -> float | None:
-    from .._argtypes import positive_float
+    from geoopt_stiefel_attention._argtypes import positive_float
 
     return None if text.lower() in ("none", "off") else positive_float(text)
 
 
 def _task_arguments(parser: argparse.ArgumentParser, d: LMConfig) -> None:
-    from .._argtypes import positive_float, positive_int
+    from geoopt_stiefel_attention._argtypes import positive_float, positive_int
 
     g = parser.add_argument_group("corpus")
     g.add_argument("--corpus", choices=CORPORA, default=d.corpus,
@@ -889,12 +890,12 @@ def _task_arguments(parser: argparse.ArgumentParser, d: LMConfig) -> None:
                         "rounds after a warm-up round, one process) at its selected lr; writes timing.json for the "
                         "equal-wall-clock readout")
     g.add_argument("--transfer-report", action="store_true",
-                   help="train nothing: --out holds one lm study per model shape (studies/lm/run_frame_step.sh); "
+                   help="train nothing: --out holds one lm study per model shape (experiments/lm/run_frame_step.sh); "
                         "write the report of the frame lr against the multiplier, one curve per shape")
 
 
 def config_from_args(args: argparse.Namespace) -> LMConfig:
-    from .cli_args import optim_config_from_args, train_config_from_args
+    from ..harness.cli_args import optim_config_from_args, train_config_from_args
 
     return LMConfig(corpus=args.corpus, corpus_root=args.corpus_root, val_fraction=args.val_fraction,
                     context=args.context, width=args.width, depth=args.depth, heads=args.heads,
@@ -912,7 +913,7 @@ def _run_transfer_report(args: argparse.Namespace) -> int:
 
     if not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out}: no such folder; pass the folder of per-shape lm studies "
-                         f"(e.g. studies/lm/runs/frame-step).")
+                         f"(e.g. experiments/lm/records/frame-step).")
     try:
         summary = transfer_report(args.out)
     except ValueError as err:
@@ -998,7 +999,7 @@ def _summary_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-#: The ``stiefel-attention lm`` command (``--transfer-report``: :func:`run` reports over per-width studies).
+#: The ``python -m experiments lm`` command (``--transfer-report``: :func:`run` reports over per-width studies).
 STUDY = StudyCommand(name="lm", config_type=LMConfig, task_arguments=_task_arguments,
                      config_from_args=config_from_args, train=_train, arms=STUDY_ARMS, seeds=(0, 1, 2),
                      report_only_flags=frozenset({"corpus_root"}), check=_check, prepare=_prepare,
@@ -1009,7 +1010,7 @@ add_arguments = STUDY.add_arguments
 
 
 def run(args: argparse.Namespace) -> int:
-    """``stiefel-attention lm``: the study (:data:`STUDY`), or with ``--transfer-report`` the report over a
+    """``python -m experiments lm``: the study (:data:`STUDY`), or with ``--transfer-report`` the report over a
     folder of per-shape studies."""
     if args.transfer_report:
         return _run_transfer_report(args)

@@ -1,6 +1,6 @@
 r"""Does a frame-step rule transfer across widths? The report over several language-model studies.
 
-The input is a folder of :mod:`~geoopt_stiefel_attention.experiments.lm` studies, one per model shape (e.g.
+The input is a folder of :mod:`~experiments.lm.study` studies, one per model shape (e.g.
 ``w64/``, ``w128/``, ``w256/``, ``w128-h64/``), each trained with the same flags apart from ``--width`` and
 ``--heads``, an ``adamw`` arm and a ``stiefel`` arm whose frame learning rate is swept (``--frame-lrs``) around
 the model's learning rate. With ``adjust_lr_fn="match_rms_adamw"`` the frame lr is a per-entry step size, so the
@@ -79,7 +79,7 @@ def collect_shapes(root: str | os.PathLike) -> list[dict[str, Any]]:
     """One entry per study folder under ``root`` (sorted by width, then head size): its shape (``width``,
     ``heads``, ``head_size``, ``depth``), the model ``lr``, ``adjust_lr_fn``, the ``adamw`` finals per seed and
     one ``points`` row per frame lr (``multiplier``, ``frame_lr``, ``finals`` per seed) with finished runs."""
-    from .runner import CONFIG_FILE
+    from ..harness.runner import CONFIG_FILE
 
     root = Path(root)
     shapes = []
@@ -114,8 +114,8 @@ def collect_shapes(root: str | os.PathLike) -> list[dict[str, Any]]:
 
 def _finished_runs(folder: Path) -> list[tuple[dict[str, Any], str, int, list[dict[str, Any]]]]:
     """``(config, arm, seed, records)`` of every run under ``folder`` that reached its last epoch."""
-    from .records import read_records
-    from .runner import CONFIG_FILE
+    from ..harness.records import read_records
+    from ..harness.runner import CONFIG_FILE
 
     out = []
     for spec in sorted(folder.glob(f"runs/*/seed*/{CONFIG_FILE}")):
@@ -386,7 +386,7 @@ def default_table(summary: Mapping[str, Any]) -> list[str]:
 def plot_transfer(summary: Mapping[str, Any], path: str | os.PathLike) -> Path | None:
     """Final validation bpb against the multiplier (log scale), one curve per shape; AdamW as a dashed level
     in the same colour."""
-    from .plotting import _row, _save
+    from ..harness.plotting import _row, _save
 
     shapes = [s for s in summary["shapes"] if s["rows"]]
     if not shapes:
@@ -427,7 +427,7 @@ def trained_on(root: str | os.PathLike) -> dict[str, Any]:
 
 def setup_text(root: str | os.PathLike) -> str:
     """The shared setup of the studies under ``root`` in words, from the first run's ``config.json``."""
-    from .runner import CONFIG_FILE
+    from ..harness.runner import CONFIG_FILE
 
     first = next(iter(sorted(Path(root).glob(f"*/runs/*/seed*/{CONFIG_FILE}"))), None)
     if first is None:
@@ -476,7 +476,7 @@ def transfer_report(root: str | os.PathLike, *, intro: str = "") -> dict[str, An
     shapes = collect_shapes(root)
     if not shapes:
         raise ValueError(f"{root}: holds no language-model study folder (<shape>/runs/<arm>/seed<k>/config.json); "
-                         f"train them first with studies/lm/run_frame_step.sh.")
+                         f"train them first with experiments/lm/run_frame_step.sh.")
     summary = {"shapes_collected": shapes, **summarize_transfer(shapes), "trained_on": trained_on(root)}
     checks = read_checks(root)
     if checks:

@@ -1,6 +1,6 @@
 r"""Tuned against tuned: a learning-rate grid per arm, a selection on validation, a final cell read once on test.
 
-The language-model study (:mod:`~geoopt_stiefel_attention.experiments.lm`) calls this module when it is given
+The language-model study (:mod:`~experiments.lm.study`) calls this module when it is given
 ``--lrs`` (the grid), ``--final-seeds`` (the final cell) or ``--time-steps`` (the timing pass); its
 ``--report-only`` calls :func:`finalize_tuned` on a folder laid out like this:
 
@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .study import Cell, StudyOutputs
+from ..harness.study import Cell, StudyOutputs
 
 __all__ = ["GRID_PREFIX", "FINAL_DIR", "TIMING_FILE", "BASELINES", "CATEGORY_SETS", "MIN_SEEDS_FOR_CLAIM",
            "IncompleteSelectionError", "grid_cells", "with_lr", "is_tuned_folder", "read_grid", "select_lrs",
@@ -156,7 +156,7 @@ def find_config(out_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------------------------------------- selection
 def _runs(folder: Path) -> dict[str, dict[int, list[dict[str, Any]]]]:
-    from .records import group_runs, load_study_records
+    from ..harness.records import group_runs, load_study_records
 
     return group_runs(load_study_records(folder)) if (folder / "runs").is_dir() else {}
 
@@ -302,7 +302,7 @@ def time_arms(configs: Mapping[str, Any], build_task: Callable, *, steps: int, r
     """
     import torch
 
-    from .runner import _build, _train_epoch, environment_info, resolve_device
+    from ..harness.runner import _build, _train_epoch, environment_info, resolve_device
 
     if not (isinstance(steps, int) and steps > 0 and isinstance(rounds, int) and rounds > 0):
         raise ValueError(f"time_arms: steps={steps!r} and rounds={rounds!r} must be positive ints (--time-steps).")
@@ -311,7 +311,7 @@ def time_arms(configs: Mapping[str, Any], build_task: Callable, *, steps: int, r
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        from .config import RunSpec
+        from ..harness.config import RunSpec
 
         runs = {}
         for arm, config in configs.items():
@@ -378,7 +378,7 @@ def tuned_comparisons(per_set: Mapping[str, Mapping[str, Mapping[str, float]]], 
     """Paired comparisons ``"<set>: <arm> - <baseline>"`` of every arm against each of :data:`BASELINES` that
     ran (``muon - adamw`` once), for every set of ``per_set`` (set -> arm -> seed -> value), with Holm's
     adjustment (:func:`~.stats.with_holm`) over the whole family."""
-    from .stats import paired_from_mapping, with_holm
+    from ..harness.stats import paired_from_mapping, with_holm
 
     out = {}
     for name, per_arm in per_set.items():
@@ -395,7 +395,7 @@ def tuned_comparisons(per_set: Mapping[str, Mapping[str, Mapping[str, float]]], 
 
 
 def _mean_ci(values: Sequence[float]) -> dict[str, Any]:
-    from .stats import mean_ci
+    from ..harness.stats import mean_ci
 
     m, lo, hi = mean_ci(list(values)) if values else (None, None, None)
     return {"n": len(values), "mean": m, "ci_low": lo, "ci_high": hi}
@@ -418,7 +418,7 @@ def _finished(folder: Path) -> tuple[dict[str, dict[int, list[dict[str, Any]]]],
 def _trained_on(out_dir: Path) -> dict[str, Any]:
     """Per cell group (``grid``, ``final``), the commits (12 hex digits, ``*`` = uncommitted changes) and setups
     of every training call, from the runs' ``environment.json``."""
-    from .study import speed_from_environment
+    from ..harness.study import speed_from_environment
 
     out = {}
     for name, folders in (("grid", _grid_folders(out_dir)), ("final", [out_dir / FINAL_DIR])):
@@ -462,7 +462,7 @@ def _sentence(name: str, c: Mapping[str, Any]) -> str:
 
 
 def _comparison_sections(comparisons: Mapping[str, Mapping[str, Any]], sets: Sequence[str]) -> list[str]:
-    from .report import comparison_table
+    from ..harness.report import comparison_table
 
     lines = []
     for name in sets:
@@ -476,7 +476,7 @@ def _comparison_sections(comparisons: Mapping[str, Mapping[str, Any]], sets: Seq
 def plot_lr_grid(selection: Mapping[str, Any], path: str | os.PathLike) -> Path | None:
     """Final validation bpb (mean over the selection's seeds) against the lr, one curve per arm, log x, each
     arm's selected lr marked with a star."""
-    from .plotting import _row, _save
+    from ..harness.plotting import _row, _save
 
     arms = [a for a, s in selection["arms"].items() if s["rows"]]
     if not arms:
@@ -511,8 +511,8 @@ def finalize_tuned(out_dir: str | os.PathLike, config_type: type, *, arms: Seque
     arms : sequence of str, optional
         Restrict the report to these arms (default: every arm on disk).
     """
-    from .config import config_from_dict, to_dict
-    from .report import write_text
+    from ..harness.config import config_from_dict, to_dict
+    from ..harness.report import write_text
 
     out_dir = Path(out_dir)
     recorded = find_config(out_dir)
@@ -787,7 +787,7 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
         ``allow_unbracketed``; ``final_seeds`` that include a seed of the grid's selection (those runs would
         repeat the grid runs that won it, and the test readout would depend on the selection).
     """
-    from .study import run_cells
+    from ..harness.study import run_cells
 
     out_dir = Path(out_dir)
     arms = list(arms)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .batches import derived_generator
+from ..harness.batches import derived_generator
 
 __all__ = ["DATASETS", "DEBIAN_FASHION_MNIST_DIR", "VisionData", "load_vision", "subsample", "random_crop_flip",
            "prepare_fashion_mnist", "DatasetNotFoundError", "STREAM_SUBSAMPLE"]

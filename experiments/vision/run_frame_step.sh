@@ -5,8 +5,8 @@
 # Needs Debian's dataset-fashion-mnist (apt-get install dataset-fashion-mnist) and a DATA_DIR the loader can link
 # its files into. One folder per multiplier; rerunning resumes.
 #
-# Usage: studies/vision/run_frame_step.sh OUT DATA_DIR [SEED...]
-#   e.g. studies/vision/run_frame_step.sh studies/vision/runs/frame-step /tmp/vis_data 0 1 2
+# Usage: experiments/vision/run_frame_step.sh OUT DATA_DIR [SEED...]
+#   e.g. experiments/vision/run_frame_step.sh experiments/vision/records/frame-step /tmp/vis_data 0 1 2
 set -euo pipefail
 out=${1:?output folder}; data=${2:?data folder}; shift 2
 seeds=("$@"); [ ${#seeds[@]} -gt 0 ] || seeds=(0 1 2)
@@ -17,7 +17,7 @@ mkdir -p "$out"
 echo "=== adamw at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
 python -m geoopt_stiefel_attention vision "${common[@]}" --arms adamw --out "$out/adamw" 2>&1 | tee -a "$out/log.txt"
 for mu in 1 9 3 0.33333 0.11111; do
-  lr=$(python -c "from geoopt_stiefel_attention.experiments.vision import VisionConfig; print(f'{$mu * VisionConfig().optim.lr:.6g}')")
+  lr=$(python -c "from experiments.vision.study import VisionConfig; print(f'{$mu * VisionConfig().optim.lr:.6g}')")
   echo "=== mu $mu (frame lr $lr) at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
   python -m geoopt_stiefel_attention vision "${common[@]}" --arms stiefel --adjust-lr-fn match_rms_adamw \
       --frame-lr "$lr" --out "$out/mu-$mu" 2>&1 | tee -a "$out/log.txt"

@@ -1,4 +1,4 @@
-r"""The ViT-on-patches study: ``stiefel-attention vision``.
+r"""The ViT-on-patches study: ``python -m experiments vision``.
 
 A :class:`~geoopt_stiefel_attention.PatchViT` (default: 4×4 patches, width 64, 2 layers, 4 heads, MLP 128,
 class token) is trained on CIFAR-10, Fashion-MNIST or scikit-learn's digits (:mod:`.data.vision`) with
@@ -9,7 +9,7 @@ arm. A seed fixes the training subsample, the batch order and the initial weight
 pair (the frames are the polar factors of the AdamW arm's initial W_Q, W_K).
 
 Studies (``--study``), each a grid of (arm, seed) runs of the shared training loop
-(:func:`~geoopt_stiefel_attention.experiments.runner.run_jobs`):
+(:func:`~experiments.harness.runner.run_jobs`):
 
 - ``paired``: ``adamw`` vs ``stiefel``; per-pair differences of the final test accuracy, paired t-test, 95%
   interval, count of positive pairs (:mod:`.stats`);
@@ -39,24 +39,17 @@ from typing import Any
 
 import torch
 
-from .. import _deprecated
-from . import ablation_arms  # noqa: F401  (registers the ablation and frozen arms)
-from .arms import Arm
-from .cli_args import build_config
-from .command import StudyCommand
-from .config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
-from .data.batches import MiniBatches
-from .data.vision import (
-    DISPLAY_NAMES,
-    DatasetNotFoundError,
-    canonical_dataset,
-    load_vision,
-    random_crop_flip,
-    subsample,
-)
-from .metrics import QKGeometry, StepMovement, WeightNorms
-from .records import group_runs, summarize_cell
-from .report import (
+from geoopt_stiefel_attention import _deprecated
+
+from ..harness import ablation_arms  # noqa: F401  (registers the ablation and frozen arms)
+from ..harness.arms import Arm
+from ..harness.batches import MiniBatches
+from ..harness.cli_args import build_config
+from ..harness.command import StudyCommand
+from ..harness.config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
+from ..harness.metrics import QKGeometry, StepMovement, WeightNorms
+from ..harness.records import group_runs, summarize_cell
+from ..harness.report import (
     PaperReference,
     comparison_table,
     figure_lines,
@@ -67,10 +60,18 @@ from .report import (
     protocol_differences,
     run_lines,
 )
-from .runner import RunOptions, Task
-from .schedules import warmup_cosine  # noqa: F401  (re-exported: vision.warmup_cosine)
-from .stats import describe
-from .study import Cell, StudyOutputs
+from ..harness.runner import RunOptions, Task
+from ..harness.schedules import warmup_cosine  # noqa: F401  (re-exported: vision.warmup_cosine)
+from ..harness.stats import describe
+from ..harness.study import Cell, StudyOutputs
+from .data import (
+    DISPLAY_NAMES,
+    DatasetNotFoundError,
+    canonical_dataset,
+    load_vision,
+    random_crop_flip,
+    subsample,
+)
 
 __all__ = ["VisionConfig", "StepMovement", "build_task", "study_cells", "run_vision", "finalize_vision",
            "analyze_cell", "STUDIES", "STUDY_ARMS", "PAPER", "HELP", "STUDY", "add_arguments", "run"]
@@ -238,8 +239,8 @@ def build_task(spec: RunSpec, arm: Arm, device: torch.device, *, data_dir: str =
     and a PatchViT with the arm's attention built from the seed. Pass ``data_dir`` with
     :func:`functools.partial` (the data set must be there already: download it first with
     :func:`~.data.vision.load_vision`)."""
-    from ..models import PatchViT
-    from ..nn import param_groups, query_key_projections
+    from geoopt_stiefel_attention.models import PatchViT
+    from geoopt_stiefel_attention.nn import param_groups, query_key_projections
 
     cfg: VisionConfig = spec.config
     data = load_vision(cfg.dataset, data_dir)
@@ -454,7 +455,7 @@ DATASET_SIZES = {"cifar10": (50000, 10000), "fashion-mnist": (60000, 10000), "di
 
 def _cell_figures(cell: Cell, cells: Sequence[Cell], records, arms: Sequence[str], analysis: Mapping[str, Any],
                   study: str, out_dir: Path, name: str) -> dict[str, Path | None]:
-    from .plotting import plot_ablation, plot_accuracy, plot_distance, plot_movement_ratio, plot_pairs
+    from ..harness.plotting import plot_ablation, plot_accuracy, plot_distance, plot_movement_ratio, plot_pairs
 
     tag = f" ({cell.label})" if cell.sweep else ""
     stem = f"{cell.subdir}-" if cell.subdir else ""
@@ -482,9 +483,9 @@ def finalize_vision(out_dir: str | os.PathLike, study: str, cells: Sequence[Cell
     """Analyse the records of every cell under ``out_dir`` and write ``summary.json``, the figures and
     ``report.md`` (``arms``/``seeds`` ``None``: every one on disk). Everything written is a function of the
     files in ``out_dir``, so a rebuild gives the same bytes."""
-    from .plotting import plot_gap_sweep
-    from .report import write_text
-    from .study import cell_records, run_info_from_records, speed_from_environment
+    from ..harness.plotting import plot_gap_sweep
+    from ..harness.report import write_text
+    from ..harness.study import cell_records, run_info_from_records, speed_from_environment
 
     out_dir = Path(out_dir)
     config = cells[0].config
@@ -566,7 +567,7 @@ def finalize_vision(out_dir: str | os.PathLike, study: str, cells: Sequence[Cell
 # ---------------------------------------------------------------------------------------------- running
 def recorded_cells(out_dir: str | os.PathLike, study: str) -> list[Cell]:
     """The cells of a study folder, with the configs their runs were trained with (``--report-only``)."""
-    from .runner import CONFIG_FILE
+    from ..harness.runner import CONFIG_FILE
 
     out_dir = Path(out_dir)
     sweep = {"scaling": ("train_size", "size-"), "decay": ("weight_decay", "wd-")}.get(study)
@@ -585,7 +586,7 @@ def recorded_cells(out_dir: str | os.PathLike, study: str) -> list[Cell]:
             value = config.train_size if sweep[0] == "train_size" else config.optim.weight_decay
             cells.append(Cell(config, folder.name, sweep[0], float(value)))
     if not cells:
-        from .._argtypes import UsageError
+        from geoopt_stiefel_attention._argtypes import UsageError
 
         raise UsageError(f"--out {out_dir}: holds no runs of a {study} study (runs/<arm>/seed<k>/config.json"
                          f"{'' if sweep is None else ' under ' + sweep[1] + '*/'}); check --out and --study, or train "
@@ -605,8 +606,8 @@ def run_vision(config: VisionConfig, out_dir: str | os.PathLike, *, study: str =
     every cell on disk (``arms``/``seeds`` ``None``: every one on disk). ``command`` is recorded in
     ``out_dir/study.json``. ``options`` (:class:`~.runner.RunOptions`) says how to run; its fields may also be
     given by keyword."""
-    from .arms import get_arm
-    from .study import run_cells
+    from ..harness.arms import get_arm
+    from ..harness.study import run_cells
 
     if report_only:
         return finalize_vision(out_dir, study, recorded_cells(out_dir, study), arms, seeds)
@@ -673,7 +674,7 @@ def _task_arguments(parser: argparse.ArgumentParser, d: VisionConfig) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> VisionConfig:
-    from .cli_args import optim_config_from_args, train_config_from_args
+    from ..harness.cli_args import optim_config_from_args, train_config_from_args
 
     return VisionConfig(dataset=args.dataset, train_size=args.train_size, patch_size=args.patch_size,
                         width=args.width, depth=args.depth, heads=args.heads, mlp=args.mlp, pool=args.pool,
@@ -687,7 +688,7 @@ def _recorded_study(out: str) -> str | None:
     """The ``--study`` of the last command recorded in ``out/study.json``, if any."""
     import shlex
 
-    from .study import recorded_commands
+    from ..harness.study import recorded_commands
 
     for command in reversed(recorded_commands(out)):
         words = shlex.split(command)
@@ -739,7 +740,7 @@ def _summary_lines(summary: dict) -> list[str]:
     return lines
 
 
-#: The ``stiefel-attention vision`` command (``--report-only`` reads the study, the data's place, from its flags).
+#: The ``python -m experiments vision`` command (``--report-only`` reads the study, the data's place, from its flags).
 STUDY = StudyCommand(
     name="vision", config_type=VisionConfig, task_arguments=_task_arguments, config_from_args=config_from_args,
     train=_train, arms=(), seeds=tuple(range(12)), report_only_flags=frozenset({"study", "data_dir", "download"}),

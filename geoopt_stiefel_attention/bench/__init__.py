@@ -125,14 +125,5 @@ _renamed = renamed_names(__name__, globals(), _RENAMED)
 
 def __getattr__(name: str) -> Any:
     """Deprecated aliases: the names renamed when bench took the words "optimizer" and "path" (see
-    ``_RENAMED``), and ``bench.grokking_speed``, moved to :mod:`geoopt_stiefel_attention.experiments.speed`."""
-    if name == "grokking_speed":
-        import warnings
-
-        from ..experiments.speed import grokking_speed
-
-        warnings.warn("geoopt_stiefel_attention.bench.grokking_speed moved to "
-                      "geoopt_stiefel_attention.experiments.speed.grokking_speed (the benchmarks measure the library, "
-                      "not the studies)", DeprecationWarning, stacklevel=2)
-        return grokking_speed
+    ``_RENAMED``)."""
     return _renamed(name)
