@@ -4,7 +4,8 @@
 # largest step-benchmark configuration in float32 and bfloat16; the default and compiled step against the
 # product floor on the bench shape; a bf16-autocast training step (stiefel vs adamw arm). Then the studies'
 # figure (`python -m experiments.grokking.speed`): grokking epochs per second, added to the same
-# JSON file (default benchmarks/results/gpu_check_<UTC time>.json).
+# JSON file (default benchmarks/results/gpu_check_<UTC time>.json). Last, `stiefel-attention bench muon` at width
+# 768 (StiefelMuon, StiefelAdam, torch Muon, AdamW), written beside it as gpu_check_<UTC time>_muon.json.
 #
 #   benchmarks/gpu.sh                         # on cuda
 #   benchmarks/gpu.sh --out /tmp/check.json   # any option of `stiefel-attention bench` is passed on;
@@ -14,3 +15,11 @@ cd "$(dirname "$0")/.."
 out="benchmarks/results/gpu_check_$(date -u +%Y%m%dT%H%M%SZ).json"
 python -m geoopt_stiefel_attention bench gpu --device cuda --out "$out" "$@"
 python -m experiments.grokking.speed --device cuda --out "$out" "$@"
+# StiefelMuon beside StiefelAdam, torch's Muon on the same frames and AdamW at the widest configuration (issue #41)
+muon_out="${out%.json}_muon.json"
+prev=""
+for arg in "$@"; do  # an --out given by the caller: the muon table goes beside it
+  if [ "$prev" = "--out" ]; then muon_out="${arg%.json}_muon.json"; fi
+  prev="$arg"
+done
+python -m geoopt_stiefel_attention bench muon --device cuda --widths 768 --rounds 5 "$@" --out "$muon_out"

@@ -2,7 +2,8 @@
 
 Query/key projections live on the Stiefel manifold :math:`\\mathrm{St}(d, r)` and are trained by
 :class:`StiefelAdam`: Riemannian Adam with one second moment per frame, a per-frame trust region and the
-polar retraction, with AdamW for every other parameter.
+polar retraction, with AdamW for every other parameter; or by :class:`StiefelMuon`: manifold Muon, the
+spectral-norm steepest tangent direction with the polar retraction (both on one shared base).
 """
 
 from . import (
@@ -29,11 +30,11 @@ from .nn import (
     query_key_projections,
     stiefelize,
 )
-from .optim import StiefelAdam, frame_step_scale, stiefel_adam_update
+from .optim import StiefelAdam, StiefelMuon, frame_step_scale, stiefel_adam_update
 
 __version__ = "0.1.0"
 
-__all__ = ["PolarStiefel", "StiefelAdam", "is_frame", "stiefel_adam_update", "frame_step_scale", "__version__",
+__all__ = ["PolarStiefel", "StiefelAdam", "StiefelMuon", "is_frame", "stiefel_adam_update", "frame_step_scale", "__version__",
            "StiefelMultiheadAttention", "EuclideanMultiheadAttention", "stiefelize", "param_groups",
            "frame_parameters", "query_key_projections", "TinyTransformer", "PatchViT", "unstiefelize",
            "export_state_dict", "parametrized_state_dict", "Layout", "Block", "LAYOUTS", "ConversionResult", "ConvertedAttention"]

@@ -32,6 +32,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_threads_argument(parser: argparse.ArgumentParser, default: int | None = 1) -> None:
+    """``--threads N``: ``torch.set_num_threads`` for the command, the same flag on every subcommand.
+
+    The default is one thread: the library's commands work on small matrices, where intra-op threads mostly
+    add synchronisation, and on a shared, loaded machine they can make a command many times slower (measured:
+    ``demo`` 5 min 54 s with torch's default thread count on a loaded 2-core machine, 8.2 s with one thread).
+    """
+    where = "torch's own choice" if default is None else f"{default}"
+    parser.add_argument("--threads", type=positive_int, default=default,
+                        help=f"torch.set_num_threads for the command (default {where}; one thread is fastest for "
+                             f"small matrices and steadiest on a shared machine)")
+
+
 def nonnegative_int(text: str) -> int:
     """An integer >= 0."""
     value = _int(text)

@@ -66,7 +66,7 @@ class PolarStiefel(EuclideanStiefel):
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         ct = _linalg.compute_dtype(x.dtype)
         y = x.to(ct) + u.to(ct)
-        return _linalg.polar(y).to(x.dtype)
+        return _polar_factor(y, _linalg.polar).to(x.dtype)
 
     def retr_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y = self.retr(x, u)
@@ -74,7 +74,7 @@ class PolarStiefel(EuclideanStiefel):
 
     def projx(self, x: torch.Tensor) -> torch.Tensor:
         ct = _linalg.compute_dtype(x.dtype)
-        return _linalg.polar_svd(x.to(ct)).to(x.dtype)
+        return _polar_factor(x.to(ct), _linalg.polar_svd).to(x.dtype)
 
     def random(self, *size, dtype=None, device=None, generator: torch.Generator | None = None) -> torch.Tensor:
         r"""A random frame: the polar factor of a Gaussian matrix, i.e. Haar-distributed on :math:`\mathrm{St}(d, r)`.
@@ -101,13 +101,63 @@ class PolarStiefel(EuclideanStiefel):
     def extra_repr(self) -> str:
         return "polar"
 
-    # The manifold has no state, so two instances are the same manifold: this lets
-    # ``ManifoldParameter(PolarStiefel().random(...), manifold=PolarStiefel())`` work as users expect.
+    # Equal by type, hashed by identity. Equal: the manifold has no state, so two instances are the same manifold,
+    # and geoopt compares manifolds with ``!=`` when a tensor of one is wrapped with another
+    # (``ManifoldParameter(PolarStiefel().random(...), manifold=PolarStiefel())``, which users and the tests
+    # write). Hashed by identity: a Manifold is an nn.Module, and module traversal (children(), modules(),
+    # named_modules()) skips a module already in its memo set, which compares hashes first, so instances with one
+    # hash would be listed once however many a module holds. The price is that a set or dict keyed by
+    # PolarStiefel instances keeps equal instances apart (tests/test_manifolds.py checks both sides).
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self)
 
-    def __hash__(self) -> int:
-        return hash(type(self))
+    __hash__ = torch.nn.Module.__hash__  # identity (object's), as for every module
+
+
+class _PolarFactorFunction(torch.autograd.Function):
+    r"""The polar factor :math:`Q = Y (Y^\top Y)^{-1/2}` with its analytic derivative.
+
+    Autograd through an eigendecomposition or SVD divides by differences of eigenvalues, which vanish exactly
+    where the retraction is used most (a zero step: :math:`Y^\top Y = I`) and where ``projx`` meets a point
+    already on the manifold (every singular value 1), so it returns non-finite gradients there although the
+    polar factor is smooth at every full-rank :math:`Y`. With :math:`H = Q^\top Y = (Y^\top Y)^{1/2}`, differentiating
+    :math:`Y = Q H` gives :math:`dQ = Q\Omega + (I - QQ^\top)\, dY H^{-1}` with :math:`\Omega` skew solving the
+    Sylvester equation :math:`H\Omega + \Omega H = Q^\top dY - dY^\top Q`; its adjoint is
+
+    .. math:: \bar Y = Q\,\mathcal L^{-1}(Q^\top \bar Q - \bar Q^\top Q) + (I - QQ^\top)\,\bar Q H^{-1},
+              \qquad \mathcal L(X) = HX + XH,
+
+    solved in the eigenbasis :math:`H = V \operatorname{diag}(\sigma) V^\top` as
+    :math:`\mathcal L^{-1}(X) = V\big[(V^\top X V)_{ij} / (\sigma_i + \sigma_j)\big]V^\top`: only sums
+    :math:`\sigma_i + \sigma_j > 0` are divided by, so the gradient is finite wherever :math:`Y` has full rank.
+    """
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, polar_fn) -> torch.Tensor:  # noqa: ANN001 - torch's signature
+        q = polar_fn(y)
+        ctx.save_for_backward(y, q)
+        return q
+
+    @staticmethod
+    def backward(ctx, grad_q: torch.Tensor):  # noqa: ANN205 - torch's signature
+        y, q = ctx.saved_tensors
+        qt = q.transpose(-1, -2)
+        h = _linalg.sym(qt @ y)
+        sigma, v = torch.linalg.eigh(h)
+        vt = v.transpose(-1, -2)
+        skew = qt @ grad_q
+        skew = skew - skew.transpose(-1, -2)
+        k = v @ ((vt @ skew @ v) / (sigma.unsqueeze(-1) + sigma.unsqueeze(-2))) @ vt
+        h_inv = (v / sigma.unsqueeze(-2)) @ vt
+        normal = grad_q - q @ (qt @ grad_q)
+        return q @ k + normal @ h_inv, None
+
+
+def _polar_factor(y: torch.Tensor, polar_fn) -> torch.Tensor:  # noqa: ANN001
+    """``polar_fn(y)`` (the polar factor), through :class:`_PolarFactorFunction` when a gradient is wanted."""
+    if torch.is_grad_enabled() and y.requires_grad:
+        return _PolarFactorFunction.apply(y, polar_fn)
+    return polar_fn(y)
 
 
 def _shape_message(shape: tuple[int, ...], reason: str | None) -> str:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _deprecated
+from . import _deprecated, _guard
 from ._linalg import ADJUST_LR_FNS
 
 # The converter lives in .convert, which does not import this module (no cycle); its stiefelize is re-exported
@@ -90,6 +90,9 @@ def _refuse_unsupported(owner: str, *, add_bias_kv: Any, add_zero_attn: Any) -> 
 # ---------------------------------------------------------------------------------------------- the modules
 class _MultiheadAttentionBase(nn.Module):
     """Shared configuration, layout, initialisation and forward pass of the two attention modules."""
+
+    #: whether a training forward pass checks that ``w_q``/``w_k`` are on the manifold (:mod:`._guard`)
+    _checks_frames = False
 
     #: ``None`` tells ``nn.TransformerEncoderLayer`` that there is no fused ``in_proj`` (so its fused
     #: inference fast path, which would read these tensors, is never taken).
@@ -354,6 +357,8 @@ class _MultiheadAttentionBase(nn.Module):
                              f"as (batch, seq, features).")
         h, dh = self.num_heads, self.head_dim
         n = h * dh
+        if self._checks_frames and torch.is_grad_enabled():
+            _guard.check_frame_tensors(owner, (("w_q", self.w_q), ("w_k", self.w_k)))
 
         w_q = self._flat(self.w_q)
         w_k = self._flat(self.w_k)
@@ -553,6 +558,8 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
     >>> attn.w_q.manifold.check_point_on_manifold(attn.w_q)
     True
 """
+
+    _checks_frames = True
 
     def _wrap_frame(self, w: Tensor) -> nn.Parameter:
         manifold = PolarStiefel()

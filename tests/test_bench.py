@@ -301,7 +301,10 @@ BAD_COMMANDS = {
     "demo --lr nan": "argument --lr: must be a finite number > 0, got nan",
     "demo --steps -3": "argument --steps: must be an integer >= 1, got -3",
     "demo --heads 0": "argument --heads: must be an integer >= 1, got 0",
-    "demo --r 65": "--r 65 exceeds --d 64",
+    "demo --r 65": "--r 65 exceeds --d 32",
+    "demo --threads 0": "argument --threads: must be an integer >= 1, got 0",
+    "certify --threads 0": "argument --threads: must be an integer >= 1, got 0",
+    "certify --only 9": "--only: '9' names no certificate",
     "bench --widths 0": "argument --widths: must be an integer >= 1, got 0",
     "bench --widths 100": "argument --widths: invalid choice: 100",
     "bench --rounds 0": "argument --rounds: must be an integer >= 1, got 0",
@@ -348,8 +351,46 @@ def test_cli_user_error_in_a_real_process_has_no_traceback():
 
 def test_demo_accepts_valid_arguments(capsys):
     assert main(["demo", "--heads", "2", "--d", "6", "--r", "6", "--steps", "3", "--lr", "0.01"]) == 0
+    captured = capsys.readouterr()
+    assert "StiefelAdam" in captured.out and "geoopt RiemannianAdam" in captured.out
+    assert "Step sizes are matched" in captured.out and "1 thread(s)" in captured.out
+    assert captured.err.count("[") == 5 and "[5/5]" in captured.err  # one progress line per arm
+
+
+def test_demo_compares_matched_step_sizes_and_shows_the_default_rule_on_its_own_line():
+    """The arms said to be matched move a frame by the same measured amount and converge in the same number of
+    steps; the default rule's line moves sqrt(d r) times farther (the companion: unmatched arms differ)."""
+    import math
+
+    from geoopt_stiefel_attention.demo import run_demo
+
+    d, r = 16, 4
+    rows = run_demo(heads=2, d=d, r=r, steps=3000, lr=1e-2, threads=1)
+    by = {(x.optimizer, x.manifold, round(x.lr, 6)): x for x in rows}
+    original = by[("StiefelAdam original", "PolarStiefel", 0.01)]
+    geoopt_same = by[("geoopt RiemannianAdam", "EuclideanStiefel", 0.01)]
+    default = by[("StiefelAdam (default)", "PolarStiefel", 0.01)]
+    geoopt_scaled = by[("geoopt RiemannianAdam", "EuclideanStiefel", round(math.sqrt(d * r) * 0.01, 6))]
+    for a, b in ((original, geoopt_same), (default, geoopt_scaled)):
+        assert a.matched == b.matched
+        assert math.isclose(a.step_size, b.step_size, rel_tol=0.05)
+        assert a.steps_to_tol is not None and abs(a.steps_to_tol - b.steps_to_tol) <= 0.05 * b.steps_to_tol
+    # companion: the default rule is a sqrt(d r) longer step, not a better optimizer at the same step size
+    assert math.isclose(default.step_size / original.step_size, math.sqrt(d * r), rel_tol=0.1)
+    assert default.steps_to_tol < original.steps_to_tol / 3
+
+
+def test_certify_only_runs_the_chosen_propositions(capsys):
+    from geoopt_stiefel_attention.analysis.suite import ROWS, select_rows
+
+    assert select_rows(["5", "6"]) == tuple(r for r in ROWS if r.split()[0][0] in "56")
+    assert select_rows(["3a"]) == ("3a polar step cond <= 1 + D^2",)
+    with pytest.raises(ValueError, match="'7' names no certificate"):
+        select_rows(["7"])
+    assert main(["certify", "--only", "5", "--optimizers", "StiefelAdam", "AdamW", "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "StiefelAdam" in out and "geoopt RiemannianAdam" in out
+    assert "5d training: frames ignore decay" in out
+    assert "1a steepest" not in out and "6a gauge" not in out  # companion: the other rows were not run
 
 
 def test_bench_measures_the_library_not_the_studies():
@@ -484,3 +525,37 @@ def test_the_gpu_check_numbers_in_the_readmes_are_the_committed_results():
     doc = " ".join((root / "docs" / "optimizer.rst").read_text().split())
     assert (f"took {ms(before, 'float32', 'stiefel'):.0f} ms that way and takes {ms(after, 'float32', 'stiefel'):.1f} "
             f"ms with Newton–Schulz") in doc and f"{n} in float32 for heads of 768 x 64" in doc
+
+
+def test_a_row_whose_ratio_contradicts_its_own_medians_is_flagged():
+    """The row seen on a loaded machine ("StiefelAdam 99.97 ms | geoopt-radam 15.8 ms | speed-up 10.0x") is
+    flagged with the note saying why and what to do; a consistent row is not (the companion)."""
+    from types import SimpleNamespace as NS
+
+    from geoopt_stiefel_attention.bench.settings import DISAGREEMENT_NOTE, ratio_disagrees
+    from geoopt_stiefel_attention.bench.step import format_step_table
+
+    assert ratio_disagrees(99.97, 15.8, 0.1) and not ratio_disagrees(99.97, 15.8, 99.97 / 15.8 * 1.1)
+    assert ratio_disagrees(1.0, 1.0, float("nan")) and not ratio_disagrees(2.0, 1.0, 2.0)
+
+    def result(stiefel_ms, geoopt_ms, ratio):
+        timing = lambda name, ms: NS(name=name, median_ms=ms, note="")  # noqa: E731
+        return NS(width=128, depth=2, heads=4, head_dim=32, ratios={"geoopt-radam": ratio},
+                  timings={"stiefel": timing("stiefel", stiefel_ms), "geoopt-radam": timing("geoopt-radam", geoopt_ms)},
+                  state_ratio={"stiefel": 1.0})
+
+    bad = format_step_table([result(99.97, 15.8, 0.1)])
+    assert "10.0x†" in bad and DISAGREEMENT_NOTE in bad
+    good = format_step_table([result(1.58, 15.8, 0.1)])
+    assert "10.0x |" in good and "†" not in good and DISAGREEMENT_NOTE not in good
+
+
+def test_every_library_command_has_the_same_threads_flag_with_a_stated_default():
+    from geoopt_stiefel_attention.cli import build_parser
+
+    parser = build_parser()
+    for command in ("demo", "certify", "bench"):
+        args = parser.parse_args([command])
+        assert args.threads == 1, command
+        sub = next(a for a in parser._subparsers._group_actions[0].choices[command]._actions if a.dest == "threads")
+        assert "default 1" in sub.help, command

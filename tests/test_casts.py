@@ -16,6 +16,7 @@ from torch import nn
 import geoopt_stiefel_attention.convert.parametrization as convert_module  # where _QKWeight._apply reads it
 import geoopt_stiefel_attention.nn as nn_module
 from geoopt_stiefel_attention import StiefelAdam, TinyTransformer, frame_parameters, param_groups, stiefelize
+from geoopt_stiefel_attention._guard import FrameOffManifoldError
 from geoopt_stiefel_attention._linalg import orthonormality_error
 from geoopt_stiefel_attention.manifolds import reproject_after_cast_
 from geoopt_stiefel_attention.optim import ORTHONORMALITY_TOLERANCE
@@ -154,7 +155,10 @@ def test_companion_without_the_reprojection_a_double_model_is_refused(monkeypatc
     assert all(float(orthonormality_error(p)) > ORTHONORMALITY_TOLERANCE[torch.float64] > CAST_TOL[torch.float64]
                for p in frame_parameters(model))
     opt = StiefelAdam(param_groups(model), lr=1e-2)
-    loss_of(model, torch.float64, 0).backward()
+    with pytest.raises(FrameOffManifoldError, match="off the Stiefel manifold at a training forward pass"):
+        loss_of(model, torch.float64, 0)  # a training forward pass reports it first ...
+    for p in model.parameters():  # ... and without one, the optimizer's first step does
+        p.grad = torch.zeros_like(p)
     with pytest.raises(ValueError, match=r"off the Stiefel manifold at its first step.*proj_\(\)"):
         opt.step()
 
@@ -173,7 +177,10 @@ def test_a_frame_off_the_manifold_before_the_cast_is_left_for_the_optimizer_to_r
     assert torch.equal(bad, off.double())  # left as it is
     assert float(orthonormality_error(good)) <= CAST_TOL[torch.float64]  # its neighbour was re-projected
     opt = StiefelAdam(param_groups(model), lr=1e-2)
-    loss_of(model, torch.float64, 0).backward()
+    with pytest.raises(FrameOffManifoldError, match="off the Stiefel manifold at a training forward pass"):
+        loss_of(model, torch.float64, 0)  # a training forward pass reports it first ...
+    for p in model.parameters():  # ... and without one, the optimizer's first step does
+        p.grad = torch.zeros_like(p)
     with pytest.raises(ValueError, match=r"\(torch.float64\) is off the Stiefel manifold.*proj_\(\)"):
         opt.step()
 

@@ -304,3 +304,23 @@ def scipy_stats():
     import scipy.stats
 
     return scipy.stats
+
+
+def test_the_weight_norm_panels_compare_the_same_matrices_in_every_arm():
+    """At the start, every matrix but W_Q, W_K is the same in every arm of one seed, so the plotted total over
+    them agrees across arms; the records' norm/euclidean (non-frame matrices) does not: the AdamW arm's includes
+    W_Q, W_K (the companion, the bookkeeping gap the plotted total removes)."""
+    from pathlib import Path
+
+    from experiments.harness.plotting import _NO_QK, _with_norm_without_qk, records_frame
+
+    runs = Path(__file__).resolve().parents[1] / "studies" / "grokking" / "runs" / "p97_add_arms10" / "runs"
+    first = [read_records(runs / arm / "seed0" / "metrics.jsonl")[0] for arm in ("adamw", "stiefel", "adamw-frozen")]
+    df = _with_norm_without_qk(records_frame(first))
+    totals = df[_NO_QK].tolist()
+    assert max(totals) - min(totals) < 1e-9 * max(totals)
+    euclidean = df["norm/euclidean"].tolist()
+    assert euclidean[0] > euclidean[1] + 1.0  # adamw counts W_Q, W_K; stiefel does not
+    # the total is the sum of squares of the listed matrices other than W_Q, W_K, written out
+    rest = [k for k in first[0] if k.startswith("norm/") and k != "norm/euclidean" and not k.endswith((".w_q", ".w_k"))]
+    assert abs(totals[0] - sum(first[0][k] ** 2 for k in rest) ** 0.5) < 1e-12 * totals[0]

@@ -440,3 +440,13 @@ def test_held_out_test_split_is_evaluated_per_category_and_kept_out_of_training(
     plain = tmp_path / "plain"
     assert _cli(varied_root, plain, "--arms", "adamw", "--seeds", "0", "--skip-report") == 0
     assert "test_bpb" not in read_records(plain / "runs" / "adamw" / "seed0" / "metrics.jsonl")[-1]
+
+
+def test_the_progress_bar_shows_the_metric_the_report_uses():
+    """The language-model records carry bits per byte, and the bar shows them (its report is in bpb); a study
+    without them (grokking: accuracy) keeps accuracy (the companion)."""
+    from experiments.harness.runner import _progress_keys
+
+    lm = {"train_loss": 1.2, "train_acc": 0.4, "val_acc": 0.3, "train_bpb": 1.7, "val_bpb": 1.9}
+    assert _progress_keys(lm) == ["train_bpb", "val_bpb"]
+    assert _progress_keys({"train_acc": 0.4, "val_acc": 0.3, "val_loss": 2.0}) == ["train_acc", "val_acc"]

@@ -138,3 +138,58 @@ def test_is_frame():
     assert is_frame(geoopt.ManifoldParameter(plain.random(5, 2), manifold=plain))
     assert not is_frame(torch.nn.Parameter(torch.randn(5, 2)))
     assert not is_frame(geoopt.ManifoldParameter(torch.randn(5, 2)))
+
+
+# ------------------------------------------------------------------ gradients through retr and projx (issue 41)
+def test_gradcheck_through_retr_at_a_zero_step_and_projx_on_the_manifold(st):
+    """The polar factor is smooth at every full-rank point; autograd through an eigh/SVD is not where eigenvalues
+    repeat (a zero step, a point on the manifold). gradcheck compares with finite differences in float64."""
+    x = st.random(2, 7, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).as_subclass(torch.Tensor)
+    u = torch.zeros_like(x)
+    assert torch.autograd.gradcheck(lambda a, b: st.retr(a, b), (x.clone().requires_grad_(),
+                                                              u.clone().requires_grad_()))
+    assert torch.autograd.gradcheck(st.projx, (x.clone().requires_grad_(),))
+    # and off those points too (a step, a matrix off the manifold)
+    z = st.proju(x, torch.randn_like(x))
+    assert torch.autograd.gradcheck(lambda a, b: st.retr(a, b), (x.clone().requires_grad_(),
+                                                              (0.3 * z).requires_grad_()))
+    assert torch.autograd.gradcheck(st.projx, ((x + 0.2 * torch.randn_like(x)).requires_grad_(),))
+
+
+def test_companion_autograd_through_the_eigendecomposition_is_wrong_there(st):
+    """What the analytic derivative replaces: plain autograd through polar/polar_svd at those points divides by
+    eigenvalue differences of rounding size, giving non-finite or enormous gradients (the gradcheck above would
+    fail on them); the library's retr and projx give the checked gradient."""
+    from geoopt_stiefel_attention import _linalg
+
+    x = st.random(2, 7, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).as_subclass(torch.Tensor)
+    g = torch.randn_like(x)
+    y = x.clone().requires_grad_()
+    (st.projx(y) * g).sum().backward()
+    checked = y.grad
+    assert torch.isfinite(checked).all()
+    for fn in (_linalg.polar, _linalg.polar_svd):
+        y = x.clone().requires_grad_()
+        (fn(y) * g).sum().backward()
+        assert not torch.isfinite(y.grad).all() or (y.grad - checked).abs().max() > 1e-3
+
+
+def test_two_instances_in_one_module_are_both_listed_by_children():
+    holder = torch.nn.Module()
+    holder.a, holder.b = PolarStiefel(), PolarStiefel()
+    assert len(list(holder.children())) == 2 and len(list(holder.modules())) == 3
+    assert hash(holder.a) != hash(holder.b)
+    # companion: the same instance twice is listed once (torch's dedup by identity still applies)
+    holder.b = holder.a
+    assert len(list(holder.children())) == 1
+
+
+def test_instances_compare_equal_so_geoopt_accepts_a_point_of_another_instance():
+    """Why they compare equal: geoopt's ManifoldParameter refuses a ManifoldTensor whose manifold != the given
+    one; a different manifold type is still refused (the companion)."""
+    a, b = PolarStiefel(), PolarStiefel()
+    assert a == b and not (a != b)
+    p = geoopt.ManifoldParameter(a.random(5, 2, dtype=torch.float64), manifold=b)
+    assert p.manifold == b and isinstance(p.manifold, PolarStiefel)  # geoopt keeps the tensor's own instance
+    with pytest.raises(ValueError, match="Manifolds do not match"):
+        geoopt.ManifoldParameter(a.random(5, 2, dtype=torch.float64), manifold=geoopt.EuclideanStiefel())

@@ -25,8 +25,15 @@ arm                       attention    optimizer
                                        AdamW's lr) on the hidden matrices (:func:`hidden_matrices`, W_Q and W_K
                                        included), AdamW on embeddings, the output layer, norms and biases, as
                                        Muon's documentation recommends
-``stiefel-muon``          stiefel      frames as in ``stiefel`` (StiefelAdam), Muon on the other hidden matrices,
+``stiefeladam-muon``      stiefel      frames as in ``stiefel`` (StiefelAdam), Muon on the other hidden matrices,
                                        AdamW on the rest
+``stiefel-muon``          stiefel      the same arm as ``stiefeladam-muon``, under the name the tuned
+                                       language-model study (``experiments/lm/records/tuned``) trained and recorded it
+                                       with; kept registered so that its committed records, its grid and
+                                       ``--report-only`` keep working. New studies use ``stiefeladam-muon``.
+``stiefelmuon-muon``      stiefel      frames by :class:`~geoopt_stiefel_attention.StiefelMuon` (manifold Muon,
+                                       ``adjust_lr_fn="match_rms_adamw"``, the run's lr and momentum 0.95, as
+                                       torch's Muon here), Muon on the other hidden matrices, AdamW on the rest
 ========================  ===========  ==========================================================================
 
 Frames never get weight decay (on :math:`\mathrm{St}(d, r)` its Riemannian gradient
@@ -57,7 +64,8 @@ from geoopt_stiefel_attention.nn import param_groups
 from .config import OptimConfig
 
 __all__ = ["Arm", "ARMS", "register_arm", "get_arm", "available_arms", "OptimizerGroup", "split_frame_groups",
-           "default_param_groups", "hidden_matrices", "OUTPUT_LAYER_NAMES", "build_muon", "build_stiefel_muon"]
+           "default_param_groups", "hidden_matrices", "OUTPUT_LAYER_NAMES", "build_muon", "build_stiefel_muon",
+           "build_stiefelmuon_muon"]
 
 ATTENTIONS = ("euclidean", "stiefel")
 
@@ -359,20 +367,49 @@ def build_muon(model: torch.nn.Module, groups: list[dict[str, Any]], optim: Opti
         _muon(muon_groups, optim))
 
 
-def build_stiefel_muon(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> OptimizerGroup:
-    """Frames by :class:`~geoopt_stiefel_attention.StiefelAdam` (as in ``stiefel``: lr ``frame_lr``, the run's
-    ``adjust_lr_fn``), torch's Muon on the other hidden matrices (as in ``muon``), AdamW on the rest."""
+def _frames_beside_muon(arm: str, frame_optimizer: Callable[[list[dict[str, Any]], OptimConfig], Any]
+                        ) -> Callable[[torch.nn.Module, list[dict[str, Any]], OptimConfig], OptimizerGroup]:
+    """The builder of an arm that trains the frames with ``frame_optimizer(frame_groups, optim)``, torch's Muon
+    on the other hidden matrices (as in ``muon``) and AdamW on the rest; ``arm`` names it in messages."""
+
+    def build(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> OptimizerGroup:
+        frame_groups, others = split_frame_groups(groups, optim)
+        _require_frames(arm, frame_groups, present=True)
+        muon_groups, rest = _split_hidden(model, others)
+        if not muon_groups:  # without Muon this arm would silently be the stiefel arm
+            raise ValueError(f"arm {arm!r}: the model has no hidden Linear/Conv1D matrix besides the frames for "
+                             f"Muon to train; use the stiefel arm.")
+        return OptimizerGroup(frame_optimizer(frame_groups, optim), _muon(muon_groups, optim),
+                              *([_adamw(rest, optim)] if rest else []))
+
+    return build
+
+
+def _stiefel_adam_frames(frame_groups: list[dict[str, Any]], optim: OptimConfig) -> Any:
     from geoopt_stiefel_attention.optim import StiefelAdam
 
-    frame_groups, others = split_frame_groups(groups, optim)
-    _require_frames("stiefel-muon", frame_groups, present=True)
-    muon_groups, rest = _split_hidden(model, others)
-    if not muon_groups:  # without Muon this arm would silently be the stiefel arm
-        raise ValueError("arm 'stiefel-muon': the model has no hidden Linear/Conv1D matrix besides the frames for "
-                         "Muon to train; use the stiefel arm.")
-    stiefel = StiefelAdam(frame_groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=0.0,
-                          trust_region=optim.trust_region, adjust_lr_fn=optim.adjust_lr_fn)
-    return OptimizerGroup(stiefel, _muon(muon_groups, optim), *([_adamw(rest, optim)] if rest else []))
+    return StiefelAdam(frame_groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=0.0,
+                       trust_region=optim.trust_region, adjust_lr_fn=optim.adjust_lr_fn)
+
+
+def _stiefel_muon_frames(frame_groups: list[dict[str, Any]], optim: OptimConfig) -> Any:
+    from geoopt_stiefel_attention.optim import StiefelMuon
+
+    return StiefelMuon(frame_groups, lr=optim.lr, momentum=0.95, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
+
+
+def build_stiefel_muon(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig) -> OptimizerGroup:
+    """Frames by :class:`~geoopt_stiefel_attention.StiefelAdam` (as in ``stiefel``: lr ``frame_lr``, the run's
+    ``adjust_lr_fn``), torch's Muon on the other hidden matrices (as in ``muon``), AdamW on the rest: the arms
+    ``stiefeladam-muon`` and (the tuned study's name for it) ``stiefel-muon``."""
+    return _frames_beside_muon("stiefel-muon", _stiefel_adam_frames)(model, groups, optim)
+
+
+def build_stiefelmuon_muon(model: torch.nn.Module, groups: list[dict[str, Any]], optim: OptimConfig
+                           ) -> OptimizerGroup:
+    """Frames by :class:`~geoopt_stiefel_attention.StiefelMuon` (lr ``frame_lr``, ``match_rms_adamw`` as for
+    torch's Muon, momentum 0.95, Nesterov), torch's Muon on the other hidden matrices, AdamW on the rest."""
+    return _frames_beside_muon("stiefelmuon-muon", _stiefel_muon_frames)(model, groups, optim)
 
 
 register_arm(Arm("adamw", "euclidean", build_adamw, "AdamW on every parameter (Euclidean W_Q, W_K)"))
@@ -387,6 +424,12 @@ register_arm(Arm("geoopt-rsgd", "stiefel", build_geoopt_rsgd,
 register_arm(Arm("muon", "euclidean", build_muon,
                  "torch Muon (match_rms_adamw) on the hidden matrices, W_Q and W_K included; AdamW on embeddings, "
                  "output layer, norms and biases"))
-register_arm(Arm("stiefel-muon", "stiefel", build_stiefel_muon,
+register_arm(Arm("stiefeladam-muon", "stiefel", _frames_beside_muon("stiefeladam-muon", _stiefel_adam_frames),
                  "W_Q, W_K on PolarStiefel trained by StiefelAdam; torch Muon on the other hidden matrices; AdamW on "
                  "the rest"))
+register_arm(Arm("stiefel-muon", "stiefel", build_stiefel_muon,
+                 "the tuned study's name for stiefeladam-muon (its committed records carry it): W_Q, W_K on "
+                 "PolarStiefel trained by StiefelAdam; torch Muon on the other hidden matrices; AdamW on the rest"))
+register_arm(Arm("stiefelmuon-muon", "stiefel", build_stiefelmuon_muon,
+                 "W_Q, W_K on PolarStiefel trained by StiefelMuon (manifold Muon); torch Muon on the other hidden "
+                 "matrices; AdamW on the rest"))

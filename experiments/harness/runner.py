@@ -580,6 +580,13 @@ def _checkpoint(run: _Run) -> None:
     run.checkpoint_epoch = run.epoch
 
 
+def _progress_keys(record: dict[str, Any]) -> list[str]:
+    """The record's values a progress bar shows: bits per byte where the study reports them (the language-model
+    study), else accuracy (its reports' headline metric either way)."""
+    bpb = [k for k in ("train_bpb", "val_bpb") if k in record]
+    return bpb or [k for k in ("train_acc", "val_acc") if k in record]
+
+
 def _progress_bar(run: _Run, quiet: bool, position: int | None):
     if quiet:
         return None
@@ -651,8 +658,8 @@ def _train_locked(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: to
                         _checkpoint(run)
                         last_ckpt = now
                     if bar is not None:
-                        bar.set_postfix({k: f"{run.last_record[k]:.3f}" for k in ("train_acc", "val_acc")
-                                         if k in run.last_record}, refresh=False)
+                        bar.set_postfix({k: f"{run.last_record[k]:.3f}" for k in _progress_keys(run.last_record)},
+                                        refresh=False)
                 if bar is not None:
                     bar.update(1)
                 if ctrl_c.requested:
@@ -805,8 +812,10 @@ def run_placed_jobs(placed: Sequence[tuple[RunSpec, Path]], build_task: TaskBuil
                 results[futures[fut]] = fut.result()
                 if bar is not None:
                     res = results[futures[fut]]
-                    acc = (res.final_record or {}).get("val_acc")
-                    bar.set_postfix_str(f"{res.name} val_acc={acc if acc is None else round(acc, 3)}")
+                    final = res.final_record or {}
+                    key = next((k for k in _progress_keys(final) if k.startswith("val_")), "val_acc")
+                    value = final.get(key)
+                    bar.set_postfix_str(f"{res.name} {key}={value if value is None else round(value, 3)}")
                     bar.update(1)
     finally:
         if bar is not None:

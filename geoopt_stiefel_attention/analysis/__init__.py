@@ -24,6 +24,7 @@ from .gauge import (
     loss_from_module,
     multihead_attention,
 )
+from .muon import MUON_ROWS, MuonColumn, muon_columns, run_muon_certificates
 from .optimizers import OptimizerColumn, column_by_name, default_columns, stiefel_adam_column
 from .scale import certify_scale_invariance, certify_scale_with_eps
 from .steepest import certify_first_step, certify_projection, certify_retraction_order, certify_step_direction
@@ -38,6 +39,10 @@ from .weight_decay import (
 )
 
 __all__ = [
+    "MUON_ROWS",
+    "MuonColumn",
+    "muon_columns",
+    "run_muon_certificates",
     "Certificate",
     "OptimizerColumn",
     "default_columns",

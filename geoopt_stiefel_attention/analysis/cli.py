@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._argtypes import UsageError, nonnegative_int, output_path_problem, positive_int
+from .._argtypes import UsageError, add_threads_argument, nonnegative_int, output_path_problem, positive_int
 
 HELP = ("Certify the five propositions and the gauge negative result numerically (float64) for StiefelAdam "
         "and stock optimizers; print the table.")
@@ -23,7 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"steps of the drift run for every other optimizer (default {DEFAULT_OTHER_STEPS})")
     parser.add_argument("--optimizers", nargs="+", metavar="NAME",
                         help="only these columns (full names or short labels, e.g. StiefelAdam geoopt-radam AdamW)")
+    parser.add_argument("--only", nargs="+", metavar="N",
+                        help="only these propositions: numbers 1-6 (all their rows, e.g. --only 5 6) or row labels "
+                             "(e.g. 3a 5d)")
     parser.add_argument("--quiet", action="store_true", help="print the table only (no legend, findings or progress)")
+    add_threads_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     from . import table
     from .optimizers import column_by_name, default_columns
-    from .suite import run_certificates
+    from .suite import run_certificates, select_rows
 
     try:
         columns = [column_by_name(n) for n in args.optimizers] if args.optimizers else list(default_columns())
@@ -46,7 +50,11 @@ def run(args: argparse.Namespace) -> int:
         problem = None if path is None else output_path_problem(path, folder=False)
         if problem is not None:
             raise UsageError(f"{flag} {path}: {problem}")
-    torch.set_num_threads(1)  # tiny matrices: threads only add overhead
+    try:
+        rows = None if args.only is None else select_rows(args.only)
+    except ValueError as err:
+        raise UsageError(f"--only: {err}") from None
+    torch.set_num_threads(args.threads)  # tiny matrices: one thread is fastest
     start = time.perf_counter()
 
     def progress(name: str) -> None:
@@ -56,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         certs = run_certificates(columns, seed=args.seed, steps=args.steps, other_steps=args.other_steps,
-                                 progress=progress)
+                                 progress=progress, rows=rows)
     elapsed = time.perf_counter() - start
     labels = {c.name: c.label for c in columns}
     if not args.quiet:

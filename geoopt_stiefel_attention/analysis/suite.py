@@ -10,7 +10,7 @@ from . import conditioning, equivariance, gauge, scale, steepest, weight_decay
 from ._result import Certificate
 from .optimizers import OptimizerColumn, default_columns
 
-__all__ = ["ROWS", "DEFAULT_STEPS", "DEFAULT_OTHER_STEPS", "run_certificates"]
+__all__ = ["ROWS", "DEFAULT_STEPS", "DEFAULT_OTHER_STEPS", "run_certificates", "select_rows"]
 
 #: Certificate names in table order.
 ROWS = (
@@ -40,10 +40,32 @@ DEFAULT_STEPS = 10_000
 DEFAULT_OTHER_STEPS = 2_000
 
 
+def select_rows(tokens: Sequence[str]) -> tuple[str, ...]:
+    """The rows of :data:`ROWS` that ``tokens`` name, in table order: a proposition's number (``"5"``: rows
+    5, 5a-5d) or a row's label (``"3a"``).
+
+    Raises
+    ------
+    ValueError
+        For a token that names no row (the message lists the valid ones).
+    """
+    labels = {row.split()[0]: row for row in ROWS}
+    chosen = set()
+    for token in tokens:
+        found = [row for label, row in labels.items() if label == token or label.rstrip("abcd") == token]
+        if not found:
+            raise ValueError(f"{token!r} names no certificate; use a proposition number "
+                             f"({', '.join(sorted({label.rstrip('abcd') for label in labels}))}) or a row label "
+                             f"({', '.join(labels)})")
+        chosen.update(found)
+    return tuple(row for row in ROWS if row in chosen)
+
+
 def run_certificates(columns: Sequence[OptimizerColumn] | None = None, *, seed: int = 0,
                      steps: int = DEFAULT_STEPS, other_steps: int = DEFAULT_OTHER_STEPS,
                      long_run_columns: Sequence[str] = ("StiefelAdam",),
-                     progress: Callable[[str], None] | None = None) -> list[Certificate]:
+                     progress: Callable[[str], None] | None = None,
+                     rows: Sequence[str] | None = None) -> list[Certificate]:
     """Every certificate (rows :data:`ROWS`) for every column, in row-major order.
 
     Parameters
@@ -58,6 +80,9 @@ def run_certificates(columns: Sequence[OptimizerColumn] | None = None, *, seed: 
         Length of the drift run for every other column.
     progress : callable, optional
         Called with the name of each column before it is certified (the CLI reports progress with it).
+    rows : sequence of str, optional
+        Only these rows of :data:`ROWS` (:func:`select_rows` turns ``--only 5 6`` into them); the work of the
+        other rows is skipped. Default: every row.
 
     The run uses one intra-op thread (restored afterwards): every matrix is tiny.
 
@@ -69,48 +94,63 @@ def run_certificates(columns: Sequence[OptimizerColumn] | None = None, *, seed: 
     columns = list(default_columns() if columns is None else columns)
     if steps < 1 or other_steps < 1:
         raise ValueError(f"run_certificates: steps={steps} and other_steps={other_steps} must be >= 1.")
+    unknown = [] if rows is None else [row for row in rows if row not in ROWS]
+    if unknown or (rows is not None and not rows):
+        raise ValueError(f"run_certificates: rows {unknown or '(none)'} are not rows of the table; choose from ROWS "
+                         f"(or None for every row).")
     # The matrices are tiny: intra-op threads only add synchronisation (100x slower on a busy machine).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return _run(columns, seed=seed, steps=steps, other_steps=other_steps, long_run_columns=long_run_columns,
-                    progress=progress)
+                    progress=progress, rows=ROWS if rows is None else tuple(rows))
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(columns, *, seed, steps, other_steps, long_run_columns, progress) -> list[Certificate]:
+def _run(columns, *, seed, steps, other_steps, long_run_columns, progress, rows) -> list[Certificate]:
     gauge_cache: dict[bool, list[Certificate]] = {}
     cells: dict[tuple[str, str], Certificate] = {}
+
+    def wanted(*labels: str) -> bool:  # is any row starting with one of these labels selected?
+        return any(row.split()[0] in labels for row in rows)
+
     for column in columns:
         if progress is not None:
             progress(column.name)
-        found = [
-            steepest.certify_projection(column, seed=seed),
-            steepest.certify_step_direction(column, seed=seed),
-            steepest.certify_first_step(column, seed=seed),
-            steepest.certify_retraction_order(column, seed=seed),
-            scale.certify_scale_invariance(column, seed=seed),
-            scale.certify_scale_with_eps(column, seed=seed),
-        ]
-        n = steps if column.name in long_run_columns else other_steps
-        runs = [conditioning.run_drift(column, steps=n, dtype=dt, seed=seed) for dt in (torch.float64, torch.float32)]
-        found.append(conditioning.certify_conditioning(column, runs))
-        found.extend(conditioning.certify_drift(column, run) for run in runs)
-        found.append(equivariance.certify_equivariance(column, "left", seed=seed))
-        found.append(equivariance.certify_equivariance(column, "right", seed=seed))
-        found.extend([
-            weight_decay.certify_decay_gradient(column, seed=seed),
-            weight_decay.certify_coupled_decay(column, seed=seed),
-            weight_decay.certify_point_decay(column, seed=seed),
-            weight_decay.certify_decay_in_retraction(column, seed=seed),
-            weight_decay.certify_decay_training(column, seed=seed),
-        ])
-        if column.on_manifold not in gauge_cache:
-            gauge_cache[column.on_manifold] = gauge.certify_gauge(column, seed=seed)
-        for cert in gauge_cache[column.on_manifold]:
-            found.append(Certificate(cert.name, cert.statement, cert.measured, cert.tolerance, cert.passed,
-                                     cert.details, column.name, cert.comparison))
+        found = []
+        if wanted("1a", "1b", "1c", "1d"):
+            found += [
+                steepest.certify_projection(column, seed=seed),
+                steepest.certify_step_direction(column, seed=seed),
+                steepest.certify_first_step(column, seed=seed),
+                steepest.certify_retraction_order(column, seed=seed),
+            ]
+        if wanted("2a", "2b"):
+            found += [scale.certify_scale_invariance(column, seed=seed), scale.certify_scale_with_eps(column, seed=seed)]
+        if wanted("3a", "3b", "3c"):
+            n = steps if column.name in long_run_columns else other_steps
+            runs = [conditioning.run_drift(column, steps=n, dtype=dt, seed=seed)
+                    for dt in (torch.float64, torch.float32)]
+            found.append(conditioning.certify_conditioning(column, runs))
+            found.extend(conditioning.certify_drift(column, run) for run in runs)
+        if wanted("4a", "4b"):
+            found.append(equivariance.certify_equivariance(column, "left", seed=seed))
+            found.append(equivariance.certify_equivariance(column, "right", seed=seed))
+        if wanted("5", "5a", "5b", "5c", "5d"):
+            found.extend([
+                weight_decay.certify_decay_gradient(column, seed=seed),
+                weight_decay.certify_coupled_decay(column, seed=seed),
+                weight_decay.certify_point_decay(column, seed=seed),
+                weight_decay.certify_decay_in_retraction(column, seed=seed),
+                weight_decay.certify_decay_training(column, seed=seed),
+            ])
+        if wanted("6a", "6b"):
+            if column.on_manifold not in gauge_cache:
+                gauge_cache[column.on_manifold] = gauge.certify_gauge(column, seed=seed)
+            for cert in gauge_cache[column.on_manifold]:
+                found.append(Certificate(cert.name, cert.statement, cert.measured, cert.tolerance, cert.passed,
+                                         cert.details, column.name, cert.comparison))
         for cert in found:
             cells[(cert.name, column.name)] = cert
-    return [cells[(row, column.name)] for row in ROWS for column in columns if (row, column.name) in cells]
+    return [cells[(row, column.name)] for row in rows for column in columns if (row, column.name) in cells]

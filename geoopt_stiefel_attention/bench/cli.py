@@ -9,7 +9,14 @@ import json
 import sys
 from dataclasses import replace
 
-from .._argtypes import UsageError, nonnegative_int, output_path_problem, positive_float, positive_int
+from .._argtypes import (
+    UsageError,
+    add_threads_argument,
+    nonnegative_int,
+    output_path_problem,
+    positive_float,
+    positive_int,
+)
 from .gpu import CHECK_SCALES, accelerator_check, format_check
 from .paths import (
     BENCH_FRAMES,
@@ -31,10 +38,12 @@ HELP = "Time the StiefelAdam step against AdamW and stock geoopt RiemannianAdam 
 # ----------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``stiefel-attention bench``."""
-    parser.add_argument("what", nargs="?", choices=("step", "train", "paths", "gpu"), default="step",
+    parser.add_argument("what", nargs="?", choices=("step", "train", "paths", "gpu", "muon"), default="step",
                         help="'step': optimizer step on Q/K frames against competitors (default); 'train': full "
                              "training step; 'paths': the step's eager, capturable and compiled paths against "
-                             "the product floor; 'gpu': the prepared accelerator check (needs --out)")
+                             "the product floor; 'gpu': the prepared accelerator check (needs --out); 'muon': "
+                             "StiefelMuon beside StiefelAdam, torch's Muon on the same frames and AdamW (minimum "
+                             "over --rounds interleaved rounds)")
     parser.add_argument("--widths", type=positive_int, nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                         metavar="WIDTH", help=f"configurations for 'step', any of {' '.join(map(str, CONFIGS))} "
                                               f"(default: all)")
@@ -67,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--clock", default="wall", choices=CLOCKS,
                         help="'wall' time, or process 'cpu' time (robust on a shared machine with --threads 1)")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads for the run")
+    add_threads_argument(parser)
     parser.add_argument("--seed", type=nonnegative_int, default=0)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -103,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         _write_out(args.out, text)
         print(text if args.json else format_check(doc) + f"\nwritten to {args.out}")
         return 0
+    if args.what == "muon":
+        return _run_muon(args)
     defaults = BENCH_DEFAULTS[args.what]
     steps = defaults.steps_per_round if args.steps is None else args.steps
     settings = replace(defaults, rounds=args.rounds, steps_per_round=steps, lr=args.lr, device=args.device,
@@ -167,6 +178,25 @@ def _timed(args: argparse.Namespace) -> tuple[str, ...] | None:
     if relative_to not in chosen:
         raise UsageError(f"{flag} must include '{relative_to}' (every ratio is relative to it)")
     return tuple(chosen)
+
+
+def _run_muon(args: argparse.Namespace) -> int:
+    """``bench muon``: :func:`~.muon.muon_step_benchmark` at ``--widths`` (``--scale tiny``: width 128, one
+    round, the smoke test of ``benchmarks/gpu.sh``), as a table or JSON."""
+    from dataclasses import asdict
+
+    from .muon import format_muon_table, muon_step_benchmark
+
+    widths, rounds = (128,) if args.scale == "tiny" else tuple(args.widths), 1 if args.scale == "tiny" else args.rounds
+    results = muon_step_benchmark(widths, rounds=rounds, threads=args.threads or 1, device=args.device)
+    with torch_threads(args.threads):
+        machine = machine_info(args.device)
+    text = json.dumps({"benchmark": "muon", "rounds": rounds, "threads": args.threads, "device": args.device,
+                       "machine": asdict(machine), "results": [asdict(r) for r in results]}, indent=2, default=str)
+    if args.out is not None:
+        _write_out(args.out, text)
+    print(text if args.json else format_muon_table(results))
+    return 0
 
 
 def _write_out(path: str, text: str) -> None:

@@ -12,6 +12,7 @@ from .._deprecated import renamed_keyword
 from .records import Timing
 from .settings import (
     _RENAMED_WHY,
+    DISAGREEMENT_NOTE,
     BenchSettings,
     _interleave,
     _ratio,
@@ -20,6 +21,7 @@ from .settings import (
     _synchronize,
     _timing,
     _workspace_bytes,
+    ratio_disagrees,
     torch_threads,
 )
 from .step import _matmul_floor
@@ -220,14 +222,24 @@ def format_path_table(results: list[StepPathResult]) -> str:
     timed = [a for a in STEP_PATHS if a != "matmul_floor" and any(a in r.timings for r in results)]
     head = ["frames (params x (heads, d, r))", "floor ms"] + [f"{a} ms (x floor)" for a in timed]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    flagged = False
     for r in results:
-        row = [r.frames.label, f"{r.timings['matmul_floor'].median_ms:.3f}"]
-        row += [f"{r.timings[a].median_ms:.3f} ({r.floor_ratio[a]:.2f})" if a in r.timings else "n/a" for a in timed]
+        floor = r.timings["matmul_floor"].median_ms
+        row = [r.frames.label, f"{floor:.3f}"]
+        for a in timed:
+            if a not in r.timings:
+                row.append("n/a")
+                continue
+            flag = "†" if ratio_disagrees(r.timings[a].median_ms, floor, r.floor_ratio[a]) else ""
+            flagged = flagged or bool(flag)
+            row.append(f"{r.timings[a].median_ms:.3f} ({r.floor_ratio[a]:.2f}{flag})")
         lines.append("| " + " | ".join(row) + " |")
     compiled = [f"{r.frames.label}: {r.compile_s:.1f} s" for r in results if r.compile_s is not None]
     if compiled:
         lines += ["", f"Compilation ({results[0].compile_backend}; first three calls, excluded): "
                       + ", ".join(compiled)]
+    if flagged:
+        lines += ["", DISAGREEMENT_NOTE]
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ count, optimizer-state bytes."""
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -154,6 +155,28 @@ def _timing(name: str, rounds: list[list[float]], **extra: Any) -> Timing:
 def _ratio(num: list[list[float]], den: list[list[float]]) -> float:
     """Median over rounds of the ratio of per-round medians."""
     return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(num, den, strict=True))
+
+
+#: Largest relative disagreement between a reported ratio (median over rounds of per-round ratios) and the ratio
+#: of the two medians printed beside it before the row is flagged as unreliable (:func:`ratio_disagrees`). On a
+#: quiet machine the two agree to a few percent; a row such as "99.97 ms | 15.8 ms | speed-up 10.0x" (seen with
+#: torch's default thread count on a loaded 2-core machine) is off by a factor of 1.6.
+RATIO_AGREEMENT = 0.25
+
+#: The note printed under a table with flagged rows.
+DISAGREEMENT_NOTE = (
+    "† the ratio (median over interleaved rounds of per-round ratios) and the two medians beside it disagree by "
+    f"more than {RATIO_AGREEMENT:.0%}: the machine's load changed during the measurement, so this row is not "
+    "reliable; rerun it with --threads 1 --clock cpu on a quieter machine.")
+
+
+def ratio_disagrees(num_ms: float, den_ms: float, ratio: float) -> bool:
+    """Whether ``ratio`` and ``num_ms / den_ms`` differ by more than :data:`RATIO_AGREEMENT` (relative, either
+    way); non-finite or non-positive inputs count as disagreeing."""
+    values = (num_ms, den_ms, ratio)
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        return True
+    return abs(math.log((num_ms / den_ms) / ratio)) > math.log1p(RATIO_AGREEMENT)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from .._deprecated import renamed_keyword
 from .records import Timing
 from .settings import (
     _RENAMED_WHY,
+    DISAGREEMENT_NOTE,
     BenchSettings,
     _clock,
     _interleave,
@@ -21,6 +22,7 @@ from .settings import (
     _state_bytes,
     _timing,
     _workspace_bytes,
+    ratio_disagrees,
     torch_threads,
 )
 
@@ -247,6 +249,7 @@ def format_step_table(results: list[StepTimeResult]) -> str:
         head += [f"{label} ms", f"speed-up vs {label}" if name.startswith("geoopt") else f"x {label}"]
     head += ["state / params (StiefelAdam, AdamW)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    flagged = False
     for r in results:
         row = [f"{r.width} ({r.depth} x {r.heads} x {r.head_dim})", f"{r.timings['stiefel'].median_ms:.3f}"]
         for name in competitors:
@@ -255,10 +258,14 @@ def format_step_table(results: list[StepTimeResult]) -> str:
                 row += ["n/a", "n/a"]
                 continue
             ratio = r.ratios[name]
-            row += [f"{t.median_ms:.3f}", f"{1 / ratio:.1f}x" if name.startswith("geoopt") else f"{ratio:.2f}"]
+            flag = "†" if ratio_disagrees(r.timings["stiefel"].median_ms, t.median_ms, ratio) else ""
+            flagged = flagged or bool(flag)
+            row += [f"{t.median_ms:.3f}", (f"{1 / ratio:.1f}x" if name.startswith("geoopt") else f"{ratio:.2f}") + flag]
         adamw = r.state_ratio.get("adamw_foreach", math.nan)
         row += [f"{r.state_ratio.get('stiefel', math.nan):.4f}, {adamw:.2f}"]
         lines.append("| " + " | ".join(row) + " |")
     notes = [f"- width {r.width}, {_OPTIMIZER_LABELS.get(t.name, t.name)}: {t.note}" for r in results
              for t in r.timings.values() if t.note]
+    if flagged:
+        notes.append(DISAGREEMENT_NOTE)
     return "\n".join(lines + ([""] + notes if notes else []))

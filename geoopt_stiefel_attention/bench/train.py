@@ -8,7 +8,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from .records import Timing
-from .settings import BenchSettings, _interleave, _ratio, _settings, _timing, torch_threads
+from .settings import (
+    DISAGREEMENT_NOTE,
+    BenchSettings,
+    _interleave,
+    _ratio,
+    _settings,
+    _timing,
+    ratio_disagrees,
+    torch_threads,
+)
 
 #: The models of :func:`train_step_benchmark`.
 TRAIN_MODELS = ("tiny_transformer", "patch_vit")
@@ -181,8 +190,11 @@ def format_train_table(results: list[TrainStepResult]) -> str:
     """A Markdown table of full-step times per arm and the stiefel / adamw ratio."""
     lines = ["| model | batch | adamw step ms (optimizer ms) | stiefel step ms (optimizer ms) | stiefel / adamw |",
              "|---|---|---|---|---|"]
+    flagged = False
     for r in results:
         cells = [f"{r.full_step[a].median_ms:.2f} ({r.optimizer_step[a].median_ms:.2f})" for a in ("adamw", "stiefel")]
         cfg = ", ".join(f"{k}={v}" for k, v in r.config.items())
-        lines.append(f"| {r.model} ({cfg}) | {r.batch} | {cells[0]} | {cells[1]} | {r.ratio:.3f} |")
-    return "\n".join(lines)
+        flag = "†" if ratio_disagrees(r.full_step["stiefel"].median_ms, r.full_step["adamw"].median_ms, r.ratio) else ""
+        flagged = flagged or bool(flag)
+        lines.append(f"| {r.model} ({cfg}) | {r.batch} | {cells[0]} | {cells[1]} | {r.ratio:.3f}{flag} |")
+    return "\n".join(lines + (["", DISAGREEMENT_NOTE] if flagged else []))

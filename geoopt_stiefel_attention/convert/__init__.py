@@ -662,8 +662,10 @@ def _apply(site: _Site, logit_gain: str | None, gain_rate: float, gain: Tensor |
         specs = [dict(role=p.role, start=p.start, length=p.length, r=r,
                       gain=gain if p.role == "q" else None) for p in pieces]
         _hook_state_dicts(owner, _stock_names(owner))
-        parametrize.register_parametrization(owner, attr, _QKWeight(weight, pieces[0].dim, specs, gain_rate),
-                                             unsafe=True)
+        inner = next((n for n, m in site.module.named_modules() if m is owner), "")
+        label = ".".join(x for x in (site.path, inner, attr) if x)  # the weight's path in the model
+        parametrize.register_parametrization(owner, attr, _QKWeight(weight, pieces[0].dim, specs, gain_rate,
+                                                                    label=label), unsafe=True)
         plist = owner.parametrizations[attr]
         if plist.original.numel() == 0:
             # a pure q_proj/k_proj weight has no rest: keep the empty tensor torch.nn.utils.parametrize needs as a

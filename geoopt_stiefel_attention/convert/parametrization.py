@@ -12,6 +12,7 @@ import geoopt
 import torch
 from torch import Tensor, nn
 
+from .. import _guard
 from ..manifolds import PolarStiefel, frame_dtypes, reproject_after_cast_
 
 #: Marker attribute set on a converted attention module (read by :func:`converted_query_key_frames`).
@@ -46,9 +47,11 @@ class _QKWeight(nn.Module):
     :math:`\\exp(\\text{rate}\\,\\theta_h)`.
     """
 
-    def __init__(self, weight: Tensor, dim: int, pieces: list[dict[str, Any]], gain_rate: float) -> None:
+    def __init__(self, weight: Tensor, dim: int, pieces: list[dict[str, Any]], gain_rate: float,
+                 label: str = "converted weight") -> None:
         super().__init__()
         self.dim = dim
+        self.label = label  # where the weight lives, for the frame check's message
         self.gain_rate = float(gain_rate)
         manifold = PolarStiefel()
         segments, cursor = [], 0
@@ -90,6 +93,9 @@ class _QKWeight(nn.Module):
         return frames.permute(1, 0, 2).reshape(d, h * r)
 
     def forward(self, rest: Tensor) -> Tensor:
+        if torch.is_grad_enabled():
+            _guard.check_frame_tensors(getattr(self, "label", "converted weight"), [(f"{role}_frames", getattr(self, f"{role}_frames"))
+                                                    for role, _, _ in self.segments if role != "rest"])
         parts, offset = [], 0
         for role, _start, length in self.segments:
             if role == "rest":

@@ -1,4 +1,5 @@
-"""``StiefelAdam``: Riemannian Adam with one second moment per frame, a trust region and polar retraction.
+"""The frame optimizers on one base: ``StiefelAdam`` (Riemannian Adam with one second moment per frame, a trust
+region and polar retraction) and ``StiefelMuon`` (manifold Muon: the spectral-norm steepest tangent direction).
 
 One job per file:
 
@@ -8,7 +9,9 @@ One job per file:
 - :mod:`._batching`: same-shaped frames grouped into batches, stacked state, workspace, the batch driver;
 - :mod:`._state`: state shapes and creation, master copies, checkpoint loading;
 - :mod:`._validation`: argument, parameter and per-step checks;
-- :mod:`.adam`: the :class:`StiefelAdam` class.
+- :mod:`._base`: :class:`FrameOptimizer`, the bookkeeping both optimizers share;
+- :mod:`.adam`: the :class:`StiefelAdam` class;
+- :mod:`._muon`: the manifold-Muon direction and update, readable and fast; :mod:`.muon`: :class:`StiefelMuon`.
 
 Every name below was importable from the former single-file ``optim`` module and still is (the private ones
 for tests, benchmarks and the distributed helpers).
@@ -18,6 +21,7 @@ for tests, benchmarks and the distributed helpers).
 
 from .._linalg import ADJUST_LR_FNS, frame_step_scale
 from . import _reference, _validation
+from ._base import _TORCH_CAPTURABLE_DEVICES, FrameOptimizer
 from ._batching import (
     ACCELERATOR_STACK_NUMEL,
     STACK_NUMEL,
@@ -27,6 +31,7 @@ from ._batching import (
     _stacked_view,
 )
 from ._kernel import _FAST_MODES, _frame_update_, _rounding_margin
+from ._muon import MUON_ADJUST_LR_FNS, muon_direction, muon_direction_reference, muon_lr_scale, stiefel_muon_update
 from ._reference import stiefel_adam_update
 from ._state import _capturable, _frame_state_shapes, _loaded_state, _zeros_like_layout
 from ._validation import (
@@ -37,9 +42,11 @@ from ._validation import (
     _check_parameter,
     _validate_hyperparameters,
 )
-from .adam import _TORCH_CAPTURABLE_DEVICES, StiefelAdam
+from .adam import StiefelAdam
+from .muon import DEFAULT_DUAL_STEPS, DEFAULT_NS_STEPS, StiefelMuon
 
-__all__ = ["StiefelAdam", "stiefel_adam_update", "frame_step_scale", "SECOND_MOMENTS", "ADJUST_LR_FNS",
+__all__ = ["StiefelAdam", "StiefelMuon", "FrameOptimizer", "stiefel_adam_update", "stiefel_muon_update",
+           "muon_direction", "muon_direction_reference", "muon_lr_scale", "frame_step_scale", "SECOND_MOMENTS", "ADJUST_LR_FNS",
            "ORTHONORMALITY_TOLERANCE"]
 
 #: The accepted values of the ``second_moment`` option (defined in ``_reference``, documented here).

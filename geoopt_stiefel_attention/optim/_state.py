@@ -45,10 +45,13 @@ def _frame_state_shapes(p: torch.Tensor, second_moment: str | None) -> dict[str,
     return shapes
 
 
-def _loaded_state(p: torch.Tensor, saved: Any, group: dict[str, Any], label: str) -> dict[str, Any]:
+def _loaded_state(p: torch.Tensor, saved: Any, group: dict[str, Any], label: str, name: str = "StiefelAdam",
+                  frame_spec: tuple[list[str], dict[str, tuple[int, ...]]] | None = None) -> dict[str, Any]:
     """The state of ``p`` from a state dict, checked against ``p`` and its group, converted and cast (see
-    :meth:`StiefelAdam.load_state_dict`); raises before anything changes."""
-    where = f"StiefelAdam.load_state_dict: {label}"
+    :meth:`StiefelAdam.load_state_dict`); raises before anything changes. ``frame_spec`` (another frame
+    optimizer's rule) gives a frame's required state keys and their shapes; by default StiefelAdam's, with the
+    conversion of geoopt checkpoints."""
+    where = f"{name}.load_state_dict: {label}"
     if not isinstance(saved, dict):
         raise ValueError(f"{where}: its state is a {type(saved).__name__}, not a dict of state entries.")
     state = dict(saved)
@@ -57,8 +60,10 @@ def _loaded_state(p: torch.Tensor, saved: Any, group: dict[str, Any], label: str
     if "step" in state and not isinstance(state["step"], torch.Tensor):  # geoopt stores a Python int
         state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
     frame = _is_frame(p)
-    sm = group["second_moment"]
-    if frame:
+    sm = group.get("second_moment")
+    if frame and frame_spec is not None:
+        required, shapes = frame_spec
+    elif frame:
         required = ["step", "exp_avg"] + (["exp_avg_sq"] if sm is not None else [])
         shapes = _frame_state_shapes(p, sm)
         if "max_exp_avg_sq" in state:
@@ -83,7 +88,7 @@ def _loaded_state(p: torch.Tensor, saved: Any, group: dict[str, Any], label: str
     missing = [key for key in required if key not in state]
     if missing:
         raise ValueError(f"{where}: its state lacks {missing} (has {sorted(state)}); the state dict does not "
-                         f"belong to this parameter and group (second_moment={sm!r}, amsgrad={group['amsgrad']}).")
+                         f"belong to this parameter and group (second_moment={sm!r}, amsgrad={group.get('amsgrad')}).")
     for key, shape in shapes.items():
         value = state.get(key)
         if value is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != shape):

@@ -81,37 +81,37 @@ def _validate_hyperparameters(group: dict[str, Any]) -> None:
              f"frames) or False.")
 
 
-def _check_manifold(p: torch.Tensor) -> None:
+def _check_manifold(p: torch.Tensor, name: str = "StiefelAdam") -> None:
     """Reject a parameter on a manifold the optimizer does not implement, naming the fix."""
     if not _has_manifold(p):
         return
     manifold = p.manifold
     if _is_frame(p) and not isinstance(manifold, EuclideanStiefel):
         raise ValueError(
-            f"StiefelAdam: parameter of shape {tuple(p.shape)} is on geoopt's CanonicalStiefel (the default "
+            f"{name}: parameter of shape {tuple(p.shape)} is on geoopt's CanonicalStiefel (the default "
             f"of geoopt.Stiefel()), whose canonical metric this optimizer does not implement. Create it on "
             f"geoopt_stiefel_attention.PolarStiefel() (or geoopt.EuclideanStiefel()) instead, or train it "
             f"with geoopt.optim.RiemannianAdam."
         )
     if not _is_frame(p):
         raise ValueError(
-            f"StiefelAdam: parameter of shape {tuple(p.shape)} is on {manifold!r}; StiefelAdam trains "
+            f"{name}: parameter of shape {tuple(p.shape)} is on {manifold!r}; {name} trains "
             f"Stiefel frames (PolarStiefel / EuclideanStiefel) and Euclidean parameters only. Use "
             f"geoopt.optim.RiemannianAdam for other manifolds."
         )
 
 
-def _check_parameter(p: torch.Tensor) -> None:
+def _check_parameter(p: torch.Tensor, name: str = "StiefelAdam") -> None:
     """Reject parameters the optimizer cannot train, naming the fix."""
     _distributed.check_parameter(p)  # sharded (FSDP/DTensor) parameters: NotImplementedError
-    _check_manifold(p)
+    _check_manifold(p, name)
     if not _is_frame(p):
         return
     if p.is_complex():
-        raise TypeError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} is complex; Stiefel frames "
+        raise TypeError(f"{name}: frame parameter of shape {tuple(p.shape)} is complex; Stiefel frames "
                         f"must be real (float64, float32, bfloat16 or float16).")
     if p.dim() < 2 or p.shape[-1] > p.shape[-2]:
-        raise ValueError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} is not a stack of d x r frames "
+        raise ValueError(f"{name}: frame parameter of shape {tuple(p.shape)} is not a stack of d x r frames "
                          f"with r <= d (orthonormal columns cannot outnumber rows). Store frames as (..., d, r), "
                          f"e.g. transpose a (r, d) matrix, or use fewer columns.")
 
@@ -123,27 +123,28 @@ def _can_read_host() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, Any]) -> None:
+def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, Any], name: str = "StiefelAdam",
+                  validate_group: Any = None) -> None:
     """Check every group's options (a scheduler or a user may have rewritten ``param_groups`` since the
     constructor checked them), every gradient and every fresh frame before anything is changed."""
     for group in param_groups:
-        _validate_hyperparameters(group)
+        (validate_group or _validate_hyperparameters)(group)
     for group in param_groups:
         for p in group["params"]:
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                raise ValueError(f"StiefelAdam: parameter of shape {tuple(p.shape)} has a sparse gradient, "
+                raise ValueError(f"{name}: parameter of shape {tuple(p.shape)} has a sparse gradient, "
                                  f"which is not supported; use a dense gradient (e.g. nn.Embedding("
                                  f"sparse=False)) or geoopt.optim.SparseRiemannianAdam.")
             if not _is_frame(p):
                 if _has_manifold(p):  # a manifold assigned after the parameter was added
-                    _check_manifold(p)
+                    _check_manifold(p, name)
                 continue
             if not isinstance(p.manifold, EuclideanStiefel):
-                _check_manifold(p)
+                _check_manifold(p, name)
             if p.grad.is_complex():
-                raise TypeError(f"StiefelAdam: frame parameter of shape {tuple(p.shape)} has a complex "
+                raise TypeError(f"{name}: frame parameter of shape {tuple(p.shape)} has a complex "
                                 f"gradient; frames and their gradients must be real.")
             local = _local(p)  # a sharded frame: each rank checks its own whole frames
             if not state.get(p) and local.numel() and (not _capturable(group, p.device)
@@ -152,7 +153,7 @@ def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, 
                 tol = ORTHONORMALITY_TOLERANCE.get(p.dtype, 1e-4)
                 if not err <= tol:
                     raise ValueError(
-                        f"StiefelAdam: frame parameter of shape {tuple(p.shape)} ({p.dtype}) is off the "
+                        f"{name}: frame parameter of shape {tuple(p.shape)} ({p.dtype}) is off the "
                         f"Stiefel manifold at its first step: max|W^T W - I| = {err:.3g} > {tol:g}. "
                         f"Project it first with `param.proj_()` (inside torch.no_grad())."
                     )

@@ -8,34 +8,24 @@ argument checks in :mod:`._validation`.
 
 from __future__ import annotations
 
-import copy
-import itertools
-import warnings
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import geoopt
 import torch
-import torch.optim.adamw as _torch_adamw
-import torch.optim.optimizer as _torch_optimizer
 
-from .. import _linalg
 from .. import distributed as _distributed
-from ..manifolds import is_frame as _is_frame
-from . import _batching, _state, _validation
+from . import _batching, _state
+from ._base import FrameOptimizer
 from ._state import _capturable
-from ._validation import _DEFAULT_TRUST_REGION, _GROUP_DEFAULTS, _check_parameter, _validate_hyperparameters
+from ._validation import _DEFAULT_TRUST_REGION, _GROUP_DEFAULTS, _validate_hyperparameters
 
 _local = _distributed.local_tensor  # a DTensor's local shard (whole frames; see distributed), else the tensor
 
 __all__ = ["StiefelAdam"]
 
-#: Device types on which torch's own AdamW supports ``capturable=True`` (its Euclidean part of the step).
-_TORCH_CAPTURABLE_DEVICES = tuple(_torch_optimizer._get_capturable_supported_devices())
 
-
-class StiefelAdam(geoopt.optim.RiemannianAdam):
+class StiefelAdam(FrameOptimizer, geoopt.optim.RiemannianAdam):
     r"""Riemannian Adam for Stiefel frames with one second moment per frame, a trust region and the
     polar retraction; AdamW for every other parameter.
 
@@ -157,13 +147,7 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             raise ValueError("StiefelAdam: fused=True is not supported: frames always use their own fused "
                              "in-place kernel and other parameters torch's AdamW implementation selected by "
                              "`foreach`. Pass fused=None (the default).")
-        if isinstance(params, torch.Tensor):
-            raise TypeError(f"StiefelAdam: params must be an iterable of tensors, (name, tensor) pairs or group "
-                            f"dicts, not a single {torch.typename(params)}; pass [tensor] or model.parameters().")
-        params = list(params)
-        if not params:
-            raise ValueError("StiefelAdam: got an empty parameter list; pass model.parameters(), a list of "
-                             "tensors or a list of group dicts (is the generator already consumed?).")
+        params = self._check_params_argument(params)
         self._pending_defaults = {"trust_region": trust_region, "second_moment": second_moment,
                                   "stabilize": stabilize, "master_weights": master_weights,
                                   "adjust_lr_fn": adjust_lr_fn}
@@ -175,165 +159,17 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
                          decoupled_weight_decay=True)
         self.defaults.update(self._pending_defaults)
         del self._pending_defaults, self._constructing
-        if not any(group["params"] for group in self.param_groups):
-            raise ValueError(f"StiefelAdam: all {len(self.param_groups)} parameter groups are empty, so the "
-                             f"optimizer would train nothing; pass groups whose 'params' hold the tensors to "
-                             f"train (is a generator already consumed?).")
-        # Groups made by param_groups() (a group named "frames") were checked there, where expect_frames=False
-        # marks a deliberate Euclidean baseline; anything else with no frame at all gets one warning here.
-        if not any(_is_frame(p) for group in self.param_groups for p in group["params"]) and not any(
-                group.get("name") == "frames" for group in self.param_groups):
-            warnings.warn("StiefelAdam was constructed with no Stiefel frame among its parameters, so it trains "
-                          "them all as plain AdamW. Convert the model first (stiefelize(model)) or build it with "
-                          "attention='stiefel', then pass param_groups(model); for a Euclidean model use "
-                          "torch.optim.AdamW.", UserWarning, stacklevel=2)
+        self._check_constructed()
 
-    # ------------------------------------------------------------------ groups and checkpoints
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group, as :meth:`torch.optim.Optimizer.add_param_group`.
+    # ------------------------------------------------------------------ what the base asks of the rule
+    _NAME = "StiefelAdam"
+    _GROUP_DEFAULTS = _GROUP_DEFAULTS
+    _MOMENT_KEY = "exp_avg"
 
-        ``param_group["params"]`` may be a tensor, a list, tuple or generator of tensors, or of
-        ``(name, tensor)`` pairs (``named_parameters()``). Every parameter is validated, whatever the form,
-        before anything changes. An empty group given as a generator or iterator (often one that was consumed
-        earlier), or added after construction, trains nothing and gives a ``UserWarning``; an explicit empty
-        list among non-empty groups at construction is accepted silently, as by torch (e.g. the ``"frames"``
-        group of :func:`~geoopt_stiefel_attention.param_groups` for a model without frames).
-        """
-        if not isinstance(param_group, dict):
-            raise TypeError(f"StiefelAdam: a parameter group must be a dict with a 'params' entry, not "
-                            f"{type(param_group).__name__}.")
-        if "params" not in param_group:
-            raise ValueError("StiefelAdam: a parameter group needs a 'params' entry, e.g. "
-                             "{'params': model.head.parameters(), 'lr': 1e-3}.")
-        given = param_group["params"]
-        if isinstance(given, torch.Tensor):
-            params = [given]
-        elif isinstance(given, (set, frozenset)):
-            raise TypeError("StiefelAdam: parameters must be given in an ordered collection (list, tuple or "
-                            "generator), not a set, whose order changes between runs; pass a list.")
-        else:
-            params = list(given)  # a generator is read once, here; torch then sees the list
-        param_group["params"] = params
-        for p in params:
-            tensor = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, tensor) pairs
-            if isinstance(tensor, torch.Tensor):
-                _check_parameter(tensor)
-        constructing = self.__dict__.get("_constructing", False)
-        defaults = {**_GROUP_DEFAULTS, **self.__dict__.get("_pending_defaults", {}), **self.defaults}
-        for key in _GROUP_DEFAULTS:
-            param_group.setdefault(key, defaults[key])
-        _validate_hyperparameters({**defaults, **param_group})
-        if not params and (not constructing or not isinstance(given, (list, tuple))):
-            warnings.warn(f"StiefelAdam: parameter group {len(self.param_groups)} is empty and trains nothing "
-                          f"(was its generator consumed before, e.g. model.parameters() passed twice?).",
-                          UserWarning, stacklevel=2)
-        super().add_param_group(param_group)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        for key, value in _GROUP_DEFAULTS.items():
-            self.defaults.setdefault(key, value)
-            for group in self.param_groups:
-                group.setdefault(key, value)
-        self._stabilize = self.defaults["stabilize"]  # what geoopt's add_param_group reads (lost by pickling)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict (see :meth:`torch.optim.Optimizer.load_state_dict`); it is checked completely
-        before anything changes.
-
-        As in torch, the ``register_load_state_dict_pre_hook`` hooks run first (and may return a new state
-        dict), the saved group options replace the current ones, state tensors move to their parameter's
-        device, and the post hooks run last. Floating-point state is cast as follows:
-
-        - Euclidean parameters: to the parameter's dtype (torch's rule), ``step`` excepted;
-        - frames: to the dtype the frame arithmetic runs in (float32 for bf16/fp16 frames, otherwise the
-          frame's own dtype, so a checkpoint loads after the model moved between float32 and float64); a
-          ``master`` copy stays float32, and the int64 ``skipped_frames`` counter keeps its dtype.
-
-        Checkpoints of ``geoopt.optim.RiemannianAdam`` load: its integer step counts become tensors, and a
-        frame's full-size ``exp_avg_sq`` is reduced to the ``(..., 1, 1)`` scalar it broadcasts (geoopt's
-        second moment on ``EuclideanStiefel`` is one number per frame stored at every entry). A full-size
-        second moment that is not constant on each frame cannot be a per-frame moment and is refused, as is
-        any state whose shape does not fit its parameter and group, with a ``ValueError`` naming the
-        parameter. geoopt's AMSGrad buffer of a frame is dropped with a warning (AMSGrad applies to Euclidean
-        parameters only here), and the groups' ``decoupled_weight_decay`` is set to True: StiefelAdam applies
-        decoupled decay to Euclidean parameters whatever the checkpoint says.
-        """
-        state_dict = state_dict.copy()
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        saved_groups = copy.deepcopy(state_dict["param_groups"])
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"StiefelAdam.load_state_dict: the state dict has {len(saved_groups)} parameter "
-                             f"groups, this optimizer {len(self.param_groups)}; build the optimizer with the "
-                             f"same groups as the one that was saved.")
-        for k, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
-            if len(group["params"]) != len(saved["params"]):
-                raise ValueError(f"StiefelAdam.load_state_dict: parameter group {k} has {len(group['params'])} "
-                                 f"parameters here and {len(saved['params'])} in the state dict; build the "
-                                 f"optimizer with the same groups as the one that was saved.")
-        new_groups = []
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):
-            saved["params"] = group["params"]
-            if "param_names" in group and "param_names" not in saved:
-                saved["param_names"] = group["param_names"]
-            for key, value in _GROUP_DEFAULTS.items():
-                saved.setdefault(key, value)
-            saved["decoupled_weight_decay"] = True
-            _validate_hyperparameters(saved)
-            new_groups.append(saved)
-        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        located = {}  # saved id -> (parameter, its new group, a name for messages)
-        for k, group in enumerate(new_groups):
-            names = group.get("param_names") or [None] * len(group["params"])
-            for j, (p, name) in enumerate(zip(group["params"], names, strict=True)):
-                label = f"{name!r} " if name is not None else ""
-                located[next(saved_ids)] = (p, group, f"parameter {label}(group {k}, position {j}, shape "
-                                                       f"{tuple(p.shape)})")
-        state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
-        for key, value in state_dict["state"].items():
-            if key in located:
-                p, group, label = located[key]
-                state[p] = _state._loaded_state(p, value, group, label)
-            else:
-                state[key] = value  # state of no parameter is kept as is, as torch does
-        self.__setstate__({"state": state, "param_groups": new_groups})
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        _validate_hyperparameters(group)
 
     # ------------------------------------------------------------------ the step
-    @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Perform one optimisation step.
-
-        Parameters
-        ----------
-        closure : callable, optional
-            Re-evaluates the model and returns the loss (run with gradients enabled).
-
-        Returns
-        -------
-        torch.Tensor or None
-            The closure's loss, if a closure was given.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        _validation.validate_step(self.param_groups, self.state)
-        for group in self.param_groups:
-            frames, euclidean = [], []
-            for p in group["params"]:
-                if p.grad is not None:
-                    (frames if _is_frame(p) else euclidean).append(p)
-            if frames:
-                self._step_frames(group, frames)
-            if euclidean:
-                self._step_euclidean(group, euclidean)
-        return loss
-
     def _step_frames(self, group: dict[str, Any], frames: list[torch.Tensor]) -> None:
         states = []
         for p in frames:
@@ -347,52 +183,3 @@ class StiefelAdam(geoopt.optim.RiemannianAdam):
             if _local(params[0]).numel():  # a rank may hold no head of a sharded frame stack
                 _batching.update_batch(self, group, params, step)
 
-    def _step_euclidean(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], []
-        for p in params:
-            state = self.state[p]
-            if len(state) == 0:
-                step_device = p.device if _capturable(group, p.device) else torch.device("cpu")
-                state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group["amsgrad"]:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            if group["amsgrad"]:
-                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
-            steps.append(state["step"])
-        beta1, beta2 = group["betas"]
-        # torch's capturable AdamW runs on accelerators only; on the CPU its default path has no device to sync
-        # with and is traced by torch.compile without graph breaks
-        device = params[0].device
-        capturable = _capturable(group, device) and device.type in _TORCH_CAPTURABLE_DEVICES
-        _torch_adamw.adamw(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-            foreach=group["foreach"], capturable=capturable, differentiable=False, fused=None,
-            has_complex=any(torch.is_complex(p) for p in params),
-            amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-        )
-
-    @torch.no_grad()
-    def stabilize_group(self, group: dict[str, Any]) -> None:
-        """Re-project the group's frames onto the manifold (exact SVD) and their first moments onto the
-        tangent spaces."""
-        for p in group["params"]:
-            if not _is_frame(p) or not self.state[p]:
-                continue
-            local = _local(p)
-            if not local.numel():
-                continue
-            master = self.state[p].get("master")
-            if master is not None:
-                master = _state.master_copies(self.state, [p])[0]
-                master.copy_(_linalg.polar_svd(master))
-                local.copy_(master)
-            else:
-                local.copy_(p.manifold.projx(local))
-            m = _local(self.state[p]["exp_avg"])
-            m.copy_(_linalg.proju(local.to(m.dtype) if master is None else master, m))

@@ -1,0 +1,321 @@
+"""The base of the frame optimizers: everything but the update rule, written once.
+
+:class:`FrameOptimizer` holds the bookkeeping that :class:`~geoopt_stiefel_attention.StiefelAdam` and
+:class:`~geoopt_stiefel_attention.StiefelMuon` share: parameter groups in every form torch accepts, validated before
+anything changes; AdamW (torch's own implementation) for every parameter that is not a frame; state created lazily
+at its true shapes; ``state_dict``/``load_state_dict`` checked completely before anything changes; the step loop
+(closure, checks of every gradient and fresh frame, frames and Euclidean parameters split per group); re-projection
+(``stabilize``); and the refusal of a wrapper that replaced the frames in ``param_groups``. A subclass adds its
+update rule (:meth:`FrameOptimizer._step_frames`), its group options (``_GROUP_DEFAULTS``) and their checks
+(``_validate_group``), the state a frame keeps (``_init_frame_state``, ``_frame_spec``) and its name in messages.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.optim.adamw as _torch_adamw
+import torch.optim.optimizer as _torch_optimizer
+
+from .. import _linalg
+from .. import distributed as _distributed
+from ..manifolds import is_frame as _is_frame
+from . import _state, _validation
+from ._state import _capturable
+from ._validation import _check_parameter
+
+_local = _distributed.local_tensor  # a DTensor's local shard (whole frames; see distributed), else the tensor
+
+__all__ = ["FrameOptimizer"]
+
+#: Device types on which torch's own AdamW supports ``capturable=True`` (its Euclidean part of the step).
+_TORCH_CAPTURABLE_DEVICES = tuple(_torch_optimizer._get_capturable_supported_devices())
+
+
+class FrameOptimizer:
+    """Mixin base of the frame optimizers (placed before a :class:`torch.optim.Optimizer` in the bases).
+
+    Subclasses set ``_NAME`` (the class name, for messages), ``_GROUP_DEFAULTS`` (their group options with the
+    values a state dict saved without them loads with) and ``_MOMENT_KEY`` (the frame's first-moment state entry,
+    re-projected by :meth:`stabilize_group`), and implement ``_validate_group(group)``,
+    ``_step_frames(group, frames)`` and ``_frame_spec(p, group)`` (``None``, or the required state keys of a frame
+    and their shapes, checked by :meth:`load_state_dict`).
+    """
+
+    _NAME: ClassVar[str] = "FrameOptimizer"
+    _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {}
+    _MOMENT_KEY: ClassVar[str] = "exp_avg"
+
+    def _validate_group(self, group: dict[str, Any]) -> None:  # pragma: no cover - every subclass overrides
+        raise NotImplementedError
+
+    def _frame_spec(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[list[str], dict[str, tuple]] | None:
+        return None
+
+    def _step_frames(self, group: dict[str, Any], frames: list[torch.Tensor]) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ construction
+    def _check_constructed(self) -> None:
+        """After the constructor: refuse all-empty groups; warn once when no parameter is a frame."""
+        if not any(group["params"] for group in self.param_groups):
+            raise ValueError(f"{self._NAME}: all {len(self.param_groups)} parameter groups are empty, so the "
+                             f"optimizer would train nothing; pass groups whose 'params' hold the tensors to "
+                             f"train (is a generator already consumed?).")
+        # Groups made by param_groups() (a group named "frames") were checked there, where expect_frames=False
+        # marks a deliberate Euclidean baseline; anything else with no frame at all gets one warning here.
+        if not any(_is_frame(p) for group in self.param_groups for p in group["params"]) and not any(
+                group.get("name") == "frames" for group in self.param_groups):
+            warnings.warn(f"{self._NAME} was constructed with no Stiefel frame among its parameters, so it trains "
+                          f"them all as plain AdamW. Convert the model first (stiefelize(model)) or build it with "
+                          f"attention='stiefel', then pass param_groups(model); for a Euclidean model use "
+                          f"torch.optim.AdamW.", UserWarning, stacklevel=3)
+
+    def _check_params_argument(self, params: Any) -> list[Any]:
+        """``params`` as a list, refusing a lone tensor and an empty list (torch's messages, naming the fix)."""
+        if isinstance(params, torch.Tensor):
+            raise TypeError(f"{self._NAME}: params must be an iterable of tensors, (name, tensor) pairs or group "
+                            f"dicts, not a single {torch.typename(params)}; pass [tensor] or model.parameters().")
+        params = list(params)
+        if not params:
+            raise ValueError(f"{self._NAME}: got an empty parameter list; pass model.parameters(), a list of "
+                             f"tensors or a list of group dicts (is the generator already consumed?).")
+        return params
+
+    # ------------------------------------------------------------------ the frames it was given
+    def _record_frames(self, params: list[Any]) -> None:
+        """Remember the frames a group brought (the identity of each), for :meth:`_check_frames_still_held`."""
+        given = self.__dict__.setdefault("_frames_given", [])
+        for p in params:
+            tensor = p[1] if isinstance(p, tuple) and len(p) == 2 else p
+            if isinstance(tensor, torch.Tensor) and _is_frame(tensor):
+                given.append(id(tensor))  # identities only: holding the tensors would change what dynamo traces
+
+    def _check_frames_still_held(self) -> None:
+        """Refuse to step when ``param_groups`` no longer hold every frame the optimizer was given.
+
+        A wrapper that replaces ``param_groups[i]["params"]`` with other tensors (DeepSpeed ZeRO stages 1-3 hand
+        the optimizer flat fp32 partitions) turns the frames into plain tensors the optimizer would update as
+        AdamW, and the orthonormality constraint would be lost without a word. Raises ``RuntimeError`` before
+        anything changes. Skipped while torch.compile traces (the set of identities is a host-side check).
+        """
+        given = self.__dict__.get("_frames_given")
+        if not given or torch.compiler.is_compiling():
+            return
+        held = {id(p) for group in self.param_groups for p in group["params"]}
+        missing = sum(1 for ident in given if ident not in held)
+        if missing:
+            raise RuntimeError(
+                f"{self._NAME}: its parameter groups no longer hold {missing} of the {len(given)} Stiefel frames it "
+                f"was given; a wrapper replaced them with other tensors (DeepSpeed ZeRO stages 1-3 hand the "
+                f"optimizer flattened partitions), so the orthonormality constraint would be silently lost; use "
+                f"ZeRO stage 0, DDP, or FSDP2 with geoopt_stiefel_attention.distributed.fully_shard_by_heads.")
+
+    # ------------------------------------------------------------------ groups and checkpoints
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group, as :meth:`torch.optim.Optimizer.add_param_group`.
+
+        ``param_group["params"]`` may be a tensor, a list, tuple or generator of tensors, or of
+        ``(name, tensor)`` pairs (``named_parameters()``). Every parameter is validated, whatever the form,
+        before anything changes. An empty group given as a generator or iterator (often one that was consumed
+        earlier), or added after construction, trains nothing and gives a ``UserWarning``; an explicit empty
+        list among non-empty groups at construction is accepted silently, as by torch (e.g. the ``"frames"``
+        group of :func:`~geoopt_stiefel_attention.param_groups` for a model without frames).
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"{self._NAME}: a parameter group must be a dict with a 'params' entry, not "
+                            f"{type(param_group).__name__}.")
+        if "params" not in param_group:
+            raise ValueError(f"{self._NAME}: a parameter group needs a 'params' entry, e.g. "
+                             "{'params': model.head.parameters(), 'lr': 1e-3}.")
+        given = param_group["params"]
+        if isinstance(given, torch.Tensor):
+            params = [given]
+        elif isinstance(given, (set, frozenset)):
+            raise TypeError(f"{self._NAME}: parameters must be given in an ordered collection (list, tuple or "
+                            f"generator), not a set, whose order changes between runs; pass a list.")
+        else:
+            params = list(given)  # a generator is read once, here; torch then sees the list
+        param_group["params"] = params
+        for p in params:
+            tensor = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, tensor) pairs
+            if isinstance(tensor, torch.Tensor):
+                _check_parameter(tensor, self._NAME)
+        constructing = self.__dict__.get("_constructing", False)
+        group_defaults = self._GROUP_DEFAULTS
+        defaults = {**group_defaults, **self.__dict__.get("_pending_defaults", {}), **self.defaults}
+        for key in group_defaults:
+            param_group.setdefault(key, defaults[key])
+        self._validate_group({**defaults, **param_group})
+        if not params and (not constructing or not isinstance(given, (list, tuple))):
+            warnings.warn(f"{self._NAME}: parameter group {len(self.param_groups)} is empty and trains nothing "
+                          f"(was its generator consumed before, e.g. model.parameters() passed twice?).",
+                          UserWarning, stacklevel=2)
+        super().add_param_group(param_group)
+        self._record_frames(params)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for key, value in self._GROUP_DEFAULTS.items():
+            self.defaults.setdefault(key, value)
+            for group in self.param_groups:
+                group.setdefault(key, value)
+        self._stabilize = self.defaults.get("stabilize")  # what geoopt's add_param_group reads (lost by pickling)
+        self._frames_given = []
+        for group in self.param_groups:
+            self._record_frames(group["params"])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict (see :meth:`torch.optim.Optimizer.load_state_dict`); it is checked completely
+        before anything changes.
+
+        As in torch, the ``register_load_state_dict_pre_hook`` hooks run first (and may return a new state
+        dict), the saved group options replace the current ones, state tensors move to their parameter's
+        device, and the post hooks run last. Floating-point state is cast as follows:
+
+        - Euclidean parameters: to the parameter's dtype (torch's rule), ``step`` excepted;
+        - frames: to the dtype the frame arithmetic runs in (float32 for bf16/fp16 frames, otherwise the
+          frame's own dtype, so a checkpoint loads after the model moved between float32 and float64); a
+          ``master`` copy stays float32, and the int64 ``skipped_frames`` counter keeps its dtype.
+
+        Checkpoints of ``geoopt.optim.RiemannianAdam`` load: its integer step counts become tensors, and a
+        frame's full-size ``exp_avg_sq`` is reduced to the ``(..., 1, 1)`` scalar it broadcasts (geoopt's
+        second moment on ``EuclideanStiefel`` is one number per frame stored at every entry). A full-size
+        second moment that is not constant on each frame cannot be a per-frame moment and is refused, as is
+        any state whose shape does not fit its parameter and group, with a ``ValueError`` naming the
+        parameter. geoopt's AMSGrad buffer of a frame is dropped with a warning (AMSGrad applies to Euclidean
+        parameters only here), and the groups' ``decoupled_weight_decay`` is set to True: StiefelAdam applies
+        decoupled decay to Euclidean parameters whatever the checkpoint says.
+        """
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"{self._NAME}.load_state_dict: the state dict has {len(saved_groups)} parameter "
+                             f"groups, this optimizer {len(self.param_groups)}; build the optimizer with the "
+                             f"same groups as the one that was saved.")
+        for k, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(f"{self._NAME}.load_state_dict: parameter group {k} has {len(group['params'])} "
+                                 f"parameters here and {len(saved['params'])} in the state dict; build the "
+                                 f"optimizer with the same groups as the one that was saved.")
+        new_groups = []
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            saved["params"] = group["params"]
+            if "param_names" in group and "param_names" not in saved:
+                saved["param_names"] = group["param_names"]
+            for key, value in self._GROUP_DEFAULTS.items():
+                saved.setdefault(key, value)
+            saved["decoupled_weight_decay"] = True
+            self._validate_group(saved)
+            new_groups.append(saved)
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        located = {}  # saved id -> (parameter, its new group, a name for messages)
+        for k, group in enumerate(new_groups):
+            names = group.get("param_names") or [None] * len(group["params"])
+            for j, (p, name) in enumerate(zip(group["params"], names, strict=True)):
+                label = f"{name!r} " if name is not None else ""
+                located[next(saved_ids)] = (p, group, f"parameter {label}(group {k}, position {j}, shape "
+                                                       f"{tuple(p.shape)})")
+        state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+        for key, value in state_dict["state"].items():
+            if key in located:
+                p, group, label = located[key]
+                state[p] = _state._loaded_state(p, value, group, label, self._NAME,
+                                                self._frame_spec(p, group) if _is_frame(p) else None)
+            else:
+                state[key] = value  # state of no parameter is kept as is, as torch does
+        self.__setstate__({"state": state, "param_groups": new_groups})
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Perform one optimisation step.
+
+        Parameters
+        ----------
+        closure : callable, optional
+            Re-evaluates the model and returns the loss (run with gradients enabled).
+
+        Returns
+        -------
+        torch.Tensor or None
+            The closure's loss, if a closure was given.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_frames_still_held()
+        _validation.validate_step(self.param_groups, self.state, self._NAME, self._validate_group)
+        for group in self.param_groups:
+            frames, euclidean = [], []
+            for p in group["params"]:
+                if p.grad is not None:
+                    (frames if _is_frame(p) else euclidean).append(p)
+            if frames:
+                self._step_frames(group, frames)
+            if euclidean:
+                self._step_euclidean(group, euclidean)
+        return loss
+
+    def _step_euclidean(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], []
+        for p in params:
+            state = self.state[p]
+            if len(state) == 0:
+                step_device = p.device if _capturable(group, p.device) else torch.device("cpu")
+                state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            if group["amsgrad"]:
+                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        # torch's capturable AdamW runs on accelerators only; on the CPU its default path has no device to sync
+        # with and is traced by torch.compile without graph breaks
+        device = params[0].device
+        capturable = _capturable(group, device) and device.type in _TORCH_CAPTURABLE_DEVICES
+        _torch_adamw.adamw(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+            foreach=group["foreach"], capturable=capturable, differentiable=False, fused=None,
+            has_complex=any(torch.is_complex(p) for p in params),
+            amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+        )
+
+    @torch.no_grad()
+    def stabilize_group(self, group: dict[str, Any]) -> None:
+        """Re-project the group's frames onto the manifold (exact SVD) and their first moments onto the
+        tangent spaces."""
+        for p in group["params"]:
+            if not _is_frame(p) or not self.state[p]:
+                continue
+            local = _local(p)
+            if not local.numel():
+                continue
+            master = self.state[p].get("master")
+            if master is not None:
+                master = _state.master_copies(self.state, [p])[0]
+                master.copy_(_linalg.polar_svd(master))
+                local.copy_(master)
+            else:
+                local.copy_(p.manifold.projx(local))
+            m = _local(self.state[p][self._MOMENT_KEY])
+            m.copy_(_linalg.proju(local.to(m.dtype) if master is None else master, m))

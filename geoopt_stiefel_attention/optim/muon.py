@@ -1,0 +1,308 @@
+r"""The :class:`StiefelMuon` optimizer: manifold Muon on Stiefel frames, AdamW for everything else.
+
+The update rule is written twice: readable in :func:`~._muon.stiefel_muon_update` (SVD msign, float64, the
+specification) and fast in :func:`_muon_update_` below (batched, matrix products only), tested equal by
+``tests/test_muon.py``. The bookkeeping (groups, checks, state dicts, AdamW, the step loop) is the shared
+:class:`~._base.FrameOptimizer`'s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import geoopt
+import torch
+
+from .. import _linalg
+from .. import distributed as _distributed
+from ._base import FrameOptimizer
+from ._batching import _frame_batches
+from ._kernel import _rounding_margin
+from ._muon import MUON_ADJUST_LR_FNS, muon_direction, muon_lr_scale
+from ._state import _capturable, _zeros_like_layout, master_copies
+from ._validation import _require
+
+_local = _distributed.local_tensor
+
+__all__ = ["StiefelMuon", "DEFAULT_DUAL_STEPS", "DEFAULT_NS_STEPS"]
+
+#: Trial steps of the dual descent per optimizer step: the cheapest setting of the table in
+#: ``benchmarks/README.md`` whose worst relative optimality gap stays below 1e-3 at the bench widths.
+DEFAULT_DUAL_STEPS = 10
+#: Newton–Schulz iterations per ``r x r`` inverse square root inside the direction solver.
+DEFAULT_NS_STEPS = 8
+
+#: The group options StiefelMuon adds to AdamW's, with the values a state dict saved without them loads with.
+_MUON_GROUP_DEFAULTS = {"momentum": 0.95, "nesterov": True, "adjust_lr_fn": "match_rms_adamw",
+                        "dual_steps": DEFAULT_DUAL_STEPS, "ns_steps": DEFAULT_NS_STEPS, "master_weights": False,
+                        "stabilize": None}
+
+
+def _validate_muon_group(group: dict[str, Any]) -> None:
+    """Raise a ``ValueError`` naming the option and the fix when a StiefelMuon group option is out of range."""
+    lr = group["lr"]
+    if not isinstance(lr, torch.Tensor):
+        _require(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr >= 0 and math.isfinite(lr),
+                 f"StiefelMuon: lr={lr!r} is invalid; pass a finite float >= 0 (e.g. lr=1e-3).")
+    mu = group["momentum"]
+    _require(isinstance(mu, (int, float)) and not isinstance(mu, bool) and 0.0 <= mu < 1.0,
+             f"StiefelMuon: momentum={mu!r} is invalid; pass a float in [0, 1) (torch's Muon uses 0.95).")
+    _require(isinstance(group["nesterov"], bool),
+             f"StiefelMuon: nesterov={group['nesterov']!r} is invalid; pass True or False.")
+    wd = group["weight_decay"]
+    _require(isinstance(wd, (int, float)) and not isinstance(wd, bool) and wd >= 0 and math.isfinite(wd),
+             f"StiefelMuon: weight_decay={wd!r} is invalid; pass a finite float >= 0.")
+    betas = group["betas"]
+    _require(isinstance(betas, (tuple, list)) and len(betas) == 2
+             and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas),
+             f"StiefelMuon: betas={betas!r} is invalid (AdamW's, for the Euclidean parameters); pass two floats "
+             f"in [0, 1), e.g. betas=(0.9, 0.999).")
+    eps = group["eps"]
+    _require(isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0 and math.isfinite(eps),
+             f"StiefelMuon: eps={eps!r} is invalid (AdamW's, for the Euclidean parameters); pass a finite float "
+             f">= 0 (e.g. eps=1e-8).")
+    fn = group["adjust_lr_fn"]
+    _require(fn in MUON_ADJUST_LR_FNS,
+             f"StiefelMuon: adjust_lr_fn={fn!r} is unknown; use 'match_rms_adamw' (0.2 * sqrt(max(d, r)) * lr, "
+             f"one lr for the whole model) or 'original' (sqrt(max(1, d / r)) * lr), as in torch's Muon.")
+    for key, low in (("dual_steps", 0), ("ns_steps", 1)):
+        value = group[key]
+        _require(isinstance(value, int) and not isinstance(value, bool) and low <= value < 100,
+                 f"StiefelMuon: {key}={value!r} is invalid; pass an int in [{low}, 100) (default "
+                 f"{_MUON_GROUP_DEFAULTS[key]}; dual_steps=0 takes the cheap projected msign direction).")
+    cap = group.get("capturable")
+    _require(cap is None or isinstance(cap, bool),
+             f"StiefelMuon: capturable={cap!r} is invalid; pass True, False or None (True on accelerators).")
+    mw = group.get("master_weights", False)
+    _require(isinstance(mw, bool),
+             f"StiefelMuon: master_weights={mw!r} is invalid; pass True (keep a float32 master copy of bf16/fp16 "
+             f"frames) or False.")
+    _require(group.get("stabilize") is None,
+             f"StiefelMuon: stabilize={group.get('stabilize')!r} is not supported (the polar retraction keeps "
+             f"frames on the manifold); pass stabilize=None.")
+
+
+def _muon_update_(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr: float | torch.Tensor,
+                  momentum: float, nesterov: bool, dual_steps: int, ns_steps: int, maximize: bool = False,
+                  capturable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The update of :func:`~._muon.stiefel_muon_update` on a stack ``(n, d, r)``, with ``w`` and ``buf``
+    overwritten in place (``grad`` is only read). The direction is :func:`~._muon.muon_direction`; the retraction
+    :math:`\operatorname{polar}(W - \eta A)` uses the Taylor series of :math:`(I + E)^{-1/2}` for the Gram matrix
+    of the actual :math:`W - \eta A` whenever :math:`\eta^2\|A\|_2^2` is small enough for it (always at
+    practical learning rates; the bound uses :math:`\|A\|_2 \le 1.05`, see the certificates), else the exact
+    inverse square root of :func:`~.._linalg.inv_sqrt`.
+
+    Returns the boolean ``(n, 1, 1)`` mask of frames whose gradient was finite, and the solver's gap
+    ``(n, 1, 1)`` (see :func:`~._muon.muon_direction`).
+    """
+    xi = _linalg.proju(w, -grad if maximize else grad)
+    finite = _linalg.frame_sq_norm(xi) < math.inf
+    xi = torch.where(finite, xi, torch.zeros((), dtype=xi.dtype, device=xi.device))
+    buf.lerp_(xi, finite.to(xi.dtype) * (1.0 - momentum))
+    u = xi.lerp(buf, momentum) if nesterov else buf
+    direction, gap = muon_direction(u, w, iterations=dual_steps, ns_steps=ns_steps)
+    y = w - lr * direction
+    gram = torch.bmm(y.mT, y)
+    order = None
+    if not isinstance(lr, torch.Tensor):
+        order = _linalg.series_order((1.05 * lr) ** 2 + _rounding_margin(w.dtype), w.dtype)
+    if order is not None:
+        x = _linalg.inv_sqrt_series(gram, order)
+    else:
+        x = _linalg.inv_sqrt(gram, synchronize=not capturable)
+    moving = finite
+    if not isinstance(lr, torch.Tensor) and lr == 0:
+        moving = torch.zeros_like(finite)
+    w_new = torch.bmm(y, x)
+    w.copy_(torch.where(moving, w_new, w))
+    transported = buf - torch.bmm(w, _linalg.sym(torch.bmm(w.mT, buf)))
+    buf.copy_(torch.where(moving, transported, buf))
+    return finite, gap
+
+
+class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Optimizer):
+    r"""Manifold Muon for Stiefel frames: the spectral-norm steepest tangent direction, polar retraction;
+    AdamW for every other parameter.
+
+    torch's :class:`~torch.optim.Muon` orthogonalises a matrix's momentum (msign) and takes a step of fixed
+    spectral size. On :math:`\mathrm{St}(d, r)` the matching method is steepest descent under the spectral norm
+    restricted to the tangent space. With step count :math:`t`, each frame :math:`W` with Euclidean gradient
+    :math:`G` is updated by
+
+    .. math::
+
+        \xi &= G - W \operatorname{sym}(W^\top G) \\
+        B &\leftarrow \mu B + (1 - \mu)\,\xi \\
+        U &= (1 - \mu)\,\xi + \mu B \quad\text{(Nesterov; } U = B \text{ without)} \\
+        A^\star &= \operatorname*{argmax}_{W^\top A + A^\top W = 0,\ \|A\|_2 \le 1} \langle U, A \rangle
+                 = P_W\big(\operatorname{msign}(U - 2 W \Lambda^\star)\big),
+                 \quad \Lambda^\star = \operatorname*{argmin}_{\Lambda = \Lambda^\top} \|U - 2W\Lambda\|_* \\
+        W &\leftarrow \operatorname{polar}(W - \eta A^\star), \qquad \eta = \mathrm{lr}\cdot s(d, r) \\
+        B &\leftarrow B - W \operatorname{sym}(W^\top B) \qquad \text{(transport by projection)}
+
+    where :math:`s(d, r)` is torch's ``Muon`` learning-rate adjustment for a ``d x r`` matrix (``adjust_lr_fn``):
+    :math:`0.2\sqrt{\max(d, r)}` for ``"match_rms_adamw"`` (the default here, so that one lr serves the frames
+    and the AdamW parameters), :math:`\sqrt{\max(1, d/r)}` for ``"original"`` (torch's default). The momentum
+    recursion is torch's (``buf.lerp_(grad, 1 - momentum)``, ``grad.lerp(buf, momentum)``) applied to the
+    Riemannian gradient. :math:`\Lambda^\star` is found by ``dual_steps`` steps of gradient descent on the dual
+    :math:`\|U - 2W\Lambda\|_*` with a per-frame step that adapts itself, entirely on ``r x r`` matrices
+    (:func:`~geoopt_stiefel_attention.optim._muon.muon_direction`, matrix products only, no SVD or
+    eigendecomposition); ``dual_steps=0`` is the cheap approximation :math:`P_W \operatorname{msign}(P_W U)`,
+    2-8 % below the optimum. The duality gap :math:`\|U - 2W\Lambda\|_* - \langle U, A\rangle` of the last step
+    is kept per frame in ``state["dual_gap"]`` (``(..., 1, 1)``, no host read).
+
+    Parameters
+    ----------
+    params : iterable
+        Parameters, ``(name, parameter)`` pairs or group dicts; frames and Euclidean parameters may be mixed.
+    lr : float, default 1e-3
+        Learning rate, ``>= 0``; a frame's step has spectral norm :math:`\eta = \mathrm{lr}\cdot s(d, r)`.
+    momentum : float, default 0.95
+        :math:`\mu \in [0, 1)`, as in torch's ``Muon``.
+    nesterov : bool, default True
+        Nesterov momentum, as in torch's ``Muon``.
+    weight_decay : float, default 0.1
+        Decoupled (AdamW) decay of Euclidean parameters (torch's ``Muon`` default); none on frames, where its
+        Riemannian gradient :math:`\lambda P_W(W) = 0`.
+    betas, eps : default (0.9, 0.999), 1e-8
+        AdamW's, for the Euclidean parameters only.
+    adjust_lr_fn : {"match_rms_adamw", "original"}, default "match_rms_adamw"
+        torch's ``Muon`` meanings (see above).
+    dual_steps : int, default :data:`DEFAULT_DUAL_STEPS`
+        Trial steps of the dual descent (``0``: the projected msign).
+    ns_steps : int, default :data:`DEFAULT_NS_STEPS`
+        Newton–Schulz iterations per ``r x r`` inverse square root.
+    master_weights : bool, default False
+        Keep and update a float32 master copy of bf16/fp16 frames in ``state["master"]``.
+    amsgrad, maximize, foreach : bool
+        As in :class:`torch.optim.AdamW` (``maximize`` applies to frames too).
+    capturable : bool or None, default None
+        No host reads in the frame step (CUDA graphs, ``torch.compile``); ``None`` means ``True`` on
+        accelerators.
+
+    Scope and warnings
+    ------------------
+    - Frames must be on the manifold at their first step (``ValueError`` naming ``proj_()``); other manifolds,
+      sparse and complex gradients are refused before anything changes, with the same checks and messages as
+      :class:`~geoopt_stiefel_attention.StiefelAdam`, whose base it shares.
+    - A frame whose gradient has a NaN or Inf entry is skipped for that step and counted in
+      ``state["skipped_frames"]``.
+    - The direction is exact to the solver's tolerance, not to rounding: ``state["dual_gap"]`` says how far, and
+      ``geoopt_stiefel_attention.analysis`` certifies it against an independent solver. A rank-deficient
+      momentum (e.g. a single-token gradient at step 1) makes the dual non-smooth; the descent then converges
+      slowly and the gap says so.
+    - Cost: four ``d x r x r`` products for the direction whatever ``dual_steps`` is (the descent runs on
+      ``r x r`` matrices), plus the projection, retraction and transport; ``stiefel-attention bench`` measures it
+      beside torch's ``Muon`` on the same frames.
+    - Sharded frames (FSDP2 by heads) take the same copy path as bf16 frames (``DTensor`` local shards).
+
+    Examples
+    --------
+    >>> import torch, geoopt
+    >>> from geoopt_stiefel_attention import PolarStiefel, StiefelMuon
+    >>> st = PolarStiefel()
+    >>> w = geoopt.ManifoldParameter(st.random(4, 32, 8), manifold=st)
+    >>> b = torch.nn.Parameter(torch.zeros(8))
+    >>> opt = StiefelMuon([w, b], lr=1e-2)
+    >>> ((w.sum(dim=1) + b) ** 2).sum().backward()
+    >>> opt.step()
+    >>> st.check_point_on_manifold(w)
+    True
+    """
+
+    _NAME = "StiefelMuon"
+    _GROUP_DEFAULTS = _MUON_GROUP_DEFAULTS
+    _MOMENT_KEY = "momentum_buffer"
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, torch.Tensor]],
+        lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.1,
+        *,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adjust_lr_fn: str = "match_rms_adamw",
+        dual_steps: int = DEFAULT_DUAL_STEPS,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        master_weights: bool = False,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool | None = None,
+    ) -> None:
+        params = self._check_params_argument(params)
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, betas=betas,
+                        eps=eps, adjust_lr_fn=adjust_lr_fn, dual_steps=dual_steps, ns_steps=ns_steps,
+                        master_weights=master_weights, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
+                        capturable=capturable, stabilize=None, differentiable=False, fused=None,
+                        decoupled_weight_decay=True)
+        _validate_muon_group(defaults)
+        self._pending_defaults = {}
+        self._constructing = True
+        super().__init__(params, defaults, stabilize=None)
+        del self._pending_defaults, self._constructing
+        self._check_constructed()
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        _validate_muon_group(group)
+
+    def _frame_spec(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[list[str], dict[str, tuple]]:
+        shape = tuple(p.shape)
+        return ["step", "momentum_buffer"], {"momentum_buffer": shape, "master": shape,
+                                             "dual_gap": shape[:-2] + (1, 1)}
+
+    def _init_frame_state(self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        ct = _linalg.compute_dtype(p.dtype)
+        local = _local(p)
+        state["step"] = torch.zeros((), dtype=torch.float32,
+                                    device=p.device if _capturable(group, p.device) else torch.device("cpu"))
+        state["momentum_buffer"] = _distributed.like_parameter(p, _zeros_like_layout(local, ct), tuple(p.shape))
+        state["dual_gap"] = _distributed.like_parameter(
+            p, torch.zeros(local.shape[:-2] + (1, 1), dtype=ct, device=p.device), tuple(p.shape[:-2]) + (1, 1))
+        state["skipped_frames"] = torch.zeros((), dtype=torch.int64, device=p.device)
+        return state
+
+    def _step_frames(self, group: dict[str, Any], frames: list[torch.Tensor]) -> None:
+        states = [self.state[p] if self.state[p] else self._init_frame_state(self.state[p], p, group)
+                  for p in frames]
+        torch._foreach_add_([state["step"] for state in states], 1.0)
+        for _, params in _frame_batches(frames, None, self.__dict__.get("_stack_numel")):
+            if _local(params[0]).numel():
+                self._update_batch(group, params)
+
+    def _update_batch(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """Stack same-shaped frames (or their float32 master copies) in the compute dtype, update them with
+        :func:`_muon_update_`, write frames, moments and gaps back, count skipped frames."""
+        p0 = params[0]
+        d, r = p0.shape[-2:]
+        ct = _linalg.compute_dtype(p0.dtype)
+        capturable = _capturable(group, p0.device)
+        masters = master_copies(self.state, params) if group["master_weights"] and p0.dtype != ct else None
+        locals_ = [_local(p).detach() for p in params]
+        sources = masters or locals_
+        bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
+        gaps = [_local(self.state[p]["dual_gap"]) for p in params]
+        w = torch.stack([s.to(ct) for s in sources]).reshape(-1, d, r)
+        g = torch.stack([_distributed.local_grad(p).to(ct) for p in params]).reshape(-1, d, r)
+        buf = torch.stack(bufs).reshape(-1, d, r)
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            lr = lr.to(device=p0.device, dtype=ct) if capturable else float(lr)
+        lr = lr * muon_lr_scale(group["adjust_lr_fn"], d, r)
+        finite, gap = _muon_update_(w, g, buf, lr=lr, momentum=group["momentum"], nesterov=group["nesterov"],
+                                    dual_steps=group["dual_steps"], ns_steps=group["ns_steps"],
+                                    maximize=group["maximize"], capturable=capturable)
+        k = len(params)
+        torch._foreach_copy_(bufs, list(buf.view(k, *bufs[0].shape).unbind(0)))
+        torch._foreach_copy_(gaps, list(gap.view(k, *gaps[0].shape).unbind(0)))
+        new = list(w.view(k, *locals_[0].shape).unbind(0))
+        if masters:
+            torch._foreach_copy_(masters, new)
+        torch._foreach_copy_(locals_, masters or new)
+        skipped = (~finite).reshape(k, -1).sum(dim=1)
+        torch._foreach_add_([self.state[p]["skipped_frames"] for p in params], list(skipped.unbind(0)))

@@ -1,0 +1,129 @@
+"""A frame moved off the manifold by anything but the library's update is reported at the next training forward
+pass (geoopt_stiefel_attention._guard): with a torch optimizer, the HF Trainer's default optimizer, on the
+library's own modules and on converted models; never on frames the library's optimizers updated (float64, float32,
+bfloat16 with master weights, the capturable path, geoopt's RiemannianAdam)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from geoopt_stiefel_attention import StiefelAdam, StiefelMultiheadAttention, param_groups, stiefelize
+from geoopt_stiefel_attention._guard import FRAME_CHECK_TOLERANCE, FrameOffManifoldError, check_frames
+
+
+def _encoder(dtype=torch.float32):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True, dropout=0.0)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    stiefelize(model)
+    return model.to(dtype)
+
+
+def _steps(model, opt, n, dtype=torch.float32):
+    x, target = torch.randn(4, 6, 32, dtype=dtype), torch.randn(4, 6, 32)
+    for _ in range(n):
+        opt.zero_grad(set_to_none=True)
+        (model(x).float() - target).square().mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("lr", [5e-5, 1e-3])
+def test_a_torch_optimizer_over_a_converted_model_is_reported_at_the_next_training_forward(lr):
+    model = _encoder()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    _steps(model, opt, 1)  # the first forward sees frames on the manifold
+    with pytest.raises(FrameOffManifoldError) as err:
+        _steps(model, opt, 1)
+    message = str(err.value)
+    assert message.startswith("layers.0.self_attn.in_proj_weight: frame 'q_frames'")  # names the parameter
+    assert "does not know the constraint" in message and "StiefelAdam(param_groups(model)" in message
+    assert "optimizer_cls_and_kwargs" in message  # and the Trainer's fix
+
+
+def test_the_check_runs_with_gradients_only_and_check_frames_runs_it_on_demand():
+    model = _encoder()
+    with torch.no_grad():
+        model.layers[0].self_attn.parametrizations.in_proj_weight[0].k_frames.mul_(1.01)
+    with torch.no_grad():
+        model.train()(torch.randn(2, 3, 32))  # a forward without gradients is not checked
+    with pytest.raises(FrameOffManifoldError, match="k_frames"):
+        check_frames(model)
+    with pytest.raises(FrameOffManifoldError, match="k_frames"):
+        model.eval()(torch.randn(2, 3, 32))  # one with gradients is, in eval mode too (training without dropout)
+
+
+def test_the_librarys_own_module_is_checked_too():
+    torch.manual_seed(0)
+    attn = StiefelMultiheadAttention(32, 4, batch_first=True)
+    x = torch.randn(2, 5, 32)
+    opt = torch.optim.SGD(attn.parameters(), lr=1e-2)
+    attn(x, x, x)[0].square().sum().backward()
+    opt.step()
+    with pytest.raises(FrameOffManifoldError, match="StiefelMultiheadAttention: frame 'w_q'"):
+        attn(x, x, x)
+    with torch.no_grad():  # the fix the message names
+        attn.w_q.proj_()
+        attn.w_k.proj_()
+    attn(x, x, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("capturable", [False, True])
+def test_frames_the_library_updates_never_trip_the_check(dtype, capturable):
+    model = _encoder(dtype)
+    opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=3e-2, capturable=capturable)
+    _steps(model, opt, 40, dtype)  # a large lr: each step turns the frames a lot
+    check_frames(model)
+    # companion: the same model, one plain SGD step further, is refused
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+    _steps(model, sgd, 1, dtype)
+    with pytest.raises(FrameOffManifoldError):
+        check_frames(model)
+
+
+def test_bfloat16_frames_with_master_weights_do_not_trip_the_check():
+    model = _encoder(torch.bfloat16)
+    opt = StiefelAdam(param_groups(model), lr=3e-2, master_weights=True)
+    _steps(model, opt, 20, torch.bfloat16)
+    check_frames(model)
+
+
+def test_geoopts_riemannian_adam_keeps_frames_within_the_check():
+    import geoopt
+
+    model = _encoder()
+    opt = geoopt.optim.RiemannianAdam(model.parameters(), lr=1e-2)
+    _steps(model, opt, 20)
+    check_frames(model)
+
+
+def test_the_tolerance_table_separates_rounding_from_a_foreign_step():
+    # every dtype a frame can have is in the table, and the float32 threshold lies between the library's worst
+    # measured rounding (2.5e-6) and one AdamW step at lr 1e-5 (6e-5)
+    assert set(FRAME_CHECK_TOLERANCE) == {torch.float64, torch.float32, torch.bfloat16, torch.float16}
+    assert 2.5e-6 < FRAME_CHECK_TOLERANCE[torch.float32] < 6e-5
+
+
+def test_the_hf_trainers_default_optimizer_is_reported():
+    transformers = pytest.importorskip("transformers")
+
+    class Repeats(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            x = torch.tensor([1 + i % 5, 2, 3, 4] * 4)
+            return {"input_ids": x, "labels": x}
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=4, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    stiefelize(model, logit_gain="learn")
+    args = transformers.TrainingArguments("/tmp/unused-gsa-guard", max_steps=3, per_device_train_batch_size=4,
+                                          report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Repeats())  # no optimizers=
+    with pytest.raises(FrameOffManifoldError, match="transformer.h.0.attn.c_attn.weight: .*optimizers=\\(opt, None\\)"):
+        trainer.train()

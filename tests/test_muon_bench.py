@@ -1,0 +1,31 @@
+"""``stiefel-attention bench muon`` and the choice of StiefelMuon's default solver setting (issue 41)."""
+
+import json
+
+from geoopt_stiefel_attention.bench.muon import SolverRow, cheapest_setting, format_solver_table
+from geoopt_stiefel_attention.optim.muon import DEFAULT_DUAL_STEPS, DEFAULT_NS_STEPS
+
+
+def _row(width, dual, ns, gap, ms):
+    return SolverRow(width, width, width // 4, dual, ns, gap, gap / 2, ms)
+
+
+def test_cheapest_setting_meets_the_target_at_every_width():
+    rows = [_row(128, 4, 8, 2e-3, 10.0), _row(512, 4, 8, 5e-4, 40.0),  # fails at 128
+            _row(128, 8, 8, 8e-4, 14.0), _row(512, 8, 8, 4e-4, 60.0),
+            _row(128, 12, 8, 5e-4, 18.0), _row(512, 12, 8, 3e-4, 80.0)]
+    assert cheapest_setting(rows) == (8, 8)
+    assert "**(default)**" in format_solver_table(rows).splitlines()[4]
+    # companion: with a target no setting meets everywhere there is no default to choose
+    assert cheapest_setting(rows, target=4e-4) is None
+
+
+def test_bench_muon_cli_writes_times_and_ratios(tmp_path, cli_status):
+    out = tmp_path / "muon.json"
+    assert cli_status(["bench", "muon", "--scale", "tiny", "--out", str(out), "--json"]) == 0
+    doc = json.loads(out.read_text())
+    (res,) = doc["results"]
+    assert set(res["times_ms"]) == {"stiefel-muon", "stiefel-adam", "torch-muon", "adamw"}
+    assert all(t > 0 for t in res["times_ms"].values())
+    assert res["ratios"]["torch-muon"] == res["times_ms"]["stiefel-muon"] / res["times_ms"]["torch-muon"]
+    assert (res["dual_steps"], res["ns_steps"]) == (DEFAULT_DUAL_STEPS, DEFAULT_NS_STEPS)

@@ -1,0 +1,91 @@
+"""The manifold-Muon certificates (issue 41): each passes for StiefelMuon and fails for a column built to break
+it (the cheap projected msign, torch's Muon on the unconstrained matrix, deliberately broken optimizers)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from geoopt_stiefel_attention import PolarStiefel
+from geoopt_stiefel_attention.analysis.muon import (
+    MUON_ROWS,
+    MuonColumn,
+    _stiefel_run,
+    inverse_polar_retraction,
+    muon_columns,
+    run_muon_certificates,
+)
+from geoopt_stiefel_attention.optim import StiefelMuon
+
+#: the inverse retraction recovers a tangent step to rounding (float64, measured 2e-16)
+INVERSE_TOL = 1e-12
+STEPS = 40  # drift runs in the tests (the CLI default is 300)
+
+
+@pytest.fixture(scope="module")
+def certs():
+    columns = [c for c in muon_columns() if c.name in ("StiefelMuon (solved)", "StiefelMuon",
+                                                         "StiefelMuon (projected msign)", "torch Muon")]
+    return {(c.name, c.optimizer): c for c in run_muon_certificates(columns, drift_steps=STEPS)}
+
+
+def test_solved_stiefel_muon_passes_every_row(certs):
+    failed = [row for row in MUON_ROWS if not certs[(row, "StiefelMuon (solved)")].passed]
+    assert failed == []
+
+
+def test_default_stiefel_muon_passes_every_row_at_its_stated_gap(certs):
+    failed = [row for row in MUON_ROWS if not certs[(row, "StiefelMuon")].passed]
+    assert failed == []
+
+
+def test_companion_the_projected_msign_fails_optimality(certs):
+    cert = certs[(MUON_ROWS[0], "StiefelMuon (projected msign)")]
+    assert cert.passed is False and cert.measured > 1e-2
+
+
+def test_companion_torch_muon_fails_tangency_drift_and_decay(certs):
+    for row in (MUON_ROWS[1], MUON_ROWS[3], MUON_ROWS[4], MUON_ROWS[7]):
+        assert certs[(row, "torch Muon")].passed is False, row
+
+
+def _broken(name, transform_grad):
+    """StiefelMuon fed transform_grad(G) instead of G: a deliberately broken optimizer."""
+    base = _stiefel_run(lambda params, weight_decay: StiefelMuon(params, lr=1e-2, weight_decay=weight_decay,
+                                                                  adjust_lr_fn="original", dual_steps=60,
+                                                                  ns_steps=30))
+
+    def run(w0, grads, *, weight_decay=0.0):
+        return base(w0, [transform_grad(g) for g in grads], weight_decay=weight_decay)
+
+    column = muon_columns()[0]
+    return dataclasses.replace(column, name=name, run=run)
+
+
+def test_companion_a_step_with_a_fixed_bias_fails_equivariance_and_scale_freedom():
+    """StiefelMuon fed G + F for a fixed matrix F: neither O(d) x O(r)-equivariant nor scale-free."""
+    fixed = torch.randn(3, 12, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    shifted = dataclasses.replace(_broken("shifted", lambda g: g + fixed.to(g.dtype)), eta=None)
+    cells = {c.name: c for c in run_muon_certificates([shifted], drift_steps=5)}
+    assert cells[MUON_ROWS[5]].passed is False and cells[MUON_ROWS[6]].passed is False
+
+
+def test_companion_an_optimizer_that_decays_frames_fails_decay_immunity():
+    def run(w0, grads, *, weight_decay=0.0):
+        out = muon_columns()[0].run(w0, grads, weight_decay=0.0)
+        return [w * (1 - 1e-2 * weight_decay) for w in out]
+
+    column = MuonColumn("decays", run, 1e-2, None, True, "frames shrunk by decay")
+    cells = {c.name: c for c in run_muon_certificates([column], drift_steps=5)}
+    assert cells[MUON_ROWS[7]].passed is False
+
+
+def test_inverse_polar_retraction_recovers_a_tangent_step():
+    st = PolarStiefel()
+    w = st.random(3, 9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).as_subclass(torch.Tensor)
+    z = 0.4 * st.proju(w, torch.randn_like(w))
+    assert (inverse_polar_retraction(w, st.retr(w, z)) - z).abs().max() < INVERSE_TOL
+    # companion: a step with a normal component is not what the inverse returns (it returns the tangent step
+    # that reaches the same point)
+    n = z + w @ torch.diag_embed(torch.full((3, 4), 0.3, dtype=torch.float64))
+    assert (inverse_polar_retraction(w, st.retr(w, n)) - n).abs().max() > 1e-2
