@@ -395,3 +395,44 @@ def test_help_says_the_study_default_step_differs_from_the_optimizers(study, cap
     assert "(default original, the paper's step" in text
     own = inspect.signature(StiefelAdam).parameters["adjust_lr_fn"].default
     assert own == "match_rms_adamw" and f"StiefelAdam's own default is {own}" in text
+
+
+def test_a_study_command_is_a_subclass_whose_methods_say_flag_config_arms_train():
+    """Issue 39: each study is a :class:`StudyCommand` subclass; ``run`` goes through its methods in order
+    (flags -> config -> arms -> train). Companions: a subclass without a name is refused at definition, and the
+    base class's abstract methods say which one a study forgot."""
+    import argparse
+
+    from experiments.harness.command import StudyCommand
+    from experiments.lm import study as lm_study
+    from experiments.vision import study as vision_study
+
+    for module in (grokking, vision_study, lm_study):
+        assert isinstance(module.STUDY, StudyCommand) and type(module.STUDY) is not StudyCommand
+        assert module.run == module.STUDY.run and module.add_arguments == module.STUDY.add_arguments
+    calls = []
+
+    class Traced(type(grokking.STUDY)):
+        def config_from_args(self, args):
+            calls.append("config")
+            return super().config_from_args(args)
+
+        def arms_to_run(self, args):
+            calls.append("arms")
+            return super().arms_to_run(args)
+
+        def train(self, config, args, **kwargs):
+            calls.append(("train", kwargs["arms"], kwargs["seeds"]))
+            raise KeyboardInterrupt("stop here")
+
+    parser = argparse.ArgumentParser()
+    Traced().add_arguments(parser)
+    args = parser.parse_args(["--quiet", "--device", "cpu", "--out", "unused"])
+    with pytest.raises(KeyboardInterrupt, match="stop here"):
+        Traced().run(args)
+    assert calls == ["config", "arms", ("train", ["adamw", "stiefel"], [0])]
+    with pytest.raises(TypeError, match="'name'"):
+        type("Nameless", (StudyCommand,), {"config_type": object})
+    with pytest.raises(NotImplementedError, match="Forgetful.train"):
+        type("Forgetful", (StudyCommand,), {"name": "x", "config_type": object})().train(
+            None, args, arms=None, seeds=None, options=None, command=None)

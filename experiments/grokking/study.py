@@ -214,30 +214,40 @@ def config_from_args(args: argparse.Namespace) -> GrokkingConfig:
                           optim=optim_config_from_args(args))
 
 
-def _train(config: GrokkingConfig, args: argparse.Namespace, **kwargs) -> StudyOutputs:
-    return run_grokking(config, args.out, report_only=args.report_only, skip_report=args.skip_report, **kwargs)
+class GrokkingCommand(StudyCommand):
+    """The ``python -m experiments grokking`` command: flags -> :class:`GrokkingConfig` -> :func:`run_grokking`."""
 
+    name = "grokking"
+    config_type = GrokkingConfig
+    arms = ("adamw", "stiefel")
+    seeds = (0,)
 
-def _result_line(r, config: GrokkingConfig) -> str:
-    rate = "" if r.epochs_per_second is None else f", {r.epochs_per_second:.2f} epochs/s"
-    acc = (r.final_record or {}).get("val_acc")
-    return f"{r.name}: epoch {r.epoch}{rate}" + ("" if acc is None else f", val acc {100 * acc:.1f}%")
+    def task_arguments(self, parser: argparse.ArgumentParser, default: GrokkingConfig) -> None:
+        _task_arguments(parser, default)
 
+    def config_from_args(self, args: argparse.Namespace) -> GrokkingConfig:
+        return config_from_args(args)
 
-def _summary_lines(summary: dict) -> list[str]:
-    lines = []
-    for arm, s in summary["summary"]["arms"].items():
-        fin = s["final"]
-        std = "" if fin["std"] is None else f" ± {100 * fin['std']:.1f}"
-        lines.append(f"{arm:<14} final val acc {100 * fin['mean']:.1f}%{std} over seeds {s['seeds']}; "
-                     f"reached 95% in {s['first_epoch_reaching']['n_reached']}/{s['first_epoch_reaching']['n']}; "
-                     f"stays ≥95% (last 10%): {s['stays_above']['fraction']:.2f}")
-    return lines
+    def train(self, config: GrokkingConfig, args: argparse.Namespace, **kwargs) -> StudyOutputs:
+        return run_grokking(config, args.out, report_only=args.report_only, skip_report=args.skip_report, **kwargs)
+
+    def result_line(self, r, config: GrokkingConfig) -> str:
+        rate = "" if r.epochs_per_second is None else f", {r.epochs_per_second:.2f} epochs/s"
+        acc = (r.final_record or {}).get("val_acc")
+        return f"{r.name}: epoch {r.epoch}{rate}" + ("" if acc is None else f", val acc {100 * acc:.1f}%")
+
+    def summary_lines(self, summary: dict) -> list[str]:
+        lines = []
+        for arm, s in summary["summary"]["arms"].items():
+            fin = s["final"]
+            std = "" if fin["std"] is None else f" ± {100 * fin['std']:.1f}"
+            lines.append(f"{arm:<14} final val acc {100 * fin['mean']:.1f}%{std} over seeds {s['seeds']}; "
+                         f"reached 95% in {s['first_epoch_reaching']['n_reached']}/{s['first_epoch_reaching']['n']}; "
+                         f"stays ≥95% (last 10%): {s['stays_above']['fraction']:.2f}")
+        return lines
 
 
 #: The ``python -m experiments grokking`` command.
-STUDY = StudyCommand(name="grokking", config_type=GrokkingConfig, task_arguments=_task_arguments,
-                     config_from_args=config_from_args, train=_train, arms=("adamw", "stiefel"), seeds=(0,),
-                     result_line=_result_line, summary_lines=_summary_lines)
+STUDY = GrokkingCommand()
 add_arguments = STUDY.add_arguments
 run = STUDY.run

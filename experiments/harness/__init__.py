@@ -4,7 +4,7 @@
 - :mod:`.arms`: the open registry of arms (``adamw``, ``stiefel``, ``geoopt-radam``, ``geoopt-rsgd``);
 - :mod:`.runner`: the one training loop (:func:`train_run`), the parallel job runner (:func:`run_jobs`) and
   how to run (:class:`RunOptions`);
-- :mod:`.command`: the one study command (:class:`~.command.StudyCommand`) every study subcommand is;
+- :mod:`.command`: the base class of every study command (:class:`~.command.StudyCommand`);
 - :mod:`.metrics`: per-evaluation hooks (weight norms, movement and principal angles of W_Q, W_K);
 - :mod:`.records`, :mod:`.plotting`, :mod:`.report`: JSON-lines records, summaries, seaborn figures,
   markdown reports;
@@ -33,10 +33,12 @@ config, its task builder, its arms and its report sections; the harness does the
    :func:`~.study.finalize_study` for the report: its sections are the title, intro, notes and the paper's
    figures as a :class:`~.report.PaperReference` with the ``protocol`` they were measured under. How to run
    is one :class:`~.runner.RunOptions`.
-5. The command: ``STUDY = StudyCommand(...)`` (:mod:`.command`: name, config type, the study's own flags,
-   ``config_from_args``, ``train``, default arms and seeds, the flags ``--report-only`` honours, summary
-   lines), then ``add_arguments = STUDY.add_arguments`` and ``run = STUDY.run``, and the module listed in
-   ``SUBCOMMANDS`` of :mod:`geoopt_stiefel_attention.cli`. :mod:`.grokking` is the shortest complete example.
+5. The command: a subclass of :class:`~.command.StudyCommand` (class attributes ``name``, ``config_type``,
+   default ``arms`` and ``seeds``; methods ``task_arguments``, ``config_from_args``, ``train`` and, where the
+   study differs, ``check``, ``prepare``, ``config_for_report``, ``summary_lines``, ...), then
+   ``STUDY = YourCommand()``, ``add_arguments = STUDY.add_arguments``, ``run = STUDY.run``, and the module
+   listed in ``STUDIES`` of :mod:`experiments.cli`. :mod:`experiments.grokking.study` is the shortest complete
+   example.
 """
 
 from .arms import ARMS, Arm, OptimizerGroup, get_arm, register_arm

@@ -1,12 +1,13 @@
-"""One entry point for every study command (``python -m experiments grokking``, ``vision``, ``lm``, ...).
+"""The base class of every study command (``python -m experiments grokking``, ``vision``, ``lm``, ...).
 
-A study declares a :class:`StudyCommand`: its name, its config, how to train it, its default arms and seeds,
-the flags of its own that ``--report-only`` honours, and what its report prints. :meth:`StudyCommand.run` does
-what every study command does, in this order: note the flags ``--report-only`` ignores, check the running
-flags, build the config (or read the recorded one for ``--report-only``), require the optional packages, train
-(or rebuild the report), and print the runs, the ones still pending and the report's path.
-:meth:`StudyCommand.add_arguments` adds the study's own flags, then the schedule, optimizer and running flags
-of :mod:`.cli_args` with the study's defaults.
+A study subclasses :class:`StudyCommand` and overrides its methods; a reader follows one call by reading them in
+the order :meth:`StudyCommand.run` calls them: the flags (:meth:`~StudyCommand.task_arguments`, then the shared
+schedule, optimizer and running flags of :mod:`.cli_args`), the config (:meth:`~StudyCommand.config_from_args`, or
+:meth:`~StudyCommand.config_for_report` for ``--report-only``; then :meth:`~StudyCommand.prepare`), the arms and
+seeds (:meth:`~StudyCommand.arms_to_run`, :meth:`~StudyCommand.seeds_to_run`) and the training
+(:meth:`~StudyCommand.train`, which calls the study's ``run_<study>``: :func:`.study.run_study` trains each (arm,
+seed) with the optimizer its arm builds, ``Arm.build(model, groups, optim)`` in :mod:`.arms`), then what is printed
+(:meth:`~StudyCommand.header`, :meth:`~StudyCommand.result_line`, :meth:`~StudyCommand.summary_lines`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from geoopt_stiefel_attention._argtypes import UsageError
@@ -45,69 +44,100 @@ def ignored_by_report_only(args: argparse.Namespace, honoured: frozenset[str] = 
             and getattr(args, action.dest, action.default) != action.default]
 
 
-def _no_lines(*_: Any) -> list[str]:
-    return []
-
-
-@dataclass(frozen=True)
 class StudyCommand:
-    """What makes a study a ``python -m experiments`` subcommand; everything else is shared.
+    """A study as a command: subclass it, set the class attributes and override the methods the study needs.
 
-    Parameters
+    Attributes
     ----------
     name : str
         The subcommand and the study's ``experiment`` (its arms are registered under it).
     config_type : type
         The study's frozen config; ``config_type()`` gives the defaults ``--help`` shows.
-    task_arguments : callable
-        ``task_arguments(parser, default_config)`` adds the study's own flags.
-    config_from_args : callable
-        ``config_from_args(args) -> config``; a ``ValueError`` (naming the flag) becomes a usage error.
-    train : callable
-        ``train(config, args, arms=, seeds=, options=, command=) -> StudyOutputs``: run (or resume) the study, or
-        with ``args.report_only`` rebuild its report (``arms``/``seeds`` ``None``: all on disk).
-    arms, seeds : sequence
-        Defaults of ``--arms`` (empty: the study picks them) and ``--seeds``.
+    arms, seeds : tuple
+        Defaults of ``--arms`` (empty: the study picks them in :meth:`train`) and ``--seeds``.
     report_only_flags : frozenset of str
         The study's own flags (argparse ``dest``) that ``--report-only`` honours.
-    check : callable, optional
-        ``check(args)``: more checks of the flags, before anything is read or written (raise :class:`UsageError`).
-    config_for_report : callable, optional
-        ``config_for_report(args)`` for ``--report-only``; default: the config recorded with the runs in ``--out``.
-    prepare : callable, optional
-        ``prepare(config, args) -> config`` before training (sweep values, data identity); a ``ValueError`` or
-        ``FileNotFoundError`` becomes a usage error.
-    modules : callable, optional
-        ``modules(config, args)``: optional packages training needs beyond the runner's.
     errors : tuple of exception types
-        More errors of ``train`` that are the user's (missing data, ...): printed as usage errors.
-    header : callable, optional
-        ``header(config, args, outputs)``: the first word(s) of the summary line (default: ``name``).
-    result_line : callable, optional
-        ``result_line(result, config)``: one line per run trained in this call, or ``None``.
-    summary_lines : callable, optional
-        ``summary_lines(summary)``: lines printed from the written summary.
-    arms_help : str, optional
+        More errors of :meth:`train` that are the user's (missing data, ...): printed as usage errors.
+    arms_help : str or None
         The help of ``--arms`` when the defaults depend on the study's flags.
+
+    Notes
+    -----
+    :meth:`task_arguments`, :meth:`config_from_args` and :meth:`train` are abstract; every other method has a
+    default that a study overrides only where it differs. :meth:`add_arguments`, :meth:`run`,
+    :meth:`recorded_config` and :meth:`print_outputs` are what every study shares.
     """
 
     name: str
     config_type: type
-    task_arguments: Callable[[argparse.ArgumentParser, Any], None]
-    config_from_args: Callable[[argparse.Namespace], Any]
-    train: Callable[..., StudyOutputs]
-    arms: Sequence[str] = ()
-    seeds: Sequence[int] = (0,)
+    arms: tuple[str, ...] = ()
+    seeds: tuple[int, ...] = (0,)
     report_only_flags: frozenset[str] = frozenset()
-    check: Callable[[argparse.Namespace], None] | None = None
-    config_for_report: Callable[[argparse.Namespace], Any] | None = None
-    prepare: Callable[[Any, argparse.Namespace], Any] | None = None
-    modules: Callable[[Any, argparse.Namespace], list[str]] = _no_lines
     errors: tuple[type[Exception], ...] = ()
-    header: Callable[[Any, argparse.Namespace, StudyOutputs], str] | None = None
-    result_line: Callable[[RunResult, Any], str | None] | None = None
-    summary_lines: Callable[[dict[str, Any]], list[str]] = _no_lines
     arms_help: str | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for attribute in ("name", "config_type"):
+            if not hasattr(cls, attribute):
+                raise TypeError(f"{cls.__name__}: a study command sets the class attribute {attribute!r}.")
+
+    # ------------------------------------------------------------------------------ what a study overrides
+    def task_arguments(self, parser: argparse.ArgumentParser, default: Any) -> None:
+        """Add the study's own flags to ``parser``; ``default`` is ``config_type()`` (for the help texts)."""
+        raise NotImplementedError(f"{type(self).__name__}.task_arguments")
+
+    def config_from_args(self, args: argparse.Namespace) -> Any:
+        """The study's config from the parsed flags; a ``ValueError`` (naming the flag) becomes a usage error."""
+        raise NotImplementedError(f"{type(self).__name__}.config_from_args")
+
+    def check(self, args: argparse.Namespace) -> None:
+        """More checks of the flags, before anything is read or written (raise :class:`UsageError`)."""
+
+    def config_for_report(self, args: argparse.Namespace) -> Any:
+        """The config ``--report-only`` reports with: by default the one recorded with the runs in ``--out``."""
+        return self.recorded_config(args.out)
+
+    def prepare(self, config: Any, args: argparse.Namespace) -> Any:
+        """The config to train, after checking the values a sweep or the data need (before anything is loaded
+        or written); a ``ValueError`` or ``FileNotFoundError`` becomes a usage error."""
+        return config
+
+    def modules(self, config: Any, args: argparse.Namespace) -> list[str]:
+        """The optional packages training needs beyond the runner's."""
+        return []
+
+    def arms_to_run(self, args: argparse.Namespace) -> list[str] | None:
+        """``--arms``, else the study's default :attr:`arms` (``None``: every arm on disk with ``--report-only``,
+        or the study's own choice when :attr:`arms` is empty)."""
+        if args.arms is not None or args.report_only:
+            return args.arms
+        return list(self.arms) or None
+
+    def seeds_to_run(self, args: argparse.Namespace) -> list[int] | None:
+        """``--seeds``, else the study's default :attr:`seeds` (``None`` with ``--report-only``: every seed on
+        disk)."""
+        if args.seeds is not None or args.report_only:
+            return args.seeds
+        return list(self.seeds)
+
+    def train(self, config: Any, args: argparse.Namespace, *, arms: list[str] | None, seeds: list[int] | None,
+              options: RunOptions, command: str | None) -> StudyOutputs:
+        """Run (or resume) the study, or with ``args.report_only`` rebuild its report; returns its outputs."""
+        raise NotImplementedError(f"{type(self).__name__}.train")
+
+    def header(self, config: Any, args: argparse.Namespace, outputs: StudyOutputs) -> str:
+        """The first word(s) of the summary line."""
+        return self.name
+
+    def result_line(self, result: RunResult, config: Any) -> str | None:
+        """One line per run trained in this call, or ``None``."""
+        return None
+
+    def summary_lines(self, summary: dict[str, Any]) -> list[str]:
+        """Lines printed from the written summary."""
+        return []
 
     # ------------------------------------------------------------------------------------------ flags
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -149,29 +179,22 @@ class StudyCommand:
 
         ignored = ignored_by_report_only(args, self.report_only_flags)
         if ignored:  # not silent: say that these flags do nothing here
-            print(f"python -m experiments {self.name}: note: --report-only rebuilds the report with the settings recorded "
-                  f"in --out; ignoring {' '.join(ignored)}", file=sys.stderr)
+            print(f"python -m experiments {self.name}: note: --report-only rebuilds the report with the settings "
+                  f"recorded in --out; ignoring {' '.join(ignored)}", file=sys.stderr)
         check_runner_args(args, study=self.name)
-        if self.check is not None:
-            self.check(args)
-        if not args.report_only:
-            config = build_config(self.config_from_args, args)
-        elif self.config_for_report is not None:
-            config = self.config_for_report(args)
-        else:
-            config = self.recorded_config(args.out)
+        self.check(args)
+        config = self.config_for_report(args) if args.report_only else build_config(self.config_from_args, args)
         require_modules(runner_modules(args) + ([] if args.report_only else self.modules(config, args)))
-        if not args.report_only and self.prepare is not None:
+        if not args.report_only:
             try:  # values checked before anything is loaded or written
                 config = self.prepare(config, args)
             except (ValueError, FileNotFoundError) as err:
                 raise UsageError(str(err)) from None
-        arms = args.arms if args.arms is not None or args.report_only else (list(self.arms) or None)
-        seeds = args.seeds if args.seeds is not None or args.report_only else list(self.seeds)
         t0 = time.perf_counter()
         try:
             with user_errors():
-                outputs = self.train(config, args, arms=arms, seeds=seeds, options=RunOptions.from_args(args),
+                outputs = self.train(config, args, arms=self.arms_to_run(args), seeds=self.seeds_to_run(args),
+                                     options=RunOptions.from_args(args),
                                      command=None if args.report_only else invoked_command())
         except self.errors as err:
             raise UsageError(str(err)) from None
@@ -180,10 +203,9 @@ class StudyCommand:
 
     def print_outputs(self, config: Any, args: argparse.Namespace, outputs: StudyOutputs, seconds: float) -> None:
         """The summary of a call: runs, the runs still pending, the study's summary lines, the report's path."""
-        header = self.name if self.header is None else self.header(config, args, outputs)
-        print(f"{header}: {len(outputs.results)} run(s) in {seconds:.1f} s -> {args.out}")
+        print(f"{self.header(config, args, outputs)}: {len(outputs.results)} run(s) in {seconds:.1f} s -> {args.out}")
         for r in outputs.results:
-            line = None if self.result_line is None else self.result_line(r, config)
+            line = self.result_line(r, config)
             if line is not None:
                 print(f"  {line}")
         pending = [r.name for r in outputs.results if not r.completed]

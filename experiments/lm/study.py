@@ -924,97 +924,105 @@ def _run_transfer_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(args: argparse.Namespace) -> None:
-    tuned = bool(args.lrs or args.final_seeds or args.time_steps)
-    if tuned and args.frame_lrs:
-        raise UsageError("--frame-lrs sweeps the main cell's stiefel arm; a tuned study (--lrs, --final-seeds, "
-                         "--time-steps) has no main cell: drop --frame-lrs.")
-    if args.final_seeds and (min(args.final_seeds) < 0 or len(set(args.final_seeds)) != len(args.final_seeds)):
-        raise UsageError(f"--final-seeds {' '.join(map(str, args.final_seeds))}: seeds are distinct ints >= 0, "
-                         f"e.g. --final-seeds 2 3 4 5 6.")
-    if args.allow_unbracketed and not args.final_seeds:
-        raise UsageError("--allow-unbracketed only changes --final-seeds; pass --final-seeds too, or drop it.")
-    if args.frame_lrs and args.arms is not None and "stiefel" not in args.arms:
-        raise UsageError(f"--frame-lrs sweeps the stiefel arm's frame lr, but --arms {' '.join(args.arms)} has no "
-                         f"stiefel arm; add stiefel to --arms or drop --frame-lrs.")
-    if args.corpus_root is not None and not Path(args.corpus_root).is_dir():
-        raise UsageError(f"--corpus-root {args.corpus_root}: no such folder; pass a folder holding *.py files.")
+class LMCommand(StudyCommand):
+    """The ``python -m experiments lm`` command: flags -> :class:`LMConfig` -> :func:`run_lm` (a tuned study with
+    ``--lrs``/``--final-seeds``/``--time-steps``; ``--transfer-report`` is handled by :meth:`run`)."""
+
+    name = "lm"
+    config_type = LMConfig
+    arms = STUDY_ARMS
+    seeds = (0, 1, 2)
+    report_only_flags = frozenset({"corpus_root"})
+
+    def task_arguments(self, parser: argparse.ArgumentParser, default: LMConfig) -> None:
+        _task_arguments(parser, default)
+
+    def config_from_args(self, args: argparse.Namespace) -> LMConfig:
+        return config_from_args(args)
+
+    def modules(self, config: LMConfig, args: argparse.Namespace) -> list[str]:
+        return ["transformers"]
+
+    def check(self, args: argparse.Namespace) -> None:
+        tuned = bool(args.lrs or args.final_seeds or args.time_steps)
+        if tuned and args.frame_lrs:
+            raise UsageError("--frame-lrs sweeps the main cell's stiefel arm; a tuned study (--lrs, --final-seeds, "
+                             "--time-steps) has no main cell: drop --frame-lrs.")
+        if args.final_seeds and (min(args.final_seeds) < 0 or len(set(args.final_seeds)) != len(args.final_seeds)):
+            raise UsageError(f"--final-seeds {' '.join(map(str, args.final_seeds))}: seeds are distinct ints >= 0, "
+                             f"e.g. --final-seeds 2 3 4 5 6.")
+        if args.allow_unbracketed and not args.final_seeds:
+            raise UsageError("--allow-unbracketed only changes --final-seeds; pass --final-seeds too, or drop it.")
+        if args.frame_lrs and args.arms is not None and "stiefel" not in args.arms:
+            raise UsageError(f"--frame-lrs sweeps the stiefel arm's frame lr, but --arms {' '.join(args.arms)} has no "
+                             f"stiefel arm; add stiefel to --arms or drop --frame-lrs.")
+        if args.corpus_root is not None and not Path(args.corpus_root).is_dir():
+            raise UsageError(f"--corpus-root {args.corpus_root}: no such folder; pass a folder holding *.py files.")
+
+    def prepare(self, config: LMConfig, args: argparse.Namespace) -> LMConfig:
+        """The sweep's (or the grid's) values and the corpus, checked before anything is written."""
+        from .tuned import grid_cells
+
+        sweep_cells(config, args.frame_lrs)
+        grid_cells(config, args.lrs)
+        return with_corpus_identity(config)
+
+    def train(self, config: LMConfig, args: argparse.Namespace, **kwargs: Any) -> StudyOutputs:
+        tuned = {}
+        if not args.report_only and (args.lrs or args.final_seeds or args.time_steps):
+            from .tuned import IncompleteSelectionError
+
+            kwargs.update(arms=args.arms, seeds=args.seeds)  # not the plain study's defaults
+            tuned = dict(lrs=args.lrs, final_seeds=args.final_seeds, time_steps=args.time_steps,
+                         allow_unbracketed=args.allow_unbracketed)
+            try:
+                return run_lm(config, args.out, frame_lrs=args.frame_lrs, skip_report=args.skip_report, **tuned,
+                              **kwargs)
+            except IncompleteSelectionError as err:
+                raise UsageError(f"--final-seeds: {err}") from None
+            except ValueError as err:
+                if str(err).startswith("--"):
+                    raise UsageError(str(err)) from None
+                raise
+        return run_lm(config, args.out, frame_lrs=args.frame_lrs, report_only=args.report_only,
+                      skip_report=args.skip_report, **kwargs)
+
+    def config_for_report(self, args: argparse.Namespace) -> LMConfig:
+        """The config recorded in ``--out``: its main cell's runs, or for a tuned study (no main cell) its cells'."""
+        if not any(Path(args.out).glob("runs/*/seed*/config.json")) and is_tuned_folder(args.out):
+            return config_from_dict(LMConfig, find_config(args.out))
+        return self.recorded_config(args.out)
+
+    def result_line(self, r: Any, config: LMConfig) -> str:
+        rate = "" if r.epochs_per_second is None else f", {r.epochs_per_second * config.steps_per_epoch:.2f} steps/s"
+        bpb = (r.final_record or {}).get("val_bpb")
+        return f"{r.run_dir}: epoch {r.epoch}{rate}" + ("" if bpb is None else f", val {bpb:.4f} bpb")
+
+    def summary_lines(self, summary: dict[str, Any]) -> list[str]:
+        if "selection" in summary:  # a tuned study
+            lines = [f"{arm:<14} selected lr {s['best_lr']:g}" + ("" if s["bracketed"] else " (at a grid edge)")
+                     for arm, s in summary["selection"]["arms"].items()]
+            test = summary["final"]["test"]
+            return lines + [f"{arm:<14} test {t['test']['mean']:.4f} bpb over {t['test']['n']} seed(s)"
+                            for arm, t in test.items() if t.get("test", {}).get("mean") is not None]
+        lines = []
+        for arm, a in summary["main"]["arms"].items():
+            f = a["final_val_bpb"]
+            sd = "" if f.get("std") is None else f" ± {f['std']:.4f}"
+            lines.append(f"{arm:<14} final val {f['mean']:.4f}{sd} bpb over {len(a['seeds'])} seed(s)")
+        return lines
+
+    def run(self, args: argparse.Namespace) -> int:
+        """The study, or with ``--transfer-report`` the report over a folder of per-shape studies."""
+        if args.transfer_report:
+            return _run_transfer_report(args)
+        return super().run(args)
 
 
-def _prepare(config: LMConfig, args: argparse.Namespace) -> LMConfig:
-    """The sweep's (or the grid's) values and the corpus, checked before anything is written."""
-    from .tuned import grid_cells
-
-    sweep_cells(config, args.frame_lrs)
-    grid_cells(config, args.lrs)
-    return with_corpus_identity(config)
-
-
-def _train(config: LMConfig, args: argparse.Namespace, **kwargs: Any) -> StudyOutputs:
-    tuned = {}
-    if not args.report_only and (args.lrs or args.final_seeds or args.time_steps):
-        from .tuned import IncompleteSelectionError
-
-        kwargs.update(arms=args.arms, seeds=args.seeds)  # not the plain study's defaults
-        tuned = dict(lrs=args.lrs, final_seeds=args.final_seeds, time_steps=args.time_steps,
-                     allow_unbracketed=args.allow_unbracketed)
-        try:
-            return run_lm(config, args.out, frame_lrs=args.frame_lrs, skip_report=args.skip_report, **tuned,
-                          **kwargs)
-        except IncompleteSelectionError as err:
-            raise UsageError(f"--final-seeds: {err}") from None
-        except ValueError as err:
-            if str(err).startswith("--"):
-                raise UsageError(str(err)) from None
-            raise
-    return run_lm(config, args.out, frame_lrs=args.frame_lrs, report_only=args.report_only,
-                  skip_report=args.skip_report, **kwargs)
-
-
-def _config_for_report(args: argparse.Namespace) -> LMConfig:
-    """The config recorded in ``--out``: its main cell's runs, or for a tuned study (no main cell) its cells'."""
-    if not any(Path(args.out).glob("runs/*/seed*/config.json")) and is_tuned_folder(args.out):
-        return config_from_dict(LMConfig, find_config(args.out))
-    return STUDY.recorded_config(args.out)
-
-
-def _result_line(r: Any, config: LMConfig) -> str:
-    rate = "" if r.epochs_per_second is None else f", {r.epochs_per_second * config.steps_per_epoch:.2f} steps/s"
-    bpb = (r.final_record or {}).get("val_bpb")
-    return f"{r.run_dir}: epoch {r.epoch}{rate}" + ("" if bpb is None else f", val {bpb:.4f} bpb")
-
-
-def _summary_lines(summary: dict[str, Any]) -> list[str]:
-    if "selection" in summary:  # a tuned study
-        lines = [f"{arm:<14} selected lr {s['best_lr']:g}" + ("" if s["bracketed"] else " (at a grid edge)")
-                 for arm, s in summary["selection"]["arms"].items()]
-        test = summary["final"]["test"]
-        return lines + [f"{arm:<14} test {t['test']['mean']:.4f} bpb over {t['test']['n']} seed(s)"
-                        for arm, t in test.items() if t.get("test", {}).get("mean") is not None]
-    lines = []
-    for arm, a in summary["main"]["arms"].items():
-        f = a["final_val_bpb"]
-        sd = "" if f.get("std") is None else f" ± {f['std']:.4f}"
-        lines.append(f"{arm:<14} final val {f['mean']:.4f}{sd} bpb over {len(a['seeds'])} seed(s)")
-    return lines
-
-
-#: The ``python -m experiments lm`` command (``--transfer-report``: :func:`run` reports over per-width studies).
-STUDY = StudyCommand(name="lm", config_type=LMConfig, task_arguments=_task_arguments,
-                     config_from_args=config_from_args, train=_train, arms=STUDY_ARMS, seeds=(0, 1, 2),
-                     report_only_flags=frozenset({"corpus_root"}), check=_check, prepare=_prepare,
-                     config_for_report=_config_for_report,
-                     modules=lambda config, args: ["transformers"], result_line=_result_line,
-                     summary_lines=_summary_lines)
+#: The ``python -m experiments lm`` command.
+STUDY = LMCommand()
 add_arguments = STUDY.add_arguments
-
-
-def run(args: argparse.Namespace) -> int:
-    """``python -m experiments lm``: the study (:data:`STUDY`), or with ``--transfer-report`` the report over a
-    folder of per-shape studies."""
-    if args.transfer_report:
-        return _run_transfer_report(args)
-    return STUDY.run(args)
+run = STUDY.run
 
 
 __getattr__ = _deprecated.renamed_names(__name__, globals(), {

@@ -702,53 +702,71 @@ def _study_of(args: argparse.Namespace) -> str:
     return args.study or (_recorded_study(args.out) if args.report_only else None) or "paired"
 
 
-def _prepare(config: VisionConfig, args: argparse.Namespace) -> VisionConfig:
-    """Check the sweep's values before anything is loaded or written."""
-    study_cells(_study_of(args), config, train_sizes=args.train_sizes, weight_decays=args.weight_decays,
-                n_train=DATASET_SIZES[config.dataset][0])
-    return config
+class VisionCommand(StudyCommand):
+    """The ``python -m experiments vision`` command: flags -> :class:`VisionConfig` -> :func:`run_vision` (the study,
+    the data's place and its sweep from ``--study``, ``--data-dir``, ``--train-sizes``, ``--weight-decays``)."""
+
+    name = "vision"
+    config_type = VisionConfig
+    arms = ()
+    seeds = tuple(range(12))
+    report_only_flags = frozenset({"study", "data_dir", "download"})
+    errors = (DatasetNotFoundError,)
+    arms_help = ("arms to run (default: the study's: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in STUDY_ARMS.items())
+                 + ")")
+
+    def task_arguments(self, parser: argparse.ArgumentParser, default: VisionConfig) -> None:
+        _task_arguments(parser, default)
+
+    def config_from_args(self, args: argparse.Namespace) -> VisionConfig:
+        return config_from_args(args)
+
+    def config_for_report(self, args: argparse.Namespace) -> VisionConfig:
+        """``--report-only`` reads the study, the data's place, from its flags."""
+        return build_config(config_from_args, args)
+
+    def prepare(self, config: VisionConfig, args: argparse.Namespace) -> VisionConfig:
+        """Check the sweep's values before anything is loaded or written."""
+        study_cells(_study_of(args), config, train_sizes=args.train_sizes, weight_decays=args.weight_decays,
+                    n_train=DATASET_SIZES[config.dataset][0])
+        return config
+
+    def modules(self, config: VisionConfig, args: argparse.Namespace) -> list[str]:
+        return ["sklearn" if config.dataset == "digits" else "torchvision"]
+
+    def train(self, config: VisionConfig, args: argparse.Namespace, *, arms, seeds, **kwargs) -> StudyOutputs:
+        return run_vision(config, args.out, study=_study_of(args), arms=arms, seeds=seeds,
+                          train_sizes=args.train_sizes, weight_decays=args.weight_decays, data_dir=args.data_dir,
+                          download=args.download, report_only=args.report_only, skip_report=args.skip_report,
+                          **kwargs)
+
+    def header(self, config: VisionConfig, args: argparse.Namespace, outputs: StudyOutputs) -> str:
+        name = config.display_name if outputs.summary is None else outputs.summary["dataset_name"]
+        return f"vision ({name}, study {_study_of(args)})"
+
+    def summary_lines(self, summary: dict) -> list[str]:
+        lines = []
+        for cell in summary.get("cells", []):
+            prefix = f"[{cell['label']}] " if cell["sweep"] else ""
+            for arm, a in cell["arms"].items():
+                f = a["final_test_acc"]
+                sd = "" if f.get("std") is None else f" ± {100 * f['std']:.2f}"
+                lines.append(f"{prefix}{arm:<22} final test acc {100 * f['mean']:.2f}%{sd} over {len(a['seeds'])} seed(s)")
+            for name, c in cell["comparisons"].items():
+                t = "–" if c["t"] is None else f"{c['t']:.2f}"
+                p = "–" if c["p_value"] is None else f"{c['p_value']:.2g}"
+                lines.append(f"{prefix}{name:<34} {100 * c['mean']:+.2f} pp, t = {t}, p = {p}, "
+                             f"{c['n_positive']}/{c['n']} positive")
+            for name, mv in cell["movement"].items():
+                r = mv.get("ratio_q")
+                if r:
+                    lines.append(f"{prefix}per-step movement {name} (W_Q): {r['min']:.1f}–{r['max']:.1f}x, "
+                                 f"median {r['median']:.1f}x")
+        return lines
 
 
-def _train(config: VisionConfig, args: argparse.Namespace, *, arms, seeds, **kwargs) -> StudyOutputs:
-    return run_vision(config, args.out, study=_study_of(args), arms=arms, seeds=seeds, train_sizes=args.train_sizes, weight_decays=args.weight_decays, data_dir=args.data_dir,
-                      download=args.download, report_only=args.report_only, skip_report=args.skip_report, **kwargs)
-
-
-def _header(config: VisionConfig, args: argparse.Namespace, outputs: StudyOutputs) -> str:
-    name = config.display_name if outputs.summary is None else outputs.summary["dataset_name"]
-    return f"vision ({name}, study {_study_of(args)})"
-
-
-def _summary_lines(summary: dict) -> list[str]:
-    lines = []
-    for cell in summary.get("cells", []):
-        prefix = f"[{cell['label']}] " if cell["sweep"] else ""
-        for arm, a in cell["arms"].items():
-            f = a["final_test_acc"]
-            sd = "" if f.get("std") is None else f" ± {100 * f['std']:.2f}"
-            lines.append(f"{prefix}{arm:<22} final test acc {100 * f['mean']:.2f}%{sd} over {len(a['seeds'])} seed(s)")
-        for name, c in cell["comparisons"].items():
-            t = "–" if c["t"] is None else f"{c['t']:.2f}"
-            p = "–" if c["p_value"] is None else f"{c['p_value']:.2g}"
-            lines.append(f"{prefix}{name:<34} {100 * c['mean']:+.2f} pp, t = {t}, p = {p}, "
-                         f"{c['n_positive']}/{c['n']} positive")
-        for name, mv in cell["movement"].items():
-            r = mv.get("ratio_q")
-            if r:
-                lines.append(f"{prefix}per-step movement {name} (W_Q): {r['min']:.1f}–{r['max']:.1f}x, "
-                             f"median {r['median']:.1f}x")
-    return lines
-
-
-#: The ``python -m experiments vision`` command (``--report-only`` reads the study, the data's place, from its flags).
-STUDY = StudyCommand(
-    name="vision", config_type=VisionConfig, task_arguments=_task_arguments, config_from_args=config_from_args,
-    train=_train, arms=(), seeds=tuple(range(12)), report_only_flags=frozenset({"study", "data_dir", "download"}),
-    config_for_report=lambda args: build_config(config_from_args, args), prepare=_prepare,
-    modules=lambda config, args: ["sklearn" if config.dataset == "digits" else "torchvision"],
-    errors=(DatasetNotFoundError,), header=_header, summary_lines=_summary_lines,
-    arms_help="arms to run (default: the study's: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in STUDY_ARMS.items())
-              + ")")
+#: The ``python -m experiments vision`` command.
+STUDY = VisionCommand()
 add_arguments = STUDY.add_arguments
 run = STUDY.run
 
