@@ -6,10 +6,7 @@ polar retraction, with AdamW for every other parameter; or by :class:`StiefelMuo
 spectral-norm steepest tangent direction with the polar retraction (both on one shared base).
 """
 
-from . import (
-    _deprecated,
-    _geoopt_import,  # noqa: F401  (before any geoopt import: imports geoopt quietly; _deprecated imports none)
-)
+from . import _geoopt_import  # noqa: F401  (before any geoopt import: imports geoopt quietly)
 from .convert import (
     LAYOUTS,
     Block,
@@ -39,6 +36,3 @@ __all__ = ["PolarStiefel", "StiefelAdam", "StiefelMuon", "is_frame", "stiefel_ad
            "frame_parameters", "query_key_projections", "TinyTransformer", "PatchViT", "unstiefelize",
            "export_state_dict", "parametrized_state_dict", "Layout", "Block", "LAYOUTS", "ConversionResult", "ConvertedAttention"]
 
-
-__getattr__ = _deprecated.renamed_names(__name__, globals(), {
-    "ConversionReport": ("ConversionResult", "what stiefelize returns; a 'report' is a study's report")})

@@ -22,7 +22,6 @@ from experiments.harness import ARMS, OptimConfig, RunSpec, TrainConfig, train_r
 from experiments.harness.ablation_arms import (
     FrameScalarAdam,
     build_framescalar_euclidean,
-    frame_scalar_adam_update,
 )
 from experiments.harness.stats import mean_ci, paired_stats
 from experiments.vision.data import (
@@ -343,18 +342,14 @@ def test_frame_scalar_step_is_scale_free_and_equivariant():
     assert not torch.allclose(_one_step(sgd, w, 1e3 * g), _one_step(sgd, w, g), atol=1e-3)
 
 
-def test_frame_scalar_adam_update_is_a_deprecated_alias_of_the_unconstrained_reference():
-    """The ablation step is an option of the reference, not a third copy: the old name warns and returns the
-    same tensors, decay included; companion: the constrained (Stiefel) step differs, and refuses a decay."""
+def test_the_ablation_step_is_an_option_of_the_reference():
+    """The ablation step is ``stiefel_adam_update(..., constrained=False)``, not a third copy: no projector, the
+    decay applied, the step capped; companion: the constrained (Stiefel) step differs, and refuses a decay."""
     gen = torch.Generator().manual_seed(2)
     w, g = torch.randn(2, 5, 3, dtype=F64, generator=gen), torch.randn(2, 5, 3, dtype=F64, generator=gen)
     m, v = torch.randn(2, 5, 3, dtype=F64, generator=gen), torch.rand(2, 1, 1, dtype=F64, generator=gen)
     hyper = dict(step=3, lr=0.05, beta1=0.9, beta2=0.99, eps=1e-8, trust_region=0.08)
-    with pytest.warns(DeprecationWarning, match="constrained=False"):
-        old = frame_scalar_adam_update(w, g, m, v, weight_decay=0.3, **hyper)
     new = stiefel_adam_update(w, g, m, v, constrained=False, weight_decay=0.3, **hyper)
-    for a, b in zip(old, new[:3], strict=True):
-        assert torch.equal(a, b)
     s = new[0] - (1.0 - 0.05 * 0.3) * w  # the decayed point minus the capped step
     assert float(s.flatten(-2).norm(dim=-1).max()) <= 0.08 + UPDATE_TOL
     w_frame = torch.linalg.qr(w).Q

@@ -34,7 +34,6 @@ arm, and their learning rate is ``OptimConfig.effective_frame_lr``; the trust re
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -46,26 +45,9 @@ from geoopt_stiefel_attention.optim import stiefel_adam_update
 from .arms import ARMS, Arm, OptimizerGroup, _adamw, _require_frames, build_adamw, register_arm, split_frame_groups
 from .config import OptimConfig
 
-__all__ = ["FrameScalarAdam", "frame_scalar_adam_update", "freeze_frames", "orthonormal_start", "freeze_query_key",
+__all__ = ["FrameScalarAdam", "freeze_frames", "orthonormal_start", "freeze_query_key",
            "build_frozen", "build_adamw_frozen", "build_adamw_qk_nodecay", "build_stiefel_sgd",
            "build_stiefel_element", "build_framescalar_euclidean", "ABLATION_ARMS"]
-
-
-def frame_scalar_adam_update(w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-                             step: int, lr: float, beta1: float, beta2: float, eps: float,
-                             trust_region: float | None, weight_decay: float = 0.0
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""Deprecated: use :func:`~geoopt_stiefel_attention.stiefel_adam_update` with ``constrained=False``.
-
-    One frame-scalar Adam step on unconstrained matrices (:math:`\xi = G`, no retraction, no transport,
-    :math:`W \leftarrow (1 - \mathrm{lr}\,\lambda) W - s`); returns ``(w, exp_avg, exp_avg_sq)``.
-    """
-    warnings.warn("frame_scalar_adam_update is deprecated; use geoopt_stiefel_attention.stiefel_adam_update("
-                  "..., constrained=False, weight_decay=...) instead.", DeprecationWarning, stacklevel=2)
-    w_new, m, v, _ = stiefel_adam_update(w, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
-                                         eps=eps, trust_region=trust_region, constrained=False,
-                                         weight_decay=weight_decay)
-    return w_new, m, v
 
 
 class FrameScalarAdam(torch.optim.Optimizer):

@@ -46,7 +46,6 @@ from typing import Any
 
 import torch
 
-from geoopt_stiefel_attention import _deprecated
 from geoopt_stiefel_attention._argtypes import UsageError
 from geoopt_stiefel_attention.nn import param_groups
 
@@ -1024,6 +1023,3 @@ STUDY = LMCommand()
 add_arguments = STUDY.add_arguments
 run = STUDY.run
 
-
-__getattr__ = _deprecated.renamed_names(__name__, globals(), {
-    "LM_ARMS": ("STUDY_ARMS", "every study names its arms so")})

@@ -39,8 +39,6 @@ from typing import Any
 
 import torch
 
-from geoopt_stiefel_attention import _deprecated
-
 from ..harness import ablation_arms  # noqa: F401  (registers the ablation and frozen arms)
 from ..harness.arms import Arm
 from ..harness.batches import MiniBatches
@@ -770,6 +768,3 @@ STUDY = VisionCommand()
 add_arguments = STUDY.add_arguments
 run = STUDY.run
 
-
-__getattr__ = _deprecated.renamed_names(__name__, globals(), {
-    "VISION_FINAL_KEYS": ("FINAL_KEYS", "the name lm uses too"), "VISION_ALL_KEYS": ("ALL_KEYS", "the name lm uses too")})
