@@ -314,7 +314,7 @@ def test_the_weight_norm_panels_compare_the_same_matrices_in_every_arm():
 
     from experiments.harness.plotting import _NO_QK, _with_norm_without_qk, records_frame
 
-    runs = Path(__file__).resolve().parents[1] / "studies" / "grokking" / "runs" / "p97_add_arms10" / "runs"
+    runs = Path(__file__).resolve().parents[1] / "experiments" / "grokking" / "records" / "p97_add_arms10" / "runs"
     first = [read_records(runs / arm / "seed0" / "metrics.jsonl")[0] for arm in ("adamw", "stiefel", "adamw-frozen")]
     df = _with_norm_without_qk(records_frame(first))
     totals = df[_NO_QK].tolist()
