@@ -3,7 +3,7 @@
 # (`stiefel-attention bench gpu`): the StiefelAdam step against AdamW(fused=True) and geoopt-radam at the
 # largest step-benchmark configuration in float32 and bfloat16; the default and compiled step against the
 # product floor on the bench shape; a bf16-autocast training step (stiefel vs adamw arm). Then the studies'
-# figure (`python -m geoopt_stiefel_attention.experiments.speed`): grokking epochs per second, added to the same
+# figure (`python -m experiments.grokking.speed`): grokking epochs per second, added to the same
 # JSON file (default benchmarks/results/gpu_check_<UTC time>.json). Last, `stiefel-attention bench muon` at width
 # 768 (StiefelMuon, StiefelAdam, torch Muon, AdamW), written beside it as gpu_check_<UTC time>_muon.json.
 #
@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="benchmarks/results/gpu_check_$(date -u +%Y%m%dT%H%M%SZ).json"
 python -m geoopt_stiefel_attention bench gpu --device cuda --out "$out" "$@"
-python -m geoopt_stiefel_attention.experiments.speed --device cuda --out "$out" "$@"
+python -m experiments.grokking.speed --device cuda --out "$out" "$@"
 # StiefelMuon beside StiefelAdam, torch's Muon on the same frames and AdamW at the widest configuration (issue #41)
 muon_out="${out%.json}_muon.json"
 prev=""

@@ -6,10 +6,7 @@ polar retraction, with AdamW for every other parameter; or by :class:`StiefelMuo
 spectral-norm steepest tangent direction with the polar retraction (both on one shared base).
 """
 
-from . import (
-    _deprecated,
-    _geoopt_import,  # noqa: F401  (before any geoopt import: imports geoopt quietly; _deprecated imports none)
-)
+from . import _geoopt_import  # noqa: F401  (before any geoopt import: imports geoopt quietly)
 from ._guard import FrameOffManifoldError, check_frames
 from .convert import (
     LAYOUTS,
@@ -41,6 +38,3 @@ __all__ = ["PolarStiefel", "StiefelAdam", "StiefelMuon", "is_frame", "stiefel_ad
            "export_state_dict", "parametrized_state_dict", "Layout", "Block", "LAYOUTS", "ConversionResult", "ConvertedAttention",
            "check_frames", "FrameOffManifoldError"]
 
-
-__getattr__ = _deprecated.renamed_names(__name__, globals(), {
-    "ConversionReport": ("ConversionResult", "what stiefelize returns; a 'report' is a study's report")})

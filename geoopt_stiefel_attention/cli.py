@@ -12,17 +12,18 @@ import sys
 
 from ._argtypes import UsageError  # defined beside the argument types, which the studies import too
 
-__all__ = ["SUBCOMMANDS", "UsageError", "build_parser", "main"]
+__all__ = ["SUBCOMMANDS", "STUDIES", "UsageError", "build_parser", "main", "run_command"]
 
 #: subcommand name -> module implementing it
 SUBCOMMANDS: dict[str, str] = {
     "demo": "geoopt_stiefel_attention.demo",
     "bench": "geoopt_stiefel_attention.bench.cli",
     "certify": "geoopt_stiefel_attention.analysis.cli",
-    "grokking": "geoopt_stiefel_attention.experiments.grokking",
-    "vision": "geoopt_stiefel_attention.experiments.vision",
-    "lm": "geoopt_stiefel_attention.experiments.lm",
 }
+
+#: the studies, which are not part of the installed package: ``stiefel-attention <study>`` says in one line where
+#: they are (``python -m experiments <study>`` from a checkout) and exits with status 2
+STUDIES = ("grokking", "vision", "lm")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="stiefel-attention",
-        description="Stiefel-constrained attention: train, certify, benchmark and reproduce experiments.",
+        description="Stiefel-constrained attention: certify, benchmark and demonstrate the library.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -45,16 +46,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``stiefel-attention`` console script; returns the exit status.
+    """Entry point of the ``stiefel-attention`` console script; returns the exit status (see :func:`run_command`).
 
-    A :class:`UsageError` raised by a subcommand is printed as one line (``stiefel-attention <command>: error:
-    ...``) and gives exit status 2, like argparse's own errors; Ctrl-C gives one line saying how to resume and
-    exit status 130. Neither prints a traceback.
+    The studies are not subcommands: ``stiefel-attention grokking`` (or ``vision``, ``lm``) prints one line saying
+    to run ``python -m experiments grokking`` from a checkout of the repository, and exits with status 2.
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in STUDIES:
+        print(f"stiefel-attention {argv[0]}: error: the studies are not part of the installed package; from a "
+              f"checkout of the repository run `python -m experiments {argv[0]} ...` (same flags).", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
-    prog = f"stiefel-attention {args.command}"
+    return run_command(args._run, args, f"stiefel-attention {args.command}")
+
+
+def run_command(run, args: argparse.Namespace, prog: str) -> int:
+    """``run(args)``'s exit status, with the user's errors said in one line and no traceback.
+
+    A :class:`UsageError` is printed as ``<prog>: error: ...`` and gives exit status 2, like argparse's own
+    errors; Ctrl-C gives one line saying how to resume and exit status 130; a closed output pipe (``| head``)
+    gives 0. ``python -m experiments`` runs its studies through the same function.
+    """
     try:
-        return int(args._run(args) or 0)
+        return int(run(args) or 0)
     except UsageError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2

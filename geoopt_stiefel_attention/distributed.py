@@ -26,7 +26,7 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``) replaces every parameter by a pla
 the way: an optimizer would see an ordinary matrix and silently train the frame with AdamW, off the
 manifold. :func:`fully_shard_by_heads` therefore gives each sharded frame its manifold back, keeps a frame
 that has no leading dimension (a single ``(d, r)`` frame), and any other non-Euclidean geoopt parameter,
-replicated (as :func:`fully_shard_except_frames` did for all frames), and declares the rest Euclidean;
+replicated, and declares the rest Euclidean;
 :class:`~geoopt_stiefel_attention.StiefelAdam` refuses any other sharded parameter (:func:`check_parameter`),
 so the silent failure cannot happen.
 
@@ -56,7 +56,6 @@ __all__ = [
     "declare_sharded_euclidean",
     "average_gradients_hook",
     "fully_shard_by_heads",
-    "fully_shard_except_frames",
     "local_frame_bytes",
 ]
 
@@ -320,53 +319,6 @@ def fully_shard_by_heads(
     fully_shard(model, ignored_params=ignored, shard_placement_fn=placement, **fully_shard_kwargs)
     for name, manifold in manifolds.items():
         model.get_parameter(name).manifold = manifold
-    declare_sharded_euclidean(p for p in model.parameters() if not has_manifold(p))
-    return model
-
-
-def fully_shard_except_frames(
-    model: nn.Module,
-    *,
-    submodules: Iterable[nn.Module] = (),
-    group=None,
-    **fully_shard_kwargs,
-) -> nn.Module:
-    r"""Deprecated: use :func:`fully_shard_by_heads`, which shards the frames by whole heads.
-
-    Shards ``model`` with FSDP2 except its frames and other non-Euclidean geoopt parameters, which stay
-    replicated :class:`geoopt.ManifoldParameter` s on every rank (broadcast from the group's first rank),
-    their gradients averaged over ``group``, :math:`G \leftarrow \frac1n \sum_{k=1}^{n} G_k`, by a
-    post-accumulate-grad hook. Every rank then stores all frames, their gradients and their optimizer state.
-
-    Parameters
-    ----------
-    model : nn.Module
-    submodules : iterable of nn.Module
-        Modules to shard individually before ``model``.
-    group : ProcessGroup, optional
-        The data-parallel group the frames are broadcast in and their gradients averaged over (default: the
-        world).
-    **fully_shard_kwargs
-        Passed to ``fully_shard``; ``ignored_params`` is extended with the frames.
-
-    Returns
-    -------
-    nn.Module
-        ``model`` (sharded in place).
-    """
-    import warnings
-
-    from torch.distributed.fsdp import fully_shard
-
-    warnings.warn("fully_shard_except_frames is deprecated and keeps every frame replicated on every rank; use "
-                  "geoopt_stiefel_attention.distributed.fully_shard_by_heads(model, submodules=...), which "
-                  "shards frames by whole heads.", FutureWarning, stacklevel=2)
-    frames = [p for p in model.parameters() if has_manifold(p)]  # frames, and any other manifold
-    _replicate(model, frames, group)
-    ignored = set(fully_shard_kwargs.pop("ignored_params", None) or ()) | set(frames)
-    for module in submodules:
-        fully_shard(module, ignored_params=ignored, **fully_shard_kwargs)
-    fully_shard(model, ignored_params=ignored, **fully_shard_kwargs)
     declare_sharded_euclidean(p for p in model.parameters() if not has_manifold(p))
     return model
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _deprecated, _guard
+from . import _guard
 from ._linalg import ADJUST_LR_FNS
 
 # The converter lives in .convert, which does not import this module (no cycle); its stiefelize is re-exported
@@ -873,6 +873,3 @@ def _source_parts(source: nn.Module, *, drop_qk_bias: bool, ignore_batch_first: 
                   batch_first=bool(source.batch_first or ignore_batch_first), frames="head", logit_gain=False)
     return config, weights
 
-
-__getattr__ = _deprecated.renamed_names(__name__, globals(), {
-    "FRAME_LAYOUTS": ("FRAME_GRANULARITIES", "a 'layout' is the converter's table entry, convert.Layout")})

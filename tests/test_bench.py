@@ -313,15 +313,11 @@ BAD_COMMANDS = {
     "bench --threads 0": "argument --threads: must be an integer >= 1, got 0",
     "bench --device nonsense": "--device 'nonsense' is not a torch device",
     "bench --device meta": "--device 'meta' is not available",
-    "bench --arms adamw_foreach": "--arms must include 'stiefel'",
-    "bench paths --arms eager": "--arms must include 'matmul_floor'",
-    "bench step --arms stiefel compiled": "--arms compiled: not an optimizer of 'step'",
     "bench --optimizers adamw_foreach": "--optimizers must include 'stiefel'",
     "bench paths --paths eager": "--paths must include 'matmul_floor'",
     "bench step --optimizers stiefel compiled": "argument --optimizers: invalid choice: 'compiled'",
     "bench paths --optimizers stiefel": "--optimizers chooses what 'step' times; 'paths' does not take it",
     "bench train --paths eager": "--paths chooses what 'paths' times; 'train' does not take it",
-    "bench step --arms stiefel --optimizers stiefel": "--arms is the former name of --optimizers",
     "bench paths --grid long": "argument --grid: invalid choice: 'long'",
     "bench paths --compile-backend nope": "--compile-backend 'nope' is not a torch.compile backend",
     "bench gpu --device cpu": "'gpu' writes its results as JSON: pass --out PATH",
@@ -394,18 +390,25 @@ def test_certify_only_runs_the_chosen_propositions(capsys):
 
 
 def test_bench_measures_the_library_not_the_studies():
+    """``bench`` (the accelerator check included) loads nothing of ``experiments``, and its former
+    ``grokking_speed`` alias is gone (the figure is :func:`experiments.grokking.speed.grokking_speed`)."""
     import subprocess
     import sys
+    from pathlib import Path
 
-    code = ("import sys, geoopt_stiefel_attention.bench as b; b.accelerator_check; "
-            "print(sorted(m for m in sys.modules if m.startswith('geoopt_stiefel_attention.experiments')))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
-    # companion: the moved grokking_speed still answers under its old name, with a warning, from the studies
-    from geoopt_stiefel_attention.experiments.speed import grokking_speed
+    def loaded(extra: str) -> str:
+        code = (f"import sys, geoopt_stiefel_attention.bench as b; b.accelerator_check; {extra}"
+                "print(sorted(m for m in sys.modules if m == 'experiments' or m.startswith('experiments.')))")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parents[1])  # where ``experiments`` is importable
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
 
-    with pytest.warns(DeprecationWarning, match="experiments.speed"):
-        assert bench.grokking_speed is grokking_speed
+    assert loaded("") == "[]"
+    # companion: the same check sees the studies when something does load them
+    assert "experiments.grokking.speed" in loaded("import experiments.grokking.speed; ")
+    with pytest.raises(AttributeError):
+        bench.grokking_speed  # noqa: B018
     with pytest.raises(AttributeError):
         bench.no_such_name  # noqa: B018
 
@@ -433,32 +436,18 @@ def test_benchmarks_share_one_settings_object():
         bench.train_step_benchmark(scale="tiny", dtype="bfloat16")
 
 
-# ------------------------------------------------------------------------------------- former words (deprecated)
-def test_former_arm_words_still_work_with_a_warning(capsys):
-    """bench's entries were "arms" (an "arm" is a study arm): the former Python names, keyword and flag still
-    work, with a DeprecationWarning or a one-line note on stderr; the JSON keeps its key "arm"."""
-    for old, new in (("STEP_ARMS", "STEP_OPTIMIZERS"), ("PATH_ARMS", "STEP_PATHS"), ("ArmTiming", "Timing")):
-        with pytest.warns(DeprecationWarning, match=new):
-            assert getattr(bench, old) is getattr(bench, new)
-    with pytest.warns(DeprecationWarning, match="optimizers="):
-        (res,) = bench.step_time_benchmark((64,), arms=("stiefel",), configs=TINY, rounds=1, steps_per_round=1,
-                                           warmup=1)
-    with pytest.warns(DeprecationWarning, match="Timing.name"):
-        assert res.timings["stiefel"].arm == "stiefel"
-    record = bench.as_record(res)
-    assert list(record["timings"]["stiefel"])[0] == "arm" and "name" not in record["timings"]["stiefel"]
-    with pytest.warns(DeprecationWarning, match="paths="):
-        (res,) = bench.step_path_benchmark([bench.FrameSet(1, 1, 8, 2)], arms=("eager", "matmul_floor"), rounds=1,
-                                           steps_per_round=1, warmup=1)
-    assert set(res.timings) == {"eager", "matmul_floor"}
-    # companion: the former keyword beside the new one is refused, and the flag prints its note and works
-    with pytest.raises(TypeError, match="optimizers="):
-        bench.step_time_benchmark((64,), optimizers=("stiefel",), arms=("stiefel",), configs=TINY)
-    assert main(["bench", "step", "--widths", "128", "--arms", "stiefel", "--rounds", "1", "--steps", "1",
-                 "--json"]) == 0
-    out, err = capsys.readouterr()
-    assert err.count("\n") == 1 and "--arms is deprecated; use --optimizers" in err
-    assert set(json.loads(out)["results"][0]["timings"]["stiefel"]) >= {"arm", "median_ms"}
+# ------------------------------------------------------------------------------------- former words (removed)
+def test_former_arm_words_are_gone(cli_status, capsys):
+    """bench times optimizers and paths; the former "arm" words were removed before any release (CHANGELOG):
+    ``arms=`` is not a benchmark setting, ``--arms`` not a flag, ``STEP_ARMS``/``Timing.arm`` not names.
+    Companion: the current words work."""
+    with pytest.raises(TypeError, match="arms is not a benchmark setting"):
+        bench.step_time_benchmark((64,), arms=("stiefel",), configs=TINY)
+    assert cli_status(["bench", "step", "--arms", "stiefel"]) == 2
+    assert "unrecognized arguments: --arms" in capsys.readouterr().err
+    for name in ("STEP_ARMS", "PATH_ARMS", "ArmTiming"):
+        assert not hasattr(bench, name)
+    assert not hasattr(bench.Timing, "arm") and bench.STEP_OPTIMIZERS and bench.STEP_PATHS
 
 
 def test_the_gpu_check_numbers_in_the_readmes_are_the_committed_results():

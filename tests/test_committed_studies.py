@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from geoopt_stiefel_attention.cli import main
-from geoopt_stiefel_attention.experiments.records import read_records
+from experiments.cli import main
+from experiments.harness.records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
-VISION = ROOT / "studies" / "vision" / "runs"
+VISION = ROOT / "experiments" / "vision" / "records"
 #: committed vision studies: folder -> --study
 VISION_STUDIES = {"fashion-mnist-ablation": "ablation", "fashion-mnist-decay": "decay",
                   "fashion-mnist-scaling": "scaling", "fashion-mnist-paired": "paired"}
@@ -55,20 +55,20 @@ def test_report_only_rebuilds_every_committed_vision_study(tmp_path, name):
     _rebuild_matches(tmp_path, name)
 
 
-#: the other committed studies with records: (command, folder under studies/)
-OTHER_STUDIES = [("grokking", "grokking/runs/p97_add_5seeds"), ("grokking", "grokking/runs/p97_add_arms10"),
-                 ("lm", "lm/runs/full"), ("lm", "lm/runs/pilot"),
-                 ("lm", "lm/runs/lr-3e-3"), ("lm", "lm/runs/tuned")]
+#: the other committed studies with records: (command, folder under experiments/)
+OTHER_STUDIES = [("grokking", "grokking/records/p97_add_5seeds"), ("grokking", "grokking/records/p97_add_arms10"),
+                 ("lm", "lm/records/full"), ("lm", "lm/records/pilot"),
+                 ("lm", "lm/records/lr-3e-3"), ("lm", "lm/records/tuned")]
 
 
 #: the grokking check of the frame-step rule: one study folder per multiplier, those whose report is committed
-OTHER_STUDIES += [("grokking", p.parent.relative_to(ROOT / "studies").as_posix())
-                  for p in sorted((ROOT / "studies" / "grokking" / "runs" / "frame-step").glob("mu-*/report.md"))]
+OTHER_STUDIES += [("grokking", p.parent.relative_to(ROOT / "experiments").as_posix())
+                  for p in sorted((ROOT / "experiments" / "grokking" / "records" / "frame-step").glob("mu-*/report.md"))]
 
 
 @pytest.mark.parametrize(("command", "name"), OTHER_STUDIES)
 def test_report_only_rebuilds_the_committed_grokking_and_lm_studies_byte_for_byte(tmp_path, command, name):
-    folder = ROOT / "studies" / name
+    folder = ROOT / "experiments" / name
     assert (folder / "study.json").exists(), f"{name}: the committed study lost its study.json"
     copy = tmp_path / "study"
     shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("*.pt", ".lock"))
@@ -83,10 +83,10 @@ def test_report_only_rebuilds_the_committed_grokking_and_lm_studies_byte_for_byt
 def test_grokking_readme_quotes_the_tail_and_dip_definitions_and_counts_from_the_records():
     """The README's tail window, dip definition and per-seed dip counts are the code's, from summary.json."""
 
-    from geoopt_stiefel_attention.experiments.records import DIP_DEFINITION, tail_description
+    from experiments.harness.records import DIP_DEFINITION, tail_description
 
-    readme = (ROOT / "studies" / "grokking" / "README.md").read_text()
-    summary = json.loads((ROOT / "studies" / "grokking" / "runs" / "p97_add_5seeds" / "summary.json").read_text())
+    readme = (ROOT / "experiments" / "grokking" / "README.md").read_text()
+    summary = json.loads((ROOT / "experiments" / "grokking" / "records" / "p97_add_5seeds" / "summary.json").read_text())
     tail = tail_description(summary["summary"])
     assert tail == "the last 10% of training: the evaluations at epochs 18,000–20,000 (21 per run)"
     assert tail in readme and DIP_DEFINITION in readme
@@ -105,7 +105,7 @@ def test_grokking_readme_quotes_the_tail_and_dip_definitions_and_counts_from_the
 
 
 def test_the_committed_frame_step_transfer_report_rebuilds_byte_for_byte(tmp_path):
-    folder = ROOT / "studies" / "lm" / "runs" / "frame-step"
+    folder = ROOT / "experiments" / "lm" / "records" / "frame-step"
     if not (folder / "report.md").exists():
         pytest.skip("frame-step transfer report not committed yet")
     copy = tmp_path / folder.relative_to(ROOT)
@@ -125,14 +125,14 @@ def test_the_committed_frame_step_transfer_report_rebuilds_byte_for_byte(tmp_pat
 
 def test_the_lm_readme_words_on_the_frame_step_sweep_match_its_summary():
     """'the optimum sits at the same multiplier for three of the four shapes and one grid point higher for the
-    narrowest' (studies/lm/README.md) against the committed summary.json."""
+    narrowest' (experiments/lm/README.md) against the committed summary.json."""
     import math
 
-    readme = (ROOT / "studies" / "lm" / "README.md").read_text()
+    readme = (ROOT / "experiments" / "lm" / "README.md").read_text()
     phrase = ("the optimum sits at the same multiplier for three of\nthe four shapes and one grid point higher for "
               "the narrowest")
     assert phrase in readme
-    shapes = json.loads((ROOT / "studies" / "lm" / "runs" / "frame-step" / "summary.json").read_text())["shapes"]
+    shapes = json.loads((ROOT / "experiments" / "lm" / "records" / "frame-step" / "summary.json").read_text())["shapes"]
     assert len(shapes) == 4 and all(s["bracketed"] for s in shapes)
     best = {s["name"]: s["best_multiplier"] for s in shapes}
     common = max(set(best.values()), key=list(best.values()).count)
@@ -147,9 +147,9 @@ def test_the_readme_table_and_words_on_the_default_frame_step_match_the_transfer
     lines between the README's frame-step-default-table markers by default_table(summary)."""
     import math
 
-    from geoopt_stiefel_attention.experiments.transfer import default_table
+    from experiments.lm.transfer import default_table
 
-    summary = json.loads((ROOT / "studies" / "lm" / "runs" / "frame-step" / "summary.json").read_text())
+    summary = json.loads((ROOT / "experiments" / "lm" / "records" / "frame-step" / "summary.json").read_text())
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- frame-step-default-table")[1].split("<!-- end frame-step-default-table -->")[0]
     assert block.splitlines()[1:] == default_table(summary)
@@ -195,13 +195,13 @@ def test_the_readme_table_and_words_on_the_default_frame_step_match_the_transfer
 def test_the_readmes_numbers_on_the_language_model_study_match_its_records():
     """Issue 26, item 4: the words and numbers both READMEs state about runs/full and runs/lr-3e-3, rounded as
     printed, recomputed from their summary.json and records (the angles from the runs' last records)."""
-    lm = ROOT / "studies" / "lm" / "runs"
+    lm = ROOT / "experiments" / "lm" / "records"
     full = json.loads((lm / "full" / "summary.json").read_text())
     follow = json.loads((lm / "lr-3e-3" / "summary.json").read_text())
     comp = full["main"]["comparisons"]
     sweep = {r["frame_lr"]: r["vs_adamw"] for r in full["frame_lr_sweep"]}
     readme = " ".join((ROOT / "README.md").read_text().split())
-    lm_readme = (ROOT / "studies" / "lm" / "README.md").read_text()
+    lm_readme = (ROOT / "experiments" / "lm" / "README.md").read_text()
 
     def signed(x, digits=3):
         return f"{x:+.{digits}f}".replace("-", "−")
@@ -243,10 +243,10 @@ def test_the_grokking_readme_on_start_constraint_or_step_matches_its_records():
     start) and every figure of its five contrasts are the committed summary's, rounded as written."""
     import statistics
 
-    folder = ROOT / "studies" / "grokking" / "runs" / "p97_add_arms10"
+    folder = ROOT / "experiments" / "grokking" / "records" / "p97_add_arms10"
     data = json.loads((folder / "summary.json").read_text())
     arms, contrasts = data["summary"]["arms"], data["summary"]["mechanism"]["contrasts"]
-    readme = (ROOT / "studies" / "grokking" / "README.md").read_text()
+    readme = (ROOT / "experiments" / "grokking" / "README.md").read_text()
     block = readme.split("<!-- arms10-table")[1].split("<!-- end arms10-table -->")[0]
     rows = {r.split("|")[1].strip(" `"): [c.strip() for c in r.strip("|").split("|")]
             for r in block.splitlines() if r.startswith("| `")}
@@ -302,20 +302,20 @@ def _tuned_paragraphs() -> dict[str, str]:
     README's status, up to its generated results block."""
     readme = (ROOT / "README.md").read_text()
     start = readme.index("A comparison tuned against tuned")
-    lm_readme = (ROOT / "studies" / "lm" / "README.md").read_text()
+    lm_readme = (ROOT / "experiments" / "lm" / "README.md").read_text()
     section = lm_readme[lm_readme.index("## Tuned against tuned"):]
     status = section[section.index("**Status** ("):section.index("Results (this block is generated")]
-    return {"README.md": readme[start:readme.index("\n\n", start)], "studies/lm/README.md status": status}
+    return {"README.md": readme[start:readme.index("\n\n", start)], "experiments/lm/README.md status": status}
 
 
 def test_the_readmes_words_on_the_tuned_study_quote_only_its_summary():
     """Issue 26, item 4: every decimal number the READMEs state about the tuned study (lrs, bpb, differences) is one
     of its summary.json's, at the precision printed; the generated table is checked in test_lm_tuned."""
-    from geoopt_stiefel_attention.experiments.tuned import numbers_not_in_summary
+    from experiments.lm.tuned import numbers_not_in_summary
 
-    summary = json.loads((ROOT / "studies" / "lm" / "runs" / "tuned" / "summary.json").read_text())
+    summary = json.loads((ROOT / "experiments" / "lm" / "records" / "tuned" / "summary.json").read_text())
     for where, text in _tuned_paragraphs().items():
         assert numbers_not_in_summary(text, summary) == [], where
     # companion: a number the summary does not hold is caught in the same text
-    status = _tuned_paragraphs()["studies/lm/README.md status"]
+    status = _tuned_paragraphs()["experiments/lm/README.md status"]
     assert numbers_not_in_summary(status + " 1.2345 bpb", summary) == ["1.2345"]

@@ -437,24 +437,20 @@ def test_learned_gain_starts_at_one_and_moves_fast():
         stiefelize(case.build(), logit_gain="yes")
 
 
-def test_former_options_are_deprecated_or_refused():
+def test_former_options_are_gone():
+    """The options of the former module-replacing converter were removed before any release (CHANGELOG): a bool
+    ``logit_gain`` is an unknown mode, ``frames=``/``drop_qk_bias=`` unknown keywords; nothing is converted.
+    Companion: the current spellings convert."""
     case = CASES["torch_mha_batch_first"]
-    with pytest.warns(DeprecationWarning, match="logit_gain=True is deprecated"):
-        report = stiefelize(case.build(), logit_gain=True)
-    assert all(c.logit_gain.startswith("learn") for c in report)
     model = case.build()
-    with torch.no_grad():
-        model.layers[0].self_attn.in_proj_bias.normal_()
-    with pytest.warns(DeprecationWarning, match="drop_qk_bias=True is deprecated"):
-        stiefelize(model, drop_qk_bias=True)
-    bias = model.layers[0].self_attn.in_proj_bias
-    assert bool((bias[:32] == 0).all()) and bool((bias[32:] != 0).all())
-    with pytest.warns(DeprecationWarning, match="frames='head' is deprecated"):
-        stiefelize(case.build(), frames="head")
-    model = case.build()
-    with pytest.raises(ValueError, match="from_euclidean"):
-        stiefelize(model, frames="layer")
+    with pytest.raises(ValueError, match="logit_gain=True is unknown"):
+        stiefelize(model, logit_gain=True)
+    for old in ({"frames": "head"}, {"drop_qk_bias": True}):
+        with pytest.raises(TypeError, match=next(iter(old))):
+            stiefelize(model, **old)
     assert not frame_parameters(model)
+    result = stiefelize(model, logit_gain="learn", qk_bias="drop")
+    assert all(c.logit_gain.startswith("learn") for c in result)
 
 
 # ------------------------------------------------------------------------------------------ refusals

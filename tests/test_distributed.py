@@ -31,7 +31,6 @@ from geoopt_stiefel_attention import (
 from geoopt_stiefel_attention._linalg import orthonormality_error
 from geoopt_stiefel_attention.distributed import (
     fully_shard_by_heads,
-    fully_shard_except_frames,
     is_sharded,
     local_frame_bytes,
     local_tensor,
@@ -344,16 +343,6 @@ def test_plain_fully_shard_is_refused_with_the_fix(one_rank_group):
     assert len(frame_parameters(model)) == 0 and n_frames == 4
     with pytest.raises(NotImplementedError, match="fully_shard_by_heads"):
         StiefelAdam(model.parameters())
-
-
-def test_deprecated_helper_warns_and_still_keeps_frames_whole(one_rank_group):
-    model = _model("tiny")
-    with pytest.warns(FutureWarning, match="fully_shard_by_heads"):
-        fully_shard_except_frames(model)
-    assert all(not is_sharded(p) for p in frame_parameters(model)) and len(frame_parameters(model)) == 4
-    opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2)
-    _train(model, opt, *_batch(), 1)
-    assert all(float(orthonormality_error(p)) < ORTHO_TOL_F64 for p in frame_parameters(model))
 
 
 # ----------------------------------------------------------------------------- one meaning of "frame"

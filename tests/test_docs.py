@@ -169,10 +169,14 @@ def _doc_files() -> list[Path]:
 
 
 def _package_modules() -> list[str]:
-    names = [geoopt_stiefel_attention.__name__]
-    for info in pkgutil.walk_packages(geoopt_stiefel_attention.__path__, prefix="geoopt_stiefel_attention."):
-        if info.name not in SKIP_MODULES:
-            names.append(info.name)
+    """The modules of the package and of the checkout's ``experiments`` (whose ``__main__`` runs a study)."""
+    import experiments
+
+    names = [geoopt_stiefel_attention.__name__, experiments.__name__]
+    for package in (geoopt_stiefel_attention, experiments):
+        for info in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}."):
+            if info.name not in SKIP_MODULES and info.name != "experiments.__main__":
+                names.append(info.name)
     return sorted(names)
 
 
@@ -290,7 +294,7 @@ SAMPLE_README = textwrap.dedent("""\
     1. numbered
 
     ```bash
-    stiefel-attention grokking --out runs/grok
+    python -m experiments grokking --out runs/grok
     ```
 
     > a quote after a code block
@@ -472,13 +476,14 @@ def _documented_commands() -> list[tuple[str, str]]:
 
 
 def test_documented_cli_commands_parse():
-    """Every ``stiefel-attention ...`` command shown in the README and the docs is accepted by the parser
-    (nothing is run), and every ``python <script>.py`` names a file of the repository."""
+    """Every ``stiefel-attention ...`` and ``python -m experiments ...`` command shown in the README and the docs
+    is accepted by its parser (nothing is run), and every ``python <script>.py`` names a file of the repository."""
     import shlex
 
+    from experiments.cli import build_parser as study_parser
     from geoopt_stiefel_attention.cli import build_parser
 
-    parser = build_parser()
+    parser, studies = build_parser(), study_parser()
     checked = 0
     for where, command in _documented_commands():
         argv = shlex.split(command)
@@ -493,6 +498,15 @@ def test_documented_cli_commands_parse():
                 parser.parse_args(argv[1:])
             except SystemExit as err:
                 raise AssertionError(f"{where}: `{command}` is rejected by the CLI parser") from err
+            checked += 1
+        elif argv[:3] == ["python", "-m", "experiments"]:
+            if {"--help", "-h"} & set(argv):
+                continue
+            try:
+                studies.parse_args(argv[3:])
+            except SystemExit as err:
+                raise AssertionError(f"{where}: `{command}` is rejected by the parser of python -m experiments") \
+                    from err
             checked += 1
         elif argv[0] == "python" and len(argv) > 1 and argv[1].endswith(".py"):
             assert (ROOT / argv[1]).is_file(), f"{where}: `{command}` names a script that does not exist"

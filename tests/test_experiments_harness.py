@@ -20,8 +20,7 @@ import scipy.stats
 import torch
 from conftest import F64, ORTHO_TOL_F32
 
-from geoopt_stiefel_attention import PolarStiefel
-from geoopt_stiefel_attention.experiments import (
+from experiments.harness import (
     ARMS,
     Arm,
     OptimConfig,
@@ -37,11 +36,12 @@ from geoopt_stiefel_attention.experiments import (
     run_jobs,
     train_run,
 )
-from geoopt_stiefel_attention.experiments.arms import build_stiefel, split_frame_groups
-from geoopt_stiefel_attention.experiments.data import FullBatch, MiniBatches
-from geoopt_stiefel_attention.experiments.records import read_records, summarize
-from geoopt_stiefel_attention.experiments.report import PaperReference, render_report
-from geoopt_stiefel_attention.experiments.study import finalize_study
+from experiments.harness.arms import build_stiefel, split_frame_groups
+from experiments.harness.batches import FullBatch, MiniBatches
+from experiments.harness.records import read_records, summarize
+from experiments.harness.report import PaperReference, render_report
+from experiments.harness.study import finalize_study
+from geoopt_stiefel_attention import PolarStiefel
 
 #: float64 agreement of principal angles with scipy's (radians)
 ANGLE_TOL = 1e-10
@@ -375,8 +375,8 @@ def test_parallel_workers_give_the_serial_records(tmp_path):
 def test_a_study_of_several_cells_hands_all_its_runs_to_one_pool(tmp_path, monkeypatch):
     """run_cells gives every (cell, arm, seed) to one run_placed_jobs call, so --workers keeps its processes busy
     across cells (a grid of one arm and one seed per lr was trained one run at a time before)."""
-    from geoopt_stiefel_attention.experiments import study
-    from geoopt_stiefel_attention.experiments.study import Cell, run_cells
+    from experiments.harness import study
+    from experiments.harness.study import Cell, run_cells
 
     calls = []
     monkeypatch.setattr(study, "run_placed_jobs", lambda placed, build, options: calls.append(
@@ -388,7 +388,7 @@ def test_a_study_of_several_cells_hands_all_its_runs_to_one_pool(tmp_path, monke
 
 
 def test_runs_placed_in_one_folder_are_refused_before_any_training(tmp_path):
-    from geoopt_stiefel_attention.experiments.runner import run_placed_jobs
+    from experiments.harness.runner import run_placed_jobs
 
     spec = RunSpec(ToyConfig(), "adamw", seed=0)
     with pytest.raises(ValueError, match="share a folder"):
@@ -467,7 +467,7 @@ def test_finalize_writes_summary_plots_and_report_from_run_folders(tmp_path):
 
 
 def test_a_field_added_later_is_recorded_only_when_it_differs_from_what_old_records_mean():
-    from geoopt_stiefel_attention.experiments.config import OptimConfig, to_dict
+    from experiments.harness.config import OptimConfig, to_dict
 
     assert "adjust_lr_fn" not in to_dict(OptimConfig())  # old records were written without it
     rule = OptimConfig(adjust_lr_fn="match_rms_adamw")
@@ -480,7 +480,7 @@ def test_a_field_added_later_is_recorded_only_when_it_differs_from_what_old_reco
 
 
 def test_dip_count_counts_separate_dips_and_the_evaluations_they_span():
-    from geoopt_stiefel_attention.experiments.records import dip_count
+    from experiments.harness.records import dip_count
 
     assert dip_count([0.5, 0.96, 0.9, 0.8, 0.97, 0.9], 0.95) == (2, 3)
     assert dip_count([0.5, 0.96, 0.97], 0.95) == (0, 0)
@@ -489,7 +489,7 @@ def test_dip_count_counts_separate_dips_and_the_evaluations_they_span():
 
 
 def test_tail_records_include_both_ends_of_the_last_fraction():
-    from geoopt_stiefel_attention.experiments.records import tail_records
+    from experiments.harness.records import tail_records
 
     recs = [{"epoch": e} for e in range(0, 20001, 100)]
     tail = tail_records(recs, 0.1)
@@ -498,7 +498,7 @@ def test_tail_records_include_both_ends_of_the_last_fraction():
 
 
 def test_holm_adjustment_against_a_written_out_case():
-    from geoopt_stiefel_attention.experiments.stats import holm, with_holm
+    from experiments.harness.stats import holm, with_holm
 
     # sorted 0.01, 0.02, 0.04 -> 3*0.01, max(0.03, 2*0.02), max(0.04, 1*0.04)
     out = holm([0.04, 0.01, None, 0.02])

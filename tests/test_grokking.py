@@ -14,10 +14,9 @@ import pytest
 import torch
 from conftest import ORTHO_TOL_F32
 
-from geoopt_stiefel_attention.cli import main as cli_main
-from geoopt_stiefel_attention.experiments import OptimConfig, RunSpec, TrainConfig, get_arm, train_run
-from geoopt_stiefel_attention.experiments.data.modular import is_prime, modular_split
-from geoopt_stiefel_attention.experiments.grokking import (
+from experiments.cli import main as cli_main
+from experiments.grokking.data import is_prime, modular_split
+from experiments.grokking.study import (
     FAST_PATH_TOLERANCE,
     GrokkingConfig,
     build_task,
@@ -25,7 +24,8 @@ from geoopt_stiefel_attention.experiments.grokking import (
     last_position_fast,
     run_grokking,
 )
-from geoopt_stiefel_attention.experiments.records import read_records
+from experiments.harness import OptimConfig, RunSpec, TrainConfig, get_arm, train_run
+from experiments.harness.records import read_records
 from geoopt_stiefel_attention.models import TinyTransformer
 
 #: float64 agreement of the fast path with the full forward (logits and gradients)
@@ -250,7 +250,7 @@ def test_train_run_of_one_grokking_arm_reports_speed(tmp_path):
 def _synthetic_study(out, *, p=97, epochs=20000, seeds=range(5)):
     """A study folder as five seeds of each arm would leave it: per run config.json, environment.json and
     metrics.jsonl with val_acc curves that reach 95% at a seed-dependent epoch and dip once afterwards."""
-    from geoopt_stiefel_attention.experiments import to_dict
+    from experiments.harness import to_dict
 
     cfg = GrokkingConfig(p=p, train=TrainConfig(epochs=epochs, eval_every=epochs // 20))
     grok = {"adamw": [8000, 12000, 10000, None, 14000], "stiefel": [4000, 5000, 3000, 6000, 4000]}
@@ -312,9 +312,9 @@ def test_the_weight_norm_panels_compare_the_same_matrices_in_every_arm():
     W_Q, W_K (the companion, the bookkeeping gap the plotted total removes)."""
     from pathlib import Path
 
-    from geoopt_stiefel_attention.experiments.plotting import _NO_QK, _with_norm_without_qk, records_frame
+    from experiments.harness.plotting import _NO_QK, _with_norm_without_qk, records_frame
 
-    runs = Path(__file__).resolve().parents[1] / "studies" / "grokking" / "runs" / "p97_add_arms10" / "runs"
+    runs = Path(__file__).resolve().parents[1] / "experiments" / "grokking" / "records" / "p97_add_arms10" / "runs"
     first = [read_records(runs / arm / "seed0" / "metrics.jsonl")[0] for arm in ("adamw", "stiefel", "adamw-frozen")]
     df = _with_norm_without_qk(records_frame(first))
     totals = df[_NO_QK].tolist()

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from geoopt_stiefel_attention.experiments.data.heldout import (
+from experiments.lm.heldout import (
     byte_categories,
     load_heldout_corpus,
     ngram_hashes,

@@ -1,6 +1,8 @@
-"""The package has no import cycle: the graph of its modules' imports of each other, read from the source with
-``ast`` (module-level and function-level imports alike), is acyclic. Companion: the cycle finder finds the
-cycle of a small graph that has one.
+"""The import rules of DESIGN.md, read from the source with ``ast`` (module-level and function-level imports
+alike): the package and the checkout's ``experiments`` each have an acyclic import graph; nothing in the package
+imports ``experiments``; the core never imports plotting libraries or torchvision; ``nn`` and ``optim`` never
+import each other; the harness never imports a study. Companions: the cycle finder finds the cycle of a small
+graph that has one, and the scan of imported names finds a forbidden import in a small package that has one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import geoopt_stiefel_attention
 
 PACKAGE = Path(geoopt_stiefel_attention.__file__).parent
 NAME = "geoopt_stiefel_attention"
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 
 def _module_names(root: Path, name: str) -> dict[str, Path]:
@@ -23,6 +26,33 @@ def _module_names(root: Path, name: str) -> dict[str, Path]:
             parts = parts[:-1]
         modules[".".join(parts)] = path
     return modules
+
+
+def imported_names(root: Path = PACKAGE, name: str = NAME) -> dict[str, set[str]]:
+    """Module -> every dotted name it imports, anywhere in its body, relative imports made absolute
+    (``from X import y`` gives ``X.y``; ``import a.b`` gives ``a.b``)."""
+    modules = _module_names(root, name)
+    names: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found = names.setdefault(module, set())
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                source = node.module or ""
+                if node.level:
+                    base = package.split(".")
+                    source = ".".join(base[:len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+                found.update(f"{source}.{alias.name}" for alias in node.names)
+    return names
+
+
+def importers_of(names: dict[str, set[str]], prefixes: tuple[str, ...]) -> dict[str, list[str]]:
+    """The modules of ``names`` that import a name equal to, or below, one of ``prefixes``, with those names."""
+    hits = {m: sorted(n for n in imported if any(n == p or n.startswith(p + ".") for p in prefixes))
+            for m, imported in names.items()}
+    return {m: found for m, found in sorted(hits.items()) if found}
 
 
 def import_graph(root: Path = PACKAGE, name: str = NAME) -> dict[str, set[str]]:
@@ -83,20 +113,62 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
     assert f"{NAME}.convert" in graph[f"{NAME}.nn"]  # the graph sees module-level imports ...
-    assert f"{NAME}.nn" in graph[f"{NAME}.experiments.ablation_arms"]  # ... and function-level ones
+    assert NAME in graph[f"{NAME}.cli"]  # ... and function-level ones (``from . import __version__``)
     assert f"{NAME}.optim" in graph[NAME]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
+def test_the_experiments_have_no_import_cycle():
+    graph = import_graph(EXPERIMENTS, "experiments")
+    assert "experiments.harness.runner" in graph["experiments.grokking.study"]  # a study uses the harness
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_nothing_in_the_package_imports_the_experiments():
+    """The package is the library: no module of it imports ``experiments`` (nor the former
+    ``geoopt_stiefel_attention.experiments``), at module level or inside a function."""
+    names = imported_names()
+    assert f"{NAME}.cli" in names and f"{NAME}.bench.gpu" in names  # the scan sees every module
+    assert importers_of(names, ("experiments", f"{NAME}.experiments")) == {}
+    assert not (PACKAGE / "experiments").exists()
+
+
 def test_core_modules_keep_their_boundaries():
-    """DESIGN.md: ``nn`` and ``optim`` never import each other; the core never imports the experiments."""
+    """DESIGN.md: ``nn`` and ``optim`` never import each other; the core (``manifolds``, ``_linalg``, ``optim``,
+    ``nn``, ``convert``, ``models``, ``analysis``) never imports plotting libraries, torchvision or the
+    experiments."""
     graph = import_graph()
     optim = {m for m in graph if m == f"{NAME}.optim" or m.startswith(f"{NAME}.optim.")}
     assert not graph[f"{NAME}.nn"] & optim
     assert not any(f"{NAME}.nn" in graph[m] for m in optim)
-    convert = sorted(m for m in graph if m.startswith(f"{NAME}.convert."))
-    core = [f"{NAME}.{m}" for m in ("manifolds", "_linalg", "nn", "convert", "models")] + sorted(optim) + convert
-    assert not any(t.startswith(f"{NAME}.experiments") for m in core for t in graph[m])
+    core = [m for m in graph if m in {f"{NAME}.{c}" for c in ("manifolds", "_linalg", "nn", "models")}
+            or m.startswith((f"{NAME}.optim", f"{NAME}.convert", f"{NAME}.analysis"))]
+    assert len(core) > 10
+    names = imported_names()
+    forbidden = ("matplotlib", "seaborn", "pandas", "torchvision", "experiments", f"{NAME}.experiments")
+    assert importers_of({m: names[m] for m in core}, forbidden) == {}
+
+
+def test_the_harness_never_imports_a_study():
+    """The harness is shared by every study; a study imports the harness, never the other way round."""
+    names = imported_names(EXPERIMENTS, "experiments")
+    harness = {m: n for m, n in names.items() if m.startswith("experiments.harness")}
+    assert any("experiments.harness.runner.train_run" in n for n in names.values())  # the scan sees the studies
+    assert importers_of(harness, ("experiments.grokking", "experiments.vision", "experiments.lm")) == {}
+
+
+def test_the_import_scan_finds_a_forbidden_import(tmp_path):
+    """Companion: a package that imports ``experiments`` inside a function, and seaborn through a relative
+    re-export, is caught by the same scan."""
+    pkg = tmp_path / "tiny"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from experiments.harness import runner\n    return runner\n")
+    (pkg / "b.py").write_text("import seaborn.objects\nfrom . import a\n")
+    names = imported_names(pkg, "tiny")
+    assert importers_of(names, ("experiments",)) == {"tiny.a": ["experiments.harness.runner"]}
+    assert importers_of(names, ("seaborn",)) == {"tiny.b": ["seaborn.objects"]}
+    assert importers_of(names, ("seaborn.obj",)) == {}  # a prefix is a whole dotted name, not a string prefix
 
 
 def test_cycle_finder_finds_a_cycle(tmp_path):

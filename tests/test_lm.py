@@ -1,4 +1,4 @@
-"""Tests of the language-model study (``stiefel-attention lm``) and of the loop features it added to the layer
+"""Tests of the language-model study (``python -m experiments lm``) and of the loop features it added to the layer
 (gradient clipping, derived record values)."""
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ import torch
 
 pytest.importorskip("transformers")
 
-from geoopt_stiefel_attention import parametrized_state_dict  # noqa: E402
-from geoopt_stiefel_attention.cli import main as cli_main  # noqa: E402
-from geoopt_stiefel_attention.experiments import arms as arms_module  # noqa: E402
-from geoopt_stiefel_attention.experiments.config import OptimConfig, RunSpec, TrainConfig  # noqa: E402
-from geoopt_stiefel_attention.experiments.data.batches import FullBatch  # noqa: E402
-from geoopt_stiefel_attention.experiments.lm import (  # noqa: E402
+from experiments.cli import main as cli_main  # noqa: E402
+from experiments.harness import arms as arms_module  # noqa: E402
+from experiments.harness.batches import FullBatch  # noqa: E402
+from experiments.harness.config import OptimConfig, RunSpec, TrainConfig  # noqa: E402
+from experiments.harness.records import read_records  # noqa: E402
+from experiments.harness.runner import Task, train_run  # noqa: E402
+from experiments.lm.study import (  # noqa: E402
     AttentionProbe,
     LMConfig,
     build_model,
     build_task,
     lm_param_groups,
 )
-from geoopt_stiefel_attention.experiments.records import read_records  # noqa: E402
-from geoopt_stiefel_attention.experiments.runner import Task, train_run  # noqa: E402
+from geoopt_stiefel_attention import parametrized_state_dict  # noqa: E402
 from geoopt_stiefel_attention.manifolds import is_frame  # noqa: E402
 
 #: float64 reference comparisons (the probe computes in float64 from float64 weights)
@@ -364,7 +364,7 @@ def test_report_refuses_a_sweep_cell_trained_with_other_settings(corpus_root, tm
 # ------------------------------------------------------------------------------------------ Muon arms
 @pytest.mark.parametrize("arm", ["muon", "stiefel-muon"])
 def test_muon_arms_give_muon_the_hidden_matrices_and_adamw_the_rest(arm):
-    from geoopt_stiefel_attention.experiments.arms import get_arm, hidden_matrices
+    from experiments.harness.arms import get_arm, hidden_matrices
 
     spec = get_arm(arm)
     cfg = LMConfig(depth=1, width=16, heads=2, context=8)
@@ -394,7 +394,7 @@ def test_muon_arms_give_muon_the_hidden_matrices_and_adamw_the_rest(arm):
 
 
 def test_muon_arm_refuses_a_model_with_frames_and_hidden_matrices_skip_the_output_layer():
-    from geoopt_stiefel_attention.experiments.arms import get_arm, hidden_matrices
+    from experiments.harness.arms import get_arm, hidden_matrices
     from geoopt_stiefel_attention.models import TinyTransformer
 
     model = build_model(LMConfig(depth=1, width=16, heads=2, context=8), seed=0, stiefel=True)
@@ -428,8 +428,8 @@ def test_held_out_test_split_is_evaluated_per_category_and_kept_out_of_training(
     assert config["test_fraction"] == 0.2
     cfg = LMConfig(corpus_root=varied_root, val_fraction=0.2, test_fraction=0.2, max_file_share=0.5, context=16,
                    eval_windows=4, eval_batch=4)
-    from geoopt_stiefel_attention.experiments.data.heldout import split_of
-    from geoopt_stiefel_attention.experiments.lm import heldout_eval_data
+    from experiments.lm.heldout import split_of
+    from experiments.lm.study import heldout_eval_data
 
     train, sets, _ = heldout_eval_data(cfg, torch.device("cpu"))
     test_files = set(sets["test"].windows.files)
@@ -445,7 +445,7 @@ def test_held_out_test_split_is_evaluated_per_category_and_kept_out_of_training(
 def test_the_progress_bar_shows_the_metric_the_report_uses():
     """The language-model records carry bits per byte, and the bar shows them (its report is in bpb); a study
     without them (grokking: accuracy) keeps accuracy (the companion)."""
-    from geoopt_stiefel_attention.experiments.runner import _progress_keys
+    from experiments.harness.runner import _progress_keys
 
     lm = {"train_loss": 1.2, "train_acc": 0.4, "val_acc": 0.3, "train_bpb": 1.7, "val_bpb": 1.9}
     assert _progress_keys(lm) == ["train_bpb", "val_bpb"]

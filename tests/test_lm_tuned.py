@@ -1,4 +1,4 @@
-"""Tests of the tuned study (``stiefel-attention lm --lrs / --final-seeds / --time-steps``, experiments/tuned.py):
+"""Tests of the tuned study (``python -m experiments lm --lrs / --final-seeds / --time-steps``, experiments/tuned.py):
 the grid cells, the selection and its bracketing, the final cell at each arm's lr on paired seeds, the report
 (byte for byte from the records; paired statistics against scipy; the equal-wall-clock readout), the CLI errors,
 the README's generated table and the proposed configuration."""
@@ -17,11 +17,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from geoopt_stiefel_attention.cli import main as cli_main  # noqa: E402
-from geoopt_stiefel_attention.experiments import tuned  # noqa: E402
-from geoopt_stiefel_attention.experiments.config import OptimConfig, RunSpec, TrainConfig, to_dict  # noqa: E402
-from geoopt_stiefel_attention.experiments.lm import LMConfig  # noqa: E402
-from geoopt_stiefel_attention.experiments.records import read_records  # noqa: E402
+from experiments.cli import main as cli_main  # noqa: E402
+from experiments.harness.config import OptimConfig, RunSpec, TrainConfig, to_dict  # noqa: E402
+from experiments.harness.records import read_records  # noqa: E402
+from experiments.lm import tuned  # noqa: E402
+from experiments.lm.study import LMConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 #: statistics recomputed by scipy agree to rounding of float64 sums
@@ -343,7 +343,7 @@ def test_report_states_an_incomplete_grid(synthetic):
 def test_final_seeds_that_decided_the_selection_are_refused_even_beyond_the_seeds_passed(synthetic):
     """An arm selects on every seed it has at all its grid points, not only on --seeds: a seed 2 present everywhere
     in the grid decides the selection too, so final seed 2 is refused, naming free seeds; nothing is trained."""
-    from geoopt_stiefel_attention.experiments.config import config_from_dict
+    from experiments.harness.config import config_from_dict
 
     out, best = synthetic
     config = config_from_dict(LMConfig, tuned.find_config(out))
@@ -404,14 +404,14 @@ def test_numbers_not_in_summary_finds_a_misquoted_number():
 
 
 def _readme_block() -> str:
-    text = (ROOT / "studies/lm/README.md").read_text()
+    text = (ROOT / "experiments/lm/README.md").read_text()
     assert tuned.README_BEGIN in text and tuned.README_END in text
     return text.split(tuned.README_BEGIN, 1)[1].split(tuned.README_END, 1)[0].strip()
 
 
 def test_readme_results_block_is_generated_from_the_committed_summary():
     block = _readme_block()
-    path = ROOT / "studies/lm/runs/tuned/summary.json"
+    path = ROOT / "experiments/lm/records/tuned/summary.json"
     if not path.exists():  # the study has not run: the block claims nothing
         assert block == tuned.README_PLACEHOLDER and not re.search(r"\d", block)
         return
@@ -455,16 +455,16 @@ def test_readme_table_quotes_the_final_cell_only_once_it_is_complete(synthetic):
 
 
 def _grids() -> dict[str, list[float]]:
-    lines = (ROOT / "studies/lm/configs/tuned.args").read_text().splitlines()
+    lines = (ROOT / "experiments/lm/configs/tuned.args").read_text().splitlines()
     return {ln.split()[2]: [float(v) for v in ln.split()[3:]] for ln in lines if ln.startswith("# grid ")}
 
 
 def test_tuned_args_parse_and_every_grid_has_at_least_five_values_about_three_apart():
     import argparse
 
-    from geoopt_stiefel_attention.experiments.lm import STUDY, config_from_args
+    from experiments.lm.study import STUDY, config_from_args
 
-    text = (ROOT / "studies/lm/configs/tuned.args").read_text()
+    text = (ROOT / "experiments/lm/configs/tuned.args").read_text()
     flags = [w for ln in text.splitlines() if not ln.startswith("#") for w in ln.split()]
     parser = argparse.ArgumentParser()
     STUDY.add_arguments(parser)
@@ -478,7 +478,7 @@ def test_tuned_args_parse_and_every_grid_has_at_least_five_values_about_three_ap
         # the five common points, then at most the extensions the selection asked for (one ratio beyond an edge)
         assert values[:5] == [3e-4, 1e-3, 3e-3, 1e-2, 3e-2] and all(2.9 < r < 3.4 for r in ratios), (arm, values)
     assert grids["muon"][5:] == [9e-2] and all(len(v) == 5 for a, v in grids.items() if a != "muon")
-    script = (ROOT / "studies/lm/run_tuned.sh").read_text()
+    script = (ROOT / "experiments/lm/run_tuned.sh").read_text()
     assert "--final-seeds" in script and "--time-steps" in script and "tuned.args" in script
     # the final cell: at least 5 paired seeds (issue 26), disjoint from the grid's (run_tuned refuses an overlap)
     final = re.search(r"--seeds ([\d ]+) --final-seeds ([\d ]+)", script)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from geoopt_stiefel_attention.experiments.mechanism import (
+from experiments.harness.mechanism import (
     CONTRASTS,
     VERDICTS,
     mechanism_lines,

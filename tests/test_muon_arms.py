@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from experiments.harness.arms import get_arm, hidden_matrices  # noqa: E402
+from experiments.harness.config import OptimConfig  # noqa: E402
+from experiments.lm.study import LMConfig, build_model, lm_param_groups  # noqa: E402
 from geoopt_stiefel_attention._linalg import orthonormality_error  # noqa: E402
-from geoopt_stiefel_attention.experiments.arms import get_arm, hidden_matrices  # noqa: E402
-from geoopt_stiefel_attention.experiments.config import OptimConfig  # noqa: E402
-from geoopt_stiefel_attention.experiments.lm import LMConfig, build_model, lm_param_groups  # noqa: E402
 
 FRAME_OPTIMIZER = {"stiefeladam-muon": "StiefelAdam", "stiefel-muon": "StiefelAdam",
                    "stiefelmuon-muon": "StiefelMuon"}

@@ -669,7 +669,7 @@ def _study_models():
 def test_study_groupings_are_param_groups_and_unchanged():
     """default_param_groups (grokking, vision) and lm_param_groups are param_groups with a decay rule, and put
     the same parameters in the same groups with the same weight decay as the former hand-written functions."""
-    from geoopt_stiefel_attention.experiments.arms import default_param_groups
+    from experiments.harness.arms import default_param_groups
 
     for name, model in _study_models().items():
         for wd in (0.0, 1.0):
@@ -681,7 +681,7 @@ def test_study_groupings_are_param_groups_and_unchanged():
 
 def test_lm_grouping_is_param_groups_and_unchanged():
     pytest.importorskip("transformers")
-    from geoopt_stiefel_attention.experiments.lm import LMConfig, build_model, lm_param_groups
+    from experiments.lm.study import LMConfig, build_model, lm_param_groups
 
     cfg = LMConfig(depth=1, width=16, heads=2, context=8)
     for stiefel, gain in ((False, None), (True, None), (True, "fit")):

@@ -165,7 +165,8 @@ TEST_COMMAND = 'pip install torch==2.14.1 torchvision==0.29.1 -e ".[dev,experime
 #: Import name -> the distribution that provides it, where the two differ (docutils comes with sphinx).
 IMPORT_TO_DIST = {"yaml": "pyyaml", "sklearn": "scikit-learn", "docutils": "sphinx", "tomli": "tomli"}
 #: Imports that are not distributions: this package, pytest's conftest, the test modules themselves.
-LOCAL_IMPORTS = {"geoopt_stiefel_attention", "conftest", "gsa_docs"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
+LOCAL_IMPORTS = ({"geoopt_stiefel_attention", "experiments", "conftest", "gsa_docs"}
+                 | {p.stem for p in (ROOT / "tests").glob("*.py")})
 
 
 def _requirement_name(spec: str) -> str:
@@ -208,7 +209,7 @@ def test_every_import_of_the_tests_docs_and_package_is_declared():
     """What the tests, the docs' code and the package import is a dependency or in an extra, so that the README's
     test command installs it in a fresh environment."""
     paths = [*(ROOT / "tests").glob("*.py"), *(ROOT / "docs").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
-             *(ROOT / "geoopt_stiefel_attention").rglob("*.py")]
+             *(ROOT / "geoopt_stiefel_attention").rglob("*.py"), *(ROOT / "experiments").rglob("*.py")]
     assert not _undeclared(_third_party_imports(paths))
     # companion: an import nobody declared is caught
     assert _undeclared({"polars": "tests/x.py"}) == ["polars (tests/x.py)"]
@@ -314,6 +315,45 @@ def test_wheel_metadata_is_ready_to_publish(built):
     with tarfile.open(sdist) as tar:
         members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
     assert {"CHANGELOG.md", "CITATION.cff", "LICENSE", "README.md", "geoopt_stiefel_attention/py.typed"} <= members
+
+
+#: Parts of a path that only the research has: its package, its records, the former in-package studies.
+_RESEARCH_PARTS = ("experiments", "studies", "records", "runs")
+#: Files only a study writes.
+_RECORD_NAMES = ("metrics.jsonl", "summary.json", "study.json", "environment.json", "report.md")
+
+
+def research_files(names: list[str]) -> list[str]:
+    """The entries of a distribution's file list (with the sdist's top folder already removed) that belong to
+    the research, not the library: anything under a folder named in :data:`_RESEARCH_PARTS` or a file named in
+    :data:`_RECORD_NAMES`."""
+    return [n for n in names if set(n.split("/")[:-1]) & set(_RESEARCH_PARTS) or n.rsplit("/", 1)[-1] in _RECORD_NAMES]
+
+
+def test_the_distributions_hold_the_library_only(built, record_property):
+    """Issue 39: the wheel is the library (``geoopt_stiefel_attention/`` and its ``.dist-info``), with no study code
+    and no records; the sdist holds neither ``experiments/`` nor the tests that need it (both run from a checkout).
+    Prints the
+    sizes (``pytest -s``) and records them as test properties."""
+    wheel, sdist = built
+    _, names = _wheel_metadata(wheel)
+    with tarfile.open(sdist) as tar:
+        sdist_names = [m.name.split("/", 1)[1] for m in tar.getmembers() if m.isfile() and "/" in m.name]
+    with zipfile.ZipFile(wheel) as z:
+        unpacked = sum(i.file_size for i in z.infolist())
+    print(f"\nwheel {wheel.name}: {wheel.stat().st_size / 1024:.0f} KiB ({unpacked / 1024:.0f} KiB unpacked, "
+          f"{len(names)} files); sdist {sdist.name}: {sdist.stat().st_size / 1024:.0f} KiB ({len(sdist_names)} files)")
+    record_property("wheel_bytes", wheel.stat().st_size)
+    record_property("sdist_bytes", sdist.stat().st_size)
+    assert all(n.startswith(("geoopt_stiefel_attention/", "geoopt_stiefel_attention-")) for n in names), names
+    assert "geoopt_stiefel_attention/optim/adam.py" in names and "geoopt_stiefel_attention/cli.py" in names
+    assert research_files(names) == [] and research_files(sdist_names) == []
+    assert not any(n.startswith(("experiments/", "tests/")) for n in sdist_names)  # both run from a checkout
+    assert wheel.stat().st_size < 512 * 1024  # the library alone; the studies' records were megabytes
+    # companion: study code, records and the former in-package studies are caught
+    caught = ["experiments/harness/runner.py", "geoopt_stiefel_attention/experiments/lm.py",
+              "experiments/lm/records/tuned/report.md", "x/summary.json", "studies/grokking/README.md"]
+    assert research_files([*caught, "geoopt_stiefel_attention/bench/records.py"]) == caught
 
 
 def test_twine_accepts_the_distributions(built):

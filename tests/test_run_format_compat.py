@@ -4,10 +4,10 @@ decides "same run"), same records, and a resume from their checkpoint continues 
 The fixture ``tests/data/format_v1`` was written by the harness as of commit d1f8f5a (before the study layer
 was refactored), on CPU with one torch thread:
 
-- ``grokking_full``: ``stiefel-attention grokking --p 7 --width 16 --heads 2 --mlp 32 --epochs 40
+- ``grokking_full``: ``python -m experiments grokking --p 7 --width 16 --heads 2 --mlp 32 --epochs 40
   --eval-every 10 --arms adamw stiefel --device cpu --threads 1`` run to the end (records only);
 - ``grokking_cut``: the same command with ``--stop-after-epochs 15`` (records and checkpoints);
-- ``vision_full``: ``stiefel-attention vision --dataset digits --seeds 0 --epochs 2 --width 8 --heads 2
+- ``vision_full``: ``python -m experiments vision --dataset digits --seeds 0 --epochs 2 --width 8 --heads 2
   --depth 1 --mlp 16 --train-size 256 --eval-train-size 64 --arms adamw stiefel`` (records only).
 
 Training is deterministic on one CPU for a given torch build, but another x86-64 CPU picks other kernels
@@ -28,10 +28,11 @@ import pytest
 import torch
 from conftest import TRAJECTORY_RTOL, record_mismatches
 
-from geoopt_stiefel_attention.cli import main
-from geoopt_stiefel_attention.experiments import RunSpec, TrainConfig, to_dict
-from geoopt_stiefel_attention.experiments.grokking import GrokkingConfig
-from geoopt_stiefel_attention.experiments.records import read_records
+from experiments.cli import main
+from experiments.grokking.study import GrokkingConfig
+from experiments.harness import RunSpec, TrainConfig, to_dict
+from experiments.harness.config import with_current_config_class
+from experiments.harness.records import read_records
 
 FIXTURE = Path(__file__).parent / "data" / "format_v1"
 ARMS = ("adamw", "stiefel")
@@ -65,7 +66,11 @@ def test_config_json_of_the_old_format_is_what_the_code_writes_now():
     cfg = GrokkingConfig(p=7, width=16, heads=2, mlp=32, train=TrainConfig(epochs=40, eval_every=10))
     for arm in ARMS:
         old = json.loads((FIXTURE / "grokking_full" / arm / "seed0" / "config.json").read_text())
-        assert json.loads(json.dumps(to_dict(RunSpec(cfg, arm, 0)))) == old
+        # the fixture names the config class where it was then (inside the package); it is read as its new name
+        assert old["config_class"] == "geoopt_stiefel_attention.experiments.grokking.GrokkingConfig"
+        now = json.loads(json.dumps(to_dict(RunSpec(cfg, arm, 0))))
+        assert now == with_current_config_class(old) and now["config_class"] == "experiments.grokking.study.GrokkingConfig"
+        assert now != old  # companion: without reading the former name, the old run would not be "the same run"
     # companion: another setting gives another config.json, so the comparison can fail
     other = GrokkingConfig(p=7, width=16, heads=2, mlp=32, train=TrainConfig(epochs=40, eval_every=20))
     assert json.loads(json.dumps(to_dict(RunSpec(other, "adamw", 0)))) != old
@@ -107,7 +112,8 @@ def test_vision_training_trajectory_is_unchanged(tmp_path):
         assert [{k: v for k, v in r.items() if not isinstance(v, float)} for r in new] == \
             [{k: v for k, v in r.items() if not isinstance(v, float)} for r in old]  # epochs, steps: exact
         assert (json.loads((tmp_path / "runs" / arm / "seed0" / "config.json").read_text())
-                == json.loads((FIXTURE / "vision_full" / arm / "seed0" / "config.json").read_text()))
+                == with_current_config_class(json.loads((FIXTURE / "vision_full" / arm / "seed0" / "config.json")
+                                                        .read_text())))
 
 
 @same_torch

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from geoopt_stiefel_attention.cli import build_parser, main
-from geoopt_stiefel_attention.experiments import grokking
-from geoopt_stiefel_attention.experiments.metrics import MetricHook
-from geoopt_stiefel_attention.experiments.records import read_records
+from experiments.cli import build_parser, main
+from experiments.grokking import study as grokking
+from experiments.harness.metrics import MetricHook
+from experiments.harness.records import read_records
 
 TINY = ["--p", "7", "--width", "16", "--heads", "2", "--mlp", "32", "--eval-every", "10", "--quiet", "--device",
         "cpu", "--threads", "1", "--arms", "stiefel", "--skip-report"]
@@ -180,12 +180,30 @@ def test_missing_optional_dependency_is_one_line(tmp_path, capsys, monkeypatch, 
     assert not (tmp_path / "o").exists()
 
 
-def test_a_user_error_prints_no_traceback_from_the_console_script(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "geoopt_stiefel_attention", "grokking", "--seeds", "-1",
+def test_a_user_error_prints_no_traceback_from_python_m_experiments(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "experiments", "grokking", "--seeds", "-1",
                            "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "--seeds" in proc.stderr
+    assert proc.stderr.startswith("python -m experiments grokking: error:")
+
+
+@pytest.mark.parametrize("study", ["grokking", "vision", "lm"])
+def test_the_installed_command_says_where_the_studies_are(tmp_path, study):
+    """The package's ``stiefel-attention`` has no study subcommands: ``stiefel-attention <study>`` (any flags) is one
+    line naming ``python -m experiments <study>``, exit status 2, and nothing trained or written."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # this checkout's package
+    proc = subprocess.run([sys.executable, "-m", "geoopt_stiefel_attention", study, "--seeds", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert f"run `python -m experiments {study} ...`" in proc.stderr
+    # companion: a name that is neither a subcommand nor a study is argparse's usage error, not this line
+    other = subprocess.run([sys.executable, "-m", "geoopt_stiefel_attention", f"{study}x"], capture_output=True,
+                           text=True, timeout=120, cwd=tmp_path, env=env)
+    assert list(tmp_path.iterdir()) == []
+    assert other.returncode == 2 and "python -m experiments" not in other.stderr and "invalid choice" in other.stderr
 
 
 def _records(out: Path) -> list[dict]:
@@ -296,10 +314,10 @@ def test_keyboard_interrupt_mid_epoch_keeps_the_last_checkpoint(tmp_path, capsys
 def test_an_arm_of_another_study_is_refused_not_run_as_another(tmp_path, capsys):
     """``stiefel-gain`` gets its gain from the language-model study's builder; grokking and vision would build
     plain frames and run it as ``stiefel`` without a word, so they refuse it (CLI and Python API)."""
-    from geoopt_stiefel_attention.experiments import lm  # noqa: F401  (registers the lm arms)
-    from geoopt_stiefel_attention.experiments.arms import available_arms, get_arm
-    from geoopt_stiefel_attention.experiments.config import RunSpec
-    from geoopt_stiefel_attention.experiments.runner import run_jobs
+    from experiments.harness.arms import available_arms, get_arm
+    from experiments.harness.config import RunSpec
+    from experiments.harness.runner import run_jobs
+    from experiments.lm import study as lm  # noqa: F401  (registers the lm arms)
 
     out = tmp_path / "out"
     _usage_error(capsys, ["grokking", "--quiet", "--out", str(out), "--arms", "stiefel-gain"],
@@ -330,7 +348,7 @@ def test_report_only_names_the_training_flags_it_ignores(tmp_path, capsys):
 
 
 def test_run_options_are_made_once_from_the_flags():
-    from geoopt_stiefel_attention.experiments.runner import RunOptions
+    from experiments.harness.runner import RunOptions
 
     args = build_parser().parse_args(["grokking", "--workers", "2", "--device", "cpu", "--threads", "3", "--quiet",
                                       "--stop-after-epochs", "5", "--checkpoint-interval", "7"])
@@ -344,9 +362,9 @@ def test_run_options_are_made_once_from_the_flags():
 
 
 def test_report_only_flags_are_declared_beside_their_study():
-    from geoopt_stiefel_attention.experiments.command import ignored_by_report_only
-    from geoopt_stiefel_attention.experiments.lm import STUDY as LM
-    from geoopt_stiefel_attention.experiments.vision import STUDY as VISION
+    from experiments.harness.command import ignored_by_report_only
+    from experiments.lm.study import STUDY as LM
+    from experiments.vision.study import STUDY as VISION
 
     args = build_parser().parse_args(["vision", "--report-only", "--study", "scaling", "--data-dir", "d",
                                       "--width", "8"])
@@ -357,8 +375,8 @@ def test_report_only_flags_are_declared_beside_their_study():
 
 
 def test_usage_error_is_one_class_for_the_cli_and_the_studies():
+    from experiments.harness import command
     from geoopt_stiefel_attention import _argtypes, cli
-    from geoopt_stiefel_attention.experiments import command
 
     assert cli.UsageError is _argtypes.UsageError is command.UsageError
 
@@ -377,3 +395,44 @@ def test_help_says_the_study_default_step_differs_from_the_optimizers(study, cap
     assert "(default original, the paper's step" in text
     own = inspect.signature(StiefelAdam).parameters["adjust_lr_fn"].default
     assert own == "match_rms_adamw" and f"StiefelAdam's own default is {own}" in text
+
+
+def test_a_study_command_is_a_subclass_whose_methods_say_flag_config_arms_train():
+    """Issue 39: each study is a :class:`StudyCommand` subclass; ``run`` goes through its methods in order
+    (flags -> config -> arms -> train). Companions: a subclass without a name is refused at definition, and the
+    base class's abstract methods say which one a study forgot."""
+    import argparse
+
+    from experiments.harness.command import StudyCommand
+    from experiments.lm import study as lm_study
+    from experiments.vision import study as vision_study
+
+    for module in (grokking, vision_study, lm_study):
+        assert isinstance(module.STUDY, StudyCommand) and type(module.STUDY) is not StudyCommand
+        assert module.run == module.STUDY.run and module.add_arguments == module.STUDY.add_arguments
+    calls = []
+
+    class Traced(type(grokking.STUDY)):
+        def config_from_args(self, args):
+            calls.append("config")
+            return super().config_from_args(args)
+
+        def arms_to_run(self, args):
+            calls.append("arms")
+            return super().arms_to_run(args)
+
+        def train(self, config, args, **kwargs):
+            calls.append(("train", kwargs["arms"], kwargs["seeds"]))
+            raise KeyboardInterrupt("stop here")
+
+    parser = argparse.ArgumentParser()
+    Traced().add_arguments(parser)
+    args = parser.parse_args(["--quiet", "--device", "cpu", "--out", "unused"])
+    with pytest.raises(KeyboardInterrupt, match="stop here"):
+        Traced().run(args)
+    assert calls == ["config", "arms", ("train", ["adamw", "stiefel"], [0])]
+    with pytest.raises(TypeError, match="'name'"):
+        type("Nameless", (StudyCommand,), {"config_type": object})
+    with pytest.raises(NotImplementedError, match="Forgetful.train"):
+        type("Forgetful", (StudyCommand,), {"name": "x", "config_type": object})().train(
+            None, args, arms=None, seeds=None, options=None, command=None)

@@ -16,16 +16,16 @@ import scipy.stats
 import torch
 from conftest import F64
 
-from geoopt_stiefel_attention.experiments import OptimConfig, TrainConfig, get_arm, plotting
-from geoopt_stiefel_attention.experiments.config import flag_of
-from geoopt_stiefel_attention.experiments.grokking import PAPER as GROKKING_PAPER
-from geoopt_stiefel_attention.experiments.grokking import GrokkingConfig
-from geoopt_stiefel_attention.experiments.records import summarize
-from geoopt_stiefel_attention.experiments.report import protocol_differences
-from geoopt_stiefel_attention.experiments.stats import compare_arms
-from geoopt_stiefel_attention.experiments.study import Cell
-from geoopt_stiefel_attention.experiments.vision import PAPER as VISION_PAPER
-from geoopt_stiefel_attention.experiments.vision import VisionConfig
+from experiments.grokking.study import PAPER as GROKKING_PAPER
+from experiments.grokking.study import GrokkingConfig
+from experiments.harness import OptimConfig, TrainConfig, get_arm, plotting
+from experiments.harness.config import flag_of
+from experiments.harness.records import summarize
+from experiments.harness.report import protocol_differences
+from experiments.harness.stats import compare_arms
+from experiments.harness.study import Cell
+from experiments.vision.study import PAPER as VISION_PAPER
+from experiments.vision.study import VisionConfig
 
 #: float64 agreement with scipy's t statistic and interval
 SCIPY_TOL = 1e-12
@@ -190,7 +190,7 @@ def test_geoopt_radam_keeps_a_per_frame_second_moment_at_full_size():
 
 def test_finished_runs_leaves_runs_in_progress_out_and_names_them():
     """A study still training must not average a run's current value with other runs' endpoints."""
-    from geoopt_stiefel_attention.experiments.study import finished_runs
+    from experiments.harness.study import finished_runs
 
     def run(arm, seed, last):
         return [{"arm": arm, "seed": seed, "epoch": e, "val_acc": e / 100} for e in range(0, last + 1, 50)]
@@ -220,7 +220,7 @@ def _write_environment(run_dir, calls):
 def test_run_lines_name_every_commit_and_setup_the_runs_were_trained_under(tmp_path):
     """A study trained over several sessions names each commit (marked when the tree had uncommitted changes)
     and each device setup, not only those of the first run found."""
-    from geoopt_stiefel_attention.experiments.study import run_info_from_records, speed_from_environment
+    from experiments.harness.study import run_info_from_records, speed_from_environment
 
     cpu = {"device": "cpu", "torch_threads": 1, "torch": "2.14.1"}
     _write_environment(tmp_path / "runs" / "adamw" / "seed0", [

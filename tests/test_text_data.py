@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from geoopt_stiefel_attention.experiments.data.text import (
+from experiments.lm.data import (
     EvalWindows,
     RandomWindows,
     bits_per_byte,

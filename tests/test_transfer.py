@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from geoopt_stiefel_attention.cli import main
-from geoopt_stiefel_attention.experiments.transfer import collect_shapes, summarize_transfer, transfer_report
+from experiments.cli import main
+from experiments.lm.transfer import collect_shapes, summarize_transfer, transfer_report
 
 LR = 1e-3
 MULTIPLIERS = (1 / 9, 1 / 3, 1.0, 3.0, 9.0)
@@ -116,7 +116,7 @@ def _grokking_check(root, groks_at, seeds=(0,)):
 
 def test_a_grokking_check_ranks_earlier_grokking_better_and_never_reaching_last(tmp_path):
     _grokking_check(tmp_path, {1 / 9: 30, 1 / 3: 10, 1.0: 20, 3.0: None, 9.0: None})
-    from geoopt_stiefel_attention.experiments.transfer import collect_check, summarize_check
+    from experiments.lm.transfer import collect_check, summarize_check
 
     c = summarize_check(collect_check(tmp_path / "check", name="g", reference=tmp_path / "reference"))
     assert c["better"] == "lower" and c["best_multiplier"] == pytest.approx(1 / 3) and c["bracketed"]
@@ -133,7 +133,7 @@ def test_a_grokking_check_ranks_earlier_grokking_better_and_never_reaching_last(
 
 
 def test_a_vision_check_ranks_higher_accuracy_better_and_reads_its_own_adamw_folder(tmp_path):
-    from geoopt_stiefel_attention.experiments.transfer import collect_check, summarize_check
+    from experiments.lm.transfer import collect_check, summarize_check
 
     for seed in (0, 1):
         _check_run(tmp_path / "adamw", "adamw", seed, "vision", None, lambda e: 0.80)
@@ -147,7 +147,7 @@ def test_a_vision_check_ranks_higher_accuracy_better_and_reads_its_own_adamw_fol
 
 
 def test_a_check_refuses_runs_that_differ_in_more_than_the_frame_lr(tmp_path):
-    from geoopt_stiefel_attention.experiments.transfer import collect_check
+    from experiments.lm.transfer import collect_check
 
     _grokking_check(tmp_path, {1.0: 20, 3.0: 10})
     _check_run(tmp_path / "long", "adamw", 0, "grokking", None, lambda e: 1.0, epochs=50)
@@ -180,7 +180,7 @@ def test_the_transfer_report_has_a_checks_section_from_checks_json(tmp_path):
 
 
 def test_the_papers_step_of_a_shape_is_reported_beside_the_rule_and_must_be_the_papers_step(tmp_path):
-    from geoopt_stiefel_attention.experiments.transfer import default_table
+    from experiments.lm.transfer import default_table
 
     _shape(tmp_path, "w64", 64, 2, lambda m: 2.0 + (math.log(m)) ** 2)
     for seed in (0, 1):

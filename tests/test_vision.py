@@ -18,14 +18,13 @@ import scipy.stats
 import torch
 from conftest import F64
 
-from geoopt_stiefel_attention import stiefel_adam_update
-from geoopt_stiefel_attention.experiments import ARMS, OptimConfig, RunSpec, TrainConfig, train_run
-from geoopt_stiefel_attention.experiments.ablation_arms import (
+from experiments.harness import ARMS, OptimConfig, RunSpec, TrainConfig, train_run
+from experiments.harness.ablation_arms import (
     FrameScalarAdam,
     build_framescalar_euclidean,
-    frame_scalar_adam_update,
 )
-from geoopt_stiefel_attention.experiments.data.vision import (
+from experiments.harness.stats import mean_ci, paired_stats
+from experiments.vision.data import (
     DEBIAN_FASHION_MNIST_DIR,
     DatasetNotFoundError,
     load_vision,
@@ -33,8 +32,7 @@ from geoopt_stiefel_attention.experiments.data.vision import (
     random_crop_flip,
     subsample,
 )
-from geoopt_stiefel_attention.experiments.stats import mean_ci, paired_stats
-from geoopt_stiefel_attention.experiments.vision import (
+from experiments.vision.study import (
     STUDY_ARMS,
     StepMovement,
     VisionConfig,
@@ -43,6 +41,7 @@ from geoopt_stiefel_attention.experiments.vision import (
     study_cells,
     warmup_cosine,
 )
+from geoopt_stiefel_attention import stiefel_adam_update
 from geoopt_stiefel_attention.manifolds import is_frame
 
 #: agreement with scipy's t-test / distributions (same formulas, different code paths)
@@ -343,18 +342,14 @@ def test_frame_scalar_step_is_scale_free_and_equivariant():
     assert not torch.allclose(_one_step(sgd, w, 1e3 * g), _one_step(sgd, w, g), atol=1e-3)
 
 
-def test_frame_scalar_adam_update_is_a_deprecated_alias_of_the_unconstrained_reference():
-    """The ablation step is an option of the reference, not a third copy: the old name warns and returns the
-    same tensors, decay included; companion: the constrained (Stiefel) step differs, and refuses a decay."""
+def test_the_ablation_step_is_an_option_of_the_reference():
+    """The ablation step is ``stiefel_adam_update(..., constrained=False)``, not a third copy: no projector, the
+    decay applied, the step capped; companion: the constrained (Stiefel) step differs, and refuses a decay."""
     gen = torch.Generator().manual_seed(2)
     w, g = torch.randn(2, 5, 3, dtype=F64, generator=gen), torch.randn(2, 5, 3, dtype=F64, generator=gen)
     m, v = torch.randn(2, 5, 3, dtype=F64, generator=gen), torch.rand(2, 1, 1, dtype=F64, generator=gen)
     hyper = dict(step=3, lr=0.05, beta1=0.9, beta2=0.99, eps=1e-8, trust_region=0.08)
-    with pytest.warns(DeprecationWarning, match="constrained=False"):
-        old = frame_scalar_adam_update(w, g, m, v, weight_decay=0.3, **hyper)
     new = stiefel_adam_update(w, g, m, v, constrained=False, weight_decay=0.3, **hyper)
-    for a, b in zip(old, new[:3], strict=True):
-        assert torch.equal(a, b)
     s = new[0] - (1.0 - 0.05 * 0.3) * w  # the decayed point minus the capped step
     assert float(s.flatten(-2).norm(dim=-1).max()) <= 0.08 + UPDATE_TOL
     w_frame = torch.linalg.qr(w).Q
@@ -494,7 +489,7 @@ def test_every_study_runs_on_digits(study, tmp_path):
 
 def test_pairs_share_initialisation_and_data(tmp_path):
     """Same seed: both arms start from the same weights (frames = polar factors) and see the same batches."""
-    from geoopt_stiefel_attention.experiments.arms import get_arm
+    from experiments.harness.arms import get_arm
 
     cfg = _tiny_config()
     tasks = {a: build_task(RunSpec(cfg, a, 3), get_arm(a), torch.device("cpu")) for a in ("adamw", "stiefel")}
@@ -510,7 +505,7 @@ def test_pairs_share_initialisation_and_data(tmp_path):
 
 
 def test_bf16_autocast_predicts_float32_logits():
-    from geoopt_stiefel_attention.experiments.arms import get_arm
+    from experiments.harness.arms import get_arm
 
     task = build_task(RunSpec(_tiny_config(amp="bf16"), "stiefel", 0), get_arm("stiefel"), torch.device("cpu"))
     x, y = next(iter(task.train_data.batches(0)))
@@ -520,7 +515,7 @@ def test_bf16_autocast_predicts_float32_logits():
 
 
 def test_cli_vision_runs_and_reports(tmp_path, capsys):
-    from geoopt_stiefel_attention.cli import main
+    from experiments.cli import main
 
     out = tmp_path / "out"
     args = ["vision", "--dataset", "digits", "--seeds", "0", "1", "--epochs", "1", "--width", "8", "--heads", "2",

@@ -3,7 +3,7 @@
 The experiment and benchmark READMEs and reports are Markdown, written next to the runs that produced them.
 The docs include them rather than copying them, so a page never disagrees with the committed report::
 
-    .. markdown-file:: ../../studies/grokking/README.md
+    .. markdown-file:: ../../experiments/grokking/README.md
        :optional:
 
 The file is converted to reStructuredText by a small converter that knows the Markdown the project writes

@@ -25,8 +25,7 @@ prepared accelerator check:
 
 Words: what a benchmark times is an *optimizer* in ``step`` (``optimizers=``, ``--optimizers``; the floor is
 timed as one), a *path* in ``paths`` (``paths=``, ``--paths``) and an *arm* in ``train``, where it is a study arm
-(model preparation plus optimizer). The former names (``STEP_ARMS``, ``PATH_ARMS``, ``ArmTiming``, ``arms=``,
-``--arms``) still work, with a deprecation warning.
+(model preparation plus optimizer).
 
 Protocol. What a benchmark times is interleaved: every round runs each entry for a few steps, in an order that
 rotates from round to round, so slow drift of a shared machine hits all entries alike. Each step is timed on its
@@ -41,10 +40,6 @@ with its table), ``gpu`` (the accelerator check) and ``cli`` (``HELP``, ``add_ar
 """
 
 from __future__ import annotations
-
-from typing import Any
-
-from .._deprecated import renamed_names
 
 # Every name of the former single module ``bench.py`` stays importable from here; the private helpers among
 # them (tests and scripts reach ``_interleave`` and ``_matmul_floor``) are marked ``noqa: F401``.
@@ -65,7 +60,6 @@ from .paths import (
 )
 from .records import Machine, Timing, as_record, machine_info, to_json
 from .settings import (
-    _RENAMED_WHY,
     _SLOW_STEP_S,  # noqa: F401
     BENCH_DEFAULTS,
     CLOCKS,
@@ -111,28 +105,3 @@ __all__ = [
     "format_step_table", "format_train_table", "frame_shapes", "machine_info", "path_frame_sets", "run",
     "step_path_benchmark", "step_time_benchmark", "to_json", "torch_threads", "train_step_benchmark",
 ]
-
-#: former name -> (current name, why); each answers with a DeprecationWarning (``_deprecated.renamed_names``)
-_RENAMED = {
-    "STEP_ARMS": ("STEP_OPTIMIZERS", _RENAMED_WHY),
-    "PATH_ARMS": ("STEP_PATHS", _RENAMED_WHY),
-    "ArmTiming": ("Timing", _RENAMED_WHY),
-    "_ARM_LABELS": ("_OPTIMIZER_LABELS", _RENAMED_WHY),
-    "_step_arms": ("_optimizer_steps", _RENAMED_WHY),
-}
-_renamed = renamed_names(__name__, globals(), _RENAMED)
-
-
-def __getattr__(name: str) -> Any:
-    """Deprecated aliases: the names renamed when bench took the words "optimizer" and "path" (see
-    ``_RENAMED``), and ``bench.grokking_speed``, moved to :mod:`geoopt_stiefel_attention.experiments.speed`."""
-    if name == "grokking_speed":
-        import warnings
-
-        from ..experiments.speed import grokking_speed
-
-        warnings.warn("geoopt_stiefel_attention.bench.grokking_speed moved to "
-                      "geoopt_stiefel_attention.experiments.speed.grokking_speed (the benchmarks measure the library, "
-                      "not the studies)", DeprecationWarning, stacklevel=2)
-        return grokking_speed
-    return _renamed(name)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 from dataclasses import replace
 
 from .._argtypes import (
@@ -29,7 +28,7 @@ from .paths import (
     step_path_benchmark,
 )
 from .records import machine_info, to_json
-from .settings import _RENAMED_WHY, BENCH_DEFAULTS, CLOCKS, torch_threads
+from .settings import BENCH_DEFAULTS, CLOCKS, torch_threads
 from .step import CONFIGS, STEP_OPTIMIZERS, format_step_table, step_time_benchmark
 from .train import EXTRA_TRAIN_MODELS, TRAIN_MODELS, format_train_table, train_step_benchmark
 
@@ -51,9 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"what 'step' times, any of {' '.join(STEP_OPTIMIZERS)} (default: all)")
     parser.add_argument("--paths", nargs="+", default=None, choices=STEP_PATHS, metavar="PATH",
                         help=f"what 'paths' times, any of {' '.join(STEP_PATHS)} (default: all)")
-    parser.add_argument("--arms", nargs="+", default=None, choices=tuple(dict.fromkeys(STEP_OPTIMIZERS + STEP_PATHS)),
-                        metavar="NAME", help="deprecated: the former name of --optimizers ('step') and --paths "
-                                             "('paths')")
     parser.add_argument("--grid", default="short", choices=GRIDS,
                         help=f"frame sets for 'paths': 'short', the bench shape {BENCH_FRAMES.label} (default); "
                              f"'full', also widths {min(GRID_WIDTHS)}-{max(GRID_WIDTHS)} with r = "
@@ -155,22 +151,14 @@ _TIMED_OPTIONS = {
 
 
 def _timed(args: argparse.Namespace) -> tuple[str, ...] | None:
-    """What 'step' (``--optimizers``) or 'paths' (``--paths``) times, checked; ``None`` for the other benchmarks.
-    ``--arms``, the former name of both, still works, with a one-line deprecation note on stderr."""
-    if args.arms is not None:
-        print(f"stiefel-attention bench: --arms is deprecated; use --optimizers for 'step' and --paths for 'paths' "
-              f"({_RENAMED_WHY})", file=sys.stderr)
+    """What 'step' (``--optimizers``) or 'paths' (``--paths``) times, checked; ``None`` for the other benchmarks."""
     for what, (flag, dest, *_) in _TIMED_OPTIONS.items():
         if getattr(args, dest) is not None and args.what != what:
             raise UsageError(f"{flag} chooses what '{what}' times; '{args.what}' does not take it")
     if args.what not in _TIMED_OPTIONS:
-        return None  # --arms was never read by 'train' and 'gpu'
+        return None
     flag, dest, allowed, relative_to, word = _TIMED_OPTIONS[args.what]
     chosen = getattr(args, dest)
-    if args.arms is not None:
-        if chosen is not None:
-            raise UsageError(f"--arms is the former name of {flag}; pass {flag} only")
-        flag, chosen = "--arms", args.arms
     chosen = list(allowed) if chosen is None else chosen
     wrong = [a for a in chosen if a not in allowed]
     if wrong:

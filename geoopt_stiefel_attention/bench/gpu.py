@@ -39,7 +39,7 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
     4. ``retraction``: :func:`retraction_benchmark` on the same frames, float32.
 
     The grokking study's epochs per second, which ``benchmarks/gpu.sh`` adds next, belong to the studies
-    (:mod:`geoopt_stiefel_attention.experiments.speed`): the benchmarks measure the library only.
+    (:mod:`experiments.grokking.speed`): the benchmarks measure the library only.
 
     Returns a JSON-ready dict: ``machine``, ``settings``, ``seconds`` (per part) and one entry per part.
     """

@@ -8,10 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._deprecated import renamed_keyword
 from .records import Timing
 from .settings import (
-    _RENAMED_WHY,
     DISAGREEMENT_NOTE,
     BenchSettings,
     _interleave,
@@ -180,8 +178,7 @@ def step_path_benchmark(
     compile_backend : str, default "inductor"
         ``torch.compile`` backend of the compiled path (``"aot_eager"`` traces without generating code).
     settings : BenchSettings, optional
-        Default ``BENCH_DEFAULTS["paths"]``; with ``**overrides`` as in :func:`step_time_benchmark` (``arms=``,
-        the former name of ``paths=``, is accepted with a :class:`DeprecationWarning`).
+        Default ``BENCH_DEFAULTS["paths"]``; with ``**overrides`` as in :func:`step_time_benchmark`.
 
     Returns
     -------
@@ -190,8 +187,6 @@ def step_path_benchmark(
     """
     import torch
 
-    paths = renamed_keyword(overrides, "arms", "paths", paths, STEP_PATHS, where="step_path_benchmark",
-                            why=_RENAMED_WHY)
     s = _settings("paths", settings, overrides)
     if "matmul_floor" not in paths:
         raise ValueError("bench: paths must include 'matmul_floor' (every ratio is relative to it).")

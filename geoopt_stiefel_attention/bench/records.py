@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import platform
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -28,12 +27,6 @@ class Timing:
     state_bytes: int | None = None
     workspace_bytes: int | None = None
     note: str = ""
-
-    @property
-    def arm(self) -> str:
-        """Deprecated: :attr:`name` (bench's entries are optimizers and paths; an "arm" is a study arm)."""
-        warnings.warn("Timing.arm is deprecated; use Timing.name", DeprecationWarning, stacklevel=2)
-        return self.name
 
 
 @dataclass(frozen=True)

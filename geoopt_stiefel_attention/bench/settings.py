@@ -16,10 +16,6 @@ from .records import Timing
 
 CLOCKS = ("wall", "cpu")
 
-#: Why the step and paths benchmarks renamed what they time (the deprecation warnings of ``arms=``, ``--arms``).
-_RENAMED_WHY = 'in the package an "arm" is a study arm; bench times optimizers (step) and paths (paths)'
-
-
 @dataclass(frozen=True)
 class BenchSettings:
     """The settings every benchmark shares: the interleaving protocol (see the module docstring), the

@@ -9,10 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._deprecated import renamed_keyword
 from .records import Timing
 from .settings import (
-    _RENAMED_WHY,
     DISAGREEMENT_NOTE,
     BenchSettings,
     _clock,
@@ -177,8 +175,7 @@ def step_time_benchmark(
         Protocol, lr, dtype, device, clock, threads and seed; default ``BENCH_DEFAULTS["step"]``. Optimizers slower
         than 0.25 s per step (geoopt's canonical Stiefel at large widths) run one step per round.
     **overrides
-        Fields of :class:`BenchSettings` replacing those of ``settings`` (``rounds=3``, ``clock="cpu"``);
-        ``arms=``, the former name of ``optimizers=``, is accepted with a :class:`DeprecationWarning`.
+        Fields of :class:`BenchSettings` replacing those of ``settings`` (``rounds=3``, ``clock="cpu"``).
 
     Returns
     -------
@@ -187,8 +184,6 @@ def step_time_benchmark(
     """
     import torch
 
-    optimizers = renamed_keyword(overrides, "arms", "optimizers", optimizers, STEP_OPTIMIZERS,
-                                 where="step_time_benchmark", why=_RENAMED_WHY)
     s = _settings("step", settings, overrides)
     _clock(s.clock)  # an unknown clock is refused before anything is built
     configs = CONFIGS if configs is None else configs

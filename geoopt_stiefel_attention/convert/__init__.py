@@ -42,7 +42,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from .. import _deprecated
 from ..manifolds import is_frame
 
 # The `noqa: F401` imports are re-exports: every name importable from geoopt_stiefel_attention.convert before it
@@ -147,9 +146,6 @@ class ConvertedAttention:
 @dataclass(frozen=True)
 class ConversionResult:
     """What :func:`stiefelize` did. ``str(result)`` is a readable summary; iterate for the rows.
-
-    (Formerly ``ConversionReport``, still importable as a deprecated alias: in this project a *report* is a
-    study's report.)
 
     Attributes
     ----------
@@ -375,8 +371,6 @@ def stiefelize(
     strict: bool = True,
     probe: Any = None,
     gain_rate: float = GAIN_RATE,
-    frames: str | None = None,
-    drop_qk_bias: bool | None = None,
 ) -> ConversionResult:
     r"""Put the query/key projections of every attention module of ``model`` on the Stiefel manifold, in place.
 
@@ -434,11 +428,6 @@ def stiefelize(
     gain_rate : float, default :data:`GAIN_RATE`
         The rate in :math:`\gamma_h = \exp(\text{rate}\,\theta_h)`. Adam moves :math:`\theta` by about
         ``lr`` per step, so with rate 10 and ``lr = 1e-3`` a gain can grow tenfold in about 230 steps.
-    frames, drop_qk_bias
-        Deprecated (the options of the former module-replacing converter). ``frames="head"`` is what
-        ``stiefelize`` does; ``frames="layer"`` is refused (use
-        ``StiefelMultiheadAttention.from_euclidean(module, frames="layer")``). ``drop_qk_bias=True`` means
-        ``qk_bias="drop"``; ``logit_gain=True``/``False`` mean ``"learn"``/``None``.
 
     Returns
     -------
@@ -480,7 +469,6 @@ def stiefelize(
     >>> len(frame_parameters(model))
     4
     """
-    logit_gain, qk_bias = _legacy(logit_gain, qk_bias, frames, drop_qk_bias)
     if logit_gain not in GAIN_MODES:
         raise ValueError(f"stiefelize: logit_gain={logit_gain!r} is unknown; pass None, 'learn' or 'fit'.")
     if qk_bias not in BIAS_MODES:
@@ -570,28 +558,6 @@ def stiefelize(
         # a ratio only where it is defined: a zero (or non-finite) output before conversion has no relative change
         change = absolute / scale if scale > 0 and math.isfinite(scale) else None
     return ConversionResult(tuple(rows), tuple(problems), change, absolute, scale)
-
-
-def _legacy(logit_gain: Any, qk_bias: str, frames: Any, drop_qk_bias: Any) -> tuple[Any, str]:
-    """Map the former converter's options onto the new ones, with a DeprecationWarning."""
-    def deprecated(old: str, new: str) -> None:
-        warnings.warn(f"stiefelize: {old} is deprecated; {new}.", DeprecationWarning, stacklevel=3)
-
-    if isinstance(logit_gain, bool):
-        new = "learn" if logit_gain else None
-        deprecated(f"logit_gain={logit_gain}", f"pass logit_gain={new!r}")
-        logit_gain = new
-    if frames is not None:
-        if frames != "head":
-            raise ValueError(f"stiefelize: frames={frames!r} is not supported: stiefelize makes one frame per head. "
-                             f"For one frame per layer use StiefelMultiheadAttention.from_euclidean(module, "
-                             f"frames='layer') or build the model with StiefelMultiheadAttention(..., "
-                             f"frames='layer').")
-        deprecated("frames='head'", "one frame per head is what stiefelize does; drop the argument")
-    if drop_qk_bias is not None:
-        deprecated(f"drop_qk_bias={drop_qk_bias}", "pass qk_bias='drop' or 'keep'")
-        qk_bias = "drop" if drop_qk_bias else qk_bias
-    return logit_gain, qk_bias
 
 
 def _where(path: str) -> str:
@@ -709,6 +675,3 @@ def _probe(model: nn.Module, batch: Any) -> Tensor:
                          f"object with .logits / .last_hidden_state, or a tuple whose first element is one).")
     return out.detach().double().clone()
 
-
-__getattr__ = _deprecated.renamed_names(__name__, globals(), {
-    "ConversionReport": ("ConversionResult", "what stiefelize returns; a 'report' is a study's report")})

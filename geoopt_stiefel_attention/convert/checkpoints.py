@@ -17,10 +17,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from .._linalg import orthonormality_error
+from .._linalg import ORTHONORMALITY_TOLERANCE, orthonormality_error
 from ..distributed import is_sharded
 from ..manifolds import PolarStiefel, is_frame
-from ..optim import ORTHONORMALITY_TOLERANCE
 from .parametrization import _MARK, _OURS, _frames_from, _owner, _QKWeight, _ZeroQKBias
 
 # ---------------------------------------------------------------------------------------------- state dicts
@@ -42,7 +41,7 @@ def _stock_to_frames(module: _QKWeight, weight: Tensor, key: str) -> tuple[dict[
     Rest slices become ``original``; each query/key head block :math:`A` (``(d, r)``) becomes a frame: with a
     query log-gain, :math:`\gamma_h = \|A_h\|_F/\sqrt r`, :math:`\theta_h = \log(\gamma_h)/\text{rate}` and
     :math:`A_h \leftarrow A_h/\gamma_h` first; then :math:`A` itself when
-    :math:`\max|A^\top A - I| \le` :data:`~geoopt_stiefel_attention.optim.ORTHONORMALITY_TOLERANCE` of the
+    :math:`\max|A^\top A - I| \le` :data:`~geoopt_stiefel_attention._linalg.ORTHONORMALITY_TOLERANCE` of the
     frame's dtype (so the model's own state dict loads back bit for bit when there is no gain), else its polar
     factor :math:`A(A^\top A)^{-1/2}`, and the head is listed as not representable.
     """

@@ -1,0 +1,42 @@
+"""The command ``python -m experiments <study>``: one subcommand per study, with each study's flags.
+
+Each study module provides ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``; errors are
+handled as in the ``stiefel-attention`` command (:func:`geoopt_stiefel_attention.cli.run_command`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from geoopt_stiefel_attention.cli import run_command
+
+__all__ = ["PROG", "STUDIES", "build_parser", "main"]
+
+PROG = "python -m experiments"
+
+#: study name -> module implementing it
+STUDIES: dict[str, str] = {
+    "grokking": "experiments.grokking.study",
+    "vision": "experiments.vision.study",
+    "lm": "experiments.lm.study",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m experiments`` with every study as a subcommand."""
+    parser = argparse.ArgumentParser(prog=PROG, description="Run, resume or rebuild the report of a study.")
+    sub = parser.add_subparsers(dest="command", metavar="STUDY")
+    sub.required = True
+    for name, module_name in STUDIES.items():
+        module = importlib.import_module(module_name)
+        sp = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(sp)
+        sp.set_defaults(_run=module.run, _parser=sp)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m experiments argv``; returns the exit status (2 for a usage error, 130 for Ctrl-C)."""
+    args = build_parser().parse_args(argv)
+    return run_command(args._run, args, f"{PROG} {args.command}")

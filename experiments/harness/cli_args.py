@@ -1,0 +1,235 @@
+"""Command-line flags shared by the study subcommands, mapped onto the frozen configs.
+
+A study calls :func:`add_schedule_arguments` and :func:`add_optim_arguments` with its default
+:class:`TrainConfig`/:class:`OptimConfig` (so ``--help`` shows the study's defaults), and
+:func:`add_runner_arguments` for how to run; :func:`train_config_from_args` and
+:func:`optim_config_from_args` build the configs back from the parsed namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from geoopt_stiefel_attention._linalg import ADJUST_LR_FNS
+
+from .config import OptimConfig, TrainConfig
+
+__all__ = ["add_schedule_arguments", "add_optim_arguments", "add_runner_arguments", "train_config_from_args",
+           "optim_config_from_args", "check_runner_args", "check_out_dir", "require_modules", "build_config",
+           "invoked_command", "user_errors"]
+
+
+def _none_or_float(text: str) -> float | None:
+    return None if text.lower() in ("none", "off") else float(text)
+
+
+def add_schedule_arguments(parser: argparse.ArgumentParser, default: TrainConfig) -> None:
+    """``--epochs`` and ``--eval-every``."""
+    parser.add_argument("--epochs", type=int, default=default.epochs,
+                        help=f"training epochs (default {default.epochs})")
+    parser.add_argument("--eval-every", type=int, default=default.eval_every,
+                        help=f"evaluate and write a record every this many epochs (default {default.eval_every})")
+
+
+def add_optim_arguments(parser: argparse.ArgumentParser, default: OptimConfig) -> None:
+    """``--lr``, ``--frame-lr``, ``--betas``, ``--eps``, ``--weight-decay``, ``--trust-region``, ``--momentum``,
+    ``--adjust-lr-fn``."""
+    g = parser.add_argument_group("optimizer")
+    g.add_argument("--lr", type=float, default=default.lr, help=f"learning rate (default {default.lr:g})")
+    g.add_argument("--frame-lr", type=float, default=default.frame_lr,
+                   help="learning rate of the Stiefel frames (default: --lr)")
+    g.add_argument("--betas", type=float, nargs=2, default=list(default.betas), metavar=("BETA1", "BETA2"),
+                   help=f"Adam betas (default {default.betas[0]:g} {default.betas[1]:g})")
+    g.add_argument("--eps", type=float, default=default.eps, help=f"Adam epsilon (default {default.eps:g})")
+    g.add_argument("--weight-decay", type=float, default=default.weight_decay,
+                   help=f"decoupled weight decay of the Euclidean matrices (default {default.weight_decay:g}); "
+                        f"frames get none")
+    g.add_argument("--trust-region", type=_none_or_float, default=default.trust_region,
+                   help=f"StiefelAdam's per-frame step cap, or 'none' (default {default.trust_region})")
+    g.add_argument("--momentum", type=float, default=default.momentum,
+                   help=f"momentum of the geoopt-rsgd arm (default {default.momentum:g})")
+    g.add_argument("--adjust-lr-fn", choices=ADJUST_LR_FNS, default=default.adjust_lr_fn,
+                   help="what the frames' lr measures under StiefelAdam: 'original' (a frame's step norm, the "
+                        "paper's step) or 'match_rms_adamw' (a per-entry step, as for AdamW: the frame step and "
+                        f"trust radius times sqrt(d r)) (default {default.adjust_lr_fn}"
+                        + (", the paper's step, so that the studies rerun the paper; StiefelAdam's own default is "
+                           "match_rms_adamw)" if default.adjust_lr_fn == "original" else ")"))
+
+
+def add_runner_arguments(parser: argparse.ArgumentParser, *, arms: Sequence[str], seeds: Sequence[int],
+                         out: str, study: str | None = None) -> None:
+    """``--arms``, ``--seeds``, ``--out``, ``--workers``, ``--device``, ``--threads``, ``--quiet``,
+    ``--report-only``, ``--skip-report``, ``--stop-after-epochs``, ``--checkpoint-interval``."""
+    from .arms import available_arms
+
+    g = parser.add_argument_group("running")
+    g.add_argument("--arms", nargs="+", default=None,
+                   help=f"arms to run (default {' '.join(arms)}; with --report-only: every arm on disk; registered: "
+                        f"{', '.join(available_arms(study))})")
+    g.add_argument("--seeds", nargs="+", type=int, default=None,
+                   help=f"seeds; each fixes the data split/order and the initial weights (default "
+                        f"{' '.join(map(str, seeds))}; with --report-only: every seed on disk)")
+    g.add_argument("--out", default=out, help=f"output folder (default {out}); rerunning resumes")
+    g.add_argument("--workers", type=int, default=1, help="(arm, seed) runs in parallel processes (default 1)")
+    g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch threads per run (default: torch's choice for --workers 1, else cpus // workers)")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--report-only", action="store_true",
+                   help="train nothing: rebuild summary.json, the plots and report.md from the records in --out")
+    g.add_argument("--skip-report", action="store_true",
+                   help="train only; build summary.json, the plots and report.md later with --report-only")
+    g.add_argument("--stop-after-epochs", type=int, default=None, metavar="N",
+                   help="train at most N epochs per run in this call, then checkpoint and stop (rerun to resume)")
+    g.add_argument("--checkpoint-interval", type=float, default=30.0, metavar="SECONDS",
+                   help="minimum seconds between checkpoints (default 30; one is always written at the end)")
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(epochs=args.epochs, eval_every=args.eval_every)
+
+
+def optim_config_from_args(args: argparse.Namespace) -> OptimConfig:
+    return OptimConfig(lr=args.lr, betas=tuple(args.betas), eps=args.eps, weight_decay=args.weight_decay,
+                       frame_lr=args.frame_lr, trust_region=args.trust_region, momentum=args.momentum,
+                       adjust_lr_fn=args.adjust_lr_fn)
+
+
+def invoked_command() -> str | None:
+    """The command line that started this process, as ``python -m experiments ...`` (recorded in reports)."""
+    import shlex
+    import sys
+
+    return "python -m experiments " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+
+
+def check_runner_args(args: argparse.Namespace, study: str | None = None) -> None:
+    """Refuse bad running flags before anything is written: unknown or repeated ``--arms``, negative or
+    repeated ``--seeds``, ``--workers``/``--threads``/``--stop-after-epochs`` below 1, a negative
+    ``--checkpoint-interval``, a ``--device`` torch cannot use, and an ``--out`` that cannot be a folder.
+    Raises :class:`~geoopt_stiefel_attention._argtypes.UsageError` naming the flag."""
+    import math
+
+    from geoopt_stiefel_attention._argtypes import UsageError
+
+    from .arms import ARMS, available_arms
+
+    if args.arms is not None:
+        unknown = [a for a in args.arms if a not in ARMS]
+        if unknown:
+            raise UsageError(f"--arms: unknown arm(s) {', '.join(unknown)}; registered arms: "
+                             f"{', '.join(available_arms(study))}.")
+        foreign = [a for a in args.arms if a not in available_arms(study)]
+        if foreign:
+            raise UsageError(f"--arms: {', '.join(foreign)} belongs to another study (its model builder gives it its "
+                             f"meaning); arms of this study: {', '.join(available_arms(study))}.")
+        if len(set(args.arms)) != len(args.arms):
+            raise UsageError(f"--arms: {' '.join(args.arms)} names an arm twice; list each arm once.")
+    if args.seeds is not None:
+        bad = [s for s in args.seeds if s < 0]
+        if bad:
+            raise UsageError(f"--seeds: {' '.join(map(str, bad))} is negative; seeds are ints >= 0 (e.g. --seeds 0 1 2).")
+        if len(set(args.seeds)) != len(args.seeds):
+            raise UsageError(f"--seeds: {' '.join(map(str, args.seeds))} names a seed twice; list each seed once.")
+    for flag, value in (("--workers", args.workers), ("--threads", args.threads),
+                        ("--stop-after-epochs", args.stop_after_epochs)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} {value}: must be an int >= 1.")
+    if not (math.isfinite(args.checkpoint_interval) and args.checkpoint_interval >= 0):
+        raise UsageError(f"--checkpoint-interval {args.checkpoint_interval}: must be a number of seconds >= 0.")
+    if args.report_only and args.skip_report:
+        raise UsageError("--report-only and --skip-report exclude each other; pass one of them.")
+    if not args.report_only:
+        from .runner import resolve_device
+
+        try:
+            resolve_device(args.device)
+        except ValueError:
+            raise UsageError(f"--device {args.device}: torch sees no GPU on this machine; use --device cpu or "
+                             f"auto.") from None
+        except RuntimeError:
+            raise UsageError(f"--device {args.device}: not a device torch knows; use auto, cpu, cuda or "
+                             f"cuda:N.") from None
+    check_out_dir(args.out, must_exist=args.report_only)
+
+
+def check_out_dir(out: str, *, must_exist: bool = False) -> None:
+    """Refuse an ``--out`` that is a file, lies under a file, cannot be created for lack of permission (or on a
+    read-only file system), or (for ``--report-only``) does not exist. Leaves nothing behind."""
+    from pathlib import Path
+
+    from geoopt_stiefel_attention._argtypes import UsageError, output_path_problem
+
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {out}: is a file, not a folder; pass a folder (it is created if missing).")
+    if must_exist:
+        if not path.is_dir():
+            raise UsageError(f"--out {out}: no such folder; --report-only rebuilds the report of a study folder "
+                             f"that holds runs.")
+    problem = output_path_problem(out, folder=True)
+    if problem is not None:
+        raise UsageError(f"--out {out}: {problem}")
+
+
+#: optional package -> what needs it
+OPTIONAL_PACKAGES = {"tqdm": "progress bars (or pass --quiet)", "seaborn": "the figures (or pass --skip-report)",
+                     "pandas": "the figures (or pass --skip-report)",
+                     "matplotlib": "the figures (or pass --skip-report)", "scipy": "the statistics",
+                     "torchvision": "the CIFAR-10 and Fashion-MNIST data", "sklearn": "the digits data"}
+
+
+def require_modules(names: Sequence[str]) -> None:
+    """Import each optional package in ``names``; one missing raises
+    :class:`~geoopt_stiefel_attention._argtypes.UsageError` saying what needs it and how to install it."""
+    import importlib
+
+    from geoopt_stiefel_attention._argtypes import UsageError
+
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pip = "scikit-learn" if name == "sklearn" else name
+            raise UsageError(f"the optional package {pip} is not installed; it is needed for "
+                             f"{OPTIONAL_PACKAGES.get(name, 'this command')}. Install it with: pip install {pip} "
+                             f"(or pip install 'geoopt-stiefel-attention[experiments]').") from None
+
+
+def runner_modules(args: argparse.Namespace) -> list[str]:
+    """The optional packages a study command will use, given its running flags."""
+    names = ["scipy"]
+    if not args.quiet and not args.report_only:
+        names.append("tqdm")
+    if not args.skip_report:
+        names += ["pandas", "matplotlib", "seaborn"]
+    return names
+
+
+def build_config(factory, args: argparse.Namespace):
+    """``factory(args)`` with a config error turned into a :class:`~geoopt_stiefel_attention._argtypes.UsageError`
+    (the config messages name the flags)."""
+    from geoopt_stiefel_attention._argtypes import UsageError
+
+    try:
+        return factory(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+class user_errors:  # noqa: N801 - used as a context manager: ``with user_errors(): ...``
+    """Turn the harness's user-facing errors (a run folder holding another run, a folder being trained by
+    another process) into :class:`~geoopt_stiefel_attention._argtypes.UsageError` (one line, exit status 2)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, tb) -> bool:
+        from geoopt_stiefel_attention._argtypes import UsageError
+
+        from .runner import ConfigMismatchError, RunLockedError
+
+        if isinstance(err, (ConfigMismatchError, RunLockedError)):
+            raise UsageError(str(err)) from None
+        return False

@@ -1,0 +1,1 @@
+"""The lm study: its code (``study.py``), data (``data.py``), configs, run scripts, README and records."""

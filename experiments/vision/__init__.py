@@ -1,0 +1,1 @@
+"""The vision study: its code (``study.py``), data (``data.py``), configs, run scripts, README and records."""
