@@ -10,7 +10,10 @@ threshold, seed by seed, measures that ingredient:
 - **orthonormality of frozen W_Q, W_K**: ``stiefel-frozen`` − ``adamw-frozen``;
 - **the constraint with its step**: ``stiefel`` − ``adamw-orthostart`` (from the same frames, trained on the
   manifold by StiefelAdam instead of freely by AdamW);
-- **the step on the manifold**: ``stiefel`` − ``stiefel-frozen`` (frames moved by StiefelAdam instead of held).
+- **the step on the manifold**: ``stiefel`` − ``stiefel-frozen`` (frames moved by StiefelAdam instead of held);
+- **weight decay on W_Q, W_K**: ``adamw-qk-nodecay`` − ``adamw`` (the same AdamW, without decay on W_Q, W_K);
+- **training W_Q, W_K without decay**: ``adamw-frozen`` − ``adamw-qk-nodecay`` (frozen instead of trained, neither
+  decayed): with the contrast above, it tells "attention that is not trained" from "attention that is not decayed".
 
 :func:`mechanism_summary` computes the contrasts that both arms ran (paired t and sign tests on the seeds where
 both reached the threshold, Holm's adjustment over the contrasts present) and a verdict per contrast by one
@@ -47,6 +50,10 @@ CONTRASTS: tuple[Contrast, ...] = (
              "from the same frames, trained on the manifold by StiefelAdam instead of freely by AdamW"),
     Contrast("the step on the manifold", "stiefel", "stiefel-frozen",
              "frames moved by StiefelAdam instead of held at their start"),
+    Contrast("weight decay on W_Q, W_K", "adamw-qk-nodecay", "adamw",
+             "W_Q, W_K trained by AdamW without weight decay instead of with it (lambda = 1)"),
+    Contrast("training W_Q, W_K without decay", "adamw-frozen", "adamw-qk-nodecay",
+             "W_Q, W_K frozen at their random start instead of trained by AdamW without decay"),
 )
 
 #: The rule that turns a contrast into words, applied in this order.
