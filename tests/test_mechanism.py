@@ -73,4 +73,4 @@ def test_the_paragraph_is_generated_from_the_summary_and_absent_without_contrast
     assert mechanism_summary(_summary({"adamw": ADAMW, "stiefel": ADAMW})) is None
     assert mechanism_lines(None) == []
     assert {c.arm for c in CONTRASTS} | {c.against for c in CONTRASTS} == {
-        "adamw", "adamw-orthostart", "adamw-frozen", "stiefel", "stiefel-frozen"}
+        "adamw", "adamw-orthostart", "adamw-frozen", "adamw-qk-nodecay", "stiefel", "stiefel-frozen"}
