@@ -4,4 +4,5 @@ import sys
 
 from experiments.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing the module (autosummary, documentation tools) runs nothing
+    sys.exit(main())

@@ -8,13 +8,15 @@
 - :mod:`.metrics`: per-evaluation hooks (weight norms, movement and principal angles of W_Q, W_K);
 - :mod:`.records`, :mod:`.plotting`, :mod:`.report`: JSON-lines records, summaries, seaborn figures,
   markdown reports;
-- :mod:`.data`: batch sources and data sets; :mod:`.grokking`: the modular-arithmetic grokking study.
+- :mod:`.batches`: batch sources; each study's data sets live in its own folder
+  (:mod:`experiments.grokking.data`, :mod:`experiments.vision.data`, :mod:`experiments.lm.data`).
 
 Plotting libraries, pandas and tqdm are imported lazily, inside the functions that use them.
 
-- :mod:`.study`: the study layer: sweep cells, the (cell, arm, seed) grid, summaries, paired statistics
+- :mod:`experiments.harness.study`: the study layer: sweep cells, the (cell, arm, seed) grid, summaries, paired statistics
   (:mod:`.stats`), figures (:mod:`.plotting`) and the markdown report (:mod:`.report`), shared by every study;
-- :mod:`.vision`: the ViT-on-patches study (data, model, arms and sweep cells only).
+- the studies, beside the harness: :mod:`experiments.grokking`, :mod:`experiments.vision` (ViT on patches),
+  :mod:`experiments.lm`.
 
 Adding a study (the docs page "Experiments", section "Adding a study", walks through it): a study is a
 config, its task builder, its arms and its report sections; the harness does the rest.

@@ -11,7 +11,7 @@ folder                    what it holds
                           arm's frames follow its ``adjust_lr_fn`` rule, so ``v`` is the arm's one knob)
 ``final/runs/<arm>/``     the final cell: each arm at *its* selected lr, on the final seeds
 ``timing.json``           the timing pass: every arm's training step timed in one process, interleaved
-``report.md``              the report (with ``summary.json`` and ``lr_grid.png``), a function of the files
+``report.md``             the report (with ``summary.json`` and ``lr_grid.png``), a function of the files
                           above only (rebuilt byte for byte by ``--report-only``)
 ========================  ===============================================================================
 
