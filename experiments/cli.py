@@ -7,9 +7,8 @@ handled as in the ``stiefel-attention`` command (:func:`geoopt_stiefel_attention
 from __future__ import annotations
 
 import argparse
-import importlib
 
-from geoopt_stiefel_attention.cli import run_command
+from geoopt_stiefel_attention.cli import add_subcommands, run_command
 
 __all__ = ["PROG", "STUDIES", "build_parser", "main"]
 
@@ -26,13 +25,7 @@ STUDIES: dict[str, str] = {
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m experiments`` with every study as a subcommand."""
     parser = argparse.ArgumentParser(prog=PROG, description="Run, resume or rebuild the report of a study.")
-    sub = parser.add_subparsers(dest="command", metavar="STUDY")
-    sub.required = True
-    for name, module_name in STUDIES.items():
-        module = importlib.import_module(module_name)
-        sp = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        module.add_arguments(sp)
-        sp.set_defaults(_run=module.run, _parser=sp)
+    add_subcommands(parser, STUDIES, metavar="STUDY")
     return parser
 
 

@@ -12,7 +12,7 @@ import sys
 
 from ._argtypes import UsageError  # defined beside the argument types, which the studies import too
 
-__all__ = ["SUBCOMMANDS", "STUDIES", "UsageError", "build_parser", "main", "run_command"]
+__all__ = ["SUBCOMMANDS", "STUDIES", "UsageError", "add_subcommands", "build_parser", "main", "run_command"]
 
 #: subcommand name -> module implementing it
 SUBCOMMANDS: dict[str, str] = {
@@ -35,14 +35,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Stiefel-constrained attention: certify, benchmark and demonstrate the library.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_subcommands(parser, SUBCOMMANDS, metavar="COMMAND")
+    return parser
+
+
+def add_subcommands(parser: argparse.ArgumentParser, modules: dict[str, str], *, metavar: str) -> None:
+    """One required subcommand per ``name -> module`` of ``modules``; each module provides ``HELP`` (one line),
+    ``add_arguments(parser)`` and ``run(args) -> int`` (shared by ``python -m experiments``)."""
+    sub = parser.add_subparsers(dest="command", metavar=metavar)
     sub.required = True
-    for name, module_name in SUBCOMMANDS.items():
+    for name, module_name in modules.items():
         module = importlib.import_module(module_name)
         sp = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(sp)
         sp.set_defaults(_run=module.run, _parser=sp)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
