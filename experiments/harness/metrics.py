@@ -9,6 +9,10 @@ A hook is an object with three optional methods (subclass :class:`MetricHook`):
 - ``metrics(model) -> dict[str, float | None]``: the values to add to the evaluation's record.
 
 :class:`WeightNorms` and :class:`QKGeometry` are the built-in hooks; studies add their own.
+
+A :class:`StepHook` instead adds values to every training step's record (``steps.jsonl``), read from the
+training forward itself (no extra forward): ``attach(model)`` once the model is built, ``values()`` after each
+step's forward and backward.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from geoopt_stiefel_attention.manifolds import is_frame
 
-__all__ = ["MetricHook", "WeightNorms", "QKGeometry", "StepMovement", "principal_angles"]
+__all__ = ["MetricHook", "StepHook", "WeightNorms", "QKGeometry", "StepMovement", "principal_angles"]
 
 
 class MetricHook:
@@ -36,6 +40,17 @@ class MetricHook:
 
     def metrics(self, model: torch.nn.Module) -> dict[str, float | None]:
         """Values to add to the current evaluation's record."""
+        return {}
+
+
+class StepHook:
+    """Base class of the per-step hooks (module docstring); every method is a no-op."""
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Called once with the built (and prepared) model, before training; e.g. registers forward hooks."""
+
+    def values(self) -> dict[str, Any]:
+        """Values of the step just taken (its training forward) to add to its record."""
         return {}
 
 

@@ -12,7 +12,8 @@ hooks. :func:`train_run` does the rest:
    ``metrics.jsonl`` is cut back to the records the checkpoint had seen);
 4. trains: for each epoch, each batch: ``zero_grad``, loss of ``predict(model, x)`` against ``y``,
    ``backward``, optional gradient-norm clipping, ``step``; after epoch 0, every ``eval_every`` epochs and after the last, evaluates every
-   named set under ``torch.inference_mode`` and appends one JSON line to ``metrics.jsonl``;
+   named set under ``torch.inference_mode`` and appends one JSON line to ``metrics.jsonl``; with
+   ``Task.record_steps``, every step also gets a line in ``steps.jsonl`` (:data:`STEPS_FILE`);
 5. checkpoints atomically at evaluations (at most every ``checkpoint_interval_s`` seconds), when stopped by
    ``stop_after_epochs``, and at the end.
 
@@ -44,16 +45,22 @@ from geoopt_stiefel_attention.convert import parametrized_state_dict
 from .arms import Arm, default_param_groups, get_arm
 from .batches import BatchSource
 from .config import RunSpec, flag_of, to_dict, with_current_config_class
-from .metrics import MetricHook
+from .metrics import MetricHook, StepHook
 from .records import METRICS_FILE, append_record, read_records, truncate_records
 
 __all__ = ["Task", "RunResult", "RunOptions", "train_run", "run_jobs", "run_placed_jobs", "check_placed_jobs", "resolve_device", "environment_info", "CONFIG_FILE",
-           "CHECKPOINT_FILE", "ENVIRONMENT_FILE", "ConfigMismatchError", "TrainingInterrupted", "check_run_dir",
+           "CHECKPOINT_FILE", "ENVIRONMENT_FILE", "STEPS_FILE", "ConfigMismatchError", "TrainingInterrupted", "check_run_dir",
            "RunLockedError"]
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_FILE = "checkpoint.pt"
 ENVIRONMENT_FILE = "environment.json"
+#: Every training step's record (``Task.record_steps``): one JSON line per step, ``{"step", "loss", "grad_norm",
+#: ...}`` with ``step`` the 0-based optimizer step, ``loss`` its training loss, ``grad_norm`` the global gradient
+#: norm before clipping, and the values of the task's :class:`~.metrics.StepHook` s; floats to
+#: :data:`STEP_DIGITS` significant digits.
+STEPS_FILE = "steps.jsonl"
+STEP_DIGITS = 6
 LOCK_FILE = ".lock"
 
 
@@ -92,6 +99,12 @@ class Task:
     derived : callable, optional
         ``derived(values) -> dict`` adds values computed from an evaluation's ``<set>_loss``/``<set>_acc``
         to its record (e.g. bits per byte from a per-byte loss).
+    record_steps : bool
+        Write every step's training loss and gradient norm (before clipping), with the values of
+        ``step_hooks``, to ``steps.jsonl`` (:data:`STEPS_FILE`). Reads what the step computes anyway; it does not
+        change the training.
+    step_hooks : sequence of StepHook
+        Extra per-step values, read from the training forward (``record_steps`` only).
     """
 
     model: torch.nn.Module
@@ -104,6 +117,8 @@ class Task:
     lr_factor: Callable[[int], float] | None = None
     grad_clip: float | None = None
     derived: Callable[[dict[str, float]], dict[str, float]] | None = None
+    record_steps: bool = False
+    step_hooks: Sequence[StepHook] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float))
@@ -382,6 +397,7 @@ class _Run:
     n_records: int = 0
     checkpoint_epoch: int | None = None
     last_record: dict[str, Any] | None = None
+    steps: list[dict[str, Any]] = field(default_factory=list)  # step records not yet written
 
     @property
     def completed(self) -> bool:
@@ -506,6 +522,9 @@ def _build(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: torch.dev
     optimizer = arm.build(model, task.param_groups(model, spec.config.optim.weight_decay), spec.config.optim)
     for group in optimizer.param_groups:
         group.setdefault("initial_lr", group["lr"])
+    if task.record_steps:
+        for hook in task.step_hooks:
+            hook.attach(model)
     return _Run(spec=spec, run_dir=run_dir, device=dev, task=task, model=model, optimizer=optimizer)
 
 
@@ -532,8 +551,45 @@ def _resume(run: _Run) -> None:
         run.epoch, run.step, run.n_records = int(state["epoch"]), int(state["step"]), int(state["n_records"])
         run.checkpoint_epoch = run.epoch
         truncate_records(metrics_path, run.n_records)
-    elif metrics_path.exists():
-        metrics_path.unlink()  # records without a checkpoint cannot be continued: start over
+        _truncate_steps(run.run_dir / STEPS_FILE, run.step)
+    else:
+        for path in (metrics_path, run.run_dir / STEPS_FILE):  # records without a checkpoint: start over
+            path.unlink(missing_ok=True)
+
+
+def _truncate_steps(path: Path, step: int) -> None:
+    """Keep the step records of ``path`` before ``step`` (on resume, later steps are trained and written again)."""
+    if path.exists():
+        kept = [r for r in read_records(path) if r["step"] < step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
+
+
+def _rounded(value: Any) -> Any:
+    """``value`` (a float, or a list of them) to :data:`STEP_DIGITS` significant digits (modest file sizes)."""
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return float(f"{value:.{STEP_DIGITS}g}") if isinstance(value, float) else value
+
+
+def _step_record(run: _Run, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+    """Buffer the record of the step just taken (:data:`STEPS_FILE`); :func:`_write_steps` writes it."""
+    if grad_norm is None:
+        grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    rec = {"step": run.step, "loss": float(loss), "grad_norm": float(grad_norm)}
+    for hook in run.task.step_hooks:
+        rec.update(hook.values())
+    run.steps.append({k: _rounded(v) for k, v in rec.items()})
+
+
+def _write_steps(run: _Run) -> None:
+    """Append the buffered step records to ``steps.jsonl`` (at evaluations and checkpoints)."""
+    if run.steps:
+        with open(run.run_dir / STEPS_FILE, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in run.steps))
+        run.steps.clear()
 
 
 def _train_epoch(run: _Run, eval_now: bool) -> None:
@@ -552,15 +608,20 @@ def _train_epoch(run: _Run, eval_now: bool) -> None:
         optimizer.zero_grad(set_to_none=True)
         loss = task.loss(task.predict(model, x), y)
         loss.backward()
-        if task.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), task.grad_clip)
+        grad_norm = None
+        if task.grad_clip is not None:  # returns the total norm before clipping
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), task.grad_clip)
+        if task.record_steps:
+            _step_record(run, loss.detach(), grad_norm)
         optimizer.step()
         run.step += 1
     run.epoch += 1
 
 
 def _record(run: _Run) -> None:
-    """Evaluate every named set and the hooks, and append one record to ``metrics.jsonl``."""
+    """Evaluate every named set and the hooks, and append one record to ``metrics.jsonl`` (and the buffered
+    step records to ``steps.jsonl``)."""
+    _write_steps(run)
     values = _evaluate(run.task, run.model)
     if run.task.derived is not None:
         values.update(run.task.derived(dict(values)))
@@ -575,6 +636,7 @@ def _record(run: _Run) -> None:
 
 
 def _checkpoint(run: _Run) -> None:
+    _write_steps(run)
     _save_checkpoint(run.run_dir / CHECKPOINT_FILE, model=run.model, optimizer=run.optimizer, epoch=run.epoch,
                      step=run.step, n_records=run.n_records, completed=run.completed, device=run.device)
     run.checkpoint_epoch = run.epoch

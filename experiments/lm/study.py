@@ -11,6 +11,8 @@ then convert W_Q, W_K with :func:`~geoopt_stiefel_attention.stiefelize` (polar f
 arm                 what trains W_Q, W_K (everything else: AdamW)
 ==================  ============================================================================================
 ``adamw``           AdamW (all-Euclidean baseline)
+``adamw-qknorm``    AdamW, with per-head RMSNorm of q and k before the dot product (:class:`QKNorm`: a learned
+                    scale per head dimension, starting at 1, no weight decay; as OLMo 2 and Gemma use it)
 ``stiefel``         frames on :class:`~geoopt_stiefel_attention.PolarStiefel`, StiefelAdam
 ``stiefel-gain``    the same, plus one learned logit gain per head,
                     :math:`\gamma_h = \exp(\text{gain\_rate}\cdot\theta_h)` starting at 1
@@ -28,7 +30,9 @@ gives every arm the same text in the same order.
 
 Each evaluation records the validation loss (nats per byte) and bits per byte on fixed validation windows,
 the same on fixed training windows, the frames' movement and principal angles to their start, and, on a fixed
-probe batch, each head's attention-logit scale and attention entropy (:class:`AttentionProbe`).
+probe batch, each head's attention-logit scale and attention entropy (:class:`AttentionProbe`). Every training
+step records its loss, its gradient norm before clipping and, per layer, the largest attention logit and the
+smallest attention entropy of that step's own forward (:class:`AttentionSteps`; ``steps.jsonl``).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from geoopt_stiefel_attention.nn import param_groups
 from ..harness.arms import ARMS, Arm, build_stiefel, register_arm
 from ..harness.command import StudyCommand
 from ..harness.config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
-from ..harness.metrics import MetricHook, QKGeometry
+from ..harness.metrics import MetricHook, QKGeometry, StepHook
 from ..harness.runner import ConfigMismatchError, RunOptions, Task
 from ..harness.schedules import warmup_cosine
 from ..harness.study import Cell, StudyOutputs
@@ -60,6 +64,7 @@ from .data import CORPORA, EvalWindows, RandomWindows, bits_per_byte, corpus_lic
 from .tuned import FINAL_DIR, GRID_PREFIX, finalize_tuned, find_config, is_tuned_folder, run_tuned
 
 __all__ = ["LMConfig", "build_model", "build_task", "gpt2_query_keys", "attention_logit_stats", "AttentionProbe",
+           "QKNorm", "add_qk_norm", "QK_NORM", "attention_step_stats", "AttentionSteps",
            "lm_param_groups", "SweepMismatchError", "run_lm", "finalize_lm", "sweep_cells", "STUDY_ARMS", "LOGIT_GAIN", "PUBLISHED",
            "HELP", "STUDY", "TUNED_ARMS", "TUNED_GRID_SEEDS", "add_arguments", "run"]
 
@@ -78,10 +83,19 @@ TUNED_GRID_SEEDS = (0, 1)
 #: ``logit_gain`` passed to :func:`~geoopt_stiefel_attention.stiefelize` per arm (frame arms not listed: none).
 LOGIT_GAIN = {"stiefel-gain": "learn"}
 
+#: The arms whose model normalises q and k per head (:func:`add_qk_norm`).
+QK_NORM = frozenset({"adamw-qknorm"})
+
 if "stiefel-gain" not in ARMS:
     register_arm(Arm("stiefel-gain", "stiefel", build_stiefel,
                      "W_Q, W_K frames with a learned per-head logit gain (starting at 1) trained by StiefelAdam; "
                      "AdamW on the rest", studies=("lm",)))
+if "adamw-qknorm" not in ARMS:
+    from ..harness.arms import build_adamw
+
+    register_arm(Arm("adamw-qknorm", "euclidean", build_adamw,
+                     "AdamW on every parameter, with per-head RMSNorm of q and k (learned scale per head dimension, "
+                     "starting at 1) before the dot product", studies=("lm",)))
 
 #: The two published findings this study is set beside (no numbers of theirs are quoted: we have none).
 #: ``(source, finding)`` pairs in prose, not a ``report.PaperReference`` (the grokking and vision studies'
@@ -218,10 +232,12 @@ class LMConfig:
 
 
 # ---------------------------------------------------------------------------------------------- model
-def build_model(config: LMConfig, *, seed: int, logit_gain: str | None = None, stiefel: bool = False):
+def build_model(config: LMConfig, *, seed: int, logit_gain: str | None = None, stiefel: bool = False,
+                qk_norm: bool = False):
     """The GPT-2 of one run: initialised from ``seed`` alone (the same weights for every arm of a seed), then,
     for a frame arm (``stiefel=True``), converted in place by :func:`~geoopt_stiefel_attention.stiefelize`
-    with ``logit_gain`` and the config's ``gain_rate``."""
+    with ``logit_gain`` and the config's ``gain_rate``; with ``qk_norm``, q and k normalised per head
+    (:func:`add_qk_norm`; the other weights stay those of the seed)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from geoopt_stiefel_attention.convert import stiefelize
@@ -236,7 +252,59 @@ def build_model(config: LMConfig, *, seed: int, logit_gain: str | None = None, s
         stiefelize(model, logit_gain=logit_gain, gain_rate=config.gain_rate)
     elif logit_gain is not None:
         raise ValueError(f"build_model: logit_gain={logit_gain!r} needs stiefel=True (a gain multiplies frames).")
+    if qk_norm:
+        add_qk_norm(model)
     return model
+
+
+class QKNorm(torch.nn.Module):
+    r"""Per-head RMSNorm of queries and keys, as OLMo 2 and Gemma apply it before the attention logits.
+
+    For head :math:`h` with query :math:`q \in \mathbb{R}^r` (and key :math:`k` alike),
+    :math:`\hat q = g_q \odot q / \sqrt{\tfrac1r \sum_i q_i^2 + \epsilon}`, with a learned scale
+    :math:`g_q \in \mathbb{R}^r` shared by the heads of the layer (``q_norm.weight``; ``k_norm.weight`` for keys),
+    starting at 1. The logits :math:`c\,\hat q\cdot\hat k` are then bounded by :math:`c\,r\max_i|g_{q,i}
+    g_{k,i}|` whatever the weights.
+
+    Parameters
+    ----------
+    head_dim : int
+        :math:`r`.
+    eps : float
+        :math:`\epsilon` (1e-6, as OLMo 2 and Gemma).
+    """
+
+    def __init__(self, head_dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.q_norm = torch.nn.RMSNorm(head_dim, eps=eps)
+        self.k_norm = torch.nn.RMSNorm(head_dim, eps=eps)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q, k`` of shape ``(..., r)``, normalised over their last dimension."""
+        return self.q_norm(q), self.k_norm(k)
+
+
+def _apply_qk_norm(attention: torch.nn.Module, module: torch.nn.Module, args: Any, output: torch.Tensor
+                   ) -> torch.Tensor:
+    """Forward hook of ``c_attn``: its ``q | k | v`` output with q and k normalised per head."""
+    d, heads = attention.embed_dim, attention.num_heads
+    q, k, v = output.split(d, dim=-1)
+    shape = (*q.shape[:-1], heads, d // heads)
+    q, k = attention.qk_norm(q.reshape(shape), k.reshape(shape))
+    return torch.cat([q.reshape(v.shape), k.reshape(v.shape), v], dim=-1)
+
+
+def add_qk_norm(model: torch.nn.Module) -> None:
+    """Normalise q and k per head in every GPT-2 self-attention of ``model``, in place: each attention module gets
+    a :class:`QKNorm` (``<attn>.qk_norm``, so its scales train and checkpoint with the model) and a forward hook on
+    its ``c_attn`` that normalises the q and k parts of the output, so the model's own attention (and anything
+    reading ``c_attn``'s output) sees the normalised q and k. The package's attention code is not changed."""
+    for _, attention in gpt2_attention_modules(model):
+        if hasattr(attention, "qk_norm"):
+            raise ValueError("add_qk_norm: the model's attention is normalised already.")
+        weight = attention.c_attn.weight
+        attention.qk_norm = QKNorm(attention.head_dim).to(device=weight.device, dtype=weight.dtype)
+        attention.c_attn.register_forward_hook(functools.partial(_apply_qk_norm, attention))
 
 
 def gpt2_attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -279,14 +347,14 @@ def lm_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[st
 
 # ---------------------------------------------------------------------------------------------- probe
 def attention_logit_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int,
-                          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                          scaling: float, qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Per-head RMS attention logit and mean attention entropy of one causal self-attention layer.
 
     With :math:`x` the layer's input (``hidden``, ``(B, T, d)``, after its LayerNorm), the Conv1D weight
     :math:`W` (``(d, 3d)``) and bias :math:`b`, head :math:`h` (size :math:`r = d/H`) has
     :math:`q_i = (xW + b)_{i,\,hr:(h+1)r}`, :math:`k_j` the same in the key columns, and logits
-    :math:`s_{ij} = c\, q_i\cdot k_j` for :math:`j \le i` (:math:`c` = ``scaling``, :math:`1/\sqrt r` in GPT-2).
-    Returns, in float64, for each head
+    :math:`s_{ij} = c\, q_i\cdot k_j` for :math:`j \le i` (:math:`c` = ``scaling``, :math:`1/\sqrt r` in GPT-2);
+    with ``qk_norm`` (:class:`QKNorm`), :math:`q_i, k_j` normalised by it first. Returns, in float64, for each head
 
     - the logit scale :math:`\big(\frac{1}{N}\sum_{b,\,j\le i} s_{ij}^2\big)^{1/2}`, :math:`N = B\,T(T+1)/2`;
     - the mean attention entropy :math:`\frac{1}{BT}\sum_{b,i} -\sum_{j\le i} p_{ij}\ln p_{ij}` in nats,
@@ -298,6 +366,9 @@ def attention_logit_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
     qk = x @ weight.detach().to(torch.float64)[:, :2 * d] + bias.detach().to(torch.float64)[:2 * d]
     q = qk[..., :d].reshape(b, t, heads, r).transpose(1, 2)
     k = qk[..., d:].reshape(b, t, heads, r).transpose(1, 2)
+    if qk_norm is not None:
+        q, k = (torch.nn.functional.rms_norm(x, (r,), n.weight.detach().to(torch.float64), n.eps)
+                for x, n in ((q, qk_norm.q_norm), (k, qk_norm.k_norm)))
     logits = scaling * (q @ k.transpose(-1, -2))  # (B, H, T, T)
     mask = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
     rms = (logits.square() * mask).sum(dim=(0, 2, 3)).div(b * int(mask.sum())).sqrt()
@@ -341,7 +412,8 @@ class AttentionProbe(MetricHook):
         out: dict[str, float | None] = {}
         all_rms, all_ent = [], []
         for i, (_, m) in enumerate(modules):
-            rms, ent = attention_logit_stats(captured[i], m.c_attn.weight, m.c_attn.bias, m.num_heads, m.scaling)
+            rms, ent = attention_logit_stats(captured[i], m.c_attn.weight, m.c_attn.bias, m.num_heads, m.scaling,
+                                             getattr(m, "qk_norm", None))
             for h in range(m.num_heads):
                 out[f"logit_rms/{i}/{h}"] = float(rms[h])
                 out[f"attn_entropy/{i}/{h}"] = float(ent[h])
@@ -350,6 +422,54 @@ class AttentionProbe(MetricHook):
         out["logit_rms/mean"] = float(torch.cat(all_rms).mean())
         out["attn_entropy/mean"] = float(torch.cat(all_ent).mean())
         return out
+
+
+def attention_step_stats(qkv: torch.Tensor, heads: int, scaling: float) -> tuple[float, float]:
+    r"""The largest attention logit and the smallest head's mean attention entropy of one causal self-attention
+    layer, from the ``q | k | v`` output of its ``c_attn`` (``(B, T, 3d)``) in one training forward.
+
+    With the logits :math:`s_{ij} = c\, q_i\cdot k_j` (:math:`j \le i`, :math:`c` = ``scaling``) of every
+    window and head, returns :math:`\max_{b,h,\,j\le i} s_{ij}` (signed: the logit that most concentrates
+    attention, as Dehghani et al. 2023 track it) and :math:`\min_h \frac{1}{BT}\sum_{b,i} -\sum_{j\le i}
+    p_{ij}\ln p_{ij}` in nats (the head closest to one-hot attention; a mean over positions, since position 0
+    always has entropy 0). Computed in the forward's precision, without gradient.
+    """
+    b, t, three_d = qkv.shape
+    d = three_d // 3
+    q = qkv[..., :d].detach().reshape(b, t, heads, d // heads).transpose(1, 2)
+    k = qkv[..., d:2 * d].detach().reshape(b, t, heads, d // heads).transpose(1, 2)
+    logits = scaling * (q @ k.transpose(-1, -2))  # (B, H, T, T)
+    mask = torch.ones(t, t, dtype=torch.bool, device=qkv.device).tril()
+    largest = logits.masked_fill(~mask, float("-inf")).amax()
+    logp = logits.masked_fill(~mask, float("-inf")).log_softmax(dim=-1)
+    entropy = -(logp.exp() * logp.masked_fill(~mask, 0.0)).sum(dim=-1).mean(dim=(0, 2))  # (H,)
+    return float(largest), float(entropy.min())
+
+
+class AttentionSteps(StepHook):
+    """Per layer, the largest attention logit and the smallest attention entropy of each training step
+    (:func:`attention_step_stats`), read by a forward hook on every GPT-2 attention's ``c_attn`` during the
+    training forward (modules in training mode only: evaluations and the probe are not counted), after the
+    q/k normalisation of :func:`add_qk_norm` where the model has one. Records ``logit_max`` and ``entropy_min``,
+    lists over the layers."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[float, float]] = {}
+
+    def attach(self, model: torch.nn.Module) -> None:
+        for i, (_, attention) in enumerate(gpt2_attention_modules(model)):
+            attention.c_attn.register_forward_hook(functools.partial(self._observe, i, attention))
+
+    @torch.no_grad()
+    def _observe(self, index: int, attention: torch.nn.Module, module: torch.nn.Module, args: Any,
+                 output: torch.Tensor) -> None:
+        if module.training:
+            self._seen[index] = attention_step_stats(output, attention.num_heads, attention.scaling)
+
+    def values(self) -> dict[str, list[float]]:
+        seen = [self._seen[i] for i in sorted(self._seen)]
+        self._seen.clear()
+        return {"logit_max": [s[0] for s in seen], "entropy_min": [s[1] for s in seen]}
 
 
 # ---------------------------------------------------------------------------------------------- task
@@ -438,11 +558,12 @@ def corpus_of(config: LMConfig):
 
 def build_task(spec: RunSpec, arm: Arm, device: torch.device) -> Task:
     """The LM task of one run: the seed's random training windows, fixed train/validation evaluation windows, a
-    fixed probe batch, and the seed's GPT-2 (converted for a frame arm)."""
+    fixed probe batch, the seed's GPT-2 (converted for a frame arm, q/k-normalised for :data:`QK_NORM`'s arms),
+    and every step on record (:class:`AttentionSteps`)."""
     cfg: LMConfig = spec.config
     corpus = corpus_of(cfg)
     model = build_model(cfg, seed=spec.seed, logit_gain=LOGIT_GAIN.get(spec.arm),
-                        stiefel=arm.attention == "stiefel")
+                        stiefel=arm.attention == "stiefel", qk_norm=spec.arm in QK_NORM)
     if cfg.test_fraction > 0:
         train_stream, held_out, probe = heldout_eval_data(cfg, device)
     else:
@@ -460,7 +581,8 @@ def build_task(spec: RunSpec, arm: Arm, device: torch.device) -> Task:
                                       warmup=int(cfg.warmup_fraction * cfg.total_steps))
     return Task(model=model, train_data=train, eval_data=eval_data, predict=predict_bytes,
                 param_groups=lm_param_groups, hooks=(QKGeometry(gpt2_query_keys), AttentionProbe(probe.to(device))),
-                lr_factor=lr_factor, grad_clip=cfg.grad_clip, derived=with_bits_per_byte)
+                lr_factor=lr_factor, grad_clip=cfg.grad_clip, derived=with_bits_per_byte, record_steps=True,
+                step_hooks=(AttentionSteps(),))
 
 
 # ---------------------------------------------------------------------------------------------- cells
@@ -734,11 +856,22 @@ def finalize_lm(out_dir: str | os.PathLike, config: LMConfig, *, arms: Sequence[
 
 # ---------------------------------------------------------------------------------------------- running
 def with_corpus_identity(config: LMConfig) -> LMConfig:
-    """``config`` with ``corpus_identity`` set from the corpus it names (loaded here; refused if it differs)."""
+    """``config`` with ``corpus_identity`` set from the corpus it names (loaded here; refused if it differs).
+
+    With a test split (``test_fraction > 0``) the identity describes the split the run uses: the three-way split of
+    :mod:`~.data.heldout` (training, validation and test files, the training bytes, the evaluation windows of each
+    held-out split) and the licence, where the plain corpus' two-way split would name files the run never trains
+    on as training files. (The tuned study's records, written before this, describe the two-way split.)"""
     corpus = corpus_of(config)
     identity = corpus.describe()
-    if config.test_fraction > 0:  # held-out studies name the licence (older folders' identities stay as recorded)
-        identity["licence"] = corpus_licence(config.corpus_root)
+    if config.test_fraction > 0:
+        held = _load_heldout(dataclasses.replace(config, corpus_identity=None, train=TrainConfig(),
+                                                 optim=OptimConfig()))
+        del identity["val_bytes"]  # of the two-way split's validation files
+        identity.update({k: held.identity[k] for k in ("split", "train_files", "val_files", "test_files",
+                                                       "train_bytes")},
+                        test_fraction=config.test_fraction, val_windows=len(held.val.files),
+                        test_windows=len(held.test.files), licence=corpus_licence(config.corpus_root))
     return dataclasses.replace(config, corpus_identity=identity)
 
 

@@ -1,0 +1,199 @@
+"""Tests of the language-model controls of issue 42: the ``adamw-qknorm`` arm, the every-step records
+(``steps.jsonl``), the three-way split in each run's config, and the plan of ``experiments/lm/run_controls.sh``."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from experiments.cli import main as cli_main  # noqa: E402
+from experiments.harness.arms import get_arm  # noqa: E402
+from experiments.harness.config import RunSpec  # noqa: E402
+from experiments.harness.records import read_records  # noqa: E402
+from experiments.lm.study import LMConfig, attention_step_stats, build_task, lm_param_groups  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+#: RMSNorm's eps (1e-6) moves a unit RMS by about eps / (2 mean square); q and k have mean squares above 1e-3 here
+RMS_TOL = 1e-3
+#: float32 logits against a float64 reference
+F32_TOL = 1e-4
+
+TINY = ["--depth", "2", "--width", "32", "--heads", "4", "--context", "16", "--batch-size", "4",
+        "--steps-per-epoch", "3", "--epochs", "2", "--eval-windows", "4", "--train-eval-windows", "4",
+        "--eval-batch", "4", "--probe-windows", "2", "--val-fraction", "0.2", "--test-fraction", "0.2",
+        "--max-file-share", "0.5", "--adjust-lr-fn", "match_rms_adamw", "--device", "cpu", "--quiet",
+        "--threads", "1"]
+CONFIG = LMConfig(depth=2, width=32, heads=4, context=16, batch_size=4, steps_per_epoch=3, eval_windows=4,
+                  train_eval_windows=4, eval_batch=4, probe_windows=2, val_fraction=0.2, test_fraction=0.2,
+                  max_file_share=0.5)
+
+
+def _cli(root, out, *extra):
+    return cli_main(["lm", *TINY, "--corpus-root", root, "--out", str(out), *extra])
+
+
+# ---------------------------------------------------------------------------------------------- qk-norm
+def _qk_fed_to_attention(arm: str, root: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The q and k that the model's attention multiplies, per layer, captured at torch's attention kernel (so the
+    test does not rely on the arm's own code to say what it normalised)."""
+    config = LMConfig(**{**CONFIG.__dict__, "corpus_root": root})
+    task = build_task(RunSpec(config, arm, 0), get_arm(arm, "lm"), torch.device("cpu"))
+    seen = []
+    kernel = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.detach(), k.detach()))
+        return kernel(q, k, v, *args, **kwargs)
+
+    x, _ = next(iter(task.train_data.batches(0)))
+    torch.nn.functional.scaled_dot_product_attention = spy
+    try:
+        task.model(input_ids=x, use_cache=False)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = kernel
+    assert len(seen) == config.depth
+    return seen
+
+
+def _per_head_rms(x: torch.Tensor) -> torch.Tensor:
+    return x.double().square().mean(dim=-1).sqrt()  # (B, H, T): RMS of each head's vector
+
+
+def test_qknorm_arm_feeds_unit_rms_queries_and_keys_to_the_attention(varied_root):
+    for q, k in _qk_fed_to_attention("adamw-qknorm", varied_root):
+        for x in (q, k):
+            assert torch.allclose(_per_head_rms(x), torch.ones((), dtype=torch.float64), atol=RMS_TOL)  # scale starts at 1: RMS 1
+
+
+def test_plain_adamw_arm_does_not_normalise_queries_and_keys(varied_root):
+    for q, k in _qk_fed_to_attention("adamw", varied_root):  # companion: GPT-2's init gives q, k RMS far from 1
+        for x in (q, k):
+            assert (_per_head_rms(x) - 1).abs().min() > 0.1
+
+
+def test_qknorm_scales_are_learned_without_decay_and_the_other_weights_are_the_seeds(varied_root):
+    config = LMConfig(**{**CONFIG.__dict__, "corpus_root": varied_root})
+    plain = build_task(RunSpec(config, "adamw", 0), get_arm("adamw"), torch.device("cpu")).model
+    normed = build_task(RunSpec(config, "adamw-qknorm", 0), get_arm("adamw-qknorm"), torch.device("cpu")).model
+    extra = dict(normed.named_parameters())
+    base = dict(plain.named_parameters())
+    scales = sorted(set(extra) - set(base))
+    assert scales == sorted(f"transformer.h.{i}.attn.qk_norm.{x}_norm.weight" for i in range(2) for x in "qk")
+    assert all(torch.equal(extra[n], p) for n, p in base.items())  # paired with adamw by seed
+    assert all(torch.equal(extra[n], torch.ones(8)) for n in scales)
+    undecayed = {id(p) for g in lm_param_groups(normed, 0.1) if g["weight_decay"] == 0 for p in g["params"]}
+    assert all(id(extra[n]) in undecayed for n in scales)
+
+
+def test_the_probe_sees_the_normalised_logits(varied_root):
+    from experiments.lm.study import AttentionProbe
+
+    config = LMConfig(**{**CONFIG.__dict__, "corpus_root": varied_root})
+    probe = torch.randint(0, 256, (2, 16))
+    rms = {arm: AttentionProbe(probe).metrics(build_task(RunSpec(config, arm, 0), get_arm(arm),
+                                                         torch.device("cpu")).model)["logit_rms/mean"]
+           for arm in ("adamw", "adamw-qknorm")}
+    # unit-RMS q, k of dimension r = 8 give logits q.k / sqrt(r) of RMS about 1 for random directions; GPT-2's init
+    # gives far smaller ones
+    assert 0.3 < rms["adamw-qknorm"] < 3 and rms["adamw"] < 0.3
+
+
+# ---------------------------------------------------------------------------------------------- step records
+def _reference_stats(qkv: torch.Tensor, heads: int, scaling: float) -> tuple[float, float]:
+    """Loop-by-loop reference of the largest causal logit and the smallest head's mean entropy, in float64."""
+    b, t, d3 = qkv.shape
+    d, r = d3 // 3, d3 // 3 // heads
+    x = qkv.double()
+    largest, entropies = -math.inf, []
+    for h in range(heads):
+        total = 0.0
+        for n in range(b):
+            q = x[n, :, h * r:(h + 1) * r]
+            k = x[n, :, d + h * r:d + (h + 1) * r]
+            for i in range(t):
+                s = scaling * (k[:i + 1] @ q[i])
+                largest = max(largest, float(s.max()))
+                p = torch.softmax(s, dim=0)
+                total += float(-(p * p.log()).sum())
+        entropies.append(total / (b * t))
+    return largest, min(entropies)
+
+
+def test_attention_step_stats_match_a_written_out_reference():
+    torch.manual_seed(0)
+    qkv = 3 * torch.randn(2, 6, 3 * 8)
+    qkv[0, 5, 0] = 40.0  # one large query entry: a large logit in head 0 and a peaked head
+    got = attention_step_stats(qkv, heads=2, scaling=0.5)
+    want = _reference_stats(qkv, heads=2, scaling=0.5)
+    assert got == pytest.approx(want, rel=F32_TOL, abs=F32_TOL)
+    # companion: the maximum is over the causal logits only (a future key's larger logit is not counted)
+    qkv2 = qkv.clone()
+    qkv2[0, 0, 8:12] = 0.0
+    qkv2[0, 5, 8:12] = 100.0  # key at the last position: only query 5 sees it
+    qkv2[0, :5, 0:4] = 0.0
+    qkv2[0, 5, 0:4] = 0.0
+    assert attention_step_stats(qkv2, heads=2, scaling=0.5)[0] == pytest.approx(
+        _reference_stats(qkv2, heads=2, scaling=0.5)[0], rel=F32_TOL)
+
+
+def test_every_step_is_on_record_and_resuming_rewrites_no_step(varied_root, tmp_path):
+    out = tmp_path / "s"
+    assert _cli(varied_root, out, "--arms", "adamw", "adamw-qknorm", "--seeds", "0", "--epochs", "3",
+                "--stop-after-epochs", "1", "--checkpoint-interval", "0", "--skip-report") == 0
+    assert _cli(varied_root, out, "--arms", "adamw", "adamw-qknorm", "--seeds", "0", "--epochs", "3",
+                "--skip-report") == 0
+    whole = tmp_path / "w"
+    assert _cli(varied_root, whole, "--arms", "adamw", "adamw-qknorm", "--seeds", "0", "--epochs", "3",
+                "--skip-report") == 0
+    for arm in ("adamw", "adamw-qknorm"):
+        steps = read_records(out / "runs" / arm / "seed0" / "steps.jsonl")
+        assert [s["step"] for s in steps] == list(range(9))  # 3 epochs of 3 steps, each once
+        assert all(len(s["logit_max"]) == len(s["entropy_min"]) == 2 for s in steps)
+        assert all(s["grad_norm"] > 0 and s["loss"] > 0 for s in steps)
+        assert steps == read_records(whole / "runs" / arm / "seed0" / "steps.jsonl")  # resumed = uninterrupted
+    # the records read the training forward: with q, k normalised the logits stay within c r max|g_q g_k| ...
+    bound = 8 / math.sqrt(8) * 1.5
+    assert max(max(s["logit_max"]) for s in read_records(whole / "runs/adamw-qknorm/seed0/steps.jsonl")) < bound
+
+
+def test_step_records_hold_the_loss_and_the_gradient_norm_before_clipping(varied_root, tmp_path):
+    out = tmp_path / "clip"
+    assert _cli(varied_root, out, "--arms", "adamw", "--seeds", "0", "--epochs", "1", "--grad-clip", "1e-6",
+                "--skip-report") == 0
+    steps = read_records(out / "runs/adamw/seed0/steps.jsonl")
+    assert all(s["grad_norm"] > 1e-3 for s in steps)  # the norm before clipping, not the clipped 1e-6
+    assert steps[0]["loss"] == pytest.approx(math.log(256), rel=0.05)  # an untrained byte model: about ln 256
+    # companion: without clipping the norm is still recorded, and the first step's (same weights, same batch) agrees
+    free = tmp_path / "free"
+    assert _cli(varied_root, free, "--arms", "adamw", "--seeds", "0", "--epochs", "1", "--grad-clip", "none",
+                "--skip-report") == 0
+    first = read_records(free / "runs/adamw/seed0/steps.jsonl")[0]
+    assert first["grad_norm"] == pytest.approx(steps[0]["grad_norm"], rel=1e-5)
+    assert first["loss"] == steps[0]["loss"]
+
+
+# ---------------------------------------------------------------------------------------------- the split
+def test_config_records_the_three_way_split_the_run_used(varied_root, tmp_path):
+    from experiments.lm.heldout import split_of
+
+    out = tmp_path / "split"
+    assert _cli(varied_root, out, "--arms", "adamw", "--seeds", "0", "--epochs", "1", "--skip-report") == 0
+    identity = json.loads((out / "runs/adamw/seed0/config.json").read_text())["config"]["corpus_identity"]
+    files = [p.name for p in Path(varied_root).glob("*.py")]
+    counts = {part: sum(split_of(f, 0.2, 0.2) == part for f in files) for part in ("train", "val", "test")}
+    assert (identity["train_files"], identity["val_files"], identity["test_files"]) == (
+        counts["train"], counts["val"], counts["test"])
+    assert "three ways" in identity["split"] and "val_bytes" not in identity
+    # companion: without a test split the config keeps the two-way split (validation files join training)
+    plain = tmp_path / "plain"
+    assert _cli(varied_root, plain, "--arms", "adamw", "--seeds", "0", "--epochs", "1", "--test-fraction", "0",
+                "--skip-report") == 0
+    two = json.loads((plain / "runs/adamw/seed0/config.json").read_text())["config"]["corpus_identity"]
+    assert "test_files" not in two and two["train_files"] > counts["train"]
