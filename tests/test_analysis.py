@@ -379,11 +379,12 @@ def test_cli_certify_checks_its_output_paths_before_computing_anything(tmp_path,
     """A folder, a path under a file, an unwritable folder: one line naming the flag, exit 2, no table computed."""
     import os
 
-    from geoopt_stiefel_attention.analysis import suite
+    from geoopt_stiefel_attention.analysis import muon, suite
     from geoopt_stiefel_attention.cli import main
 
     computed = []
     monkeypatch.setattr(suite, "run_certificates", lambda *a, **k: computed.append(1) or [])
+    monkeypatch.setattr(muon, "run_muon_certificates", lambda *a, **k: [])
     afile = tmp_path / "afile"
     afile.write_text("x")
     locked = tmp_path / "locked"
@@ -403,8 +404,10 @@ def test_cli_certify_checks_its_output_paths_before_computing_anything(tmp_path,
 
 
 def test_cli_exits_non_zero_when_a_stiefel_adam_certificate_fails(monkeypatch, capsys):
-    from geoopt_stiefel_attention.analysis import suite
+    from geoopt_stiefel_attention.analysis import muon, suite
     from geoopt_stiefel_attention.cli import main
+
+    monkeypatch.setattr(muon, "run_muon_certificates", lambda *a, **k: [])
 
     fake = [analysis.Certificate.check("1a x", "s", 1.0, 1e-12, optimizer="StiefelAdam"),
             analysis.Certificate.check("1a x", "s", 0.0, 1e-12, optimizer="torch AdamW (unconstrained)")]
@@ -420,3 +423,100 @@ def test_cli_rejects_unknown_optimizer(capsys):
     from geoopt_stiefel_attention.cli import main
 
     assert main(["certify", "--optimizers", "Nope"]) == 2 and "--optimizers: No optimizer column named 'Nope'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ the Muon table in the CLI
+def _muon_cell(row, optimizer, measured):
+    return analysis.Certificate.check(row, "s", measured, 1e-12, optimizer=optimizer)
+
+
+def test_cli_certify_prints_the_stiefel_muon_column_beside_adam_geoopt_and_torch_muon(monkeypatch, capsys):
+    """By default ``certify`` prints the main table and the Muon table, whose columns are StiefelMuon beside
+    torch's Muon, StiefelAdam and geoopt; the JSON holds the cells of both."""
+    from geoopt_stiefel_attention.analysis import muon, suite
+    from geoopt_stiefel_attention.cli import main
+
+    seen = {}
+
+    def fake_muon(columns, **kwargs):
+        seen["columns"], seen["kwargs"] = [c.name for c in columns], kwargs
+        return [_muon_cell(row, c.name, 0.0) for row in analysis.MUON_ROWS for c in columns]
+
+    monkeypatch.setattr(suite, "run_certificates",
+                        lambda columns, **k: [_muon_cell("1a x", c.name, 0.0) for c in columns])
+    monkeypatch.setattr(muon, "run_muon_certificates", fake_muon)
+    assert main(["certify", "--muon-steps", "7"]) == 0
+    out = capsys.readouterr().out
+    assert {"StiefelMuon", "StiefelMuon (solved)", "torch Muon", "StiefelAdam", "geoopt RiemannianAdam"} \
+        <= set(seen["columns"])
+    assert seen["kwargs"]["drift_steps"] == 7
+    muon_part = out[out.index("Manifold Muon"):]
+    header = next(line for line in muon_part.splitlines() if line.startswith("certificate"))
+    for label in ("StiefelMuon", "SM solved", "torch Muon", "StiefelAdam", "geoopt-radam-polar"):
+        assert label in header, header
+    assert all(row in muon_part for row in analysis.MUON_ROWS)
+    assert "1a x" in out[:out.index("Manifold Muon")]  # the main table comes first
+
+
+def test_cli_certify_runs_the_muon_table_only_when_a_muon_column_or_row_is_asked_for(monkeypatch, capsys):
+    from geoopt_stiefel_attention.analysis import muon, suite
+    from geoopt_stiefel_attention.cli import main
+
+    calls = []
+    monkeypatch.setattr(suite, "run_certificates", lambda columns, **k: calls.append("main") or [])
+    monkeypatch.setattr(muon, "run_muon_certificates", lambda columns, **k: calls.append(("muon", k["rows"])) or [])
+    assert main(["certify", "--quiet", "--optimizers", "StiefelAdam"]) == 0 and calls == ["main"]
+    calls.clear()
+    assert main(["certify", "--quiet", "--only", "5"]) == 0 and calls == ["main"]
+    calls.clear()
+    assert main(["certify", "--quiet", "--only", "M1", "M8"]) == 0
+    assert calls == [("muon", (analysis.MUON_ROWS[0], analysis.MUON_ROWS[7]))]
+    calls.clear()
+    assert main(["certify", "--quiet", "--optimizers", "StiefelMuon", "--only", "M"]) == 0
+    assert calls == [("muon", analysis.MUON_ROWS)]
+    # companion: a Muon-only selection with main-table rows only leaves nothing to compute
+    assert main(["certify", "--quiet", "--optimizers", "StiefelMuon", "--only", "5"]) == 2
+    assert "no table left" in capsys.readouterr().err
+
+
+def test_cli_exits_non_zero_when_a_stiefel_muon_certificate_fails(monkeypatch, capsys):
+    """A failing StiefelMuon cell fails the command; failing comparison columns (torch Muon, StiefelAdam's M7)
+    do not."""
+    from geoopt_stiefel_attention.analysis import muon
+    from geoopt_stiefel_attention.cli import main
+
+    row = analysis.MUON_ROWS[0]
+    fine = [_muon_cell(row, "StiefelMuon", 0.0), _muon_cell(row, "torch Muon", 1.0),
+            _muon_cell(analysis.MUON_ROWS[6], "StiefelAdam", 1.0)]
+    monkeypatch.setattr(muon, "run_muon_certificates", lambda *a, **k: fine)
+    assert main(["certify", "--quiet", "--only", "M"]) == 0
+    broken = [_muon_cell(row, "StiefelMuon", 1.0), _muon_cell(row, "torch Muon", 1.0)]
+    monkeypatch.setattr(muon, "run_muon_certificates", lambda *a, **k: broken)
+    assert main(["certify", "--quiet", "--only", "M"]) == 1
+    assert "StiefelMuon FAILED: " + row in capsys.readouterr().err
+
+
+def test_cli_certify_muon_table_for_real_writes_json_and_markdown(tmp_path, capsys):
+    """The real Muon table, short drift runs: StiefelMuon passes every row, torch's Muon fails tangency."""
+    from geoopt_stiefel_attention.cli import main
+
+    out_json, out_md = tmp_path / "m.json", tmp_path / "m.md"
+    rc = main(["certify", "--quiet", "--optimizers", "StiefelMuon", "torch Muon", "--only", "M", "--muon-steps", "5",
+               "--json", str(out_json), "--markdown", str(out_md)])
+    assert rc == 0
+    records = json.loads(out_json.read_text())
+    assert len(records) == 2 * len(analysis.MUON_ROWS)
+    cells = {(r["certificate"], r["optimizer"]): r["passed"] for r in records}
+    assert all(cells[(row, "StiefelMuon")] for row in analysis.MUON_ROWS)
+    assert cells[(analysis.MUON_ROWS[1], "torch Muon")] is False
+    md = out_md.read_text()
+    assert "| certificate | StiefelMuon | torch Muon |" in md and "torch Muon fails where StiefelMuon passes" in md
+    assert "StiefelMuon" in capsys.readouterr().out
+
+
+def test_table_failures_keep_the_two_tables_apart():
+    adam_m7 = _muon_cell(analysis.MUON_ROWS[6], "StiefelAdam", 1.0)  # StiefelAdam's eps: not scale-free in M7
+    adam_1a = _muon_cell("1a x", "StiefelAdam", 1.0)
+    solved = _muon_cell(analysis.MUON_ROWS[0], "StiefelMuon (solved)", 1.0)
+    assert table.stiefel_adam_failures([adam_m7, adam_1a, solved]) == [adam_1a]
+    assert table.stiefel_muon_failures([adam_m7, adam_1a, solved]) == [solved]

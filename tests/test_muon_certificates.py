@@ -89,3 +89,15 @@ def test_inverse_polar_retraction_recovers_a_tangent_step():
     # that reaches the same point)
     n = z + w @ torch.diag_embed(torch.full((3, 4), 0.3, dtype=torch.float64))
     assert (inverse_polar_retraction(w, st.retr(w, n)) - n).abs().max() > 1e-2
+
+
+def test_columns_by_name_or_label_and_row_selection():
+    from geoopt_stiefel_attention.analysis.muon import muon_column_by_name, select_muon_rows
+
+    assert muon_column_by_name("SM msign").name == "StiefelMuon (projected msign)"
+    assert muon_column_by_name("torch Muon").on_manifold is False
+    with pytest.raises(KeyError, match="No Muon-table column named 'Nope'"):
+        muon_column_by_name("Nope")
+    assert select_muon_rows(["M"]) == MUON_ROWS
+    assert select_muon_rows(["M8", "M1", "5"]) == (MUON_ROWS[0], MUON_ROWS[7])
+    assert select_muon_rows(["5", "3a"]) == ()

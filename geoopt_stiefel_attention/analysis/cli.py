@@ -7,10 +7,12 @@ import argparse
 from .._argtypes import UsageError, add_threads_argument, nonnegative_int, output_path_problem, positive_int
 
 HELP = ("Certify the five propositions and the gauge negative result numerically (float64) for StiefelAdam "
-        "and stock optimizers; print the table.")
+        "and stock optimizers, and manifold Muon's properties for StiefelMuon beside torch's Muon, StiefelAdam "
+        "and geoopt; print the two tables.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .muon import DEFAULT_MUON_STEPS
     from .suite import DEFAULT_OTHER_STEPS, DEFAULT_STEPS
 
     parser.add_argument("--json", metavar="PATH", help="also write one JSON object per table cell to PATH")
@@ -21,13 +23,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_STEPS})")
     parser.add_argument("--other-steps", type=positive_int, default=DEFAULT_OTHER_STEPS,
                         help=f"steps of the drift run for every other optimizer (default {DEFAULT_OTHER_STEPS})")
+    parser.add_argument("--muon-steps", type=positive_int, default=DEFAULT_MUON_STEPS,
+                        help=f"steps of the Muon table's drift runs, rows M4 and M5 (default {DEFAULT_MUON_STEPS})")
     parser.add_argument("--optimizers", nargs="+", metavar="NAME",
-                        help="only these columns (full names or short labels, e.g. StiefelAdam geoopt-radam AdamW)")
+                        help="only these columns (full names or short labels, e.g. StiefelAdam geoopt-radam AdamW; "
+                             "StiefelMuon 'torch Muon' 'SM msign' for the Muon table, which is run only when one of "
+                             "its Muon columns is named)")
     parser.add_argument("--only", nargs="+", metavar="N",
                         help="only these propositions: numbers 1-6 (all their rows, e.g. --only 5 6) or row labels "
-                             "(e.g. 3a 5d)")
+                             "(e.g. 3a 5d); M for every row of the Muon table or its row labels (e.g. M1 M8)")
     parser.add_argument("--quiet", action="store_true", help="print the table only (no legend, findings or progress)")
     add_threads_argument(parser)
+
+
+def _select_columns(names):
+    """(main-table columns, Muon-table columns) that ``names`` select; every column of both when ``names`` is
+    None. The Muon table is run only when ``names`` includes a column of its own (one that is not in the main
+    table: StiefelMuon, torch's Muon), and then holds every named column it has."""
+    from .muon import muon_column_by_name, muon_columns
+    from .optimizers import column_by_name, default_columns
+
+    if not names:
+        return list(default_columns()), list(muon_columns())
+    main, muon, unknown = [], [], []
+    for name in names:
+        found = False
+        try:
+            main.append(column_by_name(name))
+            found = True
+        except KeyError:
+            pass
+        try:
+            muon.append(muon_column_by_name(name))
+            found = True
+        except KeyError:
+            pass
+        if not found:
+            unknown.append(name)
+    if unknown:
+        choices = [c.name for c in default_columns()] + [c.name for c in muon_columns()]
+        raise UsageError(f"--optimizers: No optimizer column named {unknown[0]!r}; choose one of {choices}.")
+    main_names = {c.name for c in default_columns()}
+    if not any(c.name not in main_names for c in muon):
+        muon = []
+    return main, muon
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,22 +77,31 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from . import table
-    from .optimizers import column_by_name, default_columns
-    from .suite import run_certificates, select_rows
+    from . import muon as muon_certificates
+    from . import suite, table
 
-    try:
-        columns = [column_by_name(n) for n in args.optimizers] if args.optimizers else list(default_columns())
-    except KeyError as err:
-        raise UsageError(f"--optimizers: {err.args[0]}") from None
+    main_columns, muon_columns = _select_columns(args.optimizers)
+    muon_columns.sort(key=lambda c: c.name != table.OUR_MUON_COLUMN)  # ours first, the rest in their order
     for flag, path in (("--json", args.json), ("--markdown", args.markdown)):  # before the table is computed
         problem = None if path is None else output_path_problem(path, folder=False)
         if problem is not None:
             raise UsageError(f"{flag} {path}: {problem}")
-    try:
-        rows = None if args.only is None else select_rows(args.only)
-    except ValueError as err:
-        raise UsageError(f"--only: {err}") from None
+    rows, muon_rows = None, None
+    if args.only is not None:
+        muon_rows = muon_certificates.select_muon_rows(args.only)
+        main_tokens = [t for t in args.only if t != "M" and t not in {r.split()[0] for r in muon_certificates.MUON_ROWS}]
+        try:
+            rows = suite.select_rows(main_tokens) if main_tokens else ()
+        except ValueError as err:
+            raise UsageError(f"--only: {err}; M or M1-M8 for the Muon table") from None
+        muon_rows = muon_rows or ()
+    if rows == ():
+        main_columns = []
+    if muon_rows == ():
+        muon_columns = []
+    if not main_columns and not muon_columns:
+        raise UsageError("--optimizers/--only: no table left to compute (the Muon table needs a Muon column and an "
+                         "M row; the main table a column and a row of its own)")
     torch.set_num_threads(args.threads)  # tiny matrices: one thread is fastest
     start = time.perf_counter()
 
@@ -61,22 +109,49 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"  certifying {name} ...", file=sys.stderr, flush=True)
 
+    certs, muon_certs = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        certs = run_certificates(columns, seed=args.seed, steps=args.steps, other_steps=args.other_steps,
-                                 progress=progress, rows=rows)
+        if main_columns:
+            certs = suite.run_certificates(main_columns, seed=args.seed, steps=args.steps,
+                                           other_steps=args.other_steps, progress=progress, rows=rows)
+        if muon_columns:
+            muon_certs = muon_certificates.run_muon_certificates(muon_columns, seed=args.seed,
+                                                                 drift_steps=args.muon_steps, progress=progress,
+                                                                 rows=muon_rows)
     elapsed = time.perf_counter() - start
-    labels = {c.name: c.label for c in columns}
+    labels = {c.name: c.label for c in main_columns}
+    muon_labels = {c.name: c.short for c in muon_columns}
+    muon_described = {c.name: c.description for c in muon_columns}
+    ours_muon = table.OUR_MUON_COLUMN
     if not args.quiet:
-        print(f"Certificates of the propositions, seed {args.seed}, float64 unless stated "
-              f"({len(certs)} cells in {elapsed:.1f} s):\n")
-    print(table.format_text(certs, labels, legend=not args.quiet, notes=not args.quiet))
-    for path, text in ((args.json, table.to_json(certs) + "\n"), (args.markdown, table.format_markdown(certs, labels))):
+        print(f"Certificates, seed {args.seed}, float64 unless stated "
+              f"({len(certs) + len(muon_certs)} cells in {elapsed:.1f} s):\n")
+    blocks, markdown = [], []
+    if certs:
+        blocks.append(table.format_text(certs, labels, legend=not args.quiet, notes=not args.quiet))
+        markdown.append(table.format_markdown(certs, labels))
+    if muon_certs:
+        heading = (f"Manifold Muon (StiefelMuon): a stack of 3 frames of St(12, 4), float64 unless stated, drift runs "
+                   f"of {args.muon_steps} steps:")
+        blocks.append(("" if args.quiet else heading + "\n\n")
+                      + table.format_text(muon_certs, muon_labels, legend=not args.quiet, notes=not args.quiet,
+                                          descriptions=muon_described, ours=ours_muon))
+        markdown.append(f"**{heading}**\n\n" + table.format_markdown(muon_certs, muon_labels,
+                                                                       descriptions=muon_described, ours=ours_muon))
+    print("\n\n".join(blocks))
+    everything = certs + muon_certs
+    for path, text in ((args.json, table.to_json(everything) + "\n"), (args.markdown, "\n".join(markdown))):
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(text)
+    status = 0
     failed = table.stiefel_adam_failures(certs)
     if failed:
         print("\nStiefelAdam FAILED: " + ", ".join(c.name for c in failed), file=sys.stderr)
-        return 1
-    return 0
+        status = 1
+    failed = table.stiefel_muon_failures(muon_certs)
+    if failed:
+        print("\nStiefelMuon FAILED: " + ", ".join(f"{c.name} ({c.optimizer})" for c in failed), file=sys.stderr)
+        status = 1
+    return status

@@ -36,7 +36,8 @@ import torch
 
 from ._result import Certificate
 
-__all__ = ["MuonColumn", "MUON_ROWS", "muon_columns", "run_muon_certificates", "inverse_polar_retraction",
+__all__ = ["MuonColumn", "MUON_ROWS", "MUON_OURS", "DEFAULT_MUON_STEPS", "muon_columns", "muon_column_by_name",
+           "select_muon_rows", "run_muon_certificates", "inverse_polar_retraction",
            "independent_direction_optimum", "OPTIMALITY_TOL", "FEASIBILITY_TOL", "DRIFT_TOL_F64", "DRIFT_TOL_F32",
            "EQUIVARIANCE_TOL", "SCALE_TOL", "DECAY_TOL", "DEFAULT_SETTING_TOL"]
 
@@ -50,6 +51,12 @@ MUON_ROWS = (
     "M7 scale-free",
     "M8 decay-immune",
 )
+
+#: The columns of the library's own optimizer: ``stiefel-attention certify`` fails (exit 1) if one of their
+#: cells fails.
+MUON_OURS = ("StiefelMuon", "StiefelMuon (solved)")
+#: Steps of the long drift runs (rows M4, M5) of ``stiefel-attention certify`` (``--muon-steps``).
+DEFAULT_MUON_STEPS = 300
 
 #: Relative shortfall of the direction's objective below the independent optimum (the default solver setting
 #: reaches about 1e-8 in float64 on these frames; the projected msign is 2-8 % short).
@@ -72,7 +79,8 @@ DECAY_TOL = 1e-12
 class MuonColumn:
     """One optimizer as a black box: ``run(w0, grads, *, weight_decay) -> iterates`` (each ``(k, d, r)``), the
     spectral size ``eta(d, r)`` of its first step (``None``: not a spectral-norm step), whether it keeps frames
-    on the manifold, and the tolerance of rows M1 and M3 (the accuracy its direction solver states)."""
+    on the manifold, the tolerance of rows M1 and M3 (the accuracy its direction solver states) and a short
+    label for the table's header (the name when empty)."""
 
     name: str
     run: Callable[..., list[torch.Tensor]]
@@ -81,6 +89,12 @@ class MuonColumn:
     on_manifold: bool
     description: str
     direction_tol: float = 1e-5
+    label: str = ""
+
+    @property
+    def short(self) -> str:
+        """The table header: :attr:`label`, or :attr:`name` when no label is set."""
+        return self.label or self.name
 
 
 def _stiefel_run(make: Callable[..., torch.optim.Optimizer]) -> Callable[..., list[torch.Tensor]]:
@@ -136,11 +150,15 @@ def muon_columns(lr: float = 1e-2) -> list[MuonColumn]:
 
     return [
         MuonColumn("StiefelMuon (solved)", _stiefel_run(muon(dual_steps=60, ns_steps=30)), lr, original, True,
-                   "manifold Muon solved to float64 accuracy: dual_steps=60, ns_steps=30", OPTIMALITY_TOL),
+                   "manifold Muon solved to float64 accuracy: dual_steps=60, ns_steps=30 (M1, M3 held to 1e-5)",
+                   OPTIMALITY_TOL,
+                   "SM solved"),
         MuonColumn("StiefelMuon", _stiefel_run(muon()), lr, original, True,
-                   "manifold Muon, the default solver setting, held to its stated gap", DEFAULT_SETTING_TOL),
+                   "manifold Muon, the default solver setting (M1, M3 held to its stated gap, 1e-3)",
+                   DEFAULT_SETTING_TOL),
         MuonColumn("StiefelMuon (projected msign)", _stiefel_run(muon(dual_steps=0)), lr, original, True,
-                   "dual_steps=0: P_W msign(P_W M), the cheap approximate direction", DEFAULT_SETTING_TOL),
+                   "dual_steps=0: P_W msign(P_W M), the cheap approximate direction", DEFAULT_SETTING_TOL,
+                   "SM msign"),
         MuonColumn("torch Muon", _torch_muon_run(lr), lr, lambda d, r: lr * math.sqrt(max(1.0, d / r)), False,
                    "torch.optim.Muon on each d x r matrix (bf16 Newton-Schulz; unconstrained)"),
         MuonColumn("StiefelAdam", _stiefel_run(lambda params, weight_decay: StiefelAdam(
@@ -148,8 +166,30 @@ def muon_columns(lr: float = 1e-2) -> list[MuonColumn]:
             "StiefelAdam (its step direction is not a spectral-norm problem: rows M1-M3 do not apply)"),
         MuonColumn("geoopt RiemannianAdam", _stiefel_run(lambda params, weight_decay: geoopt.optim.RiemannianAdam(
             params, lr=lr, weight_decay=weight_decay)), lr, None, True,
-            "geoopt.optim.RiemannianAdam on PolarStiefel (rows M1-M3 do not apply)"),
+            "geoopt.optim.RiemannianAdam on PolarStiefel (rows M1-M3 do not apply)", label="geoopt-radam-polar"),
     ]
+
+
+def muon_column_by_name(name: str) -> MuonColumn:
+    """The column of :func:`muon_columns` called ``name`` (full name or short label).
+
+    Raises
+    ------
+    KeyError
+        For a name that is neither (the message lists the names).
+    """
+    for column in muon_columns():
+        if name in (column.name, column.short):
+            return column
+    raise KeyError(f"No Muon-table column named {name!r}; choose one of {[c.name for c in muon_columns()]}.")
+
+
+def select_muon_rows(tokens: Sequence[str]) -> tuple[str, ...]:
+    """The rows of :data:`MUON_ROWS` that ``tokens`` name, in table order: ``"M"`` (every row) or a row's label
+    (``"M4"``); other tokens are ignored (they name rows of the main table)."""
+    labels = {row.split()[0]: row for row in MUON_ROWS}
+    chosen = {row for token in tokens for label, row in labels.items() if token in ("M", label)}
+    return tuple(row for row in MUON_ROWS if row in chosen)
 
 
 # ---------------------------------------------------------------------------------------------- the maths
@@ -196,17 +236,29 @@ def _orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- the suite
 def run_muon_certificates(columns: Sequence[MuonColumn] | None = None, *, seed: int = 0, shape=(3, 12, 4),
-                          drift_steps: int = 300) -> list[Certificate]:
-    """Every row of :data:`MUON_ROWS` for every column, row-major. One intra-op thread (the matrices are tiny)."""
+                          drift_steps: int = DEFAULT_MUON_STEPS,
+                          progress: Callable[[str], None] | None = None,
+                          rows: Sequence[str] | None = None) -> list[Certificate]:
+    """Every row of :data:`MUON_ROWS` (or only ``rows``) for every column, row-major. One intra-op thread (the
+    matrices are tiny). ``progress`` is called with each column's name before it is certified."""
     columns = list(muon_columns() if columns is None else columns)
+    if drift_steps < 1:
+        raise ValueError(f"run_muon_certificates: drift_steps={drift_steps} must be >= 1.")
+    unknown = [] if rows is None else [row for row in rows if row not in MUON_ROWS]
+    if unknown or (rows is not None and not rows):
+        raise ValueError(f"run_muon_certificates: rows {unknown or '(none)'} are not rows of MUON_ROWS.")
+    wanted = MUON_ROWS if rows is None else tuple(rows)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cells = [cert for column in columns for cert in _certify(column, seed=seed, shape=shape,
-                                                                 drift_steps=drift_steps)]
+        cells = []
+        for column in columns:
+            if progress is not None:
+                progress(column.name)
+            cells += _certify(column, seed=seed, shape=shape, drift_steps=drift_steps)
     finally:
         torch.set_num_threads(threads)
-    return sorted(cells, key=lambda c: MUON_ROWS.index(c.name))
+    return sorted((c for c in cells if c.name in wanted), key=lambda c: MUON_ROWS.index(c.name))
 
 
 def _certify(column: MuonColumn, *, seed: int, shape, drift_steps: int) -> list[Certificate]:

@@ -1,7 +1,9 @@
 """The certificate table: certificates rendered as a table (plain text or Markdown) or as JSON records.
 
-Nothing here prints. (Formerly ``analysis.report``; in this project a *report* is a study's report, written
-by :mod:`geoopt_stiefel_attention.experiments.report`.)
+The same functions render the main table (rows :data:`~.suite.ROWS`, ``StiefelAdam`` beside stock optimizers)
+and the manifold-Muon table (rows :data:`~.muon.MUON_ROWS`, ``StiefelMuon`` beside torch's ``Muon``,
+``StiefelAdam`` and geoopt): ``ours`` names the column the findings compare the others with, ``descriptions``
+the columns' one-line descriptions in the legend. Nothing here prints.
 """
 
 from __future__ import annotations
@@ -13,9 +15,31 @@ from collections.abc import Iterable, Mapping, Sequence
 from ._result import Certificate
 
 __all__ = ["format_cell", "format_text", "format_markdown", "to_records", "to_json", "conclusions",
-           "stiefel_adam_failures"]
+           "stiefel_adam_failures", "stiefel_muon_failures", "muon_labels", "muon_descriptions"]
 
 OUR_COLUMN = "StiefelAdam"
+#: The column the Muon table's findings compare the others with.
+OUR_MUON_COLUMN = "StiefelMuon"
+
+
+def _is_muon_row(name: str) -> bool:
+    from .muon import MUON_ROWS
+
+    return name in MUON_ROWS
+
+
+def muon_labels() -> dict[str, str]:
+    """Header label of every column of :func:`~.muon.muon_columns`, by name."""
+    from .muon import muon_columns
+
+    return {c.name: c.short for c in muon_columns()}
+
+
+def muon_descriptions() -> dict[str, str]:
+    """One-line description of every column of :func:`~.muon.muon_columns`, by name."""
+    from .muon import muon_columns
+
+    return {c.name: c.description for c in muon_columns()}
 
 
 def _default_labels() -> dict[str, str]:
@@ -78,8 +102,10 @@ def _names_where(certs: Sequence[Certificate], name: str, passed: bool | None, l
     return [labels.get(c.optimizer, c.optimizer) for c in certs if c.name == name and c.passed is passed]
 
 
-def conclusions(certs: Sequence[Certificate], labels: Mapping[str, str] | None = None) -> list[str]:
-    """The findings the table supports, as sentences built from the measured outcomes."""
+def conclusions(certs: Sequence[Certificate], labels: Mapping[str, str] | None = None, *,
+                ours: str = OUR_COLUMN) -> list[str]:
+    """The findings the table supports, as sentences built from the measured outcomes; every other column is
+    compared with the column ``ours``."""
     labels = dict(_default_labels() if labels is None else labels)
     out = []
     _, cols, cells = _grid(certs)
@@ -106,21 +132,30 @@ def conclusions(certs: Sequence[Certificate], labels: Mapping[str, str] | None =
                    "component there (6a, 6b), for frames and unconstrained matrices alike. A direction along "
                    "which the loss is invariant carries no gradient, so no optimizer moves along it and removing "
                    "the gauge cannot be what the Stiefel constraint buys.")
-    if OUR_COLUMN in cols:
+    if ours in cols:
         for col in cols:
-            if col == OUR_COLUMN:
+            if col == ours:
                 continue
             differ = [row for (row, c), cert in cells.items() if c == col and cert.passed is False
-                      and cells.get((row, OUR_COLUMN)) is not None and cells[(row, OUR_COLUMN)].passed]
+                      and cells.get((row, ours)) is not None and cells[(row, ours)].passed]
             if differ:
-                out.append(f"{labels.get(col, col)} fails where StiefelAdam passes: "
+                out.append(f"{labels.get(col, col)} fails where {labels.get(ours, ours)} passes: "
                            + ", ".join(r.split(" ")[0] for r in differ) + ".")
     return out
 
 
 def stiefel_adam_failures(certs: Iterable[Certificate]) -> list[Certificate]:
-    """The certificates of the ``StiefelAdam`` column that failed."""
-    return [c for c in certs if c.optimizer == OUR_COLUMN and c.passed is False]
+    """The certificates of the main table's ``StiefelAdam`` column that failed (the Muon table's rows, where
+    StiefelAdam is a comparison column, are not counted)."""
+    return [c for c in certs if c.optimizer == OUR_COLUMN and c.passed is False and not _is_muon_row(c.name)]
+
+
+def stiefel_muon_failures(certs: Iterable[Certificate]) -> list[Certificate]:
+    """The certificates of the Muon table's ``StiefelMuon`` columns (:data:`~.muon.MUON_OURS`: the default
+    solver setting and the solved one) that failed."""
+    from .muon import MUON_OURS
+
+    return [c for c in certs if c.optimizer in MUON_OURS and c.passed is False and _is_muon_row(c.name)]
 
 
 def _column_key(cols: Sequence[str], labels: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -128,8 +163,12 @@ def _column_key(cols: Sequence[str], labels: Mapping[str, str]) -> list[tuple[st
 
 
 def format_text(certs: Sequence[Certificate], labels: Mapping[str, str] | None = None, *,
-                legend: bool = True, notes: bool = True) -> str:
-    """An aligned plain-text table: certificates as rows, optimizers as columns, then a legend and notes."""
+                legend: bool = True, notes: bool = True, descriptions: Mapping[str, str] | None = None,
+                ours: str = OUR_COLUMN) -> str:
+    """An aligned plain-text table: certificates as rows, optimizers as columns, then a legend and notes.
+
+    ``labels`` and ``descriptions`` (by column name) default to those of the main table's columns; ``ours`` is
+    the column the findings compare the others with."""
     labels = dict(_default_labels() if labels is None else labels)
     rows, cols, cells = _grid(certs)
     heads = _column_key(cols, labels)
@@ -145,12 +184,13 @@ def format_text(certs: Sequence[Certificate], labels: Mapping[str, str] | None =
         lines.append(line)
     if legend:
         lines += ["", "Columns:"]
-        described = _descriptions()
-        lines += [f"  {lab:<12} {described.get(c, c)}" for lab, c in heads]
+        described = _descriptions() if descriptions is None else descriptions
+        pad = max([12] + [len(lab) for lab, _ in heads])
+        lines += [f"  {lab:<{pad}} {described.get(c, c)}" for lab, c in heads]
         lines += ["", "Certificates (figure compared with the tolerance; float64 unless stated):"]
         lines += [f"  {n}: {s} [{t}]" if t else f"  {n}: {s}" for n, s, t in _legend(certs)]
     if notes:
-        found = conclusions(certs, labels)
+        found = conclusions(certs, labels, ours=ours)
         if found:
             lines += ["", "Findings:"] + [f"  - {s}" for s in found]
     return "\n".join(lines)
@@ -161,8 +201,10 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
 
 
-def format_markdown(certs: Sequence[Certificate], labels: Mapping[str, str] | None = None) -> str:
-    """The table as GitHub Markdown, followed by the legend and the findings."""
+def format_markdown(certs: Sequence[Certificate], labels: Mapping[str, str] | None = None, *,
+                    descriptions: Mapping[str, str] | None = None, ours: str = OUR_COLUMN) -> str:
+    """The table as GitHub Markdown, followed by the legend (columns with their ``descriptions``, when given)
+    and the findings (other columns compared with ``ours``)."""
     labels = dict(_default_labels() if labels is None else labels)
     rows, cols, cells = _grid(certs)
     heads = _column_key(cols, labels)
@@ -171,10 +213,12 @@ def format_markdown(certs: Sequence[Certificate], labels: Mapping[str, str] | No
     for r in rows:
         line = [format_cell(cells[(r, c)]) if (r, c) in cells else "" for _, c in heads]
         lines.append(f"| {_md(r)} | " + " | ".join(line) + " |")
-    lines += ["", "**Columns**", ""] + [f"- `{lab}`: {c}" for lab, c in heads]
+    described = descriptions or {}
+    lines += ["", "**Columns**", ""] + [f"- `{lab}`: {_md(described[c]) if c in described else c}"
+                                        for lab, c in heads]
     lines += ["", "**Certificates**", ""]
     lines += [f"- **{_md(n)}**: {_md(s)}" + (f" (`{t}`)" if t else "") for n, s, t in _legend(certs)]
-    found = conclusions(certs, labels)
+    found = conclusions(certs, labels, ours=ours)
     if found:
         lines += ["", "**Findings**", ""] + [f"- {_md(s)}" for s in found]
     return "\n".join(lines) + "\n"
