@@ -9,6 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, bench
+from geoopt_stiefel_attention.bench.settings import _interleave
+from geoopt_stiefel_attention.bench.step import _matmul_floor
 from geoopt_stiefel_attention.cli import main
 
 TINY = {64: (1, 2)}  # width 64, 1 layer, 2 heads of 32: two (2, 64, 32) frame stacks
@@ -59,14 +61,14 @@ def test_a_failing_competitor_is_reported_not_fatal():
         raise RuntimeError("lu_solve: pivots must be >= 1\nsecond line")
 
     settings = bench.BenchSettings(rounds=2, steps_per_round=2, warmup=1, clock="wall", device="cpu")
-    samples, failed = bench._interleave({"stiefel": lambda: calls.append(1), "geoopt-radam-canonical": broken},
-                                        settings, required=("stiefel",))
+    samples, failed = _interleave({"stiefel": lambda: calls.append(1), "geoopt-radam-canonical": broken},
+                                  settings, required=("stiefel",))
     assert set(samples) == {"stiefel"} and [len(r) for r in samples["stiefel"]] == [2, 2] and len(calls) == 5
     assert failed == {"geoopt-radam-canonical": "failed: RuntimeError: lu_solve: pivots must be >= 1"}
     # companion: a failure of the arm under test is not swallowed
     with pytest.raises(RuntimeError, match="pivots"):
-        bench._interleave({"stiefel": broken}, bench.BenchSettings(rounds=1, steps_per_round=1, warmup=1),
-                          required=("stiefel",))
+        _interleave({"stiefel": broken}, bench.BenchSettings(rounds=1, steps_per_round=1, warmup=1),
+                    required=("stiefel",))
 
 
 class _CountProducts(TorchDispatchMode):
@@ -94,7 +96,7 @@ def _products_of_one_step(**opt_kwargs):
     opt.step()  # first step: orthonormality check, state
     with _CountProducts(64) as counter:
         opt.step()
-    floor = bench._matmul_floor(params, [2] * len(params))
+    floor = _matmul_floor(params, [2] * len(params))
     with _CountProducts(64) as floor_counter:
         floor()
     return counter.count, floor_counter.count
@@ -125,7 +127,7 @@ class _ProductDtypes(TorchDispatchMode):
 def test_matmul_floor_runs_in_the_dtype_the_step_computes_in(dtype, computed):
     st = PolarStiefel()
     params = [geoopt.ManifoldParameter(st.random(2, 64, 32).to(dtype), manifold=st)]
-    floor = bench._matmul_floor(params, [1])
+    floor = _matmul_floor(params, [1])
     with _ProductDtypes() as seen:
         floor()
     assert seen.dtypes == {computed}  # bfloat16 frames: float32 products, as in StiefelAdam's step
@@ -293,6 +295,44 @@ def test_train_step_benchmark_converted_hf_gpt2():
     assert res.ratio > 0 and all(t.median_ms > 0 for t in res.full_step.values())
     with pytest.raises(ValueError, match="unknown"):
         bench.train_step_benchmark(("gpt3",), rounds=1, steps_per_round=1, scale="tiny")
+
+
+def test_train_step_benchmark_converted_models_tiny_and_w64_settings():
+    """Every converted model of issue #40 runs (tiny), and ``scale="w64"`` puts every model at width 64."""
+    import importlib.util
+
+    from geoopt_stiefel_attention.bench import train as train_bench
+
+    runnable = tuple(m for m in bench.EXTRA_TRAIN_MODELS if m != "hf_gpt2" and (
+        train_bench.MODEL_PACKAGES[m] is None or importlib.util.find_spec(train_bench.MODEL_PACKAGES[m])))
+    assert "torch_encoder" in runnable
+    results = bench.train_step_benchmark(runnable, rounds=1, steps_per_round=1, warmup=1, scale="tiny", clock="cpu",
+                                         threads=1)
+    assert [r.model for r in results] == list(runnable)
+    for r in results:
+        assert r.ratio > 0 and r.min_ratio > 0 and set(r.full_step) == {"adamw", "stiefel"}
+    assert "| torch_encoder (" in bench.format_train_table(results)
+    for model, cfg in train_bench.W64_TRAIN_SETTINGS.items():
+        assert cfg.get("width", cfg.get("n_embd")) == 64, model
+    assert set(train_bench.W64_TRAIN_SETTINGS) == set(bench.TRAIN_MODELS + bench.EXTRA_TRAIN_MODELS)
+    assert set(train_bench.TINY_TRAIN_SETTINGS) == set(train_bench.TRAIN_SETTINGS) == set(train_bench.W64_TRAIN_SETTINGS)
+
+
+def test_cli_bench_train_w64_scale_and_missing_packages(monkeypatch, capsys, cli_status, tmp_path):
+    import importlib.util
+
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--scale", "tiny", "--models", "torch_encoder", "--rounds", "1", "--steps", "1",
+                 "--threads", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["scale"] == "tiny" and doc["results"][0]["config"]["width"] == 16
+    capsys.readouterr()
+    assert cli_status(["bench", "step", "--scale", "w64", "--rounds", "1"]) == 2
+    assert "--scale w64 is for 'train' only" in capsys.readouterr().err
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "timm" else real(name, *a))
+    assert cli_status(["bench", "train", "--models", "timm_vit", "--rounds", "1", "--steps", "1"]) == 2
+    assert "--models timm_vit needs timm" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------- CLI user errors

@@ -185,3 +185,29 @@ def test_cycle_finder_finds_a_cycle(tmp_path):
     assert find_cycle(graph) == ["tiny.a", "tiny.b", "tiny.a"]
     graph["tiny.b"].clear()
     assert find_cycle(graph) is None
+
+
+def private_reexports(path: Path) -> list[str]:
+    """Private names (``_x``, not submodules) that a package's ``__init__`` imports at module level from one of
+    its modules: re-exports of helpers that belong to the module defining them (issue 39)."""
+    found = []
+    for node in ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body:
+        if isinstance(node, ast.ImportFrom) and node.module:  # ``from . import _x`` imports a submodule: fine
+            found += [a.asname or a.name for a in node.names
+                      if (a.asname or a.name).startswith("_") and not (a.asname or a.name).startswith("__")]
+    return found
+
+
+def test_package_inits_re_export_no_private_names():
+    """``optim`` and ``bench`` export public names only; a private helper is imported from its module."""
+    for sub in ("optim", "bench", "analysis"):
+        init = PACKAGE / sub / "__init__.py"
+        if init.is_file():
+            assert private_reexports(init) == [], sub
+
+
+def test_the_private_reexport_scan_finds_one(tmp_path):
+    """Companion: an ``__init__`` that re-exports ``_helper`` (and imports a private submodule, which is fine)."""
+    init = tmp_path / "__init__.py"
+    init.write_text("from . import _kernel\nfrom ._batching import PUBLIC, _helper\nfrom .x import _y as _z\n")
+    assert private_reexports(init) == ["_helper", "_z"]

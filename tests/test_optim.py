@@ -10,6 +10,7 @@ import torch
 from conftest import tiny_transformer
 
 from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, optim
+from geoopt_stiefel_attention.optim._batching import _stacked_view
 
 REFERENCE_TOL = 1e-10  # float64 agreement with the written-out reference over >= 50 steps
 CONVERGENCE_TOL = 1e-5  # distance to the target frame
@@ -471,16 +472,16 @@ def _shares_one_buffer(tensors):
 
 def test_stacked_view_only_for_consecutive_slices_of_one_buffer():
     buf = torch.arange(24.0).view(4, 2, 3)
-    stacked = optim._stacked_view(list(buf[1:4].unbind(0)))
+    stacked = _stacked_view(list(buf[1:4].unbind(0)))
     assert stacked is not None and stacked.data_ptr() == buf[1].data_ptr() and torch.equal(stacked, buf[1:4])
     stacked[0, 0, 0] = -1.0  # a view: writes reach the buffer
     assert buf[1, 0, 0] == -1.0
     # companions: each way of not being one stack gives None
-    assert optim._stacked_view([buf[2], buf[1]]) is None  # wrong order
-    assert optim._stacked_view([buf[0], buf[2]]) is None  # a gap
-    assert optim._stacked_view([buf[0], buf[1].clone()]) is None  # another storage
-    assert optim._stacked_view([buf[0].mT, buf[1].mT]) is None  # not row-major
-    assert optim._stacked_view([buf[0], buf[1].view(3, 2)]) is None  # another shape
+    assert _stacked_view([buf[2], buf[1]]) is None  # wrong order
+    assert _stacked_view([buf[0], buf[2]]) is None  # a gap
+    assert _stacked_view([buf[0], buf[1].clone()]) is None  # another storage
+    assert _stacked_view([buf[0].mT, buf[1].mT]) is None  # not row-major
+    assert _stacked_view([buf[0], buf[1].view(3, 2)]) is None  # another shape
 
 
 def _stacked_run(steps, *, edit=None, stack_numel=None, resume_at=None, idle=None, capturable=None):

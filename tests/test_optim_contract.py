@@ -840,7 +840,7 @@ def _sd_params(params, grads, capturable):
 
 
 def test_capturable_option_is_validated_and_resolved_per_device():
-    from geoopt_stiefel_attention.optim import _capturable
+    from geoopt_stiefel_attention.optim._state import _capturable
 
     assert _capturable({"capturable": None}, torch.device("cuda")) is True
     assert _capturable({"capturable": None}, torch.device("cpu")) is False

@@ -41,8 +41,8 @@ with its table), ``gpu`` (the accelerator check) and ``cli`` (``HELP``, ``add_ar
 
 from __future__ import annotations
 
-# Every name of the former single module ``bench.py`` stays importable from here; the private helpers among
-# them (tests and scripts reach ``_interleave`` and ``_matmul_floor``) are marked ``noqa: F401``.
+# The public names only; a private helper is imported from the module that defines it (``bench.settings``,
+# ``bench.step``, ...).
 from .cli import HELP, add_arguments, run
 from .gpu import CHECK_SCALES, accelerator_check, format_check
 from .paths import (
@@ -53,34 +53,21 @@ from .paths import (
     STEP_PATHS,
     FrameSet,
     StepPathResult,
-    _path_steps,  # noqa: F401
     format_path_table,
     path_frame_sets,
     step_path_benchmark,
 )
 from .records import Machine, Timing, as_record, machine_info, to_json
 from .settings import (
-    _SLOW_STEP_S,  # noqa: F401
     BENCH_DEFAULTS,
     CLOCKS,
     BenchSettings,
-    _clock,  # noqa: F401
-    _interleave,  # noqa: F401
-    _ratio,  # noqa: F401
-    _settings,  # noqa: F401
-    _state_bytes,  # noqa: F401
-    _synchronize,  # noqa: F401
-    _timing,  # noqa: F401
-    _workspace_bytes,  # noqa: F401
     torch_threads,
 )
 from .step import (
-    _OPTIMIZER_LABELS,  # noqa: F401
     CONFIGS,
     STEP_OPTIMIZERS,
     StepTimeResult,
-    _matmul_floor,  # noqa: F401
-    _optimizer_steps,  # noqa: F401
     format_step_table,
     frame_shapes,
     step_time_benchmark,
@@ -91,8 +78,6 @@ from .train import (
     TRAIN_MODELS,
     TRAIN_SETTINGS,
     TrainStepResult,
-    _hf_gpt2_setup,  # noqa: F401
-    _train_setup,  # noqa: F401
     format_train_table,
     train_step_benchmark,
 )

@@ -30,7 +30,14 @@ from .paths import (
 from .records import machine_info, to_json
 from .settings import BENCH_DEFAULTS, CLOCKS, torch_threads
 from .step import CONFIGS, STEP_OPTIMIZERS, format_step_table, step_time_benchmark
-from .train import EXTRA_TRAIN_MODELS, TRAIN_MODELS, format_train_table, train_step_benchmark
+from .train import (
+    EXTRA_TRAIN_MODELS,
+    MODEL_PACKAGES,
+    TRAIN_MODELS,
+    TRAIN_SCALE_NAMES,
+    format_train_table,
+    train_step_benchmark,
+)
 
 HELP = "Time the StiefelAdam step against AdamW and stock geoopt RiemannianAdam (ratios, memory); --json."
 
@@ -56,12 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(map(str, GRID_RANKS))}")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend of the compiled path of 'paths' and 'gpu' (default inductor)")
-    parser.add_argument("--scale", default="default", choices=tuple(CHECK_SCALES),
-                        help="sizes of 'gpu': 'default' (a few minutes on a GPU) or 'tiny' (a smoke test)")
+    parser.add_argument("--scale", default="default", choices=tuple(dict.fromkeys((*CHECK_SCALES, *TRAIN_SCALE_NAMES))),
+                        help="sizes of 'gpu' and 'train': 'default' (for 'gpu': a few minutes on a GPU) or 'tiny' "
+                             "(a smoke test); 'w64' ('train' only): every model at width 64")
     parser.add_argument("--out", default=None, metavar="PATH", help="also write the JSON to PATH")
     parser.add_argument("--models", nargs="+", default=list(TRAIN_MODELS), choices=TRAIN_MODELS + EXTRA_TRAIN_MODELS,
-                        help="models for 'train' (default: the first two; hf_gpt2, a HuggingFace GPT-2 "
-                             "converted by stiefelize, needs the models extra)")
+                        help="models for 'train' (default: the first two; the others are stock models converted "
+                             "by stiefelize: hf_* need the models extra, timm_vit timm, torchvision_vit "
+                             "torchvision)")
     parser.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (default 7)")
     parser.add_argument("--steps", type=positive_int, default=None,
                         help="timed steps per round of each optimizer ('step'), path ('paths') or arm ('train') (default "
@@ -89,9 +98,16 @@ def run(args: argparse.Namespace) -> int:
     if device.type != "cpu" and not (backend is not None and backend.is_available()):
         raise UsageError(f"--device {args.device!r} is not available on this machine; "
                                                f"use --device cpu")
-    if args.what == "train" and "hf_gpt2" in args.models and importlib.util.find_spec("transformers") is None:
-        raise UsageError("--models hf_gpt2 needs HuggingFace transformers; install the "
-                                               "models extra (pip install -e '.[models]')")
+    if args.what == "train":
+        for model in args.models:
+            package = MODEL_PACKAGES.get(model)
+            if package is not None and importlib.util.find_spec(package) is None:
+                hint = ("HuggingFace transformers; install the models extra (pip install -e '.[models]')"
+                        if package == "transformers" else f"{package}; install it (pip install {package})")
+                raise UsageError(f"--models {model} needs {hint}")
+    if args.scale not in CHECK_SCALES and args.what != "train":
+        raise UsageError(f"--scale {args.scale} is for 'train' only; '{args.what}' takes "
+                         f"{' or '.join(CHECK_SCALES)}")
     timed = _timed(args)
     if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise UsageError(f"--compile-backend {args.compile_backend!r} is not a torch.compile "
@@ -123,13 +139,14 @@ def run(args: argparse.Namespace) -> int:
         results = step_time_benchmark(tuple(args.widths), optimizers=timed, settings=settings)
         table = format_step_table(results)
     else:
-        results = train_step_benchmark(tuple(args.models), settings=settings)
+        results = train_step_benchmark(tuple(args.models), scale=args.scale, settings=settings)
         table = format_train_table(results)
     with torch_threads(args.threads):
         machine = machine_info(args.device)
     text = to_json(results, machine, benchmark=args.what, rounds=args.rounds, steps_per_round=steps, lr=args.lr,
                    dtype=args.dtype, clock=args.clock, threads=args.threads, seed=args.seed,
-                   **(dict(grid=args.grid, compile_backend=args.compile_backend) if args.what == "paths" else {}))
+                   **(dict(grid=args.grid, compile_backend=args.compile_backend) if args.what == "paths" else {}),
+                   **(dict(scale=args.scale) if args.what == "train" else {}))
     if args.out is not None:
         _write_out(args.out, text)
     if args.json:

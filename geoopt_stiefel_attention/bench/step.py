@@ -72,7 +72,7 @@ def _matmul_floor(params: list[Any], steps: list[int]) -> Callable[[], None]:
     import torch
 
     from .._linalg import compute_dtype
-    from ..optim import _frame_batches
+    from ..optim._batching import _frame_batches
 
     gen = torch.Generator(device=params[0].device).manual_seed(0)
     work = []

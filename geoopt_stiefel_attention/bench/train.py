@@ -21,8 +21,16 @@ from .settings import (
 
 #: The models of :func:`train_step_benchmark`.
 TRAIN_MODELS = ("tiny_transformer", "patch_vit")
-#: Models that need the ``models`` extra (HuggingFace ``transformers``); run only when asked for.
-EXTRA_TRAIN_MODELS = ("hf_gpt2",)
+#: Stock models whose stiefel arm is converted by :func:`~geoopt_stiefel_attention.stiefelize` (the cost of the
+#: converter's parametrization plus the Riemannian step); run only when asked for. ``hf_*`` need the ``models``
+#: extra (HuggingFace ``transformers``), ``timm_vit`` needs ``timm``, ``torchvision_vit`` needs ``torchvision``.
+EXTRA_TRAIN_MODELS = ("hf_gpt2", "hf_llama", "hf_bert", "hf_vit", "timm_vit", "torchvision_vit", "torch_encoder")
+#: The package each converted model needs (``None``: torch alone).
+MODEL_PACKAGES: dict[str, str | None] = {"hf_gpt2": "transformers", "hf_llama": "transformers",
+                                         "hf_bert": "transformers", "hf_vit": "transformers", "timm_vit": "timm",
+                                         "torchvision_vit": "torchvision", "torch_encoder": None}
+#: Scales of :func:`train_step_benchmark` (keys of :data:`TRAIN_SCALES`).
+TRAIN_SCALE_NAMES = ("default", "tiny", "w64")
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,8 @@ class TrainStepResult:
     clock: str
     threads: int
     autocast: str | None = None
+    #: ratio of the two arms' fastest steps (minimum over every timed step; the least disturbed samples)
+    min_ratio: float | None = None
 
 # ----------------------------------------------------------------------------------------------- train step
 #: Model settings of :func:`train_step_benchmark`: the defaults of the grokking and vision studies.
@@ -47,6 +57,10 @@ TRAIN_SETTINGS: dict[str, dict[str, Any]] = {
     "tiny_transformer": dict(vocab_size=99, seq_len=4, width=128, depth=1, heads=4, mlp=512, batch=512),
     "patch_vit": dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, mlp=128, batch=128),
     "hf_gpt2": dict(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4, batch=16),
+    **{m: dict(vocab_size=512, seq_len=64, width=128, depth=2, heads=4, batch=16)
+       for m in ("hf_llama", "hf_bert", "torch_encoder")},
+    **{m: dict(image_size=32, patch_size=4, width=128, depth=2, heads=4, batch=32)
+       for m in ("hf_vit", "timm_vit", "torchvision_vit")},
 }
 
 #: The same models shrunk to a smoke test (``scale="tiny"``).
@@ -54,7 +68,28 @@ TINY_TRAIN_SETTINGS: dict[str, dict[str, Any]] = {
     "tiny_transformer": dict(vocab_size=11, seq_len=4, width=16, depth=1, heads=2, mlp=32, batch=8),
     "patch_vit": dict(image_size=8, patch_size=4, width=16, depth=1, heads=2, mlp=32, batch=4),
     "hf_gpt2": dict(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, batch=2),
+    **{m: dict(vocab_size=32, seq_len=8, width=16, depth=1, heads=2, batch=2)
+       for m in ("hf_llama", "hf_bert", "torch_encoder")},
+    **{m: dict(image_size=8, patch_size=4, width=16, depth=1, heads=2, batch=2)
+       for m in ("hf_vit", "timm_vit", "torchvision_vit")},
 }
+
+#: Every model at width 64 (``scale="w64"``, issue #40): small models and batches (8 sequences of 32 tokens, 8
+#: images of 64 patches), where the converted weight's rebuild in each forward weighs most against the model's
+#: own work (4 heads of 16; Llama with 2 key/value heads).
+W64_TRAIN_SETTINGS: dict[str, dict[str, Any]] = {
+    "tiny_transformer": dict(vocab_size=99, seq_len=4, width=64, depth=1, heads=4, mlp=256, batch=512),
+    "patch_vit": dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, mlp=128, batch=128),
+    "hf_gpt2": dict(vocab_size=512, n_positions=32, n_embd=64, n_layer=2, n_head=4, batch=8),
+    **{m: dict(vocab_size=512, seq_len=32, width=64, depth=2, heads=4, batch=8)
+       for m in ("hf_llama", "hf_bert", "torch_encoder")},
+    **{m: dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, batch=8)
+       for m in ("hf_vit", "timm_vit", "torchvision_vit")},
+}
+
+#: scale -> model settings.
+TRAIN_SCALES: dict[str, dict[str, dict[str, Any]]] = {"default": TRAIN_SETTINGS, "tiny": TINY_TRAIN_SETTINGS,
+                                                      "w64": W64_TRAIN_SETTINGS}
 
 
 def _train_setup(model: str, attention: str, settings: dict[str, Any], *, seed: int,
@@ -81,6 +116,8 @@ def _train_setup(model: str, attention: str, settings: dict[str, Any], *, seed: 
         loss_fn = torch.nn.functional.cross_entropy
     elif model == "hf_gpt2":
         net, x, y, loss_fn = _hf_gpt2_setup(attention, kw, batch, seed=seed, gen=gen)
+    elif model in _CONVERTED:
+        net, x, y, loss_fn = _converted_setup(model, attention, kw, batch, seed=seed, gen=gen)
     else:
         raise ValueError(f"bench: model {model!r} is unknown; use one of {TRAIN_MODELS + EXTRA_TRAIN_MODELS}.")
     return net.to(device), x.to(device), y.to(device), loss_fn
@@ -111,6 +148,133 @@ def _hf_gpt2_setup(attention: str, kw: dict[str, Any], batch: int, *, seed: int,
     return net, x, x.clone(), loss_fn
 
 
+def _need(package: str | None, model: str) -> None:
+    import importlib.util
+
+    if package is not None and importlib.util.find_spec(package) is None:
+        extra = "the models extra (pip install -e '.[models]')" if package == "transformers" else package
+        raise ValueError(f"bench: model {model!r} needs {package}; install {extra}.")
+
+
+def _lm_loss(logits: Any, target: Any) -> Any:
+    import torch
+
+    logits = logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
+
+
+def _hf_llama(kw: dict[str, Any]) -> Any:
+    import transformers
+
+    w = kw["width"]
+    cfg = transformers.LlamaConfig(vocab_size=kw["vocab_size"], hidden_size=w, intermediate_size=4 * w,
+                                   num_hidden_layers=kw["depth"], num_attention_heads=kw["heads"],
+                                   num_key_value_heads=max(1, kw["heads"] // 2),
+                                   max_position_embeddings=kw["seq_len"], bos_token_id=0, eos_token_id=0,
+                                   pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _hf_bert(kw: dict[str, Any]) -> Any:
+    import transformers
+
+    w = kw["width"]
+    cfg = transformers.BertConfig(vocab_size=kw["vocab_size"], hidden_size=w, intermediate_size=4 * w,
+                                  num_hidden_layers=kw["depth"], num_attention_heads=kw["heads"],
+                                  max_position_embeddings=kw["seq_len"], hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    return transformers.BertForMaskedLM(cfg)
+
+
+def _hf_vit(kw: dict[str, Any]) -> Any:
+    import transformers
+
+    w = kw["width"]
+    cfg = transformers.ViTConfig(image_size=kw["image_size"], patch_size=kw["patch_size"], hidden_size=w,
+                                 intermediate_size=4 * w, num_hidden_layers=kw["depth"],
+                                 num_attention_heads=kw["heads"], hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0, num_labels=10)
+    return transformers.ViTForImageClassification(cfg)
+
+
+def _timm_vit(kw: dict[str, Any]) -> Any:
+    import timm
+
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=kw["image_size"],
+                             patch_size=kw["patch_size"], embed_dim=kw["width"], depth=kw["depth"],
+                             num_heads=kw["heads"], num_classes=10)
+
+
+def _torchvision_vit(kw: dict[str, Any]) -> Any:
+    import torchvision
+
+    w = kw["width"]
+    return torchvision.models.VisionTransformer(image_size=kw["image_size"], patch_size=kw["patch_size"],
+                                                num_layers=kw["depth"], num_heads=kw["heads"], hidden_dim=w,
+                                                mlp_dim=4 * w, num_classes=10)
+
+
+def _torch_encoder(kw: dict[str, Any]) -> Any:
+    import torch
+    from torch import nn
+
+    w = kw["width"]
+
+    class EncoderLM(nn.Module):
+        """Token embedding, ``nn.TransformerEncoder`` (causal mask) and a linear head."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(kw["vocab_size"], w)
+            layer = nn.TransformerEncoderLayer(w, kw["heads"], dim_feedforward=4 * w, dropout=0.0,
+                                               batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, kw["depth"], enable_nested_tensor=False)
+            self.head = nn.Linear(w, kw["vocab_size"])
+            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(kw["seq_len"]),
+                                 persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(self.embed(x), mask=self.mask, is_causal=True))
+
+    return EncoderLM()
+
+
+#: converted model -> (builder from the settings, input kind: "tokens" or "images")
+_CONVERTED: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
+    "hf_llama": (_hf_llama, "tokens"), "hf_bert": (_hf_bert, "tokens"), "torch_encoder": (_torch_encoder, "tokens"),
+    "hf_vit": (_hf_vit, "images"), "timm_vit": (_timm_vit, "images"), "torchvision_vit": (_torchvision_vit, "images"),
+}
+
+
+def _converted_setup(model: str, attention: str, kw: dict[str, Any], batch: int, *, seed: int, gen: Any):
+    """A randomly initialised stock model (:data:`_CONVERTED`), converted by ``stiefelize``
+    (``logit_gain="learn"``) for the stiefel arm; next-token loss on random tokens (``hf_bert``: the masked-LM
+    head predicting every token), or classification of random images into 10 classes."""
+    import torch
+
+    from ..convert import stiefelize
+
+    _need(MODEL_PACKAGES[model], model)
+    build, kind = _CONVERTED[model]
+    torch.manual_seed(seed)
+    net = build(kw)
+    if attention == "stiefel":
+        stiefelize(net, logit_gain="learn")
+    if kind == "images":
+        x = torch.randn(batch, 3, kw["image_size"], kw["image_size"], generator=gen)
+        y = torch.randint(0, 10, (batch,), generator=gen)
+
+        def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(getattr(out, "logits", out), target)
+        return net, x, y, loss_fn
+    x = torch.randint(0, kw["vocab_size"], (batch, kw["seq_len"]), generator=gen)
+    if model == "hf_bert":
+        def bert_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), target.reshape(-1))
+        return net, x, x.clone(), bert_loss
+    return net, x, x.clone(), lambda out, target: _lm_loss(getattr(out, "logits", out), target)
+
+
 def train_step_benchmark(
     models: tuple[str, ...] = TRAIN_MODELS,
     *,
@@ -130,7 +294,11 @@ def train_step_benchmark(
 
     ``scale="default"`` uses :data:`TRAIN_SETTINGS` (the grokking and vision studies' default models; the
     grokking batch is 512 rather than the study's full batch, which only lowers the optimizer's share),
-    ``scale="tiny"`` :data:`TINY_TRAIN_SETTINGS`. The optimizer step is also timed on its own.
+    ``scale="tiny"`` :data:`TINY_TRAIN_SETTINGS`, ``scale="w64"`` :data:`W64_TRAIN_SETTINGS` (every model at
+    width 64, where the converted models' per-forward rebuild of W_Q/W_K weighs most). The converted models of
+    :data:`EXTRA_TRAIN_MODELS` (GPT-2, Llama with grouped-query attention, BERT, HuggingFace/timm/torchvision
+    ViT, ``nn.TransformerEncoder``) compare the stock model under AdamW with the same model converted by
+    :func:`~geoopt_stiefel_attention.stiefelize` under StiefelAdam. The optimizer step is also timed on its own.
     ``autocast="bfloat16"`` (or ``"float16"``) runs forward and loss under ``torch.autocast`` on the device
     (parameters and optimizer stay float32: mixed precision the way torch users do it). ``settings`` (default
     ``BENCH_DEFAULTS["train"]``) and ``**overrides`` as in :func:`step_time_benchmark`; its ``dtype`` must
@@ -146,9 +314,9 @@ def train_step_benchmark(
         raise ValueError(f"bench: dtype={s.dtype!r}: the train benchmark trains float32 parameters; use "
                          f"autocast='bfloat16' or 'float16' for mixed precision.")
     device = s.device
-    table = {"default": TRAIN_SETTINGS, "tiny": TINY_TRAIN_SETTINGS}.get(scale)
+    table = TRAIN_SCALES.get(scale)
     if table is None:
-        raise ValueError(f"bench: scale={scale!r} is unknown; use 'default' or 'tiny'.")
+        raise ValueError(f"bench: scale={scale!r} is unknown; use one of {TRAIN_SCALE_NAMES}.")
     if autocast not in (None, "bfloat16", "float16"):
         raise ValueError(f"bench: autocast={autocast!r} is unknown; use None, 'bfloat16' or 'float16'.")
     amp = dict(device_type=torch.device(device).type, dtype=getattr(torch, autocast or "bfloat16"),
@@ -183,18 +351,22 @@ def train_step_benchmark(
                 full_step={arm: _timing(arm, samples[arm]) for arm in steps},
                 optimizer_step={arm: _timing(arm, opt_samples[arm]) for arm in opt_steps},
                 ratio=_ratio(samples["stiefel"], samples["adamw"]), rounds=s.rounds, clock=s.clock,
-                threads=torch.get_num_threads(), autocast=autocast))
+                threads=torch.get_num_threads(), autocast=autocast,
+                min_ratio=min(map(min, samples["stiefel"])) / min(map(min, samples["adamw"]))))
         return results
 
 def format_train_table(results: list[TrainStepResult]) -> str:
-    """A Markdown table of full-step times per arm and the stiefel / adamw ratio."""
-    lines = ["| model | batch | adamw step ms (optimizer ms) | stiefel step ms (optimizer ms) | stiefel / adamw |",
-             "|---|---|---|---|---|"]
+    """A Markdown table of full-step times per arm and the stiefel / adamw ratio (median over rounds, and of
+    the fastest steps)."""
+    lines = ["| model | batch | adamw step ms (optimizer ms) | stiefel step ms (optimizer ms) | stiefel / adamw "
+             "| of fastest |",
+             "|---|---|---|---|---|---|"]
     flagged = False
     for r in results:
         cells = [f"{r.full_step[a].median_ms:.2f} ({r.optimizer_step[a].median_ms:.2f})" for a in ("adamw", "stiefel")]
         cfg = ", ".join(f"{k}={v}" for k, v in r.config.items())
         flag = "†" if ratio_disagrees(r.full_step["stiefel"].median_ms, r.full_step["adamw"].median_ms, r.ratio) else ""
         flagged = flagged or bool(flag)
-        lines.append(f"| {r.model} ({cfg}) | {r.batch} | {cells[0]} | {cells[1]} | {r.ratio:.3f}{flag} |")
+        fastest = "" if r.min_ratio is None else f"{r.min_ratio:.3f}"
+        lines.append(f"| {r.model} ({cfg}) | {r.batch} | {cells[0]} | {cells[1]} | {r.ratio:.3f}{flag} | {fastest} |")
     return "\n".join(lines + (["", DISAGREEMENT_NOTE] if flagged else []))

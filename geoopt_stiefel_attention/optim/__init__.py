@@ -13,41 +13,25 @@ One job per file:
 - :mod:`.adam`: the :class:`StiefelAdam` class;
 - :mod:`._muon`: the manifold-Muon direction and update, readable and fast; :mod:`.muon`: :class:`StiefelMuon`.
 
-Every name below was importable from the former single-file ``optim`` module and still is (the private ones
-for tests, benchmarks and the distributed helpers).
+Only the public names are exported here; a private helper is imported from the module that defines it (e.g.
+``from geoopt_stiefel_attention.optim._batching import _stacked_view``).
 """
 
+# Public names beyond __all__ (constants of the batching and of StiefelMuon) are imported here on purpose.
 # ruff: noqa: F401
 
 from .._linalg import ADJUST_LR_FNS, frame_step_scale
 from . import _reference, _validation
-from ._base import _TORCH_CAPTURABLE_DEVICES, FrameOptimizer
-from ._batching import (
-    ACCELERATOR_STACK_NUMEL,
-    STACK_NUMEL,
-    _frame_batches,
-    _frame_lr,
-    _stacked_state,
-    _stacked_view,
-)
-from ._kernel import _FAST_MODES, _frame_update_, _rounding_margin
+from ._base import FrameOptimizer
+from ._batching import ACCELERATOR_STACK_NUMEL, STACK_NUMEL
 from ._muon import MUON_ADJUST_LR_FNS, muon_direction, muon_direction_reference, muon_lr_scale, stiefel_muon_update
 from ._reference import stiefel_adam_update
-from ._state import _capturable, _frame_state_shapes, _loaded_state, _zeros_like_layout
-from ._validation import (
-    _DEFAULT_TRUST_REGION,
-    _GROUP_DEFAULTS,
-    _can_read_host,
-    _check_manifold,
-    _check_parameter,
-    _validate_hyperparameters,
-)
 from .adam import StiefelAdam
 from .muon import DEFAULT_DUAL_STEPS, DEFAULT_NS_STEPS, StiefelMuon
 
 __all__ = ["StiefelAdam", "StiefelMuon", "FrameOptimizer", "stiefel_adam_update", "stiefel_muon_update",
-           "muon_direction", "muon_direction_reference", "muon_lr_scale", "frame_step_scale", "SECOND_MOMENTS", "ADJUST_LR_FNS",
-           "ORTHONORMALITY_TOLERANCE"]
+           "muon_direction", "muon_direction_reference", "muon_lr_scale", "frame_step_scale", "SECOND_MOMENTS",
+           "ADJUST_LR_FNS", "ORTHONORMALITY_TOLERANCE"]
 
 #: The accepted values of the ``second_moment`` option (defined in ``_reference``, documented here).
 SECOND_MOMENTS = _reference.SECOND_MOMENTS
