@@ -197,3 +197,71 @@ def test_config_records_the_three_way_split_the_run_used(varied_root, tmp_path):
                 "--skip-report") == 0
     two = json.loads((plain / "runs/adamw/seed0/config.json").read_text())["config"]["corpus_identity"]
     assert "test_files" not in two and two["train_files"] > counts["train"]
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+def _plan(monkeypatch, tmp_path, grids: dict[str, dict[str, dict[float, dict[int, float]]]]):
+    """The stages of a two-arm protocol over synthetic grids (folder name -> arm -> lr -> seed -> val bpb)."""
+    from experiments.lm import controls
+
+    monkeypatch.setattr(controls, "read_grid", lambda folder: {"finals": grids.get(Path(folder).name, {}),
+                                                               "unfinished": []})
+    protocol = controls.Protocol({"adamw": (1e-3, 1e-2, 1e-1), "muon": (1e-3, 1e-2, 1e-1)}, {400: ("adamw",)}, 2000)
+    return {st.name: st for st in controls.stages(tmp_path / "study", protocol)}
+
+
+def _bowl(lrs, best, seeds=(0, 1)):
+    return {lr: {s: 2 + abs(math.log10(lr / best)) for s in seeds} for lr in lrs}
+
+
+def test_plan_trains_every_arms_coarse_grid_seed_by_seed_before_anything_else(monkeypatch, tmp_path):
+    plan = _plan(monkeypatch, tmp_path, {})
+    assert list(plan) == ["coarse, seed 0", "coarse, seed 1", "extend, refine, warm-up, final, timing"]
+    (call,) = plan["coarse, seed 0"].calls  # both arms share their grid: one call keeps the workers busy
+    assert call[-7:] == ("--lrs", "0.001", "0.01", "0.1", "--seeds", "0", "--skip-report")
+    assert len(plan["coarse, seed 0"].runs) == 6
+
+
+def test_plan_extends_an_edge_then_refines_at_root_three_then_warms_up_around_the_optimum(monkeypatch, tmp_path):
+    coarse = {"adamw": _bowl((1e-3, 1e-2, 1e-1), 1e-2), "muon": _bowl((1e-3, 1e-2, 1e-1), 1e-1)}
+    plan = _plan(monkeypatch, tmp_path, {"study": coarse})
+    assert [c[c.index("--arms") + 1:c.index("--lrs")] + c[c.index("--lrs") + 1:c.index("--seeds")]
+            for c in plan["extend"].calls] == [("muon", "1")]  # muon's best is at the top edge
+    coarse["muon"].update(_bowl((1.0,), 1e-1))
+    plan = _plan(monkeypatch, tmp_path, {"study": coarse})
+    assert not plan["extend"].calls
+    lrs = {r.split(" lr ")[1].split()[0] for r in plan["refine"].runs if "adamw" in r}
+    assert lrs == {f"{1e-2 / math.sqrt(3):g}", f"{1e-2 * math.sqrt(3):g}"}
+    for arm, best in (("adamw", 1e-2), ("muon", 1e-1)):
+        coarse[arm].update(_bowl((best / math.sqrt(3), best * math.sqrt(3)), best))
+    plan = _plan(monkeypatch, tmp_path, {"study": coarse})
+    (call,) = plan["warm-up 400 steps"].calls
+    assert call[call.index("--warmup-fraction") + 1] == "0.2" and call[1].endswith("warmup-400")
+    assert call[call.index("--arms") + 1:call.index("--lrs")] == ("adamw",)  # only the arms the protocol names
+    assert [float(v) for v in call[call.index("--lrs") + 1:call.index("--seeds")]] == pytest.approx(
+        [1e-2 / math.sqrt(3), 1e-2, 1e-2 * math.sqrt(3)], rel=1e-5)
+    assert list(plan)[-1] == "final, timing"
+    # companion: with the warm-up grid on record the plan reaches the final cell, on ten seeds disjoint from the grid's
+    warm = {"adamw": _bowl((1e-2 / math.sqrt(3), 1e-2, 1e-2 * math.sqrt(3)), 1e-2)}
+    plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})
+    (final,) = plan["final"].calls
+    seeds = final[final.index("--final-seeds") + 1:final.index("--skip-report")]
+    assert seeds == tuple(map(str, range(2, 12))) and not {"0", "1"} & set(seeds)
+
+
+def test_recipe_takes_a_warm_up_point_only_when_its_validation_mean_is_lower():
+    from experiments.lm.tuned import select_recipes
+
+    selection = {"arms": {"adamw": {"best_lr": 1e-2, "best_mean": 2.0, "seeds": [0, 1]}}}
+    warm = {400: {"warmup_fraction": 0.2, "grid": {"finals": {"adamw": {3e-3: {0: 1.9, 1: 1.95}}}}}}
+    assert select_recipes(selection, warm)["adamw"] == {"lr": 3e-3, "warmup_steps": 400, "warmup_fraction": 0.2,
+                                                        "mean": pytest.approx(1.925)}
+    warm[400]["grid"]["finals"]["adamw"][3e-3] = {0: 1.9}  # companion: a point missing a seed is no candidate
+    assert select_recipes(selection, warm)["adamw"]["warmup_steps"] is None
+
+
+def test_run_controls_usage_errors_are_one_line_exit_2():
+    script = ROOT / "experiments/lm/run_controls.sh"
+    for args in ([], ["no-such-commit", "/tmp/x"], ["HEAD", "/tmp/x", "0"]):
+        res = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, cwd=ROOT)
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, (args, res.stderr)

@@ -20,7 +20,7 @@ arms=$(grep '^# grid ' "$args" | awk '{print $3}' | tr '\n' ' ')
 lm() {
   echo "=== lm $* at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
   # shellcheck disable=SC2086
-  python -m geoopt_stiefel_attention lm $flags --out "$out" --workers "${WORKERS:-1}" --threads 1 --quiet "$@" 2>&1 \
+  python -m experiments lm $flags --out "$out" --workers "${WORKERS:-1}" --threads 1 --quiet "$@" 2>&1 \
       | tee -a "$out/log.txt"
 }
 mkdir -p "$out"
@@ -46,6 +46,6 @@ if [[ $step == timing || $step == all ]]; then
   [[ -f "$out/timing.json" ]] || lm --arms $arms --seeds 0 1 --time-steps 20 --skip-report
 fi
 if [[ $step == report || $step == all ]]; then
-  python -m geoopt_stiefel_attention lm --report-only --out "$out"
+  python -m experiments lm --report-only --out "$out"
 fi
 echo "=== done ($step) at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"

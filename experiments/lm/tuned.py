@@ -10,6 +10,8 @@ folder                    what it holds
 ``lr-<v>/runs/<arm>/``    the grid: every selected arm at learning rate ``v`` (``config.optim.lr``; each
                           arm's frames follow its ``adjust_lr_fn`` rule, so ``v`` is the arm's one knob)
 ``final/runs/<arm>/``     the final cell: each arm at *its* selected lr, on the final seeds
+``warmup-<n>/lr-<v>/``    optional: a grid of some arms at another warm-up (``n`` steps), laid out like the
+                          study's own grid (:func:`select_recipes` weighs it in the selection)
 ``timing.json``           the timing pass: every arm's training step timed in one process, interleaved
 ``report.md``             the report (with ``summary.json`` and ``lr_grid.png``), a function of the files
                           above only (rebuilt byte for byte by ``--report-only``)
@@ -23,6 +25,10 @@ to add, one grid ratio beyond it (:math:`\eta_K \cdot \eta_K/\eta_{K-1}` above, 
 \eta_1/\eta_2` below, a factor of 3 for a one-point grid). A grid point that lacks a seed the others have (or a
 run that has not finished) is named; the final cell refuses to start on an incomplete or unbracketed selection
 (the latter unless ``--allow-unbracketed``).
+
+**Warm-up** (:func:`select_recipes`). Where ``warmup-<n>/`` grids exist, an arm's recipe is the grid point of
+lowest mean validation bpb among its selected lr (at the study's own warm-up) and its points in those grids (on
+the same seeds); the final cell trains each arm at its recipe's lr and warm-up.
 
 **Final cell.** Every arm at its selected lr (``run_cells(arm_config=...)``) on the final seeds: a seed fixes
 the initial weights and the order of the training windows, so the arms are paired by seed. The final seeds are
@@ -61,6 +67,7 @@ from ..harness.study import Cell, StudyOutputs
 
 __all__ = ["GRID_PREFIX", "FINAL_DIR", "TIMING_FILE", "BASELINES", "CATEGORY_SETS", "MIN_SEEDS_FOR_CLAIM",
            "IncompleteSelectionError", "grid_cells", "with_lr", "is_tuned_folder", "read_grid", "select_lrs",
+           "WARMUP_PREFIX", "warmup_grids", "select_recipes", "with_recipe",
            "final_cell", "time_arms", "equal_wallclock", "tuned_comparisons", "run_tuned", "finalize_tuned",
            "readme_table", "numbers_not_in_summary", "find_config"]
 
@@ -68,6 +75,8 @@ __all__ = ["GRID_PREFIX", "FINAL_DIR", "TIMING_FILE", "BASELINES", "CATEGORY_SET
 GRID_PREFIX = "lr-"
 #: Folder of the final cell.
 FINAL_DIR = "final"
+#: Folder prefix of a grid at another warm-up (``warmup-400``: 400 warm-up steps).
+WARMUP_PREFIX = "warmup-"
 #: The timing pass's file in the study folder.
 TIMING_FILE = "timing.json"
 #: The arms every other arm is compared with, when they ran.
@@ -286,6 +295,46 @@ def _unbracketed_text(arm: str, sel: Mapping[str, Any]) -> str:
     return (f"{arm}: best lr {_lr_text(sel['best_lr'])} is {where} grid value (add "
             f"{_lr_text(sel['next_lr'])}" + (f" and {_lr_text(sel['best_lr'] / DEFAULT_GRID_RATIO)}"
                                               if sel["edge"] == "only" else "") + ")")
+
+
+# ---------------------------------------------------------------------------------------------- warm-up
+def warmup_grids(out_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """``{steps: {"warmup_fraction", "grid"}}`` of every ``warmup-<steps>/`` folder of ``out_dir`` holding runs
+    (``grid``: its :func:`read_grid`; the fraction as its runs recorded it)."""
+    out = {}
+    for folder in sorted(Path(out_dir).glob(f"{WARMUP_PREFIX}*")):
+        steps = folder.name[len(WARMUP_PREFIX):]
+        config = find_config(folder) if steps.isdigit() else None
+        if config is not None:
+            out[int(steps)] = {"warmup_fraction": float(config["warmup_fraction"]), "grid": read_grid(folder)}
+    return dict(sorted(out.items()))
+
+
+def select_recipes(selection: Mapping[str, Any], warmups: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """Each arm's recipe: ``{"lr", "warmup_steps", "warmup_fraction", "mean"}``, the selected lr at the study's own
+    warm-up (``warmup_steps`` ``None``) unless a point of a warm-up grid (:func:`warmup_grids`) has a lower mean
+    final validation bpb over the seeds the arm's selection used (a point missing one of them, or not finite, is
+    no candidate). The choice is made on validation only, like :func:`select_lrs`'."""
+    out = {}
+    for arm, s in selection["arms"].items():
+        best = {"lr": s["best_lr"], "warmup_steps": None, "warmup_fraction": None, "mean": s["best_mean"]}
+        for steps, w in warmups.items():
+            for lr, per_seed in w["grid"]["finals"].get(arm, {}).items():
+                if not s["seeds"] or any(seed not in per_seed for seed in s["seeds"]):
+                    continue
+                mean = sum(per_seed[seed] for seed in s["seeds"]) / len(s["seeds"])
+                if math.isfinite(mean) and (best["mean"] is None or mean < best["mean"]):
+                    best = {"lr": lr, "warmup_steps": steps, "warmup_fraction": w["warmup_fraction"], "mean": mean}
+        out[arm] = best
+    return out
+
+
+def with_recipe(config: Any, recipe: Mapping[str, Any]) -> Any:
+    """``config`` at the recipe's lr (:func:`with_lr`) and, where it names one, its warm-up fraction."""
+    config = with_lr(config, recipe["lr"])
+    if recipe.get("warmup_fraction") is not None:
+        config = dataclasses.replace(config, warmup_fraction=recipe["warmup_fraction"])
+    return config
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -523,6 +572,8 @@ def finalize_tuned(out_dir: str | os.PathLike, config_type: type, *, arms: Seque
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an incomplete grid is stated in the report itself
         selection = select_lrs(grid, arms=[a for a in (arms or grid["finals"]) if a in grid["finals"]])
+    warmups = warmup_grids(out_dir)
+    recipes = select_recipes(selection, warmups) if warmups else None
     final_runs, open_runs = _finished(out_dir / FINAL_DIR)
     final_arms = _order(a for a in final_runs if arms is None or a in arms)
     final_epochs = _epochs(out_dir / FINAL_DIR)
@@ -556,6 +607,7 @@ def finalize_tuned(out_dir: str | os.PathLike, config_type: type, *, arms: Seque
     summary = {"title": "Tuned against tuned: byte-level GPT-2, each arm at its own best learning rate",
                "corpus": identity, "licence": licence, "config": to_dict(config), "selection": selection,
                "grid_unfinished": [list(u) for u in grid["unfinished"]],
+               **({"recipes": recipes} if recipes is not None else {}),
                "final": {"arms": final_arms, "lr": {a: final_lrs.get(a) for a in final_arms},
                          "seeds": {a: sorted(final_runs[a]) for a in final_arms}, "in_progress": open_runs,
                          "test": test, "comparisons": comparisons},
@@ -619,6 +671,13 @@ def _render(summary: Mapping[str, Any], config: Any) -> list[str]:
     if summary["figure"]:
         lines += [f"![validation bpb against lr per arm]({summary['figure']})", ""]
 
+    if summary.get("recipes"):
+        lines += ["**Recipes** (the selected lr at the study's warm-up, or a point of a `warmup-<n>/` grid with a lower "
+                  "mean validation bpb on the same seeds):", "", "| arm | lr | warm-up steps | val bpb |",
+                  "|---|---|---|---|"]
+        own = int(config.warmup_fraction * config.total_steps)
+        lines += [f"| {arm} | {_lr_text(r['lr'])} | {r['warmup_steps'] or own} | {_f(r['mean'])} |"
+                  for arm, r in summary["recipes"].items()] + [""]
     lines += ["## 2. Final cell: test bits per byte, each arm at its selected lr", ""]
     if not final["arms"]:
         lines += ["No final runs yet (`--final-seeds`).", ""]
@@ -628,8 +687,9 @@ def _render(summary: Mapping[str, Any], config: Any) -> list[str]:
         pending = [a for a in sel["arms"] if a not in final["arms"]]
         if pending:
             lines += ["**The final cell is incomplete**: no finished final run yet for " + ", ".join(pending) + ".", ""]
+        recipes = summary.get("recipes") or {}
         mismatch = [a for a in final["arms"] if a in sel["arms"] and not math.isclose(
-            final["lr"][a], sel["arms"][a]["best_lr"], rel_tol=LR_REL_TOL)]
+            final["lr"][a], recipes.get(a, {}).get("lr", sel["arms"][a]["best_lr"]), rel_tol=LR_REL_TOL)]
         if mismatch:
             lines += ["**The final runs of " + ", ".join(mismatch) + " were trained at another lr than the grid "
                       "now selects** (the grid changed after they ran); retrain them.", ""]
@@ -806,7 +866,8 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
         strict = bool(final_seeds)
         if strict or all(a in grid["finals"] for a in arms):
             selection = select_lrs(grid, arms=arms, seeds=seeds, strict=strict)
-            chosen = {a: s["best_lr"] for a, s in selection["arms"].items()}
+            recipes = select_recipes(selection, warmup_grids(out_dir))
+            chosen = {a: r["lr"] for a, r in recipes.items()}
             edge = [_unbracketed_text(a, s) for a, s in selection["arms"].items() if not s["bracketed"]]
             if final_seeds and edge and not allow_unbracketed:
                 raise ValueError("--final-seeds: the lr grid does not bracket every arm's optimum: " + "; ".join(edge)
@@ -825,7 +886,8 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
     if final_seeds:
         assert chosen is not None
         results += run_cells([final_cell(config)], build_task, out_dir, arms=arms, seeds=list(final_seeds),
-                             arm_config=lambda cfg, arm: with_lr(cfg, chosen[arm]), command=command, options=options)
+                             arm_config=lambda cfg, arm: with_recipe(cfg, recipes[arm]), command=command,
+                             options=options)
     if time_steps:
         lr_of = chosen or {}
         timing = time_arms({a: with_lr(config, lr_of.get(a, config.optim.lr)) for a in arms}, build_task,

@@ -1,0 +1,191 @@
+r"""The plan of the controls study (issue 42): which ``lm`` calls train next, read from the records on disk.
+
+``experiments/lm/run_controls.sh`` asks ``python -m experiments.lm.controls next OUT`` for the calls of the first
+stage that still misses runs, trains them, and asks again until nothing is left; ``plan`` lists every stage (the
+runs known now, and the stages that wait on results). Each call is one line of ``lm`` flags (the study's flags
+from the args file come first in the script). The stages, in order, each one started only once the stages before
+it are complete (so the first runs are those that say most: every arm's coarse grid, seed 0 first):
+
+1. **coarse, seed 0**, then **coarse, seed 1**: every arm at the lrs of its ``# grid <arm> <lr> ...`` line.
+2. **extend**: an arm whose best lr is at a grid edge gets the next value beyond it (:func:`~.tuned.select_lrs`),
+   until every optimum is bracketed.
+3. **refine**: a point at ×√3 on each side of each arm's best lr (after it, the best lr has neighbours at ×√3
+   whichever point wins).
+4. **warm-up**: each ``# warmup <steps> <arm> ...`` line: those arms at the three lrs around their optimum (the
+   best lr and its neighbours) with that warm-up, in ``warmup-<steps>/`` (:func:`~.tuned.select_recipes`).
+5. **final**: every arm at its recipe (lr, warm-up) on the final seeds, disjoint from the grid's; the test split is
+   read here only.
+6. **timing**: the timing pass for the equal-wall-clock readout.
+
+Selection uses validation only (:func:`~.tuned.read_grid` never reads the grid's test numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .tuned import (FINAL_DIR, LR_REL_TOL, TIMING_FILE, WARMUP_PREFIX, _finished, _lr_text, read_grid,
+                    select_lrs)
+
+__all__ = ["GRID_SEEDS", "FINAL_SEEDS", "REFINE_RATIO", "Protocol", "read_protocol", "Stage", "stages", "main"]
+
+#: Seeds of every grid point.
+GRID_SEEDS = (0, 1)
+#: Seeds of the final cell: ten, disjoint from the grid's.
+FINAL_SEEDS = tuple(range(2, 12))
+#: Refinement: one point at best × and ÷ this ratio.
+REFINE_RATIO = math.sqrt(3)
+#: Timing pass: steps per round.
+TIME_STEPS = 20
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """The study's grids (``# grid <arm> <lr> ...``), warm-up variants (``# warmup <steps> <arm> ...``) and the
+    steps of one run (``--epochs`` × ``--steps-per-epoch``), read from its args file."""
+
+    grids: dict[str, tuple[float, ...]]
+    warmups: dict[int, tuple[str, ...]]
+    total_steps: int
+
+    @property
+    def arms(self) -> list[str]:
+        return list(self.grids)
+
+
+def read_protocol(path: str | Path) -> Protocol:
+    """The :class:`Protocol` of an args file (``experiments/lm/configs/controls.args``)."""
+    grids: dict[str, tuple[float, ...]] = {}
+    warmups: dict[int, tuple[str, ...]] = {}
+    flags: dict[str, str] = {}
+    for line in Path(path).read_text().splitlines():
+        words = line.split()
+        if words[:2] == ["#", "grid"]:
+            grids[words[2]] = tuple(sorted(float(v) for v in words[3:]))
+        elif words[:2] == ["#", "warmup"]:
+            warmups[int(words[2])] = tuple(words[3:])
+        elif words and words[0].startswith("--") and len(words) == 2:
+            flags[words[0]] = words[1]
+    unknown = sorted({a for arms in warmups.values() for a in arms} - set(grids))
+    if not grids or unknown:
+        raise ValueError(f"{path}: needs '# grid <arm> <lr> ...' lines" + (
+            f"; '# warmup' names arms without a grid: {', '.join(unknown)}" if unknown else "") + ".")
+    return Protocol(grids, warmups, int(flags["--epochs"]) * int(flags["--steps-per-epoch"]))
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the plan: its name, the ``lm`` calls that train its missing runs (each a list of flags), the
+    runs they train (``arm lr seed`` words), and, for a stage that waits on results, why (``calls`` empty)."""
+
+    name: str
+    calls: tuple[tuple[str, ...], ...] = ()
+    runs: tuple[str, ...] = ()
+    waiting: str | None = None
+
+
+def _has(values: Sequence[float], v: float) -> bool:
+    return any(math.isclose(v, x, rel_tol=LR_REL_TOL) for x in values)
+
+
+def _grid_stage(name: str, out: Path, missing: dict[str, list[float]], seeds: Sequence[int],
+                extra: Sequence[str] = ()) -> Stage:
+    """The calls training ``missing`` (arm -> lrs) on ``seeds`` in ``out``; arms with the same lrs share a call."""
+    groups: dict[tuple[float, ...], list[str]] = {}
+    for arm, lrs in missing.items():
+        if lrs:
+            groups.setdefault(tuple(sorted(lrs)), []).append(arm)
+    calls = tuple(("--out", str(out), *extra, "--arms", *arms, "--lrs", *map(_lr_text, lrs),
+                   "--seeds", *map(str, seeds), "--skip-report") for lrs, arms in groups.items())
+    runs = tuple(f"{out.name}: {arm} lr {_lr_text(lr)} seed {s}" for lrs, arms in groups.items() for arm in arms
+                 for lr in lrs for s in seeds)
+    return Stage(name, calls, runs)
+
+
+def _missing(grid: dict, arm: str, lrs: Sequence[float], seed: int) -> list[float]:
+    have = grid["finals"].get(arm, {})
+    return [lr for lr in lrs if not any(math.isclose(lr, x, rel_tol=LR_REL_TOL) and seed in per
+                                         for x, per in have.items())]
+
+
+def stages(out: str | Path, protocol: Protocol) -> list[Stage]:
+    """Every stage in order, up to and including the first that cannot be planned yet (module docstring); a stage
+    whose runs are all on record has no calls."""
+    out = Path(out)
+    grid = read_grid(out)
+    plan = [_grid_stage(f"coarse, seed {s}", out, {a: _missing(grid, a, lrs, s) for a, lrs in protocol.grids.items()},
+                        [s]) for s in GRID_SEEDS]
+    if any(st.calls for st in plan):
+        return plan + [Stage("extend, refine, warm-up, final, timing", waiting="the coarse grid")]
+    selection = select_lrs(grid, arms=protocol.arms, seeds=GRID_SEEDS)["arms"]
+    extend = {a: [s["next_lr"]] for a, s in selection.items() if not s["bracketed"]}
+    plan.append(_grid_stage("extend", out, extend, GRID_SEEDS))
+    if extend:
+        return plan + [Stage("refine, warm-up, final, timing", waiting="every optimum bracketed")]
+    refine = {a: [v for v in (s["best_lr"] / REFINE_RATIO, s["best_lr"] * REFINE_RATIO) if not _has(s["grid"], v)]
+              for a, s in selection.items()}
+    plan.append(_grid_stage("refine", out, refine, GRID_SEEDS))
+    if any(refine.values()):
+        return plan + [Stage("warm-up, final, timing", waiting="the refined grid")]
+    for steps, arms in protocol.warmups.items():
+        folder = out / f"{WARMUP_PREFIX}{steps}"
+        around = {}
+        for a in arms:
+            lrs = selection[a]["grid"]
+            k = next(i for i, v in enumerate(lrs) if math.isclose(v, selection[a]["best_lr"], rel_tol=LR_REL_TOL))
+            around[a] = lrs[max(k - 1, 0):k + 2]
+        warm = read_grid(folder)
+        missing = {a: sorted({lr for s in GRID_SEEDS for lr in _missing(warm, a, lrs, s)}) for a, lrs in around.items()}
+        plan.append(_grid_stage(f"warm-up {steps} steps", folder, missing, GRID_SEEDS,
+                                ("--warmup-fraction", f"{steps / protocol.total_steps:g}")))
+        if any(missing.values()):
+            return plan + [Stage("final, timing", waiting=f"the warm-up {steps} grid")]
+    done, _ = _finished(out / FINAL_DIR)
+    todo = [(a, s) for a in protocol.arms for s in FINAL_SEEDS if s not in done.get(a, {})]
+    final_call = ("--out", str(out), "--arms", *protocol.arms, "--seeds", *map(str, GRID_SEEDS), "--final-seeds",
+                  *map(str, FINAL_SEEDS), "--skip-report")
+    plan.append(Stage("final", (final_call,) if todo else (), tuple(f"final: {a} seed {s}" for a, s in todo)))
+    timing = () if (out / TIMING_FILE).exists() else (("--out", str(out), "--arms", *protocol.arms, "--seeds",
+                                                        *map(str, GRID_SEEDS), "--time-steps", str(TIME_STEPS),
+                                                        "--skip-report"),)
+    if todo:
+        return plan + [Stage("timing", waiting="the final cell")]
+    return plan + [Stage("timing", timing, ("timing pass",) if timing else ())]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``next OUT ARGS``: the calls of the first stage that misses runs, one line of flags each (none: the study
+    is trained); ``plan OUT ARGS``: every stage with its runs. A usage error is one line on stderr, exit 2."""
+    parser = argparse.ArgumentParser(prog="python -m experiments.lm.controls", description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=("next", "plan"))
+    parser.add_argument("out", help="the study folder, e.g. experiments/lm/records/controls")
+    parser.add_argument("args", help="the args file, e.g. experiments/lm/configs/controls.args")
+    a = parser.parse_args(argv)
+    try:
+        protocol = read_protocol(a.args)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"controls: {a.args}: not a usable args file ({err}).", file=sys.stderr)
+        return 2
+    plan = stages(a.out, protocol)
+    if a.command == "next":
+        first = next((st for st in plan if st.calls), None)
+        for call in first.calls if first else ():
+            print(" ".join(call))
+        return 0
+    for st in plan:
+        if st.waiting:
+            print(f"== {st.name}: waits on {st.waiting}")
+            continue
+        print(f"== {st.name}: {len(st.runs)} run(s) to train" + ("" if st.runs else " (all on record)"))
+        for run in st.runs:
+            print(f"   {run}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The controls study (issue 42): six arms (adamw, adamw-qknorm, muon, stiefel, stiefeladam-muon, stiefelmuon-muon),
+# each tuned on validation (coarse grid, extension to a bracketed optimum, refinement at x sqrt(3), warm-up 400 for
+# adamw and adamw-qknorm), then the final cell of 10 paired seeds read once on test, the timing pass, the report.
+# The stages and their order: experiments/lm/controls.py; grids and flags: experiments/lm/configs/controls.args.
+#
+# Usage: experiments/lm/run_controls.sh COMMIT WORKTREE [JOBS]
+#   Trains on COMMIT (must be clean) checked out in WORKTREE (created with `git worktree add` when missing), JOBS
+#   runs side by side (one torch thread each; default 1); records go to experiments/lm/records/controls/ of this
+#   checkout. Resumable: rerun it and it skips the runs already recorded and continues.
+# DRY_RUN=1 lists the stages and the runs each would train now (stages that wait on results say so); trains nothing.
+# Never start two copies on one folder.
+set -euo pipefail
+usage() { echo "run_controls.sh: $1 (usage: run_controls.sh COMMIT WORKTREE [JOBS])" >&2; exit 2; }
+[[ $# -ge 2 && $# -le 3 ]] || usage "expected COMMIT WORKTREE [JOBS]"
+commit=$1 tree=$2 jobs=${3:-1}
+[[ $jobs =~ ^[1-9][0-9]*$ ]] || usage "JOBS $jobs: must be a positive int"
+repo=$(git rev-parse --show-toplevel)
+sha=$(git -C "$repo" rev-parse --verify --quiet "$commit^{commit}") || usage "COMMIT $commit: no such commit"
+out=$repo/experiments/lm/records/controls
+if [[ ${DRY_RUN:-0} == 1 ]]; then
+  cd "$repo"
+  exec python -m experiments.lm.controls plan "$out" experiments/lm/configs/controls.args
+fi
+if [[ ! -e $tree ]]; then
+  git -C "$repo" worktree add --detach "$tree" "$sha" >&2
+fi
+[[ $(git -C "$tree" rev-parse HEAD 2>/dev/null) == "$sha" ]] || usage "WORKTREE $tree: is not a checkout of $commit"
+[[ -z $(git -C "$tree" status --porcelain --untracked-files=no) ]] || usage "WORKTREE $tree: has uncommitted changes"
+cd "$tree"
+args=experiments/lm/configs/controls.args
+flags=$(grep -v '^#' "$args")
+mkdir -p "$out"
+lm() {
+  echo "=== lm $* at $(date -u +%FT%TZ) on ${sha:0:12}" | tee -a "$out/log.txt"
+  # shellcheck disable=SC2086
+  python -m experiments lm $flags --workers "$jobs" --threads 1 --quiet "$@" 2>&1 | tee -a "$out/log.txt"
+}
+last=
+while calls=$(python -m experiments.lm.controls next "$out" "$args") && [[ -n $calls ]]; do
+  if [[ $calls == "$last" ]]; then
+    echo "run_controls.sh: the same calls again after training them; see $out/log.txt" >&2
+    exit 1
+  fi
+  while IFS= read -r call; do
+    # shellcheck disable=SC2086
+    lm $call
+  done <<< "$calls"
+  last=$calls
+done
+python -m experiments lm --report-only --out "$out"
+echo "=== done at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
