@@ -55,6 +55,11 @@ ORTHONORMALITY_TOLERANCE = {
 #: Newton-Schulz (benchmarks/README.md).
 EIGH_DEVICES = frozenset({"cpu"})
 
+#: Device types whose tensors the host reads without a synchronisation: there the eager step reads its largest
+#: actual step size and plans the retraction for it (:func:`retraction_plan`); elsewhere it plans for the trust
+#: radius.
+HOST_READ_DEVICES = frozenset({"cpu"})
+
 #: Condition number of a Gram matrix (scaled by a bound on its largest eigenvalue) up to which
 #: :func:`inv_sqrt_checked`'s fixed Newton-Schulz iteration count reaches rounding; matrices beyond it fail the
 #: residual check and take eigh. A retraction ``W + Z`` with tangent ``Z`` has condition ``1 + ||Z||_2^2``: 1e4
@@ -164,27 +169,66 @@ def inv_sqrt_series(gram: torch.Tensor, order: int) -> torch.Tensor:
     return x.reshape(gram.shape)
 
 
-def newton_iterations(radius_sq: float, dtype: torch.dtype, max_iterations: int = 40) -> int | None:
-    r"""Number of iterations after which :func:`inv_sqrt_newton` is exact to rounding.
+#: Stopping rule of :func:`newton_iterations`: the slowest eigenvalue's residual :math:`1 - x_K` in machine epsilons.
+NEWTON_RESIDUAL_UNITS = 16
 
-    For a symmetric positive definite :math:`A` with spectrum in :math:`(0, 1 + \rho^2]` and smallest eigenvalue
-    at least :math:`1 - \epsilon` (a Gram matrix :math:`(W - s)^\top (W - s) = I + s^\top s` of a frame
-    ``W`` and a tangent step with :math:`\|s\|_2^2 \le \rho^2`, up to rounding), each eigenvalue
-    :math:`\lambda` of the scaled :math:`A / c`, :math:`c = 1 + \rho^2`, follows the scalar recurrence
-    :math:`x_{k+1} = x_k (3 - x_k)^2 / 4` from :math:`x_0 = \lambda / c`, which increases monotonically to 1
-    on :math:`(0, 1]`. The count returned is the number of steps the smallest start
-    :math:`x_0 = (1 - \epsilon)/c` needs to come within a quarter of the unit roundoff of ``dtype`` of 1,
-    plus one; ``None`` for a bound that is not finite or needs more than ``max_iterations``.
+
+def newton_iterations(radius_sq: float, dtype: torch.dtype, max_iterations: int = 40) -> int | None:
+    r"""Number of iterations after which :func:`inv_sqrt_newton` is exact to rounding: the fewest that reach it.
+
+    For a symmetric positive definite :math:`A` with spectrum in :math:`[1 - \epsilon, 1 + \rho^2]` (a Gram matrix
+    :math:`(W - s)^\top (W - s) = I + s^\top s` of a frame ``W`` and a tangent step with
+    :math:`\|s\|_2^2 \le \rho^2`, up to a rounding drift :math:`\epsilon` of 64 units of roundoff), each
+    eigenvalue :math:`\lambda` of the scaled :math:`A / c`, :math:`c = 1 + \rho^2`, follows the scalar recurrence
+    :math:`x_{k+1} = x_k (3 - x_k)^2 / 4` from :math:`x_0 = \lambda / c`, which increases monotonically to 1 on
+    :math:`(0, 1]`, quadratically near it (:math:`1 - x_{k+1} \approx \tfrac34 (1 - x_k)^2`). The relative error
+    of the computed :math:`A^{-1/2}` in that eigendirection is about :math:`(1 - x_K)/2`. The count returned is the
+    smallest :math:`K` with :math:`1 - x_K \le` :data:`NEWTON_RESIDUAL_UNITS` machine epsilons of ``dtype`` (a
+    truncation error of at most 8 epsilons, the size of the iteration's own rounding) for the slowest start, the
+    smallest eigenvalue :math:`x_0 = (1 - \epsilon)/c`; ``None`` for a bound that is not finite or needs more than
+    ``max_iterations``. One iteration fewer leaves that eigenvalue far from 1 (the convergence is quadratic: at
+    the default trust radius, about 9,000 epsilons in float32 and 3,000 in float64), which
+    ``tests/test_linalg.py`` checks against the SVD at the worst case.
     """
     if not (math.isfinite(radius_sq) and radius_sq >= 0.0):
         return None
-    unit = torch.finfo(dtype).eps / 2
-    x = (1.0 - 64 * torch.finfo(dtype).eps) / (1.0 + radius_sq)
-    for k in range(max_iterations):
-        if 1.0 - x <= unit / 4:
-            return k + 1
+    eps = torch.finfo(dtype).eps
+    x = (1.0 - 64 * eps) / (1.0 + radius_sq)
+    for k in range(max_iterations + 1):
+        if 1.0 - x <= NEWTON_RESIDUAL_UNITS * eps:
+            return max(k, 1)
         x = x * (3.0 - x) ** 2 / 4.0
     return None
+
+
+def retraction_plan(radius_sq: float, dtype: torch.dtype) -> tuple[str, int] | None:
+    r"""The cheapest retraction that is exact to rounding for Gram matrices with spectrum in
+    :math:`[1 - \epsilon, 1 + \rho^2]` (``radius_sq`` is :math:`\rho^2`, including the rounding margin): matrix
+    products only, no eigendecomposition and no host synchronisation.
+
+    Returns ``("series", K)`` (:func:`inv_sqrt_series` of order :func:`series_order`, :math:`K - 1` products of
+    ``r x r`` matrices) or ``("newton", K)`` (:func:`inv_sqrt_newton` with :func:`newton_iterations`,
+    :math:`3K - 1` products), whichever costs fewer products; ``None`` when neither reaches rounding (no finite bound,
+    or one beyond :func:`newton_iterations`' reach), where callers take the exact :func:`inv_sqrt`.
+    """
+    order = series_order(radius_sq, dtype)
+    iterations = newton_iterations(radius_sq, dtype)
+    plans = []
+    if order is not None:
+        plans.append((order - 1, ("series", order)))
+    if iterations is not None:
+        plans.append((3 * iterations - 1, ("newton", iterations)))
+    return min(plans)[1] if plans else None
+
+
+def inv_sqrt_planned(gram: torch.Tensor, radius_sq: float, plan: tuple[str, int]) -> torch.Tensor:
+    """:math:`A^{-1/2}` of a stack of SPD matrices by the ``plan`` of :func:`retraction_plan` for ``radius_sq``."""
+    method, count = plan
+    if method == "series":
+        return inv_sqrt_series(gram, count)
+    if method == "newton":
+        return inv_sqrt_newton(gram, radius_sq, count)
+    raise ValueError(f"inv_sqrt_planned: plan={plan!r} is unknown; pass one of retraction_plan's.")
 
 
 def inv_sqrt_newton(gram: torch.Tensor, radius_sq: float, iterations: int) -> torch.Tensor:
@@ -206,18 +250,21 @@ def inv_sqrt_newton(gram: torch.Tensor, radius_sq: float, iterations: int) -> to
                          f"(see newton_iterations).")
     r = gram.shape[-1]
     c = 1.0 + float(radius_sq)
-    _, z = _coupled_newton_schulz((gram / c).reshape(-1, r, r), iterations)
+    _, z = _coupled_newton_schulz((gram / c).reshape(-1, r, r), iterations, need_y=False)
     return (sym(z) / math.sqrt(c)).reshape(gram.shape)
 
 
-def _coupled_newton_schulz(y: torch.Tensor, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _coupled_newton_schulz(y: torch.Tensor, iterations: int, *,
+                           need_y: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``(Y_K, Z_K)`` of the coupled iteration of :func:`inv_sqrt_newton` from ``Y_0 = y`` (a 3-d stack of SPD
-    matrices with spectrum in ``(0, 1]``) and ``Z_0 = I``: ``Z_K -> y^{-1/2}``, ``Y_K -> y^{1/2}``."""
+    matrices with spectrum in ``(0, 1]``) and ``Z_0 = I``: ``Z_K -> y^{-1/2}``, ``Y_K -> y^{1/2}``. With
+    ``need_y=False`` the last ``Y`` update is skipped (one product fewer) and ``None`` returned in its place."""
     eye = torch.eye(y.shape[-1], dtype=y.dtype, device=y.device)
     z = eye.expand_as(y)
-    for _ in range(iterations):
+    for k in range(iterations):
         t = torch.baddbmm(eye, z, y, beta=1.5, alpha=-0.5)  # (3I - Z Y) / 2
-        y, z = torch.bmm(y, t), torch.bmm(t, z)
+        z = torch.bmm(t, z)
+        y = torch.bmm(y, t) if need_y or k + 1 < iterations else None
     return y, z
 
 
@@ -245,7 +292,7 @@ def inv_sqrt_checked(gram: torch.Tensor) -> torch.Tensor:
     tiny = torch.finfo(a.dtype).tiny
     bound = torch.minimum(torch.linalg.matrix_norm(a), a.abs().sum(dim=-1).amax(dim=-1))
     c = bound.clamp_min(tiny)[:, None, None]
-    iterations = newton_iterations(CHECKED_NEWTON_CONDITION - 1.0, a.dtype)
+    iterations = newton_iterations(CHECKED_NEWTON_CONDITION - 1.0, a.dtype) + 1  # + 1: c may exceed lambda_max
     y, z = _coupled_newton_schulz(a / c, iterations)
     eye = torch.eye(r, dtype=a.dtype, device=a.device)
     residual = (torch.bmm(z, y) - eye).abs().amax(dim=(-2, -1))
@@ -314,19 +361,45 @@ def cap_step(s: torch.Tensor, radius: float | None) -> torch.Tensor:
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 
 
+#: The trust radius :math:`\Delta` that ``trust_region="auto"`` (the default) stands for, per ``adjust_lr_fn``.
+#: :math:`\Delta` always caps a frame's step in the frame's own units, :math:`\|s\|_F \le \Delta` (columns of unit
+#: norm), whatever the rule: ``"original"`` keeps the paper's 0.1; ``"match_rms_adamw"``, whose steps are
+#: :math:`\sqrt{d r}` times larger, takes 1, so that every step's polar retraction is certified at
+#: :math:`\operatorname{cond}\big((W - s)^\top (W - s)\big) \le 1 + \Delta^2 = 2` and no step turns a frame's
+#: column space by more than :math:`\arctan \Delta = 45°`.
+AUTO_TRUST_REGION = {"original": 0.1, "match_rms_adamw": 1.0}
+
+
+def trust_radius(trust_region: float | str | None, adjust_lr_fn: str) -> float | None:
+    r"""The trust radius :math:`\Delta` a group steps with: ``trust_region`` itself, or for ``"auto"`` the value
+    :data:`AUTO_TRUST_REGION` gives ``adjust_lr_fn``; ``None`` (no cap) stays ``None``.
+
+    :math:`\Delta` caps :math:`\|s\|_F` of each frame's step :math:`s` under every ``adjust_lr_fn`` (it is not
+    scaled with the learning rate). For a tangent step, :math:`(W - s)^\top (W - s) = I + s^\top s`, so
+    :math:`\|s\|_2 \le \|s\|_F \le \Delta` bounds the Gram matrix's spectrum to :math:`[1, 1 + \Delta^2]`, the
+    retraction's cost (:func:`retraction_plan`) and the largest principal angle between the column spaces of
+    :math:`W` and :math:`\operatorname{polar}(W - s)` by :math:`\arctan \Delta`.
+    """
+    if isinstance(trust_region, str):
+        if trust_region != "auto":
+            raise ValueError(f"trust_region={trust_region!r} is unknown; pass a float > 0, 'auto' or None.")
+        return AUTO_TRUST_REGION[adjust_lr_fn]
+    return trust_region
+
+
 def frame_step_scale(adjust_lr_fn: str, d: int, r: int) -> float:
-    r"""The factor :math:`c` by which a ``d x r`` frame's ``lr`` and trust radius :math:`\Delta` are multiplied.
+    r"""The factor :math:`c` by which a ``d x r`` frame's ``lr`` is multiplied (the trust radius is not: see
+    :func:`trust_radius`).
 
     With one second moment per frame the normalised direction :math:`\hat m / \sqrt{\hat v}` has Frobenius
     norm about 1, so a frame's step has :math:`\|s\|_F \approx c\,\mathrm{lr}`:
 
-    - ``"original"`` (the paper's fixed step): :math:`c = 1`. ``lr`` and :math:`\Delta` are Frobenius norms of
-      a whole frame's step, whatever its shape.
-    - ``"match_rms_adamw"``: :math:`c = \sqrt{d r}`. ``lr`` and :math:`\Delta` are per-entry (RMS) sizes, as
-      for AdamW, which moves each of the :math:`d r` entries of a block by about ``lr``, i.e. the block by about
+    - ``"original"`` (the paper's fixed step): :math:`c = 1`. ``lr`` is the Frobenius norm of a whole frame's
+      step, whatever its shape.
+    - ``"match_rms_adamw"``: :math:`c = \sqrt{d r}`. ``lr`` is a per-entry (RMS) size, as for AdamW, which moves
+      each of the :math:`d r` entries of a block by about ``lr``, i.e. the block by about
       :math:`\mathrm{lr}\sqrt{d r}`. One learning rate then serves the frames and the Euclidean parameters (as
-      ``adjust_lr_fn="match_rms_adamw"`` does for torch's ``Muon``), and the trust radius keeps its ratio to the
-      step at every shape.
+      ``adjust_lr_fn="match_rms_adamw"`` does for torch's ``Muon``).
 
     Either way the step stays scale-free in the gradient and O(d)-equivariant: :math:`c` depends on the shape
     only.

@@ -107,6 +107,60 @@ def test_newton_schulz_inverse_sqrt_is_exact_within_its_bound(dtype, radius):
     assert np.abs(approx - np.swapaxes(approx, -1, -2)).max() == 0.0  # symmetric, as the retraction assumes
 
 
+#: Largest entrywise error accepted of a retraction against the float64 SVD polar factor, in units of roundoff.
+RETRACTION_ROUNDOFF_UNITS = 16
+
+
+def _worst_case_step(delta: float, d: int = 40, r: int = 6, n: int = 8, seed: int = 0):
+    """Frames W (n, d, r) and tangent steps s with ||s||_2 = ||s||_F = delta (rank one, normal to W's columns): the
+    steps the Frobenius cap allows whose Gram spectrum [1, 1 + delta^2] is widest, and an untouched eigenvalue 1."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.linalg.qr(torch.randn(n, d, r + 1, dtype=torch.float64, generator=gen)).Q
+    w, u = q[..., :r], q[..., r:]
+    v = torch.nn.functional.normalize(torch.randn(n, 1, r, dtype=torch.float64, generator=gen), dim=-1)
+    return w, delta * u @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_default_radius_retraction_is_exact_at_its_worst_case_and_not_with_one_iteration_fewer(dtype):
+    """Issue 40: under the default rule the trust radius is Delta = 1 (frame units), so the capturable step plans
+    its retraction for ||s||_2 <= 1 with matrix products only. At the worst step that radius allows, the planned
+    polar factor of W - s equals the SVD's to rounding, in float32 and float64; one Newton-Schulz iteration fewer
+    does not (the count is the fewest that reach rounding)."""
+    delta = _linalg.AUTO_TRUST_REGION["match_rms_adamw"]
+    bound = delta**2 + 64 * torch.finfo(dtype).eps
+    plan = _linalg.retraction_plan(bound, dtype)
+    assert plan is not None and plan[0] == "newton"
+    w, s = _worst_case_step(delta)
+    assert float(torch.linalg.matrix_norm(s, ord=2).max()) == pytest.approx(delta, rel=1e-12)
+    reference = _linalg.polar_svd(w - s).numpy()  # float64 SVD, an independent route to the polar factor
+    y = (w - s).to(dtype)
+    gram = y.mT @ y
+    tol = RETRACTION_ROUNDOFF_UNITS * torch.finfo(dtype).eps
+    exact = (y @ _linalg.inv_sqrt_planned(gram, bound, plan)).double().numpy()
+    assert np.abs(exact - reference).max() < tol
+    short = (y @ _linalg.inv_sqrt_newton(gram, bound, plan[1] - 1)).double().numpy()
+    assert np.abs(short - reference).max() > tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_retraction_plan_takes_the_cheaper_exact_method(dtype):
+    """Small radii take the series (order - 1 products), larger ones Newton-Schulz (3K - 1 products), each the
+    cheaper of the two; an unbounded step has no plan (callers take eigh)."""
+    eps = 64 * torch.finfo(dtype).eps
+    small = _linalg.retraction_plan(0.01**2 + eps, dtype)
+    large = _linalg.retraction_plan(1.0 + eps, dtype)
+    assert small[0] == "series" and large[0] == "newton"
+    for radius_sq in (0.01**2 + eps, 0.3**2 + eps, 1.0 + eps):
+        method, count = _linalg.retraction_plan(radius_sq, dtype)
+        order, iterations = _linalg.series_order(radius_sq, dtype), _linalg.newton_iterations(radius_sq, dtype)
+        cost = count - 1 if method == "series" else 3 * count - 1
+        assert cost <= min(c for c in ((order or 99) - 1, 3 * iterations - 1))
+    assert _linalg.retraction_plan(float("inf"), dtype) is None  # companion: no bound, no plan
+    with pytest.raises(ValueError, match="plan="):
+        _linalg.inv_sqrt_planned(torch.eye(2, dtype=dtype), 0.0, ("eigh", 1))
+
+
 def test_newton_schulz_with_fewer_iterations_than_its_count_is_not_exact():
     # companion: three iterations short of the count at the default rule's radius leave an error far above rounding
     bound = 22.2**2 + 64 * torch.finfo(torch.float64).eps
@@ -119,11 +173,11 @@ def test_newton_schulz_with_fewer_iterations_than_its_count_is_not_exact():
 
 
 def test_newton_iterations_bounds():
-    assert _linalg.newton_iterations(0.0, torch.float32) == 2
+    assert _linalg.newton_iterations(0.0, torch.float32) == 1
     assert _linalg.newton_iterations(491.0, torch.float32) < _linalg.newton_iterations(491.0, torch.float64) <= 16
     assert _linalg.newton_iterations(float("inf"), torch.float32) is None
     assert _linalg.newton_iterations(float("nan"), torch.float32) is None
-    assert _linalg.newton_iterations(1e12, torch.float64) is None  # > 40 iterations: callers fall back to eigh
+    assert _linalg.newton_iterations(1e14, torch.float64) is None  # > 40 iterations: callers fall back to eigh
 
 
 CHECKED_SCALES = [0.0, 0.1, 1.0, 22.2, 99.0]  # ||s||_2 of the step; 99: the reach CHECKED_NEWTON_CONDITION names

@@ -416,7 +416,7 @@ def test_deepcopy_and_pickle_give_a_working_optimizer():
     assert _same_tensors(_params(net), _params(net2))
     extra = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
     opt2.add_param_group({"params": [extra]})
-    assert opt2.param_groups[-1]["stabilize"] == 5 and opt2.param_groups[-1]["trust_region"] == 0.1
+    assert opt2.param_groups[-1]["stabilize"] == 5 and opt2.param_groups[-1]["trust_region"] == "auto"
     unpickled = pickle.loads(pickle.dumps(opt))
     unpickled.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], "lr": 0.5})
     assert unpickled.param_groups[-1]["lr"] == 0.5 and unpickled.param_groups[-1]["second_moment"] == "frame"
@@ -676,32 +676,30 @@ def test_capturable_path_matches_the_default_path(second_moment):
         assert step.dtype == torch.float32 and step.device == p.device and float(step) == 40
 
 
-@pytest.mark.parametrize("adjust_lr_fn", ["match_rms_adamw", "original"])
-def test_the_accelerator_retraction_by_newton_schulz_matches_the_default_path(monkeypatch, adjust_lr_fn):
-    """The capturable step on an accelerator retracts a step beyond the series' reach by Newton-Schulz; run here
-    by lifting the CPU's exemption, it must give the default path's frames and moments in float64, and it must
-    have been taken (under the default rule the radius sqrt(d r) * 0.1 is beyond the series; under "original"
-    0.1 is within it, so the series runs and Newton-Schulz must not)."""
+@pytest.mark.parametrize("radius", [0.1, 1.0])
+def test_the_capturable_retraction_is_planned_from_the_radius_and_matches_the_default_path(monkeypatch, radius):
+    """The capturable step reads nothing on the host, so it sizes its retraction for the trust radius: a series
+    within the series' reach (Delta = 0.1 in float64), Newton-Schulz beyond it (Delta = 1), on the CPU as on an
+    accelerator (no eigh). In float64 it must give the default path's frames and moments over 40 steps, and the
+    Newton-Schulz branch must have been taken exactly when the radius is beyond the series."""
     from geoopt_stiefel_attention import _linalg
 
-    calls = []
-    real = _linalg.inv_sqrt_newton
-    monkeypatch.setattr(_linalg, "inv_sqrt_newton", lambda *a: calls.append(a[2]) or real(*a))
+    calls, eighs = [], []
+    real, real_eigh = _linalg.inv_sqrt_newton, _linalg.inv_sqrt_spd
     params, grads = _capturable_setup()
-    default = _run_frames(params, grads, 40, capturable=False, adjust_lr_fn=adjust_lr_fn, trust_region=0.1)
+    default = _run_frames(params, grads, 40, capturable=False, adjust_lr_fn="match_rms_adamw", trust_region=radius)
     expected = _frame_results(params, default)
-    monkeypatch.setattr(_linalg, "EIGH_DEVICES", frozenset())
+    monkeypatch.setattr(_linalg, "inv_sqrt_newton", lambda *a: calls.append(a[2]) or real(*a))
+    monkeypatch.setattr(_linalg, "inv_sqrt_spd", lambda a: eighs.append(a.shape) or real_eigh(a))
     params2, _ = _capturable_setup()
-    assert not calls
-    cap = _run_frames(params2, grads, 40, capturable=True, adjust_lr_fn=adjust_lr_fn, trust_region=0.1)
+    cap = _run_frames(params2, grads, 40, capturable=True, adjust_lr_fn="match_rms_adamw", trust_region=radius)
     assert _max_result_diff(expected, _frame_results(params2, cap)) < CAPTURABLE_TOL
-    assert (len(calls) > 0) == (adjust_lr_fn == "match_rms_adamw"), calls
-    # companion: on the CPU (its exemption back) the capturable path keeps the eigendecomposition
-    monkeypatch.setattr(_linalg, "EIGH_DEVICES", frozenset({"cpu"}))
-    calls.clear()
+    assert (len(calls) > 0) == (radius == 1.0), calls
+    assert not eighs
+    # companion: without a trust region the capturable step has no bound and takes the eigendecomposition
     params3, _ = _capturable_setup()
-    _run_frames(params3, grads, 3, capturable=True, adjust_lr_fn=adjust_lr_fn, trust_region=0.1)
-    assert not calls
+    _run_frames(params3, grads, 3, capturable=True, adjust_lr_fn="match_rms_adamw", trust_region=None)
+    assert eighs
 
 
 def test_the_accelerator_retraction_without_a_trust_region_takes_checked_newton_schulz(monkeypatch):
@@ -719,6 +717,7 @@ def test_the_accelerator_retraction_without_a_trust_region_takes_checked_newton_
     expected = _frame_results(params, _run_frames(params, grads, 40, **options))
     assert not calls
     monkeypatch.setattr(_linalg, "EIGH_DEVICES", frozenset())
+    monkeypatch.setattr(_linalg, "HOST_READ_DEVICES", frozenset())  # an accelerator: no free host read
     params2, _ = _capturable_setup()
     checked = _frame_results(params2, _run_frames(params2, grads, 40, **options))
     assert _max_result_diff(expected, checked) < CAPTURABLE_TOL

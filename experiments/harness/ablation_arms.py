@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from geoopt_stiefel_attention.manifolds import is_frame
-from geoopt_stiefel_attention.optim import stiefel_adam_update
+from geoopt_stiefel_attention.optim import stiefel_adam_update, trust_radius
 
 from .arms import ARMS, Arm, OptimizerGroup, _adamw, _require_frames, build_adamw, register_arm, split_frame_groups
 from .config import OptimConfig
@@ -252,7 +252,7 @@ def build_framescalar_euclidean(model: torch.nn.Module, groups: list[dict[str, A
         if theirs:
             rest.append({**group, "params": theirs})
     fs = FrameScalarAdam(qk_params, lr=optim.effective_frame_lr, betas=optim.betas, eps=optim.eps,
-                         trust_region=optim.trust_region, weight_decay=0.0)
+                         trust_region=trust_radius(optim.trust_region, optim.adjust_lr_fn), weight_decay=0.0)
     return OptimizerGroup(fs, _adamw(rest, optim)) if rest else OptimizerGroup(fs)
 
 

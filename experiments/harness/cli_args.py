@@ -24,6 +24,11 @@ def _none_or_float(text: str) -> float | None:
     return None if text.lower() in ("none", "off") else float(text)
 
 
+def _trust_region(text: str) -> float | str | None:
+    """``--trust-region``: a float, ``auto`` (the library's default for the rule) or ``none``."""
+    return "auto" if text.lower() == "auto" else _none_or_float(text)
+
+
 def add_schedule_arguments(parser: argparse.ArgumentParser, default: TrainConfig) -> None:
     """``--epochs`` and ``--eval-every``."""
     parser.add_argument("--epochs", type=int, default=default.epochs,
@@ -45,8 +50,9 @@ def add_optim_arguments(parser: argparse.ArgumentParser, default: OptimConfig) -
     g.add_argument("--weight-decay", type=float, default=default.weight_decay,
                    help=f"decoupled weight decay of the Euclidean matrices (default {default.weight_decay:g}); "
                         f"frames get none")
-    g.add_argument("--trust-region", type=_none_or_float, default=default.trust_region,
-                   help=f"StiefelAdam's per-frame step cap, or 'none' (default {default.trust_region})")
+    g.add_argument("--trust-region", type=_trust_region, default=default.trust_region,
+                   help=f"StiefelAdam's per-frame cap on ||s||_F in frame units, 'auto' (0.1 under "
+                        f"--adjust-lr-fn original, 1 under match_rms_adamw) or 'none' (default {default.trust_region})")
     g.add_argument("--momentum", type=float, default=default.momentum,
                    help=f"momentum of the geoopt-rsgd arm (default {default.momentum:g})")
     g.add_argument("--adjust-lr-fn", choices=ADJUST_LR_FNS, default=default.adjust_lr_fn,

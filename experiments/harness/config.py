@@ -83,8 +83,11 @@ class OptimConfig:
         :math:`W \leftarrow W - \mathrm{lr}\,\lambda W` each step). Frames never get weight decay.
     frame_lr : float or None
         Learning rate of the Stiefel frames; ``None`` means ``lr``.
-    trust_region : float or None
-        :class:`~geoopt_stiefel_attention.StiefelAdam`'s per-frame cap :math:`\Delta` on the step.
+    trust_region : float, "auto" or None
+        :class:`~geoopt_stiefel_attention.StiefelAdam`'s per-frame cap :math:`\Delta` on :math:`\|s\|_F`, in the
+        frame's own units; ``"auto"``: the library's default for ``adjust_lr_fn`` (0.1 under ``"original"``, 1
+        under ``"match_rms_adamw"``). Records written before issue 40 hold 0.1, which under
+        ``"match_rms_adamw"`` then meant :math:`0.1\sqrt{d r}`.
     momentum : float
         Momentum of the ``geoopt-rsgd`` arm's :class:`geoopt.optim.RiemannianSGD` on the frames.
     adjust_lr_fn : {"original", "match_rms_adamw"}
@@ -98,7 +101,7 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     frame_lr: float | None = None
-    trust_region: float | None = 0.1
+    trust_region: float | str | None = "auto"
     momentum: float = 0.9
     adjust_lr_fn: str = dataclasses.field(default="original", metadata={"omit_if_default": True})
 
@@ -113,8 +116,10 @@ class OptimConfig:
                 f"--weight-decay {self.weight_decay!r}: must be a finite float >= 0 (field weight_decay).")
         require(self.frame_lr is None or (_finite(self.frame_lr) and self.frame_lr > 0),
                 f"--frame-lr {self.frame_lr!r}: must be a finite float > 0, or None to use --lr (field frame_lr).")
-        require(self.trust_region is None or (_finite(self.trust_region) and self.trust_region > 0),
-                f"--trust-region {self.trust_region!r}: must be a finite float > 0, or none (field trust_region).")
+        require(self.trust_region is None or self.trust_region == "auto"
+                or (_finite(self.trust_region) and self.trust_region > 0),
+                f"--trust-region {self.trust_region!r}: must be a finite float > 0, auto, or none "
+                f"(field trust_region).")
         require(_finite(self.momentum) and 0 <= self.momentum < 1,
                 f"--momentum {self.momentum!r}: must be a float in [0, 1) (field momentum).")
         require(self.adjust_lr_fn in ADJUST_LR_FNS,

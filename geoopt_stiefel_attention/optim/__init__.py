@@ -20,7 +20,7 @@ Only the public names are exported here; a private helper is imported from the m
 # Public names beyond __all__ (constants of the batching and of StiefelMuon) are imported here on purpose.
 # ruff: noqa: F401
 
-from .._linalg import ADJUST_LR_FNS, frame_step_scale
+from .._linalg import ADJUST_LR_FNS, AUTO_TRUST_REGION, frame_step_scale, trust_radius
 from . import _reference, _validation
 from ._base import FrameOptimizer
 from ._batching import ACCELERATOR_STACK_NUMEL, STACK_NUMEL
@@ -30,8 +30,8 @@ from .adam import StiefelAdam
 from .muon import DEFAULT_DUAL_STEPS, DEFAULT_NS_STEPS, StiefelMuon
 
 __all__ = ["StiefelAdam", "StiefelMuon", "FrameOptimizer", "stiefel_adam_update", "stiefel_muon_update",
-           "muon_direction", "muon_direction_reference", "muon_lr_scale", "frame_step_scale", "SECOND_MOMENTS",
-           "ADJUST_LR_FNS", "ORTHONORMALITY_TOLERANCE"]
+           "muon_direction", "muon_direction_reference", "muon_lr_scale", "frame_step_scale", "trust_radius",
+           "SECOND_MOMENTS", "ADJUST_LR_FNS", "AUTO_TRUST_REGION", "ORTHONORMALITY_TOLERANCE"]
 
 #: The accepted values of the ``second_moment`` option (defined in ``_reference``, documented here).
 SECOND_MOMENTS = _reference.SECOND_MOMENTS

@@ -35,15 +35,16 @@ ACCELERATOR_STACK_NUMEL = 1 << 24
 
 def _frame_lr(group: dict[str, Any], d: int, r: int, device: torch.device, dtype: torch.dtype,
               capturable: bool) -> tuple[float | torch.Tensor, float | None]:
-    """The learning rate and trust radius a group's ``d x r`` frames step with (:func:`frame_step_scale`); a
-    tensor ``lr`` stays a tensor on the capturable path (no host read) and is read as a float otherwise."""
+    r"""The learning rate and trust radius a group's ``d x r`` frames step with: ``lr`` times
+    :func:`frame_step_scale`, and the radius as it is (it bounds :math:`\|s\|_F` in a frame's own units, whatever
+    the rule). A tensor ``lr`` stays a tensor on the capturable path (no host read) and is read as a float
+    otherwise."""
     c = frame_step_scale(group["adjust_lr_fn"], d, r)
-    lr, radius = group["lr"], group["trust_region"]
+    lr, radius = group["lr"], _linalg.trust_radius(group["trust_region"], group["adjust_lr_fn"])
     if isinstance(lr, torch.Tensor):
         lr = lr.to(device=device, dtype=dtype) if capturable else float(lr)
     if c != 1.0:
         lr = lr * c
-        radius = None if radius is None else radius * c
     return lr, radius
 
 

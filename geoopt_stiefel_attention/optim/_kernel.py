@@ -53,12 +53,13 @@ def _frame_update_(
     retraction and transport multiply by the identity and subtract zero. Frames whose step size is zero
     (``lr = 0``, or ``eps = 0`` with a zero second moment, whose :math:`1/\sqrt{\hat v}` is taken as 0) keep
     ``W`` bit-identical the same way; their moments are updated. On CPU the masking runs only when a
-    frame is actually skipped and the series order follows the largest step actually taken (reading a CPU
-    tensor costs no synchronisation); on other devices, and with ``capturable=True`` on any device, the
-    masking always runs and the order follows the trust radius; on an accelerator a trust radius beyond the
-    series' reach is retracted by :func:`~.._linalg.inv_sqrt_newton` with the iteration count that radius needs
-    (matrix products only; :data:`~.._linalg.EIGH_DEVICES` keep the eigendecomposition). A step with no such
-    bound (no trust region, or a radius too large for any iteration count) takes the eigendecomposition on the
+    frame is actually skipped. The retraction's inverse square root is planned for a bound on the step
+    (:func:`~.._linalg.retraction_plan`: a Taylor series for small steps, Newton-Schulz with the fewest iterations
+    exact at the bound for larger ones, matrix products only): on the CPU outside capturable mode the bound is the
+    largest step actually taken (reading a CPU tensor costs no synchronisation); elsewhere, and with
+    ``capturable=True`` on any device, it is the trust radius :math:`\Delta`, which caps :math:`\|s\|_F` in the
+    frame's own units (:func:`~.._linalg.trust_radius`; 1 under the default rule, so 4 Newton-Schulz iterations in
+    float32). A step with no such bound (no trust region, off the host) takes the eigendecomposition on the
     :data:`~.._linalg.EIGH_DEVICES` and with ``capturable=True``, and elsewhere
     :func:`~.._linalg.inv_sqrt_checked` (Newton-Schulz with a residual check: one synchronisation, the only host
     read of a step off the CPU outside capturable mode). With ``capturable=True`` the step reads no tensor on the
@@ -66,7 +67,7 @@ def _frame_update_(
 
     Returns the boolean ``(n, 1, 1)`` mask of updated frames.
     """
-    on_host = w.device.type == "cpu" and not capturable  # may tensor values be read on the host?
+    on_host = w.device.type in _linalg.HOST_READ_DEVICES and not capturable  # may values be read on the host?
     row_major = w.is_contiguous()
 
     def stored(t: torch.Tensor) -> torch.Tensor:
@@ -105,30 +106,24 @@ def _frame_update_(
     if (not isinstance(lr, torch.Tensor) and lr == 0) or eps == 0:  # only then can a step size be exactly 0
         moving = finite & (alpha != 0)
         masked = masked or not (on_host and bool(moving.all()))
-    # 5. trust region: ||s|| = alpha ||m|| <= Delta
-    order = newton = None
-    if trust_region is not None:
+    # 5. trust region: ||s|| = alpha ||m|| <= Delta; the retraction is planned for the largest step possible
+    bound = plan = None
+    if trust_region is not None or on_host:
         m_norm = torch.linalg.vector_norm(exp_avg, dim=(-2, -1), keepdim=True)
-        alpha = torch.minimum(alpha, trust_region / m_norm)  # Delta / 0 = inf leaves alpha as is
-        radius = trust_region
-        if on_host:
-            radius = min(radius, float((alpha * m_norm).amax()))
-        bound = radius**2 + _rounding_margin(w.dtype)
-        order = _linalg.series_order(bound, w.dtype)
-        if order is None and not on_host and not _linalg.takes_eigh(w):
-            # off the host a step beyond the series' reach is retracted by Newton-Schulz (matrix products, no
-            # synchronisation); torch's batched eigh of r > 32 matrices on CUDA loops over them one by one
-            newton = _linalg.newton_iterations(bound, w.dtype)
+        if trust_region is not None:
+            alpha = torch.minimum(alpha, trust_region / m_norm)  # Delta / 0 = inf leaves alpha as is
+        radius = float((alpha * m_norm).amax()) if on_host else trust_region  # the actual step, or its cap
+        if math.isfinite(radius):
+            bound = radius**2 + _rounding_margin(w.dtype)
+            plan = _linalg.retraction_plan(bound, w.dtype)
     if masked:
         alpha = alpha * moving
     # 6. W <- (W - s) X with X = ((W - s)^T (W - s))^{-1/2}
     torch.addcmul(stored(w), stored(exp_avg), alpha, value=-1.0, out=stored(scratch))
     y = scratch
     gram = torch.bmm(y.mT, y)
-    if order is not None:
-        x = _linalg.inv_sqrt_series(gram, order)
-    elif newton is not None:
-        x = _linalg.inv_sqrt_newton(gram, bound, newton)
+    if plan is not None:  # matrix products only: a series or Newton-Schulz sized to the bound
+        x = _linalg.inv_sqrt_planned(gram, bound, plan)
     else:  # no bound: eigh, or on an accelerator allowed to synchronise checked Newton-Schulz
         x = _linalg.inv_sqrt(gram, synchronize=not capturable)
     if masked:

@@ -23,11 +23,12 @@ _local = _distributed.local_tensor
 #: ``_linalg``, where the re-projection of frames after a cast reads it too).
 ORTHONORMALITY_TOLERANCE = _linalg.ORTHONORMALITY_TOLERANCE
 
-_DEFAULT_TRUST_REGION = 0.1
+#: The constructor's default: the radius :data:`~.._linalg.AUTO_TRUST_REGION` gives the group's ``adjust_lr_fn``.
+_DEFAULT_TRUST_REGION = "auto"
 
 #: The group options StiefelAdam adds to torch's Adam options, with the defaults a state dict saved before an
 #: option existed (or by geoopt's RiemannianAdam) loads with.
-_GROUP_DEFAULTS = {"trust_region": _DEFAULT_TRUST_REGION, "second_moment": "frame", "stabilize": None,
+_GROUP_DEFAULTS = {"trust_region": _linalg.AUTO_TRUST_REGION["original"], "second_moment": "frame", "stabilize": None,
                    "master_weights": False, "adjust_lr_fn": "original"}
 
 
@@ -54,9 +55,12 @@ def _validate_hyperparameters(group: dict[str, Any]) -> None:
     _require(isinstance(wd, (int, float)) and wd >= 0 and math.isfinite(wd),
              f"StiefelAdam: weight_decay={wd!r} is invalid; pass a finite float >= 0.")
     tr = group["trust_region"]
-    _require(tr is None or (isinstance(tr, (int, float)) and not isinstance(tr, bool) and tr > 0 and math.isfinite(tr)),
-             f"StiefelAdam: trust_region={tr!r} is invalid; pass a finite float > 0 "
-             f"(default {_DEFAULT_TRUST_REGION}) or None to disable the cap.")
+    _require(tr is None or tr == "auto"
+             or (isinstance(tr, (int, float)) and not isinstance(tr, bool) and tr > 0 and math.isfinite(tr)),
+             f"StiefelAdam: trust_region={tr!r} is invalid; pass a finite float > 0 (a cap on each frame's "
+             f"||s||_F), 'auto' (the default: {_linalg.AUTO_TRUST_REGION['original']} under "
+             f"adjust_lr_fn='original', {_linalg.AUTO_TRUST_REGION['match_rms_adamw']} under 'match_rms_adamw') "
+             f"or None to disable the cap.")
     sm = group["second_moment"]
     _require(sm in SECOND_MOMENTS,
              f"StiefelAdam: second_moment={sm!r} is unknown; use one of 'frame' (default), 'column', "

@@ -39,7 +39,7 @@ class StiefelAdam(FrameOptimizer, geoopt.optim.RiemannianAdam):
         m &\leftarrow \beta_1 m + (1 - \beta_1)\,\xi \\
         v &\leftarrow \beta_2 v + (1 - \beta_2)\,\|\xi\|_F^2 \qquad \text{(one scalar per frame)} \\
         s &= c\,\mathrm{lr}\cdot \frac{m / (1 - \beta_1^t)}{\sqrt{v / (1 - \beta_2^t)} + \epsilon} \\
-        s &\leftarrow s \cdot \min\!\big(1, c\,\Delta / \|s\|_F\big) \qquad \text{(trust region)} \\
+        s &\leftarrow s \cdot \min\!\big(1, \Delta / \|s\|_F\big) \qquad \text{(trust region)} \\
         W &\leftarrow \operatorname{polar}(W - s) = (W - s)\big((W - s)^\top (W - s)\big)^{-1/2} \\
         m &\leftarrow m - W \operatorname{sym}(W^\top m) \qquad \text{(transport by projection)}
 
@@ -65,8 +65,14 @@ class StiefelAdam(FrameOptimizer, geoopt.optim.RiemannianAdam):
     weight_decay : float, default 0
         Decoupled (AdamW) decay of Euclidean parameters; none on frames, whose Riemannian gradient of
         :math:`\tfrac{\lambda}{2}\|W\|_F^2` is :math:`\lambda (W - W \operatorname{sym}(W^\top W)) = 0`.
-    trust_region : float or None, default 0.1
-        Per-frame cap :math:`c\,\Delta` on :math:`\|s\|_F`; ``None`` disables it.
+    trust_region : float, "auto" or None, default "auto"
+        Per-frame cap :math:`\Delta` on :math:`\|s\|_F`, in the frame's own units (its columns have unit norm)
+        under every ``adjust_lr_fn``; ``None`` disables it. Since :math:`(W - s)^\top (W - s) = I + s^\top s`
+        for a tangent step, it certifies :math:`\operatorname{cond}\big((W - s)^\top (W - s)\big) \le 1 +
+        \Delta^2`, turns no frame's column space by more than :math:`\arctan\Delta`, and sizes the retraction
+        of the capturable path. ``"auto"`` is the paper's 0.1 under ``adjust_lr_fn="original"`` and 1 under
+        ``"match_rms_adamw"`` (condition at most 2, at most 45° per step; a typical step at lr 1e-2 on a
+        128 x 32 frame has norm about 0.64).
     second_moment : {"frame", "column", "element", None}, default "frame"
         ``"frame"`` is the method; the others exist for the ablations (``None``: Riemannian SGD with momentum).
     stabilize : int or None, default None
@@ -74,7 +80,7 @@ class StiefelAdam(FrameOptimizer, geoopt.optim.RiemannianAdam):
     master_weights : bool, default False
         Keep and update a float32 master copy of bf16/fp16 frames in ``state["master"]``.
     adjust_lr_fn : {"original", "match_rms_adamw"}, default "match_rms_adamw"
-        What ``lr`` and ``trust_region`` measure for a ``d x r`` frame (:func:`frame_step_scale`). The default
+        What ``lr`` measures for a ``d x r`` frame (:func:`frame_step_scale`). The default
         reads them per entry, as AdamW does (:math:`c = \sqrt{d r}`), so the model's AdamW learning rate moves a
         frame about as much per step as AdamW would move the same block; ``"original"`` is the paper's step
         (:math:`c = 1`, a frame's step has Frobenius norm about ``lr``), and what geoopt's ``RiemannianAdam``

@@ -89,10 +89,10 @@ def _muon_update_(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr:
                   capturable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The update of :func:`~._muon.stiefel_muon_update` on a stack ``(n, d, r)``, with ``w`` and ``buf``
     overwritten in place (``grad`` is only read). The direction is :func:`~._muon.muon_direction`; the retraction
-    :math:`\operatorname{polar}(W - \eta A)` uses the Taylor series of :math:`(I + E)^{-1/2}` for the Gram matrix
-    of the actual :math:`W - \eta A` whenever :math:`\eta^2\|A\|_2^2` is small enough for it (always at
-    practical learning rates; the bound uses :math:`\|A\|_2 \le 1.05`, see the certificates), else the exact
-    inverse square root of :func:`~.._linalg.inv_sqrt`.
+    :math:`\operatorname{polar}(W - \eta A)` inverts the square root of the Gram matrix of the actual
+    :math:`W - \eta A` by the cheapest exact method for the bound :math:`\|\eta A\|_2 \le 1.05\,\eta` (see the
+    certificates): :func:`~.._linalg.retraction_plan`'s Taylor series or Newton-Schulz, matrix products only; a
+    tensor learning rate (no host read) takes the exact inverse square root of :func:`~.._linalg.inv_sqrt`.
 
     Returns the boolean ``(n, 1, 1)`` mask of frames whose gradient was finite, and the solver's gap
     ``(n, 1, 1)`` (see :func:`~._muon.muon_direction`).
@@ -105,11 +105,12 @@ def _muon_update_(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr:
     direction, gap = muon_direction(u, w, iterations=dual_steps, ns_steps=ns_steps)
     y = w - lr * direction
     gram = torch.bmm(y.mT, y)
-    order = None
-    if not isinstance(lr, torch.Tensor):
-        order = _linalg.series_order((1.05 * lr) ** 2 + _rounding_margin(w.dtype), w.dtype)
-    if order is not None:
-        x = _linalg.inv_sqrt_series(gram, order)
+    plan = bound = None
+    if not isinstance(lr, torch.Tensor):  # ||lr * direction||_2 <= 1.05 lr (the solver's stated slack)
+        bound = (1.05 * lr) ** 2 + _rounding_margin(w.dtype)
+        plan = _linalg.retraction_plan(bound, w.dtype)
+    if plan is not None:
+        x = _linalg.inv_sqrt_planned(gram, bound, plan)
     else:
         x = _linalg.inv_sqrt(gram, synchronize=not capturable)
     moving = finite
