@@ -1,8 +1,9 @@
 r"""Data-parallel and sharded training with Stiefel frames.
 
 **DDP** needs nothing special: :class:`torch.nn.parallel.DistributedDataParallel` all-reduces (averages)
-every gradient, frames included, so each rank runs the same :class:`~geoopt_stiefel_attention.StiefelAdam`
-step on the same frames and they stay identical and on the manifold.
+every gradient, frames included, so each rank runs the same step of its frame optimizer
+(:class:`~geoopt_stiefel_attention.StiefelAdam` or :class:`~geoopt_stiefel_attention.StiefelMuon`) on the same
+frames and they stay identical and on the manifold.
 
 **FSDP2, frames sharded by whole heads** (:func:`fully_shard_by_heads`). The update acts on one frame at a
 time: for a stack of frames :math:`W_h \in \mathrm{St}(d, r)`, :math:`h = 1, \dots, H`, stored as one tensor
@@ -27,8 +28,9 @@ the way: an optimizer would see an ordinary matrix and silently train the frame 
 manifold. :func:`fully_shard_by_heads` therefore gives each sharded frame its manifold back, keeps a frame
 that has no leading dimension (a single ``(d, r)`` frame), and any other non-Euclidean geoopt parameter,
 replicated, and declares the rest Euclidean;
-:class:`~geoopt_stiefel_attention.StiefelAdam` refuses any other sharded parameter (:func:`check_parameter`),
-so the silent failure cannot happen.
+the frame optimizers (:class:`~geoopt_stiefel_attention.StiefelAdam`,
+:class:`~geoopt_stiefel_attention.StiefelMuon`) refuse any other sharded parameter (:func:`check_parameter`), so
+the silent failure cannot happen.
 
 "Frame" is :func:`~geoopt_stiefel_attention.is_frame` (any Stiefel manifold, geoopt's canonical
 ``Stiefel()`` included); "any other manifold" is :func:`~geoopt_stiefel_attention.manifolds.has_manifold`.
@@ -169,8 +171,11 @@ def declare_sharded_euclidean(params: Iterable[torch.Tensor]) -> None:
             _DECLARED_EUCLIDEAN[id(p)] = p
 
 
-def check_parameter(p: torch.Tensor, owner: str = "StiefelAdam") -> None:
+def check_parameter(p: torch.Tensor, owner: str = "the frame optimizer") -> None:
     """Raise ``NotImplementedError`` for a sharded parameter the optimizer cannot train safely.
+
+    ``owner`` begins every message: the optimizer's class name (``StiefelAdam``, ``StiefelMuon``), as the
+    frame optimizers pass it.
 
     Accepted: a sharded frame whose placements keep frames whole (:func:`frame_sharding_error` is ``None``),
     and a sharded parameter declared Euclidean (:func:`declare_sharded_euclidean`, done by
@@ -254,8 +259,9 @@ def fully_shard_by_heads(
       ``Shard(0)`` (FSDP2's ``shard_placement_fn``): rank ``k`` of ``n`` holds heads
       ``k*ceil(H/n) ... min(H, (k+1)*ceil(H/n)) - 1`` (``torch.chunk``'s split). ``H`` need not be divisible
       by ``n``: FSDP2 pads uneven shards, a rank may hold fewer heads or none, and every rank still updates
-      only whole frames. After sharding the frame gets its manifold back, so
-      :class:`~geoopt_stiefel_attention.StiefelAdam` updates its local heads on the manifold.
+      only whole frames. After sharding the frame gets its manifold back, so a frame optimizer
+      (:class:`~geoopt_stiefel_attention.StiefelAdam`, :class:`~geoopt_stiefel_attention.StiefelMuon`) updates
+      its local heads on the manifold.
     - A single frame ``(d, r)`` and any parameter on another non-Euclidean manifold stays out of the sharding
       (``ignored_params``): replicated, broadcast from the group's first rank, its gradient averaged over the
       group, :math:`G \leftarrow \frac1n\sum_k G_k`, by a post-accumulate-grad hook.

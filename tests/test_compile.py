@@ -1,7 +1,8 @@
 """torch.compile: a training step of a model with Stiefel attention, compiled, equals eager; converted models
 compile without graph breaks.
 
-The model (forward and backward) is compiled; ``StiefelAdam.step`` runs eager here (its compiled, capturable
+Every optimizer test runs for both frame optimizers (:data:`OPTIMIZERS`: StiefelAdam, StiefelMuon). The model
+(forward and backward) is compiled; ``opt.step`` runs eager here (its compiled, capturable
 path is tested in tests/test_optim_contract.py), except in the tests of converted models, which compile both. The default
 run uses ``backend="aot_eager"`` (traces through Dynamo and AOTAutograd like inductor, without generating C++;
 a few seconds). Inductor itself and a compiled ``opt.step`` take a minute or more on 2 CPU cores and are marked
@@ -15,7 +16,14 @@ import torch.nn.functional as F
 from conftest import ORTHO_TOL_F32, tiny_transformer
 from torch import nn
 
-from geoopt_stiefel_attention import StiefelAdam, TinyTransformer, frame_parameters, param_groups, stiefelize
+from geoopt_stiefel_attention import (
+    StiefelAdam,
+    StiefelMuon,
+    TinyTransformer,
+    frame_parameters,
+    param_groups,
+    stiefelize,
+)
 from geoopt_stiefel_attention._linalg import orthonormality_error
 from geoopt_stiefel_attention.convert import _QKWeight
 
@@ -23,6 +31,9 @@ COMPILE_TOL_AOT = 1e-6  # float32, aot_eager vs eager after 3 steps (measured: 0
 COMPILE_TOL_INDUCTOR = 1e-5  # float32, inductor vs eager after 3 steps (measured: 1.3e-7)
 COMPILED_STEP_TOL = 1e-5  # float32, compiled opt.step vs eager after 4 steps (measured: 4.8e-7)
 VOCAB, SEQ, STEPS = 11, 4, 3
+#: the library's frame optimizers: name -> class (each built with lr=1e-2 and its other defaults)
+OPTIMIZERS = {"StiefelAdam": StiefelAdam, "StiefelMuon": StiefelMuon}
+NAMES = list(OPTIMIZERS)
 
 
 @pytest.fixture(autouse=True)
@@ -39,9 +50,9 @@ def _batches(n):
             for _ in range(n)]
 
 
-def _run(*, model_backend=None, step_backend=None, steps=STEPS):
+def _run(*, model_backend=None, step_backend=None, steps=STEPS, name="StiefelAdam"):
     model = tiny_transformer(VOCAB, SEQ)
-    opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2)
+    opt = OPTIMIZERS[name](param_groups(model, weight_decay=0.1), lr=1e-2)
     forward = model if model_backend is None else torch.compile(model, backend=model_backend)
 
     def opt_step():
@@ -74,25 +85,28 @@ def _check(compiled, eager, tol):
     assert _max_diff(model_e, start) > 100 * tol
 
 
-def test_compiled_training_step_matches_eager_aot_eager():
-    _check(_run(model_backend="aot_eager"), _run(), COMPILE_TOL_AOT)
+@pytest.mark.parametrize("name", NAMES)
+def test_compiled_training_step_matches_eager_aot_eager(name):
+    _check(_run(model_backend="aot_eager", name=name), _run(name=name), COMPILE_TOL_AOT)
 
 
 @pytest.mark.slow
-def test_compiled_training_step_matches_eager_inductor():
+@pytest.mark.parametrize("name", NAMES)
+def test_compiled_training_step_matches_eager_inductor(name):
     """About 80 s on a loaded 2-core machine (C++ code generation)."""
-    _check(_run(model_backend="inductor"), _run(), COMPILE_TOL_INDUCTOR)
+    _check(_run(model_backend="inductor", name=name), _run(name=name), COMPILE_TOL_INDUCTOR)
 
 
 @pytest.mark.slow
-def test_compiled_optimizer_step_matches_eager_without_graph_breaks():
+@pytest.mark.parametrize("name", NAMES)
+def test_compiled_optimizer_step_matches_eager_without_graph_breaks(name):
     """``torch.compile`` of a function calling ``opt.step()`` gives the eager result in one graph: Dynamo traces an
     optimizer with its groups' ``capturable`` set to True, and StiefelAdam's capturable path reads no tensor on the
     host (issue 18; more in tests/test_optim_contract.py)."""
-    eager = _run(steps=4)
-    _check(_run(step_backend="aot_eager", steps=4), eager, COMPILED_STEP_TOL)
+    eager = _run(steps=4, name=name)
+    _check(_run(step_backend="aot_eager", steps=4, name=name), eager, COMPILED_STEP_TOL)
     model = tiny_transformer(VOCAB, SEQ)
-    opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2)
+    opt = OPTIMIZERS[name](param_groups(model, weight_decay=0.1), lr=1e-2)
     x, y = _batches(1)[0]
     F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
     explanation = torch._dynamo.explain(opt.step)()
@@ -233,12 +247,9 @@ def test_the_library_attention_module_compiles_in_one_graph():
 
 
 def _rows_through_as_subclass(self, role):
-    """``_QKWeight._rows`` as it was before issue 23: the frame read through ``.as_subclass(Tensor)``."""
-    frames = getattr(self, f"{role}_frames").as_subclass(torch.Tensor)
-    h, d, r = frames.shape
-    if self.dim == 0:
-        return frames.transpose(1, 2).reshape(h * r, d)
-    return frames.permute(1, 0, 2).reshape(d, h * r)
+    """``_QKWeight._rows`` (the ``(heads, d, r)`` frames a weight is built from) as it was before issue 23: the
+    frame read through ``.as_subclass(Tensor)``."""
+    return getattr(self, f"{role}_frames").as_subclass(torch.Tensor)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "encoder_batch_first"])
@@ -279,11 +290,11 @@ def _converted_lm(name):
     return model.train()
 
 
-def _train_converted(name, *, backend=None, steps=3):
-    """Train a converted language model for ``steps`` steps, with the loss and ``StiefelAdam(capturable=True).step``
-    compiled with ``fullgraph=True`` (any graph break raises) when ``backend`` is given."""
+def _train_converted(name, *, backend=None, steps=3, optimizer="StiefelAdam"):
+    """Train a converted language model for ``steps`` steps, with the loss and ``opt.step`` of ``optimizer``
+    (capturable) compiled with ``fullgraph=True`` (any graph break raises) when ``backend`` is given."""
     model = _converted_lm(name)
-    opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-2, capturable=True)
+    opt = OPTIMIZERS[optimizer](param_groups(model, weight_decay=0.1), lr=1e-2, capturable=True)
 
     def loss_of(x):
         return _lm_loss(model, x)
@@ -317,11 +328,12 @@ def _check_converted(compiled, eager, tol, name):
     assert _max_diff(model_e, _converted_lm(name)) > 100 * tol
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
-def test_a_compiled_training_step_of_a_converted_model_matches_eager(name):
-    """Loss, backward and a capturable ``StiefelAdam.step``, each compiled in one graph (about 10 s each)."""
-    _check_converted(_train_converted(name, backend="aot_eager"), _train_converted(name), COMPILED_TRAIN_STEP_TOL,
-                     name)
+@pytest.mark.parametrize("optimizer, name", [("StiefelAdam", "gpt2"), ("StiefelAdam", "llama_gqa"),
+                                             ("StiefelMuon", "gpt2")])
+def test_a_compiled_training_step_of_a_converted_model_matches_eager(optimizer, name):
+    """Loss, backward and a capturable ``opt.step``, each compiled in one graph (about 10 s each)."""
+    _check_converted(_train_converted(name, backend="aot_eager", optimizer=optimizer),
+                     _train_converted(name, optimizer=optimizer), COMPILED_TRAIN_STEP_TOL, name)
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """DDP and FSDP2 with Stiefel frames: 2 gloo processes on CPU against one process on the whole batch.
 
-One ``torch.multiprocessing.spawn`` (2 ranks, gloo, a free port on 127.0.0.1) trains every model case under
-DDP and under FSDP2 with frames sharded by whole heads (:func:`fully_shard_by_heads`), checkpoints the FSDP2
+One ``torch.multiprocessing.spawn`` (2 ranks, gloo, a free port on 127.0.0.1) trains every model case, with
+each frame optimizer of :data:`OPTIMIZERS` (StiefelAdam, StiefelMuon), under DDP and under FSDP2 with frames sharded by whole heads (:func:`fully_shard_by_heads`), checkpoints the FSDP2
 run with ``torch.distributed.checkpoint`` half-way and resumes it in a fresh model and optimizer, and saves
 what each rank ends with; the tests compare that with a single-process run on the concatenated batch. The
 refusals (a frame split along ``d``, a plain ``fully_shard``) run in-process on a one-rank gloo group.
@@ -22,6 +22,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from geoopt_stiefel_attention import (
     StiefelAdam,
+    StiefelMuon,
     TinyTransformer,
     frame_parameters,
     is_frame,
@@ -54,6 +55,12 @@ CASES = {
     "gpt2": "gpt2",
 }
 N_FRAME_PARAMS = {"tiny": 4, "uneven": 2, "one_frame": 2, "gpt2": 4}
+#: the library's frame optimizers, as the DDP/FSDP2 runs build them: name -> (class, keyword arguments)
+OPTIMIZERS = {
+    "StiefelAdam": (StiefelAdam, {"lr": 3e-2}),
+    "StiefelMuon": (StiefelMuon, {"lr": 3e-2}),
+}
+NAMES = list(OPTIMIZERS)
 
 
 def _gpt2():
@@ -90,8 +97,9 @@ def _batch():
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 
-def _optimizer(model):
-    return StiefelAdam(param_groups(model, weight_decay=0.1), lr=3e-2)
+def _optimizer(model, name):
+    cls, kwargs = OPTIMIZERS[name]
+    return cls(param_groups(model, weight_decay=0.1), **kwargs)
 
 
 def _train(forward, opt, x, y, steps):
@@ -113,22 +121,27 @@ def _outputs(forward):
         return _logits(forward, _batch()[0]).detach().clone()
 
 
+#: per optimizer, its per-frame state: (the (H, d, r) buffer, the (H, 1, 1) per-frame scalar)
+FRAME_STATE = {"StiefelAdam": ("exp_avg", "exp_avg_sq"), "StiefelMuon": ("momentum_buffer", "dual_gap")}
+
+
 def _local_layout(model, opt):
-    """Per frame: (local shape, DTensor?, local exp_avg shape, local exp_avg_sq shape, state DTensors?)."""
+    """Per frame: (local shape, DTensor?, local shape of the (H, d, r) state, local shape of the per-frame
+    scalar state, state DTensors?)."""
+    buffer, scalar = FRAME_STATE[type(opt).__name__]
     out = {}
     for name, p in model.named_parameters():
         if is_frame(p):
             st = opt.state[p]
-            out[name] = (tuple(local_tensor(p).shape), is_sharded(p), tuple(local_tensor(st["exp_avg"]).shape),
-                         tuple(local_tensor(st["exp_avg_sq"]).shape),
-                         is_sharded(st["exp_avg"]) and is_sharded(st["exp_avg_sq"]))
+            out[name] = (tuple(local_tensor(p).shape), is_sharded(p), tuple(local_tensor(st[buffer]).shape),
+                         tuple(local_tensor(st[scalar]).shape), is_sharded(st[buffer]) and is_sharded(st[scalar]))
     return out
 
 
-def _sharded(case):
+def _sharded(case, name):
     model = _model(case)
     fully_shard_by_heads(model, submodules=_blocks(model))
-    return model, _optimizer(model)
+    return model, _optimizer(model, name)
 
 
 def _dcp(model, opt, path, save):
@@ -150,26 +163,28 @@ def _worker(rank, port, out_dir):
     try:
         x, y = (t.chunk(WORLD)[rank] for t in _batch())
         results = {}
-        for case in CASES:
-            model = _model(case)
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
-            opt = _optimizer(model)
-            _train(ddp, opt, x, y, STEPS)
-            results[case, "ddp"] = {"state": _full_state(model), "out": _outputs(model),
-                                    "bytes": local_frame_bytes(model, opt)}
+        for name in NAMES:
+            for case in CASES:
+                model = _model(case)
+                ddp = torch.nn.parallel.DistributedDataParallel(model)
+                opt = _optimizer(model, name)
+                _train(ddp, opt, x, y, STEPS)
+                results[name, case, "ddp"] = {"state": _full_state(model), "out": _outputs(model),
+                                              "bytes": local_frame_bytes(model, opt)}
 
-            model, opt = _sharded(case)
-            checkpoint = os.path.join(out_dir, f"dcp-{case}")
-            _train(model, opt, x, y, RESUME_AT)
-            _dcp(model, opt, checkpoint, save=True)
-            _train(model, opt, x, y, STEPS - RESUME_AT)
-            results[case, "fsdp"] = {"state": _full_state(model), "out": _outputs(model),
-                                     "bytes": local_frame_bytes(model, opt), "layout": _local_layout(model, opt)}
+                model, opt = _sharded(case, name)
+                checkpoint = os.path.join(out_dir, f"dcp-{name}-{case}")
+                _train(model, opt, x, y, RESUME_AT)
+                _dcp(model, opt, checkpoint, save=True)
+                _train(model, opt, x, y, STEPS - RESUME_AT)
+                results[name, case, "fsdp"] = {"state": _full_state(model), "out": _outputs(model),
+                                               "bytes": local_frame_bytes(model, opt),
+                                               "layout": _local_layout(model, opt)}
 
-            model, opt = _sharded(case)  # a fresh run that resumes from the checkpoint
-            _dcp(model, opt, checkpoint, save=False)
-            _train(model, opt, x, y, STEPS - RESUME_AT)
-            results[case, "resumed"] = {"state": _full_state(model), "out": _outputs(model)}
+                model, opt = _sharded(case, name)  # a fresh run that resumes from the checkpoint
+                _dcp(model, opt, checkpoint, save=False)
+                _train(model, opt, x, y, STEPS - RESUME_AT)
+                results[name, case, "resumed"] = {"state": _full_state(model), "out": _outputs(model)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -191,10 +206,12 @@ def parallel_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single_process_runs():
     runs = {}
-    for case in CASES:
-        model = _model(case)
-        _train(model, _optimizer(model), *_batch(), STEPS)
-        runs[case] = {"state": _full_state(model), "out": _outputs(model), "initial": parametrized_state_dict(_model(case))}
+    for name in NAMES:
+        for case in CASES:
+            model = _model(case)
+            _train(model, _optimizer(model, name), *_batch(), STEPS)
+            runs[name, case] = {"state": _full_state(model), "out": _outputs(model),
+                                "initial": parametrized_state_dict(_model(case))}
     return runs
 
 
@@ -208,12 +225,13 @@ def _frame_keys(case):
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp", "resumed"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_ranks_match_one_process_on_the_concatenated_batch(parallel_runs, single_process_runs, case, mode):
-    reference = single_process_runs[case]
+@pytest.mark.parametrize("name", NAMES)
+def test_two_ranks_match_one_process_on_the_concatenated_batch(parallel_runs, single_process_runs, name, case, mode):
+    reference = single_process_runs[name, case]
     frame_keys = _frame_keys(case)
     assert len(frame_keys) == N_FRAME_PARAMS[case]
     for rank, run in enumerate(parallel_runs):
-        got = run[case, mode]
+        got = run[name, case, mode]
         assert _max_diff(got["state"], reference["state"]) < PARALLEL_TOL, (case, mode, rank)
         assert float((got["out"] - reference["out"]).abs().max()) < PARALLEL_TOL, (case, mode, rank)
         for k in frame_keys:
@@ -224,33 +242,37 @@ def test_two_ranks_match_one_process_on_the_concatenated_batch(parallel_runs, si
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_dcp_resume_continues_the_same_trajectory(parallel_runs, case):
+@pytest.mark.parametrize("name", NAMES)
+def test_dcp_resume_continues_the_same_trajectory(parallel_runs, name, case):
     for run in parallel_runs:
-        assert _max_diff(run[case, "resumed"]["state"], run[case, "fsdp"]["state"]) < RESUME_TOL
-        assert float((run[case, "resumed"]["out"] - run[case, "fsdp"]["out"]).abs().max()) < RESUME_TOL
+        assert _max_diff(run[name, case, "resumed"]["state"], run[name, case, "fsdp"]["state"]) < RESUME_TOL
+        assert float((run[name, case, "resumed"]["out"] - run[name, case, "fsdp"]["out"]).abs().max()) < RESUME_TOL
 
 
 @pytest.mark.parametrize("case", ["tiny", "gpt2"])
-def test_frames_and_their_state_are_sharded_by_whole_heads(parallel_runs, case):
+@pytest.mark.parametrize("name", NAMES)
+def test_frames_and_their_state_are_sharded_by_whole_heads(parallel_runs, name, case):
     for run in parallel_runs:
-        layout = run[case, "fsdp"]["layout"]
+        layout = run[name, case, "fsdp"]["layout"]
         assert set(layout) == set(_frame_keys(case))
         for shape, sharded, m_shape, v_shape, state_sharded in layout.values():
             assert sharded and state_sharded
             assert shape == m_shape == (1, 16, 8) and v_shape == (1, 1, 1)  # one of the 2 heads (16 x 8) per rank
 
 
-def test_uneven_heads_are_split_like_torch_chunk(parallel_runs):
+@pytest.mark.parametrize("name", NAMES)
+def test_uneven_heads_are_split_like_torch_chunk(parallel_runs, name):
     # uneven: torch.chunk's split of 3 heads over 2 ranks is 2 + 1
-    head_counts = [next(iter(run["uneven", "fsdp"]["layout"].values()))[0][0] for run in parallel_runs]
+    head_counts = [next(iter(run[name, "uneven", "fsdp"]["layout"].values()))[0][0] for run in parallel_runs]
     assert head_counts == [2, 1]
-    one_frame = [next(iter(run["one_frame", "fsdp"]["layout"].values()))[0][0] for run in parallel_runs]
+    one_frame = [next(iter(run[name, "one_frame", "fsdp"]["layout"].values()))[0][0] for run in parallel_runs]
     assert one_frame == [1, 0]
 
 
-def test_head_sharding_halves_the_frame_memory_per_rank(parallel_runs):
+@pytest.mark.parametrize("name", NAMES)
+def test_head_sharding_halves_the_frame_memory_per_rank(parallel_runs, name):
     for run in parallel_runs:
-        replicated, sharded = run["tiny", "ddp"]["bytes"], run["tiny", "fsdp"]["bytes"]
+        replicated, sharded = run[name, "tiny", "ddp"]["bytes"], run[name, "tiny", "fsdp"]["bytes"]
         for key in ("params", "grads"):
             assert sharded[key] * WORLD == replicated[key]
         # the state's scalar step counters (one per parameter) are not sharded; the moments are
@@ -277,19 +299,23 @@ def _dtensor_frame(placement):
     return p, frames
 
 
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dim, axis", [(1, "d"), (2, "r"), (-1, "r")])
-def test_frame_sharded_along_d_or_r_is_refused_with_the_fix(one_rank_group, dim, axis):
+def test_frame_sharded_along_d_or_r_is_refused_with_the_fix(one_rank_group, dim, axis, name):
+    """The refusal names the optimizer that refuses (not StiefelAdam for every one)."""
     p, _ = _dtensor_frame(Shard(dim))
-    with pytest.raises(NotImplementedError, match=rf"the {axis} .*fully_shard_by_heads"):
-        StiefelAdam([p])
+    with pytest.raises(NotImplementedError, match=rf"^{name}: frame parameter .*the {axis} .*fully_shard_by_heads"):
+        OPTIMIZERS[name][0]([p])
 
 
-OPTION_CASES = {  # name -> (StiefelAdam options, frame dtype): the fused kernel, the readable path, re-projection,
-    # and bf16 frames with a float32 master copy (the state's "master" is then sharded too)
-    "default": ({}, torch.float64),
-    "column": ({"second_moment": "column"}, torch.float64),
-    "stabilize": ({"stabilize": 2}, torch.float64),
-    "bf16-master": ({"master_weights": True}, torch.bfloat16),
+OPTION_CASES = {  # case -> (optimizer, options, frame dtype): the fused kernel, the readable path, re-projection,
+    # and bf16 frames with a float32 master copy (the state's "master" is then sharded too), for each optimizer
+    "default": ("StiefelAdam", {}, torch.float64),
+    "column": ("StiefelAdam", {"second_moment": "column"}, torch.float64),
+    "stabilize": ("StiefelAdam", {"stabilize": 2}, torch.float64),
+    "bf16-master": ("StiefelAdam", {"master_weights": True}, torch.bfloat16),
+    "muon": ("StiefelMuon", {}, torch.float64),
+    "muon-bf16-master": ("StiefelMuon", {"master_weights": True}, torch.bfloat16),
 }
 
 
@@ -301,7 +327,9 @@ def test_frame_sharded_by_heads_or_replicated_is_updated_like_a_plain_frame(one_
     plain optimizer's full state into a sharded one)."""
     import geoopt
 
-    options, dtype = OPTION_CASES[case]
+    name, options, dtype = OPTION_CASES[case]
+    cls = OPTIMIZERS[name][0]
+    buffer, scalar = FRAME_STATE[name]
     p, frames = _dtensor_frame(placement)
     p = torch.nn.Parameter(p.detach().to(dtype))
     p.manifold = frames.manifold
@@ -314,26 +342,27 @@ def test_frame_sharded_by_heads_or_replicated_is_updated_like_a_plain_frame(one_
                 q.grad = distribute_tensor(g, q.device_mesh, q.placements) if is_sharded(q) else g.clone()
                 opt.step()
 
-    opt_sharded, opt_plain = StiefelAdam([p], lr=5e-2, **options), StiefelAdam([plain], lr=5e-2, **options)
+    opt_sharded, opt_plain = cls([p], lr=5e-2, **options), cls([plain], lr=5e-2, **options)
     steps([(p, opt_sharded), (plain, opt_plain)], 3)
     assert torch.equal(p.full_tensor(), plain.detach())
     assert float((plain.detach().double() - frames).abs().max()) > MOVED_AT_LEAST
     state = opt_sharded.state[p]
     assert all(is_sharded(state[k]) and state[k].placements == p.placements
-               for k in ("exp_avg", "exp_avg_sq") + (("master",) if "master_weights" in options else ()))
-    assert tuple(state["exp_avg_sq"].shape) == {"column": (4, 1, 3)}.get(case, (4, 1, 1))
+               for k in (buffer, scalar) + (("master",) if "master_weights" in options else ()))
+    assert tuple(state[scalar].shape) == {"column": (4, 1, 3)}.get(case, (4, 1, 1))
     p2 = torch.nn.Parameter(p.detach().clone())
     p2.manifold = p.manifold
-    resumed = StiefelAdam([p], lr=5e-2, **options)
+    resumed = cls([p], lr=5e-2, **options)
     resumed.load_state_dict(opt_sharded.state_dict())  # DTensor state
-    from_full = StiefelAdam([p2], lr=5e-2, **options)
+    from_full = cls([p2], lr=5e-2, **options)
     from_full.load_state_dict(opt_plain.state_dict())  # plain tensors holding the whole state
-    assert is_sharded(from_full.state[p2]["exp_avg"])
+    assert is_sharded(from_full.state[p2][buffer])
     steps([(p, resumed), (p2, from_full), (plain, opt_plain)], 2)
     assert torch.equal(p.full_tensor(), plain.detach()) and torch.equal(p2.full_tensor(), plain.detach())
 
 
-def test_plain_fully_shard_is_refused_with_the_fix(one_rank_group):
+@pytest.mark.parametrize("name", NAMES)
+def test_plain_fully_shard_is_refused_with_the_fix(one_rank_group, name):
     from torch.distributed.fsdp import fully_shard
 
     model = _model("tiny")
@@ -341,8 +370,8 @@ def test_plain_fully_shard_is_refused_with_the_fix(one_rank_group):
     fully_shard(model)
     # FSDP2 drops the manifold: without the check the frames would silently get AdamW
     assert len(frame_parameters(model)) == 0 and n_frames == 4
-    with pytest.raises(NotImplementedError, match="fully_shard_by_heads"):
-        StiefelAdam(model.parameters())
+    with pytest.raises(NotImplementedError, match=rf"^{name}: parameter of shape .*fully_shard_by_heads"):
+        OPTIMIZERS[name][0](model.parameters())
 
 
 # ----------------------------------------------------------------------------- one meaning of "frame"

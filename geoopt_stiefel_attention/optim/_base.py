@@ -146,6 +146,7 @@ class FrameOptimizer:
         for p in params:
             tensor = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, tensor) pairs
             if isinstance(tensor, torch.Tensor):
+                _distributed.check_parameter(tensor, self._NAME)  # sharded parameters, named by this class
                 _check_parameter(tensor, self._NAME)
         constructing = self.__dict__.get("_constructing", False)
         group_defaults = self._GROUP_DEFAULTS
