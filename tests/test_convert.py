@@ -913,3 +913,79 @@ def test_dropping_biases_that_do_not_exist_says_so():
         warnings.simplefilter("error")
         stiefelize(with_bias, qk_bias="drop")
     assert torch.equal(with_bias[0].in_proj_bias[:32], torch.zeros(32))
+
+
+# ------------------------------------------------------------------------ the rebuild's cost (issue 40, item 4)
+def test_one_cat_rebuild_equals_the_row_by_row_rebuild_on_every_layout():
+    """The weight is built by one ``torch.cat`` of head-block views; values and gradients are those of the
+    segment-by-segment build (dim 0 and 1, with and without a rest, with a learned gain)."""
+    from geoopt_stiefel_attention.convert.parametrization import _QKWeight
+
+    for model in (_gpt2(), _llama(), _timm_vit(), _encoder(True)):
+        stiefelize(model, logit_gain="learn")
+        weights = [m for m in model.modules() if isinstance(m, _QKWeight)]
+        assert weights and all(p._head_width() for p in weights)
+        for p in weights:
+            with torch.no_grad():
+                if hasattr(p, "q_log_gain"):
+                    p.q_log_gain.normal_(0, 0.05)
+            rest = next(plist.original for m in model.modules() for plist in
+                        getattr(m, "parametrizations", {}).values() if plist[0] is p)
+            grads = []
+            for build in (p._build, p._build_by_rows):
+                params = [t for t in p.parameters()]
+                w = build(rest)
+                seed = torch.randn(w.shape, generator=torch.Generator().manual_seed(0), dtype=w.dtype)
+                grads.append((w.detach(), torch.autograd.grad((w * seed).sum(), params)))
+            assert torch.equal(grads[0][0], grads[1][0]) and grads[0][0].is_contiguous()
+            for a, b in zip(grads[0][1], grads[1][1], strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_an_mha_weight_is_built_and_checked_once_per_model_forward_with_unchanged_gradients(monkeypatch):
+    from geoopt_stiefel_attention import _guard
+    from geoopt_stiefel_attention.convert.parametrization import _QKWeight
+
+    model = _encoder(True)
+    stiefelize(model)
+    uncached = copy.deepcopy(model)  # the same model with every read building its own weight
+    for p in uncached.modules():
+        if isinstance(p, _QKWeight):
+            del p.__dict__["_reread"]
+    builds, checks = [], []
+    real_build = _QKWeight._build
+    monkeypatch.setattr(_QKWeight, "_build", lambda self, rest: builds.append(1) or real_build(self, rest))
+    real_check = _guard.check_frame_tensors
+    monkeypatch.setattr(_guard, "check_frame_tensors", lambda *a: checks.append(1) or real_check(*a))
+    x = _x(2, 5, 16)
+    model(x).square().sum().backward()
+    assert len(builds) == 2 and not checks  # two layers: one build each (MHA reads it 3 times), one model check
+    builds.clear()
+    uncached(x).square().sum().backward()
+    assert len(builds) == 6
+    for (name, a), b in zip(model.named_parameters(), uncached.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
+    # the next forward builds again (no tensor outlives a forward), and two forwards then two backwards work
+    builds.clear()
+    y1, y2 = model(x).sum(), model(x).sum()
+    y1.backward()
+    y2.backward()
+    assert len(builds) == 4
+    # a converted submodule called on its own checks its own frames (the model's check does not cover it), at
+    # each of the three reads, as every converted weight did before the model's check
+    checks.clear()
+    model.layers[0](x).sum().backward()
+    assert len(checks) == 3
+
+
+def test_the_models_check_finds_a_frame_off_the_manifold_and_names_it():
+    model = _encoder(True)
+    stiefelize(model)
+    with torch.no_grad():
+        model.layers[1].self_attn.parametrizations.in_proj_weight[0].k_frames.data.mul_(1.01)  # .data: no version
+    with pytest.raises(FrameOffManifoldError, match="^layers.1.self_attn.in_proj_weight: frame 'k_frames'"):
+        model(_x(2, 5, 16))
+    with torch.no_grad():  # companion: without gradients nothing is checked ...
+        model(_x(2, 5, 16))
+    unstiefelize(model)  # ... and unstiefelize removes the model's hooks
+    assert not model._forward_pre_hooks and not model._forward_hooks

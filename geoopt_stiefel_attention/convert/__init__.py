@@ -82,6 +82,7 @@ from .parametrization import (
     _get,
     _owner,
     _QKWeight,
+    _watch_model,
     _ZeroQKBias,
 )
 
@@ -551,6 +552,8 @@ def stiefelize(
     gains = [_initial_gain(site, logit_gain) for site in sites]  # checked for every site before any change
     before = _probe(model, probe) if probe is not None else None
     rows = [_apply(site, logit_gain, gain_rate, gain) for site, gain in zip(sites, gains, strict=True)]
+    if rows:
+        _watch_model(model)  # the frame check of a training forward, once for the whole model
     change = absolute = scale = None
     if before is not None:
         after = _probe(model, probe)
@@ -632,6 +635,8 @@ def _apply(site: _Site, logit_gain: str | None, gain_rate: float, gain: Tensor |
         label = ".".join(x for x in (site.path, inner, attr) if x)  # the weight's path in the model
         parametrize.register_parametrization(owner, attr, _QKWeight(weight, pieces[0].dim, specs, gain_rate,
                                                                     label=label), unsafe=True)
+        if _is_torch_mha(owner):  # its forward reads the weight three times: build it once per model forward
+            owner.parametrizations[attr][0].__dict__["_reread"] = True
         plist = owner.parametrizations[attr]
         if plist.original.numel() == 0:
             # a pure q_proj/k_proj weight has no rest: keep the empty tensor torch.nn.utils.parametrize needs as a

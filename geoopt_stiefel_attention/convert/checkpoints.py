@@ -20,7 +20,15 @@ from torch.nn.utils import parametrize
 from .._linalg import ORTHONORMALITY_TOLERANCE, orthonormality_error
 from ..distributed import is_sharded
 from ..manifolds import PolarStiefel, is_frame
-from .parametrization import _MARK, _OURS, _frames_from, _owner, _QKWeight, _ZeroQKBias
+from .parametrization import (
+    _MARK,
+    _OURS,
+    _frames_from,
+    _owner,
+    _QKWeight,
+    _unwatch_model,
+    _ZeroQKBias,
+)
 
 # ---------------------------------------------------------------------------------------------- state dicts
 # A converted weight is saved under its stock key (``c_attn.weight``), rebuilt from the frames, and a stock
@@ -333,6 +341,7 @@ def unstiefelize(model: nn.Module) -> nn.Module:
             module._parameters.update(items)
         _unhook_state_dicts(module)
     for module in model.modules():
+        _unwatch_model(module)
         if _MARK in vars(module):
             object.__delattr__(module, _MARK)
     return model

@@ -80,6 +80,7 @@ class _QKWeight(nn.Module):
         return self
 
     def _rows(self, role: str) -> Tensor:
+        """The ``(heads, d, r)`` frames of ``role``, times the query gains (a new tensor when scaled)."""
         # The frame is used as it is, not through ``.as_subclass(Tensor)``: a ManifoldTensor disables
         # ``__torch_function__``, so every op below already returns a plain Tensor (whose gradient flows back
         # to the ManifoldParameter), and Dynamo traces it like any parameter; ``as_subclass`` of a tensor
@@ -87,22 +88,76 @@ class _QKWeight(nn.Module):
         frames = getattr(self, f"{role}_frames")
         if role == "q" and getattr(self, "q_log_gain", None) is not None:
             frames = frames * torch.exp(self.gain_rate * self.q_log_gain).to(frames.dtype).view(-1, 1, 1)
-        h, d, r = frames.shape
-        if self.dim == 0:
-            return frames.transpose(1, 2).reshape(h * r, d)
-        return frames.permute(1, 0, 2).reshape(d, h * r)
+        return frames
+
+    def frames(self) -> list[tuple[str, Tensor]]:
+        """``(name, frames)`` of each role, in segment order."""
+        return [(f"{role}_frames", getattr(self, f"{role}_frames")) for role, _, _ in self.segments if role != "rest"]
+
+    def check(self) -> None:
+        """The frame check of a training forward (:func:`~geoopt_stiefel_attention._guard.check_frame_tensors`)."""
+        _guard.check_frame_tensors(getattr(self, "label", "converted weight"), self.frames())
+
+    def _head_width(self) -> int | None:
+        """The head width ``r`` when every segment (frames and rest) is a whole number of ``r``-wide blocks:
+        then the weight is one ``torch.cat`` of head blocks (:meth:`forward`); ``None`` otherwise. Computed
+        once (also for modules pickled before it existed)."""
+        r = self.__dict__.get("_r")
+        if r is None:
+            widths = {getattr(self, f"{role}_frames").shape[-1] for role, _, _ in self.segments if role != "rest"}
+            r = widths.pop() if len(widths) == 1 else 0
+            if r and any(n % r for _, _, n in self.segments):
+                r = 0
+            self.__dict__["_r"] = r
+        return r or None
 
     def forward(self, rest: Tensor) -> Tensor:
-        if torch.is_grad_enabled():
-            _guard.check_frame_tensors(getattr(self, "label", "converted weight"), [(f"{role}_frames", getattr(self, f"{role}_frames"))
-                                                    for role, _, _ in self.segments if role != "rest"])
+        model = self.__dict__.get("_model_scope")  # see _check_model_frames
+        reuse = model is not None and model[2] > 0 and self.__dict__.get("_reread", False)
+        if reuse:  # read again in the same forward of the converted model: the same tensor, built once
+            built = self.__dict__.get("_built")
+            if built is not None and built[1] == torch.is_grad_enabled():
+                return built[0]
+        if torch.is_grad_enabled() and (model is None or model[0] <= 0):
+            self.check()
+        weight = self._build(rest)
+        if reuse:
+            self.__dict__["_built"] = (weight, torch.is_grad_enabled())
+        return weight
+
+    def _build(self, rest: Tensor) -> Tensor:
+        """The weight from the frames and ``rest``. Head blocks of width ``r`` are laid side by side by a single
+        ``torch.cat`` of views (``(d, heads, r)`` along ``dim=1``, ``(heads, r, d)`` along ``dim=0``), so the
+        weight is written once, with no intermediate copies; the values are those of :meth:`_build_by_rows`."""
+        r = self._head_width()
+        if r is None:
+            return self._build_by_rows(rest)
+        parts, offset = [], 0
+        for role, _start, length in self.segments:
+            if role == "rest":
+                block = rest.narrow(self.dim, offset, length)
+                offset += length
+                parts.append(block.unflatten(1, (length // r, r)) if self.dim == 1
+                             else block.unflatten(0, (length // r, r)))
+            else:
+                frames = self._rows(role)
+                parts.append(frames.permute(1, 0, 2) if self.dim == 1 else frames.transpose(1, 2))
+        if self.dim == 1:  # (d, heads, r) blocks -> (d, heads * r)
+            return torch.cat(parts, dim=1).flatten(1) if len(parts) > 1 else parts[0].reshape(parts[0].shape[0], -1)
+        return torch.cat(parts, dim=0).flatten(0, 1) if len(parts) > 1 else parts[0].reshape(-1, parts[0].shape[-1])
+
+    def _build_by_rows(self, rest: Tensor) -> Tensor:
+        """The weight segment by segment (any segment widths)."""
         parts, offset = [], 0
         for role, _start, length in self.segments:
             if role == "rest":
                 parts.append(rest.narrow(self.dim, offset, length))
                 offset += length
             else:
-                parts.append(self._rows(role))
+                frames = self._rows(role)
+                h, d, r = frames.shape
+                parts.append(frames.transpose(1, 2).reshape(h * r, d) if self.dim == 0
+                             else frames.permute(1, 0, 2).reshape(d, h * r))
         return torch.cat(parts, dim=self.dim) if len(parts) > 1 else parts[0].contiguous()
 
     def right_inverse(self, weight: Tensor) -> Tensor:
@@ -148,3 +203,99 @@ class _ZeroQKBias(nn.Module):
 
 
 _OURS = (_QKWeight, _ZeroQKBias)
+
+# ------------------------------------------------------------------------------------------- the model's check
+#: Attribute of a converted model (the module :func:`~geoopt_stiefel_attention.stiefelize` was given):
+#: ``(scope, weights, pre-hook handle, hook handle)``, see :func:`_check_model_frames`. A weight whose module's
+#: forward reads it several times (``nn.MultiheadAttention.forward`` reads ``in_proj_weight`` three times) is
+#: marked ``_reread``: inside the model's forward it is built once and the same tensor returned to every read.
+_MODEL_HOOKS = "_stiefel_model_check_hooks"
+
+
+def _check_model_frames(model: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a converted model: in a forward with gradients, check every frame of its converted
+    weights at once (same-shaped frame stacks concatenated: one Gram product, one distance and one host read
+    per shape and dtype, instead of two operations per frame and a read per weight), then let the weights skip
+    their own check until the model's forward returns. A frame off the manifold is reported by the weight's
+    own check, with the message it always had. Frames of another kind (sharded, meta) leave the weights'
+    checks on."""
+    if torch.compiler.is_compiling():
+        return
+    scope, weights = vars(model)[_MODEL_HOOKS][:2]
+    scope[2] += 1
+    scope[1].append(False)
+    if not torch.is_grad_enabled():
+        return
+    groups: dict[tuple[Any, ...], list[Tensor]] = {}
+    for p in weights:
+        for _name, w in p.frames():
+            if getattr(w, "_local_tensor", None) is not None or w.device.type == "meta" or w.dim() != 3:
+                return
+            groups.setdefault((w.shape[1:], w.dtype, w.device), []).append(w.detach())
+    errs, tols = [], []
+    for (shape, dtype, device), ws in groups.items():
+        x = torch.cat(ws) if len(ws) > 1 else ws[0]
+        if dtype in (torch.bfloat16, torch.float16):
+            x = x.float()
+        if torch.is_autocast_enabled(device.type):
+            with torch.autocast(device.type, enabled=False):
+                gram = x.mT @ x
+        else:
+            gram = x.mT @ x
+        errs.append(torch.dist(gram, _guard._eye(shape[-1], gram.dtype, device), float("inf")))
+        tols.append(_guard.FRAME_CHECK_TOLERANCE.get(dtype, _guard.FRAME_CHECK_TOLERANCE[torch.float32]))
+    if len(errs) == 1:
+        ok = bool(errs[0] <= tols[0])
+    else:
+        ok = all(float(e) <= t for e, t in zip(errs, tols, strict=True))
+    if not ok:  # NaN too: the weights' own checks name the frame
+        for p in weights:
+            p.check()
+        return
+    scope[0] += 1
+    scope[1][-1] = True
+
+
+def _end_model_check(model: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook of a converted model (also run when its forward raises): closes what
+    :func:`_check_model_frames` opened; the weights are rebuilt, and checked, at the next forward."""
+    if torch.compiler.is_compiling():
+        return
+    scope, weights = vars(model)[_MODEL_HOOKS][:2]
+    if not scope[1]:  # the pre-hook did not run
+        return
+    if scope[1].pop():
+        scope[0] -= 1
+    scope[2] -= 1
+    if scope[2] <= 0:
+        for p in weights:
+            p.__dict__.pop("_built", None)
+
+
+def _watch_model(model: nn.Module) -> None:
+    """Register :func:`_check_model_frames` and :func:`_end_model_check` on ``model`` (again after a further
+    conversion: the list of its converted weights is rebuilt). Not on a bare ``nn.TransformerEncoderLayer``:
+    a hook on it would turn off torch's fused inference path (its weights keep their own checks)."""
+    _unwatch_model(model)
+    weights = [m for m in model.modules() if isinstance(m, _QKWeight)]
+    if not weights or isinstance(model, nn.TransformerEncoderLayer):
+        return
+    # [open forwards whose check covered every frame, per open forward: whether it did, open forwards]
+    scope: list[Any] = [0, [], 0]
+    for p in weights:
+        p.__dict__["_model_scope"] = scope
+    pre = model.register_forward_pre_hook(_check_model_frames)
+    post = model.register_forward_hook(_end_model_check, always_call=True)
+    object.__setattr__(model, _MODEL_HOOKS, (scope, weights, pre, post))
+
+
+def _unwatch_model(model: nn.Module) -> None:
+    hooks = vars(model).get(_MODEL_HOOKS)
+    if hooks is None:
+        return
+    hooks[2].remove()
+    hooks[3].remove()
+    for p in hooks[1]:
+        p.__dict__.pop("_model_scope", None)
+        p.__dict__.pop("_built", None)
+    object.__delattr__(model, _MODEL_HOOKS)
