@@ -2,7 +2,9 @@
 # The prepared accelerator check of issue #18, meant to finish in a few minutes on one GPU. First the library
 # (`stiefel-attention bench gpu`): the StiefelAdam step against AdamW(fused=True) and geoopt-radam at the
 # largest step-benchmark configuration in float32 and bfloat16; the default and compiled step against the
-# product floor on the bench shape; a bf16-autocast training step (stiefel vs adamw arm). Then the studies'
+# product floor on the bench shape; a bf16-autocast training step (stiefel vs adamw arm); on the bench shape the
+# capturable StiefelAdam step eager and replayed from a CUDA graph, StiefelMuon and torch's Muon on the same
+# frames (issue #40; off CUDA the graph entry is reported as skipped). Then the studies'
 # figure (`python -m experiments.grokking.speed`): grokking epochs per second, added to the same
 # JSON file (default benchmarks/results/gpu_check_<UTC time>.json). Last, `stiefel-attention bench muon` at width
 # 768 (StiefelMuon, StiefelAdam, torch Muon, AdamW), written beside it as gpu_check_<UTC time>_muon.json.

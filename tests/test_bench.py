@@ -236,7 +236,11 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["machine"]["device"] == "cpu" and doc["settings"]["scale"] == "tiny"
-    assert set(doc["seconds"]) == {"step", "paths", "train", "retraction", "grokking"}
+    assert set(doc["seconds"]) == {"step", "paths", "train", "retraction", "graphs", "grokking"}
+    graphs = doc["graphs"]  # on the CPU: the graph entry skipped, the capturable step and both Muons timed
+    assert set(graphs["timings"]) == {"stiefel-adam-capturable", "stiefel-muon", "torch-muon"}
+    assert graphs["graph"].startswith("skipped") and not graphs["failed"]
+    assert "graphs 2 x (2, 16, 4)" in proc.stdout
     assert [r["dtype"] for r in doc["step"]] == ["float32", "bfloat16"]
     for r in doc["step"]:
         assert set(r["timings"]) == {"stiefel", "adamw_fused", "geoopt-radam", "matmul_floor"}
@@ -255,6 +259,28 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     # float32 polar factors by two exact methods: they agree, and both are frames, to a few units of roundoff
     assert rt["max_abs_difference"] < 1e-5 and max(rt["orthonormality_error"].values()) < 1e-5
     assert "retraction 2 x (2, 16, 4)" in proc.stdout
+
+
+def test_graph_step_benchmark_on_cpu_and_the_capture_refuses_a_cpu_device():
+    from geoopt_stiefel_attention.bench import gpu
+
+    doc = gpu.graph_step_benchmark(bench.FrameSet(1, 2, 8, 2), bench.BenchSettings(rounds=1, steps_per_round=1,
+                                                                                   warmup=1, threads=1))
+    assert set(doc["timings"]) == set(gpu.GRAPH_STEPS) - {"stiefel-adam-graph"}
+    assert doc["ratio_to_capturable"]["stiefel-adam-capturable"] == 1.0 and doc["graph"].startswith("skipped")
+    assert "graph_max_abs_difference" not in doc
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):
+        gpu._capture(lambda: None, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_graph_step_benchmark_replays_the_capturable_step_on_cuda():
+    from geoopt_stiefel_attention.bench import gpu
+
+    doc = gpu.graph_step_benchmark(bench.FrameSet(2, 2, 64, 16), bench.BenchSettings(
+        rounds=2, steps_per_round=2, warmup=1, device="cuda"))
+    assert doc["graph"] == "captured" and set(doc["timings"]) == set(gpu.GRAPH_STEPS)
+    assert doc["graph_max_abs_difference"] < 1e-5  # the replayed graph steps what the eager step steps
 
 
 class _Started(Exception):

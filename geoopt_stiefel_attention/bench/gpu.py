@@ -37,6 +37,8 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
        a HuggingFace GPT-2 converted by :func:`~geoopt_stiefel_attention.stiefelize` (``"hf_gpt2"``) when
        ``transformers`` is installed, else TinyTransformer.
     4. ``retraction``: :func:`retraction_benchmark` on the same frames, float32.
+    5. ``graphs``: :func:`graph_step_benchmark` on the same frames: the capturable StiefelAdam step eager and
+       replayed from a CUDA graph (on CUDA only), StiefelMuon and torch's ``Muon`` on the same frames.
 
     The grokking study's epochs per second, which ``benchmarks/gpu.sh`` adds next, belong to the studies
     (:mod:`experiments.grokking.speed`): the benchmarks measure the library only.
@@ -75,6 +77,10 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
     t0 = time.perf_counter()
     out["retraction"] = retraction_benchmark(sizes["frames"], BenchSettings(**timing))
     seconds["retraction"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    out["graphs"] = graph_step_benchmark(sizes["frames"], BenchSettings(**timing))
+    seconds["graphs"] = time.perf_counter() - t0
     return {"machine": asdict(machine_info(device)), "settings": dict(scale=scale, **timing,
                                                                       compile_backend=compile_backend),
             "seconds": seconds, **out}
@@ -121,6 +127,100 @@ def retraction_benchmark(frames: FrameSet, settings: BenchSettings) -> dict[str,
                                      "newton-checked": float((b.mT @ b - eye).abs().max())}}
 
 
+#: Entries of :func:`graph_step_benchmark`; ``"stiefel-adam-graph"`` runs on CUDA only.
+GRAPH_STEPS = ("stiefel-adam-capturable", "stiefel-adam-graph", "stiefel-muon", "torch-muon")
+
+
+def _capture(step: Any, device: str) -> Any:
+    """``step`` captured in a :class:`torch.cuda.CUDAGraph` (after three warm-up calls on a side stream, as
+    torch's CUDA-graph notes require), returned as the graph's ``replay``. CUDA only."""
+    import torch
+
+    if not (device.startswith("cuda") and torch.cuda.is_available()):
+        raise RuntimeError(f"CUDA graphs need a CUDA device; device is {device!r}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def graph_step_benchmark(frames: FrameSet, settings: BenchSettings) -> dict[str, Any]:
+    """Time one optimizer step on ``frames`` (float32, fixed gradients), interleaved (:data:`GRAPH_STEPS`):
+    StiefelAdam with ``capturable=True`` run eagerly and, on CUDA, replayed from a CUDA graph captured once
+    (:func:`_capture`); StiefelMuon; torch's ``torch.optim.Muon`` on the same frames (one 2-D ``d x r``
+    parameter per head, as it requires; ``adjust_lr_fn="match_rms_adamw"``). Off CUDA the graph entry is
+    reported as skipped (``"skipped"``), and everything else runs: the CPU smoke test of ``benchmarks/gpu.sh``.
+    Returns the timings, the ratios to the eager capturable step and, on CUDA, the largest difference between
+    frames stepped by the graph and eagerly from the same start (``graph_max_abs_difference``).
+    """
+    import geoopt
+    import torch
+
+    from ..manifolds import PolarStiefel
+    from ..optim import StiefelAdam, StiefelMuon
+
+    device = settings.device
+    gen = torch.Generator().manual_seed(settings.seed)
+    st = PolarStiefel()
+    start = [st.random(frames.heads, frames.d, frames.r, generator=gen).as_subclass(torch.Tensor)
+             for _ in range(frames.params)]
+    grads = [torch.randn(w.shape, generator=gen).to(device) for w in start]
+
+    def params() -> list[Any]:
+        return [geoopt.ManifoldParameter(w.clone().to(device), manifold=st) for w in start]
+
+    def stepper(opt: Any, ps: list[Any], gs: list[Any]) -> Any:
+        for p, g in zip(ps, gs, strict=True):
+            p.grad = g  # fixed gradients: the step reads them in place (graph replays see the same tensors)
+        return opt.step
+
+    steps: dict[str, Any] = {}
+    eager_ps = params()
+    steps["stiefel-adam-capturable"] = stepper(StiefelAdam(eager_ps, lr=settings.lr, capturable=True), eager_ps,
+                                               grads)
+    skipped = None
+    graph_ps = None
+    if device.startswith("cuda") and torch.cuda.is_available():
+        graph_ps = params()
+        steps["stiefel-adam-graph"] = _capture(
+            stepper(StiefelAdam(graph_ps, lr=settings.lr, capturable=True), graph_ps, grads), device)
+    else:
+        skipped = "skipped: CUDA graphs need a CUDA device"
+    muon_ps = params()
+    steps["stiefel-muon"] = stepper(StiefelMuon(muon_ps, lr=settings.lr), muon_ps, grads)
+    flat = [torch.nn.Parameter(h.clone().to(device)) for w in start for h in w]
+    flat_grads = [h for g in grads for h in g]
+    steps["torch-muon"] = stepper(torch.optim.Muon(flat, lr=settings.lr, adjust_lr_fn="match_rms_adamw"), flat,
+                                  flat_grads)
+    with torch_threads(settings.threads):
+        samples, failed = _interleave(steps, settings, required=("stiefel-adam-capturable",))
+    timings = {k: asdict(_timing(k, v)) for k, v in samples.items()}
+    base = timings["stiefel-adam-capturable"]["median_ms"]
+    doc: dict[str, Any] = {"frames": asdict(frames), "timings": timings, "failed": failed,
+                           "ratio_to_capturable": {k: t["median_ms"] / base for k, t in timings.items()},
+                           "graph": skipped or "captured"}
+    if graph_ps is not None:  # the graph steps what the eager step steps: same start, same gradients
+        check_ps = params()
+        check = StiefelAdam(check_ps, lr=settings.lr, capturable=True)
+        ref_ps = params()
+        replay = _capture(stepper(StiefelAdam(ref_ps, lr=settings.lr, capturable=True), ref_ps, grads), device)
+        for p, g in zip(check_ps, grads, strict=True):
+            p.grad = g
+        for _ in range(4):  # _capture ran 3 warm-up steps and the captured one ran none: 3 + 1 replay
+            check.step()
+        replay()
+        torch.cuda.synchronize()
+        doc["graph_max_abs_difference"] = max(float((a - b).abs().max()) for a, b in zip(check_ps, ref_ps,
+                                                                                        strict=True))
+    return doc
+
+
 def format_check(doc: dict[str, Any]) -> str:
     """A short plain-text summary of :func:`accelerator_check`'s result."""
     lines = [f"accelerator check on {doc['machine']['device']} ({doc['machine']['cpu']}), "
@@ -144,6 +244,10 @@ def format_check(doc: dict[str, Any]) -> str:
         cells = ", ".join(f"{k} {v['median_ms']:.3f} ms" for k, v in rt["timings"].items())
         lines.append(f"retraction {FrameSet(**rt['frames']).label}, float32, |Z|_2 = {rt['step_norm']}: {cells}; "
                      f"eigh vs newton-checked {rt['max_abs_difference']:.1e}")
+    gr = doc.get("graphs")  # absent from the checks run before it was added
+    if gr is not None:
+        cells = ", ".join(f"{k} {v['median_ms']:.3f} ms" for k, v in gr["timings"].items())
+        lines.append(f"graphs {FrameSet(**gr['frames']).label}: {cells}; StiefelAdam graph: {gr['graph']}")
     g = doc.get("grokking")  # added by experiments/speed.py (benchmarks/gpu.sh) after the library's parts
     if g is not None:
         lines.append(f"grokking, {g['epochs']} epochs: " + ", ".join(f"{a} {v:.1f} epochs/s"
