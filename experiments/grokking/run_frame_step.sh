@@ -13,7 +13,7 @@ for mu in 1 9 3 0.33333 0.11111; do
   lr=$(python -c "print(f'{$mu * 1e-3:.6g}')")
   echo "=== mu $mu (frame lr $lr) at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
   # shellcheck disable=SC2086
-  python -m geoopt_stiefel_attention grokking $flags --arms stiefel --adjust-lr-fn match_rms_adamw \
+  python -m experiments grokking $flags --arms stiefel --adjust-lr-fn match_rms_adamw \
       --frame-lr "$lr" --seeds 0 --out "$out/mu-$mu" --workers 1 --threads 1 --quiet --skip-report 2>&1 \
       | grep -v -i "warn" | tee -a "$out/log.txt"
 done

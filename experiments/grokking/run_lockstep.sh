@@ -12,7 +12,7 @@ mkdir -p "$out"
 deadline=$((SECONDS + 60 * max_minutes))
 while :; do
   echo "=== round at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
-  python -m geoopt_stiefel_attention grokking --out "$out" --workers 1 --threads 1 --quiet \
+  python -m experiments grokking --out "$out" --workers 1 --threads 1 --quiet \
       --stop-after-epochs "$round" "$@" 2>&1 | grep -v -i "warn" | tee -a "$out/log.txt" | tee "$out/.last_round"
   if ! grep -q "stopped before the end" "$out/.last_round"; then
     echo "=== all runs complete" | tee -a "$out/log.txt"; break

@@ -11,21 +11,12 @@ repo=$(git rev-parse --show-toplevel)
 commit=${1:?commit to train on}; wt=${2:?worktree folder}; jobs=${3:-2}
 records=$repo/experiments/grokking/records/p97_add_arms10
 [ -d "$wt" ] || git -C "$repo" worktree add --detach "$wt" "$commit"
-[ -z "$(git -C "$wt" status --porcelain)" ] || { echo "worktree $wt is not clean" >&2; exit 2; }
-out=$wt/experiments/grokking/records/p97_add_arms10_train
-flags=$(grep -v '^#' "$wt/experiments/grokking/configs/arms.args" | grep -v '^--arms')
-train() {  # ARM SEED DEST: train in the worktree, then copy the finished run's records to DEST
-  local arm=$1 seed=$2 dest=$3
-  # shellcheck disable=SC2086
-  (cd "$wt" && PYTHONPATH=$wt python -m geoopt_stiefel_attention grokking $flags --arms "$arm" --seeds "$seed" \
-      --out "$out" --workers 1 --threads 1 --quiet --skip-report 2>&1 | grep -v -i warn || true)
-  local run=$out/runs/$arm/seed$seed
-  if [ -f "$run/metrics.jsonl" ] && tail -n 1 "$run/metrics.jsonl" | grep -q '"epoch": 6000,'; then
-    mkdir -p "$dest/$arm/seed$seed"
-    cp "$run"/{metrics.jsonl,config.json,environment.json} "$dest/$arm/seed$seed/"
-    echo "finished $arm seed $seed -> $dest/$arm/seed$seed at $(date -u +%FT%TZ)"
-  fi
-}
+[ -z "$(git -C "$wt" status --porcelain --untracked-files=no)" ] || { echo "worktree $wt is not clean" >&2; exit 2; }
+# shellcheck source=experiments/grokking/_train_in_worktree.sh
+source "$repo/experiments/grokking/_train_in_worktree.sh"
+out=$wt/p97_add_arms10_train
+flags=$(study_flags)
+train() { train_in_worktree "$@"; }  # ARM SEED DEST
 queue=("adamw 0 $records/repro" "adamw 1 $records/repro")
 for seed in $(seq 0 9); do queue+=("adamw-qk-nodecay $seed $records/runs"); done
 for item in "${queue[@]}"; do

@@ -12,7 +12,7 @@ mkdir -p "$out"
 # shellcheck disable=SC2046
 for seed in $(seq "$first" "$last"); do
   echo "=== seed $seed at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
-  python -m geoopt_stiefel_attention grokking $(grep -v '^#' "$args_file") --seeds "$seed" --out "$out" \
+  python -m experiments grokking $(grep -v '^#' "$args_file") --seeds "$seed" --out "$out" \
       --workers 1 --threads 1 --quiet --skip-report "$@" 2>&1 | grep -v -i "warn" | tee -a "$out/log.txt"
 done
 echo "=== seeds $first-$last done at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"

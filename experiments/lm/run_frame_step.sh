@@ -11,7 +11,7 @@ flags=$(grep -v '^#' experiments/lm/configs/frame-step.args)
 run() {  # run NAME SEED WIDTH HEADS
   echo "=== $1 seed $2 at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
   # shellcheck disable=SC2086
-  python -m geoopt_stiefel_attention lm $flags --width "$3" --heads "$4" --seeds "$2" --out "$out/$1" \
+  python -m experiments lm $flags --width "$3" --heads "$4" --seeds "$2" --out "$out/$1" \
       --workers 1 --threads 1 --quiet --skip-report 2>&1 | grep -v -i "warn" | tee -a "$out/log.txt"
 }
 mkdir -p "$out"

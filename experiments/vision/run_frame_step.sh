@@ -15,11 +15,11 @@ common=(--dataset fashion-mnist --data-dir "$data" --train-size 10000 --patch-si
         --workers 1 --quiet --skip-report)
 mkdir -p "$out"
 echo "=== adamw at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
-python -m geoopt_stiefel_attention vision "${common[@]}" --arms adamw --out "$out/adamw" 2>&1 | tee -a "$out/log.txt"
+python -m experiments vision "${common[@]}" --arms adamw --out "$out/adamw" 2>&1 | tee -a "$out/log.txt"
 for mu in 1 9 3 0.33333 0.11111; do
   lr=$(python -c "from experiments.vision.study import VisionConfig; print(f'{$mu * VisionConfig().optim.lr:.6g}')")
   echo "=== mu $mu (frame lr $lr) at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
-  python -m geoopt_stiefel_attention vision "${common[@]}" --arms stiefel --adjust-lr-fn match_rms_adamw \
+  python -m experiments vision "${common[@]}" --arms stiefel --adjust-lr-fn match_rms_adamw \
       --frame-lr "$lr" --out "$out/mu-$mu" 2>&1 | tee -a "$out/log.txt"
 done
 echo "=== done at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
