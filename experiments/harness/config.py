@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from geoopt_stiefel_attention._linalg import ADJUST_LR_FNS
+from geoopt_stiefel_attention._linalg import ADJUST_LR_FNS, trust_radius
 
 __all__ = ["TrainConfig", "OptimConfig", "RunSpec", "to_dict", "require", "flag_of", "config_value", "config_from_dict",
            "FORMER_CONFIG_CLASSES", "with_current_config_class"]
@@ -86,7 +86,8 @@ class OptimConfig:
     trust_region : float, "auto" or None
         :class:`~geoopt_stiefel_attention.StiefelAdam`'s per-frame cap :math:`\Delta` on :math:`\|s\|_F`, in the
         frame's own units; ``"auto"``: the library's default for ``adjust_lr_fn`` (0.1 under ``"original"``, 1
-        under ``"match_rms_adamw"``). Records written before issue 40 hold 0.1, which under
+        under ``"match_rms_adamw"``), resolved to that number at construction. Records written before issue 40
+        hold 0.1, which under
         ``"match_rms_adamw"`` then meant :math:`0.1\sqrt{d r}`.
     momentum : float
         Momentum of the ``geoopt-rsgd`` arm's :class:`geoopt.optim.RiemannianSGD` on the frames.
@@ -125,6 +126,8 @@ class OptimConfig:
         require(self.adjust_lr_fn in ADJUST_LR_FNS,
                 f"--adjust-lr-fn {self.adjust_lr_fn!r}: must be one of {', '.join(ADJUST_LR_FNS)} "
                 f"(field adjust_lr_fn).")
+        if self.trust_region == "auto":  # recorded as the radius it stands for, so that records say what ran
+            object.__setattr__(self, "trust_region", trust_radius("auto", self.adjust_lr_fn))
 
     @property
     def effective_frame_lr(self) -> float:
