@@ -18,3 +18,16 @@ train_in_worktree() {  # ARM SEED DEST
 }
 # the study's flags at the worktree's commit (the arms.args of either layout), without --arms
 study_flags() { grep -v '^#' "$(git -C "$wt" ls-files --full-name -- '*grokking/configs/arms.args' | sed "s|^|$wt/|" | head -n 1)" | grep -v '^--arms'; }
+# train the queued runs JOBS at a time (one core each), skipping those whose records DEST already holds
+run_queue() {  # JOBS "ARM SEED DEST"...
+  local jobs=$1 item arm seed dest
+  shift
+  for item in "$@"; do
+    read -r arm seed dest <<<"$item"
+    [ -f "$dest/$arm/seed$seed/metrics.jsonl" ] && continue
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+    echo "=== $arm seed $seed at $(date -u +%FT%TZ) on $(git -C "$wt" rev-parse --short HEAD)"
+    train_in_worktree "$arm" "$seed" "$dest" &
+  done
+  wait
+}

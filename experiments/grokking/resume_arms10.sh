@@ -16,18 +16,9 @@ records=$repo/experiments/grokking/records/p97_add_arms10
 [ -d "$wt" ] || [ "${DRY_RUN:-0}" = 1 ] || git -C "$repo" worktree add --detach "$wt" d12c680
 out=$wt/experiments/grokking/runs/p97_add_arms10
 flags=$(git -C "$repo" show d12c680:experiments/grokking/configs/arms.args | grep -v '^#' | grep -v '^--arms')
-train() {  # ARM SEED: train in the worktree, then copy the finished run's records back
-  local arm=$1 seed=$2
-  # shellcheck disable=SC2086
-  (cd "$wt" && PYTHONPATH=$wt python -m geoopt_stiefel_attention grokking $flags --arms "$arm" --seeds "$seed" \
-      --out "$out" --workers 1 --threads 1 --quiet --skip-report 2>&1 | grep -v -i warn || true)
-  local run=$out/runs/$arm/seed$seed
-  if [ -f "$run/metrics.jsonl" ] && tail -n 1 "$run/metrics.jsonl" | grep -q '"epoch": 6000,'; then
-    mkdir -p "$records/runs/$arm/seed$seed"
-    cp "$run"/{metrics.jsonl,config.json,environment.json} "$records/runs/$arm/seed$seed/"
-    echo "finished $arm seed $seed -> $records/runs/$arm/seed$seed"
-  fi
-}
+# shellcheck source=experiments/grokking/_train_in_worktree.sh
+source "$repo/experiments/grokking/_train_in_worktree.sh"
+train() { train_in_worktree "$1" "$2" "$records/runs"; }  # ARM SEED: train in the worktree, copy the records back
 for seed in $(seq 0 9); do
   for arm in adamw stiefel stiefel-frozen adamw-orthostart adamw-frozen; do
     [ -f "$records/runs/$arm/seed$seed/metrics.jsonl" ] && continue

@@ -16,15 +16,7 @@ records=$repo/experiments/grokking/records/p97_add_arms10
 source "$repo/experiments/grokking/_train_in_worktree.sh"
 out=$wt/p97_add_arms10_train
 flags=$(study_flags)
-train() { train_in_worktree "$@"; }  # ARM SEED DEST
 queue=("adamw 0 $records/repro" "adamw 1 $records/repro")
 for seed in $(seq 0 9); do queue+=("adamw-qk-nodecay $seed $records/runs"); done
-for item in "${queue[@]}"; do
-  read -r arm seed dest <<<"$item"
-  [ -f "$dest/$arm/seed$seed/metrics.jsonl" ] && continue
-  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
-  echo "=== $arm seed $seed at $(date -u +%FT%TZ) on $(git -C "$wt" rev-parse --short HEAD)"
-  train "$arm" "$seed" "$dest" &
-done
-wait
+run_queue "$jobs" "${queue[@]}"
 echo "=== done at $(date -u +%FT%TZ)"

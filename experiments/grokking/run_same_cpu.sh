@@ -19,14 +19,7 @@ grep -q "AMD EPYC" /proc/cpuinfo || { echo "this machine is not an AMD EPYC: the
 source "$repo/experiments/grokking/_train_in_worktree.sh"
 out=$wt/same_cpu_train
 flags=$(study_flags)
-queue=("adamw-frozen 0" "adamw-frozen 1")
-for seed in $(seq 2 9); do queue+=("adamw $seed" "adamw-frozen $seed"); done
-for item in "${queue[@]}"; do
-  read -r arm seed <<<"$item"
-  [ -f "$records/same_cpu/$arm/seed$seed/metrics.jsonl" ] && continue
-  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
-  echo "=== $arm seed $seed at $(date -u +%FT%TZ) on $(git -C "$wt" rev-parse --short HEAD)"
-  train_in_worktree "$arm" "$seed" "$records/same_cpu" &
-done
-wait
+queue=("adamw-frozen 0 $records/same_cpu" "adamw-frozen 1 $records/same_cpu")
+for seed in $(seq 2 9); do queue+=("adamw $seed $records/same_cpu" "adamw-frozen $seed $records/same_cpu"); done
+run_queue "$jobs" "${queue[@]}"
 echo "=== done at $(date -u +%FT%TZ)"
