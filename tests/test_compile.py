@@ -25,7 +25,7 @@ from geoopt_stiefel_attention import (
     stiefelize,
 )
 from geoopt_stiefel_attention._linalg import orthonormality_error
-from geoopt_stiefel_attention.convert import _QKWeight
+from geoopt_stiefel_attention.convert.parametrization import _QKWeight
 
 COMPILE_TOL_AOT = 1e-6  # float32, aot_eager vs eager after 3 steps (measured: 0, bit-identical)
 COMPILE_TOL_INDUCTOR = 1e-5  # float32, inductor vs eager after 3 steps (measured: 1.3e-7)

@@ -30,8 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tuned import (FINAL_DIR, LR_REL_TOL, TIMING_FILE, WARMUP_PREFIX, _finished, _lr_text, read_grid,
-                    select_lrs)
+from .tuned import FINAL_DIR, LR_REL_TOL, TIMING_FILE, WARMUP_PREFIX, _finished, _lr_text, read_grid, select_lrs
 
 __all__ = ["GRID_SEEDS", "FINAL_SEEDS", "REFINE_RATIO", "Protocol", "read_protocol", "Stage", "stages", "main"]
 

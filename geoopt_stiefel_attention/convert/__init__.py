@@ -27,7 +27,7 @@ gives the frames as stored (exact resume), :func:`export_state_dict` the stock d
 
 One job per module: ``layouts`` (the table), ``parametrization`` (what is registered on a weight),
 ``checkpoints`` (state dicts, export, undoing a conversion); this module plans and applies a
-conversion (:func:`stiefelize`) and re-exports the others' names.
+conversion (:func:`stiefelize`) and re-exports the others' public names (``__all__``).
 """
 
 from __future__ import annotations
@@ -43,48 +43,16 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ..manifolds import is_frame
-
-# The `noqa: F401` imports are re-exports: every name importable from geoopt_stiefel_attention.convert before it
-# became a package still is.
-from .checkpoints import (  # noqa: F401
-    _FORM,
-    _HOOKS,
+from .checkpoints import (
     _hook_state_dicts,
-    _is_sharded_owner,
-    _load_state_dict_pre_hook,
-    _our_parametrized,
-    _ours_on,
-    _state_dict_post_hook,
     _stock_names,
-    _stock_to_frames,
-    _unhook_state_dicts,
     converted_query_key_frames,
     export_state_dict,
     parametrized_state_dict,
     unstiefelize,
 )
-from .layouts import (  # noqa: F401
-    HEAD_DIM_ATTRS,
-    LAYOUTS,
-    NUM_HEADS_ATTRS,
-    Block,
-    Layout,
-    _children_are,
-    _is_conv1d,
-    _is_index,
-    _is_linear,
-    _is_torch_mha,
-)
-from .parametrization import (
-    _MARK,
-    _OURS,  # noqa: F401
-    _frames_from,
-    _get,
-    _owner,
-    _QKWeight,
-    _watch_model,
-    _ZeroQKBias,
-)
+from .layouts import HEAD_DIM_ATTRS, LAYOUTS, NUM_HEADS_ATTRS, Block, Layout, _children_are, _is_linear, _is_torch_mha
+from .parametrization import _MARK, _frames_from, _get, _owner, _QKWeight, _watch_model, _ZeroQKBias
 
 __all__ = [
     "Block",
