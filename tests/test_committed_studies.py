@@ -239,9 +239,12 @@ def test_the_readmes_numbers_on_the_language_model_study_match_its_records():
 
 
 def test_the_grokking_readme_on_start_constraint_or_step_matches_its_records():
-    """Issue 27: the README's table of the five arms (grokking epoch median [min, max], W_Q's largest angle to its
-    start) and every figure of its five contrasts are the committed summary's, rounded as written."""
+    """Issues 27 and 38: the README's table of the six arms (grokking epoch median [min, max], W_Q's largest angle to
+    its start) and every figure of its seven contrasts and of the section on issue 38 are the committed summary's,
+    rounded as written (the contrasts and that section are generated blocks: a stale one fails here)."""
     import statistics
+
+    from experiments.grokking.study import readme_block, readme_blocks
 
     folder = ROOT / "experiments" / "grokking" / "records" / "p97_add_arms10"
     data = json.loads((folder / "summary.json").read_text())
@@ -263,15 +266,12 @@ def test_the_grokking_readme_on_start_constraint_or_step_matches_its_records():
         assert cells[2] == f"{statistics.median(epochs):,.0f} [{min(epochs):,}, {max(epochs):,}]", arm
         assert cells[3] == range_deg(arms[arm]["final_angle_max_deg/q"]["per_seed"].values()), arm
     words = " ".join(readme.split())
-    for c in contrasts:
-        assert c["n"] == 10
-        ci = f"[{c['ci_low']:+.0f}, {c['ci_high']:+.0f}]".replace("-", "−")
-        mean = f"{c['mean']:+.0f} epochs".replace("-", "−")
-        holm = f"Holm p = {c['p_holm']:.2g}"
-        # seeds on the side of the mean: "later on 9/10" for the start, "10/10 seeds" (earlier) for the others
-        seeds = f"{c['n_positive'] if c['question'] == 'the start' else c['n_negative']}/10"
-        for needle in (mean, f"CI {ci}", holm, seeds, c["verdict"]):
-            assert needle in words, (c["question"], needle)
+    # the seven contrasts and the section on issue 38 are generated from summary.json (refresh_readme rewrites them)
+    for name, lines in readme_blocks(data).items():
+        assert readme_block(readme, name) == lines, f"README block {name} is stale: run refresh_readme()"
+    own = [c for c in contrasts if c["arm"] != "adamw-qk-nodecay" and c["against"] != "adamw-qk-nodecay"]
+    assert len(own) == 5 and all(c["n"] == 10 and c["machines"] == ["Intel(R) Xeon(R) Processor"] for c in own)
+    assert all(f"Holm p = {c['p_holm']:.2g}" in words for c in contrasts)
     start = next(c for c in contrasts if c["question"] == "the start")
     assert f"later on {start['n_positive']}/10 seeds, sign test p = {start['sign_test_p']:.2g}" in words
     assert f"{start['sign_test_p_holm']:.2g} after Holm" in words
@@ -293,8 +293,51 @@ def test_the_grokking_readme_on_start_constraint_or_step_matches_its_records():
         fmt = {"neg": -c["mean"], "n": c["n_negative"], "mean": f"{c['mean']:+.0f}",
                "lo": f"{c['ci_low']:+.0f}".replace("-", "−"), "hi": f"{c['ci_high']:+.0f}".replace("-", "−")}
         assert text.format(**fmt) in row, (question, text.format(**fmt))
+    # the protocol as it is, from the summary: the paper's task and model, fewer epochs than the paper
+    train = data["config"]["train"]
+    assert (f"The paper's task and model settings (the defaults above), {train['epochs']:,} epochs (the paper ran "
+            f"{data['paper']['epoch']:,}), an evaluation every {train['eval_every']} epochs" in words)
     # companion: a seed that moved would change the table's range; the old in-progress wording is gone
     assert range_deg([1.0, 2.0]) == "1.0–2.0°" and "in progress" not in readme.split("## Start, constraint")[1][:80]
+    assert "Paper protocol" not in readme and "partly done" not in readme
+
+
+def test_the_grokking_contrasts_of_issue_38_pair_runs_of_one_cpu_kind_only():
+    """Issue 38: the two contrasts with adamw-qk-nodecay pair, seed by seed, runs whose environment.json name the
+    same CPU model, as many as the folders hold (runs/, repro/, same_cpu/); a stale summary fails here. Companion:
+    the by-seed pairs of the study's own runs would cross CPU kinds, and are kept only as the labelled comparison."""
+    from experiments.harness.mechanism import run_machine
+
+    folder = ROOT / "experiments" / "grokking" / "records" / "p97_add_arms10"
+    data = json.loads((folder / "summary.json").read_text())
+    mechanism = data["summary"]["mechanism"]
+
+    def machine(path):
+        return run_machine(json.loads((folder / path / "environment.json").read_text()))
+
+    def finished(arm):  # seeds of arm trained on the new arm's CPU kind, by the folders
+        kind = machine("runs/adamw-qk-nodecay/seed0")
+        return {int(p.parent.name[4:]) for f in ("runs", "repro", "same_cpu")
+                for p in (folder / f / arm).glob("seed*/metrics.jsonl")
+                if machine(p.parent.relative_to(folder)) == kind
+                and read_records(p)[-1]["epoch"] == data["config"]["train"]["epochs"]}
+
+    by = {c["question"]: c for c in mechanism["contrasts"]}
+    for question, other in (("weight decay on W_Q, W_K", "adamw"), ("training W_Q, W_K without decay", "adamw-frozen")):
+        c = by[question]
+        assert {int(s) for s in c["pairs"]} == finished(other), question
+        assert c["n"] == len(c["pairs"]) and c["n"] + len(c["unpaired_seeds"]) == 10
+        for arm_run, against_run in c["pairs"].values():
+            assert machine(arm_run) == machine(against_run) == "AMD EPYC", (question, arm_run, against_run)
+        own = c["cross_machine"]
+        assert own["n"] == 10 and own["machines"] in (["AMD EPYC × Intel(R) Xeon(R) Processor"],
+                                                      ["Intel(R) Xeon(R) Processor × AMD EPYC"])
+        assert "p_holm" not in own and "verdict" not in own
+    # Holm over the family of seven, on the same-CPU contrasts
+    from experiments.harness.stats import holm
+
+    assert [c["p_holm"] for c in mechanism["contrasts"]] == holm([c["p_value"] for c in mechanism["contrasts"]])
+    assert len(mechanism["contrasts"]) == 7
 
 
 def _tuned_paragraphs() -> dict[str, str]:

@@ -16,7 +16,10 @@ each, and calls the endpoint unstable; this study reruns it over several seeds.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,13 +28,15 @@ from ..harness.arms import Arm
 from ..harness.batches import FullBatch
 from ..harness.command import StudyCommand
 from ..harness.config import OptimConfig, RunSpec, TrainConfig, require
+from ..harness.mechanism import seeds_text
 from ..harness.metrics import QKGeometry, WeightNorms
 from ..harness.report import PaperReference
 from ..harness.runner import RunOptions, Task
 from ..harness.study import StudyOutputs, finalize_study, run_study
 from .data import canonical_operation, is_prime, modular_split
 
-__all__ = ["GrokkingConfig", "build_task", "run_grokking", "PAPER", "HELP", "STUDY", "add_arguments", "run"]
+__all__ = ["GrokkingConfig", "build_task", "run_grokking", "PAPER", "HELP", "STUDY", "add_arguments", "run",
+           "readme_blocks", "readme_block", "refresh_readme"]
 
 HELP = "Modular-arithmetic grokking: Stiefel W_Q/W_K (StiefelAdam) vs AdamW over seeds; records, plots, report."
 
@@ -184,10 +189,23 @@ def run_grokking(config: GrokkingConfig, out_dir, *, arms=("adamw", "stiefel"), 
     kwargs = dict(title=f"Grokking on (a {config.operation} b) mod {config.p}: Stiefel W_Q/W_K vs AdamW",
                   intro=_intro(config), paper=PAPER, notes=NOTES)
     if report_only:
-        return finalize_study(out_dir, config=config, arms=None if arms is None else list(arms),
-                              seeds=None if seeds is None else list(seeds), **kwargs)
-    return run_study(config, build_task, out_dir, arms=list(arms), seeds=list(seeds),
-                     options=RunOptions.of(options, **run_kwargs), skip_report=skip_report, command=command, **kwargs)
+        return _finalize(out_dir, config, arms=None if arms is None else list(arms),
+                         seeds=None if seeds is None else list(seeds), **kwargs)
+    trained = run_study(config, build_task, out_dir, arms=list(arms), seeds=list(seeds),
+                        options=RunOptions.of(options, **run_kwargs), skip_report=True, command=command)
+    if skip_report:
+        return trained
+    return _finalize(out_dir, config, arms=list(arms), seeds=list(seeds), results=trained.results, **kwargs)
+
+
+def _finalize(out_dir, config: GrokkingConfig, **kwargs) -> StudyOutputs:
+    """:func:`~.study.finalize_study`, then the contrasts of the arms that separate start, constraint and step with
+    runs of one machine kind per pair, from the folders beside ``runs/`` (``repro/``, ``same_cpu/``), and W_Q's
+    shrinkage, movement and rotation per arm (:func:`~..harness.mechanism.refine_study_outputs`)."""
+    from ..harness.mechanism import refine_study_outputs
+
+    outputs = finalize_study(out_dir, config=config, **kwargs)
+    return refine_study_outputs(outputs, out_dir, decay=(config.optim.lr, config.optim.weight_decay))
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -251,3 +269,211 @@ class GrokkingCommand(StudyCommand):
 STUDY = GrokkingCommand()
 add_arguments = STUDY.add_arguments
 run = STUDY.run
+
+
+# ---------------------------------------------------------------------------------------------- README blocks
+#: The committed ten-seed, six-arm study whose numbers the README's generated blocks quote.
+ARMS10 = Path(__file__).resolve().parent / "records" / "p97_add_arms10"
+README = Path(__file__).resolve().parent / "README.md"
+#: The new arm of issue 38 and the arms retrained on its commit and CPU kind to pair with it.
+NODECAY, RETRAINED = "adamw-qk-nodecay", ("adamw", "adamw-frozen")
+
+
+def _signed(x: float) -> str:
+    return f"{x:+,.0f}".replace("-", "−")
+
+
+def _ci(c: Mapping[str, Any]) -> str:
+    return f"[{_signed(c['ci_low'])}, {_signed(c['ci_high'])}]" if c.get("ci_low") is not None else "[–, –]"
+
+
+def _numbers(c: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields a contrast's sentence quotes, formatted as the README writes them."""
+    def p(x):
+        return "–" if x is None else f"{x:.2g}"
+    return {"mean": "–" if c["mean"] is None else _signed(c["mean"]), "ci": _ci(c), "n": c["n"],
+            "n_neg": c["n_negative"], "n_pos": c["n_positive"], "p_holm": p(c.get("p_holm")),
+            "sign_p": p(c.get("sign_test_p")), "sign_p_holm": p(c.get("sign_test_p_holm")), "verdict": c.get("verdict"),
+            "seeds": seeds_text(sorted(int(s) for s in c.get("pairs", {}))), "machines": ", ".join(c.get("machines", [])),
+            "side": "*later*" if (c["mean"] or 0) > 0 else "*earlier*"}
+
+
+#: The README's sentence per contrast of the study's own runs, with the verdict its words were written for (a
+#: rebuilt summary with another verdict fails :func:`readme_blocks`: the words need rewriting, not just the numbers).
+OWN_RUNS_SENTENCES = {
+    "the start": ("suggested", "- **The start** does not make grokking earlier. AdamW from the `stiefel` arm's "
+                  "orthonormal frames groks {mean} epochs *later* than from random W_Q/W_K (95% CI {ci}; later on "
+                  "{n_pos}/{n} seeds, sign test p = {sign_p}, {sign_p_holm} after Holm; t-test Holm p = {p_holm}): "
+                  "{verdict}, no more."),
+    "training W_Q, W_K at all": ("clear", "- **Not training W_Q/W_K at all** makes it earlier: frozen at AdamW's "
+                                 "random start, {mean} epochs (CI {ci}, {n_neg}/{n} seeds, Holm p = {p_holm}): "
+                                 "{verdict}."),
+    "orthonormality of frozen W_Q, W_K": ("not seen", "- **Orthonormality of frozen W_Q/W_K** adds nothing we can "
+                                          "see: {mean} epochs (CI {ci}, {n_neg}/{n} seeds, Holm p = {p_holm}): "
+                                          "{verdict}."),
+    "the constraint with its step": ("clear", "- **The constraint with its step**, from the same frames: {mean} "
+                                     "epochs against AdamW (CI {ci}, {n_neg}/{n} seeds, Holm p = {p_holm}): "
+                                     "{verdict}."),
+    "the step on the manifold": ("not seen", "- **The step on the manifold**, against holding the same frames "
+                                 "fixed: {mean} epochs (CI {ci}, earlier on {n_neg}/{n} seeds, Holm p = {p_holm}): "
+                                 "{verdict}."),
+}
+#: The sentences of the two contrasts of issue 38 (any verdict), each followed by its cross-CPU comparison.
+NODECAY_SENTENCES = {
+    "weight decay on W_Q, W_K": "- **Weight decay on W_Q/W_K** (issue 38): AdamW without decay on W_Q/W_K groks "
+                                "{mean} epochs {side} than with it, over {n} seed pairs of one CPU kind ({machines}; "
+                                "seeds {seeds}; CI {ci}, earlier on {n_neg}/{n}, Holm p = {p_holm}): {verdict}.",
+    "training W_Q, W_K without decay": "- **Training W_Q/W_K without decay**, against freezing them: frozen groks "
+                                       "{mean} epochs {side}, over {n} seed pairs of one CPU kind ({machines}; seeds "
+                                       "{seeds}; CI {ci}, earlier on {n_neg}/{n}, Holm p = {p_holm}): {verdict}.",
+}
+CROSS_SENTENCE = ("  Paired across CPU kinds instead (the study's own runs, {machines}; for comparison only): {mean} "
+                  "epochs over {n} pairs (CI {ci}).")
+
+
+def _conclusion(decay: Mapping[str, Any], trained: Mapping[str, Any]) -> str:
+    """What the two contrasts of issue 38 say together, by their verdicts and signs."""
+    if decay["verdict"] == "clear" and decay["mean"] > 0 and trained["verdict"] == "clear" and trained["mean"] < 0:
+        return ("So it is attention that is *not trained*, not attention that is *not decayed*, that groks early "
+                "here: AdamW without decay on W_Q/W_K groks later, not earlier, than with it, and freezing W_Q/W_K "
+                "groks earlier than training them without decay.")
+    if "too few pairs" in (decay["verdict"], trained["verdict"]):
+        return ("Too few pairs of one CPU kind yet to tell attention that is not trained from attention that is not "
+                "decayed.")
+    return (f"These pairs do not settle whether it is attention that is not trained or attention that is not decayed "
+            f"that groks early (verdicts: {decay['verdict']}; {trained['verdict']}).")
+
+
+def _contrast_block(mech: Mapping[str, Any]) -> list[str]:
+    by = {c["question"]: c for c in mech["contrasts"]}
+    own = [by[q] for q in OWN_RUNS_SENTENCES]
+    machines = sorted({m for c in own for m in c["machines"]})
+    new = [by[q] for q in NODECAY_SENTENCES]
+    lines = [f"The seven contrasts (arm − against, paired by seed, Holm's adjustment over the seven; from the report's "
+             f"section \"Start, constraint or step?\"). The first five pair the study's own runs ({', '.join(machines)}); "
+             f"the two with `{NODECAY}` pair its runs with {' and '.join(f'`{a}`' for a in RETRAINED)} runs retrained "
+             f"on its commit and CPU kind, seed by seed (\"Trained, or only not decayed?\" below):", ""]
+    for q, (expected, sentence) in OWN_RUNS_SENTENCES.items():
+        c = by[q]
+        if c["verdict"] != expected:
+            raise ValueError(f"README: the contrast '{q}' is now '{c['verdict']}', its sentence was written for "
+                             f"'{expected}'; rewrite OWN_RUNS_SENTENCES['{q}'].")
+        lines.append(sentence.format(**_numbers(c)))
+    for q, sentence in NODECAY_SENTENCES.items():
+        c = by[q]
+        lines.append(sentence.format(**_numbers(c)))
+        if "cross_machine" in c:
+            x = c["cross_machine"]
+            lines.append(CROSS_SENTENCE.format(**{**_numbers(x), "machines": "; ".join(x["machines"])}))
+    return lines + ["", _conclusion(*new)]
+
+
+def _issue38_block(full: Mapping[str, Any]) -> list[str]:
+    summary = full["summary"]
+    mech, arms = summary["mechanism"], summary["arms"]
+    sources = {(s["folder"], s["arm"]): s for s in mech["runs"]}
+    new = sources[("runs", NODECAY)]
+    others = [s for (f, a), s in sources.items() if f == "runs" and a != NODECAY]
+    old_machines = sorted({m for s in others for m in s["machines"]})
+    old_commits = sorted({c for s in others for c in s["commits"]})
+    train, paper_epochs = full["config"]["train"], full["paper"]["epoch"]
+    repro = sources.get(("repro", "adamw"))
+    retrained = {a: sorted({k for f in ("repro", "same_cpu") for k in sources.get((f, a), {}).get("seeds", [])})
+                 for a in RETRAINED}
+    by = {c["question"]: c for c in mech["contrasts"]}
+    pairs = [by[q]["n"] for q in NODECAY_SENTENCES]
+    lines = ["## Trained, or only not decayed? (issue 38)", "",
+             f"The arm `{NODECAY}` (AdamW exactly as `adamw`, weight decay 0 on W_Q, W_K only) joined "
+             f"`records/p97_add_arms10` with {len(arms[NODECAY]['seeds'])} seeds on the protocol of the other arms "
+             f"({train['epochs']:,} epochs, the paper ran {paper_epochs:,}; evaluation every {train['eval_every']} "
+             f"epochs), trained on commit {', '.join(new['commits'])} on an {', '.join(new['machines'])}; the other "
+             f"arms' runs were trained on an {', '.join(old_machines)} (commits {', '.join(old_commits)})."]
+    if repro:
+        committed = arms["adamw"]["first_epoch_reaching"]["per_seed"]
+        seeds = [str(s) for s in repro["seeds"]]
+        again = " and ".join(f"{repro['first_epoch'][s]:,}" for s in seeds)
+        before = " and ".join(f"{committed[s]:,}" for s in seeds)
+        lines[-1] += (f" `adamw` seeds {seeds_text(repro['seeds'])} retrained on {', '.join(repro['commits'])} and "
+                      f"the {', '.join(repro['machines'])} (`repro/adamw`) first reach {summary['threshold']:.0%} at "
+                      f"epochs {again}, against {before} in the study's runs: the trajectories part between the two "
+                      f"CPU kinds, and the committed records are not reproduced across them (issue 38, item 2).")
+    lines[-1] += (f" To pair strictly, {' and '.join(f'`{a}`' for a in RETRAINED)} are retrained on the new arm's "
+                  f"commit and CPU kind (`run_same_cpu.sh`, into `same_cpu/<arm>/seed<k>`; `repro/adamw` is reused). "
+                  f"The report pairs each seed's runs of one CPU kind only and leaves a seed out until its pair exists; "
+                  f"`--report-only` picks new seeds up from the folders. Retrained so far: "
+                  + "; ".join(f"`{a}` seeds {seeds_text(s)}" for a, s in retrained.items())
+                  + f", so the two contrasts have {' and '.join(map(str, pairs))} pairs"
+                  + ("." if min(pairs) == len(arms[NODECAY]["seeds"]) else
+                     f" of {len(arms[NODECAY]['seeds'])} (the rest are being trained; rerun the report and "
+                     f"`refresh_readme` when they are in)."))
+    w = mech.get("w_q")
+    if w:
+        i = {e: k for k, e in enumerate(w["epochs"])}
+        end = w["epochs"][-1]
+
+        def med(arm, key, epoch, fmt=".3g"):
+            return format(w["arms"][arm][key][i[epoch]]["median"], fmt)
+        decay = w.get("decay_alone")
+        alone = f" (decay alone would leave {format(decay['values'][i[1000]], '.3g')})" if decay and 1000 in i else ""
+        lines += ["", f"What decay does to W_Q (the report's table \"W_Q over training\" and `w_q_norm_movement.png`, "
+                      f"medians over seeds): with decay (`adamw`), ‖W_Q‖_F falls from {med('adamw', 'norm', 0)} to "
+                      f"{med('adamw', 'norm', 1000)} by epoch 1,000{alone}, {med('adamw', 'norm', 2000)} at 2,000 "
+                      f"and {med('adamw', 'norm', end)} at {end:,}, so its movement ‖W_Q − W_Q0‖_F = "
+                      f"{med('adamw', 'move', end)} at {end:,} is mostly the fall of its norm, while its column space "
+                      f"also turns (largest principal angle to the start {med('adamw', 'angle', end, '.1f')}°). Without decay (`{NODECAY}`) ‖W_Q‖_F stays at "
+                      f"{med(NODECAY, 'norm', end)} and W_Q moves by {med(NODECAY, 'move', end)} (largest principal "
+                      f"angle {med(NODECAY, 'angle', end, '.1f')}°): it rotates part of the way and does not shrink. Frozen "
+                      f"W_Q/W_K neither shrink nor turn."]
+    return lines
+
+
+def readme_blocks(full: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The README's generated blocks on the ten-seed study, from its ``summary.json`` (``full``): ``arms10-contrasts``
+    (the seven contrasts and what the two of issue 38 say together) and ``issue38`` (the section "Trained, or only
+    not decayed?")."""
+    blocks = {"arms10-contrasts": _contrast_block(full["summary"]["mechanism"]), "issue38": _issue38_block(full)}
+    return {name: [w for line in lines for w in _wrap(line)] for name, lines in blocks.items()}
+
+
+def _wrap(line: str, width: int = 115) -> list[str]:
+    """A paragraph or list item as the README writes them: lines of at most ``width`` characters, an item's lines
+    after its first indented by two spaces."""
+    import textwrap
+
+    if not line or line.startswith("#"):
+        return [line]
+    indent = "  " if line.startswith(("- ", "  ")) else ""
+    return textwrap.wrap(line.removeprefix("  "), width, initial_indent="  " if line.startswith("  ") else "",
+                         subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+
+
+def _marker(name: str) -> tuple[str, str]:
+    return (f"<!-- generated: {name}, by experiments.grokking.study.refresh_readme() from "
+            f"records/p97_add_arms10/summary.json -->", f"<!-- end {name} -->")
+
+
+def readme_block(text: str, name: str) -> list[str]:
+    """The lines of the README's block ``name`` (between its markers)."""
+    start, end = _marker(name)
+    return text.split(start + "\n", 1)[1].split("\n" + end, 1)[0].split("\n")
+
+
+def refresh_readme(readme: str | Path = README, summary: str | Path = ARMS10 / "summary.json") -> list[str]:
+    """Rewrite the README's generated blocks (:func:`readme_blocks`) from ``summary``; returns the names of the blocks
+    that changed. Run it after rebuilding the study's report:
+    ``python -c "from experiments.grokking.study import refresh_readme; print(refresh_readme())"``."""
+    import json
+
+    readme = Path(readme)
+    text = readme.read_text()
+    changed = []
+    for name, lines in readme_blocks(json.loads(Path(summary).read_text())).items():
+        start, end = _marker(name)
+        if start not in text or end not in text:
+            raise ValueError(f"{readme}: no block '{name}' (markers {start!r} ... {end!r}).")
+        old = "\n".join(readme_block(text, name))
+        if old != "\n".join(lines):
+            text = text.replace(f"{start}\n{old}\n{end}", f"{start}\n" + "\n".join(lines) + f"\n{end}")
+            changed.append(name)
+    readme.write_text(text)
+    return changed

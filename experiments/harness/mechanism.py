@@ -19,15 +19,32 @@ threshold, seed by seed, measures that ingredient:
 both reached the threshold, Holm's adjustment over the contrasts present) and a verdict per contrast by one
 written rule (:data:`VERDICTS`); :func:`mechanism_lines` is the report's paragraph, generated from that summary
 so that the words cannot drift from the records.
+
+**One CPU kind per pair.** float32 trajectories part between CPU kinds (another matrix kernel rounds otherwise,
+and grokking's collapse cycles amplify it), so a pair of runs trained on two kinds measures the kinds as well as
+the arms. Given the study's runs (:func:`study_runs`: the runs under ``runs/``, and the runs of its arms retrained
+on another machine in the folders :data:`PAIRING_FOLDERS`, e.g. ``same_cpu/<arm>/seed<k>``, each with the
+machine and commits of its ``environment.json``), :func:`mechanism_summary` pairs each seed's runs of one machine
+kind only (:func:`pair_by_machine`: the study's own runs first), leaves out seeds without such a pair, and keeps
+the by-seed contrast of the study's own runs across machine kinds beside it, for comparison only. The contrasts'
+runs, machines and commits are listed in the report. :func:`w_q_over_training` tabulates ‖W_Q‖_F (shrinkage),
+‖W_Q − W_Q0‖_F (movement) and the largest principal angle to the start (rotation) per arm over training, and
+:func:`refine_study_outputs` writes both into a finished study's ``summary.json`` and ``report.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["Contrast", "CONTRASTS", "VERDICTS", "verdict", "mechanism_summary", "mechanism_lines"]
+__all__ = ["Contrast", "CONTRASTS", "VERDICTS", "verdict", "PAIRING_FOLDERS", "Run", "run_machine", "study_runs",
+           "pair_by_machine", "mechanism_summary", "w_q_norm", "w_q_over_training", "mechanism_lines",
+           "refine_study_outputs", "seeds_text"]
 
 
 @dataclass(frozen=True)
@@ -78,9 +95,136 @@ def verdict(comparison: Mapping[str, Any]) -> str:
     return "not seen"
 
 
-def mechanism_summary(summary: Mapping[str, Any]) -> dict[str, Any] | None:
+# ---------------------------------------------------------------------------------------------- runs and machines
+#: The folders of a study that hold runs, ``<folder>/<arm>/seed<k>``, in the order :func:`pair_by_machine` looks in
+#: them: the study's own runs, then runs of its arms retrained on the commit and machine kind of another arm's runs
+#: (``repro/``: the reproduction check of a new arm's commit; ``same_cpu/``: the retrained pairs).
+PAIRING_FOLDERS = ("runs", "repro", "same_cpu")
+#: The machine of a run whose ``environment.json`` names none (records from before the CPU model was recorded).
+UNRECORDED = "machine not recorded"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One finished run of a study: where it lies, when it first reached the threshold, and where it was trained.
+
+    ``machine`` is the CPU model (the device name on an accelerator) of every call that trained it, ``None`` when
+    the calls ran on different machines (such a run pairs with none); ``commits`` are the short git SHAs of the
+    calls (``*``: uncommitted changes)."""
+
+    folder: str
+    arm: str
+    seed: int
+    first_epoch: int | None
+    machine: str | None
+    commits: tuple[str, ...] = ()
+
+    @property
+    def path(self) -> str:
+        return f"{self.folder}/{self.arm}/seed{self.seed}"
+
+
+def run_machine(calls: Sequence[Mapping[str, Any]]) -> str | None:
+    """The machine of a run from its ``environment.json`` calls: the CPU model (the device name on an accelerator)
+    they all share, :data:`UNRECORDED` when none is recorded, ``None`` when they differ."""
+    kinds = {(c.get("device_name") if c.get("device") not in (None, "cpu") else c.get("cpu_model")) or UNRECORDED
+             for c in calls}
+    return UNRECORDED if not kinds else (kinds.pop() if len(kinds) == 1 else None)
+
+
+def _commits(calls: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(c["git_sha"][:7] + ("*" if c.get("git_dirty") else "")
+                               for c in calls if c.get("git_sha")))
+
+
+def _calls(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "environment.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def _run_config(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / "config.json"
+    return json.loads(path.read_text()).get("config") if path.exists() else None
+
+
+def study_runs(out_dir: str | os.PathLike, summary: Mapping[str, Any]
+               ) -> tuple[dict[str, dict[int, list[Run]]], list[str]]:
+    """Every run of ``summary``'s arms that can be paired, as ``({arm: {seed: [Run, ...]}}, left_out)``.
+
+    The study's own runs are those ``summary`` (:func:`~.records.summarize`) holds, with their machines from
+    ``out_dir/runs/<arm>/seed<k>/environment.json``; after them, in the order of :data:`PAIRING_FOLDERS`, the runs
+    of the same arms under ``out_dir/<folder>/<arm>/seed<k>`` that ran the same configuration as the arm's own
+    runs to the same last epoch (their first epoch at the threshold by :func:`~.records.summarize`'s definition).
+    ``left_out`` names the runs of those folders that do not qualify, and why. Nothing here needs a flag: adding a
+    run to a folder adds it to the next rebuild."""
+    from .records import METRICS_FILE, read_records, summarize
+
+    out_dir = Path(out_dir)
+    arms = summary["arms"]
+    runs: dict[str, dict[int, list[Run]]] = {}
+    configs: dict[str, Any] = {}
+    for arm, a in arms.items():
+        for key, first in a["first_epoch_reaching"]["per_seed"].items():
+            run_dir = out_dir / "runs" / arm / f"seed{key}"
+            calls = _calls(run_dir)
+            configs.setdefault(arm, _run_config(run_dir))
+            runs.setdefault(arm, {})[int(key)] = [Run("runs", arm, int(key), first, run_machine(calls),
+                                                      _commits(calls))]
+    left_out = []
+    for folder in PAIRING_FOLDERS[1:]:
+        for path in sorted((out_dir / folder).glob(f"*/seed*/{METRICS_FILE}")):
+            run_dir, arm = path.parent, path.parent.parent.name
+            seed, name = int(run_dir.name.removeprefix("seed")), f"{folder}/{arm}/{run_dir.name}"
+            if arm not in arms:
+                continue
+            records = read_records(path)
+            last = set(arms[arm]["last_epoch"].values())
+            if _run_config(run_dir) != configs.get(arm) or not (run_dir / "environment.json").exists():
+                left_out.append(f"{name} (not the configuration of the study's {arm} runs, or no environment.json)")
+                continue
+            if not records or len(last) != 1 or records[-1]["epoch"] not in last:
+                left_out.append(f"{name} (last epoch {records[-1]['epoch'] if records else None}, the study's "
+                                f"{arm} runs end at {', '.join(map(str, sorted(last)))})")
+                continue
+            first = summarize(records, metric=summary["metric"], threshold=summary["threshold"],
+                              last_fraction=summary["last_fraction"])["arms"][arm]["first_epoch_reaching"]
+            calls = _calls(run_dir)
+            runs[arm].setdefault(seed, []).append(Run(folder, arm, seed, first["per_seed"][str(seed)],
+                                                      run_machine(calls), _commits(calls)))
+    return runs, left_out
+
+
+def pair_by_machine(arm_runs: Sequence[Run], against_runs: Sequence[Run]) -> tuple[Run, Run] | None:
+    """The first pair (in the order given: the study's own runs first) of one run of each arm trained on the same
+    machine kind; ``None`` when there is none (a run of mixed machines pairs with none)."""
+    return next(((a, b) for a in arm_runs for b in against_runs if a.machine is not None and a.machine == b.machine),
+                None)
+
+
+def _sources(runs: Mapping[str, Mapping[int, Sequence[Run]]]) -> list[dict[str, Any]]:
+    """The runs grouped by folder and arm: seeds, first epochs, machines and commits."""
+    groups: dict[tuple[str, str], list[Run]] = {}
+    for arm, seeds in runs.items():
+        for seed in sorted(seeds):
+            for r in seeds[seed]:
+                groups.setdefault((r.folder, arm), []).append(r)
+    order = {f: i for i, f in enumerate(PAIRING_FOLDERS)}
+    return [{"folder": f, "arm": arm, "seeds": [r.seed for r in rs],
+             "first_epoch": {str(r.seed): r.first_epoch for r in rs},
+             "machines": list(dict.fromkeys(r.machine or "mixed" for r in rs)),
+             "commits": sorted({c for r in rs for c in r.commits})}
+            for (f, arm), rs in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], list(runs).index(kv[0][1])))]
+
+
+def mechanism_summary(summary: Mapping[str, Any], runs: Mapping[str, Mapping[int, Sequence[Run]]] | None = None,
+                      *, left_out: Sequence[str] = ()) -> dict[str, Any] | None:
     """The contrasts of :data:`CONTRASTS` whose two arms are in ``summary`` (the output of
-    :func:`~.records.summarize`), on the first epoch at the threshold; ``None`` when no contrast's arms ran."""
+    :func:`~.records.summarize`), on the first epoch at the threshold; ``None`` when no contrast's arms ran.
+
+    Without ``runs`` the pairs are the seeds of the summary. With ``runs`` (:func:`study_runs`) each seed's pair is
+    :func:`pair_by_machine`'s (runs of one machine kind, the study's own first), a seed without one is left out
+    (``unpaired_seeds``), and a contrast whose own runs cross machine kinds also carries that by-seed contrast as
+    ``cross_machine``, for comparison only (outside the Holm family, no verdict)."""
     from .stats import paired_from_mapping, with_holm
 
     arms = summary["arms"]
@@ -88,35 +232,245 @@ def mechanism_summary(summary: Mapping[str, Any]) -> dict[str, Any] | None:
     if not present:
         return None
     first = {a: {int(k): v for k, v in arms[a]["first_epoch_reaching"]["per_seed"].items()} for a in arms}
-    comparisons = with_holm({f"{c.arm} - {c.against}": paired_from_mapping(first[c.arm], first[c.against]).to_dict()
-                             for c in present})
-    return {"threshold": summary["threshold"], "metric": summary["metric"],
-            "contrasts": [{"question": c.question, "arm": c.arm, "against": c.against, "differs": c.differs,
-                           **comparisons[f"{c.arm} - {c.against}"],
-                           "verdict": verdict(comparisons[f"{c.arm} - {c.against}"])} for c in present]}
+    pairings: dict[Contrast, dict[str, Any]] = {}
+    stats = {}
+    for c in present:
+        name = f"{c.arm} - {c.against}"
+        if runs is None:
+            stats[name] = paired_from_mapping(first[c.arm], first[c.against]).to_dict()
+            continue
+        seeds = sorted(set(runs[c.arm]) | set(runs[c.against]))
+        chosen = {s: pair_by_machine(runs[c.arm].get(s, ()), runs[c.against].get(s, ())) for s in seeds}
+        pairs = {s: p for s, p in chosen.items() if p is not None}
+        stats[name] = paired_from_mapping({s: a.first_epoch for s, (a, _) in pairs.items()},
+                                          {s: b.first_epoch for s, (_, b) in pairs.items()}).to_dict()
+        own = {s: (runs[c.arm][s][0], runs[c.against][s][0]) for s in seeds
+               if s in runs[c.arm] and s in runs[c.against]}
+        pairing: dict[str, Any] = {
+            "pairs": {str(s): [a.path, b.path] for s, (a, b) in pairs.items()},
+            "machines": list(dict.fromkeys(a.machine for a, _ in pairs.values())),
+            "commits": sorted({x for a, b in pairs.values() for x in (*a.commits, *b.commits)}),
+            "unpaired_seeds": [s for s in seeds if s not in pairs]}
+        if any(a.machine != b.machine or a.machine is None for a, b in own.values()):
+            cross = paired_from_mapping({s: a.first_epoch for s, (a, _) in own.items()},
+                                        {s: b.first_epoch for s, (_, b) in own.items()}).to_dict()
+            pairing["cross_machine"] = {**cross, "machines": list(dict.fromkeys(
+                f"{a.machine or 'mixed'} × {b.machine or 'mixed'}" for a, b in own.values()))}
+        pairings[c] = pairing
+    comparisons = with_holm(stats)
+    out: dict[str, Any] = {"threshold": summary["threshold"], "metric": summary["metric"]}
+    if runs is not None:
+        out["paired_by"] = "machine"
+    out["contrasts"] = [{"question": c.question, "arm": c.arm, "against": c.against, "differs": c.differs,
+                         **comparisons[f"{c.arm} - {c.against}"],
+                         "verdict": verdict(comparisons[f"{c.arm} - {c.against}"]), **pairings.get(c, {})}
+                        for c in present]
+    if runs is not None:
+        out["runs"] = _sources(runs)
+        out["left_out"] = list(left_out)
+    return out
 
 
+# ---------------------------------------------------------------------------------------------- W_Q over training
+#: Suffixes of the recorded norms (``norm/<name>``) that belong to W_Q: the library's modules, converted frames.
+W_Q_SUFFIXES = (".w_q", "q_frames")
+
+
+def w_q_norm(record: Mapping[str, Any]) -> float | None:
+    r""":math:`\|W_Q\|_F` of one record: :math:`(\sum \|W\|_F^2)^{1/2}` over the recorded W_Q matrices of every
+    layer (the same matrices as ``move_total/q``); ``None`` when the record lists none."""
+    values = [v for k, v in record.items() if k.startswith("norm/") and k.endswith(W_Q_SUFFIXES) and v is not None]
+    return math.sqrt(sum(v * v for v in values)) if values else None
+
+
+#: The quantities of :func:`w_q_over_training`: key -> (record value, label, format in the report).
+W_Q_QUANTITIES = {"norm": (w_q_norm, "‖W_Q‖_F", ".3g"),
+                  "move": (lambda r: r.get("move_total/q"), "‖W_Q − W_Q0‖_F", ".3g"),
+                  "angle": (lambda r: r.get("angle_max_deg/q"), "largest principal angle to the start (°)", ".1f")}
+
+
+def w_q_over_training(records: Sequence[Mapping[str, Any]], *, epochs: Sequence[int] = (0, 1000, 2000),
+                      decay: tuple[float, float] | None = None, decay_arm: str = "adamw") -> dict[str, Any] | None:
+    r"""‖W_Q‖_F (shrinkage), ‖W_Q − W_Q0‖_F (movement) and the largest principal angle of W_Q to its start
+    (rotation, scale-free) per arm at ``epochs`` and at the last evaluated epoch: median, min and max over seeds
+    (:func:`~.stats.describe`), at each seed's last evaluation at or before the epoch. ``decay = (lr, weight
+    decay)`` adds what decoupled weight decay alone would leave of the median start of ``decay_arm``,
+    :math:`\|W_{Q,0}\|_F\,(1 - \mathrm{lr}\,\lambda)^{t}` at step :math:`t`. ``None`` when no record holds W_Q."""
+    from .records import group_runs
+    from .stats import describe
+
+    runs = group_runs(records)
+    if not any(w_q_norm(r) is not None for seeds in runs.values() for recs in seeds.values() for r in recs):
+        return None
+    end = max(recs[-1]["epoch"] for seeds in runs.values() for recs in seeds.values())
+    at = sorted({e for e in epochs if e < end} | {end})
+
+    def value_at(recs, epoch, get):
+        before = [r for r in recs if r["epoch"] <= epoch]
+        return get(before[-1]) if before else None
+
+    table = {arm: {key: [describe([value_at(recs, e, get) for recs in seeds.values()]) for e in at]
+                   for key, (get, *_) in W_Q_QUANTITIES.items()} for arm, seeds in runs.items()}
+    out: dict[str, Any] = {"epochs": at, "arms": table}
+    if decay is not None and decay_arm in runs and table[decay_arm]["norm"][0] is not None and at[0] == 0:
+        lr, wd = decay
+        start = table[decay_arm]["norm"][0]["median"]
+        steps = {e: value_at(next(iter(runs[decay_arm].values())), e, lambda r: r.get("step", r["epoch"])) for e in at}
+        out["decay_alone"] = {"arm": decay_arm, "lr": lr, "weight_decay": wd,
+                              "values": [start * (1.0 - lr * wd) ** steps[e] for e in at]}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- report
 def _epochs(x: float | None, sign: bool = True) -> str:
     return "–" if x is None else (f"{x:+,.0f}" if sign else f"{x:,.0f}")
 
 
+def seeds_text(seeds: Sequence[int]) -> str:
+    """Seeds as runs of consecutive numbers: ``[0, 1, 2, 3, 5]`` -> ``"0–3, 5"``."""
+    out, seeds = [], sorted(seeds)
+    i = 0
+    while i < len(seeds):
+        j = i
+        while j + 1 < len(seeds) and seeds[j + 1] == seeds[j] + 1:
+            j += 1
+        out.append(str(seeds[i]) if i == j else f"{seeds[i]}–{seeds[j]}" if j > i + 1 else f"{seeds[i]}, {seeds[j]}")
+        i = j + 1
+    return ", ".join(out) if out else "none"
+
+
+def _side(pairs: Mapping[str, Sequence[str]], index: int) -> str:
+    """The runs on one side of a contrast's pairs, by folder: ``runs/adamw`` seeds 0–4."""
+    folders: dict[str, list[int]] = {}
+    for seed, paths in pairs.items():
+        folders.setdefault(paths[index].rsplit("/", 1)[0], []).append(int(seed))
+    return "; ".join(f"`{f}/` seeds {seeds_text(s)}" for f, s in folders.items()) or "–"
+
+
+def _p(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2g}"
+
+
+def _contrast_line(c: Mapping[str, Any], holm: bool = True) -> str:
+    ci = "" if c["ci_low"] is None else f", 95% CI [{_epochs(c['ci_low'])}, {_epochs(c['ci_high'])}]"
+    p = (f", Holm p {_p(c.get('p_holm'))}" if holm and c.get("p_holm") is not None
+         else f", p {_p(c.get('p_value'))}" if not holm and c.get("p_value") is not None else "")
+    return f"{_epochs(c['mean'])} epochs over {c['n']} pair(s){ci}, {c['n_negative']}/{c['n']} earlier{p}"
+
+
+def _w_q_lines(w: Mapping[str, Any] | None, figure: str | None) -> list[str]:
+    if not w:
+        return []
+    def cell(d, fmt):
+        if d is None:
+            return "–"
+        lo, mid, hi = (format(d[k], fmt) for k in ("min", "median", "max"))
+        return mid if lo == hi else f"{mid} [{lo}, {hi}]"
+
+    lines = ["### W_Q over training: shrinkage, movement, rotation", "",
+             "Per arm, the median [min, max] over seeds of ‖W_Q‖_F (what weight decay shrinks), ‖W_Q − W_Q0‖_F "
+             "(movement: shrinkage and rotation together) and the largest principal angle of W_Q to its start "
+             "(rotation alone, scale-free), at each seed's evaluation at the epoch.", "",
+             "| arm | quantity | " + " | ".join(f"epoch {e:,}" for e in w["epochs"]) + " |",
+             "|---|---|" + "---|" * len(w["epochs"])]
+    for arm, q in w["arms"].items():
+        for key, (_, label, fmt) in W_Q_QUANTITIES.items():
+            lines.append(f"| {arm} | {label} | " + " | ".join(cell(d, fmt) for d in q[key]) + " |")
+    if "decay_alone" in w:
+        d = w["decay_alone"]
+        lines.append(f"| decay alone | ‖W_Q0‖_F (1 − lr·λ)^step, lr {d['lr']:g}, λ {d['weight_decay']:g}, from "
+                     f"{d['arm']}'s median start | " + " | ".join(f"{v:.3g}" for v in d["values"]) + " |")
+    lines.append("")
+    if figure:
+        caption = "‖W_Q‖_F and ‖W_Q − W_Q0‖_F per arm over training (median over seeds, band: min–max)"
+        lines += [f"**{caption}**", "", f"![{caption}]({figure})", ""]
+    return lines
+
+
 def mechanism_lines(mechanism: Mapping[str, Any] | None) -> list[str]:
-    """The report's section: one sentence per contrast, generated from :func:`mechanism_summary`."""
+    """The report's section: one sentence per contrast, generated from :func:`mechanism_summary`; with machine
+    pairing, which runs each contrast pairs and the cross-machine contrasts for comparison; and the W_Q table and
+    figure when the summary carries them (:func:`refine_study_outputs`)."""
     if not mechanism:
         return []
     thr = f"{mechanism['threshold']:.0%}"
     rule = "; ".join(f"**{word}**: {why}" for word, why in VERDICTS)
+    by_machine = mechanism.get("paired_by") == "machine"
+    pairs_are = ("on the seeds where both reached it and whose two runs were trained on one machine kind (below)"
+                 if by_machine else "on the seeds where both reached it")
     lines = ["## Start, constraint or step?", "",
              f"Each question is one paired contrast of the first epoch with `{mechanism['metric']}` ≥ {thr} "
-             f"(arm − against, seed by seed, on the seeds where both reached it; negative: the arm groks earlier), "
+             f"(arm − against, seed by seed, {pairs_are}; negative: the arm groks earlier), "
              f"with Holm's adjustment over the contrasts listed. Verdicts by one rule: {rule}.", ""]
     for c in mechanism["contrasts"]:
         later = "earlier" if (c["mean"] or 0) < 0 else "later"
-        ci = ("" if c["ci_low"] is None
-              else f", 95% CI [{_epochs(c['ci_low'])}, {_epochs(c['ci_high'])}]")
-        p = "" if c.get("p_holm") is None else f", Holm p {c['p_holm']:.2g}"
-        lines.append(f"- **{c['question']}** (`{c['arm']}` − `{c['against']}`: {c['differs']}): "
-                     f"{_epochs(c['mean'])} epochs over {c['n']} pair(s){ci}, {c['n_negative']}/{c['n']} earlier"
-                     f"{p}: {c['verdict']}" + ("" if c["verdict"] in ("not seen", "too few pairs")
-                                                   else f" ({later})") + ".")
-    return lines + [""]
+        lines.append(f"- **{c['question']}** (`{c['arm']}` − `{c['against']}`: {c['differs']}): {_contrast_line(c)}: "
+                     f"{c['verdict']}" + ("" if c["verdict"] in ("not seen", "too few pairs") else f" ({later})") + ".")
+    lines.append("")
+    if by_machine:
+        lines += ["Runs of one machine kind only are paired: float32 trajectories part between CPU kinds (their "
+                  "matrix kernels round differently and the collapse cycles amplify it), so a pair across kinds "
+                  "would add that difference to the arm's. Each seed pairs the study's own runs (`runs/`) when they "
+                  "share a machine kind, else runs of the arm retrained on the other arm's commit and machine kind "
+                  f"({', '.join(f'`{f}/`' for f in PAIRING_FOLDERS[1:])}); a seed without such a pair is left out "
+                  "until one is trained (rebuilding the report picks it up).", "",
+                  "| contrast | pairs | arm's runs | against's runs | machine | commits | seeds without a pair |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in mechanism["contrasts"]:
+            lines.append(f"| {c['question']} | {len(c['pairs'])} | {_side(c['pairs'], 0)} | {_side(c['pairs'], 1)} "
+                         f"| {', '.join(c['machines']) or '–'} | {', '.join(c['commits']) or '–'} "
+                         f"| {seeds_text(c['unpaired_seeds']) if c['unpaired_seeds'] else '–'} |")
+        lines.append("")
+        crossed = [c for c in mechanism["contrasts"] if "cross_machine" in c]
+        if crossed:
+            lines += ["**For comparison only, across machine kinds** (not in the Holm family, no verdict): the same "
+                      "contrasts on the study's own runs (`runs/` × `runs/`), paired by seed whatever machine "
+                      "trained them:", ""]
+            for c in crossed:
+                x = c["cross_machine"]
+                lines.append(f"- {c['question']} (`{c['arm']}` − `{c['against']}`, {'; '.join(x['machines'])}): "
+                             f"{_contrast_line(x, holm=False)}.")
+            lines.append("")
+        if mechanism.get("left_out"):
+            lines += ["Runs in those folders not used: " + "; ".join(mechanism["left_out"]) + ".", ""]
+    return lines + _w_q_lines(mechanism.get("w_q"), mechanism.get("w_q_figure"))
+
+
+#: The figure :func:`refine_study_outputs` draws into the study folder.
+W_Q_FIGURE = "w_q_norm_movement.png"
+
+
+def refine_study_outputs(outputs: Any, out_dir: str | os.PathLike, *, decay: tuple[float, float] | None = None):
+    """Rewrite a finished study's contrasts (``outputs``: the :class:`~.study.StudyOutputs` of
+    :func:`~.study.finalize_study`) with runs of one machine kind per pair (:func:`study_runs`,
+    :func:`mechanism_summary`), add the W_Q table (:func:`w_q_over_training`, ``decay``: the model's lr and weight
+    decay) and its figure, and write ``summary.json`` and the report's "Start, constraint or step?" section again.
+    A study without contrasts is left as it is. Returns ``outputs`` (its summary updated)."""
+    from .plotting import plot_w_q_norm_movement
+    from .records import load_study_records
+
+    full = outputs.summary
+    if not full or "mechanism" not in full["summary"]:
+        return outputs
+    out_dir = Path(out_dir)
+    summary = full["summary"]
+    old = mechanism_lines(summary["mechanism"])
+    runs, left_out = study_runs(out_dir, summary)
+    mechanism = mechanism_summary(summary, runs, left_out=left_out)
+    kept = {a: set(v["seeds"]) for a, v in summary["arms"].items()}
+    records = [r for r in load_study_records(out_dir) if int(r["seed"]) in kept.get(r["arm"], ())]
+    w_q = w_q_over_training(records, decay=decay)
+    if w_q is not None:
+        mechanism["w_q"] = w_q
+        figure = plot_w_q_norm_movement(records, out_dir / W_Q_FIGURE, decay=decay)
+        if figure is not None:
+            mechanism["w_q_figure"] = figure.name
+    summary["mechanism"] = mechanism
+    outputs.summary_path.write_text(json.dumps(full, indent=2) + "\n")
+    report = outputs.report_path.read_text()
+    old_text, new_text = "\n".join(old), "\n".join(mechanism_lines(mechanism))
+    if report.count(old_text) != 1:
+        raise RuntimeError(f"{outputs.report_path}: the section 'Start, constraint or step?' was not found once; "
+                           f"the report was not rewritten.")
+    outputs.report_path.write_text(report.replace(old_text, new_text))
+    return outputs

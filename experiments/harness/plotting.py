@@ -20,7 +20,8 @@ from typing import Any
 from .records import group_runs
 
 __all__ = ["records_frame", "plot_curves", "plot_accuracy", "plot_reached_fraction", "plot_weight_norms", "plot_principal_angles",
-           "plot_movement", "plot_overview", "plot_per_seed", "plot_study", "plot_pairs", "plot_movement_ratio",
+           "plot_movement", "plot_w_q_norm_movement", "plot_overview", "plot_per_seed", "plot_study", "plot_pairs",
+           "plot_movement_ratio",
            "plot_distance", "plot_gap_sweep", "plot_ablation", "plot_per_head"]
 
 _DPI = 120
@@ -79,12 +80,14 @@ def _point(xs: Sequence[Any]) -> str | None:
 
 
 def _lines(ax, long, *, hue: str = "arm", style: str | None = "quantity", title: str = "", ylabel: str = "",
-           logy: bool = False) -> None:
+           logy: bool = False, estimator: str = "mean", errorbar: Any = "sd") -> None:
+    """One line per ``hue`` (and ``style``) over epochs: ``estimator`` over seeds with an ``errorbar`` band (by
+    default the mean and ±1 sd; ``"median"`` with ``("pi", 100)``: the median and the min–max band)."""
     import seaborn as sns
 
     multi_style = style is not None and long[style].nunique() > 1
     sns.lineplot(data=long, x="epoch", y="value", hue=hue, style=style if multi_style else None,
-                 errorbar="sd", ax=ax, linewidth=1.2, **_markers(long))
+                 estimator=estimator, errorbar=errorbar, ax=ax, linewidth=1.2, **_markers(long))
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     if logy:
@@ -236,6 +239,40 @@ def plot_movement(records: Sequence[dict[str, Any]], path: str | os.PathLike) ->
         _lines(ax, long, title=title, ylabel="Frobenius norm", logy=True)
         drawn = True
     return _save(fig, path) if drawn else None
+
+
+def plot_w_q_norm_movement(records: Sequence[dict[str, Any]], path: str | os.PathLike, *,
+                           decay: tuple[float, float] | None = None, decay_arm: str = "adamw") -> Path | None:
+    r"""‖W_Q‖_F (left: what weight decay shrinks) and ‖W_Q − W_Q0‖_F (right: shrinkage and rotation together) per
+    arm over training, the median over seeds with a min–max band, so that an arm whose W_Q only shrinks and one
+    whose W_Q turns are told apart (the rotation alone, scale-free: :func:`plot_principal_angles`). ``decay = (lr,
+    weight decay)`` adds, dotted, what decoupled decay alone leaves of ``decay_arm``'s median start,
+    :math:`\|W_{Q,0}\|_F (1 - \mathrm{lr}\,\lambda)^{t}`. ``None`` when the records hold no W_Q norm
+    (:func:`~.mechanism.w_q_norm`)."""
+    from .mechanism import w_q_norm
+
+    df = records_frame(records)
+    df["norm/w_q"] = [w_q_norm(r) for r in records]
+    if df["norm/w_q"].isna().all():
+        return None
+    fig, axes = _figure(1, 2, width=6.5, height=4.2)
+    band = {"estimator": "median", "errorbar": ("pi", 100)}
+    for ax, (key, title) in zip(axes[0], (("norm/w_q", "‖W_Q‖_F (shrinkage)"),
+                                          ("move_total/q", "‖W_Q − W_Q0‖_F (shrinkage and rotation)")), strict=True):
+        long = _long(df, [key])
+        if long is None or long.empty:
+            continue
+        _lines(ax, long, style=None, title=title + "; median, band min–max", ylabel="Frobenius norm", **band)
+        ax.set_ylim(bottom=0)
+    if decay is not None and decay_arm in set(df["arm"]):
+        start = df[(df["arm"] == decay_arm) & (df["epoch"] == 0)]["norm/w_q"].median()
+        steps = df[df["arm"] == decay_arm].groupby("epoch")["step"].first() if "step" in df else None
+        if steps is not None and start == start:  # not NaN
+            lr, wd = decay
+            axes[0, 0].plot(steps.index, start * (1.0 - lr * wd) ** steps.values, color="grey", linestyle=":",
+                            linewidth=1.4, label=f"decay alone (lr {lr:g}, λ {wd:g})")
+            axes[0, 0].legend(fontsize=7)
+    return _save(fig, path)
 
 
 def plot_overview(records: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
