@@ -69,7 +69,7 @@ __all__ = ["GRID_PREFIX", "FINAL_DIR", "TIMING_FILE", "BASELINES", "CATEGORY_SET
            "IncompleteSelectionError", "grid_cells", "with_lr", "is_tuned_folder", "read_grid", "select_lrs",
            "WARMUP_PREFIX", "warmup_grids", "select_recipes", "with_recipe",
            "final_cell", "time_arms", "equal_wallclock", "tuned_comparisons", "run_tuned", "finalize_tuned",
-           "readme_table", "numbers_not_in_summary", "find_config"]
+           "readme_table", "numbers_not_in_summary", "find_config", "tuned_summary"]
 
 #: Folder prefix of the grid's cells (``lr-0.003``).
 GRID_PREFIX = "lr-"
@@ -91,8 +91,8 @@ ALPHA = 0.05
 LR_REL_TOL = 1e-9
 #: Grid ratio assumed beyond the edge of a one-point grid.
 DEFAULT_GRID_RATIO = 3.0
-#: Arm order of tables and figures (others follow in name order).
-ARM_ORDER = ("adamw", "muon", "stiefel", "stiefel-muon")
+#: Arm order of tables and figures (others follow in name order); the controls study's arms (issue 42) included.
+ARM_ORDER = ("adamw", "adamw-qknorm", "muon", "stiefel", "stiefel-muon", "stiefeladam-muon", "stiefelmuon-muon")
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"
@@ -422,17 +422,19 @@ def equal_wallclock(seconds_per_step: Mapping[str, float], *, total_steps: int, 
 
 
 # ---------------------------------------------------------------------------------------------- statistics
-def tuned_comparisons(per_set: Mapping[str, Mapping[str, Mapping[str, float]]], arms: Sequence[str]
-                      ) -> dict[str, dict[str, Any]]:
-    """Paired comparisons ``"<set>: <arm> - <baseline>"`` of every arm against each of :data:`BASELINES` that
-    ran (``muon - adamw`` once), for every set of ``per_set`` (set -> arm -> seed -> value), with Holm's
-    adjustment (:func:`~.stats.with_holm`) over the whole family."""
+def tuned_comparisons(per_set: Mapping[str, Mapping[str, Mapping[str, float]]], arms: Sequence[str],
+                      baselines: Sequence[str] = BASELINES) -> dict[str, dict[str, Any]]:
+    """Paired comparisons ``"<set>: <arm> - <baseline>"`` of every arm against each of ``baselines`` (default
+    :data:`BASELINES`) that ran, each pair once (``muon - adamw``, not also ``adamw - muon``: the earlier baseline
+    is subtracted), for every set of ``per_set`` (set -> arm -> seed -> value): mean difference with its 95%
+    interval, paired t and sign test (:func:`~.stats.paired_from_mapping`), and both p-values adjusted by Holm
+    over the whole family (:func:`~.stats.with_holm`: every set and every pair)."""
     from ..harness.stats import paired_from_mapping, with_holm
 
     out = {}
     for name, per_arm in per_set.items():
         done = set()
-        for base in BASELINES:
+        for base in baselines:
             if base not in per_arm:
                 continue
             for arm in arms:
@@ -465,12 +467,15 @@ def _finished(folder: Path) -> tuple[dict[str, dict[int, list[dict[str, Any]]]],
 
 # ---------------------------------------------------------------------------------------------- provenance
 def _trained_on(out_dir: Path) -> dict[str, Any]:
-    """Per cell group (``grid``, ``final``), the commits (12 hex digits, ``*`` = uncommitted changes) and setups
-    of every training call, from the runs' ``environment.json``."""
+    """Per cell group (``grid``, each ``warm-up <n> grid``, ``final``), the commits (12 hex digits, ``*`` =
+    uncommitted changes) and setups of every training call, from the runs' ``environment.json``."""
     from ..harness.study import speed_from_environment
 
     out = {}
-    for name, folders in (("grid", _grid_folders(out_dir)), ("final", [out_dir / FINAL_DIR])):
+    groups = [("grid", _grid_folders(out_dir))]
+    groups += [(f"warm-up {steps} grid", _grid_folders(Path(out_dir) / f"{WARMUP_PREFIX}{steps}"))
+               for steps in warmup_grids(out_dir)]
+    for name, folders in [*groups, ("final", [out_dir / FINAL_DIR])]:
         commits, setups, seconds = [], [], 0.0
         for folder in folders:
             for v in speed_from_environment(folder).values():
@@ -551,6 +556,11 @@ def finalize_tuned(out_dir: str | os.PathLike, config_type: type, *, arms: Seque
     """Write ``summary.json``, ``report.md`` and ``lr_grid.png`` of the tuned study in ``out_dir``, from its
     records, ``timing.json`` and the runs' ``environment.json`` only (a rebuild gives the same bytes).
 
+    A folder holding runs of an arm that only the controls study has (issue 42:
+    :data:`~.controls_report.CONTROL_ONLY_ARMS`) is the controls study: its report is
+    :func:`~.controls_report.finalize_controls`' (this report, plus the every-step records, the stable lr ranges
+    and the answers to the study's questions).
+
     Parameters
     ----------
     out_dir : path
@@ -560,11 +570,36 @@ def finalize_tuned(out_dir: str | os.PathLike, config_type: type, *, arms: Seque
     arms : sequence of str, optional
         Restrict the report to these arms (default: every arm on disk).
     """
-    from ..harness.config import config_from_dict, to_dict
     from ..harness.report import write_text
+    from .controls_report import finalize_controls, is_controls_folder
+
+    if is_controls_folder(out_dir):
+        return finalize_controls(out_dir, config_type, arms=arms)
+    out_dir = Path(out_dir)
+    summary, config, figure = tuned_summary(out_dir, config_type, arms=arms)
+    lines = _render(summary, config)
+    summary_path = out_dir / SUMMARY_FILE
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    report_path = write_text(out_dir / REPORT_FILE, "\n".join(lines))
+    return StudyOutputs(summary=summary, summary_path=summary_path, report_path=report_path,
+                        figures={} if figure is None else {"lr_grid": figure})
+
+
+TITLE = "Tuned against tuned: byte-level GPT-2, each arm at its own best learning rate"
+
+
+def tuned_summary(out_dir: str | os.PathLike, config_type: type, *, arms: Sequence[str] | None = None,
+                  baselines: Sequence[str] = BASELINES, title: str = TITLE) -> tuple[dict[str, Any], Any, Path | None]:
+    """The summary of a tuned study (what :func:`finalize_tuned` writes to ``summary.json``), the recorded config
+    (as ``config_type``) and the lr-grid figure it drew (``lr_grid.png``, ``None`` without a grid); paired
+    comparisons against each of ``baselines`` (:func:`tuned_comparisons`). Writes only the figure."""
+    from ..harness.config import config_from_dict, to_dict
 
     out_dir = Path(out_dir)
-    recorded = find_config(out_dir)
+    warmups = warmup_grids(out_dir)
+    # with warm-up grids, a final run may train at another warm-up than the study's: its setup is then the grid's
+    recorded = next((json.loads(path.read_text())["config"] for folder in (_grid_folders(out_dir) if warmups else [])
+                     for path in sorted(folder.glob("runs/*/seed*/config.json"))), None) or find_config(out_dir)
     if recorded is None:
         raise ValueError(f"{out_dir}: holds no tuned study (no lr-<v>/runs or final/runs); train it first.")
     config = config_from_dict(config_type, recorded)
@@ -572,7 +607,6 @@ def finalize_tuned(out_dir: str | os.PathLike, config_type: type, *, arms: Seque
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an incomplete grid is stated in the report itself
         selection = select_lrs(grid, arms=[a for a in (arms or grid["finals"]) if a in grid["finals"]])
-    warmups = warmup_grids(out_dir)
     recipes = select_recipes(selection, warmups) if warmups else None
     final_runs, open_runs = _finished(out_dir / FINAL_DIR)
     final_arms = _order(a for a in final_runs if arms is None or a in arms)
@@ -587,7 +621,7 @@ def finalize_tuned(out_dir: str | os.PathLike, config_type: type, *, arms: Seque
                        if recs[-1].get(f"{s}_bpb") is not None} for a in final_arms} for s in sets}
     test = {a: {s: {**_mean_ci(list(per_set[s][a].values())), "per_seed": per_set[s][a]} for s in sets}
             for a in final_arms}
-    comparisons = tuned_comparisons(per_set, final_arms)
+    comparisons = tuned_comparisons(per_set, final_arms, baselines)
 
     timing_path = out_dir / TIMING_FILE
     timing = json.loads(timing_path.read_text()) if timing_path.exists() else None
@@ -598,13 +632,13 @@ def finalize_tuned(out_dir: str | os.PathLike, config_type: type, *, arms: Seque
         wall = equal_wallclock(sps, total_steps=total, steps_per_epoch=config.steps_per_epoch,
                                records={a: final_runs[a] for a in final_arms}, keys=[f"{s}_bpb" for s in sets])
         wall["comparisons"] = tuned_comparisons(
-            {s: {a: v[f"{s}_bpb"] for a, v in wall["arms"].items()} for s in sets}, final_arms)
+            {s: {a: v[f"{s}_bpb"] for a, v in wall["arms"].items()} for s in sets}, final_arms, baselines)
     trained = _trained_on(out_dir)
     identity = config.corpus_identity or {}
     licence = identity.get("licence")
     figure = plot_lr_grid(selection, out_dir / FIGURE_FILE)
 
-    summary = {"title": "Tuned against tuned: byte-level GPT-2, each arm at its own best learning rate",
+    summary = {"title": title,
                "corpus": identity, "licence": licence, "config": to_dict(config), "selection": selection,
                "grid_unfinished": [list(u) for u in grid["unfinished"]],
                **({"recipes": recipes} if recipes is not None else {}),
@@ -614,12 +648,7 @@ def finalize_tuned(out_dir: str | os.PathLike, config_type: type, *, arms: Seque
                "equal_wallclock": wall, "timing": timing and {k: v for k, v in timing.items() if k != "environment"},
                "timing_setup": None if not timing else _timing_setup(timing), "trained_on": trained,
                "figure": None if figure is None else FIGURE_FILE}
-    lines = _render(summary, config)
-    summary_path = out_dir / SUMMARY_FILE
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-    report_path = write_text(out_dir / REPORT_FILE, "\n".join(lines))
-    return StudyOutputs(summary=summary, summary_path=summary_path, report_path=report_path,
-                        figures={} if figure is None else {"lr_grid": figure})
+    return summary, config, figure
 
 
 def _timing_setup(timing: Mapping[str, Any]) -> str:
@@ -630,7 +659,8 @@ def _timing_setup(timing: Mapping[str, Any]) -> str:
             f"{(sha or 'unknown')[:12]}{'*' if e.get('git_dirty') else ''}")
 
 
-def _render(summary: Mapping[str, Any], config: Any) -> list[str]:
+def _render(summary: Mapping[str, Any], config: Any, extra: Sequence[str] = ()) -> list[str]:
+    """The report's lines; ``extra`` (lines of further sections) goes before its "Run" section."""
     sel, final, wall = summary["selection"], summary["final"], summary["equal_wallclock"]
     c = summary["corpus"] or {}
     o = config.optim
@@ -728,7 +758,7 @@ def _render(summary: Mapping[str, Any], config: Any) -> list[str]:
         lines += ["", "Paired differences at equal wall-clock, as in section 2; Holm over every row of this section.",
                   ""] + _comparison_sections(wall["comparisons"], wall_sets)
 
-    lines += ["## Run", ""]
+    lines += [*extra, "## Run", ""]
     for name, info in summary["trained_on"].items():
         if not info["commits"]:
             continue
@@ -736,9 +766,10 @@ def _render(summary: Mapping[str, Any], config: Any) -> list[str]:
                  "**not one clean commit** (* = uncommitted changes)")
         lines.append(f"- {name}: trained on {', '.join(info['commits'])} ({clean}); {'; '.join(info['setups'])}; "
                      f"{info['train_hours']:.2f} h of training")
+    pairs = max((len(v) for v in final["seeds"].values()), default=0) or MIN_SEEDS_FOR_CLAIM
     lines += ["", "## Notes", "",
               f"- Statements say \"suggests\" unless at least {MIN_SEEDS_FOR_CLAIM} paired seeds give a Holm-adjusted "
-              f"paired-t p below {ALPHA}. With 5 pairs the smallest two-sided sign-test p is 0.0625.",
+              f"paired-t p below {ALPHA}. With {pairs} pairs the smallest two-sided sign-test p is {2 * 0.5 ** pairs:.3g}.",
               "- bpb = loss / ln 2 (loss in nats per byte), on the fixed held-out windows of each split.",
               ""]
     return lines

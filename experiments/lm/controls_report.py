@@ -1,0 +1,761 @@
+r"""The report of the controls study (issue 42): the tuned study's report, plus what the controls add.
+
+``python -m experiments lm --report-only --out experiments/lm/records/controls`` reaches it through
+:func:`~.tuned.finalize_tuned`, which hands a folder holding runs of an arm that only this study has
+(:data:`CONTROL_ONLY_ARMS`) to :func:`finalize_controls`. The folder is laid out as :mod:`~.tuned` describes
+(``lr-<v>/``, ``warmup-<n>/lr-<v>/``, ``final/``, ``timing.json``); every run also holds ``steps.jsonl``, one
+record per training step (its loss, the gradient norm before clipping, and per layer the largest attention logit
+``logit_max`` and the smallest head's attention entropy ``entropy_min``: :class:`~.study.AttentionSteps`).
+
+On top of the tuned report (selection on validation, final cell on test with paired t, sign test and Holm over
+every comparison, equal wall-clock), with :data:`CONTROL_BASELINES` as the arms compared against:
+
+**Stable range** (:func:`stable_range`). For one arm on one grid (the study's warm-up, or a ``warmup-<n>/`` grid)
+with best mean validation bpb :math:`b` (final evaluation, mean over the grid's seeds): the lrs whose mean is at
+most :math:`b` + :data:`STABLE_BPB`, and the *first lr above the best that diverges*. A grid point **diverges**
+when any of its seeds ends with a final validation bpb that is not finite or more than :data:`DIVERGE_BPB` above
+:math:`b`, or logged a non-finite training loss in ``steps.jsonl``.
+
+**Spikes** (:func:`step_summary`). A *loss spike* starts at a step whose training loss exceeds
+:data:`SPIKE_FACTOR` times the median loss of the :data:`SPIKE_WINDOW` steps before it (steps before the first
+full window are not judged); consecutive such steps are one spike. A *gradient spike* is the same with the
+gradient norm and :data:`GRAD_SPIKE_FACTOR`.
+
+**Every step of the final cell** (:func:`plot_steps`, :func:`plot_step_layers`). Per arm, over training: the
+training loss, the gradient norm, the largest attention logit (maximum over the layers) and the smallest attention
+entropy (minimum over the layers), as the median over the final seeds with their min-max band; and per layer the
+median over seeds of the largest logit and the smallest entropy.
+
+**Warm-up** (:func:`warmup_comparison`). Each ``warmup-<n>/`` grid against the study's own warm-up, paired by
+(lr, seed) over the grid points both hold: validation only, a descriptive comparison (the pairs share seeds
+across lrs), always worded "suggests".
+
+**The questions** (:func:`readme_paragraph`). A paragraph, in ``report.md`` and between
+:data:`README_BEGIN` and :data:`README_END` in ``experiments/lm/README.md``, that answers the issue's three
+questions from ``summary.json`` alone; :func:`readme_problems` checks the README against a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..harness.study import StudyOutputs
+from . import tuned
+
+__all__ = ["CONTROL_ARMS", "CONTROL_ONLY_ARMS", "CONTROL_BASELINES", "STABLE_BPB", "DIVERGE_BPB", "SPIKE_WINDOW",
+           "SPIKE_FACTOR", "GRAD_SPIKE_FACTOR", "README_BEGIN", "README_END", "README_PLACEHOLDER",
+           "README_IN_PROGRESS", "is_controls_folder", "step_summary", "stable_range", "warmup_comparison",
+           "finalize_controls", "readme_paragraph", "readme_problems", "write_readme", "main"]
+
+#: The study's arms, in table order.
+CONTROL_ARMS = ("adamw", "adamw-qknorm", "muon", "stiefel", "stiefeladam-muon", "stiefelmuon-muon")
+#: Arms no other lm study trains: a tuned folder holding one of them is the controls study.
+CONTROL_ONLY_ARMS = ("adamw-qknorm", "stiefeladam-muon", "stiefelmuon-muon")
+#: The arms every other arm is compared with (each pair once; Holm over every comparison of a section).
+CONTROL_BASELINES = ("adamw", "adamw-qknorm", "muon")
+#: Stable range: the lrs whose mean final validation bpb is within this of the arm's best (bits per byte).
+STABLE_BPB = 0.05
+#: Divergence: a seed's final validation bpb more than this above the arm's best (or not finite, or a non-finite
+#: training loss on record).
+DIVERGE_BPB = 0.5
+#: Spikes: the steps of the trailing window a step is compared with.
+SPIKE_WINDOW = 100
+#: Loss spike: a step's training loss above this times the trailing window's median. Batch-to-batch noise alone
+#: reached 1.21 (the largest ratio over the 1,900 judged steps of each of the study's first three finished grid
+#: runs: adamw, adamw-qknorm and stiefel at lr 3e-3), so the threshold sits well above it.
+SPIKE_FACTOR = 1.5
+#: Gradient spike: a step's gradient norm (before clipping) above this times the trailing window's median (noise
+#: alone reached 2.5 in the same runs).
+GRAD_SPIKE_FACTOR = 5.0
+
+TITLE = "Controls: QK-norm, a stabilised AdamW, manifold Muon, ten seeds (issue 42)"
+STEPS_FIGURE = "steps.png"
+LAYERS_FIGURE = "steps_layers.png"
+STEPS_FILE = "steps.jsonl"
+#: Where the study's records live, and the README that quotes them.
+RECORDS = Path(__file__).resolve().parent / "records" / "controls"
+README = Path(__file__).resolve().parent / "README.md"
+
+README_BEGIN = ("<!-- controls-results:begin (generated by controls_report.readme_paragraph from "
+                "records/controls/summary.json) -->")
+README_END = "<!-- controls-results:end -->"
+README_PLACEHOLDER = ("_No results yet: the controls study is in progress (records/controls/ holds no report yet); "
+                      "this paragraph is generated from its summary.json once the final cell is complete._")
+README_IN_PROGRESS = ("_No results yet: the final cell of the controls study is not complete (records/controls/"
+                      "report.md has the grid, the stable lr ranges and the runs finished so far); this paragraph "
+                      "answers the study's questions once every arm has the same finished final seeds._")
+
+
+# ---------------------------------------------------------------------------------------------- records
+def is_controls_folder(out_dir: str | os.PathLike) -> bool:
+    """Whether ``out_dir`` holds a run (grid, warm-up grid or final cell) of an arm of :data:`CONTROL_ONLY_ARMS`."""
+    out_dir = Path(out_dir)
+    return any(next(out_dir.glob(f"{cells}/runs/{arm}/seed*/config.json"), None) is not None
+               for cells in (f"{tuned.GRID_PREFIX}*", tuned.FINAL_DIR, f"{tuned.WARMUP_PREFIX}*/{tuned.GRID_PREFIX}*")
+               for arm in CONTROL_ONLY_ARMS)
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _spikes(values: Sequence[float], factor: float) -> list[int]:
+    """Indices where a spike starts (module docstring): ``values[t] > factor * median(values[t-W:t])``, finite values
+    only, ``t >= W``; consecutive spike steps count once."""
+    import numpy as np
+
+    x = np.array([v if _finite(v) else np.nan for v in values], dtype=float)
+    if len(x) <= SPIKE_WINDOW:
+        return []
+    windows = np.lib.stride_tricks.sliding_window_view(x[:-1], SPIKE_WINDOW)  # windows[i] = x[i : i + W]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN window: no reference, no spike
+        reference = np.nanmedian(windows, axis=1)
+    current = x[SPIKE_WINDOW:]
+    hit = np.nan_to_num(current > factor * reference, nan=False).astype(bool)
+    starts = [SPIKE_WINDOW + i for i in np.flatnonzero(hit) if i == 0 or not hit[i - 1]]
+    return [int(s) for s in starts]
+
+
+def step_summary(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """What one run's ``steps.jsonl`` says: its steps, the steps with a non-finite loss, loss and gradient spikes
+    (module docstring; the step of each), the largest gradient norm, and the largest attention logit and the
+    smallest attention entropy over the steps, overall and per layer (finite values only; ``None`` without any)."""
+    loss = [s.get("loss") for s in steps]
+    grad = [s.get("grad_norm") for s in steps]
+    loss_at = _spikes(loss, SPIKE_FACTOR)
+    grad_at = _spikes(grad, GRAD_SPIKE_FACTOR)
+    layers = max((len(s.get("logit_max") or ()) for s in steps), default=0)
+
+    def per_layer(key: str, pick) -> list[float | None]:
+        out = []
+        for i in range(layers):
+            vals = [s[key][i] for s in steps if len(s.get(key) or ()) > i and _finite(s[key][i])]
+            out.append(pick(vals) if vals else None)
+        return out
+
+    logit = per_layer("logit_max", max)
+    entropy = per_layer("entropy_min", min)
+    finite_grad = [g for g in grad if _finite(g)]
+    return {"steps": len(steps), "nonfinite_loss": sum(not _finite(v) for v in loss),
+            "loss_spikes": len(loss_at), "loss_spike_steps": [int(steps[i]["step"]) for i in loss_at],
+            "grad_spikes": len(grad_at), "grad_spike_steps": [int(steps[i]["step"]) for i in grad_at],
+            "grad_norm_max": max(finite_grad) if finite_grad else None,
+            "logit_max": max((v for v in logit if v is not None), default=None), "logit_max_per_layer": logit,
+            "entropy_min": min((v for v in entropy if v is not None), default=None),
+            "entropy_min_per_layer": entropy}
+
+
+def _read_steps(run_dir: Path) -> list[dict[str, Any]]:
+    from ..harness.records import read_records
+
+    return read_records(run_dir / STEPS_FILE)
+
+
+def _grid_steps(folder: Path) -> dict[tuple[str, float, int], dict[str, Any]]:
+    """``(arm, lr, seed) -> step_summary`` of every grid run under ``folder`` that has ``steps.jsonl`` (the lr as
+    its config records it)."""
+    out = {}
+    for cell in tuned._grid_folders(folder):
+        for config in sorted(cell.glob("runs/*/seed*/config.json")):
+            steps = _read_steps(config.parent)
+            if steps:
+                lr = float(json.loads(config.read_text())["config"]["optim"]["lr"])
+                out[(config.parent.parent.name, lr, int(config.parent.name[len("seed"):]))] = step_summary(steps)
+    return out
+
+
+def _lookup(table: Mapping[tuple[str, float, int], Any], arm: str, lr: float, seed: int) -> Any:
+    return next((v for (a, x, s), v in table.items()
+                 if a == arm and s == seed and math.isclose(x, lr, rel_tol=tuned.LR_REL_TOL)), None)
+
+
+# ---------------------------------------------------------------------------------------------- stable range
+def stable_range(selected: Mapping[str, Any], arm: str,
+                 steps: Mapping[tuple[str, float, int], Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The stable range of ``arm`` on one grid (module docstring: the rule), from its entry of
+    :func:`~.tuned.select_lrs` and the :func:`step_summary` of its runs (``(arm, lr, seed) ->``; optional).
+
+    Returns ``{"best_lr", "best_mean", "within" (lrs within :data:`STABLE_BPB` of the best), "low", "high",
+    "diverges_at" (the first lr above the best that diverges, ``None`` if none did), "highest_lr", "points"
+    [{"lr", "mean", "per_seed", "within", "diverged", "why", "loss_spikes", "grad_spikes", "logit_max",
+    "entropy_min"}]}``."""
+    steps = steps or {}
+    best, best_mean = selected["best_lr"], selected["best_mean"]
+    points = []
+    for row in selected["rows"]:
+        lr, per_seed = row["lr"], row["per_seed"]
+        runs = {int(s): _lookup(steps, arm, lr, int(s)) for s in per_seed}
+        why = []
+        bad = [s for s, v in per_seed.items() if not _finite(v)]
+        far = [s for s, v in per_seed.items() if _finite(v) and v > best_mean + DIVERGE_BPB]
+        nan_loss = [str(s) for s, r in runs.items() if r and r["nonfinite_loss"]]
+        if bad:
+            why.append(f"non-finite validation bpb (seed {', '.join(bad)})")
+        if far:
+            why.append(f"validation bpb more than {DIVERGE_BPB:g} above the best (seed {', '.join(far)})")
+        if nan_loss:
+            why.append(f"non-finite training loss (seed {', '.join(nan_loss)})")
+        mean = row["mean"] if _finite(row["mean"]) else None
+        have = [r for r in runs.values() if r]
+        points.append({
+            "lr": lr, "mean": mean, "per_seed": {s: (v if _finite(v) else None) for s, v in per_seed.items()},
+            "within": not why and mean is not None and mean <= best_mean + STABLE_BPB, "diverged": bool(why),
+            "why": why, "runs_with_steps": len(have),
+            "loss_spikes": sum(r["loss_spikes"] for r in have) if have else None,
+            "grad_spikes": sum(r["grad_spikes"] for r in have) if have else None,
+            "logit_max": max((r["logit_max"] for r in have if r["logit_max"] is not None), default=None),
+            "entropy_min": min((r["entropy_min"] for r in have if r["entropy_min"] is not None), default=None)})
+    within = [p["lr"] for p in points if p["within"]]
+    above = [p["lr"] for p in points if p["diverged"] and p["lr"] > best]
+    return {"best_lr": best, "best_mean": best_mean, "within": within, "low": min(within, default=None),
+            "high": max(within, default=None),
+            "diverges_at": min(above) if above else None, "highest_lr": max(p["lr"] for p in points),
+            "points": points}
+
+
+def _stable_ranges(out_dir: Path, config: Any, selection: Mapping[str, Any], arms: Sequence[str] | None
+                   ) -> list[dict[str, Any]]:
+    """One entry per grid (the study's warm-up first, then each ``warmup-<n>/``): ``{"warmup_steps", "folder",
+    "arms": {arm: stable_range}}``."""
+    grids = [(int(config.warmup_fraction * config.total_steps), ".", selection, _grid_steps(out_dir))]
+    for steps, w in tuned.warmup_grids(out_dir).items():
+        folder = out_dir / f"{tuned.WARMUP_PREFIX}{steps}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an incomplete grid is stated in the report itself
+            sel = tuned.select_lrs(w["grid"], arms=[a for a in w["grid"]["finals"] if arms is None or a in arms])
+        grids.append((steps, folder.name, sel, _grid_steps(folder)))
+    return [{"warmup_steps": steps, "folder": name,
+             "arms": {a: stable_range(s, a, table) for a, s in sel["arms"].items()}}
+            for steps, name, sel, table in grids]
+
+
+# ---------------------------------------------------------------------------------------------- warm-up
+def warmup_comparison(own: Mapping[str, Any], other: Mapping[str, Any], arm: str) -> dict[str, Any] | None:
+    """The grid points of ``arm`` in both :func:`~.tuned.read_grid` results, paired by (lr, seed): the paired
+    statistics of ``other - own`` (final validation bpb; labels ``<lr>/<seed>``) and the lrs; ``None`` without a
+    common finite point."""
+    from ..harness.stats import paired_stats
+
+    a, b, labels, lrs = [], [], [], []
+    for lr, per in sorted(other["finals"].get(arm, {}).items()):
+        match = next((v for x, v in own["finals"].get(arm, {}).items()
+                      if math.isclose(x, lr, rel_tol=tuned.LR_REL_TOL)), {})
+        for seed in sorted(per):
+            if seed in match and _finite(per[seed]) and _finite(match[seed]):
+                a.append(per[seed])
+                b.append(match[seed])
+                labels.append(f"{tuned._lr_text(lr)}/{seed}")
+                lrs += [lr] if lr not in lrs else []
+    if not a:
+        return None
+    return {"lrs": lrs, **paired_stats(a, b, labels=labels).to_dict()}
+
+
+# ---------------------------------------------------------------------------------------------- every step
+def _final_steps(out_dir: Path, arms: Sequence[str]) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    """arm -> seed -> the steps of each finished final run that has ``steps.jsonl``."""
+    done, _ = tuned._finished(out_dir / tuned.FINAL_DIR)
+    out: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    for arm in arms:
+        for seed in sorted(done.get(arm, {})):
+            steps = _read_steps(out_dir / tuned.FINAL_DIR / "runs" / arm / f"seed{seed}")
+            if steps:
+                out.setdefault(arm, {})[seed] = steps
+    return out
+
+
+def _final_step_summary(runs: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    per = {str(seed): step_summary(steps) for seed, steps in runs.items()}
+    vals = list(per.values())
+    layers = max(len(v["logit_max_per_layer"]) for v in vals)
+
+    def over(key: str, i: int, pick):
+        got = [v[key][i] for v in vals if len(v[key]) > i and v[key][i] is not None]
+        return pick(got) if got else None
+
+    def pick_all(key: str, pick):
+        got = [v[key] for v in vals if v[key] is not None]
+        return pick(got) if got else None
+
+    return {"seeds": sorted(runs), "runs": per,
+            "loss_spikes": sum(v["loss_spikes"] for v in vals),
+            "runs_with_loss_spikes": sum(v["loss_spikes"] > 0 for v in vals),
+            "grad_spikes": sum(v["grad_spikes"] for v in vals),
+            "runs_with_grad_spikes": sum(v["grad_spikes"] > 0 for v in vals),
+            "runs_with_nonfinite_loss": sum(v["nonfinite_loss"] > 0 for v in vals),
+            "grad_norm_max": pick_all("grad_norm_max", max), "logit_max": pick_all("logit_max", max),
+            "logit_max_per_layer": [over("logit_max_per_layer", i, max) for i in range(layers)],
+            "entropy_min": pick_all("entropy_min", min),
+            "entropy_min_per_layer": [over("entropy_min_per_layer", i, min) for i in range(layers)]}
+
+
+def _series(runs: Mapping[int, Sequence[Mapping[str, Any]]]):
+    """``(steps, {quantity: array (seeds, steps)}, {quantity: array (seeds, steps, layers)})``: ``loss``,
+    ``grad_norm``, ``logit_max`` (max over layers), ``entropy_min`` (min over layers); NaN where a run lacks a
+    step or a value is not finite."""
+    import numpy as np
+
+    last = max(int(s["step"]) for steps in runs.values() for s in steps)
+    layers = max(len(s.get("logit_max") or ()) for steps in runs.values() for s in steps)
+    n = len(runs)
+    flat = {k: np.full((n, last + 1), np.nan) for k in ("loss", "grad_norm", "logit_max", "entropy_min")}
+    per_layer = {k: np.full((n, last + 1, layers), np.nan) for k in ("logit_max", "entropy_min")}
+    for i, steps in enumerate(runs.values()):
+        for s in steps:
+            t = int(s["step"])
+            for k in ("loss", "grad_norm"):
+                flat[k][i, t] = s[k] if _finite(s.get(k)) else np.nan
+            for k in ("logit_max", "entropy_min"):
+                row = [v if _finite(v) else np.nan for v in (s.get(k) or ())]
+                per_layer[k][i, t, :len(row)] = row
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices stay NaN
+        flat["logit_max"] = np.nanmax(per_layer["logit_max"], axis=2)
+        flat["entropy_min"] = np.nanmin(per_layer["entropy_min"], axis=2)
+    return np.arange(last + 1), flat, per_layer
+
+
+#: The rows of :data:`STEPS_FIGURE`: quantity, axis label, log scale.
+STEP_ROWS = (("loss", "training loss (nats per byte)", False),
+             ("grad_norm", "gradient norm before clipping", True),
+             ("logit_max", "largest attention logit\n(max over layers)", True),
+             ("entropy_min", "smallest attention entropy\n(min over layers, nats)", False))
+
+
+def _grid_figure(nrows: int, ncols: int):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(3.2 * ncols, 2.5 * nrows))  # fixed margins: a constrained layout of 24 axes is slow
+    fig.subplots_adjust(left=1.0 / (3.2 * ncols), right=1 - 0.1 / (3.2 * ncols), bottom=0.5 / (2.5 * nrows),
+                        top=1 - 0.55 / (2.5 * nrows), wspace=0.12, hspace=0.12)
+    return fig, fig.subplots(nrows, ncols, sharex=True, sharey="row", squeeze=False)
+
+
+def plot_steps(final_steps: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]], path: str | os.PathLike
+               ) -> Path | None:
+    """Per arm (columns) and quantity (rows, :data:`STEP_ROWS`), over training steps: the median over the final
+    seeds and their min-max band. ``None`` without steps on record."""
+    import numpy as np
+
+    from ..harness.plotting import _save
+
+    arms = [a for a in final_steps if final_steps[a]]
+    if not arms:
+        return None
+    fig, axes = _grid_figure(len(STEP_ROWS), len(arms))
+    for j, arm in enumerate(arms):
+        x, flat, _ = _series(final_steps[arm])
+        for i, (key, label, log) in enumerate(STEP_ROWS):
+            ax = axes[i][j]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                lo, mid, hi = (np.nanmin(flat[key], 0), np.nanmedian(flat[key], 0), np.nanmax(flat[key], 0))
+            ax.fill_between(x, lo, hi, color=f"C{j}", alpha=0.25, linewidth=0)
+            ax.plot(x, mid, color=f"C{j}", linewidth=0.7)
+            if log and np.nanmin(lo, initial=np.inf) > 0:
+                ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+            if j == 0:
+                ax.set_ylabel(label, fontsize=8)
+            if i == 0:
+                ax.set_title(f"{arm} ({len(final_steps[arm])} seeds)", fontsize=9)
+            if i == len(STEP_ROWS) - 1:
+                ax.set_xlabel("training step")
+    fig.suptitle("Every training step of the final cell: median over seeds, band min-max", fontsize=10)
+    return _save(fig, path)
+
+
+def plot_step_layers(final_steps: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]], path: str | os.PathLike
+                     ) -> Path | None:
+    """Per arm (columns): the largest attention logit and the smallest attention entropy of each layer (one line
+    per layer, the median over the final seeds) over training steps."""
+    import numpy as np
+
+    from ..harness.plotting import _save
+
+    arms = [a for a in final_steps if final_steps[a]]
+    if not arms:
+        return None
+    fig, axes = _grid_figure(2, len(arms))
+    for j, arm in enumerate(arms):
+        x, _, per_layer = _series(final_steps[arm])
+        for i, (key, label) in enumerate((("logit_max", "largest attention logit"),
+                                          ("entropy_min", "smallest attention entropy (nats)"))):
+            ax = axes[i][j]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                mid = np.nanmedian(per_layer[key], axis=0)  # (steps, layers)
+            for layer in range(mid.shape[1]):
+                ax.plot(x, mid[:, layer], linewidth=0.7, label=f"layer {layer}")
+            if key == "logit_max" and np.nanmin(mid, initial=np.inf) > 0:
+                ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+            if j == 0:
+                ax.set_ylabel(label, fontsize=8)
+                if i == 0:
+                    ax.legend(fontsize=7)
+            if i == 0:
+                ax.set_title(arm, fontsize=9)
+            else:
+                ax.set_xlabel("training step")
+    fig.suptitle("Per layer, median over the final seeds", fontsize=10)
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------- summary
+def _rules() -> dict[str, Any]:
+    return {"stable_bpb": STABLE_BPB, "diverge_bpb": DIVERGE_BPB, "spike_window": SPIKE_WINDOW,
+            "spike_factor": SPIKE_FACTOR, "grad_spike_factor": GRAD_SPIKE_FACTOR,
+            "min_pairs_for_claim": tuned.MIN_SEEDS_FOR_CLAIM, "alpha": tuned.ALPHA}
+
+
+def controls_summary(out_dir: str | os.PathLike, summary: Mapping[str, Any], config: Any,
+                     arms: Sequence[str] | None = None, *, figures: bool = True) -> dict[str, Any]:
+    """What the controls add to the tuned summary (``summary["controls"]``): the rules, the stable ranges, the
+    warm-up comparisons, the final cell's every-step records, and the figures (drawn into ``out_dir``)."""
+    out_dir = Path(out_dir)
+    own = int(config.warmup_fraction * config.total_steps)
+    grid = tuned.read_grid(out_dir)
+    warmup = {}
+    for steps, w in tuned.warmup_grids(out_dir).items():
+        for arm in w["grid"]["finals"]:
+            if arms is None or arm in arms:
+                c = warmup_comparison(grid, w["grid"], arm)
+                if c is not None:
+                    warmup.setdefault(str(steps), {})[arm] = c
+    final_arms = summary["final"]["arms"]
+    final_steps = _final_steps(out_dir, final_arms)
+    drawn = [] if not figures else [name for name, plot in ((STEPS_FIGURE, plot_steps),
+                                                             (LAYERS_FIGURE, plot_step_layers))
+                                    if plot(final_steps, out_dir / name) is not None]
+    return {"rules": _rules(), "own_warmup_steps": own,
+            "stable_range": _stable_ranges(out_dir, config, summary["selection"], arms),
+            "warmup": warmup, "final_steps": {a: _final_step_summary(r) for a, r in final_steps.items()},
+            "figures": drawn}
+
+
+def finalize_controls(out_dir: str | os.PathLike, config_type: type, *, arms: Sequence[str] | None = None,
+                      figures: bool = True) -> StudyOutputs:
+    """Write ``summary.json``, ``report.md``, ``lr_grid.png``, ``steps.png`` and ``steps_layers.png`` of the
+    controls study in ``out_dir``, from its records only (the tuned report, :func:`~.tuned.tuned_summary` with
+    :data:`CONTROL_BASELINES`, plus the sections of :func:`controls_lines`). ``figures=False`` draws only the lr
+    grid (quicker; the report then links no every-step figure)."""
+    from ..harness.report import write_text
+
+    out_dir = Path(out_dir)
+    summary, config, figure = tuned.tuned_summary(out_dir, config_type, arms=arms, baselines=CONTROL_BASELINES,
+                                                  title=TITLE)
+    summary["controls"] = controls_summary(out_dir, summary, config, arms, figures=figures)
+    lines = tuned._render(summary, config, extra=controls_lines(summary))
+    summary_path = out_dir / tuned.SUMMARY_FILE
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    report_path = write_text(out_dir / tuned.REPORT_FILE, "\n".join(lines))
+    paths = {} if figure is None else {"lr_grid": figure}
+    paths.update({Path(f).stem: out_dir / f for f in summary["controls"]["figures"]})
+    return StudyOutputs(summary=summary, summary_path=summary_path, report_path=report_path, figures=paths)
+
+
+# ---------------------------------------------------------------------------------------------- report
+_f = tuned._f
+_lr = tuned._lr_text
+
+
+def _g(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3g}"
+
+
+def _range_text(r: Mapping[str, Any]) -> str:
+    if not r["within"]:
+        return "none (the best point itself diverged)"
+    span = _lr(r["low"]) if r["low"] == r["high"] else f"{_lr(r['low'])}–{_lr(r['high'])}"
+    return f"{span} ({len(r['within'])} grid lr{'s' if len(r['within']) != 1 else ''})"
+
+
+def _diverges_text(r: Mapping[str, Any]) -> str:
+    if r["diverges_at"] is not None:
+        return f"diverges first at lr {_lr(r['diverges_at'])}"
+    if r["highest_lr"] == r["best_lr"]:
+        return "no lr above the best was tried"
+    return f"no divergence up to lr {_lr(r['highest_lr'])}"
+
+
+def controls_lines(summary: Mapping[str, Any]) -> list[str]:
+    """The controls' sections of ``report.md`` (before its "Run" section)."""
+    c = summary["controls"]
+    rules = c["rules"]
+    lines = ["## 4. Stable lr range per arm (validation)", "",
+             f"Per grid: the lrs whose mean final validation bpb is within {rules['stable_bpb']:g} of the arm's best, "
+             f"and the first lr above the best that diverges: a grid point diverges when any of its seeds ends with a "
+             f"final validation bpb that is not finite or more than {rules['diverge_bpb']:g} above the arm's best, or "
+             f"logged a non-finite training loss. Spikes are counted in each run's `steps.jsonl`: a loss spike starts "
+             f"at a step whose training loss exceeds {rules['spike_factor']:g}× the median of the "
+             f"{rules['spike_window']} steps before it (consecutive such steps are one spike); a gradient spike "
+             f"likewise with the gradient norm before clipping and {rules['grad_spike_factor']:g}×.", "",
+             "| arm | warm-up steps | best lr | best val bpb | lrs within the band | first divergence above the best |",
+             "|---|---|---|---|---|---|"]
+    for g in c["stable_range"]:
+        for arm, r in g["arms"].items():
+            lines.append(f"| {arm} | {g['warmup_steps']} | {_lr(r['best_lr'])} | {_f(r['best_mean'])} | "
+                         f"{_range_text(r)} | {_diverges_text(r)} |")
+    lines += ["", "Every grid point (loss and gradient spikes summed over its seeds; the largest attention logit "
+              "and the smallest attention entropy over its seeds, steps and layers):", "",
+              "| arm | warm-up steps | lr | val bpb (per seed) | in band | loss spikes | gradient spikes | "
+              "largest logit | smallest entropy | diverged |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for g in c["stable_range"]:
+        for arm, r in g["arms"].items():
+            for p in r["points"]:
+                seeds = ", ".join(f"{_f(v)}" for v in p["per_seed"].values())
+                lines.append(f"| {arm} | {g['warmup_steps']} | {_lr(p['lr'])} | {_f(p['mean'])} ({seeds}) | "
+                             f"{'yes' if p['within'] else 'no'} | {'–' if p['loss_spikes'] is None else p['loss_spikes']}"
+                             f" | {'–' if p['grad_spikes'] is None else p['grad_spikes']} | {_g(p['logit_max'])} | "
+                             f"{_g(p['entropy_min'])} | {'; '.join(p['why']) if p['diverged'] else 'no'} |")
+    lines += ["", f"## 5. Warm-up against the study's own ({c['own_warmup_steps']} steps)", ""]
+    if not c["warmup"]:
+        lines += ["No `warmup-<n>/` grid on record yet.", ""]
+    else:
+        lines += ["Final validation bpb of the warm-up grid minus the study's grid, paired by lr and seed over the "
+                  "points both hold (validation only; pairs at different lrs share a seed, so this describes, it "
+                  "does not test). The recipe each arm's final cell trains is in section 1.", "",
+                  "| arm | warm-up steps | lrs | pairs | mean Δ val bpb | 95% CI | lower / higher |",
+                  "|---|---|---|---|---|---|---|"]
+        for steps, per_arm in c["warmup"].items():
+            for arm, w in per_arm.items():
+                ci = "–" if w["ci_low"] is None else f"[{_f(w['ci_low'], sign=True)}, {_f(w['ci_high'], sign=True)}]"
+                lines.append(f"| {arm} | {steps} | {', '.join(map(_lr, w['lrs']))} | {w['n']} | "
+                             f"{_f(w['mean'], sign=True)} | {ci} | {w['n_negative']} / {w['n_positive']} |")
+        lines.append("")
+    lines += ["## 6. Every training step of the final cell", ""]
+    steps = c["final_steps"]
+    if not steps:
+        lines += ["No finished final run with `steps.jsonl` yet.", ""]
+    else:
+        lines += ["Per arm, over the final seeds' every-step records (rules as in section 4; the logit and entropy "
+                  "columns: the extreme over seeds and steps, per layer from the first layer):", "",
+                  "| arm | seeds | loss spikes (runs with any) | gradient spikes (runs with any) | largest gradient norm | "
+                  "largest attention logit, per layer | smallest attention entropy, per layer | runs with a "
+                  "non-finite loss |", "|---|---|---|---|---|---|---|---|"]
+        for arm, s in steps.items():
+            lines.append(f"| {arm} | {len(s['seeds'])} | {s['loss_spikes']} ({s['runs_with_loss_spikes']}) | "
+                         f"{s['grad_spikes']} ({s['runs_with_grad_spikes']}) | {_g(s['grad_norm_max'])} | "
+                         f"{_g(s['logit_max'])}: {', '.join(map(_g, s['logit_max_per_layer']))} | "
+                         f"{_g(s['entropy_min'])}: {', '.join(map(_g, s['entropy_min_per_layer']))} | "
+                         f"{s['runs_with_nonfinite_loss']} |")
+        lines.append("")
+        captions = {STEPS_FIGURE: "training loss, gradient norm, largest attention logit (max over layers) and "
+                                  "smallest attention entropy (min over layers) per arm: median over seeds, band "
+                                  "min-max",
+                    LAYERS_FIGURE: "largest attention logit and smallest attention entropy per layer and arm: "
+                                   "median over seeds"}
+        lines += [line for f in c["figures"] for line in (f"![{captions[f]}]({f})", "")]
+    lines += ["## 7. The study's questions", "", *readme_paragraph(summary), ""]
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------- README
+def _comparison(comparisons: Mapping[str, Mapping[str, Any]], a: str, b: str, prefix: str = "test"
+                ) -> dict[str, Any] | None:
+    """The comparison ``a - b`` of ``comparisons`` (recorded either way round; flipped where it is ``b - a``)."""
+    c = comparisons.get(f"{prefix}: {a} - {b}")
+    if c is not None:
+        return dict(c)
+    c = comparisons.get(f"{prefix}: {b} - {a}")
+    if c is None:
+        return None
+    flip = dict(c)
+    flip["mean"] = None if c["mean"] is None else -c["mean"]
+    flip["ci_low"], flip["ci_high"] = (None, None) if c["ci_low"] is None else (-c["ci_high"], -c["ci_low"])
+    flip["n_positive"], flip["n_negative"] = c["n_negative"], c["n_positive"]
+    return flip
+
+
+def _resolved(c: Mapping[str, Any]) -> bool:
+    return (c["n"] >= tuned.MIN_SEEDS_FOR_CLAIM and c.get("p_holm") is not None and c["p_holm"] < tuned.ALPHA)
+
+
+def _claim(comparisons: Mapping[str, Mapping[str, Any]], a: str, b: str, prefix: str = "test") -> str:
+    """``a`` against ``b`` in words, with the interval, the pairs and both Holm-adjusted p-values; "suggest" unless
+    :data:`~.tuned.MIN_SEEDS_FOR_CLAIM` pairs give a Holm-adjusted paired-t p below :data:`~.tuned.ALPHA`."""
+    c = _comparison(comparisons, a, b, prefix)
+    if c is None or c["mean"] is None:
+        return f"`{a}` and `{b}` have no pairs yet"
+    direction = "lower" if c["mean"] < 0 else "higher"
+    ci = "" if c["ci_low"] is None else f"95% CI of the difference {c['ci_low']:+.4f} to {c['ci_high']:+.4f}; "
+    p = "–" if c.get("p_holm") is None else f"{c['p_holm']:.2g}"
+    sp = "–" if c.get("sign_test_p_holm") is None else f"{c['sign_test_p_holm']:.2g}"
+    detail = (f"({ci}{c['n']} pairs, lower on {c['n_negative']} of them; Holm-adjusted p: paired t {p}, "
+              f"sign test {sp})")
+    if _resolved(c):
+        return f"`{a}`'s test bpb is {direction} than `{b}`'s by {abs(c['mean']):.4f} {detail}"
+    return f"the data suggest `{a}`'s test bpb is {direction} than `{b}`'s by {abs(c['mean']):.4f}, not resolved {detail}"
+
+
+def _verdict(c: Mapping[str, Any] | None, better: str, worse: str, unresolved: str) -> str:
+    if c is None or c["mean"] is None or not _resolved(c):
+        return unresolved
+    return better if c["mean"] < 0 else worse
+
+
+def _final_complete(summary: Mapping[str, Any]) -> bool:
+    final, sel = summary["final"], summary["selection"]["arms"]
+    return (bool(final["arms"]) and set(final["arms"]) == set(sel) and not final["in_progress"]
+            and len({tuple(final["seeds"][a]) for a in final["arms"]}) == 1)
+
+
+def _range_of(summary: Mapping[str, Any], arm: str, steps: int | None = None) -> str:
+    c = summary["controls"]
+    steps = c["own_warmup_steps"] if steps is None else steps
+    g = next((g for g in c["stable_range"] if g["warmup_steps"] == steps and arm in g["arms"]), None)
+    if g is None:
+        return f"`{arm}`: no grid at warm-up {steps}"
+    r = g["arms"][arm]
+    return f"`{arm}` {_range_text(r)}, {_diverges_text(r)}"
+
+
+def _logit_of(summary: Mapping[str, Any], arm: str) -> str:
+    s = summary["controls"]["final_steps"].get(arm)
+    return f"`{arm}` –" if s is None or s["logit_max"] is None else f"`{arm}` {s['logit_max']:.1f}"
+
+
+def readme_paragraph(summary: Mapping[str, Any]) -> list[str]:
+    """The answers to the study's three questions, in plain words, from a controls ``summary.json`` (its final
+    comparisons, stable ranges, warm-up comparisons and every-step records): each claim with its interval, its
+    number of pairs and the Holm-adjusted p-values, "suggest" unless resolved. :data:`README_IN_PROGRESS` (no
+    number) until the final cell is complete (:func:`~.tuned.readme_table`'s condition)."""
+    if "controls" not in summary or not _final_complete(summary):
+        return [README_IN_PROGRESS]
+    comps = summary["final"]["comparisons"]
+    c = summary["controls"]
+    rules = c["rules"]
+    final = summary["final"]
+    n_seeds = len(next(iter(final["seeds"].values())))
+
+    geometry = _comparison(comps, "stiefel", "adamw-qknorm")
+    q1 = ("**Geometry or logit control?** "
+          + _verdict(geometry, "The frames do more than bound the logits: ", "Bounding the logits is enough here, and "
+                     "QK-norm does better than the frames: ", "This study does not separate the geometry from logit "
+                     "control: ")
+          + _claim(comps, "stiefel", "adamw-qknorm") + ". QK-norm alone against AdamW: "
+          + _claim(comps, "adamw-qknorm", "adamw") + "; the frames against AdamW: " + _claim(comps, "stiefel", "adamw")
+          + f". The largest attention logit of any training step (over the layers and the {n_seeds} final seeds) was "
+          + ", ".join(_logit_of(summary, a) for a in ("stiefel", "adamw-qknorm", "adamw"))
+          + f". Stable lr range (grid lrs within {rules['stable_bpb']:g} bpb of the best, validation): "
+          + "; ".join(_range_of(summary, a) for a in ("stiefel", "adamw-qknorm", "adamw")) + ".")
+
+    recipe = (summary.get("recipes") or {}).get("adamw")
+    own = c["own_warmup_steps"]
+    warm_parts = []
+    for steps, per_arm in c["warmup"].items():
+        w = per_arm.get("adamw")
+        if w is None or w["mean"] is None:
+            continue
+        ci = "" if w["ci_low"] is None else f" (95% CI {w['ci_low']:+.4f} to {w['ci_high']:+.4f})"
+        warm_parts.append(
+            f"on the grid (validation, {w['n']} pairs of lr and seed at lr {', '.join(map(_lr, w['lrs']))}) the data "
+            f"suggest warm-up {steps} gives {'lower' if w['mean'] < 0 else 'higher'} validation bpb than warm-up "
+            f"{own} by {abs(w['mean']):.4f}{ci}")
+    chosen = ("" if recipe is None else
+              f"; the selection trains the final cell at warm-up {recipe['warmup_steps'] or own}, lr {_lr(recipe['lr'])}")
+    warm = ("Warm-up: " + "; ".join(warm_parts) + chosen + ". ") if warm_parts else (
+        f"Warm-up: no warm-up grid of `adamw` on record{chosen}. ")
+    s = c["final_steps"].get("adamw")
+    spikes = ("" if s is None else
+              f"In the final cell's every-step records `adamw` had {s['loss_spikes']} loss spike(s) in "
+              f"{s['runs_with_loss_spikes']} of {len(s['seeds'])} runs (a step's loss above "
+              f"{rules['spike_factor']:g}× the median of the {rules['spike_window']} steps before it), "
+              f"{s['runs_with_nonfinite_loss']} run(s) with a non-finite loss, and a largest gradient norm of "
+              f"{_g(s['grad_norm_max'])}. ")
+    ranges = "; ".join([_range_of(summary, "adamw")] + [
+        _range_of(summary, "adamw", g["warmup_steps"]).replace("`adamw`", f"at warm-up {g['warmup_steps']}:", 1)
+        for g in c["stable_range"] if g["warmup_steps"] != own and "adamw" in g["arms"]])
+    q2 = ("**Is the AdamW baseline stable?** " + warm
+          + f"Stable lr range at warm-up {own}: {ranges}. " + spikes
+          + "Against Muon, at its recipe: " + _claim(comps, "muon", "adamw") + ".")
+
+    frames = [_comparison(comps, a, "muon") for a in ("stiefeladam-muon", "stiefelmuon-muon")]
+    helps = [f for f in frames if f is not None and f["mean"] is not None and _resolved(f)]
+    verdict = ("This study does not show the constraint helping beside Muon: " if not helps else
+               "The constraint helps beside Muon: " if all(f["mean"] < 0 for f in helps) else
+               "The constraint costs test bpb beside Muon: " if all(f["mean"] > 0 for f in helps) else
+               "The two frame optimizers beside Muon disagree: ")
+    q3 = ("**Beside Muon, does the constraint help?** " + verdict
+          + _claim(comps, "stiefeladam-muon", "muon") + "; " + _claim(comps, "stiefelmuon-muon", "muon") + ".")
+    wall = (summary.get("equal_wallclock") or {}).get("comparisons") or {}
+    if wall:
+        q3 += (" At equal wall-clock (each arm read within the fastest arm's full-run time): "
+               + _claim(wall, "stiefeladam-muon", "muon") + "; " + _claim(wall, "stiefelmuon-muon", "muon") + ".")
+    return [q1, "", q2, "", q3]
+
+
+def _readme_block(text: str) -> str | None:
+    if README_BEGIN not in text or README_END not in text:
+        return None
+    return text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
+
+
+def readme_problems(readme_text: str, summary: Mapping[str, Any] | None) -> list[str]:
+    """What is wrong with the README's controls paragraph: missing markers; with no ``summary`` (no records yet),
+    anything other than :data:`README_PLACEHOLDER`; with one, a block other than :func:`readme_paragraph`'s, and
+    every decimal number it quotes that the summary does not give (:func:`~.tuned.numbers_not_in_summary`).
+    Empty: the README agrees with the summary."""
+    block = _readme_block(readme_text)
+    if block is None:
+        return [f"the README lacks the markers {README_BEGIN!r} and {README_END!r}"]
+    if summary is None:
+        return [] if block == README_PLACEHOLDER else ["no summary.json yet, but the README's block is not the "
+                                                        "in-progress placeholder"]
+    problems = []
+    if block != "\n".join(readme_paragraph(summary)):
+        problems.append("the README's block is not readme_paragraph(summary.json): regenerate it "
+                        "(python -m experiments.lm.controls_report readme)")
+    problems += [f"{n} is quoted but summary.json gives no such number" for n in
+                 tuned.numbers_not_in_summary(block, summary)]
+    return problems
+
+
+def write_readme(readme: str | os.PathLike = README, summary: Mapping[str, Any] | None = None) -> bool:
+    """Replace the README's controls block by :func:`readme_paragraph` of ``summary`` (:data:`README_PLACEHOLDER`
+    without one); returns whether the file changed."""
+    path = Path(readme)
+    text = path.read_text()
+    if _readme_block(text) is None:
+        raise ValueError(f"{path}: lacks the markers {README_BEGIN!r} and {README_END!r}; add them first.")
+    body = "\n".join(readme_paragraph(summary)) if summary is not None else README_PLACEHOLDER
+    head, rest = text.split(README_BEGIN, 1)
+    new = head + README_BEGIN + "\n" + body + "\n" + README_END + rest.split(README_END, 1)[1]
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``readme [--check] [--summary PATH] [--readme PATH]``: write (or with ``--check`` only check) the README's
+    controls paragraph from the study's ``summary.json`` (the placeholder while there is none)."""
+    parser = argparse.ArgumentParser(prog="python -m experiments.lm.controls_report", description=main.__doc__)
+    parser.add_argument("command", choices=("readme",))
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if the README disagrees")
+    parser.add_argument("--summary", default=str(RECORDS / tuned.SUMMARY_FILE))
+    parser.add_argument("--readme", default=str(README))
+    a = parser.parse_args(argv)
+    path = Path(a.summary)
+    summary = json.loads(path.read_text()) if path.exists() else None
+    if a.check:
+        problems = readme_problems(Path(a.readme).read_text(), summary)
+        for p in problems:
+            print(f"controls_report: {p}", file=sys.stderr)
+        return 1 if problems else 0
+    changed = write_readme(a.readme, summary)
+    print(f"controls_report: {a.readme} {'updated' if changed else 'already up to date'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

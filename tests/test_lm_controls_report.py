@@ -1,0 +1,358 @@
+"""Tests of the controls study's report (issue 42, :mod:`experiments.lm.controls_report`): the stable lr range and
+its divergence rule, the spikes of the every-step records, the figures, the final comparisons (paired t, sign test,
+Holm) against three baselines, ``--report-only`` on a controls folder, and the README paragraph against
+``summary.json``. Built on synthetic record folders; each property test has a companion case that must fail."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from experiments.harness.config import OptimConfig, RunSpec, TrainConfig, to_dict
+from experiments.lm import controls_report as cr
+from experiments.lm import tuned
+from experiments.lm.study import LMConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+STAT_TOL = 1e-9
+ARMS = cr.CONTROL_ARMS
+#: each arm's best lr on the synthetic grid
+BEST = {"adamw": 1e-2, "adamw-qknorm": 1e-2, "muon": 3e-2, "stiefel": 1e-2, "stiefeladam-muon": 1e-2,
+        "stiefelmuon-muon": 1e-2}
+#: synthetic final test bpb per arm (seed s adds a seed-dependent wobble): stiefel clearly below adamw-qknorm
+FINAL_BASE = {"adamw": 2.00, "adamw-qknorm": 1.96, "muon": 1.70, "stiefel": 1.90, "stiefeladam-muon": 1.69,
+              "stiefelmuon-muon": 1.71}
+FINAL_SEEDS = range(1, 11)
+STEPS_PER_EPOCH, EPOCHS = 100, 2
+LAYERS = 2
+
+
+def _write_run(folder: Path, config: LMConfig, arm: str, seed: int, records: list[dict],
+               steps: list[dict] | None = None) -> Path:
+    run = folder / "runs" / arm / f"seed{seed}"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(to_dict(RunSpec(config, arm, seed)), indent=2, sort_keys=True))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"arm": arm, "seed": seed, **r}) + "\n" for r in records))
+    (run / "environment.json").write_text(json.dumps([{"git_sha": "b" * 40, "git_dirty": False, "device": "cpu",
+                                                       "cpu_model": "test CPU", "torch_threads": 1, "torch": "x",
+                                                       "start_epoch": 0, "end_epoch": EPOCHS, "seconds": 10.0}]))
+    if steps is not None:
+        (run / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    return run
+
+
+def _steps(arm: str, seed: int, *, spike_at: int | None = None, nan_from: int | None = None) -> list[dict]:
+    """A smooth run: loss falling from ln 256 towards 1.2 with a small seeded wobble, the gradient norm falling,
+    per layer a largest logit that grows to an arm-specific level and an entropy that falls; a doubled loss and a
+    tenfold gradient norm for 3 steps from ``spike_at``; NaN from ``nan_from``."""
+    top = {"adamw": 40.0, "adamw-qknorm": 8.0, "muon": 15.0}.get(arm, 5.0)
+    out = []
+    for t in range(STEPS_PER_EPOCH * EPOCHS):
+        wobble = 0.01 * math.sin(1.7 * t + seed)
+        loss = 1.2 + (math.log(256) - 1.2) * math.exp(-t / 30) + wobble
+        grad = 0.5 + 2.0 * math.exp(-t / 50) + 0.01 * math.cos(t + seed)
+        if spike_at is not None and spike_at <= t < spike_at + 3:
+            loss, grad = 2 * loss, 10 * grad
+        if nan_from is not None and t >= nan_from:
+            loss = grad = float("nan")
+        logits = [top * (1 - math.exp(-t / 60)) * (1 + 0.5 * k) + 1 + 0.01 * seed for k in range(LAYERS)]
+        ent = [0.5 + 2.0 * math.exp(-t / 80) + 0.1 * k for k in range(LAYERS)]
+        out.append({"step": t, "loss": loss, "grad_norm": grad, "logit_max": logits, "entropy_min": ent})
+    return out
+
+
+def _bowl(arm: str, lr: float, seed: int) -> float:
+    return 2.0 + abs(math.log(lr / BEST[arm])) / 10 + 0.002 * seed
+
+
+@pytest.fixture()
+def controls(tmp_path):
+    """A controls study written by hand: every arm's grid at 3 lrs around its best plus ×√3 each side (seed 0),
+    adamw diverging at 3e-2 (val bpb 3.5) and muon at 9e-2 (non-finite loss and val bpb), a warm-up grid (40 steps
+    against the study's 10) of adamw and adamw-qknorm at the three lrs around their optimum (40 slightly better), a final cell of 10 seeds
+    with every-step records (adamw seed 3 with one loss spike at step 150), and a timing file."""
+    out = tmp_path / "controls"
+    base = LMConfig(corpus_root="/nowhere", test_fraction=0.1, steps_per_epoch=STEPS_PER_EPOCH,
+                    train=TrainConfig(epochs=EPOCHS), warmup_fraction=0.05,
+                    optim=OptimConfig(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+                    corpus_identity={"source": "fake", "sha256": "0" * 64, "licence": "PSF License Agreement"})
+    r3 = math.sqrt(3)
+    for arm, best in BEST.items():
+        for lr in (best / 3, best / r3, best, best * r3, best * 3):
+            val = _bowl(arm, lr, 0)
+            nan_from = None
+            if arm == "adamw" and lr == best * 3:
+                val = 3.5
+            if arm == "muon" and lr == best * 3:
+                val, nan_from = float("nan"), 120
+            _write_run(out / f"lr-{lr:g}", tuned.with_lr(base, lr), arm, 0,
+                       [{"epoch": 0, "val_bpb": 8.0}, {"epoch": EPOCHS, "val_bpb": val, "test_bpb": -1.0}],
+                       _steps(arm, 0, nan_from=nan_from))
+    warm = tuned.dataclasses.replace(base, warmup_fraction=0.2)
+    for arm in ("adamw", "adamw-qknorm"):
+        for lr in (BEST[arm] / r3, BEST[arm], BEST[arm] * r3):
+            _write_run(out / "warmup-40" / f"lr-{lr:g}", tuned.with_lr(warm, lr), arm, 0,
+                       [{"epoch": EPOCHS, "val_bpb": _bowl(arm, lr, 0) - 0.01}], _steps(arm, 0))
+    for arm in ARMS:
+        config = tuned.with_lr(warm if arm.startswith("adamw") else base, BEST[arm])
+        for seed in FINAL_SEEDS:
+            t = FINAL_BASE[arm] + 0.01 * math.sin(seed * (1 + ARMS.index(arm)))
+            recs = [{"epoch": e, "val_bpb": 3.0, "test_bpb": t + (EPOCHS - e) * 0.1, "test_code_bpb": t - 0.1}
+                    for e in range(EPOCHS + 1)]
+            _write_run(out / "final", config, arm, seed, recs,
+                       _steps(arm, seed, spike_at=150 if (arm, seed) == ("adamw", 3) else None))
+    (out / tuned.TIMING_FILE).write_text(json.dumps({"steps_per_round": 5, "rounds": 3, "arms": {
+        a: {"lr": BEST[a], "seconds_per_step": 0.5 + 0.1 * k, "rounds": [0.5 + 0.1 * k] * 3}
+        for k, a in enumerate(ARMS)}, "environment": {"device": "cpu", "cpu_model": "test CPU", "torch_threads": 1,
+                                                      "git_sha": "b" * 40}}))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- spikes
+def test_step_summary_finds_a_loss_spike_at_its_step_and_none_in_a_smooth_run():
+    s = cr.step_summary(_steps("adamw", 0, spike_at=150))
+    assert s["loss_spikes"] == 1 and s["loss_spike_steps"] == [150]  # three spiking steps: one spike
+    assert s["grad_spikes"] == 1 and s["grad_spike_steps"] == [150]
+    assert s["nonfinite_loss"] == 0 and len(s["logit_max_per_layer"]) == LAYERS
+    assert s["logit_max"] == max(max(r["logit_max"]) for r in _steps("adamw", 0, spike_at=150))
+    # companion: the same run without the spike has none (the fast fall of the first steps is no spike either)
+    smooth = cr.step_summary(_steps("adamw", 0))
+    assert smooth["loss_spikes"] == smooth["grad_spikes"] == 0
+    # the rule's edge: just below SPIKE_FACTOR x the median of the 100 steps before is no spike, just above is one
+    mild = _steps("adamw", 0)
+    median = sorted(r["loss"] for r in mild[50:150])[49:51]
+    reference = (median[0] + median[1]) / 2
+    mild[150]["loss"] = cr.SPIKE_FACTOR * reference * 0.999
+    assert cr.step_summary(mild)["loss_spikes"] == 0
+    mild[150]["loss"] = cr.SPIKE_FACTOR * reference * 1.001
+    assert cr.step_summary(mild)["loss_spike_steps"] == [150]
+    # a run that turns NaN is counted as non-finite, and its NaNs are neither spikes nor maxima
+    broken = cr.step_summary(_steps("muon", 0, nan_from=120))
+    assert broken["nonfinite_loss"] == 80 and broken["loss_spikes"] == 0 and math.isfinite(broken["grad_norm_max"])
+
+
+# ---------------------------------------------------------------------------------------------- stable range
+def test_stable_range_takes_the_band_and_finds_the_first_diverging_lr(controls):
+    summary = _finalize(controls).summary
+    assert "controls" in summary
+    own, warm = summary["controls"]["stable_range"]
+    assert own["warmup_steps"] == 10 and warm["warmup_steps"] == 40 and set(warm["arms"]) == {"adamw", "adamw-qknorm"}
+    adamw = own["arms"]["adamw"]
+    # |ln(x)|/10 <= 0.05 holds for the neighbours at ×√3 (0.0549: no) -> only the best is within 0.05
+    assert adamw["best_lr"] == pytest.approx(1e-2) and adamw["within"] == pytest.approx([1e-2])
+    assert adamw["diverges_at"] == pytest.approx(3e-2)
+    point = next(p for p in adamw["points"] if math.isclose(p["lr"], 3e-2))
+    assert point["diverged"] and "more than 0.5 above the best" in point["why"][0]
+    muon = own["arms"]["muon"]
+    assert muon["diverges_at"] == pytest.approx(9e-2)
+    why = next(p for p in muon["points"] if math.isclose(p["lr"], 9e-2))["why"]
+    assert any("non-finite validation bpb" in w for w in why) and any("non-finite training loss" in w for w in why)
+    # companion: arms whose grid ends without a divergence say so
+    stiefel = own["arms"]["stiefel"]
+    assert stiefel["diverges_at"] is None and stiefel["highest_lr"] == pytest.approx(3e-2)
+    report = (controls / tuned.REPORT_FILE).read_text()
+    assert "| adamw | 10 | 0.01 | 2.0000 | 0.01 (1 grid lr) | diverges first at lr 0.03 |" in report
+    assert "| stiefel | 10 | 0.01 | 2.0000 | 0.01 (1 grid lr) | no divergence up to lr 0.03 |" in report
+    assert "## Run" in report.split("## 7. The study's questions")[1]  # the controls' sections come before "Run"
+
+
+def test_stable_range_rule_on_its_edges():
+    rows = [{"lr": lr, "mean": m, "per_seed": {"0": m}} for lr, m in ((1e-3, 2.04), (3e-3, 2.0), (1e-2, 2.06),
+                                                                      (3e-2, 2.49), (9e-2, 2.51))]
+    sel = {"best_lr": 3e-3, "best_mean": 2.0, "rows": rows}
+    r = cr.stable_range(sel, "x")
+    assert r["within"] == [1e-3, 3e-3] and r["diverges_at"] == 9e-2  # 2.06 is outside the band; 2.49 has not diverged
+    # companion: a non-finite training loss diverges a point whose validation bpb looks fine
+    steps = {("x", 3e-2, 0): {**cr.step_summary(_steps("x", 0)), "nonfinite_loss": 3}}
+    assert cr.stable_range(sel, "x", steps)["diverges_at"] == 3e-2
+    # and a divergence below the best is not "above the best"
+    rows[0]["per_seed"]["0"] = rows[0]["mean"] = float("nan")
+    r = cr.stable_range(sel, "x")
+    assert r["diverges_at"] == 9e-2 and r["within"] == [3e-3] and r["points"][0]["mean"] is None
+
+
+# ---------------------------------------------------------------------------------------------- final cell
+def test_final_comparisons_have_paired_t_sign_test_and_holm_over_three_baselines(controls):
+    from scipy import stats
+
+    summary = _finalize(controls).summary
+    comps = summary["final"]["comparisons"]
+    per = {a: [FINAL_BASE[a] + 0.01 * math.sin(s * (1 + ARMS.index(a))) for s in FINAL_SEEDS] for a in ARMS}
+    c = comps["test: stiefel - adamw-qknorm"]
+    ref = stats.ttest_rel(per["stiefel"], per["adamw-qknorm"])
+    assert c["n"] == 10 and c["t"] == pytest.approx(ref.statistic, rel=1e-9)
+    assert c["p_value"] == pytest.approx(ref.pvalue, rel=1e-9) and c["sign_test_p"] == pytest.approx(2 * 0.5 ** 10)
+    # every arm against adamw (5), against adamw-qknorm (4 more), against muon (3 more), in 2 sets: Holm over 24
+    assert len(comps) == 2 * (5 + 4 + 3)
+    ps = sorted(v["p_value"] for v in comps.values())
+    assert min(v["p_holm"] for v in comps.values()) == pytest.approx(min(1.0, 24 * ps[0]), rel=1e-12)
+    assert min(v["sign_test_p_holm"] for v in comps.values()) == pytest.approx(
+        min(1.0, 24 * min(v["sign_test_p"] for v in comps.values())), rel=1e-12)
+    assert "test: adamw-qknorm - adamw" in comps and "test: adamw - adamw-qknorm" not in comps
+    # companion: the tuned study's baselines alone would not compare the frames with QK-norm
+    assert "test: stiefel - adamw-qknorm" not in tuned.tuned_comparisons(
+        {"test": {a: dict(enumerate(v)) for a, v in per.items()}}, list(ARMS))
+    report = (controls / tuned.REPORT_FILE).read_text()
+    assert "| test: stiefel - adamw-qknorm | 10 |" in report and "With 10 pairs the smallest two-sided sign-test p " \
+        "is 0.00195." in report
+
+
+def test_every_step_records_of_the_final_cell_are_summarised_and_drawn(controls):
+    out = _finalize(controls, figures=True)
+    steps = out.summary["controls"]["final_steps"]
+    assert list(steps) == list(ARMS) and all(s["seeds"] == list(FINAL_SEEDS) for s in steps.values())
+    assert steps["adamw"]["loss_spikes"] == 1 and steps["adamw"]["runs_with_loss_spikes"] == 1
+    assert steps["stiefel"]["loss_spikes"] == 0  # companion: no spike where none was written
+    assert steps["adamw"]["logit_max"] > 40 > steps["adamw-qknorm"]["logit_max"] > steps["stiefel"]["logit_max"]
+    assert len(steps["adamw"]["logit_max_per_layer"]) == LAYERS
+    for name in (cr.STEPS_FIGURE, cr.LAYERS_FIGURE):
+        assert (controls / name).stat().st_size > 10_000 and f"]({name})" in out.report_path.read_text()
+    assert set(out.figures) == {"lr_grid", "steps", "steps_layers"}
+    # warm-up 40 against 10: three (lr, seed) pairs per arm, each 0.01 lower
+    w = out.summary["controls"]["warmup"]["40"]["adamw"]
+    assert w["n"] == 3 and w["mean"] == pytest.approx(-0.01, abs=STAT_TOL) and w["n_negative"] == 3
+
+
+def test_report_only_on_a_controls_folder_rebuilds_byte_for_byte(controls, tmp_path):
+    from experiments.cli import main as cli_main
+
+    tuned.finalize_tuned(controls, LMConfig)  # hands a controls folder over
+    copy = tmp_path / "copy"
+    shutil.copytree(controls, copy)
+    for f in ("report.md", "summary.json", cr.STEPS_FIGURE):
+        (copy / f).unlink()
+    assert cli_main(["lm", "--report-only", "--out", str(copy), "--quiet"]) == 0
+    for f in ("report.md", "summary.json"):
+        assert (copy / f).read_bytes() == (controls / f).read_bytes(), f
+    assert (copy / cr.STEPS_FIGURE).exists()
+    assert "## 4. Stable lr range per arm" in (copy / "report.md").read_text()
+    # companion: a tuned folder without a controls arm keeps the tuned report
+    for arm in cr.CONTROL_ONLY_ARMS:
+        for run in copy.glob(f"**/runs/{arm}"):
+            shutil.rmtree(run)
+    assert not cr.is_controls_folder(copy)
+    assert "## 4. Stable lr range" not in tuned.finalize_tuned(copy, LMConfig).report_path.read_text()
+
+
+#: a model that trains in seconds (as in test_lm_controls.py)
+TINY = ["--depth", "2", "--width", "32", "--heads", "4", "--context", "16", "--batch-size", "4",
+        "--steps-per-epoch", "3", "--epochs", "2", "--eval-windows", "4", "--train-eval-windows", "4",
+        "--eval-batch", "4", "--probe-windows", "2", "--val-fraction", "0.2", "--test-fraction", "0.2",
+        "--max-file-share", "0.5", "--adjust-lr-fn", "match_rms_adamw", "--device", "cpu", "--quiet",
+        "--threads", "1"]
+
+
+def test_report_only_reads_the_records_of_real_runs(varied_root, tmp_path):
+    """Real (tiny) runs of two arms: a grid, a warm-up grid, a final cell, then --report-only writes the controls
+    report from their metrics.jsonl and steps.jsonl (the synthetic tests above cover the rules)."""
+    pytest.importorskip("transformers")
+    from experiments.cli import main as cli_main
+
+    out = tmp_path / "tiny"
+    base = ["lm", *TINY, "--corpus-root", varied_root]
+    grid = ["--arms", "adamw", "adamw-qknorm", "--lrs", "1e-3", "1e-2", "--seeds", "0", "--skip-report"]
+    assert cli_main([*base, "--out", str(out), *grid]) == 0
+    assert cli_main([*base, "--out", str(out / "warmup-3"), "--warmup-fraction", "0.5", *grid]) == 0
+    assert cli_main([*base, "--out", str(out), "--arms", "adamw", "adamw-qknorm", "--seeds", "0", "--final-seeds",
+                     "1", "2", "--allow-unbracketed", "--skip-report"]) == 0
+    assert cli_main(["lm", "--report-only", "--out", str(out), "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    steps = summary["controls"]["final_steps"]["adamw-qknorm"]
+    assert steps["seeds"] == [1, 2] and len(steps["logit_max_per_layer"]) == 2 and steps["runs_with_nonfinite_loss"] == 0
+    assert [g["warmup_steps"] for g in summary["controls"]["stable_range"]] == [0, 3]  # 5% of 6 steps, 50%
+    assert summary["controls"]["warmup"]["3"]["adamw"]["n"] == 2
+    assert "test: adamw-qknorm - adamw" in summary["final"]["comparisons"]
+    assert (out / cr.STEPS_FIGURE).exists() and "## 7. The study's questions" in (out / "report.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------- README
+def test_readme_paragraph_answers_the_three_questions_from_the_summary(controls):
+    summary = _finalize(controls).summary
+    q1, _, q2, _, q3 = cr.readme_paragraph(summary)
+    diff = sum(math.sin(s * 4) - math.sin(s * 2) for s in FINAL_SEEDS) * 0.01 / 10 + FINAL_BASE["stiefel"] - \
+        FINAL_BASE["adamw-qknorm"]  # stiefel's and adamw-qknorm's seed wobbles (arm indices 3 and 1)
+    assert q1.startswith("**Geometry or logit control?** The frames do more than bound the logits: `stiefel`'s test "
+                         f"bpb is lower than `adamw-qknorm`'s by {abs(diff):.4f} (95% CI of the difference")
+    assert "10 pairs" in q1 and "Stable lr range" in q1 and "`adamw` 0.01 (1 grid lr), diverges first at lr 0.03" in q1
+    assert q2.startswith("**Is the AdamW baseline stable?** Warm-up: on the grid (validation, 3 pairs of lr and seed")
+    assert "warm-up 40 gives lower validation bpb than warm-up 10 by 0.0100" in q2
+    assert "the selection trains the final cell at warm-up 40, lr 0.01" in q2
+    assert "`adamw` had 1 loss spike(s) in 1 of 10 runs" in q2
+    assert q3.startswith("**Beside Muon, does the constraint help?** ") and "At equal wall-clock" in q3
+    text = "\n".join(cr.readme_paragraph(summary))
+    assert tuned.numbers_not_in_summary(text, summary) == []
+    assert (controls / tuned.REPORT_FILE).read_text().count(q1) == 1  # the report carries the same paragraph
+
+
+def test_readme_paragraph_says_suggest_with_few_pairs(controls):
+    for seed in range(4, 11):  # four pairs left: below MIN_SEEDS_FOR_CLAIM, nothing is resolved
+        for arm in ARMS:
+            shutil.rmtree(controls / "final" / "runs" / arm / f"seed{seed}")
+    summary = _finalize(controls).summary
+    q1 = cr.readme_paragraph(summary)[0]
+    assert "This study does not separate the geometry from logit control: the data suggest `stiefel`'s" in q1
+    assert q1.count("3 pairs") == q1.count("the data suggest") == q1.count("test bpb is") == 3  # every claim
+    # companion: with ten pairs the same paragraph states them (test_readme_paragraph_answers_...)
+
+
+def test_readme_check_catches_a_number_that_disagrees_with_the_summary(controls, tmp_path):
+    summary = _finalize(controls).summary
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n\n{cr.README_BEGIN}\n{cr.README_PLACEHOLDER}\n{cr.README_END}\n\nrest\n")
+    assert cr.readme_problems(readme.read_text(), None) == []
+    assert cr.write_readme(readme, summary) and not cr.write_readme(readme, summary)
+    text = readme.read_text()
+    assert text.startswith("intro\n\n") and text.endswith("\n\nrest\n")
+    assert cr.readme_problems(text, summary) == []
+    # companion: one misquoted number is caught twice (not the generated block; not a number of the summary)
+    good = f"{summary['final']['comparisons']['test: stiefel - adamw-qknorm']['mean']:+.4f}"[1:]
+    assert good in text
+    bad = f"{float(good) + 0.0071:.4f}"
+    problems = cr.readme_problems(text.replace(good, bad), summary)
+    assert len(problems) == 2 and f"{bad} is quoted" in problems[1]
+    # companion: a results paragraph without a summary on record, or a summary with the placeholder, is caught
+    assert cr.readme_problems(text, None) and cr.readme_problems(
+        text.replace(_block(text), cr.README_PLACEHOLDER), summary)
+    assert cr.readme_problems("no markers", summary)[0].startswith("the README lacks the markers")
+
+
+def test_readme_paragraph_waits_for_a_complete_final_cell(controls):
+    shutil.rmtree(controls / "final" / "runs" / "muon" / "seed10")
+    summary = _finalize(controls).summary
+    assert cr.readme_paragraph(summary) == [cr.README_IN_PROGRESS]
+    assert not re.search(r"\d", cr.README_IN_PROGRESS) and not re.search(r"\d", cr.README_PLACEHOLDER)
+    # companion: complete again, it answers
+    shutil.rmtree(controls / "final" / "runs" / "adamw" / "seed10")
+    for arm in ARMS:
+        if (controls / "final" / "runs" / arm / "seed10").exists():
+            shutil.rmtree(controls / "final" / "runs" / arm / "seed10")
+    assert cr.readme_paragraph(_finalize(controls).summary)[0].startswith("**Geometry")
+
+
+def _finalize(out: Path, figures: bool = False):
+    """The controls report, without the every-step figures unless asked (they take seconds to draw)."""
+    return cr.finalize_controls(out, LMConfig, figures=figures)
+
+
+def _block(text: str) -> str:
+    return text.split(cr.README_BEGIN, 1)[1].split(cr.README_END, 1)[0].strip()
+
+
+def test_the_lm_readme_paragraph_agrees_with_the_committed_summary():
+    """The README's controls paragraph is readme_paragraph of records/controls/summary.json, every number in it a
+    number of that file; while the study has no summary, the README says it is in progress."""
+    path = cr.RECORDS / tuned.SUMMARY_FILE
+    summary = json.loads(path.read_text()) if path.exists() else None
+    text = cr.README.read_text()
+    assert cr.readme_problems(text, summary) == []
+    if summary is None:
+        assert _block(text) == cr.README_PLACEHOLDER and "in progress" in _block(text)
+    # the README's account of the rules quotes the code's constants
+    for phrase in (f"within {cr.STABLE_BPB:g} of its\nbest", f"more than {cr.DIVERGE_BPB:g} bpb above the best",
+                   f"{cr.SPIKE_FACTOR:g}× the median of the {cr.SPIKE_WINDOW} steps before it"):
+        assert phrase in text, phrase
