@@ -221,7 +221,7 @@ def test_every_step_records_of_the_final_cell_are_summarised_and_drawn(controls)
 def test_report_only_on_a_controls_folder_rebuilds_byte_for_byte(controls, tmp_path):
     from experiments.cli import main as cli_main
 
-    tuned.finalize_tuned(controls, LMConfig)  # hands a controls folder over
+    cr.finalize(controls, LMConfig)  # hands a controls folder to finalize_controls
     copy = tmp_path / "copy"
     shutil.copytree(controls, copy)
     for f in ("report.md", "summary.json", cr.STEPS_FIGURE):
@@ -236,7 +236,7 @@ def test_report_only_on_a_controls_folder_rebuilds_byte_for_byte(controls, tmp_p
         for run in copy.glob(f"**/runs/{arm}"):
             shutil.rmtree(run)
     assert not cr.is_controls_folder(copy)
-    assert "## 4. Stable lr range" not in tuned.finalize_tuned(copy, LMConfig).report_path.read_text()
+    assert "## 4. Stable lr range" not in cr.finalize(copy, LMConfig).report_path.read_text()
 
 
 #: a model that trains in seconds (as in test_lm_controls.py)

@@ -225,7 +225,8 @@ def test_the_section_names_the_runs_each_contrast_pairs(tmp_path):
 
 
 def test_w_q_over_training_shows_shrinkage_movement_and_rotation_apart():
-    from experiments.harness.mechanism import w_q_norm, w_q_over_training
+    from experiments.harness.mechanism import w_q_over_training
+    from experiments.harness.records import w_q_norm
 
     def rec(arm, seed, epoch, norm, move, angle):
         return {"arm": arm, "seed": seed, "epoch": epoch, "step": epoch, "norm/blocks.0.attn.w_q": norm,

@@ -35,15 +35,16 @@ runs, machines and commits are listed in the report. :func:`w_q_over_training` t
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .records import w_q_norm
+
 __all__ = ["Contrast", "CONTRASTS", "VERDICTS", "verdict", "PAIRING_FOLDERS", "Run", "run_machine", "study_runs",
-           "pair_by_machine", "mechanism_summary", "w_q_norm", "w_q_over_training", "mechanism_lines",
+           "pair_by_machine", "mechanism_summary", "w_q_over_training", "mechanism_lines",
            "refine_study_outputs", "seeds_text"]
 
 
@@ -272,17 +273,6 @@ def mechanism_summary(summary: Mapping[str, Any], runs: Mapping[str, Mapping[int
 
 
 # ---------------------------------------------------------------------------------------------- W_Q over training
-#: Suffixes of the recorded norms (``norm/<name>``) that belong to W_Q: the library's modules, converted frames.
-W_Q_SUFFIXES = (".w_q", "q_frames")
-
-
-def w_q_norm(record: Mapping[str, Any]) -> float | None:
-    r""":math:`\|W_Q\|_F` of one record: :math:`(\sum \|W\|_F^2)^{1/2}` over the recorded W_Q matrices of every
-    layer (the same matrices as ``move_total/q``); ``None`` when the record lists none."""
-    values = [v for k, v in record.items() if k.startswith("norm/") and k.endswith(W_Q_SUFFIXES) and v is not None]
-    return math.sqrt(sum(v * v for v in values)) if values else None
-
-
 #: The quantities of :func:`w_q_over_training`: key -> (record value, label, format in the report).
 W_Q_QUANTITIES = {"norm": (w_q_norm, "‖W_Q‖_F", ".3g"),
                   "move": (lambda r: r.get("move_total/q"), "‖W_Q − W_Q0‖_F", ".3g"),

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .records import group_runs
+from .records import group_runs, w_q_norm
 
 __all__ = ["records_frame", "plot_curves", "plot_accuracy", "plot_reached_fraction", "plot_weight_norms", "plot_principal_angles",
            "plot_movement", "plot_w_q_norm_movement", "plot_overview", "plot_per_seed", "plot_study", "plot_pairs",
@@ -248,9 +248,7 @@ def plot_w_q_norm_movement(records: Sequence[dict[str, Any]], path: str | os.Pat
     whose W_Q turns are told apart (the rotation alone, scale-free: :func:`plot_principal_angles`). ``decay = (lr,
     weight decay)`` adds, dotted, what decoupled decay alone leaves of ``decay_arm``'s median start,
     :math:`\|W_{Q,0}\|_F (1 - \mathrm{lr}\,\lambda)^{t}`. ``None`` when the records hold no W_Q norm
-    (:func:`~.mechanism.w_q_norm`)."""
-    from .mechanism import w_q_norm
-
+    (:func:`~.records.w_q_norm`)."""
     df = records_frame(records)
     df["norm/w_q"] = [w_q_norm(r) for r in records]
     if df["norm/w_q"].isna().all():

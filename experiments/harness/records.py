@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["METRICS_FILE", "append_record", "read_records", "truncate_records", "load_study_records",
            "summarize", "summarize_cell", "mean_std", "group_runs", "tail_records", "tail_description",
-           "dip_count", "DIP_DEFINITION"]
+           "dip_count", "DIP_DEFINITION", "W_Q_SUFFIXES", "w_q_norm"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -276,3 +276,14 @@ def summarize_cell(records: Iterable[dict[str, Any]], arms: Sequence[str], *, me
                 entry[f"all_{key}"] = describe(vals)
         per_arm[arm] = entry
     return {"metric": metric, "arms": per_arm, "comparisons": compare_arms(final, arms)}
+
+
+#: Suffixes of the recorded norms (``norm/<name>``) that belong to W_Q: the library's modules, converted frames.
+W_Q_SUFFIXES = (".w_q", "q_frames")
+
+
+def w_q_norm(record: Mapping[str, Any]) -> float | None:
+    r""":math:`\|W_Q\|_F` of one record: :math:`(\sum \|W\|_F^2)^{1/2}` over the recorded W_Q matrices of every
+    layer (the same matrices as ``move_total/q``); ``None`` when the record lists none."""
+    values = [v for k, v in record.items() if k.startswith("norm/") and k.endswith(W_Q_SUFFIXES) and v is not None]
+    return math.sqrt(sum(v * v for v in values)) if values else None

@@ -1,8 +1,8 @@
 r"""The report of the controls study (issue 42): the tuned study's report, plus what the controls add.
 
 ``python -m experiments lm --report-only --out experiments/lm/records/controls`` reaches it through
-:func:`~.tuned.finalize_tuned`, which hands a folder holding runs of an arm that only this study has
-(:data:`CONTROL_ONLY_ARMS`) to :func:`finalize_controls`. The folder is laid out as :mod:`~.tuned` describes
+:func:`finalize`, which hands a folder holding runs of an arm that only this study has
+(:data:`CONTROL_ONLY_ARMS`) to :func:`finalize_controls` and any other tuned folder to :func:`~.tuned.finalize_tuned`. The folder is laid out as :mod:`~.tuned` describes
 (``lr-<v>/``, ``warmup-<n>/lr-<v>/``, ``final/``, ``timing.json``); every run also holds ``steps.jsonl``, one
 record per training step (its loss, the gradient norm before clipping, and per layer the largest attention logit
 ``logit_max`` and the smallest head's attention entropy ``entropy_min``: :class:`~.study.AttentionSteps`).
@@ -52,7 +52,7 @@ from . import tuned
 
 __all__ = ["CONTROL_ARMS", "CONTROL_ONLY_ARMS", "CONTROL_BASELINES", "STABLE_BPB", "DIVERGE_BPB", "SPIKE_WINDOW",
            "SPIKE_FACTOR", "GRAD_SPIKE_FACTOR", "README_BEGIN", "README_END", "README_PLACEHOLDER",
-           "README_IN_PROGRESS", "is_controls_folder", "step_summary", "stable_range", "warmup_comparison",
+           "README_IN_PROGRESS", "finalize", "is_controls_folder", "step_summary", "stable_range", "warmup_comparison",
            "finalize_controls", "readme_paragraph", "readme_problems", "write_readme", "main"]
 
 #: The study's arms, in table order.
@@ -101,6 +101,14 @@ def is_controls_folder(out_dir: str | os.PathLike) -> bool:
     return any(next(out_dir.glob(f"{cells}/runs/{arm}/seed*/config.json"), None) is not None
                for cells in (f"{tuned.GRID_PREFIX}*", tuned.FINAL_DIR, f"{tuned.WARMUP_PREFIX}*/{tuned.GRID_PREFIX}*")
                for arm in CONTROL_ONLY_ARMS)
+
+
+def finalize(out_dir: str | os.PathLike, config_type: type, *, arms: Sequence[str] | None = None) -> StudyOutputs:
+    """The report of a tuned folder: :func:`finalize_controls` when it is a controls folder
+    (:func:`is_controls_folder`), :func:`~.tuned.finalize_tuned` otherwise (arguments as theirs)."""
+    if is_controls_folder(out_dir):
+        return finalize_controls(out_dir, config_type, arms=arms)
+    return tuned.finalize_tuned(out_dir, config_type, arms=arms)
 
 
 def _finite(v: Any) -> bool:

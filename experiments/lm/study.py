@@ -60,8 +60,9 @@ from ..harness.metrics import MetricHook, QKGeometry, StepHook
 from ..harness.runner import ConfigMismatchError, RunOptions, Task
 from ..harness.schedules import warmup_cosine
 from ..harness.study import Cell, StudyOutputs
+from .controls_report import finalize as finalize_report
 from .data import CORPORA, EvalWindows, RandomWindows, bits_per_byte, corpus_licence, load_corpus
-from .tuned import FINAL_DIR, GRID_PREFIX, finalize_tuned, find_config, is_tuned_folder, run_tuned
+from .tuned import FINAL_DIR, GRID_PREFIX, find_config, is_tuned_folder, run_tuned
 
 __all__ = ["LMConfig", "build_model", "build_task", "gpt2_query_keys", "attention_logit_stats", "AttentionProbe",
            "QKNorm", "add_qk_norm", "QK_NORM", "attention_step_stats", "AttentionSteps",
@@ -908,13 +909,13 @@ def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] 
 
     With ``lrs``, ``final_seeds`` or ``time_steps`` it is a tuned study instead (:func:`~.tuned.run_tuned`: the
     lr grid on ``seeds``, default 0 1; the final cell; the timing pass), which has no main cell; a folder holding
-    one is reported by :func:`~.tuned.finalize_tuned`."""
+    one is reported by :func:`~.controls_report.finalize` (the tuned report, or the controls study's)."""
     from ..harness.arms import get_arm
     from ..harness.study import run_cells
 
     if report_only:
         if is_tuned_folder(out_dir):
-            return finalize_tuned(out_dir, LMConfig, arms=arms)
+            return finalize_report(out_dir, LMConfig, arms=arms)
         return finalize_lm(out_dir, config, arms=arms, seeds=seeds)
     if lrs or final_seeds or time_steps:
         if frame_lrs:
@@ -927,7 +928,7 @@ def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] 
                          seeds=list(TUNED_GRID_SEEDS) if lrs and seeds is None else seeds,
                          lrs=lrs, final_seeds=final_seeds, time_steps=time_steps, allow_unbracketed=allow_unbracketed,
                          options=RunOptions.of(options, **run_kwargs), command=command, skip_report=skip_report,
-                         config_type=LMConfig)
+                         config_type=LMConfig, finalize=finalize_report)
     arms = list(arms or STUDY_ARMS)
     seeds = list(seeds if seeds is not None else (0, 1, 2))
     for a in arms:

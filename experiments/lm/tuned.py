@@ -556,10 +556,8 @@ def finalize_tuned(out_dir: str | os.PathLike, config_type: type, *, arms: Seque
     """Write ``summary.json``, ``report.md`` and ``lr_grid.png`` of the tuned study in ``out_dir``, from its
     records, ``timing.json`` and the runs' ``environment.json`` only (a rebuild gives the same bytes).
 
-    A folder holding runs of an arm that only the controls study has (issue 42:
-    :data:`~.controls_report.CONTROL_ONLY_ARMS`) is the controls study: its report is
-    :func:`~.controls_report.finalize_controls`' (this report, plus the every-step records, the stable lr ranges
-    and the answers to the study's questions).
+    The controls study (issue 42) adds its sections on top of this report: :func:`~.controls_report.finalize`
+    picks the one a folder needs.
 
     Parameters
     ----------
@@ -571,10 +569,7 @@ def finalize_tuned(out_dir: str | os.PathLike, config_type: type, *, arms: Seque
         Restrict the report to these arms (default: every arm on disk).
     """
     from ..harness.report import write_text
-    from .controls_report import finalize_controls, is_controls_folder
 
-    if is_controls_folder(out_dir):
-        return finalize_controls(out_dir, config_type, arms=arms)
     out_dir = Path(out_dir)
     summary, config, figure = tuned_summary(out_dir, config_type, arms=arms)
     lines = _render(summary, config)
@@ -864,10 +859,10 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
               seeds: Sequence[int] | None, lrs: Sequence[float] = (), final_seeds: Sequence[int] = (),
               time_steps: int | None = None, time_rounds: int = 3, allow_unbracketed: bool = False,
               options: Any = None, command: str | None = None, skip_report: bool = False,
-              config_type: type | None = None) -> StudyOutputs:
+              config_type: type | None = None, finalize: Callable | None = None) -> StudyOutputs:
     """Run (or resume) the grid (``lrs``: every arm of ``arms`` at every lr, on ``seeds``), then, with
     ``final_seeds``, the final cell (each arm at its selected lr), then, with ``time_steps``, the timing pass;
-    then the report (:func:`finalize_tuned`) unless ``skip_report``.
+    then the report unless ``skip_report``: ``finalize(out_dir, config_type)``, default :func:`finalize_tuned`.
 
     Raises
     ------
@@ -929,5 +924,5 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
         (out_dir / TIMING_FILE).write_text(json.dumps(timing, indent=2) + "\n")
     if skip_report:
         return StudyOutputs(results=tuple(results))
-    outputs = finalize_tuned(out_dir, config_type or type(config))
+    outputs = (finalize or finalize_tuned)(out_dir, config_type or type(config))
     return dataclasses.replace(outputs, results=tuple(results))
