@@ -274,3 +274,26 @@ def test_report_only_picks_up_retrained_runs_from_the_folders_and_new_seeds_on_a
     decay = next(c for c in mech["contrasts"] if c["question"] == "weight decay on W_Q, W_K")
     assert decay["n"] == 4 and decay["unpaired_seeds"] == [] and decay["differences"][-1] == 90 - 60
     assert mech["left_out"] == []
+
+
+def test_the_generic_table_says_when_the_arms_own_runs_cross_machine_kinds(tmp_path):
+    """The new arm's own runs are on AMD, the others' on Intel: the report says so under the paired-comparisons
+    table, once (a rebuild does not repeat it). Companion: with every arm's own runs on one kind, no note."""
+    from experiments.cli import main
+    from experiments.harness.mechanism import PAIRED_HEADING, cross_machine_note, study_runs
+
+    out = _mixed_study(tmp_path / "study")
+    for _ in range(2):
+        assert main(["grokking", "--report-only", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    note = cross_machine_note(study_runs(out, _summary_of(out))[0])
+    assert note is not None and report.count(note) == 1 and PAIRED_HEADING + note in report
+    assert f"`adamw`, `adamw-frozen` on {INTEL}; `adamw-qk-nodecay` on {AMD}" in note
+    # companion: the same study with the new arm's own runs on Intel has no such note
+    same = tmp_path / "same"
+    for arm, (_, firsts) in OWN.items():
+        for seed, at in enumerate(firsts):
+            _write_run(same, "runs", arm, seed, at, machine=INTEL, commit="1111111aaaa")
+    assert cross_machine_note(study_runs(same, _summary_of(same))[0]) is None
+    assert main(["grokking", "--report-only", "--out", str(same)]) == 0
+    assert "compares across them" not in (same / "report.md").read_text()

@@ -45,7 +45,7 @@ from .records import w_q_norm
 
 __all__ = ["Contrast", "CONTRASTS", "VERDICTS", "verdict", "PAIRING_FOLDERS", "Run", "run_machine", "study_runs",
            "pair_by_machine", "mechanism_summary", "w_q_over_training", "mechanism_lines",
-           "refine_study_outputs", "seeds_text"]
+           "refine_study_outputs", "seeds_text", "cross_machine_note"]
 
 
 @dataclass(frozen=True)
@@ -426,6 +426,29 @@ def mechanism_lines(mechanism: Mapping[str, Any] | None) -> list[str]:
     return lines + _w_q_lines(mechanism.get("w_q"), mechanism.get("w_q_figure"))
 
 
+#: The heading of the report's generic table of paired comparisons (:func:`~.report.render_report`).
+PAIRED_HEADING = "## Paired comparisons across seeds (same seed: same split and initial weights)\n\n"
+
+
+def cross_machine_note(runs: Mapping[str, Mapping[int, Sequence[Run]]]) -> str | None:
+    """The sentence that goes under the generic paired-comparisons table when the study's own runs (``runs/``) of
+    different arms were trained on different machine kinds: those rows pair across kinds, for comparison only.
+    ``None`` when every arm's own runs share one machine kind."""
+    own = {arm: list(dict.fromkeys((rs[0].machine or "mixed") for rs in seeds.values() if rs and rs[0].folder == "runs"))
+           for arm, seeds in runs.items()}
+    kinds = list(dict.fromkeys(k for ks in own.values() for k in ks))
+    if len(kinds) < 2:
+        return None
+    where = "; ".join(f"{', '.join(f'`{a}`' for a, ks in own.items() if ks == [k])} on {k}" for k in kinds
+                      if any(ks == [k] for ks in own.values()))
+    mixed = [f"`{a}`" for a, ks in own.items() if len(ks) > 1]
+    if mixed:
+        where += f"; {', '.join(mixed)} on several"
+    return (f"The study's own runs were trained on {len(kinds)} machine kinds ({where}): a row that pairs arms of "
+            f"different kinds compares across them and is for comparison only (float32 trajectories part between "
+            f"CPU kinds); the contrasts below pair runs of one kind.\n\n")
+
+
 #: The figure :func:`refine_study_outputs` draws into the study folder.
 W_Q_FIGURE = "w_q_norm_movement.png"
 
@@ -462,5 +485,12 @@ def refine_study_outputs(outputs: Any, out_dir: str | os.PathLike, *, decay: tup
     if report.count(old_text) != 1:
         raise RuntimeError(f"{outputs.report_path}: the section 'Start, constraint or step?' was not found once; "
                            f"the report was not rewritten.")
-    outputs.report_path.write_text(report.replace(old_text, new_text))
+    report = report.replace(old_text, new_text)
+    note = cross_machine_note(runs)
+    if note is not None and note not in report:
+        if report.count(PAIRED_HEADING) != 1:
+            raise RuntimeError(f"{outputs.report_path}: the paired-comparisons heading was not found once; the "
+                               f"report was not rewritten.")
+        report = report.replace(PAIRED_HEADING, PAIRED_HEADING + note)
+    outputs.report_path.write_text(report)
     return outputs
