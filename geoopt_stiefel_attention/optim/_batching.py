@@ -15,7 +15,7 @@ import torch
 from .. import _linalg
 from .. import distributed as _distributed
 from .._linalg import frame_step_scale
-from ._kernel import _FAST_MODES, _frame_update_
+from ._kernel import _FAST_MODES, frame_update_
 from ._reference import stiefel_adam_update
 from ._state import master_copies
 
@@ -264,7 +264,7 @@ def update_batch(optimizer: Any, group: dict[str, Any], params: list[torch.Tenso
     """Update same-shaped frames of one dtype, device and step count (``step=None``: the capturable path, any
     step counts, read from the state as tensors), in place, with their state.
 
-    The batch is staged (:func:`_stage`), updated by the fused kernel :func:`_frame_update_` (second moment
+    The batch is staged (:func:`_stage`), updated by the fused kernel (:func:`~._kernel.frame_update_`; second moment
     ``"frame"`` or ``None``) or by the readable :func:`stiefel_adam_update` (``"column"``, ``"element"``), then
     optionally re-projected (``stabilize``), written back, and its skipped frames counted in
     ``state["skipped_frames"]``.
@@ -281,7 +281,7 @@ def update_batch(optimizer: Any, group: dict[str, Any], params: list[torch.Tenso
     hyper = dict(step=step_tensor(optimizer.state, params, ct) if capturable else step, lr=lr, beta1=beta1,
                  beta2=beta2, eps=group["eps"], trust_region=radius)
     if group["second_moment"] in _FAST_MODES:
-        finite = _frame_update_(batch.w, batch.g, batch.m, batch.v, batch.scratch, maximize=group["maximize"],
+        finite = frame_update_(batch.w, batch.g, batch.m, batch.v, batch.scratch, maximize=group["maximize"],
                                 capturable=capturable, **hyper)
     else:
         order = None if radius is None else _linalg.series_order(float(radius) ** 2, ct)
