@@ -265,3 +265,14 @@ def test_run_controls_usage_errors_are_one_line_exit_2():
     for args in ([], ["no-such-commit", "/tmp/x"], ["HEAD", "/tmp/x", "0"]):
         res = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, cwd=ROOT)
         assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, (args, res.stderr)
+
+
+def test_run_trust_region_usage_errors_are_one_line_exit_2(tmp_path):
+    """experiments/lm/run_trust_region.sh (issue 40's language-model check): a wrong call names what is wrong in one
+    line, exits 2 and creates nothing; companion: the script parses (bash -n)."""
+    script = ROOT / "experiments/lm/run_trust_region.sh"
+    for args in ([], ["no-such-commit", str(tmp_path / "wt"), str(tmp_path / "out")], ["HEAD", str(tmp_path / "wt")]):
+        res = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, cwd=ROOT)
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, (args, res.stderr)
+    assert not any(tmp_path.iterdir())
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
