@@ -178,3 +178,18 @@ def varied_root(tmp_path_factory):
                        f"{rng.randrange(10**6)}\n" for _ in range(40))
         (root / f"mod{k:02d}.py").write_text(f'"""Module {k}: {rng.randrange(10**9)}."""\n\n' + body)
     return str(root)
+
+
+#: the flags of a language-model run that trains in seconds (the tuned and controls studies' tests)
+TINY_LM_FLAGS = ["--depth", "2", "--width", "32", "--heads", "4", "--context", "16", "--batch-size", "4",
+                 "--steps-per-epoch", "3", "--epochs", "2", "--eval-windows", "4", "--train-eval-windows", "4",
+                 "--eval-batch", "4", "--probe-windows", "2", "--val-fraction", "0.2", "--test-fraction", "0.2",
+                 "--max-file-share", "0.5", "--adjust-lr-fn", "match_rms_adamw", "--device", "cpu", "--quiet",
+                 "--threads", "1"]
+
+
+def lm_cli(root, out, *extra) -> int:
+    """``python -m experiments lm`` with :data:`TINY_LM_FLAGS` on the corpus ``root``, into ``out``."""
+    from experiments.cli import main
+
+    return main(["lm", *TINY_LM_FLAGS, "--corpus-root", root, "--out", str(out), *extra])

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import lm_cli
 
 pytest.importorskip("transformers")
 
-from experiments.cli import main as cli_main  # noqa: E402
 from experiments.harness.arms import get_arm  # noqa: E402
 from experiments.harness.config import RunSpec  # noqa: E402
 from experiments.harness.records import read_records  # noqa: E402
@@ -25,18 +25,11 @@ RMS_TOL = 1e-3
 #: float32 logits against a float64 reference
 F32_TOL = 1e-4
 
-TINY = ["--depth", "2", "--width", "32", "--heads", "4", "--context", "16", "--batch-size", "4",
-        "--steps-per-epoch", "3", "--epochs", "2", "--eval-windows", "4", "--train-eval-windows", "4",
-        "--eval-batch", "4", "--probe-windows", "2", "--val-fraction", "0.2", "--test-fraction", "0.2",
-        "--max-file-share", "0.5", "--adjust-lr-fn", "match_rms_adamw", "--device", "cpu", "--quiet",
-        "--threads", "1"]
 CONFIG = LMConfig(depth=2, width=32, heads=4, context=16, batch_size=4, steps_per_epoch=3, eval_windows=4,
                   train_eval_windows=4, eval_batch=4, probe_windows=2, val_fraction=0.2, test_fraction=0.2,
                   max_file_share=0.5)
 
 
-def _cli(root, out, *extra):
-    return cli_main(["lm", *TINY, "--corpus-root", root, "--out", str(out), *extra])
 
 
 # ---------------------------------------------------------------------------------------------- qk-norm
@@ -145,12 +138,12 @@ def test_attention_step_stats_match_a_written_out_reference():
 
 def test_every_step_is_on_record_and_resuming_rewrites_no_step(varied_root, tmp_path):
     out = tmp_path / "s"
-    assert _cli(varied_root, out, "--arms", "adamw", "adamw-qknorm", "--seeds", "0", "--epochs", "3",
+    assert lm_cli(varied_root, out, "--arms", "adamw", "adamw-qknorm", "--seeds", "0", "--epochs", "3",
                 "--stop-after-epochs", "1", "--checkpoint-interval", "0", "--skip-report") == 0
-    assert _cli(varied_root, out, "--arms", "adamw", "adamw-qknorm", "--seeds", "0", "--epochs", "3",
+    assert lm_cli(varied_root, out, "--arms", "adamw", "adamw-qknorm", "--seeds", "0", "--epochs", "3",
                 "--skip-report") == 0
     whole = tmp_path / "w"
-    assert _cli(varied_root, whole, "--arms", "adamw", "adamw-qknorm", "--seeds", "0", "--epochs", "3",
+    assert lm_cli(varied_root, whole, "--arms", "adamw", "adamw-qknorm", "--seeds", "0", "--epochs", "3",
                 "--skip-report") == 0
     for arm in ("adamw", "adamw-qknorm"):
         steps = read_records(out / "runs" / arm / "seed0" / "steps.jsonl")
@@ -165,14 +158,14 @@ def test_every_step_is_on_record_and_resuming_rewrites_no_step(varied_root, tmp_
 
 def test_step_records_hold_the_loss_and_the_gradient_norm_before_clipping(varied_root, tmp_path):
     out = tmp_path / "clip"
-    assert _cli(varied_root, out, "--arms", "adamw", "--seeds", "0", "--epochs", "1", "--grad-clip", "1e-6",
+    assert lm_cli(varied_root, out, "--arms", "adamw", "--seeds", "0", "--epochs", "1", "--grad-clip", "1e-6",
                 "--skip-report") == 0
     steps = read_records(out / "runs/adamw/seed0/steps.jsonl")
     assert all(s["grad_norm"] > 1e-3 for s in steps)  # the norm before clipping, not the clipped 1e-6
     assert steps[0]["loss"] == pytest.approx(math.log(256), rel=0.05)  # an untrained byte model: about ln 256
     # companion: without clipping the norm is still recorded, and the first step's (same weights, same batch) agrees
     free = tmp_path / "free"
-    assert _cli(varied_root, free, "--arms", "adamw", "--seeds", "0", "--epochs", "1", "--grad-clip", "none",
+    assert lm_cli(varied_root, free, "--arms", "adamw", "--seeds", "0", "--epochs", "1", "--grad-clip", "none",
                 "--skip-report") == 0
     first = read_records(free / "runs/adamw/seed0/steps.jsonl")[0]
     assert first["grad_norm"] == pytest.approx(steps[0]["grad_norm"], rel=1e-5)
@@ -184,7 +177,7 @@ def test_config_records_the_three_way_split_the_run_used(varied_root, tmp_path):
     from experiments.lm.heldout import split_of
 
     out = tmp_path / "split"
-    assert _cli(varied_root, out, "--arms", "adamw", "--seeds", "0", "--epochs", "1", "--skip-report") == 0
+    assert lm_cli(varied_root, out, "--arms", "adamw", "--seeds", "0", "--epochs", "1", "--skip-report") == 0
     identity = json.loads((out / "runs/adamw/seed0/config.json").read_text())["config"]["corpus_identity"]
     files = [p.name for p in Path(varied_root).glob("*.py")]
     counts = {part: sum(split_of(f, 0.2, 0.2) == part for f in files) for part in ("train", "val", "test")}
@@ -193,7 +186,7 @@ def test_config_records_the_three_way_split_the_run_used(varied_root, tmp_path):
     assert "three ways" in identity["split"] and "val_bytes" not in identity
     # companion: without a test split the config keeps the two-way split (validation files join training)
     plain = tmp_path / "plain"
-    assert _cli(varied_root, plain, "--arms", "adamw", "--seeds", "0", "--epochs", "1", "--test-fraction", "0",
+    assert lm_cli(varied_root, plain, "--arms", "adamw", "--seeds", "0", "--epochs", "1", "--test-fraction", "0",
                 "--skip-report") == 0
     two = json.loads((plain / "runs/adamw/seed0/config.json").read_text())["config"]["corpus_identity"]
     assert "test_files" not in two and two["train_files"] > counts["train"]

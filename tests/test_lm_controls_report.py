@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import TINY_LM_FLAGS
 
 from experiments.harness.config import OptimConfig, RunSpec, TrainConfig, to_dict
 from experiments.lm import controls_report as cr
@@ -239,14 +240,6 @@ def test_report_only_on_a_controls_folder_rebuilds_byte_for_byte(controls, tmp_p
     assert "## 4. Stable lr range" not in cr.finalize(copy, LMConfig).report_path.read_text()
 
 
-#: a model that trains in seconds (as in test_lm_controls.py)
-TINY = ["--depth", "2", "--width", "32", "--heads", "4", "--context", "16", "--batch-size", "4",
-        "--steps-per-epoch", "3", "--epochs", "2", "--eval-windows", "4", "--train-eval-windows", "4",
-        "--eval-batch", "4", "--probe-windows", "2", "--val-fraction", "0.2", "--test-fraction", "0.2",
-        "--max-file-share", "0.5", "--adjust-lr-fn", "match_rms_adamw", "--device", "cpu", "--quiet",
-        "--threads", "1"]
-
-
 def test_report_only_reads_the_records_of_real_runs(varied_root, tmp_path):
     """Real (tiny) runs of two arms: a grid, a warm-up grid, a final cell, then --report-only writes the controls
     report from their metrics.jsonl and steps.jsonl (the synthetic tests above cover the rules)."""
@@ -254,7 +247,7 @@ def test_report_only_reads_the_records_of_real_runs(varied_root, tmp_path):
     from experiments.cli import main as cli_main
 
     out = tmp_path / "tiny"
-    base = ["lm", *TINY, "--corpus-root", varied_root]
+    base = ["lm", *TINY_LM_FLAGS, "--corpus-root", varied_root]
     grid = ["--arms", "adamw", "adamw-qknorm", "--lrs", "1e-3", "1e-2", "--seeds", "0", "--skip-report"]
     assert cli_main([*base, "--out", str(out), *grid]) == 0
     assert cli_main([*base, "--out", str(out / "warmup-3"), "--warmup-fraction", "0.5", *grid]) == 0

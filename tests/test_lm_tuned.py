@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import lm_cli
 
 pytest.importorskip("transformers")
 
@@ -27,15 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: statistics recomputed by scipy agree to rounding of float64 sums
 STAT_TOL = 1e-12
 
-TINY = ["--depth", "2", "--width", "32", "--heads", "4", "--context", "16", "--batch-size", "4",
-        "--steps-per-epoch", "3", "--epochs", "2", "--eval-windows", "4", "--train-eval-windows", "4",
-        "--eval-batch", "4", "--probe-windows", "2", "--val-fraction", "0.2", "--test-fraction", "0.2",
-        "--max-file-share", "0.5", "--adjust-lr-fn", "match_rms_adamw", "--device", "cpu", "--quiet",
-        "--threads", "1"]
 
 
-def _cli(root, out, *extra):
-    return cli_main(["lm", *TINY, "--corpus-root", root, "--out", str(out), *extra])
 
 
 def _exit_code(call) -> int:
@@ -50,7 +44,7 @@ def study(varied_root, tmp_path_factory):
     """A tiny tuned study: adamw and stiefel on a two-point grid (seeds 0 1), then the final cell (seeds 2 3 4,
     unbracketed allowed: a two-point grid has its best at an edge) and the timing pass."""
     out = tmp_path_factory.mktemp("tuned") / "study"
-    assert _cli(varied_root, out, "--arms", "adamw", "stiefel", "--lrs", "1e-3", "3e-2", "--skip-report") == 0
+    assert lm_cli(varied_root, out, "--arms", "adamw", "stiefel", "--lrs", "1e-3", "3e-2", "--skip-report") == 0
     return out
 
 
@@ -72,18 +66,18 @@ def test_final_cell_refuses_an_unbracketed_grid_then_runs_each_arm_at_its_own_lr
     selection = tuned.select_lrs(grid, strict=True)
     assert all(not s["bracketed"] for s in selection["arms"].values())  # two points: the best is at an edge
     capsys.readouterr()
-    code = _exit_code(lambda: _cli(varied_root, study, "--arms", "adamw", "stiefel", "--final-seeds", "2", "3", "4"))
+    code = _exit_code(lambda: lm_cli(varied_root, study, "--arms", "adamw", "stiefel", "--final-seeds", "2", "3", "4"))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--final-seeds" in err[0] and "add" in err[0] and "adamw" in err[0]
     assert not (study / "final").exists()
     # final seeds that selected the lr on the grid are refused, naming them and seeds that would do
-    code = _exit_code(lambda: _cli(varied_root, study, "--arms", "adamw", "stiefel", "--final-seeds", "1", "2", "3",
+    code = _exit_code(lambda: lm_cli(varied_root, study, "--arms", "adamw", "stiefel", "--final-seeds", "1", "2", "3",
                                    "--allow-unbracketed"))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "seed(s) 1 selected" in err[0] and "--final-seeds 2 3 4" in err[0]
     assert not (study / "final").exists()
     # companion: allowed explicitly, on seeds of its own, it runs, each arm at the lr its grid selected
-    assert _cli(varied_root, study, "--arms", "adamw", "stiefel", "--final-seeds", "2", "3", "4",
+    assert lm_cli(varied_root, study, "--arms", "adamw", "stiefel", "--final-seeds", "2", "3", "4",
                 "--allow-unbracketed", "--time-steps", "2") == 0
     for arm, s in selection["arms"].items():
         for seed in (2, 3, 4):
@@ -390,7 +384,7 @@ def test_report_names_a_diverged_grid_point(synthetic):
 ])
 def test_cli_errors_are_one_line_exit_2_and_write_nothing(varied_root, tmp_path, capsys, flags, fragment):
     out = tmp_path / "never"
-    assert _exit_code(lambda: _cli(varied_root, out, *flags)) == 2
+    assert _exit_code(lambda: lm_cli(varied_root, out, *flags)) == 2
     msg = capsys.readouterr().err.strip().splitlines()
     assert fragment in msg[-1] and "Traceback" not in "\n".join(msg)
     assert not out.exists()
