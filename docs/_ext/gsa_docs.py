@@ -235,7 +235,10 @@ def _parses_cleanly(rst: str) -> bool:
     """Whether docutils parses ``rst`` without any message of level WARNING or above."""
     settings = {"report_level": 5, "halt_level": 5, "warning_stream": False, "file_insertion_enabled": False,
                 "raw_enabled": False, "syntax_highlight": "none"}
-    doctree = publish_doctree(rst, settings_overrides=settings)
+    try:
+        doctree = publish_doctree(rst, settings_overrides=settings)
+    except Exception:  # a role or directive that only works inside Sphinx (it needs the build environment)
+        return False
     return not any(msg["level"] >= 2 for msg in doctree.findall(nodes.system_message))
 
 
