@@ -610,3 +610,18 @@ def test_every_library_command_has_the_same_threads_flag_with_a_stated_default()
         assert args.threads == 1, command
         sub = next(a for a in parser._subparsers._group_actions[0].choices[command]._actions if a.dest == "threads")
         assert "default 1" in sub.help, command
+
+
+def test_the_compiled_step_figures_in_the_benchmarks_readme_are_the_committed_results():
+    """benchmarks/README.md quotes results/paths_compiled_custom_op.json (issue 40) to two decimals."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    ratio = json.loads((root / "benchmarks" / "results" / "paths_compiled_custom_op.json").read_text())
+    ratio = ratio["results"][0]["floor_ratio"]
+    text = (root / "benchmarks" / "README.md").read_text()
+    para = text[text.index("**The compiled step as one operator (issue 40).**"):]
+    para = para[:para.index("**Targets (issue #18)")]
+    quoted = (f"eager {ratio['eager']:.2f}, capturable {ratio['capturable']:.2f}, "
+              f"compiled **{ratio['compiled']:.2f}** x floor")
+    assert quoted in " ".join(para.split())
