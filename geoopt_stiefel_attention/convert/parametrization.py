@@ -135,7 +135,9 @@ class _QKWeight(nn.Module):
         parts, offset = [], 0
         for role, _start, length in self.segments:
             if role == "rest":
-                block = rest.narrow(self.dim, offset, length)
+                # a segment that is all of rest is used as it is: a narrow would add a slice node, whose
+                # backward zero-fills and copies a rest-sized gradient
+                block = rest if length == rest.shape[self.dim] else rest.narrow(self.dim, offset, length)
                 offset += length
                 parts.append(block.unflatten(1, (length // r, r)) if self.dim == 1
                              else block.unflatten(0, (length // r, r)))

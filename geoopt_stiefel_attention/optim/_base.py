@@ -259,12 +259,8 @@ class FrameOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self._check_frames_still_held()
-        _validation.validate_step(self.param_groups, self.state, self._NAME, self._validate_group)
-        for group in self.param_groups:
-            frames, euclidean = [], []
-            for p in group["params"]:
-                if p.grad is not None:
-                    (frames if _is_frame(p) else euclidean).append(p)
+        split = _validation.validate_step(self.param_groups, self.state, self._NAME, self._validate_group)
+        for group, (frames, euclidean) in zip(self.param_groups, split, strict=True):
             if frames:
                 self._step_frames(group, frames)
             if euclidean:

@@ -187,9 +187,9 @@ def _stage_stacked(optimizer: Any, group: dict[str, Any], params: list[torch.Ten
     states = [optimizer.state[p] for p in params]
     keys = ["exp_avg"] + (["exp_avg_sq"] if group["second_moment"] is not None else []) + (
         ["master"] if masters else [])
-    members = set(params)
 
     def others() -> list[dict[str, Any]]:  # only asked for when a batch is stacked anew
+        members = set(params)
         return [optimizer.state[q] for q in group["params"] if q not in members and q in optimizer.state]
 
     stacks = {key: _stacked_state(states, key, others) for key in keys}
@@ -197,16 +197,20 @@ def _stage_stacked(optimizer: Any, group: dict[str, Any], params: list[torch.Ten
     v = v.view(n, *v.shape[-2:]) if v is not None else None
     master = stacks.get("master")  # the stacked master copies are the frames the update reads
     buf = ws((2 if master is not None else 3) * size)
-    scratch, g = buf[:size].view(n, d, r), buf[size:2 * size].view(n, d, r)
-    torch._foreach_copy_(list(g.view(k, *shape).unbind(0)), grads)
+    scratch = buf[:size].view(n, d, r)
+    # gradients, then frames (unless a master stack stands for them), each parameter a slice of the workspace:
+    # one copy in for both, and the frames' slices are the sources of the copy back
+    staged = buf[size:].view(-1, *shape).unbind(0)
+    g = buf[size:2 * size].view(n, d, r)
     if master is None:
-        w = buf[2 * size:].view(n, d, r)
-        torch._foreach_copy_(list(w.view(k, *shape).unbind(0)), locals_)
+        w, w_k = buf[2 * size:].view(n, d, r), list(staged[k:])
+        torch._foreach_copy_(list(staged), grads + locals_)
     else:
-        w = master.view(n, d, r)
+        w, w_k = master.view(n, d, r), list(master.view(k, *shape).unbind(0))
+        torch._foreach_copy_(list(staged), grads)
 
     def write_back() -> None:  # moments and masters were updated in place; the frames come back from w
-        torch._foreach_copy_(locals_, list(w.view(k, *shape).unbind(0)))
+        torch._foreach_copy_(locals_, w_k)
 
     return _Staged(w, g, m, v, scratch, write_back)
 

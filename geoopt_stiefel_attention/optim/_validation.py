@@ -128,12 +128,18 @@ def _can_read_host() -> bool:
 
 
 def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, Any], name: str = "StiefelAdam",
-                  validate_group: Any = None) -> None:
+                  validate_group: Any = None) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
     """Check every group's options (a scheduler or a user may have rewritten ``param_groups`` since the
-    constructor checked them), every gradient and every fresh frame before anything is changed."""
+    constructor checked them), every gradient and every fresh frame before anything is changed.
+
+    Returns, per group, its parameters with a gradient split into frames and the rest (the step's two updates),
+    found on the way."""
     for group in param_groups:
         (validate_group or _validate_hyperparameters)(group)
+    split = []
     for group in param_groups:
+        frames, euclidean = [], []
+        split.append((frames, euclidean))
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -144,7 +150,9 @@ def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, 
             if not _is_frame(p):
                 if _has_manifold(p):  # a manifold assigned after the parameter was added
                     _check_manifold(p, name)
+                euclidean.append(p)
                 continue
+            frames.append(p)
             if not isinstance(p.manifold, EuclideanStiefel):
                 _check_manifold(p, name)
             if p.grad.is_complex():
@@ -161,3 +169,4 @@ def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, 
                         f"Stiefel manifold at its first step: max|W^T W - I| = {err:.3g} > {tol:g}. "
                         f"Project it first with `param.proj_()` (inside torch.no_grad())."
                     )
+    return split
