@@ -58,7 +58,8 @@ def test_report_only_rebuilds_every_committed_vision_study(tmp_path, name):
 #: the other committed studies with records: (command, folder under experiments/)
 OTHER_STUDIES = [("grokking", "grokking/records/p97_add_5seeds"), ("grokking", "grokking/records/p97_add_arms10"),
                  ("lm", "lm/records/full"), ("lm", "lm/records/pilot"),
-                 ("lm", "lm/records/lr-3e-3"), ("lm", "lm/records/tuned")]
+                 ("lm", "lm/records/lr-3e-3"), ("lm", "lm/records/tuned"),
+                 ("lm", "lm/records/trust-region/w128-auto"), ("lm", "lm/records/trust-region/w256-old")]
 
 
 #: the grokking check of the frame-step rule: one study folder per multiplier, those whose report is committed
@@ -362,3 +363,23 @@ def test_the_readmes_words_on_the_tuned_study_quote_only_its_summary():
     # companion: a number the summary does not hold is caught in the same text
     status = _tuned_paragraphs()["experiments/lm/README.md status"]
     assert numbers_not_in_summary(status + " 1.2345 bpb", summary) == ["1.2345"]
+
+
+def test_the_lm_readme_table_on_the_trust_region_units_matches_its_records():
+    """experiments/lm/README.md 'The trust region in frame units': each row's final val bpb is the records', and the
+    two runs of a pair agree at every evaluation (the words 'bit for bit equal'). Companion: the frame-step study's
+    own run of w128 seed 1 (another commit and CPU) is not bit-equal to it, so the comparison can fail."""
+    folder = ROOT / "experiments" / "lm" / "records" / "trust-region"
+    readme = (ROOT / "experiments" / "lm" / "README.md").read_text()
+    for shape in ("w128", "w256"):
+        for seed in (0, 1):
+            runs = [read_records(folder / f"{shape}-{radius}" / "runs" / "stiefel" / f"seed{seed}" / "metrics.jsonl")
+                    for radius in ("auto", "old")]
+            assert [r["val_bpb"] for r in runs[0]] == [r["val_bpb"] for r in runs[1]], (shape, seed)
+            assert len(runs[0]) == 11 and runs[0][-1]["step"] == 1000
+            row = f"| {shape} | {seed} | {runs[0][-1]['val_bpb']:.6f} | {runs[1][-1]['val_bpb']:.6f} |"
+            assert row in readme, row
+    other = read_records(ROOT / "experiments" / "lm" / "records" / "frame-step" / "w128" / "runs" / "stiefel" / "seed1"
+                         / "metrics.jsonl")
+    ours = read_records(folder / "w128-auto" / "runs" / "stiefel" / "seed1" / "metrics.jsonl")
+    assert [r["val_bpb"] for r in other] != [r["val_bpb"] for r in ours]
