@@ -269,3 +269,35 @@ def test_run_trust_region_usage_errors_are_one_line_exit_2(tmp_path):
         assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, (args, res.stderr)
     assert not any(tmp_path.iterdir())
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+
+
+def _args_config(name):
+    import argparse
+
+    from experiments.lm.study import STUDY, config_from_args
+
+    text = (Path(__file__).resolve().parents[1] / "experiments/lm/configs" / name).read_text()
+    flags = [w for ln in text.splitlines() if not ln.startswith("#") for w in ln.split()]
+    parser = argparse.ArgumentParser()
+    STUDY.add_arguments(parser)
+    return config_from_args(parser.parse_args(flags))
+
+
+def test_controls_args_run_the_library_default_trust_radius_and_tuned_args_the_radius_its_runs_had():
+    """The controls study's frame arms step with StiefelAdam's own default radius (auto: 1 in frame units under
+    match_rms_adamw); tuned.args gives the radius its runs had before issue 40 (0.1 sqrt(d r) for 128 x 32 frames),
+    not the 0.1 that today caps every step (the companion: that number parsed as it now reads)."""
+    import inspect
+
+    from geoopt_stiefel_attention import StiefelAdam
+    from geoopt_stiefel_attention._linalg import trust_radius
+
+    controls = _args_config("controls.args").optim
+    default = inspect.signature(StiefelAdam).parameters["trust_region"].default
+    assert controls.adjust_lr_fn == "match_rms_adamw"
+    assert controls.trust_region == trust_radius(default, controls.adjust_lr_fn) == 1.0
+    tuned = _args_config("tuned.args")
+    d, r = tuned.width, tuned.width // tuned.heads
+    assert tuned.optim.trust_region == math.sqrt(d * r) * 0.1 == 6.4
+    # a frame step is about lr sqrt(d r): at the controls grid's smallest lr it is 0.19, so a radius of 0.1 binds
+    assert math.sqrt(d * r) * 3e-3 > 0.1 and math.sqrt(d * r) * 3e-3 < controls.trust_region

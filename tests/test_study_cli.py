@@ -436,3 +436,26 @@ def test_a_study_command_is_a_subclass_whose_methods_say_flag_config_arms_train(
     with pytest.raises(NotImplementedError, match="Forgetful.train"):
         type("Forgetful", (StudyCommand,), {"name": "x", "config_type": object})().train(
             None, args, arms=None, seeds=None, options=None, command=None)
+
+
+@pytest.mark.parametrize("study", ["grokking", "vision", "lm"])
+def test_the_default_trust_region_follows_the_rule_given_on_the_command_line(study):
+    """Without --trust-region a study runs the library's default radius for the rule it runs: 0.1 under its default
+    'original', 1 (frame units) under --adjust-lr-fn match_rms_adamw. The study's default config holds 'auto' already
+    resolved for 'original'; offered as that number, the default used to cap match_rms_adamw steps at 0.1 without a
+    word (the companion: that resolved number, given explicitly, is what such a run would have had)."""
+    from experiments.harness.cli_args import optim_config_from_args
+    from geoopt_stiefel_attention._linalg import trust_radius
+
+    parser = build_parser()
+
+    def radius(*flags):
+        return optim_config_from_args(parser.parse_args([study, *flags])).trust_region
+
+    assert radius() == trust_radius("auto", "original") == 0.1
+    assert radius("--adjust-lr-fn", "match_rms_adamw") == trust_radius("auto", "match_rms_adamw") == 1.0
+    assert radius("--adjust-lr-fn", "match_rms_adamw", "--trust-region", "auto") == 1.0
+    # an explicit radius is kept, whatever the rule: the old default's number under match_rms_adamw binds at 0.1
+    assert radius("--adjust-lr-fn", "match_rms_adamw", "--trust-region", "0.1") == 0.1 != radius(
+        "--adjust-lr-fn", "match_rms_adamw")
+    assert radius("--trust-region", "none") is None

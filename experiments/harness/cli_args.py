@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from geoopt_stiefel_attention._linalg import ADJUST_LR_FNS
+from geoopt_stiefel_attention._linalg import ADJUST_LR_FNS, trust_radius
 
 from .config import OptimConfig, TrainConfig
 
@@ -27,6 +27,15 @@ def _none_or_float(text: str) -> float | None:
 def _trust_region(text: str) -> float | str | None:
     """``--trust-region``: a float, ``auto`` (the library's default for the rule) or ``none``."""
     return "auto" if text.lower() == "auto" else _none_or_float(text)
+
+
+def _trust_region_default(default: OptimConfig) -> float | str | None:
+    """The ``--trust-region`` default of a study whose default config is ``default``: ``"auto"`` when its radius is
+    the one ``auto`` stands for under its own rule, so that the radius follows ``--adjust-lr-fn`` (the config holds
+    ``auto`` already resolved for its default rule: offered as that number, 0.1 of the paper's rule would silently
+    cap every ``--adjust-lr-fn match_rms_adamw`` step at a tenth of that rule's own default radius, 1); any other
+    default radius as it is."""
+    return "auto" if default.trust_region == trust_radius("auto", default.adjust_lr_fn) else default.trust_region
 
 
 def add_schedule_arguments(parser: argparse.ArgumentParser, default: TrainConfig) -> None:
@@ -50,9 +59,10 @@ def add_optim_arguments(parser: argparse.ArgumentParser, default: OptimConfig) -
     g.add_argument("--weight-decay", type=float, default=default.weight_decay,
                    help=f"decoupled weight decay of the Euclidean matrices (default {default.weight_decay:g}); "
                         f"frames get none")
-    g.add_argument("--trust-region", type=_trust_region, default=default.trust_region,
+    trust_default = _trust_region_default(default)
+    g.add_argument("--trust-region", type=_trust_region, default=trust_default,
                    help=f"StiefelAdam's per-frame cap on ||s||_F in frame units, 'auto' (0.1 under "
-                        f"--adjust-lr-fn original, 1 under match_rms_adamw) or 'none' (default {default.trust_region})")
+                        f"--adjust-lr-fn original, 1 under match_rms_adamw) or 'none' (default {trust_default})")
     g.add_argument("--momentum", type=float, default=default.momentum,
                    help=f"momentum of the geoopt-rsgd arm (default {default.momentum:g})")
     g.add_argument("--adjust-lr-fn", choices=ADJUST_LR_FNS, default=default.adjust_lr_fn,

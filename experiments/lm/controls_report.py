@@ -70,7 +70,8 @@ DIVERGE_BPB = 0.5
 SPIKE_WINDOW = 100
 #: Loss spike: a step's training loss above this times the trailing window's median. Batch-to-batch noise alone
 #: reached 1.21 (the largest ratio over the 1,900 judged steps of each of the study's first three finished grid
-#: runs: adamw, adamw-qknorm and stiefel at lr 3e-3), so the threshold sits well above it.
+#: runs: adamw, adamw-qknorm and stiefel at lr 3e-3, commit bf01500, records discarded after a0259af), so the
+#: threshold sits well above it.
 SPIKE_FACTOR = 1.5
 #: Gradient spike: a step's gradient norm (before clipping) above this times the trailing window's median (noise
 #: alone reached 2.5 in the same runs).
