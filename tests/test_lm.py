@@ -318,6 +318,9 @@ def _exit_code(call) -> int:
     (["--arms", "nope"], "--arms"),
     (["--val-fraction", "2"], "--val-fraction"),
     (["--arms", "adamw", "--frame-lrs", "3e-3"], "--frame-lrs"),
+    (["--max-overlap", "0.05"], "--max-overlap 0.05: filters the held-out windows"),
+    (["--overlap-ngram", "64"], "--overlap-ngram 64: filters the held-out windows"),
+    (["--max-file-share", "0.5"], "--max-file-share 0.5: filters the held-out windows"),
 ])
 def test_cli_errors_are_one_line_exit_2_and_write_nothing(corpus_root, tmp_path, capsys, flags, fragment):
     out = tmp_path / "never"
@@ -413,6 +416,14 @@ def test_muon_arm_refuses_a_model_with_frames_and_hidden_matrices_skip_the_outpu
     hidden = {names[id(p)] for p in hidden_matrices(tiny)}
     assert hidden and not any(n.startswith(("unembed", "token_embedding", "position_embedding")) for n in hidden)
     assert any(n.startswith("unembed") for n in names.values())  # companion: the output layer exists, and is skipped
+
+
+def test_held_out_filters_are_accepted_with_a_test_split():
+    """The companion of the refusals above: with --test-fraction the same flags are taken and recorded."""
+    from experiments.lm.study import LMConfig
+
+    cfg = LMConfig(test_fraction=0.1, max_overlap=0.05, overlap_ngram=64, max_file_share=0.5)
+    assert (cfg.max_overlap, cfg.overlap_ngram, cfg.max_file_share) == (0.05, 64, 0.5)
 
 
 def test_held_out_test_split_is_evaluated_per_category_and_kept_out_of_training(varied_root, tmp_path):

@@ -459,3 +459,33 @@ def test_the_default_trust_region_follows_the_rule_given_on_the_command_line(stu
     assert radius("--adjust-lr-fn", "match_rms_adamw", "--trust-region", "0.1") == 0.1 != radius(
         "--adjust-lr-fn", "match_rms_adamw")
     assert radius("--trust-region", "none") is None
+
+
+def test_an_arm_that_steps_by_its_own_rule_is_refused_under_another():
+    """Stock geoopt (and the frame-scalar ablation) step frames by the paper's rule and ``stiefelmuon-muon`` by
+    match_rms_adamw, whatever the run's --adjust-lr-fn: a run under the other rule would record a rule it did not
+    use, so the CLI refuses it in one line, before any work (companion: the same arms under their own rule)."""
+    from experiments.harness.arms import check_arm
+    from experiments.harness.config import OptimConfig, RunSpec
+    from experiments.harness.runner import run_jobs
+
+    for arm, own, other in (("geoopt-radam", "original", "match_rms_adamw"),
+                            ("geoopt-rsgd", "original", "match_rms_adamw"),
+                            ("framescalar-euclidean", "original", "match_rms_adamw"),
+                            ("stiefelmuon-muon", "match_rms_adamw", "original")):
+        with pytest.raises(ValueError, match=f"--arms {arm}: the arm steps its frames by adjust_lr_fn='{own}'"):
+            check_arm(arm, None, OptimConfig(adjust_lr_fn=other))
+        assert check_arm(arm, None, OptimConfig(adjust_lr_fn=own)).name == arm
+    for arm in ("stiefel", "adamw", "stiefel-sgd"):  # these follow the run's rule
+        assert check_arm(arm, None, OptimConfig(adjust_lr_fn="original")).name == arm
+        assert check_arm(arm, None, OptimConfig(adjust_lr_fn="match_rms_adamw")).name == arm
+    config = grokking.GrokkingConfig(p=7, width=16, heads=2, mlp=32, optim=OptimConfig(adjust_lr_fn="match_rms_adamw"))
+    with pytest.raises(ValueError, match="would be recorded but not used"):  # the Python API too, before any work
+        run_jobs([RunSpec(config, "geoopt-radam", 0)], grokking.build_task, Path("/nonexistent/never"))
+
+
+def test_the_cli_refuses_geoopt_radam_under_match_rms_adamw_in_one_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    _usage_error(capsys, ["grokking", "--quiet", "--out", str(out), "--arms", "geoopt-radam", "--adjust-lr-fn",
+                          "match_rms_adamw"], "geoopt-radam", "--adjust-lr-fn original")
+    assert not out.exists()

@@ -267,7 +267,7 @@ ABLATION_ARMS = (
         "coordinate, not O(d)-equivariant); AdamW on the rest"),
     Arm("framescalar-euclidean", "euclidean", build_framescalar_euclidean,
         "unconstrained W_Q, W_K trained by the per-frame-scalar Adam step (scale-free, equivariant; no "
-        "projector, no retraction, no weight decay); AdamW on the rest"),
+        "projector, no retraction, no weight decay); AdamW on the rest", rules=("original",)),
     Arm("adamw-orthostart", "euclidean", build_adamw,
         "AdamW on every parameter, W_Q, W_K unconstrained but starting from the stiefel arm's orthonormal frames",
         prepare=orthonormal_start),

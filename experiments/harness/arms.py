@@ -63,7 +63,7 @@ from geoopt_stiefel_attention.nn import param_groups
 
 from .config import OptimConfig
 
-__all__ = ["Arm", "ARMS", "register_arm", "get_arm", "available_arms", "OptimizerGroup", "split_frame_groups",
+__all__ = ["Arm", "ARMS", "register_arm", "get_arm", "check_arm", "ArmRuleError", "available_arms", "OptimizerGroup", "split_frame_groups",
            "default_param_groups", "hidden_matrices", "OUTPUT_LAYER_NAMES", "build_muon", "build_stiefel_muon",
            "build_stiefelmuon_muon"]
 
@@ -94,6 +94,11 @@ class Arm:
         lives in the builder rather than in ``build``/``prepare`` (e.g. the language-model study's learned
         logit gain). Empty: the arm works in every study. Any other study refuses the arm instead of silently
         running it as another.
+    rules : tuple of str, default ()
+        The frame-step rules (``OptimConfig.adjust_lr_fn``) the arm's frame optimizer follows, when it does not
+        follow the run's (stock geoopt steps by the paper's rule, torch's and this library's Muon arms by
+        ``match_rms_adamw``). Empty: the arm steps by the run's rule. A run under another rule is refused
+        (:func:`check_arm`) instead of recording a rule it did not use.
     """
 
     name: str
@@ -102,6 +107,7 @@ class Arm:
     description: str = ""
     prepare: Callable[[torch.nn.Module], None] | None = None
     studies: tuple[str, ...] = ()
+    rules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.name, str) and self.name):
@@ -136,6 +142,22 @@ def get_arm(name: str, study: str | None = None) -> Arm:
         raise ValueError(f"arm {name!r} exists only in the {' / '.join(arm.studies)} study (its model builder "
                          f"gives it its meaning), not in {study!r}; arms for {study!r}: "
                          f"{', '.join(available_arms(study))}.")
+    return arm
+
+
+class ArmRuleError(ValueError):
+    """A run whose frame-step rule its arm does not follow (:func:`check_arm`); the CLI prints it as a usage
+    error."""
+
+
+def check_arm(name: str, study: str | None, optim: OptimConfig | None) -> Arm:
+    """:func:`get_arm`, and the refusal of a run whose frame-step rule ``optim.adjust_lr_fn`` the arm does not
+    follow (:attr:`Arm.rules`): such a run would record one rule and step by another."""
+    arm = get_arm(name, study)
+    if arm.rules and optim is not None and optim.adjust_lr_fn not in arm.rules:
+        raise ArmRuleError(f"--arms {name}: the arm steps its frames by adjust_lr_fn={' or '.join(map(repr, arm.rules))} "
+                         f"whatever the run says, so --adjust-lr-fn {optim.adjust_lr_fn} would be recorded but not "
+                         f"used; run it with --adjust-lr-fn {arm.rules[0]} (a separate --out), or use another arm.")
     return arm
 
 
@@ -417,10 +439,10 @@ register_arm(Arm("stiefel", "stiefel", build_stiefel,
                  "W_Q, W_K on PolarStiefel trained by StiefelAdam (frame-scalar Riemannian Adam); AdamW on the rest"))
 register_arm(Arm("geoopt-radam", "stiefel", build_geoopt_radam,
                  "W_Q, W_K on stock geoopt EuclideanStiefel trained by geoopt RiemannianAdam; AdamW on the rest",
-                 prepare=use_stock_euclidean_stiefel))
+                 prepare=use_stock_euclidean_stiefel, rules=("original",)))
 register_arm(Arm("geoopt-rsgd", "stiefel", build_geoopt_rsgd,
                  "W_Q, W_K on stock geoopt EuclideanStiefel trained by geoopt RiemannianSGD with momentum; "
-                 "AdamW on the rest", prepare=use_stock_euclidean_stiefel))
+                 "AdamW on the rest", prepare=use_stock_euclidean_stiefel, rules=("original",)))
 register_arm(Arm("muon", "euclidean", build_muon,
                  "torch Muon (match_rms_adamw) on the hidden matrices, W_Q and W_K included; AdamW on embeddings, "
                  "output layer, norms and biases"))
@@ -432,4 +454,4 @@ register_arm(Arm("stiefel-muon", "stiefel", build_stiefel_muon,
                  "PolarStiefel trained by StiefelAdam; torch Muon on the other hidden matrices; AdamW on the rest"))
 register_arm(Arm("stiefelmuon-muon", "stiefel", build_stiefelmuon_muon,
                  "W_Q, W_K on PolarStiefel trained by StiefelMuon (manifold Muon); torch Muon on the other hidden "
-                 "matrices; AdamW on the rest"))
+                 "matrices; AdamW on the rest", rules=("match_rms_adamw",)))

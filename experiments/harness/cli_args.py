@@ -236,7 +236,7 @@ def build_config(factory, args: argparse.Namespace):
 
 class user_errors:  # noqa: N801 - used as a context manager: ``with user_errors(): ...``
     """Turn the harness's user-facing errors (a run folder holding another run, a folder being trained by
-    another process) into :class:`~geoopt_stiefel_attention._argtypes.UsageError` (one line, exit status 2)."""
+    another process, an arm run under a frame-step rule it does not follow) into :class:`~geoopt_stiefel_attention._argtypes.UsageError` (one line, exit status 2)."""
 
     def __enter__(self) -> None:
         return None
@@ -244,8 +244,9 @@ class user_errors:  # noqa: N801 - used as a context manager: ``with user_errors
     def __exit__(self, kind, err, tb) -> bool:
         from geoopt_stiefel_attention._argtypes import UsageError
 
+        from .arms import ArmRuleError
         from .runner import ConfigMismatchError, RunLockedError
 
-        if isinstance(err, (ConfigMismatchError, RunLockedError)):
+        if isinstance(err, (ConfigMismatchError, RunLockedError, ArmRuleError)):
             raise UsageError(str(err)) from None
         return False

@@ -42,7 +42,7 @@ import torch
 
 from geoopt_stiefel_attention.convert import parametrized_state_dict
 
-from .arms import Arm, default_param_groups, get_arm
+from .arms import Arm, check_arm, default_param_groups, get_arm
 from .batches import BatchSource
 from .config import RunSpec, flag_of, to_dict, with_current_config_class
 from .metrics import MetricHook, StepHook
@@ -453,7 +453,7 @@ def train_run(spec: RunSpec, build_task: TaskBuilder, run_dir: str | os.PathLike
     if threads is not None and not (isinstance(threads, int) and threads > 0):
         raise ValueError(f"train_run: threads={threads!r} must be a positive int or None (--threads).")
     dev = resolve_device(device)
-    get_arm(spec.arm, spec.experiment)
+    check_arm(spec.arm, spec.experiment, getattr(spec.config, "optim", None))
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with _RunLock(run_dir):
@@ -827,7 +827,7 @@ def check_placed_jobs(placed: Sequence[tuple[RunSpec, Path]]) -> None:
     if len(set(folders)) != len(folders):
         raise ValueError(f"run_jobs: two runs share a folder in {[str(d) for d in folders]}; each run needs its own.")
     for s, d in placed:
-        get_arm(s.arm, s.experiment)  # fail before any work on an unknown arm
+        check_arm(s.arm, s.experiment, getattr(s.config, "optim", None))  # fail before any work on an unknown arm
         check_run_dir(Path(d), s)  # ... or on a folder that holds another run
 
 

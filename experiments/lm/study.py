@@ -219,6 +219,12 @@ class LMConfig:
                 f"--max-overlap {self.max_overlap!r}: must be in [0, 1], e.g. 0.25.")
         require(_is_int(self.overlap_ngram) and self.overlap_ngram >= 8,
                 f"--overlap-ngram {self.overlap_ngram!r}: must be an int >= 8, e.g. 32.")
+        if not self.test_fraction:  # these shape the three-way held-out split only: refused rather than ignored
+            for name in ("max_file_share", "max_overlap", "overlap_ngram"):
+                value, default = getattr(self, name), self.__dataclass_fields__[name].default
+                require(value == default, f"--{name.replace('_', '-')} {value!r}: filters the held-out windows of "
+                                          f"the three-way split, which only --test-fraction > 0 makes (e.g. "
+                                          f"--test-fraction 0.1); without it the flag would do nothing.")
         require(isinstance(self.train, TrainConfig), "LMConfig.train must be a TrainConfig.")
         require(isinstance(self.optim, OptimConfig), "LMConfig.optim must be an OptimConfig.")
 
