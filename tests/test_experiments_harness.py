@@ -510,3 +510,25 @@ def test_holm_adjustment_against_a_written_out_case():
     assert comps["b"]["sign_test_p_holm"] is None
     # companion: a single test is not adjusted
     assert holm([0.03]) == pytest.approx([0.03])
+
+
+def test_each_studys_setup_text_names_the_frame_step_rule_when_it_is_not_the_papers():
+    """A frame lr means a frame's step norm under adjust_lr_fn='original' (the studies' default) and a per-entry
+    step under 'match_rms_adamw', √(dr) times larger: each study's report says which, so that one is not read as
+    the other (companion: under the default rule the text is as before, with no rule named)."""
+    from experiments.grokking.study import GrokkingConfig, _intro
+    from experiments.harness.report import frame_rule_text
+    from experiments.lm.study import LMConfig, _setup_paragraph
+    from experiments.vision.study import VisionConfig
+    from experiments.vision.study import _setup_paragraph as vision_setup
+
+    texts = {
+        "grokking": lambda o: _intro(GrokkingConfig(optim=o)),
+        "lm": lambda o: _setup_paragraph(LMConfig(optim=o), ["stiefel"]),
+        "vision": lambda o: vision_setup(VisionConfig(optim=o)),
+    }
+    for study, text in texts.items():
+        paper, per_entry = text(OptimConfig()), text(OptimConfig(adjust_lr_fn="match_rms_adamw"))
+        assert "adjust_lr_fn='match_rms_adamw'" in per_entry and "√(dr)" in per_entry, study
+        assert "adjust_lr_fn" not in paper, study
+    assert frame_rule_text(OptimConfig()) == ""

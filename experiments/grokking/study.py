@@ -30,7 +30,7 @@ from ..harness.command import StudyCommand
 from ..harness.config import OptimConfig, RunSpec, TrainConfig, require
 from ..harness.mechanism import seeds_text
 from ..harness.metrics import QKGeometry, WeightNorms
-from ..harness.report import PaperReference
+from ..harness.report import PaperReference, frame_rule_text
 from ..harness.runner import RunOptions, Task
 from ..harness.study import StudyOutputs, finalize_study, run_study
 from .data import canonical_operation, is_prime, modular_split
@@ -164,7 +164,8 @@ def _intro(config: GrokkingConfig) -> str:
     return (f"Task: (a {config.operation} b) mod {config.p}, train fraction {config.train_fraction}, full batch. "
             f"TinyTransformer {config.depth} layer(s), width {config.width}, {config.heads} heads, MLP {config.mlp}. "
             f"AdamW lr {config.optim.lr:g}, betas {config.optim.betas}, weight decay {config.optim.weight_decay:g} on "
-            f"the Euclidean matrices; frames lr {config.optim.effective_frame_lr:g}, no weight decay. "
+            f"the Euclidean matrices; frames lr {config.optim.effective_frame_lr:g}{frame_rule_text(config.optim)}, no "
+            f"weight decay. "
             f"{config.train.epochs} epochs, evaluated every {config.train.eval_every}. Each seed gives every arm the "
             f"same split and the same initial weights.")
 

@@ -91,6 +91,15 @@ def _show(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+def frame_rule_text(optim: Any) -> str:
+    """What a run's frame lr means, for a report's setup paragraph: nothing under the studies' default rule (the
+    paper's step, ``adjust_lr_fn="original"``: a frame's step has Frobenius norm about lr), else the rule by name
+    and its step size, so that one frame lr is not read as another."""
+    if getattr(optim, "adjust_lr_fn", "original") == "original":
+        return ""
+    return f" (adjust_lr_fn={optim.adjust_lr_fn!r}: per entry, a d × r frame's step is about lr·√(dr))"
+
+
 def fmt_pp(x: float | None, digits: int = 2, sign: bool = True) -> str:
     """A fraction as percentage points, ``+1.23`` (``–`` for None)."""
     if x is None:

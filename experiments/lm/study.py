@@ -620,6 +620,8 @@ def _corpus_paragraph(config: LMConfig) -> str:
 
 
 def _setup_paragraph(config: LMConfig, arms: Sequence[str]) -> str:
+    from ..harness.report import frame_rule_text
+
     o = config.optim
     sched = ("constant learning rate" if config.lr_schedule == "constant" else
              f"{100 * config.warmup_fraction:g}% linear warm-up then cosine decay to 0")
@@ -631,8 +633,8 @@ def _setup_paragraph(config: LMConfig, arms: Sequence[str]) -> str:
             f"windows; {config.train.epochs} evaluation intervals × {config.steps_per_epoch} steps = {config.total_steps} steps "
             f"({config.total_steps * config.batch_size * config.context:,} training bytes). AdamW lr {o.lr:g}, betas "
             f"{o.betas}, eps {o.eps:g}, weight decay {o.weight_decay:g} on the blocks' matrices (none on biases, "
-            f"LayerNorms, gains, embeddings); {sched}; {clip}. Frames: lr {o.effective_frame_lr:g}, no weight decay "
-            f"(StiefelAdam trust region {o.trust_region}).{gain} Evaluation: {config.eval_windows} fixed validation windows, "
+            f"LayerNorms, gains, embeddings); {sched}; {clip}. Frames: lr {o.effective_frame_lr:g}{frame_rule_text(o)}, "
+            f"no weight decay (StiefelAdam trust region {o.trust_region}).{gain} Evaluation: {config.eval_windows} fixed validation windows, "
             f"{config.train_eval_windows} fixed training windows, probe batch of {config.probe_windows} validation "
             f"windows. A seed fixes the initial weights of every arm (the frames are the polar factors of the AdamW "
             f"arm's initial W_Q, W_K head blocks) and the order of the training windows (paired starts).")

@@ -444,9 +444,30 @@ def setup_text(root: str | os.PathLike) -> str:
             f"byte on {c['eval_windows']} fixed validation windows. Every non-frame parameter: AdamW lr {o['lr']:g}, "
             f"betas {tuple(o['betas'])}, weight decay {o['weight_decay']:g}. The stiefel arm's frames: StiefelAdam with "
             f"adjust_lr_fn={o.get('adjust_lr_fn', 'original')!r}, frame lr = μ · lr, trust radius "
-            f"{o['trust_region']} (per entry under match_rms_adamw). Width and heads per shape below; every other "
+            f"{o['trust_region']} as recorded (code before issue 40, commit {FRAME_UNITS_COMMIT}, read it per entry "
+            f"under match_rms_adamw: times √(dr) in a frame's units; later code reads it in a frame's units"
+            f"{_radius_reading(root)}). Width and heads per shape below; every other "
             f"setting is shared. Short runs chosen to locate each optimum within the session's CPU budget, not "
             f"to reach the best loss; read the figures as where the optimum lies, not as final model quality.")
+
+
+#: The commit from which ``--trust-region`` is in a frame's units under every rule (issue 40), and its time.
+FRAME_UNITS_COMMIT, FRAME_UNITS_TIME = "8c09df4", "2026-12-05T15:27:01+00:00"
+
+
+def _radius_reading(root: str | os.PathLike) -> str:
+    """``"; every run here started before it"`` when every run under ``root`` started (``environment.json``) before
+    :data:`FRAME_UNITS_TIME`, so that its code read the radius per entry; ``""`` otherwise (a later run may run
+    either code: its commit says which)."""
+    from datetime import datetime
+
+    limit, starts = datetime.fromisoformat(FRAME_UNITS_TIME), []
+    for env in Path(root).glob("*/runs/*/seed*/environment.json"):
+        data = json.loads(env.read_text())
+        starts += [r.get("started") for r in (data if isinstance(data, list) else [data])]
+    if starts and all(s and datetime.fromisoformat(s) < limit for s in starts):
+        return "; every run here started before it"
+    return ""
 
 
 def read_checks(root: str | os.PathLike) -> list[dict[str, Any]]:

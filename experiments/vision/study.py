@@ -54,6 +54,7 @@ from ..harness.report import (
     fmt_num,
     fmt_p,
     fmt_pp,
+    frame_rule_text,
     paper_section_intro,
     protocol_differences,
     run_lines,
@@ -359,7 +360,7 @@ def _setup_paragraph(config: VisionConfig) -> str:
             f"{config.train.epochs} epochs, augmentation {'on' if config.augment else 'off'}, "
             f"{'bf16 autocast' if config.amp else 'float32'}. AdamW lr {o.lr:g}, betas {o.betas}, eps {o.eps:g}, "
             f"weight decay {o.weight_decay:g} on the Euclidean matrices; {sched}. Frames: StiefelAdam lr "
-            f"{o.effective_frame_lr:g}, trust region {o.trust_region}, no weight decay. A seed fixes the training "
+            f"{o.effective_frame_lr:g}{frame_rule_text(o)}, trust region {o.trust_region}, no weight decay. A seed fixes the training "
             f"subsample, the batch order and the initial weights of every arm (paired starts).")
 
 
