@@ -352,7 +352,7 @@ def test_geoopt_checkpoint_is_converted_and_continues_like_geoopt():
     assert sd["state"][0]["exp_avg_sq"].shape == (3, 10, 4) and sd["state"][0]["step"] == 4  # full size, int
     w2 = geoopt.ManifoldParameter(w.detach().clone(), manifold=PolarStiefel())
     b2 = torch.nn.Parameter(b.detach().clone())
-    opt = StiefelAdam([w2, b2], lr=1e-3, trust_region=None)
+    opt = StiefelAdam([w2, b2], lr=1e-3, trust_region=None, adjust_lr_fn="original")  # geoopt's rule
     opt.load_state_dict(sd)
     state = opt.state[w2]
     assert state["exp_avg_sq"].shape == (3, 1, 1) and torch.equal(state["exp_avg_sq"], sd["state"][0]["exp_avg_sq"][..., :1, :1])
@@ -386,7 +386,7 @@ def test_geoopt_checkpoint_that_is_not_per_frame_is_refused_and_changes_nothing(
 def test_geoopt_amsgrad_buffer_of_a_frame_is_dropped_with_a_warning():
     w, b, opt_geoopt, _ = _geoopt_run(amsgrad=True)
     opt = StiefelAdam([geoopt.ManifoldParameter(w.detach().clone(), manifold=PolarStiefel()),
-                       torch.nn.Parameter(b.detach().clone())], lr=1e-3)
+                       torch.nn.Parameter(b.detach().clone())], lr=1e-3, adjust_lr_fn="original")
     with pytest.warns(UserWarning, match="max_exp_avg_sq"):
         opt.load_state_dict(opt_geoopt.state_dict())
     frame_state, bias_state = (opt.state[p] for p in opt.param_groups[0]["params"])
@@ -1020,3 +1020,30 @@ def test_no_warning_with_a_frame_or_through_param_groups():
     with pytest.warns(UserWarning, match="param_groups: Linear has no Stiefel frame") as record:
         StiefelAdam(param_groups(plain), lr=1e-3)
     assert not [r for r in record if _NO_FRAME in str(r.message)]  # one warning, not two
+
+
+def test_a_checkpoint_without_a_rule_loads_with_the_papers_rule_and_says_so_when_it_changes_the_rule():
+    """A geoopt (or older) checkpoint has no 'adjust_lr_fn': its groups load with 'original', the step they were
+    trained with. Into an optimizer built with the default 'match_rms_adamw' that changes the frames' step size by
+    √(dr), so it warns, naming the group (companion: an optimizer built with 'original' loads it without a word)."""
+    import warnings
+
+    w, b, opt_geoopt, _ = _geoopt_run()
+    sd = opt_geoopt.state_dict()
+
+    def fresh(**kw):
+        return StiefelAdam([geoopt.ManifoldParameter(w.detach().clone(), manifold=PolarStiefel()),
+                            torch.nn.Parameter(b.detach().clone())], lr=1e-3, **kw)
+
+    opt = fresh()
+    with pytest.warns(UserWarning, match=r"group\(s\) 0 .*no 'adjust_lr_fn'.*adjust_lr_fn='original'.*'match_rms_adamw'"):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0]["adjust_lr_fn"] == "original"
+    opt = fresh(adjust_lr_fn="original")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.load_state_dict(copy.deepcopy(sd))
+    own = opt.state_dict()  # a checkpoint that names its rule loads silently into either optimizer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh().load_state_dict(own)

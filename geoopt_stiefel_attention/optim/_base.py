@@ -209,8 +209,11 @@ class FrameOptimizer:
                 raise ValueError(f"{self._NAME}.load_state_dict: parameter group {k} has {len(group['params'])} "
                                  f"parameters here and {len(saved['params'])} in the state dict; build the "
                                  f"optimizer with the same groups as the one that was saved.")
-        new_groups = []
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+        new_groups, rule_changed = [], []
+        for k, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            if ("adjust_lr_fn" in self._GROUP_DEFAULTS and "adjust_lr_fn" not in saved
+                    and group.get("adjust_lr_fn") != self._GROUP_DEFAULTS["adjust_lr_fn"]):
+                rule_changed.append(k)
             saved["params"] = group["params"]
             if "param_names" in group and "param_names" not in saved:
                 saved["param_names"] = group["param_names"]
@@ -235,6 +238,14 @@ class FrameOptimizer:
                                                 self._frame_spec(p, group) if _is_frame(p) else None)
             else:
                 state[key] = value  # state of no parameter is kept as is, as torch does
+        if rule_changed:  # not silent: the frames' step size changes with the rule
+            rule = self._GROUP_DEFAULTS["adjust_lr_fn"]
+            warnings.warn(f"{self._NAME}.load_state_dict: parameter group(s) {', '.join(map(str, rule_changed))} of "
+                          f"the state dict have no 'adjust_lr_fn' (a geoopt optimizer's or an older checkpoint), so "
+                          f"they load with adjust_lr_fn={rule!r}, the step they were saved with, not this optimizer's "
+                          f"{self.param_groups[rule_changed[0]].get('adjust_lr_fn')!r}; set "
+                          f"group['adjust_lr_fn'] after loading to train on with the other rule.",
+                          UserWarning, stacklevel=2)
         self.__setstate__({"state": state, "param_groups": new_groups})
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

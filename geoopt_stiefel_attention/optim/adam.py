@@ -85,7 +85,7 @@ class StiefelAdam(FrameOptimizer, geoopt.optim.RiemannianAdam):
         frame about as much per step as AdamW would move the same block; ``"original"`` is the paper's step
         (:math:`c = 1`, a frame's step has Frobenius norm about ``lr``), and what geoopt's ``RiemannianAdam``
         takes. Groups of a state dict saved without the option (older checkpoints, geoopt's) load as
-        ``"original"``.
+        ``"original"``, with a ``UserWarning`` when that changes the rule the optimizer was built with.
     amsgrad, maximize, foreach : bool
         As in :class:`torch.optim.AdamW`; ``amsgrad`` and ``foreach`` concern Euclidean parameters only.
     differentiable, fused : bool
