@@ -433,6 +433,12 @@ def test_learned_gain_starts_at_one_and_moves_fast():
     assert max(float(p.detach().abs().max()) * 10.0 for p in log_gains) > 1.0  # some gain moved by > e
     with pytest.raises(ValueError, match="gain_rate"):
         stiefelize(case.build(), logit_gain="learn", gain_rate=0.0)
+    with pytest.warns(UserWarning, match=r"gain_rate=5.0 has no effect with logit_gain=None"):
+        stiefelize(case.build(), gain_rate=5.0)  # nothing for the rate to scale: said, not ignored
+    with warnings.catch_warnings():  # companion: the default rate, or a rate with gains, is silent
+        warnings.simplefilter("error")
+        stiefelize(case.build())
+        stiefelize(case.build(), logit_gain="learn", gain_rate=5.0)
     with pytest.raises(ValueError, match="logit_gain='yes' is unknown"):
         stiefelize(case.build(), logit_gain="yes")
 

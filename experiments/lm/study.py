@@ -256,7 +256,7 @@ def build_model(config: LMConfig, *, seed: int, logit_gain: str | None = None, s
         torch.manual_seed(seed)
         model = GPT2LMHeadModel(gpt)
     if stiefel:
-        stiefelize(model, logit_gain=logit_gain, gain_rate=config.gain_rate)
+        stiefelize(model, logit_gain=logit_gain, **({"gain_rate": config.gain_rate} if logit_gain else {}))
     elif logit_gain is not None:
         raise ValueError(f"build_model: logit_gain={logit_gain!r} needs stiefel=True (a gain multiplies frames).")
     if qk_norm:

@@ -396,7 +396,8 @@ def stiefelize(
         ``logits``/``last_hidden_state``/first element.
     gain_rate : float, default :data:`GAIN_RATE`
         The rate in :math:`\gamma_h = \exp(\text{rate}\,\theta_h)`. Adam moves :math:`\theta` by about
-        ``lr`` per step, so with rate 10 and ``lr = 1e-3`` a gain can grow tenfold in about 230 steps.
+        ``lr`` per step, so with rate 10 and ``lr = 1e-3`` a gain can grow tenfold in about 230 steps. Another
+        value with ``logit_gain=None`` (no gains) warns that it has no effect.
 
     Returns
     -------
@@ -447,6 +448,10 @@ def stiefelize(
     if isinstance(gain_rate, bool) or not isinstance(gain_rate, (int, float)) or not (
             math.isfinite(gain_rate) and gain_rate > 0):
         raise ValueError(f"stiefelize: gain_rate={gain_rate!r} is invalid; pass a finite float > 0.")
+    if logit_gain is None and gain_rate != GAIN_RATE:
+        warnings.warn(f"stiefelize: gain_rate={gain_rate!r} has no effect with logit_gain=None (it scales the learned "
+                      f"or fitted query gains); pass logit_gain='learn' or 'fit', or leave gain_rate out.",
+                      UserWarning, stacklevel=2)
     if not isinstance(model, nn.Module):
         raise TypeError(f"stiefelize: model must be an nn.Module, got {type(model).__name__}.")
     table, chooser = _resolve_targets(targets)
