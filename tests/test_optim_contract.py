@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ORTHO_TOL_F64, tiny_transformer
 
-from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, param_groups, stiefel_adam_update
+from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, StiefelMuon, param_groups, stiefel_adam_update
 from geoopt_stiefel_attention._linalg import orthonormality_error
 
 KERNEL_TOL = 1e-11  # float64: fused kernel vs stiefel_adam_update after 120 steps (frames, moments)
@@ -1047,3 +1047,61 @@ def test_a_checkpoint_without_a_rule_loads_with_the_papers_rule_and_says_so_when
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fresh().load_state_dict(own)
+
+
+@pytest.mark.parametrize("cls", [StiefelAdam, StiefelMuon])
+def test_a_tensor_lr_is_checked_at_each_step_like_a_float_one(cls):
+    """A scheduler may write a tensor lr; a negative or NaN one would climb the loss (or fail midway) and a
+    two-element one fail inside the update: each is refused before anything changes, naming lr (companion: a
+    valid tensor lr steps)."""
+    st = PolarStiefel()
+    w = geoopt.ManifoldParameter(st.random(2, 16, 4, dtype=torch.float64), manifold=st)
+    opt = cls([w], lr=1e-2)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    before, w0 = _state_snapshot(opt), w.detach().clone()
+    for bad, match in ((torch.tensor(-0.01), r"lr=tensor\(-0.01"), (torch.tensor(float("nan")), r"lr=tensor\(nan"),
+                       (torch.tensor([1e-3, 1e-3]), r"lr is a tensor of shape \(2,\)")):
+        opt.param_groups[0]["lr"] = bad
+        with pytest.raises(ValueError, match=f"{cls.__name__}: {match}"):
+            opt.step()
+        assert _same_state(before, _state_snapshot(opt)) and torch.equal(w.detach(), w0)
+    opt.param_groups[0]["lr"] = torch.tensor(1e-2)
+    opt.step()
+    assert not torch.equal(w.detach(), w0)
+
+
+def test_changing_second_moment_after_the_first_step_is_refused_before_anything_changes():
+    """The state was made for one second moment; the update cannot read it as another (it failed midway, after the
+    step count had moved). Refused naming the option and both fixes; each fix then steps."""
+    st = PolarStiefel()
+    w = geoopt.ManifoldParameter(st.random(2, 16, 4, dtype=torch.float64), manifold=st)
+    opt = StiefelAdam([w], lr=1e-2)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    before = _state_snapshot(opt)
+    opt.param_groups[0]["second_moment"] = "column"
+    with pytest.raises(ValueError, match=r"second moment of shape \(2, 1, 1\).*second_moment='column'.*\(2, 1, 4\)"):
+        opt.step()
+    assert _same_state(before, _state_snapshot(opt))
+    opt.state[w].clear()  # the second fix: restart the frame's moments under the new option
+    opt.step()
+    assert opt.state[w]["exp_avg_sq"].shape == (2, 1, 4)
+    opt.param_groups[0]["second_moment"] = None  # companion: SGD with momentum reads no second moment
+    opt.step()
+
+
+def test_a_checkpoint_without_a_radius_loads_auto_so_the_radius_follows_a_later_rule():
+    """geoopt's groups have neither adjust_lr_fn nor trust_region: they load as 'original' and 'auto' (the paper's
+    0.1); setting the default rule afterwards then gives that rule's radius, 1, not a stale 0.1 that would cap a
+    128 x 32 frame's step at a sixth of its size."""
+    from geoopt_stiefel_attention._linalg import trust_radius
+
+    w, b, opt_geoopt, _ = _geoopt_run()
+    opt = StiefelAdam([geoopt.ManifoldParameter(w.detach().clone(), manifold=PolarStiefel()),
+                       torch.nn.Parameter(b.detach().clone())], lr=1e-3, adjust_lr_fn="original")
+    opt.load_state_dict(opt_geoopt.state_dict())
+    group = opt.param_groups[0]
+    assert group["trust_region"] == "auto" and trust_radius(group["trust_region"], group["adjust_lr_fn"]) == 0.1
+    group["adjust_lr_fn"] = "match_rms_adamw"
+    assert trust_radius(group["trust_region"], group["adjust_lr_fn"]) == 1.0

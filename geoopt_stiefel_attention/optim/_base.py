@@ -61,6 +61,10 @@ class FrameOptimizer:
     def _step_frames(self, group: dict[str, Any], frames: list[torch.Tensor]) -> None:  # pragma: no cover
         raise NotImplementedError
 
+    def _check_frame_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        """Refuse, before anything changes, a frame whose state no longer fits its group's options (an option that
+        shapes the state was changed after the first step). Nothing to check by default."""
+
     # ------------------------------------------------------------------ construction
     def _check_constructed(self) -> None:
         """After the constructor: refuse all-empty groups; warn once when no parameter is a frame."""
@@ -270,7 +274,8 @@ class FrameOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self._check_frames_still_held()
-        split = _validation.validate_step(self.param_groups, self.state, self._NAME, self._validate_group)
+        split = _validation.validate_step(self.param_groups, self.state, self._NAME, self._validate_group,
+                                          self._check_frame_state)
         for group, (frames, euclidean) in zip(self.param_groups, split, strict=True):
             if frames:
                 self._step_frames(group, frames)

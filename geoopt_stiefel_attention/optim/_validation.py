@@ -27,8 +27,9 @@ ORTHONORMALITY_TOLERANCE = _linalg.ORTHONORMALITY_TOLERANCE
 _DEFAULT_TRUST_REGION = "auto"
 
 #: The group options StiefelAdam adds to torch's Adam options, with the defaults a state dict saved before an
-#: option existed (or by geoopt's RiemannianAdam) loads with.
-_GROUP_DEFAULTS = {"trust_region": _linalg.AUTO_TRUST_REGION["original"], "second_moment": "frame", "stabilize": None,
+#: option existed (or by geoopt's RiemannianAdam) loads with. The radius loads as ``"auto"`` (the paper's 0.1
+#: under the rule such a state dict loads with), so that it follows a rule set on the group afterwards.
+_GROUP_DEFAULTS = {"trust_region": _DEFAULT_TRUST_REGION, "second_moment": "frame", "stabilize": None,
                    "master_weights": False, "adjust_lr_fn": "original"}
 
 
@@ -37,10 +38,25 @@ def _require(ok: bool, message: str, exc: type[Exception] = ValueError) -> None:
         raise exc(message)
 
 
+def check_tensor_lr(lr: torch.Tensor, name: str) -> None:
+    """A tensor ``lr`` (torch's capturable/compiled schedules): one floating-point element, and, where its value
+    can be read without a device synchronisation or a graph break (a CPU tensor outside torch.compile), finite and
+    ``>= 0`` like a float ``lr``; a negative one would climb the loss without a word."""
+    _require(lr.numel() == 1 and lr.is_floating_point(),
+             f"{name}: lr is a tensor of shape {tuple(lr.shape)} and dtype {lr.dtype}; a tensor lr must hold one "
+             f"floating-point value (e.g. torch.tensor(1e-3)).")
+    if lr.device.type == "cpu" and not torch.compiler.is_compiling():
+        value = float(lr)
+        _require(math.isfinite(value) and value >= 0,
+                 f"{name}: lr=tensor({value:g}) is invalid; pass a finite value >= 0 (e.g. torch.tensor(1e-3)).")
+
+
 def _validate_hyperparameters(group: dict[str, Any]) -> None:
     """Raise a ``ValueError`` that names the option and the fix when a group option is out of range."""
     lr = group["lr"]
-    if not isinstance(lr, torch.Tensor):
+    if isinstance(lr, torch.Tensor):
+        check_tensor_lr(lr, "StiefelAdam")
+    else:
         _require(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr >= 0 and math.isfinite(lr),
                  f"StiefelAdam: lr={lr!r} is invalid; pass a finite float >= 0 (e.g. lr=1e-3; lr=0 moves "
                  f"nothing, as at the start of a warm-up).")
@@ -128,9 +144,11 @@ def _can_read_host() -> bool:
 
 
 def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, Any], name: str = "StiefelAdam",
-                  validate_group: Any = None) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+                  validate_group: Any = None,
+                  check_frame_state: Any = None) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
     """Check every group's options (a scheduler or a user may have rewritten ``param_groups`` since the
-    constructor checked them), every gradient and every fresh frame before anything is changed.
+    constructor checked them), every gradient, every fresh frame and (``check_frame_state(p, group, state)``)
+    the state of every frame that has one against its group's options, before anything is changed.
 
     Returns, per group, its parameters with a gradient split into frames and the rest (the step's two updates),
     found on the way."""
@@ -159,6 +177,8 @@ def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, 
                 raise TypeError(f"{name}: frame parameter of shape {tuple(p.shape)} has a complex "
                                 f"gradient; frames and their gradients must be real.")
             local = _local(p)  # a sharded frame: each rank checks its own whole frames
+            if state.get(p) and check_frame_state is not None:
+                check_frame_state(p, group, state[p])
             if not state.get(p) and local.numel() and (not _capturable(group, p.device)
                                                             or _can_read_host()):
                 err = float(_linalg.orthonormality_error(local))

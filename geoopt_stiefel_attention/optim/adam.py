@@ -175,6 +175,21 @@ class StiefelAdam(FrameOptimizer, geoopt.optim.RiemannianAdam):
     def _validate_group(self, group: dict[str, Any]) -> None:
         _validate_hyperparameters(group)
 
+    def _check_frame_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        """The second moment a frame keeps must be the one its group's ``second_moment`` asks for: changed after
+        the first step, the update would fail midway (or broadcast the wrong shape), so it is refused here."""
+        mode = group["second_moment"]
+        if mode is None:
+            return  # Riemannian SGD with momentum reads no second moment
+        v = state.get("exp_avg_sq")
+        want = _state._frame_state_shapes(p, mode)["exp_avg_sq"]
+        if v is None or tuple(v.shape) != want:
+            have = "no second moment" if v is None else f"a second moment of shape {tuple(v.shape)}"
+            raise ValueError(f"StiefelAdam: a frame parameter of shape {tuple(p.shape)} has {have}, but its group "
+                             f"has second_moment={mode!r}, which keeps one of shape {want}: the option was changed "
+                             f"after the frame's first step. Restore it, or restart the frame's moments with "
+                             f"optimizer.state[p].clear().")
+
     # ------------------------------------------------------------------ the step
     def _step_frames(self, group: dict[str, Any], frames: list[torch.Tensor]) -> None:
         states = []

@@ -22,7 +22,7 @@ from ._batching import _frame_batches
 from ._kernel import _rounding_margin
 from ._muon import MUON_ADJUST_LR_FNS, muon_direction, muon_lr_scale
 from ._state import _capturable, _zeros_like_layout, master_copies
-from ._validation import _require
+from ._validation import _require, check_tensor_lr
 
 _local = _distributed.local_tensor
 
@@ -43,7 +43,9 @@ _MUON_GROUP_DEFAULTS = {"momentum": 0.95, "nesterov": True, "adjust_lr_fn": "mat
 def _validate_muon_group(group: dict[str, Any]) -> None:
     """Raise a ``ValueError`` naming the option and the fix when a StiefelMuon group option is out of range."""
     lr = group["lr"]
-    if not isinstance(lr, torch.Tensor):
+    if isinstance(lr, torch.Tensor):
+        check_tensor_lr(lr, "StiefelMuon")
+    else:
         _require(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr >= 0 and math.isfinite(lr),
                  f"StiefelMuon: lr={lr!r} is invalid; pass a finite float >= 0 (e.g. lr=1e-3).")
     mu = group["momentum"]
