@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _guard
-from ._linalg import ADJUST_LR_FNS
+from ._linalg import ADJUST_LR_FNS, ORTHONORMALITY_TOLERANCE, orthonormality_error
 
 # The converter lives in .convert, which does not import this module (no cycle); its stiefelize is re-exported
 # here. The module-replacement helpers of from_euclidean/from_torch are at the end of this module.
@@ -270,9 +270,18 @@ class _MultiheadAttentionBase(nn.Module):
         return obj
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Redraw every parameter as the constructor does (from ``generator``, or torch's global RNG)."""
+        """Redraw every parameter as the constructor does (from ``generator``, or torch's global RNG), in place:
+        the parameter objects (which an optimizer may hold) and their ``requires_grad`` are kept, as by
+        :meth:`torch.nn.MultiheadAttention._reset_parameters`."""
+        held = dict(self.named_parameters(recurse=False))
         self._install(self._draw(generator=generator, device=self.w_o.device, dtype=self.w_o.dtype),
                       logit_gain=self.logit_gain is not None)
+        with torch.no_grad():
+            for name, fresh in list(self.named_parameters(recurse=False)):
+                old = held.get(name)
+                if old is not None and old.shape == fresh.shape and old.dtype == fresh.dtype:
+                    old.copy_(fresh)
+                    setattr(self, name, old)
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
@@ -564,6 +573,36 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
     def _wrap_frame(self, w: Tensor) -> nn.Parameter:
         manifold = PolarStiefel()
         return geoopt.ManifoldParameter(manifold.projx(w), manifold=manifold)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """``load_state_dict`` keeps ``w_q``/``w_k`` frames: a loaded matrix that is not orthonormal (a Euclidean
+        module's weights share these keys and shapes) is replaced by its polar factor with a ``UserWarning``
+        (to carry a Euclidean module's function over, use :meth:`from_euclidean` instead), and ``assign=True``
+        installs the loaded tensors as :class:`geoopt.ManifoldParameter` s on the frame's manifold, keeping
+        ``requires_grad``, rather than as plain parameters that no frame optimizer would see."""
+        assign = local_metadata.get("assign_to_params_buffers", False)
+        for name in ("w_q", "w_k"):
+            key, current = prefix + name, getattr(self, name, None)
+            given = state_dict.get(key)
+            if not isinstance(given, Tensor) or not isinstance(current, Tensor) or given.shape != current.shape \
+                    or given.device.type == "meta" or not given.is_floating_point():
+                continue  # torch reports a missing key or a shape mismatch itself
+            tol = ORTHONORMALITY_TOLERANCE.get(current.dtype, 1e-4)
+            with torch.no_grad():
+                err = float(orthonormality_error(given.detach().to(current.dtype)))
+                if not err <= tol:
+                    warnings.warn(f"load_state_dict: {key} is not orthonormal (max|W^T W - I| = {err:.3g} > {tol:g}; "
+                                  f"a Euclidean module's weights?); its polar factor is loaded. To carry a Euclidean "
+                                  f"module's function over, use StiefelMultiheadAttention.from_euclidean.",
+                                  UserWarning, stacklevel=3)
+                    given = PolarStiefel().projx(given.detach().to(current.dtype)).to(given.dtype)
+            if assign and not isinstance(given, geoopt.ManifoldParameter):
+                given = geoopt.ManifoldParameter(given.detach(), manifold=current.manifold,
+                                                 requires_grad=current.requires_grad)
+            state_dict[key] = given
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def _apply(self, fn, recurse: bool = True) -> StiefelMultiheadAttention:
         """``.to()``, ``.double()``, ``.half()``, ...: after a cast to a more precise dtype the frames are

@@ -746,7 +746,8 @@ def test_assigning_a_weight_sets_frames_to_its_polar_factors():
     stiefelize(model)
     attn = model.layers[0].self_attn
     new = torch.randn(48, 16, dtype=F64, generator=torch.Generator().manual_seed(3))
-    attn.in_proj_weight = new
+    with pytest.warns(UserWarning, match="reads back up to"):  # not frames: said (see the test below)
+        attn.in_proj_weight = new
     rebuilt = attn.in_proj_weight.detach()
     assert torch.equal(rebuilt[32:], new[32:])  # value rows: as assigned
     for h in range(4):  # query head h: the polar factor U of its block A (U orthonormal, U^T A symmetric PD)
@@ -995,3 +996,36 @@ def test_the_models_check_finds_a_frame_off_the_manifold_and_names_it():
         model(_x(2, 5, 16))
     unstiefelize(model)  # ... and unstiefelize removes the model's hooks
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_assigning_a_weight_that_is_not_scaled_frames_warns_and_frozen_weights_get_frozen_gains():
+    """``module.weight = w`` sets the frames to the polar factors of w's head blocks: when the weight then reads
+    back differently, it says so (companion: assigning the weight it reads, gains included, is silent and exact).
+    A frozen model converted with logit gains keeps everything frozen."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4)
+    stiefelize(nn.Sequential(mha), logit_gain="fit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same = mha.in_proj_weight.detach().clone()
+        mha.in_proj_weight = same
+    assert torch.allclose(mha.in_proj_weight, same, atol=1e-6)
+    with pytest.warns(UserWarning, match=r"in_proj_weight: the assigned weight's query/key head blocks are not"):
+        mha.in_proj_weight = torch.randn(96, 32)
+    frozen = nn.Sequential(nn.MultiheadAttention(32, 4))
+    frozen.requires_grad_(False)
+    stiefelize(frozen, logit_gain="fit")
+    assert [n for n, p in frozen.named_parameters() if p.requires_grad] == []
+    thawed = nn.Sequential(nn.MultiheadAttention(32, 4))
+    stiefelize(thawed, logit_gain="fit")  # companion: a trainable weight gets a trainable gain
+    assert any(n.endswith("q_log_gain") and p.requires_grad for n, p in thawed.named_parameters())
+
+
+def test_the_probe_restores_every_modules_own_mode():
+    """``probe=`` runs the model in eval mode and then restores each module's mode as it was, a submodule kept in
+    eval on purpose included (companion: the model's own mode is restored too)."""
+    model = nn.Sequential(nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.1), nn.Linear(32, 8))
+    model.train()
+    model[1].eval()
+    stiefelize(model, probe=torch.randn(5, 2, 32))
+    assert model.training and model[0].training and not model[1].training

@@ -332,3 +332,51 @@ def test_modules_pickled_before_batch_first_stay_batch_first():
     assert restored.batch_first is True
     x = torch.randn(N, L, E)
     torch.testing.assert_close(restored(x, x, x)[0], m(x, x, x)[0], rtol=0, atol=0)  # read as (batch, seq, embed)
+
+
+def test_load_state_dict_keeps_the_frames_frames():
+    """A Euclidean module's state dict has the Stiefel module's keys and shapes: loaded as it is, the frames would
+    be plain matrices and the module the Euclidean one without a word. Their polar factors are loaded, with a
+    warning; assign=True (loading onto a meta module) keeps them ManifoldParameters that a frame optimizer sees.
+    Companion: the module's own state dict loads silently and exactly."""
+    import warnings
+
+    from geoopt_stiefel_attention import frame_parameters
+
+    stiefel = StiefelMultiheadAttention(16, 4, generator=torch.Generator().manual_seed(0))
+    euclid = EuclideanMultiheadAttention(16, 4, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match=r"w_[qk] is not orthonormal .*polar factor is loaded.*from_euclidean"):
+        stiefel.load_state_dict(euclid.state_dict())
+    for w in (stiefel.w_q, stiefel.w_k):
+        assert w.manifold.check_point_on_manifold(w)
+    assert torch.equal(stiefel.w_v, euclid.w_v)
+    other = StiefelMultiheadAttention(16, 4, generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        other.load_state_dict(stiefel.state_dict())
+    assert torch.equal(other.w_q, stiefel.w_q) and torch.equal(other.w_k, stiefel.w_k)
+    with torch.device("meta"):
+        empty = StiefelMultiheadAttention(16, 4)
+    empty.w_k.requires_grad_(False)
+    empty.load_state_dict(stiefel.state_dict(), assign=True)
+    assert [n for n, _ in empty.named_parameters() if n in ("w_q", "w_k")] == ["w_q", "w_k"]
+    assert len(frame_parameters(empty)) == 2 and not empty.w_k.requires_grad
+    assert torch.equal(empty.w_q, stiefel.w_q) and empty.w_q.device.type == "cpu"
+
+
+@pytest.mark.parametrize("cls", [StiefelMultiheadAttention, EuclideanMultiheadAttention])
+def test_reset_parameters_redraws_in_place_keeping_the_objects_an_optimizer_holds(cls):
+    """As torch's nn.MultiheadAttention._reset_parameters: new values in the same parameter objects (an optimizer
+    built before keeps training them) with their requires_grad; the values are a fresh module's from the same
+    generator (companion: they differ from the values before)."""
+    module = cls(16, 4, generator=torch.Generator().manual_seed(0))
+    held = dict(module.named_parameters())
+    before = {n: p.detach().clone() for n, p in held.items()}
+    module.w_k.requires_grad_(False)
+    module.reset_parameters(torch.Generator().manual_seed(5))
+    fresh = cls(16, 4, generator=torch.Generator().manual_seed(5))
+    for name, p in module.named_parameters():
+        assert p is held[name]
+        assert torch.equal(p, dict(fresh.named_parameters())[name])
+        assert torch.equal(p, torch.zeros_like(p)) or not torch.equal(p, before[name])  # biases start at zero
+    assert not module.w_k.requires_grad and module.w_q.requires_grad

@@ -418,6 +418,13 @@ def stiefelize(
     load as they are. A pure ``q_proj``/``k_proj`` weight keeps its empty rest as a non-persistent buffer, so
     no zero-size parameter appears.
 
+    **Writing a converted weight.** A converted weight is computed from its frames at each read, so an in-place
+    write to it (``weight.copy_(w)``, ``nn.init.*_(weight)``, an init pass after conversion such as HuggingFace's
+    ``post_init``) changes only the tensor that read returned, not the model (torch's parametrizations behave so).
+    Assign instead (``module.weight = w``) or use ``load_state_dict``: both set the frames to the polar factors of
+    the head blocks, and warn when the weight then reads back differently. A ``logit_gain`` of a weight with
+    ``requires_grad=False`` is created frozen too.
+
     Raises
     ------
     ValueError
@@ -608,6 +615,7 @@ def _apply(site: _Site, logit_gain: str | None, gain_rate: float, gain: Tensor |
         label = ".".join(x for x in (site.path, inner, attr) if x)  # the weight's path in the model
         parametrize.register_parametrization(owner, attr, _QKWeight(weight, pieces[0].dim, specs, gain_rate,
                                                                     label=label), unsafe=True)
+        owner.parametrizations[attr][0].__dict__["_registered"] = True  # later right_inverse calls are assignments
         if _is_torch_mha(owner):  # its forward reads the weight three times: build it once per model forward
             owner.parametrizations[attr][0].__dict__["_reread"] = True
         plist = owner.parametrizations[attr]
@@ -630,7 +638,7 @@ def _apply(site: _Site, logit_gain: str | None, gain_rate: float, gain: Tensor |
 
 
 def _probe(model: nn.Module, batch: Any) -> Tensor:
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]  # every module's own mode, restored as it was
     model.eval()
     try:
         with torch.no_grad():
@@ -641,7 +649,8 @@ def _probe(model: nn.Module, batch: Any) -> Tensor:
             else:
                 out = model(batch)
     finally:
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
     for name in ("logits", "last_hidden_state"):
         if getattr(out, name, None) is not None:
             out = getattr(out, name)

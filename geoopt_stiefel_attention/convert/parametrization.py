@@ -5,6 +5,7 @@ its ``(heads, d, r)`` frames (:class:`_QKWeight`), and a bias whose query/key en
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _guard
+from .._linalg import ORTHONORMALITY_TOLERANCE
 from ..manifolds import PolarStiefel, frame_dtypes, reproject_after_cast_
 
 #: Marker attribute set on a converted attention module (read by :func:`converted_query_key_frames`).
@@ -65,8 +67,9 @@ class _QKWeight(nn.Module):
             setattr(self, f"{piece['role']}_frames",
                     geoopt.ManifoldParameter(frames.contiguous(), manifold=manifold,
                                              requires_grad=weight.requires_grad))
-            if piece.get("gain") is not None:
-                self.q_log_gain = nn.Parameter(piece["gain"].log() / self.gain_rate)
+            if piece.get("gain") is not None:  # trained, or frozen, with the weight it scales
+                self.q_log_gain = nn.Parameter(piece["gain"].log() / self.gain_rate,
+                                               requires_grad=weight.requires_grad)
         if cursor < weight.shape[dim]:
             segments.append(("rest", cursor, weight.shape[dim] - cursor))
         self.segments = tuple(segments)
@@ -166,7 +169,8 @@ class _QKWeight(nn.Module):
         """The rest of ``weight`` (query/key slices removed), stored as ``original``.
 
         Called at registration and on assignment (``module.weight = w``); on assignment the frames are also
-        set to the polar factors of ``w``'s query/key head blocks (the log-gains are kept).
+        set to the polar factors of ``w``'s query/key head blocks (the log-gains are kept), with a ``UserWarning``
+        when the weight then reads back differently from ``w`` (blocks that are not scaled frames).
         """
         manifold = PolarStiefel()
         with torch.no_grad():
@@ -179,8 +183,21 @@ class _QKWeight(nn.Module):
         if not rest:
             shape = list(weight.shape)
             shape[self.dim] = 0
-            return weight.new_empty(shape)
-        return torch.cat(rest, dim=self.dim).contiguous()
+            out = weight.new_empty(shape)
+        else:
+            out = torch.cat(rest, dim=self.dim).contiguous()
+        if self.__dict__.get("_registered", False):  # an assignment, not the call register_parametrization makes
+            with torch.no_grad():
+                reads = self._build(out.to(weight.dtype))
+                tol = ORTHONORMALITY_TOLERANCE.get(reads.dtype, 1e-4) * max(1.0, float(weight.detach().abs().max()))
+                gap = float((reads - weight.detach()).abs().max())
+            if not gap <= tol:
+                warnings.warn(f"{getattr(self, 'label', 'converted weight')}: the assigned weight's query/key head "
+                              f"blocks are not (scaled) orthonormal frames, so their polar factors are set: it reads "
+                              f"back up to {gap:.3g} away from what was assigned. Assign the weight of a stock model to "
+                              f"the stock model, or use load_state_dict, which says the same per head.",
+                              UserWarning, stacklevel=4)
+        return out
 
     def extra_repr(self) -> str:
         return ", ".join(f"{role}[{s}:{s + n}]" for role, s, n in self.segments) + f", dim={self.dim}"
