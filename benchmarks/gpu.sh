@@ -10,18 +10,33 @@
 # 768 (StiefelMuon, StiefelAdam, torch Muon, AdamW), written beside it as gpu_check_<UTC time>_muon.json.
 #
 #   benchmarks/gpu.sh                         # on cuda
-#   benchmarks/gpu.sh --out /tmp/check.json   # any option of `stiefel-attention bench` is passed on;
+#   benchmarks/gpu.sh --out /tmp/check.json   # any option of `stiefel-attention bench gpu` is passed on;
 #   benchmarks/gpu.sh --device cpu --scale tiny --compile-backend aot_eager   # the smoke test the suite runs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="benchmarks/results/gpu_check_$(date -u +%Y%m%dT%H%M%SZ).json"
 python -m geoopt_stiefel_attention bench gpu --device cuda --out "$out" "$@"
 python -m experiments.grokking.speed --device cuda --out "$out" "$@"
-# StiefelMuon beside StiefelAdam, torch's Muon on the same frames and AdamW at the widest configuration (issue #41)
+# StiefelMuon beside StiefelAdam, torch's Muon on the same frames and AdamW at the widest configuration (issue #41).
+# `bench muon` refuses the flags it does not read, so of the caller's options it gets only --device, --threads,
+# --scale and --json; --scale tiny (the smoke test: width 128, one round) replaces --widths 768 --rounds 5.
 muon_out="${out%.json}_muon.json"
+muon_args=()
+size=(--widths 768 --rounds 5)
 prev=""
-for arg in "$@"; do  # an --out given by the caller: the muon table goes beside it
-  if [ "$prev" = "--out" ]; then muon_out="${arg%.json}_muon.json"; fi
+for arg in "$@"; do
+  case "$prev" in
+    --out) muon_out="${arg%.json}_muon.json" ;;  # an --out given by the caller: the muon table goes beside it
+    --device|--threads) muon_args+=("$prev" "$arg") ;;
+    --scale) if [ "$arg" = tiny ]; then size=(--scale tiny); else size+=(--scale "$arg"); fi ;;
+  esac
+  case "$arg" in
+    --out=*) muon_out="${arg#--out=}"; muon_out="${muon_out%.json}_muon.json" ;;
+    --device=*|--threads=*|--json) muon_args+=("$arg") ;;
+    --scale=tiny) size=(--scale tiny) ;;
+    --scale=*) size+=("$arg") ;;
+  esac
   prev="$arg"
 done
-python -m geoopt_stiefel_attention bench muon --device cuda --widths 768 --rounds 5 "$@" --out "$muon_out"
+python -m geoopt_stiefel_attention bench muon --device cuda "${size[@]}" ${muon_args[@]+"${muon_args[@]}"} \
+  --out "$muon_out"

@@ -295,7 +295,8 @@ def test_cli_out_is_checked_before_the_benchmark_runs(tmp_path, monkeypatch, cap
 
     for name in ("step_time_benchmark", "step_path_benchmark", "train_step_benchmark", "accelerator_check"):
         monkeypatch.setattr(bench.cli, name, started)  # the names `bench.cli.run` calls
-    argv = ["bench", what, "--rounds", "1", "--steps", "1", "--device", "cpu", "--out"]
+    sizes = [] if what == "gpu" else ["--rounds", "1", "--steps", "1"]  # 'gpu' refuses both (its sizes are fixed)
+    argv = ["bench", what, *sizes, "--device", "cpu", "--out"]
     status = cli_status([*argv, str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert status == 2 and "Traceback" not in err, err
@@ -354,8 +355,10 @@ def test_cli_bench_train_w64_scale_and_missing_packages(monkeypatch, capsys, cli
     doc = json.loads(out.read_text())
     assert doc["settings"]["scale"] == "tiny" and doc["results"][0]["config"]["width"] == 16
     capsys.readouterr()
-    assert cli_status(["bench", "step", "--scale", "w64", "--rounds", "1"]) == 2
-    assert "--scale w64 is for 'train' only" in capsys.readouterr().err
+    assert cli_status(["bench", "muon", "--scale", "w64", "--rounds", "1"]) == 2
+    assert "--scale w64 is for 'train' only; 'muon' takes default or tiny" in capsys.readouterr().err
+    assert cli_status(["bench", "step", "--scale", "w64", "--rounds", "1"]) == 2  # 'step' takes no --scale at all
+    assert "--scale is for 'train', 'gpu' and 'muon'; 'step' does not take it" in capsys.readouterr().err
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "timm" else real(name, *a))
     assert cli_status(["bench", "train", "--models", "timm_vit", "--rounds", "1", "--steps", "1"]) == 2
@@ -385,6 +388,13 @@ BAD_COMMANDS = {
     "bench step --optimizers stiefel compiled": "argument --optimizers: invalid choice: 'compiled'",
     "bench paths --optimizers stiefel": "--optimizers chooses what 'step' times; 'paths' does not take it",
     "bench train --paths eager": "--paths chooses what 'paths' times; 'train' does not take it",
+    "bench muon --lr 0.5": "--lr is for 'step', 'paths' and 'train'; 'muon' does not take it",
+    "bench gpu --rounds 2": "--rounds is for 'step', 'paths', 'train' and 'muon'; 'gpu' does not take it",
+    "bench step --grid full": "--grid is for 'paths'; 'step' does not take it",
+    "bench paths --widths 128": "--widths is for 'step' and 'muon'; 'paths' does not take it",
+    "bench train --dtype float64": "--dtype is for 'step' and 'paths'; 'train' does not take it (it trains float32 "
+                                   "parameters; for mixed precision use --autocast bfloat16 or float16)",
+    "bench muon --scale tiny --widths 512": "--widths: 'muon --scale tiny' is the smoke test (width 128, one round)",
     "bench paths --grid long": "argument --grid: invalid choice: 'long'",
     "bench paths --compile-backend nope": "--compile-backend 'nope' is not a torch.compile backend",
     "bench gpu --device cpu": "'gpu' writes its results as JSON: pass --out PATH",
@@ -410,6 +420,143 @@ def test_cli_user_error_in_a_real_process_has_no_traceback():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert "Traceback" not in proc.stderr and "argument --steps" in proc.stderr.strip().splitlines()[-1]
+
+
+# ------------------------------------------------------------------------------------- the flags a benchmark reads
+def _fake_benchmarks(monkeypatch) -> list:
+    """Replace the function each benchmark calls by one that records its call (and runs nothing); the list of
+    ``(benchmark, args, kwargs)`` it returns fills as they are called."""
+    from geoopt_stiefel_attention.bench import muon as muon_bench
+
+    calls = []
+
+    def fake(what, result):
+        def benchmark(*args, **kwargs):
+            calls.append((what, args, kwargs))
+            return result
+        return benchmark
+
+    for what, module, name in (("step", bench.cli, "step_time_benchmark"), ("paths", bench.cli, "step_path_benchmark"),
+                               ("train", bench.cli, "train_step_benchmark"), ("gpu", bench.cli, "accelerator_check"),
+                               ("muon", muon_bench, "muon_step_benchmark")):
+        monkeypatch.setattr(module, name, fake(what, {"settings": {}} if what == "gpu" else []))
+    monkeypatch.setattr(bench.cli, "format_check", lambda doc: "check")
+    return calls
+
+
+#: benchmark -> a flag it does not read: a value away from the default, then the default itself
+IGNORED_FLAGS = {
+    "step": ("--grid", "full", "short"),
+    "paths": ("--widths", "128", "128 256 512 768"),
+    "train": ("--dtype", "float64", "float32"),
+    "gpu": ("--lr", "0.5", "0.001"),
+    "muon": ("--clock", "cpu", "wall"),
+}
+
+
+@pytest.mark.parametrize("what", list(IGNORED_FLAGS))
+def test_cli_refuses_a_flag_the_benchmark_does_not_read(what, tmp_path, monkeypatch, capsys, cli_status):
+    """Nothing is silent: a flag that the benchmark would ignore is one line naming the flag and the benchmark,
+    exit status 2, and the benchmark does not run, whether the flag is set away from its default or to it."""
+    calls = _fake_benchmarks(monkeypatch)
+    flag, value, default = IGNORED_FLAGS[what]
+    out = tmp_path / "bench.json"
+    for given in (value, default):
+        assert cli_status(["bench", what, flag, *given.split(), "--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert err.startswith(f"stiefel-attention bench: error: {flag} is for ") and f"; '{what}' does not take it" in err
+        assert calls == [] and captured.out == "" and not out.exists()
+
+
+#: benchmark -> every flag it reads besides --device, --threads, --out and --json, set away from its default (but
+#: muon's --scale: tiny, its smoke test, would replace --widths and --rounds)
+READ_FLAGS = {
+    "step": ["--widths", "128", "--optimizers", "stiefel", "matmul_floor", "--rounds", "2", "--steps", "3",
+             "--lr", "0.5", "--dtype", "float64", "--clock", "cpu", "--seed", "9"],
+    "paths": ["--paths", "eager", "matmul_floor", "--grid", "full", "--compile-backend", "aot_eager", "--rounds", "2",
+              "--steps", "3", "--lr", "0.5", "--dtype", "bfloat16", "--clock", "cpu", "--seed", "9"],
+    "train": ["--models", "tiny_transformer", "--scale", "tiny", "--autocast", "bfloat16", "--rounds", "2",
+              "--steps", "3", "--lr", "0.5", "--clock", "cpu", "--seed", "9"],
+    "gpu": ["--scale", "tiny", "--compile-backend", "aot_eager", "--clock", "cpu", "--seed", "9"],
+    "muon": ["--widths", "128", "256", "--rounds", "2", "--scale", "default"],
+}
+
+
+@pytest.mark.parametrize("what", list(READ_FLAGS))
+def test_cli_passes_every_flag_the_benchmark_reads(what, tmp_path, monkeypatch, capsys):
+    """Companion of the refusal: every flag of the benchmark's row of the table is accepted and reaches the
+    benchmark function; the JSON records the settings the benchmark ran with."""
+    from dataclasses import replace
+
+    from geoopt_stiefel_attention.bench.settings import BENCH_DEFAULTS
+
+    assert {a for a in READ_FLAGS[what] if a.startswith("--")} == set(bench.cli.BENCHMARK_READS[what])
+    calls = _fake_benchmarks(monkeypatch)
+    out = tmp_path / "bench.json"
+    assert main(["bench", what, *READ_FLAGS[what], "--device", "cpu", "--threads", "1", "--out", str(out),
+                 "--json"]) == 0
+    timing = dict(rounds=2, steps_per_round=3, lr=0.5, clock="cpu", threads=1, seed=9, device="cpu")
+    expected = {  # benchmark -> (positional arguments, keyword arguments) of its function
+        "step": (((128,),), dict(optimizers=("stiefel", "matmul_floor"),
+                                 settings=replace(BENCH_DEFAULTS["step"], dtype="float64", **timing))),
+        "paths": ((bench.path_frame_sets("full"),), dict(paths=("eager", "matmul_floor"), compile_backend="aot_eager",
+                                                         settings=replace(BENCH_DEFAULTS["paths"], dtype="bfloat16",
+                                                                          **timing))),
+        "train": ((("tiny_transformer",),), dict(scale="tiny", autocast="bfloat16",
+                                                 settings=replace(BENCH_DEFAULTS["train"], **timing))),
+        "gpu": (("cpu",), dict(scale="tiny", clock="cpu", threads=1, compile_backend="aot_eager", seed=9)),
+        "muon": (((128, 256),), dict(rounds=2, threads=1, device="cpu")),
+    }[what]
+    assert calls == [(what, *expected)]
+    if what == "muon":  # the smoke test: width 128, one round
+        assert main(["bench", "muon", "--scale", "tiny", "--json"]) == 0
+        assert calls[1] == ("muon", ((128,),), dict(rounds=1, threads=1, device="cpu"))
+    if what in ("step", "paths", "train"):
+        settings = json.loads(out.read_text())["settings"]
+        assert settings["lr"] == 0.5 and settings["seed"] == 9 and settings["clock"] == "cpu"
+        assert settings["dtype"] == {"step": "float64", "paths": "bfloat16", "train": "float32"}[what]
+
+
+def test_cli_bench_train_records_the_dtype_it_trains_in(monkeypatch, capsys):
+    """'train' trains float32 parameters (mixed precision with --autocast): the JSON and the table's footer say
+    so, not --dtype's value (which 'train' refuses)."""
+    calls = _fake_benchmarks(monkeypatch)
+    assert main(["bench", "train", "--scale", "tiny", "--autocast", "float16", "--json"]) == 0
+    settings = json.loads(capsys.readouterr().out)["settings"]
+    assert (settings["dtype"], settings["autocast"]) == ("float32", "float16")
+    assert main(["bench", "train", "--scale", "tiny"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(", float32 on cpu.")
+    assert main(["bench", "train", "--scale", "tiny", "--autocast", "bfloat16"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(", float32 (bfloat16 autocast) on cpu.")
+    assert [c[2]["autocast"] for c in calls] == ["float16", None, "bfloat16"]
+    assert {c[2]["settings"].dtype for c in calls} == {"float32"}
+
+
+def test_cli_refuses_an_unread_setting_of_a_namespace_not_made_by_the_parser(monkeypatch):
+    """``bench.run`` called with a namespace built in code (no record of the flags given) refuses a setting the
+    benchmark does not read when it differs from the default; companion: the defaults alone run."""
+    from geoopt_stiefel_attention.cli import UsageError, build_parser
+
+    calls = _fake_benchmarks(monkeypatch)
+    args = build_parser().parse_args(["bench", "muon"])
+    args.lr = 0.5
+    with pytest.raises(UsageError, match="--lr is for 'step', 'paths' and 'train'; 'muon' does not take it"):
+        bench.run(args)
+    assert calls == []
+    args.lr = 1e-3
+    assert bench.run(args) == 0 and [c[0] for c in calls] == ["muon"]
+
+
+def test_every_flag_of_the_table_is_an_option_read_by_some_benchmark():
+    from geoopt_stiefel_attention.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices["bench"]
+    options = {o for a in sub._actions for o in a.option_strings} - {"-h", "--help"}
+    table = {f for flags in bench.cli.BENCHMARK_READS.values() for f in flags}
+    assert table | set(bench.cli.EVERY_BENCHMARK_READS) == options
+    assert set(bench.cli.BENCHMARK_READS) == set(next(a for a in sub._actions if a.dest == "what").choices)
 
 
 def test_demo_accepts_valid_arguments(capsys):

@@ -42,52 +42,120 @@ from .train import (
 HELP = "Time the StiefelAdam step against AdamW and stock geoopt RiemannianAdam (ratios, memory); --json."
 
 # ----------------------------------------------------------------------------------------------- CLI
+#: Flags that every benchmark reads.
+EVERY_BENCHMARK_READS = ("--device", "--threads", "--out", "--json")
+
+#: benchmark -> the other flags it reads. A flag that a benchmark does not read is refused when it is given on the
+#: command line at all (even at its default value), in one line naming the flag and the benchmark, before anything
+#: runs: nothing the user asks for is ignored silently.
+BENCHMARK_READS: dict[str, tuple[str, ...]] = {
+    "step": ("--widths", "--optimizers", "--rounds", "--steps", "--lr", "--dtype", "--clock", "--seed"),
+    "paths": ("--paths", "--grid", "--compile-backend", "--rounds", "--steps", "--lr", "--dtype", "--clock",
+              "--seed"),
+    "train": ("--models", "--scale", "--autocast", "--rounds", "--steps", "--lr", "--clock", "--seed"),
+    "gpu": ("--scale", "--compile-backend", "--clock", "--seed"),
+    "muon": ("--widths", "--rounds", "--scale"),
+}
+
+#: what a flag is for, where the refusal says more than which benchmarks read it
+_PURPOSE = {"--optimizers": "chooses what 'step' times", "--paths": "chooses what 'paths' times"}
+
+#: (benchmark, flag) -> what the refusal adds
+_INSTEAD = {
+    ("train", "--dtype"): " (it trains float32 parameters; for mixed precision use --autocast bfloat16 or float16)",
+    **{("gpu", flag): " (its sizes are fixed; --scale tiny makes them a smoke test)"
+       for flag in ("--widths", "--rounds", "--steps")},
+    **{("muon", flag): " (it times every optimizer in float32 at lr 1e-3, one step per round, on the wall clock)"
+       for flag in ("--lr", "--dtype", "--steps", "--clock")},
+}
+
+
+class _Given(argparse.Action):
+    """Stores the value as ``store`` does, and records the flag in ``namespace._given``: a benchmark refuses a flag
+    it does not read when it is given at all, even at its default value (:func:`_refuse_unread`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace._given = (*getattr(namespace, "_given", ()), self.option_strings[0])
+
+
+def _read_by(flag: str) -> str:
+    readers = [f"'{what}'" for what, flags in BENCHMARK_READS.items() if flag in flags]
+    return f"{', '.join(readers[:-1])} and {readers[-1]}" if len(readers) > 1 else readers[0]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``stiefel-attention bench``."""
-    parser.add_argument("what", nargs="?", choices=("step", "train", "paths", "gpu", "muon"), default="step",
+    """Options of ``stiefel-attention bench``; each help ends with the benchmarks that read the flag
+    (:data:`BENCHMARK_READS`)."""
+
+    def add(flag: str, help: str, **kwargs) -> None:
+        parser.add_argument(flag, action=_Given, help=f"{help} [read by {_read_by(flag)}]", **kwargs)
+
+    parser.add_argument("what", nargs="?", choices=tuple(BENCHMARK_READS), default="step",
                         help="'step': optimizer step on Q/K frames against competitors (default); 'train': full "
                              "training step; 'paths': the step's eager, capturable and compiled paths against "
                              "the product floor; 'gpu': the prepared accelerator check (needs --out); 'muon': "
                              "StiefelMuon beside StiefelAdam, torch's Muon on the same frames and AdamW (minimum "
-                             "over --rounds interleaved rounds)")
-    parser.add_argument("--widths", type=positive_int, nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
-                        metavar="WIDTH", help=f"configurations for 'step', any of {' '.join(map(str, CONFIGS))} "
-                                              f"(default: all)")
-    parser.add_argument("--optimizers", nargs="+", default=None, choices=STEP_OPTIMIZERS, metavar="OPTIMIZER",
-                        help=f"what 'step' times, any of {' '.join(STEP_OPTIMIZERS)} (default: all)")
-    parser.add_argument("--paths", nargs="+", default=None, choices=STEP_PATHS, metavar="PATH",
-                        help=f"what 'paths' times, any of {' '.join(STEP_PATHS)} (default: all)")
-    parser.add_argument("--grid", default="short", choices=GRIDS,
-                        help=f"frame sets for 'paths': 'short', the bench shape {BENCH_FRAMES.label} (default); "
-                             f"'full', also widths {min(GRID_WIDTHS)}-{max(GRID_WIDTHS)} with r = "
-                             f"{', '.join(map(str, GRID_RANKS))}")
-    parser.add_argument("--compile-backend", default="inductor",
-                        help="torch.compile backend of the compiled path of 'paths' and 'gpu' (default inductor)")
-    parser.add_argument("--scale", default="default", choices=tuple(dict.fromkeys((*CHECK_SCALES, *TRAIN_SCALE_NAMES))),
-                        help="sizes of 'gpu' and 'train': 'default' (for 'gpu': a few minutes on a GPU) or 'tiny' "
-                             "(a smoke test); 'w64' ('train' only): every model at width 64")
+                             "over --rounds interleaved rounds). A flag that the benchmark does not read is refused")
+    add("--widths", type=positive_int, nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="WIDTH",
+        help=f"configurations, any of {' '.join(map(str, CONFIGS))} (default: all)")
+    add("--optimizers", nargs="+", default=None, choices=STEP_OPTIMIZERS, metavar="OPTIMIZER",
+        help=f"what 'step' times, any of {' '.join(STEP_OPTIMIZERS)} (default: all)")
+    add("--paths", nargs="+", default=None, choices=STEP_PATHS, metavar="PATH",
+        help=f"what 'paths' times, any of {' '.join(STEP_PATHS)} (default: all)")
+    add("--grid", default="short", choices=GRIDS,
+        help=f"frame sets: 'short', the bench shape {BENCH_FRAMES.label} (default); 'full', also widths "
+             f"{min(GRID_WIDTHS)}-{max(GRID_WIDTHS)} with r = {', '.join(map(str, GRID_RANKS))}")
+    add("--compile-backend", default="inductor", help="torch.compile backend of the compiled path (default inductor)")
+    add("--scale", default="default", choices=tuple(dict.fromkeys((*CHECK_SCALES, *TRAIN_SCALE_NAMES))),
+        help="sizes: 'default' (for 'gpu': a few minutes on a GPU) or 'tiny' (a smoke test; for 'muon': width 128, "
+             "one round); 'w64' ('train' only): every model at width 64")
     parser.add_argument("--out", default=None, metavar="PATH", help="also write the JSON to PATH")
-    parser.add_argument("--models", nargs="+", default=list(TRAIN_MODELS), choices=TRAIN_MODELS + EXTRA_TRAIN_MODELS,
-                        help="models for 'train' (default: the first two; the others are stock models converted "
-                             "by stiefelize: hf_* need the models extra, timm_vit timm, torchvision_vit "
-                             "torchvision)")
-    parser.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (default 7)")
-    parser.add_argument("--steps", type=positive_int, default=None,
-                        help="timed steps per round of each optimizer ('step'), path ('paths') or arm ('train') (default "
-                             + ", ".join(f"{s.steps_per_round} for '{w}'" for w, s in BENCH_DEFAULTS.items()) + ")")
-    parser.add_argument("--lr", type=positive_float, default=1e-3,
-                        help="learning rate of every optimizer, > 0 (default 1e-3)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
+    add("--models", nargs="+", default=list(TRAIN_MODELS), choices=TRAIN_MODELS + EXTRA_TRAIN_MODELS,
+        help="models (default: the first two; the others are stock models converted by stiefelize: hf_* need the "
+             "models extra, timm_vit timm, torchvision_vit torchvision)")
+    add("--autocast", default=None, choices=("bfloat16", "float16"),
+        help="run forward and loss under torch.autocast in this dtype; parameters and optimizers stay float32 "
+             "(default: off)")
+    add("--rounds", type=positive_int, default=7, help="interleaved rounds (default 7)")
+    add("--steps", type=positive_int, default=None,
+        help="timed steps per round of each optimizer ('step'), path ('paths') or arm ('train') (default "
+             + ", ".join(f"{s.steps_per_round} for '{w}'" for w, s in BENCH_DEFAULTS.items()) + ")")
+    add("--lr", type=positive_float, default=1e-3, help="learning rate of every optimizer, > 0 (default 1e-3)")
+    add("--dtype", default="float32", choices=("float32", "float64", "bfloat16"),
+        help="of the parameters (default float32)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--clock", default="wall", choices=CLOCKS,
-                        help="'wall' time, or process 'cpu' time (robust on a shared machine with --threads 1)")
+    add("--clock", default="wall", choices=CLOCKS,
+        help="'wall' time, or process 'cpu' time (robust on a shared machine with --threads 1)")
     add_threads_argument(parser)
-    parser.add_argument("--seed", type=nonnegative_int, default=0)
+    add("--seed", type=nonnegative_int, default=0, help="seed of the parameters, gradients and data (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _refuse_unread(args: argparse.Namespace) -> None:
+    """A :class:`UsageError` naming the first flag given on the command line that ``args.what`` does not read
+    (:data:`BENCHMARK_READS`); a namespace not made by the parser counts the flags set away from their defaults."""
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_arguments(defaults)
+    given = [*getattr(args, "_given", ()),
+             *(a.option_strings[0] for a in defaults._actions
+               if isinstance(a, _Given) and getattr(args, a.dest, a.default) != a.default)]
+    reads = BENCHMARK_READS[args.what]
+    for flag in dict.fromkeys(given):
+        if flag not in reads:
+            purpose = _PURPOSE.get(flag, f"is for {_read_by(flag)}")
+            raise UsageError(f"{flag} {purpose}; '{args.what}' does not take it"
+                             f"{_INSTEAD.get((args.what, flag), '')}")
+    if args.what == "muon" and args.scale == "tiny":
+        for flag in ("--widths", "--rounds"):
+            if flag in given:
+                raise UsageError(f"{flag}: 'muon --scale tiny' is the smoke test (width 128, one round); "
+                                 f"drop {flag} or --scale tiny")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark and print a Markdown table (or JSON with ``--json``)."""
+    _refuse_unread(args)  # before anything else: a flag the benchmark would ignore is a user error
     import torch
 
     try:
@@ -109,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--scale {args.scale} is for 'train' only; '{args.what}' takes "
                          f"{' or '.join(CHECK_SCALES)}")
     timed = _timed(args)
-    if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+    if "--compile-backend" in BENCHMARK_READS[args.what] and \
+            args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise UsageError(f"--compile-backend {args.compile_backend!r} is not a torch.compile "
                                                f"backend; use e.g. inductor or aot_eager")
     if args.what == "gpu" and args.out is None:
@@ -130,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     steps = defaults.steps_per_round if args.steps is None else args.steps
     settings = replace(defaults, rounds=args.rounds, steps_per_round=steps, lr=args.lr, device=args.device,
                        clock=args.clock, threads=args.threads, seed=args.seed,
-                       dtype=defaults.dtype if args.what == "train" else args.dtype)  # train: float32 + autocast
+                       dtype=defaults.dtype if args.what == "train" else args.dtype)  # train: float32 (--dtype refused)
     if args.what == "paths":
         results = step_path_benchmark(path_frame_sets(args.grid), paths=timed,
                                       compile_backend=args.compile_backend, settings=settings)
@@ -139,14 +208,16 @@ def run(args: argparse.Namespace) -> int:
         results = step_time_benchmark(tuple(args.widths), optimizers=timed, settings=settings)
         table = format_step_table(results)
     else:
-        results = train_step_benchmark(tuple(args.models), scale=args.scale, settings=settings)
+        results = train_step_benchmark(tuple(args.models), scale=args.scale, autocast=args.autocast,
+                                       settings=settings)
         table = format_train_table(results)
     with torch_threads(args.threads):
         machine = machine_info(args.device)
-    text = to_json(results, machine, benchmark=args.what, rounds=args.rounds, steps_per_round=steps, lr=args.lr,
-                   dtype=args.dtype, clock=args.clock, threads=args.threads, seed=args.seed,
+    # the settings the benchmark ran with (train: float32 parameters, whatever --dtype's default says)
+    text = to_json(results, machine, benchmark=args.what, rounds=settings.rounds, steps_per_round=steps,
+                   lr=settings.lr, dtype=settings.dtype, clock=settings.clock, threads=args.threads, seed=settings.seed,
                    **(dict(grid=args.grid, compile_backend=args.compile_backend) if args.what == "paths" else {}),
-                   **(dict(scale=args.scale) if args.what == "train" else {}))
+                   **(dict(scale=args.scale, autocast=args.autocast) if args.what == "train" else {}))
     if args.out is not None:
         _write_out(args.out, text)
     if args.json:
@@ -155,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
         print(table)
         print(f"\n{machine.cpu}, {machine.logical_cpus} logical CPUs, torch {machine.torch} "
               f"({machine.torch_threads} threads), geoopt {machine.geoopt}; clock={args.clock}, "
-              f"rounds={args.rounds}, steps/round={steps}, lr={args.lr}, {args.dtype} on {args.device}.")
+              f"rounds={settings.rounds}, steps/round={steps}, lr={settings.lr}, {settings.dtype}"
+              f"{f' ({args.autocast} autocast)' if args.what == 'train' and args.autocast else ''} on {args.device}.")
     return 0
 
 
@@ -168,10 +240,8 @@ _TIMED_OPTIONS = {
 
 
 def _timed(args: argparse.Namespace) -> tuple[str, ...] | None:
-    """What 'step' (``--optimizers``) or 'paths' (``--paths``) times, checked; ``None`` for the other benchmarks."""
-    for what, (flag, dest, *_) in _TIMED_OPTIONS.items():
-        if getattr(args, dest) is not None and args.what != what:
-            raise UsageError(f"{flag} chooses what '{what}' times; '{args.what}' does not take it")
+    """What 'step' (``--optimizers``) or 'paths' (``--paths``) times, checked; ``None`` for the other benchmarks
+    (which refuse both flags, :func:`_refuse_unread`)."""
     if args.what not in _TIMED_OPTIONS:
         return None
     flag, dest, allowed, relative_to, word = _TIMED_OPTIONS[args.what]
