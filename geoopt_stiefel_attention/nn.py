@@ -580,7 +580,8 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
         module's weights share these keys and shapes) is replaced by its polar factor with a ``UserWarning``
         (to carry a Euclidean module's function over, use :meth:`from_euclidean` instead), and ``assign=True``
         installs the loaded tensors as :class:`geoopt.ManifoldParameter` s on the frame's manifold, keeping
-        ``requires_grad``, rather than as plain parameters that no frame optimizer would see."""
+        ``requires_grad``, rather than as plain parameters that no frame optimizer would see. Sharded (``DTensor``)
+        frames load as torch loads them; the frame check of a training forward covers them."""
         assign = local_metadata.get("assign_to_params_buffers", False)
         for name in ("w_q", "w_k"):
             key, current = prefix + name, getattr(self, name, None)
@@ -588,6 +589,8 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
             if not isinstance(given, Tensor) or not isinstance(current, Tensor) or given.shape != current.shape \
                     or given.device.type == "meta" or not given.is_floating_point():
                 continue  # torch reports a missing key or a shape mismatch itself
+            if getattr(given, "_local_tensor", None) is not None or getattr(current, "_local_tensor", None) is not None:
+                continue  # sharded (DTensor) frames: the training forward's frame check covers them
             tol = ORTHONORMALITY_TOLERANCE.get(current.dtype, 1e-4)
             with torch.no_grad():
                 err = float(orthonormality_error(given.detach().to(current.dtype)))
