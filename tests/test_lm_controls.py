@@ -187,7 +187,7 @@ def test_config_records_the_three_way_split_the_run_used(varied_root, tmp_path):
     # companion: without a test split the config keeps the two-way split (validation files join training)
     plain = tmp_path / "plain"
     assert lm_cli(varied_root, plain, "--arms", "adamw", "--seeds", "0", "--epochs", "1", "--test-fraction", "0",
-                "--skip-report") == 0
+                  "--max-file-share", "0.03", "--skip-report") == 0  # the held-out filter back at its default
     two = json.loads((plain / "runs/adamw/seed0/config.json").read_text())["config"]["corpus_identity"]
     assert "test_files" not in two and two["train_files"] > counts["train"]
 
