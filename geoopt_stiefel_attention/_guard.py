@@ -14,9 +14,14 @@ Cost: one :math:`r\times r` Gram matrix per frame (:math:`d r^2` multiply-adds, 
 scalar per module off the CPU. A converted weight that its module's forward reads several times
 (``nn.MultiheadAttention``) is rebuilt, and checked, once per forward. It runs in eager training forward
 passes only (forward passes with gradients enabled, whatever ``module.training`` says: a model trained in
-eval mode to switch dropout off is checked too); under ``torch.compile``, ``torch.export`` and
-``torch.jit.trace`` it is skipped (a data-dependent ``raise`` cannot be part of a graph), and
-:func:`check_frames` runs it on a whole model on demand (e.g. after each optimizer step of a compiled model).
+eval mode to switch dropout off is checked too). Under ``torch.compile`` a data-dependent ``raise`` cannot be
+part of a graph, so the check is traced into it as an assertion (``torch._assert_async``, the same Gram product
+and distance per frame): a frame off the manifold stops the compiled forward with a ``RuntimeError`` carrying
+the same message (without the measured distance). On the CPU it is raised by the forward itself; on CUDA it is
+a device-side assert, reported at a later kernel launch, after which the process's CUDA context is unusable
+(run :func:`check_frames` eagerly to see which frame and by how much). ``torch.export``, ``torch.jit.trace``
+and sharded (``DTensor``) frames under ``torch.compile`` skip it; :func:`check_frames` runs it on a whole
+model on demand (e.g. after each optimizer step).
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ class FrameOffManifoldError(RuntimeError):
     """A frame is off the Stiefel manifold at a training forward pass (see :mod:`._guard`)."""
 
 
-def _skip() -> bool:
-    return torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()
+def _is_sharded(w: Tensor) -> bool:
+    from .distributed import is_sharded
+
+    return is_sharded(w)
 
 
 _EYES: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
@@ -79,10 +86,15 @@ def check_frame_tensors(owner: str, frames: Iterable[tuple[str, Tensor]]) -> Non
         Stacks of frames ``(..., d, r)``; sharded ones (``DTensor``) are checked on their local shard (whole
         frames, see :mod:`~geoopt_stiefel_attention.distributed`); meta and empty tensors are skipped.
     """
-    if _skip():
+    if torch.jit.is_tracing() or torch.jit.is_scripting():
+        return
+    traced = torch.compiler.is_compiling()
+    if traced and torch.compiler.is_exporting():
         return
     checked = []
     for name, w in frames:
+        if traced and _is_sharded(w):  # a DTensor's local shard is not read inside a compiled graph
+            continue
         w = getattr(w, "_local_tensor", w)
         if w.device.type == "meta" or w.numel() == 0 or w.dim() < 2:
             continue
@@ -96,6 +108,10 @@ def check_frame_tensors(owner: str, frames: Iterable[tuple[str, Tensor]]) -> Non
             gram = x.mT @ x
         err = torch.dist(gram, _eye(gram.shape[-1], gram.dtype, gram.device), float("inf"))  # max |W^T W - I|
         tol = FRAME_CHECK_TOLERANCE.get(w.dtype, FRAME_CHECK_TOLERANCE[torch.float32])
+        if traced:  # in the graph: an assertion, no host read (NaN fails too)
+            torch._assert_async(err <= tol, _message(owner, name, w.dtype, tol, None,
+                                                     "a compiled training forward pass"))
+            continue
         if x.device.type == "cpu":
             if not err.item() <= tol:  # NaN fails too
                 _report(owner, name, w.dtype, tol, err)
@@ -116,17 +132,23 @@ def check_frame_tensors(owner: str, frames: Iterable[tuple[str, Tensor]]) -> Non
             _report(owner, name, dtype, tol, err)
 
 
+def _message(owner: str, name: str, dtype: torch.dtype, tol: float, err: Tensor | None,
+             where: str = "a training forward pass") -> str:
+    gap = "" if err is None else f" = {float(err):.3g}"
+    return (f"{owner}: frame {name!r} is off the Stiefel manifold at {where} "
+            f"(max |W^T W - I|{gap} > {tol:g} for {str(dtype).removeprefix('torch.')}); most likely "
+            f"an optimizer that does not know the constraint updated it (a torch optimizer over "
+            f"model.parameters(), the HuggingFace Trainer's default AdamW); {_FIX}.")
+
+
 def _report(owner: str, name: str, dtype: torch.dtype, tol: float, err: Tensor) -> None:
-    raise FrameOffManifoldError(
-        f"{owner}: frame {name!r} is off the Stiefel manifold at a training forward pass "
-        f"(max |W^T W - I| = {float(err):.3g} > {tol:g} for {str(dtype).removeprefix('torch.')}); most likely "
-        f"an optimizer that does not know the constraint updated it (a torch optimizer over "
-        f"model.parameters(), the HuggingFace Trainer's default AdamW); {_FIX}.")
+    raise FrameOffManifoldError(_message(owner, name, dtype, tol, err))
 
 
 def check_frames(model: nn.Module) -> None:
     """Check every frame of ``model`` now, whatever its mode (the check that eager training forward passes run
-    by themselves; use it with ``torch.compile``, which skips them).
+    by themselves, as a :class:`FrameOffManifoldError` with the measured distance; after a compiled step's
+    assertion fired on the CPU, it names the frame and how far it is off).
 
     Raises
     ------
