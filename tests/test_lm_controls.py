@@ -301,3 +301,50 @@ def test_controls_args_run_the_library_default_trust_radius_and_tuned_args_the_r
     assert tuned.optim.trust_region == math.sqrt(d * r) * 0.1 == 6.4
     # a frame step is about lr sqrt(d r): at the controls grid's smallest lr it is 0.19, so a radius of 0.1 binds
     assert math.sqrt(d * r) * 3e-3 > 0.1 and math.sqrt(d * r) * 3e-3 < controls.trust_region
+
+
+# ---------------------------------------------------------------------------------------------- blind to test
+def _perturbed_grid_copy(tmp_path: Path, key: str) -> Path:
+    """A copy of the committed controls grid (metrics only) with every grid run's ``key`` at its last evaluation
+    moved, ranked the other way round from the recorded values (the best becomes the worst)."""
+    from experiments.lm.tuned import read_grid
+
+    src = ROOT / "experiments/lm/records/controls"
+    out = tmp_path / "controls"
+    finished = []
+    for metrics in sorted(src.glob("lr-*/runs/*/seed*/metrics.jsonl")):
+        run = out / metrics.parent.relative_to(src)
+        run.mkdir(parents=True)
+        (run / "config.json").write_bytes((metrics.parent / "config.json").read_bytes())
+        finished.append(run / "metrics.jsonl")
+        (run / "metrics.jsonl").write_bytes(metrics.read_bytes())
+    grid = read_grid(out)
+    assert sum(len(v) for lrs in grid["finals"].values() for v in lrs.values()) >= 4, "too few grid runs to test"
+    for path in finished:
+        recs = read_records(path)
+        if recs and recs[-1].get(key) is not None:
+            recs[-1][key] = 10.0 - recs[-1][key]
+            path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:lr selection on an incomplete grid")  # the grid is still training
+def test_the_selection_never_reads_the_grid_test_numbers(tmp_path):
+    """The grid runs evaluate the test split too (the runner evaluates every held-out set); the selection must not
+    see it: with every grid run's final test bpb ranked the other way round, each arm's selected lr is the same."""
+    from experiments.lm.tuned import read_grid, select_lrs
+
+    recorded = select_lrs(read_grid(ROOT / "experiments/lm/records/controls"))
+    assert select_lrs(read_grid(_perturbed_grid_copy(tmp_path, "test_bpb"))) == recorded
+
+
+@pytest.mark.filterwarnings("ignore:lr selection on an incomplete grid")
+def test_companion_the_selection_follows_the_grid_validation_numbers(tmp_path):
+    """Ranked the other way round, the validation numbers move the selection of every arm with two or more lrs."""
+    from experiments.lm.tuned import read_grid, select_lrs
+
+    grid = read_grid(ROOT / "experiments/lm/records/controls")
+    recorded = select_lrs(grid)["arms"]
+    flipped = select_lrs(read_grid(_perturbed_grid_copy(tmp_path, "val_bpb")))["arms"]
+    several = [a for a, lrs in grid["finals"].items() if a in recorded and sum(1 for s in lrs.values() if s) > 1]
+    assert several and all(flipped[a]["best_lr"] != recorded[a]["best_lr"] for a in several)
