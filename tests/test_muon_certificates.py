@@ -80,6 +80,50 @@ def test_companion_an_optimizer_that_decays_frames_fails_decay_immunity():
     assert cells[MUON_ROWS[7]].passed is False
 
 
+def _msign(x):
+    u, _, vh = torch.linalg.svd(x, full_matrices=False)
+    return u @ vh
+
+
+def _unprojected_msign_run(lr):
+    """Steps along msign(G), not made tangent, then the polar retraction: on the manifold, wrong direction."""
+    def run(w0, grads, *, weight_decay=0.0):
+        w, out = w0.clone(), []
+        for g in grads:
+            w = PolarStiefel().projx(w - lr * 3 ** 0.5 * _msign(g))
+            out.append(w.clone())
+        return out
+    return run
+
+
+def test_tangency_is_read_from_the_direction_a_column_computes_not_from_its_iterates():
+    """Row M2 of a column on the manifold reads the column's own direction: a solver that returns msign(xi)
+    unprojected fails it. The step recovered from its iterates is tangent whatever it did (measured below), which
+    is why a column on the manifold without a direction gets "not applicable" rather than a pass."""
+    lr = 1e-2
+    eta = lambda d, r: lr * (d / r) ** 0.5  # noqa: E731
+    broken = MuonColumn("msign", _unprojected_msign_run(lr), lr, eta, True, "unprojected msign",
+                        direction=lambda w, xi: _msign(xi + w))  # a normal part: not tangent
+    cell = run_muon_certificates([broken], drift_steps=2, rows=[MUON_ROWS[1]])[0]
+    assert cell.passed is False and cell.measured > 0.1
+    blind = dataclasses.replace(broken, direction=None)
+    cell = run_muon_certificates([blind], drift_steps=2, rows=[MUON_ROWS[1]])[0]
+    assert cell.passed is None and "by construction" in cell.details["reason"]
+    # the reason it is not applicable: the recovered step of the broken column is tangent to rounding
+    w0 = PolarStiefel().random(3, 12, 4, dtype=torch.float64,
+                               generator=torch.Generator().manual_seed(0)).as_subclass(torch.Tensor)
+    g = torch.randn(3, 12, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    z = inverse_polar_retraction(w0, broken.run(w0, [g])[0])
+    assert float((w0.mT @ z + z.mT @ w0).abs().max()) < INVERSE_TOL
+
+
+def test_companion_the_library_solver_passes_tangency_through_its_direction(certs):
+    for name in ("StiefelMuon", "StiefelMuon (solved)", "StiefelMuon (projected msign)"):
+        assert muon_columns()[0].direction is not None
+        cell = certs[(MUON_ROWS[1], name)]
+        assert cell.passed is True and cell.measured is not None, name
+
+
 def test_inverse_polar_retraction_recovers_a_tangent_step():
     st = PolarStiefel()
     w = st.random(3, 9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).as_subclass(torch.Tensor)
