@@ -87,6 +87,71 @@ def test_a_frame_added_later_is_guarded_too(name):
         opt.step()
 
 
+def _reload(opt, how):
+    """The optimizer after what a ZeRO resume or a copy does to it."""
+    if how == "load_state_dict":
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        return opt
+    return copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("how", ["load_state_dict", "deepcopy", "pickle"])
+def test_the_refusal_of_replaced_frames_survives_load_state_dict_deepcopy_and_pickle(name, how):
+    """A ZeRO resume calls load_state_dict on the wrapped optimizer; its flat partition must not be trained as
+    AdamW afterwards (the record of the frames it was given is kept, not rebuilt from the replaced groups)."""
+    w, w2 = _frame(seed=0), _frame(seed=1)
+    b = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    opt = _make(name, [{"params": [w, w2]}, {"params": [b]}])
+    flat = [torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in g["params"]]).float())
+            for g in opt.param_groups]
+    for group, fl in zip(opt.param_groups, flat, strict=True):
+        group["params"] = [fl]
+    opt = _reload(opt, how)
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    with pytest.raises(RuntimeError, match=rf"{name}: its parameter groups no longer hold 2 of the 2 Stiefel "
+                                           r"frames .*DeepSpeed ZeRO stages 1-3.*fully_shard_by_heads"):
+        opt.step()
+    after = [p.detach() for g in opt.param_groups for p in g["params"]]
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True)) and not opt.state
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("how", ["load_state_dict", "deepcopy", "pickle"])
+def test_companion_intact_groups_step_after_load_state_dict_deepcopy_and_pickle_and_are_still_guarded(name, how):
+    """The same operations on an optimizer whose groups hold their frames: it steps, and still refuses when a
+    frame is replaced afterwards (so the kept record is the copy's own frames, not the originals')."""
+    w, b = _frame(), torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    opt = _make(name, [{"params": [w]}, {"params": [b]}])
+    w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+    opt.step()
+    opt = _reload(opt, how)
+    frame = opt.param_groups[0]["params"][0]
+    frame.grad = torch.ones_like(frame)
+    opt.param_groups[1]["params"][0].grad = torch.ones_like(b)
+    before = frame.detach().clone()
+    opt.step()
+    assert not torch.equal(frame.detach(), before) and orthonormality_error(frame) < ORTHO_TOL_F64
+    opt.param_groups[0]["params"] = [torch.nn.Parameter(frame.detach().reshape(-1).clone())]
+    with pytest.raises(RuntimeError, match="no longer hold 1 of the 1 Stiefel frames"):
+        opt.step()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_optimizer_pickled_without_a_record_rebuilds_it_from_its_groups(name):
+    """A pickle made before the record was saved (torch's own three keys) guards the frames its groups hold."""
+    w = _frame()
+    opt = _make(name, [w])
+    state = {key: value for key, value in opt.__getstate__().items() if not key.startswith("_frames")}
+    restored = type(opt).__new__(type(opt))
+    restored.__setstate__(copy.deepcopy(state))
+    restored.param_groups[0]["params"] = [torch.nn.Parameter(w.detach().reshape(-1).clone())]
+    with pytest.raises(RuntimeError, match="no longer hold 1 of the 1 Stiefel frames"):
+        restored.step()
+
+
 # ----------------------------------------------------------------------------- validation
 @pytest.mark.filterwarnings("ignore:Stiefel.* was constructed with no Stiefel frame:UserWarning")
 @pytest.mark.parametrize("name", NAMES)

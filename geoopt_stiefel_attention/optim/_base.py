@@ -105,21 +105,30 @@ class FrameOptimizer:
         """Refuse to step when ``param_groups`` no longer hold every frame the optimizer was given.
 
         A wrapper that replaces ``param_groups[i]["params"]`` with other tensors (DeepSpeed ZeRO stages 1-3 hand
-        the optimizer flat fp32 partitions) turns the frames into plain tensors the optimizer would update as
-        AdamW, and the orthonormality constraint would be lost without a word. Raises ``RuntimeError`` before
-        anything changes. Skipped while torch.compile traces (the set of identities is a host-side check).
+        the optimizer flat fp32 partitions; DeepSpeed's ``"fp16"``/``"bf16"`` modes, at ZeRO stage 0 too, hand it
+        fp32 copies through ``FP16_Optimizer``, ``FP16_UnfusedOptimizer`` or ``BF16_Optimizer``) turns the frames
+        into plain tensors the optimizer would update as AdamW, and the orthonormality constraint would be lost
+        without a word. Raises ``RuntimeError`` before anything changes. The record survives
+        :meth:`load_state_dict` (which keeps the parameters), ``copy.deepcopy`` and pickling (frames already
+        replaced when the optimizer was copied stay counted as missing). Skipped while torch.compile traces (the
+        set of identities is a host-side check).
         """
-        given = self.__dict__.get("_frames_given")
-        if not given or torch.compiler.is_compiling():
+        given = self.__dict__.get("_frames_given") or []
+        lost = self.__dict__.get("_frames_lost", 0)
+        if not (given or lost) or torch.compiler.is_compiling():
             return
         held = {id(p) for group in self.param_groups for p in group["params"]}
-        missing = sum(1 for ident in given if ident not in held)
+        missing = lost + sum(1 for ident in given if ident not in held)
         if missing:
             raise RuntimeError(
-                f"{self._NAME}: its parameter groups no longer hold {missing} of the {len(given)} Stiefel frames it "
-                f"was given; a wrapper replaced them with other tensors (DeepSpeed ZeRO stages 1-3 hand the "
-                f"optimizer flattened partitions), so the orthonormality constraint would be silently lost; use "
-                f"ZeRO stage 0, DDP, or FSDP2 with geoopt_stiefel_attention.distributed.fully_shard_by_heads.")
+                f"{self._NAME}: its parameter groups no longer hold {missing} of the {len(given) + lost} Stiefel "
+                f"frames it was given; a wrapper replaced them with other tensors (DeepSpeed ZeRO stages 1-3 hand the "
+                f"optimizer flattened partitions, and DeepSpeed's \"fp16\"/\"bf16\" modes, at ZeRO stage 0 too, hand it "
+                f"fp32 copies through FP16_Optimizer, FP16_UnfusedOptimizer or BF16_Optimizer), so the orthonormality "
+                f"constraint would be silently lost; use ZeRO stage 0, DDP, or FSDP2 with "
+                f"geoopt_stiefel_attention.distributed.fully_shard_by_heads, with fp32 parameters: under DeepSpeed "
+                f"leave out its \"fp16\" and \"bf16\" sections and compute in low precision with torch autocast (its "
+                f"\"torch_autocast\" section, or torch.autocast in the forward).")
 
     # ------------------------------------------------------------------ groups and checkpoints
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -165,16 +174,35 @@ class FrameOptimizer:
         super().add_param_group(param_group)
         self._record_frames(params)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state plus the record of the frames it was given, as positions in ``param_groups`` (the
+        identities change in a copy) and a count of those already missing, so a copy keeps refusing."""
+        state = dict(super().__getstate__())
+        given = self.__dict__.get("_frames_given") or []
+        where = {id(p): (k, j) for k, group in enumerate(self.param_groups) for j, p in enumerate(group["params"])}
+        state["_frames_given_at"] = [where[ident] for ident in given if ident in where]
+        state["_frames_lost"] = self.__dict__.get("_frames_lost", 0) + sum(1 for ident in given if ident not in where)
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        given_at = state.pop("_frames_given_at", None)
+        lost = state.pop("_frames_lost", 0)
         super().__setstate__(state)
         for key, value in self._GROUP_DEFAULTS.items():
             self.defaults.setdefault(key, value)
             for group in self.param_groups:
                 group.setdefault(key, value)
         self._stabilize = self.defaults.get("stabilize")  # what geoopt's add_param_group reads (lost by pickling)
-        self._frames_given = []
-        for group in self.param_groups:
-            self._record_frames(group["params"])
+        if "_frames_given" in self.__dict__:
+            return  # a live optimizer (load_state_dict keeps the parameters): its record stands
+        if given_at is not None:  # a copy or an unpickled optimizer: the record it was saved with
+            self._frames_given = [id(self.param_groups[k]["params"][j]) for k, j in given_at]
+            self._frames_lost = lost
+        else:  # pickled by a version that saved no record: the frames its groups hold
+            self._frames_given = []
+            for group in self.param_groups:
+                self._record_frames(group["params"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict (see :meth:`torch.optim.Optimizer.load_state_dict`); it is checked completely
