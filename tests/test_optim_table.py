@@ -60,9 +60,14 @@ def test_frames_replaced_by_a_flat_partition_are_refused_and_nothing_changes(nam
     opt.param_groups[0]["params"] = [flat]
     before = flat.detach().clone()
     with pytest.raises(RuntimeError, match=rf"{name}: its parameter groups no longer hold 1 of the 1 Stiefel "
-                                           r"frames .*DeepSpeed ZeRO stages 1-3.*fully_shard_by_heads"):
+                                           r"frames .*DeepSpeed ZeRO stages 1-3.*fully_shard_by_heads") as info:
         opt.step()
     assert torch.equal(flat.detach(), before) and not opt.state
+    # DeepSpeed's fp16/bf16 wrappers replace the parameters at ZeRO stage 0 too: the message must not send a bf16
+    # user to stage 0 alone, and names the way that keeps the frames (fp32 parameters, torch autocast)
+    message = str(info.value)
+    assert all(part in message for part in ('"fp16"/"bf16" modes, at ZeRO stage 0 too', "FP16_UnfusedOptimizer",
+                                            "BF16_Optimizer", "with fp32 parameters", '"torch_autocast" section'))
 
 
 @pytest.mark.parametrize("name", NAMES)
