@@ -30,7 +30,9 @@ that has no leading dimension (a single ``(d, r)`` frame), and any other non-Euc
 replicated, and declares the rest Euclidean;
 the frame optimizers (:class:`~geoopt_stiefel_attention.StiefelAdam`,
 :class:`~geoopt_stiefel_attention.StiefelMuon`) refuse any other sharded parameter (:func:`check_parameter`), so
-the silent failure cannot happen.
+the silent failure cannot happen. For the same reason :func:`fully_shard_by_heads` refuses, before changing
+anything, a model whose parameters were already sharded by a plain ``fully_shard`` (e.g. per block first):
+their frames have lost their manifold and cannot be told from Euclidean parameters any more.
 
 "Frame" is :func:`~geoopt_stiefel_attention.is_frame` (any Stiefel manifold, geoopt's canonical
 ``Stiefel()`` included); "any other manifold" is :func:`~geoopt_stiefel_attention.manifolds.has_manifold`.
@@ -241,8 +243,56 @@ def _replicate(model: nn.Module, params: list[torch.Tensor], group) -> None:
             dist.broadcast(p.data, src=source, group=group)
     hook = average_gradients_hook(group)
     for p in params:
-        if p.requires_grad:
+        # Registered on frozen parameters too: one frozen now and unfrozen later (staged fine-tuning) must be
+        # averaged as well, or the replicas drift apart. The hook lives on the tensor, not on requires_grad,
+        # but it can only be registered while the tensor requires grad: switch that on for the registration.
+        frozen = not p.requires_grad
+        if frozen:
+            p.requires_grad_(True)
+        try:
             p.register_post_accumulate_grad_hook(hook)
+        finally:
+            if frozen:
+                p.requires_grad_(False)
+
+
+def _presharded_error(model: nn.Module, submodules: list[nn.Module]) -> str | None:
+    """Why ``fully_shard_by_heads`` cannot shard ``model``: a parameter that is already a ``DTensor`` and not
+    one an earlier ``fully_shard_by_heads`` left behind (a frame stack with its manifold back, or a parameter
+    declared Euclidean), or ``None``."""
+    module_names = {id(m): name for name, m in model.named_modules()}
+    named: dict[int, tuple[str, torch.Tensor]] = {}
+    for i, module in enumerate([model, *submodules]):
+        prefix = module_names.get(id(module), f"submodules[{i - 1}]")
+        for name, p in module.named_parameters():
+            named.setdefault(id(p), (f"{prefix}.{name}" if prefix else name, p))
+    bad = []
+    for name, p in named.values():
+        if not is_sharded(p):
+            continue
+        if is_frame(p) and p.dim() >= 3:
+            why = frame_sharding_error(p)
+            if why is not None:
+                bad.append((name, p, f"is a frame stack already sharded in a way that splits frames: {why}"))
+        elif has_manifold(p):
+            bad.append((name, p, f"is on {p.manifold.name} and already sharded (a DTensor), but it must stay "
+                                 f"replicated (a single (d, r) frame or a non-Stiefel manifold)"))
+        elif _DECLARED_EUCLIDEAN.get(id(p)) is not p:
+            bad.append((name, p, "is already sharded (a DTensor, e.g. by a plain torch.distributed.fsdp."
+                                 "fully_shard of its module) and has no manifold, so it may be a frame whose "
+                                 "Stiefel manifold FSDP dropped, which would be declared Euclidean and trained "
+                                 "off the manifold"))
+    if not bad:
+        return None
+    # name first a parameter that may have been a frame (d >= r), not e.g. a LayerNorm weight
+    name, p, why = min(bad, key=lambda b: not (b[1].dim() >= 2 and b[1].shape[-2] >= b[1].shape[-1]))
+    owner = name.rpartition(".")[0]
+    module = type(model.get_submodule(owner)).__name__ if owner in module_names.values() else "its module"
+    more = f" ({len(bad) - 1} more parameters likewise)" if len(bad) > 1 else ""
+    return (f"fully_shard_by_heads: parameter {name!r} of shape {tuple(p.shape)} ({module}) {why}{more}; call "
+            f"fully_shard_by_heads on the unsharded model instead of fully_shard, with the blocks as "
+            f"fully_shard_by_heads(model, submodules=blocks) (or, for a parameter that is not a frame, declare "
+            f"it with declare_sharded_euclidean first).")
 
 
 def fully_shard_by_heads(
@@ -264,7 +314,8 @@ def fully_shard_by_heads(
       its local heads on the manifold.
     - A single frame ``(d, r)`` and any parameter on another non-Euclidean manifold stays out of the sharding
       (``ignored_params``): replicated, broadcast from the group's first rank, its gradient averaged over the
-      group, :math:`G \leftarrow \frac1n\sum_k G_k`, by a post-accumulate-grad hook.
+      group, :math:`G \leftarrow \frac1n\sum_k G_k`, by a post-accumulate-grad hook, registered whether or not
+      it requires grad now (a frame frozen here and unfrozen later is averaged too).
     - Everything else is sharded as FSDP2 does by default (or by your ``shard_placement_fn``) and declared
       Euclidean.
 
@@ -293,11 +344,21 @@ def fully_shard_by_heads(
     Raises
     ------
     ValueError
-        When ``mesh`` is not one-dimensional but replicated manifold parameters need a group to average over.
+        When ``mesh`` is not one-dimensional but replicated manifold parameters need a group to average over;
+        or when a parameter is already sharded (a ``DTensor``) and was not left so by an earlier
+        ``fully_shard_by_heads`` (e.g. blocks sharded first with a plain ``fully_shard``, which drops the
+        frames' manifold, so that they cannot be told from Euclidean parameters any more). Both are raised
+        before anything is changed.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
+    submodules = list(submodules)
+    why = _presharded_error(model, submodules)
+    if why is not None:
+        raise ValueError(why)
+    # parameters sharded before this call: an earlier fully_shard_by_heads declared or restored them already
+    presharded = {id(p) for p in model.parameters() if is_sharded(p)}
     manifolds = {name: p.manifold for name, p in model.named_parameters() if is_frame(p) and p.dim() >= 3}
     stacks = {id(model.get_parameter(name)) for name in manifolds}
     kept = [p for p in model.parameters() if _keep_replicated(p)]
@@ -325,7 +386,8 @@ def fully_shard_by_heads(
     fully_shard(model, ignored_params=ignored, shard_placement_fn=placement, **fully_shard_kwargs)
     for name, manifold in manifolds.items():
         model.get_parameter(name).manifold = manifold
-    declare_sharded_euclidean(p for p in model.parameters() if not has_manifold(p))
+    # only what this call sharded itself (the presharded parameters were checked on entry)
+    declare_sharded_euclidean(p for p in model.parameters() if not has_manifold(p) and id(p) not in presharded)
     return model
 
 

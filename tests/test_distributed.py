@@ -429,6 +429,152 @@ def test_helper_shards_frame_stacks_keeps_other_manifold_parameters_whole(one_ra
         StiefelAdam([p for n, p in named.items() if n != "canonical" and n != "sphere"])
 
 
+# ----------------------------------------------------------------------------- frozen replicated frames, 2 ranks
+REPLICA_TOL = 1e-12  # a replicated frame across ranks, its gradient averaged (the same arithmetic: measured 0)
+DRIFT_AT_LEAST = 1e-2  # ranks training a frame on their own gradients must drift far more than REPLICA_TOL
+FREEZE_STEPS = 3
+# run -> (frame frozen at sharding time, sharded by fully_shard_by_heads); "unsynchronized" is the companion
+# without any averaging, where the replicas must drift apart
+FREEZE_RUNS = {"never_frozen": (False, True), "frozen_then_unfrozen": (True, True),
+               "unsynchronized": (True, False)}
+
+
+class _SingleFrame(torch.nn.Module):
+    """One single (d, r) frame (no head dimension: kept replicated) before a Linear (sharded)."""
+
+    def __init__(self):
+        super().__init__()
+        import geoopt
+
+        from geoopt_stiefel_attention import PolarStiefel
+
+        g = torch.Generator().manual_seed(0)
+        self.frame = geoopt.ManifoldParameter(
+            PolarStiefel().projx(torch.randn(8, 4, generator=g, dtype=torch.float64)), manifold=PolarStiefel())
+        self.lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.lin(x @ self.frame)
+
+
+def _freeze_worker(rank, port, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        results = {}
+        for run, (frozen, shard) in FREEZE_RUNS.items():
+            torch.manual_seed(0)
+            model = _SingleFrame()
+            model.frame.requires_grad_(not frozen)
+            if shard:
+                fully_shard_by_heads(model)
+            still_frozen = not model.frame.requires_grad  # fully_shard_by_heads must leave it as it was
+            model.frame.requires_grad_(True)  # unfreeze (phase 2 of a staged fine-tuning)
+            opt = StiefelAdam(model.parameters(), lr=1e-1)
+            x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + rank))
+            for _ in range(FREEZE_STEPS):  # different data on each rank
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+            frame = model.frame.detach().clone()
+            frames = [torch.zeros_like(frame) for _ in range(WORLD)]
+            dist.all_gather(frames, frame)
+            results[run] = {"frames": frames, "still_frozen": still_frozen,
+                            "moved": float((frame - _SingleFrame().frame.detach()).abs().max())}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def freeze_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("freeze")
+    mp.spawn(_freeze_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    return torch.load(out / "rank0.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("run", ["never_frozen", "frozen_then_unfrozen"])
+def test_replicated_frame_frozen_at_sharding_is_averaged_once_unfrozen(freeze_runs, run):
+    """A single (d, r) frame frozen when fully_shard_by_heads runs and unfrozen later has its gradient
+    averaged like one that was never frozen: the replicas stay identical, and equal to the never-frozen run."""
+    result, reference = freeze_runs[run], freeze_runs["never_frozen"]
+    frames = result["frames"]
+    assert result["still_frozen"] == (run == "frozen_then_unfrozen")
+    assert result["moved"] > DRIFT_AT_LEAST
+    assert float((frames[0] - frames[1]).abs().max()) <= REPLICA_TOL
+    assert float((frames[0] - reference["frames"][0]).abs().max()) <= REPLICA_TOL
+    assert float(orthonormality_error(frames[0])) <= ORTHO_TOL_F64
+
+
+def test_replicated_frame_without_averaging_drifts_apart(freeze_runs):
+    """The companion: the same training with no averaging (each rank on its own data) must fail the check."""
+    frames = freeze_runs["unsynchronized"]["frames"]
+    assert float((frames[0] - frames[1]).abs().max()) > DRIFT_AT_LEAST
+
+
+# ----------------------------------------------------------------------------- already sharded blocks, one rank
+def _snapshot(model):
+    return {name: (type(p), is_sharded(p), local_tensor(p).detach().clone(), getattr(p, "manifold", None))
+            for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_blocks_sharded_by_plain_fully_shard_are_refused_before_anything_changes(one_rank_group, name):
+    """torchtitan's pattern, a plain fully_shard(block) per block, then fully_shard_by_heads(model): the
+    blocks' frames lost their manifold; they must be refused up front, not declared Euclidean and trained with
+    AdamW until the next forward finds them off the manifold."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    model = _model("tiny")
+    for block in _blocks(model):
+        fully_shard(block)
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=r"^fully_shard_by_heads: parameter 'blocks\.0\.attn\.w_q' .*"
+                                         r"already sharded .*fully_shard_by_heads on the unsharded model "
+                                         r"instead of fully_shard"):
+        fully_shard_by_heads(model, submodules=_blocks(model))
+    after = _snapshot(model)
+    assert before.keys() == after.keys() and not isinstance(model, FSDPModule)
+    for key, (kind, sharded, value, manifold) in before.items():
+        assert after[key][:2] == (kind, sharded) and torch.equal(after[key][2], value), key
+        assert after[key][3] is manifold, key
+    assert not is_sharded(model.token_embedding.weight)  # the root was not sharded
+    # nothing was declared Euclidean: the optimizer still refuses the frames that lost their manifold
+    with pytest.raises(NotImplementedError, match=rf"^{name}: parameter of shape .*fully_shard_by_heads"):
+        OPTIMIZERS[name][0](model.parameters())
+
+
+@pytest.mark.parametrize("how", ["submodules", "nested", "declared"])
+@pytest.mark.parametrize("name", NAMES)
+def test_blocks_sharded_by_fully_shard_by_heads_or_declared_are_accepted(one_rank_group, name, how):
+    """The companion: blocks sharded by fully_shard_by_heads itself (through submodules=, or an earlier call
+    per block), or sharded by a plain fully_shard and declared Euclidean by hand (no frames in them), pass the
+    check; every frame keeps its manifold and the optimizer trains them on it."""
+    from torch.distributed.fsdp import fully_shard
+
+    from geoopt_stiefel_attention.distributed import declare_sharded_euclidean
+
+    model = _model("tiny")
+    if how == "submodules":
+        fully_shard_by_heads(model, submodules=_blocks(model))
+    elif how == "nested":
+        for block in _blocks(model):
+            fully_shard_by_heads(block)
+        fully_shard_by_heads(model)
+    else:
+        norm = model.final_norm  # no frames in it
+        assert not any(is_frame(p) for p in norm.parameters())
+        fully_shard(norm)
+        declare_sharded_euclidean(norm.parameters())
+        fully_shard_by_heads(model, submodules=_blocks(model))
+    assert len(frame_parameters(model)) == N_FRAME_PARAMS["tiny"]
+    assert all(is_sharded(p) for p in model.parameters())
+    opt = _optimizer(model, name)
+    _train(model, opt, *_batch(), 2)
+    for p in frame_parameters(model):
+        assert float(orthonormality_error(local_tensor(p).detach())) <= ORTHO_TOL_F64
+
+
 # ----------------------------------------------------------------------------- the docs' torchrun example
 def _torchrun_example():
     """The literal block after "(``-m slow``)::" in docs/distributed.rst, dedented."""
