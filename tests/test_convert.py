@@ -1029,3 +1029,64 @@ def test_the_probe_restores_every_modules_own_mode():
     model[1].eval()
     stiefelize(model, probe=torch.randn(5, 2, 32))
     assert model.training and model[0].training and not model[1].training
+
+
+class _QKAttn(nn.Module):
+    """A Llama-like attention (q_proj/k_proj/v_proj/o_proj Linears)."""
+
+    def __init__(self, d=16, h=2):
+        super().__init__()
+        self.num_heads, self.head_dim = h, d // h
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (p(x).view(b, t, self.num_heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.o_proj(nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d))
+
+
+def _tied_model(tie):
+    torch.manual_seed(0)
+    model = nn.Sequential(_QKAttn(), _QKAttn())
+    if tie == "across_layers":  # cross-layer sharing of the query/key projections
+        model[1].q_proj.weight = model[0].q_proj.weight
+        model[1].k_proj.weight = model[0].k_proj.weight
+    elif tie == "query_is_key":
+        model[1].k_proj.weight = model[1].q_proj.weight
+    return model
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("tie", ["across_layers", "query_is_key"])
+def test_tied_query_key_weights_are_refused_before_anything_changes(tie, strict):
+    """A Parameter shared by two modules cannot be parametrized in one of them: stiefelize used to fail halfway
+    (``start (0) + length (16) exceeds dimension size (0)``) with the shared weight resized to nothing."""
+    model = _tied_model(tie)
+    params = list(model.named_parameters(remove_duplicate=False))
+    values = [p.detach().clone() for _, p in params]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(1, 3, 16)
+    out = model(x).detach()
+    pattern = (r"'1.q_proj.weight' and '1.k_proj.weight'" if tie == "query_is_key"
+               else r"'0.q_proj.weight' and '1.q_proj.weight'; '0.k_proj.weight' and '1.k_proj.weight'")
+    if strict:
+        with pytest.raises(ValueError, match=rf"nothing was changed\.\n.*{pattern}: tied weights.*untie them first"):
+            stiefelize(model)
+    else:
+        with pytest.warns(UserWarning, match=rf"{pattern}: tied weights.*untie them first"):
+            report = stiefelize(model, strict=False)
+        assert len(report) == (0 if tie == "across_layers" else 1)  # the untied layer of query_is_key converts
+    if strict or tie == "across_layers":
+        after = list(model.named_parameters(remove_duplicate=False))
+        assert [n for n, _ in after] == [n for n, _ in params]
+        assert all(p is q and torch.equal(p, v) for (_, p), (_, q), v in zip(after, params, values, strict=True))
+        assert model.state_dict().keys() == state.keys()
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+        assert torch.equal(model(x).detach(), out) and not frame_parameters(model)
+
+
+def test_companion_the_untied_model_converts():
+    model = _tied_model("none")
+    report = stiefelize(model)
+    assert len(report) == 2 and len(frame_parameters(model)) == 4
+    assert model(torch.randn(1, 3, 16)).shape == (1, 3, 16)

@@ -330,6 +330,38 @@ def _under(path: str, prefix: str) -> bool:
     return prefix == "" or path == prefix or path.startswith(prefix + ".")
 
 
+def _tied(model: nn.Module, sites: list[_Site]) -> tuple[list[_Site], list[tuple[str, str]]]:
+    """Split the planned sites into those whose converted tensors are each reachable under one name only, and the
+    refusals of the others (``(path, why)``).
+
+    A parametrization is registered on one module's attribute, so a Parameter shared with another module (tied
+    weights: ``layers[1].q_proj.weight = layers[0].q_proj.weight``) would be rebuilt from frames in one place and
+    resized under the other: refused before anything changes, naming every place it is held."""
+    names: dict[int, list[str]] = {}  # a Parameter -> the (module, attribute) places holding it, by name
+    for path, module in model.named_modules():  # a module reachable twice is one place (converted once)
+        for attr, p in module._parameters.items():
+            if p is not None:
+                names.setdefault(id(p), []).append(f"{path}.{attr}" if path else attr)
+    kept, problems = [], []
+    for site in sites:
+        targets = {(id(p.owner), p.attr): (p.owner, p.attr) for p in (site.q, site.k)}
+        targets.update({(id(owner), attr): (owner, attr) for owner, attr, _, _ in site.bias_spans})
+        shared = []
+        for owner, attr in targets.values():
+            held = names.get(id(getattr(owner, attr)), [])
+            if len(held) > 1:
+                shared.append(" and ".join(repr(n) for n in held))
+        if shared:
+            problems.append((site.path, f"its query/key tensor is one Parameter held under several names "
+                                        f"({'; '.join(shared)}: tied weights), and a frame parametrization would "
+                                        f"replace it in one module only; untie them first (e.g. "
+                                        f"module.weight = nn.Parameter(module.weight.detach().clone()) in each "
+                                        f"module but one)"))
+        else:
+            kept.append(site)
+    return kept, problems
+
+
 # ---------------------------------------------------------------------------------------------- public API
 def stiefelize(
     model: nn.Module,
@@ -430,7 +462,9 @@ def stiefelize(
     ValueError
         For bad options, when nothing converts (the message lists the layouts searched), and for an
         attention-like module that cannot be converted (the message says why and what to pass); the model
-        is then unchanged.
+        is then unchanged. A query/key weight (or, with ``qk_bias="drop"``, bias) that is one Parameter held by
+        several modules (tied weights) cannot be converted: the
+        message names every place it is held; untie them first.
 
     Examples
     --------
@@ -494,6 +528,8 @@ def stiefelize(
             sites.append(_plan(path, module, layout, qk_bias))
         except _Refusal as err:
             problems.append((path, f"{type(module).__name__} matches layout {layout.name!r} but {err}"))
+    sites, tied = _tied(model, sites)
+    problems += tied
     if chooser is None:
         claimed = [s.path for s in sites] + [p for p, _ in problems]
         candidates = [p for p, m in model.named_modules()
