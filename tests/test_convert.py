@@ -326,7 +326,8 @@ def test_export_loads_into_stock_model_and_unstiefelize_restores(name):
     torch.testing.assert_close(case.run(stock), expected, rtol=0, atol=SAME_TOL)
     # unstiefelize: plain modules in place, same function, stock keys
     classes = [type(m) for m in case.build().modules()]
-    assert unstiefelize(model) is model
+    with pytest.warns(UserWarning, match="unstiefelize: .*Build the optimizer again"):
+        assert unstiefelize(model) is model
     assert [type(m) for m in model.modules()] == classes  # the host classes themselves, not parametrized subclasses
     assert not frame_parameters(model) and sorted(model.state_dict()) == sorted(stock_keys)
     assert not any("parametrizations" in n for n, _ in model.named_parameters())
@@ -994,7 +995,8 @@ def test_the_models_check_finds_a_frame_off_the_manifold_and_names_it():
         model(_x(2, 5, 16))
     with torch.no_grad():  # companion: without gradients nothing is checked ...
         model(_x(2, 5, 16))
-    unstiefelize(model)  # ... and unstiefelize removes the model's hooks
+    with pytest.warns(UserWarning, match="unstiefelize: .*Build the optimizer again"):
+        unstiefelize(model)  # ... and unstiefelize removes the model's hooks
     assert not model._forward_pre_hooks and not model._forward_hooks
 
 
@@ -1090,3 +1092,57 @@ def test_companion_the_untied_model_converts():
     report = stiefelize(model)
     assert len(report) == 2 and len(frame_parameters(model)) == 4
     assert model(torch.randn(1, 3, 16)).shape == (1, 3, 16)
+
+
+def _train_steps(model, opt, x, steps):
+    for _ in range(steps):
+        opt.zero_grad()
+        out = model(x, x, x)[0] if isinstance(model, nn.MultiheadAttention) else model(x)
+        out.square().mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("make_opt", ["AdamW", "StiefelAdam"])
+def test_unstiefelize_warns_that_optimizers_of_the_converted_model_must_be_rebuilt(make_opt):
+    """The frames were other parameters: a pure q_proj/k_proj weight comes back as a new Parameter that an optimizer
+    built on the converted model does not hold (it would silently stop training it), so every call warns."""
+    from geoopt_stiefel_attention import StiefelAdam, param_groups
+
+    torch.manual_seed(0)
+    model = _QKAttn()
+    stiefelize(model)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if make_opt == "AdamW"
+           else StiefelAdam(param_groups(model), lr=1e-2))
+    x = torch.randn(2, 5, 16)
+    _train_steps(model, opt, x, 1)
+    with pytest.warns(UserWarning, match=r"unstiefelize: 2 converted weight\(s\) are plain Parameters again.*"
+                                         r"would silently stop training 'q_proj.weight', 'k_proj.weight' \(new "
+                                         r"Parameters it does not hold\)\. Build the optimizer again") as record:
+        unstiefelize(model)
+    assert "would fail on" not in str(record[0].message)
+    # what the warning says is so: the old optimizer leaves the query weight where it is, the value weight moves
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert id(model.q_proj.weight) not in held and id(model.v_proj.weight) in held
+    q0, v0 = model.q_proj.weight.detach().clone(), model.v_proj.weight.detach().clone()
+    _train_steps(model, opt, x, 2)
+    assert torch.equal(model.q_proj.weight.detach(), q0) and not torch.equal(model.v_proj.weight.detach(), v0)
+    # companion: the optimizer built again, as the warning says, trains it
+    _train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), x, 2)
+    assert not torch.equal(model.q_proj.weight.detach(), q0)
+
+
+def test_unstiefelize_of_a_fused_projection_warns_and_the_old_optimizer_fails_loudly():
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(16, 2, batch_first=True)
+    stiefelize(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(2, 5, 16)
+    _train_steps(model, opt, x, 1)
+    kept = model.parametrizations.in_proj_weight.original
+    with pytest.warns(UserWarning, match=r"unstiefelize: 1 converted weight\(s\).*so it would fail on "
+                                         r"'in_proj_weight' \(its state no longer fits"):
+        unstiefelize(model)
+    assert model.in_proj_weight is kept and kept.shape == (48, 16)  # torch's rule: the Parameter is kept, resized
+    with pytest.raises(RuntimeError, match="must match the size"):
+        _train_steps(model, opt, x, 1)
+    _train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), x, 1)  # companion: rebuilt, it steps

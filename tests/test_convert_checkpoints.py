@@ -354,7 +354,8 @@ def test_no_zero_size_parameter_after_conversion_and_unstiefelize_restores(name)
     assert not set(empty) & set(model.state_dict())
     _one_step(model)  # forward, backward, StiefelAdam over param_groups
     expected = _logits(model)
-    unstiefelize(model)
+    with pytest.warns(UserWarning, match="unstiefelize: .*Build the optimizer again"):
+        unstiefelize(model)
     assert [n for n, _ in model.named_parameters()] == stock_names and list(model.state_dict()) == stock_keys
     assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad and p.numel() > 0 for p in model.parameters())
     assert float((_logits(model) - expected).abs().max()) <= F32_LOGIT_TOL

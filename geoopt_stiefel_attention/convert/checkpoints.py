@@ -316,6 +316,21 @@ def unstiefelize(model: nn.Module) -> nn.Module:
     state-dict hooks are removed, and the model's parameters and state dict have the stock names in the
     stock order again. Returns ``model``.
 
+    **Optimizers must be rebuilt.** A converted weight was trained through its frames (and log-gains), which are
+    other parameters and are gone afterwards. torch's ``remove_parametrizations`` keeps the ``original``
+    Parameter so that an optimizer need not change, but here that cannot hold: a pure ``q_proj``/``k_proj``
+    weight had no ``original`` parameter (its rest is empty) and becomes a new Parameter that an optimizer built
+    on the converted model does not hold, so that optimizer would silently stop training it; a fused projection
+    (``in_proj_weight``, ``c_attn``, ``qkv``) keeps its ``original`` Parameter, which grows from the rest to the
+    whole weight, so that optimizer's state no longer fits it. Build the optimizer again from the unstiefelized
+    model (e.g. ``torch.optim.AdamW(model.parameters())``); every call warns so.
+
+    Warns
+    -----
+    UserWarning
+        Always, naming the weights that became plain Parameters: optimizers built on the converted model must be
+        rebuilt.
+
     Raises
     ------
     ValueError
@@ -324,6 +339,8 @@ def unstiefelize(model: nn.Module) -> nn.Module:
     ours = _our_parametrized(model)
     if not ours:
         raise ValueError("unstiefelize: the model holds no weight converted by stiefelize; nothing to undo.")
+    new: list[str] = []  # weights that become new Parameters (a pure q_proj/k_proj: no `original` parameter)
+    grown: list[str] = []  # weights whose `original` Parameter is kept and grows to the whole weight (fused)
     for _path, module, attr in ours:
         p0 = module.parametrizations[attr][0]
         requires_grad = any(t.requires_grad for t in p0.parameters()) or module.parametrizations[attr].original.requires_grad
@@ -332,6 +349,9 @@ def unstiefelize(model: nn.Module) -> nn.Module:
         p = getattr(module, attr)
         if not isinstance(p, nn.Parameter) or not p.is_contiguous():  # an empty `original` was a buffer
             setattr(module, attr, nn.Parameter(p.detach().contiguous(), requires_grad=requires_grad))
+            new.append(f"{_path}.{attr}" if _path else attr)
+        else:
+            grown.append(f"{_path}.{attr}" if _path else attr)
     for _path, module, _attr in ours:
         hooks = vars(module).get(_HOOKS)
         if hooks is not None:
@@ -344,6 +364,17 @@ def unstiefelize(model: nn.Module) -> nn.Module:
         _unwatch_model(module)
         if _MARK in vars(module):
             object.__delattr__(module, _MARK)
+
+    def listed(names: list[str]) -> str:
+        return ", ".join(repr(n) for n in names[:4]) + (f", ... ({len(names)} weights)" if len(names) > 4 else "")
+
+    effects = ([f"would silently stop training {listed(new)} (new Parameters it does not hold)"] if new else []) + (
+        [f"would fail on {listed(grown)} (its state no longer fits the Parameter, which grew from the rest to the "
+         f"whole weight)"] if grown else [])
+    warnings.warn(f"unstiefelize: {len(new) + len(grown)} converted weight(s) are plain Parameters again and their "
+                  f"frames and gains are gone; an optimizer built on the converted model holds those frames, so it "
+                  f"{' and '.join(effects)}. Build the optimizer again from the unstiefelized model, e.g. "
+                  f"torch.optim.AdamW(model.parameters()).", UserWarning, stacklevel=2)
     return model
 
 
