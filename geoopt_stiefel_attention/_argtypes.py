@@ -32,17 +32,19 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_threads_argument(parser: argparse.ArgumentParser, default: int | None = 1) -> None:
+def add_threads_argument(parser: argparse.ArgumentParser, default: int | None = 1, *,
+                         help: str | None = None) -> None:  # noqa: A002 - argparse's own name
     """``--threads N``: ``torch.set_num_threads`` for the command, the same flag on every subcommand.
 
     The default is one thread: the library's commands work on small matrices, where intra-op threads mostly
     add synchronisation, and on a shared, loaded machine they can make a command many times slower (measured:
     ``demo`` 5 min 54 s with torch's default thread count on a loaded 2-core machine, 8.2 s with one thread).
+    A command where part of the work keeps its own thread count passes ``help`` saying exactly what the flag does.
     """
     where = "torch's own choice" if default is None else f"{default}"
     parser.add_argument("--threads", type=positive_int, default=default,
-                        help=f"torch.set_num_threads for the command (default {where}; one thread is fastest for "
-                             f"small matrices and steadiest on a shared machine)")
+                        help=help or f"torch.set_num_threads for the command (default {where}; one thread is "
+                                     f"fastest for small matrices and steadiest on a shared machine)")
 
 
 def nonnegative_int(text: str) -> int:
@@ -50,6 +52,20 @@ def nonnegative_int(text: str) -> int:
     value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+#: The largest seed ``torch.manual_seed`` and ``torch.Generator.manual_seed`` take: an unsigned 64-bit integer
+#: (one more raises ``ValueError: Overflow when unpacking long long`` inside the command).
+SEED_MAX = 2**64 - 1
+
+
+def seed_int(text: str) -> int:
+    """A seed: an integer from 0 to :data:`SEED_MAX` (torch's range), checked before any work is done."""
+    value = _int(text)
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**64 - 1 = {SEED_MAX} (the seeds torch "
+                                         f"takes), got {value}")
     return value
 
 

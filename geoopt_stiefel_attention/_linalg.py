@@ -2,7 +2,8 @@
 
 Every function here is pure (no in-place update of its inputs), works on stacks of frames, and does
 only ``d x r x r`` and ``r x r x r`` work: no ``d x d`` matrix is ever formed and no SVD of a ``d x r``
-matrix is taken except in :func:`polar_svd`, the exact fallback used by ``projx``.
+matrix is taken except in :func:`polar_svd`, the exact polar factor used by ``projx`` and by
+:func:`polar_any_rank` for a matrix whose Gram route gives no frame (a rank-deficient one).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "EIGH_DEVICES",
     "CHECKED_NEWTON_CONDITION",
     "polar",
+    "polar_any_rank",
     "polar_svd",
     "cap_step",
     "compute_dtype",
@@ -337,6 +339,38 @@ def polar(y: torch.Tensor, *, order: int | None = None, synchronize: bool = True
     gram = y.transpose(-1, -2) @ y
     x = inv_sqrt(gram, synchronize=synchronize) if order is None else inv_sqrt_series(gram, order)
     return y @ x
+
+
+def polar_any_rank(y: torch.Tensor) -> torch.Tensor:
+    r"""A frame for every ``d x r`` matrix ``y``: :func:`polar` (the Gram route), with :func:`polar_svd` for each
+    matrix whose Gram-route result is not a frame. ``PolarStiefel.retr`` retracts with it.
+
+    :func:`polar` inverts :math:`(Y^\top Y)^{1/2}`, which a rank-deficient ``Y`` does not have (``W + U`` with a
+    step ``U`` that is not tangent, e.g. ``U = -W``): the eigenvalue clamp of :func:`inv_sqrt_spd` then gives a zero
+    or an enormous column, not a point of the manifold. Each result is checked for that at :math:`O(d r)` cost
+    (no Gram matrix of the result, which would cost as much as the retraction's products): its entries are finite,
+    and every squared column norm, as well as the squared norm of the sum of the columns (the sum of every entry of
+    :math:`Q^\top Q`, which an off-diagonal error moves), is within :data:`ORTHONORMALITY_TOLERANCE` of the dtype
+    (times ``r`` for the sum) of its value for a frame. A matrix that fails is recomputed from its thin SVD,
+    :math:`U V^\top`, a frame for any ``Y`` (for a rank-deficient ``Y`` one of its closest frames, which is not
+    unique there). Inside ``torch.compile`` and ``torch.vmap``, where the check cannot be read on the host, every
+    matrix's SVD is computed and selected where the check fails: the same result, at the SVD's cost.
+    """
+    q = polar(y)
+    if q.numel() == 0 or q.device.type == "meta":  # nothing to check (meta tensors hold shapes only)
+        return q
+    tol = ORTHONORMALITY_TOLERANCE.get(q.dtype, ORTHONORMALITY_TOLERANCE[torch.float32])
+    r = q.shape[-1]
+    columns = (q.square().sum(dim=-2) - 1.0).abs().amax(dim=-1)
+    total = (q.sum(dim=-1).square().sum(dim=-1) - r).abs()
+    good = (columns <= tol) & (total <= tol * r)  # NaN and inf fail both comparisons
+    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(q):
+        return torch.where(good[..., None, None], q, polar_svd(y))
+    if bool(good.all()):
+        return q
+    flat_q, flat_y = q.reshape(-1, *q.shape[-2:]), y.reshape(-1, *y.shape[-2:])
+    index = (~good).reshape(-1).nonzero().squeeze(-1)
+    return flat_q.index_put((index,), polar_svd(flat_y[index])).reshape(q.shape)
 
 
 def polar_svd(x: torch.Tensor) -> torch.Tensor:

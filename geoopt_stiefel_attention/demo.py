@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._argtypes import UsageError, add_threads_argument, nonnegative_int, positive_float, positive_int
+from ._argtypes import UsageError, add_threads_argument, positive_float, positive_int, seed_int
 
 HELP = "Train a stack of Stiefel frames with StiefelAdam and stock geoopt RiemannianAdam; print the comparison."
 
@@ -143,7 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=2000, help="optimisation steps (default 2000)")
     parser.add_argument("--lr", type=positive_float, default=1e-2,
                         help="learning rate of every optimizer, > 0 (default 1e-2)")
-    parser.add_argument("--seed", type=nonnegative_int, default=0)
+    parser.add_argument("--seed", type=seed_int, default=0,
+                        help="seed of the frames and gradients, 0 to 2**64 - 1 (default 0)")
     add_threads_argument(parser)
     parser.add_argument("--quiet", action="store_true", help="print the table only (no progress lines)")
 

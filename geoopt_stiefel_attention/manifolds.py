@@ -34,9 +34,12 @@ class PolarStiefel(EuclideanStiefel):
     work and no SVD of the ``d x r`` matrix (geoopt's ``EuclideanStiefel`` uses a QR factorisation, its
     default ``Stiefel()`` a ``d x d`` Cayley solve). For tangent ``Z`` the Gram matrix equals
     :math:`I + Z^\top Z` in exact arithmetic; the code forms the Gram of the actual ``W + Z`` so that each
-    retraction also corrects the rounding drift of the previous one. Vector transport is projection onto
-    the new tangent space, :math:`\mathcal{T}_{W\to W'}(V) = P_{W'}(V)`. ``projx`` is the exact closest
-    frame :math:`U V^\top` from a thin SVD.
+    retraction also corrects the rounding drift of the previous one. A step that is not tangent can make
+    ``W + Z`` rank-deficient (``Z = -W``), where that inverse square root does not exist: each result is checked
+    at :math:`O(d r)` cost and a frame that fails is retracted by its thin SVD, :math:`U V^\top`, so ``retr``
+    always returns a point of the manifold (:func:`~geoopt_stiefel_attention._linalg.polar_any_rank`). Vector
+    transport is projection onto the new tangent space, :math:`\mathcal{T}_{W\to W'}(V) = P_{W'}(V)`. ``projx``
+    is the exact closest frame :math:`U V^\top` from a thin SVD.
 
     Points are stacks of frames of shape ``(..., d, r)`` with ``r <= d``: a stack of attention heads is
     one tensor. ``float32`` and ``float64`` compute in their own dtype; ``bfloat16``/``float16`` points are
@@ -66,7 +69,7 @@ class PolarStiefel(EuclideanStiefel):
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         ct = _linalg.compute_dtype(x.dtype)
         y = x.to(ct) + u.to(ct)
-        return _polar_factor(y, _linalg.polar).to(x.dtype)
+        return _polar_factor(y, _linalg.polar_any_rank).to(x.dtype)
 
     def retr_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y = self.retr(x, u)

@@ -764,11 +764,14 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
         :class:`EuclideanMultiheadAttention`); pass ``False`` for another Euclidean baseline.
     adjust_lr_fn : {"original", "match_rms_adamw"} or None, default None
         Written into the ``"frames"`` group when given: what ``lr`` means for each ``d x r`` frame under
-        :class:`~geoopt_stiefel_attention.StiefelAdam`. ``"match_rms_adamw"`` multiplies the frame's step and
-        trust radius by :math:`\sqrt{d r}`, so the model's AdamW learning rate moves a frame as much per step
-        as AdamW would move the same block; ``"original"`` is the paper's step, :math:`\|s\|_F \approx
-        \mathrm{lr}` (see :func:`~geoopt_stiefel_attention.frame_step_scale`). ``None``: the optimizer's
-        own default (``"match_rms_adamw"`` for :class:`~geoopt_stiefel_attention.StiefelAdam`).
+        :class:`~geoopt_stiefel_attention.StiefelAdam`. ``"match_rms_adamw"`` multiplies the frame's step by
+        :math:`\sqrt{d r}`, so the model's AdamW learning rate moves a frame as much per step as AdamW would
+        move the same block; ``"original"`` is the paper's step, :math:`\|s\|_F \approx \mathrm{lr}` (see
+        :func:`~geoopt_stiefel_attention.frame_step_scale`). The trust radius :math:`\Delta` is not scaled:
+        under either rule it caps :math:`\|s\|_F \le \Delta` in the frame's own units, and only the value of
+        ``trust_region="auto"`` depends on the rule (1 under ``"match_rms_adamw"``, 0.1 under ``"original"``;
+        see :func:`~geoopt_stiefel_attention.optim.trust_radius`). ``None``: the optimizer's own default
+        (``"match_rms_adamw"`` for :class:`~geoopt_stiefel_attention.StiefelAdam`).
     decay : callable ``(name, parameter) -> bool``, default :func:`decays_matrices`
         Which non-frame parameters get ``weight_decay``; ``name`` is the parameter's name in
         ``model.named_parameters()``.

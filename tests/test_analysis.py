@@ -520,3 +520,219 @@ def test_table_failures_keep_the_two_tables_apart():
     solved = _muon_cell(analysis.MUON_ROWS[0], "StiefelMuon (solved)", 1.0)
     assert table.stiefel_adam_failures([adam_m7, adam_1a, solved]) == [adam_1a]
     assert table.stiefel_muon_failures([adam_m7, adam_1a, solved]) == [solved]
+
+
+# ------------------------------------------------------------------------------ findings rest on their cells
+_FRAMES = {"parametrisation": "frames (M orthogonal)"}
+_UNCONSTRAINED = {"parametrisation": "unconstrained (M invertible)"}
+
+
+def _cell(row, optimizer, passed, details=None):
+    return analysis.Certificate.check(row, "s", 0.0 if passed else 1.0, 0.5, optimizer=optimizer, details=details)
+
+
+def _gauge_cells(a_passes=(True, True), b_passes=(True, True), rows=("6a", "6b")):
+    names = {"6a": analysis.ROWS[-2], "6b": analysis.ROWS[-1]}
+    passes = {"6a": a_passes, "6b": b_passes}
+    return [_cell(names[row], column, ok, details)
+            for row in rows
+            for (column, details), ok in zip((("StiefelAdam", _FRAMES), ("torch AdamW (unconstrained)", _UNCONSTRAINED)),
+                                             passes[row], strict=True)]
+
+
+GAUGE_RESULT = "the gradient has no component there (6a, 6b)"
+
+
+def test_gauge_finding_is_stated_only_when_6a_and_6b_pass_for_every_column():
+    found = " ".join(table.conclusions(_gauge_cells()))
+    assert GAUGE_RESULT in found and "frames and unconstrained matrices alike" in found
+    assert "removing the gauge cannot be what the Stiefel constraint buys" in found
+    # companions: a failing 6a or 6b cell, or one of the two rows not computed, and the result is not stated
+    for certs, said in ((_gauge_cells(a_passes=(True, False)), "6a fails for AdamW (passes for StiefelAdam)"),
+                        (_gauge_cells(b_passes=(False, False)), "6b fails for StiefelAdam, AdamW"),
+                        (_gauge_cells(rows=("6a",)), "6b was not computed"),
+                        (_gauge_cells(rows=("6b",)), "6a was not computed")):
+        found = " ".join(table.conclusions(certs))
+        assert GAUGE_RESULT not in found and "Gauge: not established by this table" in found, found
+        assert said in found and "A direction along which the loss is invariant carries no gradient" not in found
+    # the scope names only the parametrisations the table holds
+    frames_only = [c for c in _gauge_cells() if c.optimizer == "StiefelAdam"]
+    assert "for frames parametrisations (the only kind in this table)" in " ".join(table.conclusions(frames_only))
+
+
+def test_the_audit_reproducer_gauge_cells_that_fail_are_said_to_fail():
+    """/tmp/audit_b/gauge_conclusion.py: both gauge cells fail (no details); the findings say so, and that
+    StiefelAdam itself fails them."""
+    certs = [analysis.Certificate.check(analysis.ROWS[-2], "s", 0.3, 1e-10, optimizer="StiefelAdam"),
+             analysis.Certificate.check(analysis.ROWS[-1], "s", 0.2, 1e-12, optimizer="StiefelAdam")]
+    found = table.conclusions(certs)
+    assert not any(GAUGE_RESULT in s for s in found)
+    assert "StiefelAdam itself fails: 6a, 6b." in found
+    # companion: passing cells give the result and no failure line
+    passing = [analysis.Certificate.check(c.name, "s", 0.0, c.tolerance, optimizer="StiefelAdam") for c in certs]
+    found = table.conclusions(passing)
+    assert any(GAUGE_RESULT in s for s in found) and not any("itself fails" in s for s in found)
+
+
+def _equivariance_cells(*, column_4a=True, column_1b=False, ours_1b=True, with_column=True):
+    rows = {key: next(r for r in analysis.ROWS if r.startswith(key)) for key in ("1b", "4a", "4b")}
+    per_column = table.PER_COLUMN_VARIANT
+    cells = [_cell(rows["1b"], "StiefelAdam", ours_1b), _cell(rows["4a"], "StiefelAdam", True),
+             _cell(rows["4b"], "StiefelAdam", True)]
+    if with_column:
+        cells += [_cell(rows["1b"], per_column, column_1b), _cell(rows["4a"], per_column, column_4a),
+                  _cell(rows["4b"], per_column, False)]
+    return cells
+
+
+SECOND_MOMENT_RESULT = "Equivariance alone does not force the per-frame second moment"
+
+
+def test_equivariance_finding_rests_on_the_per_column_variants_4a_and_1b_and_ours_1b():
+    assert table.PER_COLUMN_VARIANT == stiefel_adam_column("column").name
+    assert SECOND_MOMENT_RESULT in " ".join(table.conclusions(_equivariance_cells()))
+    # companions: each cell the finding rests on, the other way round, or the variant absent
+    for kwargs, said in ((dict(column_4a=False), "4a SA column fails"), (dict(column_1b=True), "1b SA column passes"),
+                         (dict(ours_1b=False), "1b StiefelAdam fails"),
+                         (dict(with_column=False), "not computed: 4a SA column, 1b SA column")):
+        found = " ".join(table.conclusions(_equivariance_cells(**kwargs)))
+        assert SECOND_MOMENT_RESULT not in found and "not established by this table" in found, (kwargs, found)
+        assert said in found, (kwargs, found)
+
+
+def test_scale_free_finding_rests_on_the_adam_type_and_fixed_step_columns():
+    row = next(r for r in analysis.ROWS if r.startswith("2a"))
+    adam, sgd = ("StiefelAdam", "torch AdamW (unconstrained)"), "geoopt-rsgd"
+    found = " ".join(table.conclusions([_cell(row, c, True) for c in adam] + [_cell(row, sgd, False)]))
+    assert "degree zero in the gradient is shared by every Adam-type method" in found
+    assert "a fixed-step (SGD-type) update is of degree one." in found
+    # companions: an Adam-type column failing, the fixed-step column passing, or no fixed-step column
+    found = " ".join(table.conclusions([_cell(row, adam[0], True), _cell(row, adam[1], False), _cell(row, sgd, False)]))
+    assert "they fail for AdamW, Adam-type, so the table does not show" in found
+    found = " ".join(table.conclusions([_cell(row, c, True) for c in adam] + [_cell(row, sgd, True)]))
+    assert "geoopt-rsgd passes too, so the table does not show a fixed-step update to be of degree one" in found
+    found = " ".join(table.conclusions([_cell(row, c, True) for c in adam]))
+    assert "no fixed-step, SGD-type, column is in this table" in found and "is of degree one" not in found
+
+
+# ------------------------------------------------------------------------------ certify: nothing asked is dropped
+@pytest.mark.parametrize("argv, said", [
+    (["--optimizers", "AdamW", "StiefelMuon", "--only", "1a"], "'StiefelMuon' is a column of the Muon table only"),
+    (["--optimizers", "AdamW", "--only", "1a", "M1"], "M1 is a row of the Muon table"),
+    (["--optimizers", "StiefelMuon", "--only", "1a", "M1"], "1a is a row of the main table"),
+    (["--optimizers", "AdamW", "StiefelMuon", "--only", "M"], "'AdamW' is a column of the main table only"),
+])
+def test_cli_certify_refuses_a_column_or_row_that_no_computed_table_holds(monkeypatch, capsys, argv, said):
+    from geoopt_stiefel_attention.analysis import muon, suite
+    from geoopt_stiefel_attention.cli import main
+
+    calls = []
+    monkeypatch.setattr(suite, "run_certificates", lambda columns, **k: calls.append("main") or [])
+    monkeypatch.setattr(muon, "run_muon_certificates", lambda columns, **k: calls.append("muon") or [])
+    assert main(["certify", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("stiefel-attention certify: error: --optimizers/--only: ") and said in err, err
+    assert calls == []
+
+
+@pytest.mark.parametrize("argv, computed", [
+    (["--optimizers", "AdamW", "StiefelMuon", "--only", "1a", "M1"], ["main", "muon"]),
+    (["--optimizers", "StiefelAdam", "StiefelMuon", "--only", "M1"], ["muon"]),  # StiefelAdam is a Muon column too
+    (["--only", "1a"], ["main"]),  # no column named: nothing asked for is left out
+])
+def test_cli_certify_companion_selections_that_every_table_holds_are_computed(monkeypatch, capsys, argv, computed):
+    from geoopt_stiefel_attention.analysis import muon, suite
+    from geoopt_stiefel_attention.cli import main
+
+    calls = []
+    monkeypatch.setattr(suite, "run_certificates", lambda columns, **k: calls.append("main") or [])
+    monkeypatch.setattr(muon, "run_muon_certificates", lambda columns, **k: calls.append("muon") or [])
+    assert main(["certify", "--quiet", *argv]) == 0, capsys.readouterr().err
+    assert calls == computed
+
+
+def test_cli_certify_refuses_one_file_for_json_and_markdown(tmp_path, monkeypatch, capsys):
+    """The same path, spelled two ways, or a link to the other: one line naming both flags, exit 2, nothing
+    computed and nothing written."""
+    from geoopt_stiefel_attention.analysis import muon, suite
+    from geoopt_stiefel_attention.cli import main
+
+    computed = []
+    monkeypatch.setattr(suite, "run_certificates", lambda columns, **k: computed.append(1) or [])
+    monkeypatch.setattr(muon, "run_muon_certificates", lambda columns, **k: [])
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "kept.txt"
+    target.write_text("kept")
+    (tmp_path / "link.txt").symlink_to(target)
+    for json_path, md_path in (("out", "out"), ("out", str(tmp_path / "out")), ("link.txt", str(target))):
+        assert main(["certify", "--quiet", "--only", "1a", "--json", json_path, "--markdown", md_path]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert f"error: --json {json_path} and --markdown {md_path} name the same file" in err, err
+    assert computed == [] and target.read_text() == "kept" and not (tmp_path / "out").exists()
+    # companion: two paths, each file gets its own table
+    assert main(["certify", "--quiet", "--only", "1a", "--optimizers", "AdamW", "--json", "c.json",
+                 "--markdown", "c.md"]) == 0
+    assert json.loads((tmp_path / "c.json").read_text()) == [] and computed == [1]
+
+
+def test_cli_certify_threads_reach_the_certificates(capsys):
+    """/tmp/audit_b/cli_threads.py: --threads N is the count the main table's certificates run with (they forced
+    one before); the caller's count comes back after the run."""
+    from geoopt_stiefel_attention.cli import main
+
+    seen = []
+    real = steepest.certify_projection
+
+    def spy(column, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(column, **kwargs)
+
+    try:
+        steepest.certify_projection = spy
+        for threads in (2, 1):  # companion: 1 is seen as 1
+            assert main(["certify", "--quiet", "--only", "1a", "--optimizers", "AdamW", "--threads", str(threads)]) == 0
+    finally:
+        steepest.certify_projection = real
+        torch.set_num_threads(1)
+    assert seen == [2, 1]
+    assert "note:" not in capsys.readouterr().err  # no Muon table, nothing to say
+
+
+def test_run_certificates_threads_argument(monkeypatch):
+    from geoopt_stiefel_attention.analysis import suite
+
+    seen = []
+    monkeypatch.setattr(suite, "_run", lambda *a, **k: seen.append(torch.get_num_threads()) or [])
+    torch.set_num_threads(1)
+    try:
+        suite.run_certificates(threads=2)
+        suite.run_certificates()  # default: one thread
+        torch.set_num_threads(2)
+        suite.run_certificates(threads=None)  # the caller's count
+        assert seen == [2, 1, 2] and torch.get_num_threads() == 2
+        for bad in (0, True, 1.5):
+            with pytest.raises(ValueError, match="threads=.* is invalid; pass an int >= 1 or None"):
+                suite.run_certificates(threads=bad)
+        assert len(seen) == 3
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_cli_certify_says_the_muon_table_keeps_one_thread(monkeypatch, capsys):
+    """The Muon table (analysis.muon) runs on one thread of its own: a --threads other than 1 says so on stderr."""
+    from geoopt_stiefel_attention.analysis import muon
+    from geoopt_stiefel_attention.cli import main
+
+    monkeypatch.setattr(muon, "run_muon_certificates", lambda columns, **k: [])
+    try:
+        assert main(["certify", "--quiet", "--only", "M", "--threads", "3"]) == 0
+        err = capsys.readouterr().err
+        assert ("note: --threads 3 applies to the main table; the Muon table (rows M1-M8) runs on one thread"
+                in err), err
+        # companion: with one thread there is nothing to say
+        assert main(["certify", "--quiet", "--only", "M", "--threads", "1"]) == 0
+        assert "note:" not in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(1)

@@ -774,3 +774,34 @@ def test_the_compiled_step_figures_in_the_benchmarks_readme_are_the_committed_re
     assert quoted in " ".join(para.split())
     top = " ".join((root / "README.md").read_text().split())  # the top README quotes two of them
     assert f"compiled {ratio['compiled']:.2f}×, capturable {ratio['capturable']:.2f}×" in top
+
+
+@pytest.mark.parametrize("command", [["demo"], ["certify"], ["bench", "step"]])
+@pytest.mark.parametrize("seed", [str(2**64), "-1"])
+def test_every_library_command_refuses_a_seed_torch_cannot_take(command, seed, capsys):
+    """Beyond torch's seed range the command failed inside torch with a traceback and status 1 (for certify, the
+    status of a failed certificate): argparse now refuses it, one error line naming --seed, status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--seed", seed])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert err[-1].endswith(f"error: argument --seed: must be an integer from 0 to 2**64 - 1 = {2**64 - 1} (the seeds "
+                            f"torch takes), got {seed}"), err[-1]
+
+
+def test_the_seed_bound_is_torchs():
+    """SEED_MAX is the largest seed torch takes (companion: one more fails inside torch), and certify runs with it."""
+    from geoopt_stiefel_attention._argtypes import SEED_MAX, seed_int
+
+    assert seed_int(str(SEED_MAX)) == SEED_MAX and seed_int("0") == 0
+    torch.Generator().manual_seed(SEED_MAX)
+    torch.manual_seed(SEED_MAX)
+    with pytest.raises((ValueError, RuntimeError, OverflowError)):
+        torch.Generator().manual_seed(SEED_MAX + 1)
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        assert main(["certify", "--quiet", "--only", "1b", "--optimizers", "AdamW", "--seed", str(SEED_MAX)]) == 0
+    finally:
+        torch.set_num_threads(threads)

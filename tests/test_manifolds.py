@@ -131,6 +131,62 @@ def test_retraction_corrects_previous_drift(st):
     assert float((shortcut.transpose(-1, -2) @ shortcut - torch.eye(4, dtype=torch.float64)).abs().max()) > 1e-4
 
 
+def _rank_deficient_steps(x):
+    """Non-tangent steps that make x + u rank-deficient: one column cancelled, every column cancelled (u = -x),
+    and two columns mixed into one dimension (rank r - 1 with no column zero)."""
+    one = torch.zeros_like(x)
+    one[..., :, 0] = -x[..., :, 0]
+    mixed = torch.zeros_like(x)
+    mixed[..., :, 1] = x[..., :, 0] - x[..., :, 1]  # columns 0 and 1 of x + u are then equal
+    return {"one column": one, "all columns": -x, "two columns equal": mixed}
+
+
+@pytest.mark.parametrize("path", ["eigh", "accelerator"])
+@pytest.mark.parametrize("case", ["one column", "all columns", "two columns equal"])
+def test_retraction_of_a_rank_deficient_moved_point_is_a_frame(st, path, case, monkeypatch):
+    """A step that is not tangent can make W + U rank-deficient, where the Gram route has no inverse square root;
+    retr still returns a frame (the SVD's U V^T, a polar factor: U V^T maps to a symmetric PSD Q^T (W + U)), as
+    geoopt's QR retraction does. Only the deficient frame of a stack takes the SVD; the others are untouched."""
+    from geoopt_stiefel_attention import _linalg
+
+    if path == "accelerator":
+        monkeypatch.setattr(_linalg, "EIGH_DEVICES", frozenset())
+    x, u, _ = _point_and_tangents(st, (3, 8, 4))
+    x, u = x.as_subclass(torch.Tensor), 0.1 * u
+    u[1] = _rank_deficient_steps(x[1])[case]  # frame 1 deficient, frames 0 and 2 a tangent step
+    assert torch.linalg.matrix_rank(x[1] + u[1]) < 4
+    svd_calls = []
+    real_svd = _linalg.polar_svd
+    monkeypatch.setattr(_linalg, "polar_svd", lambda a: svd_calls.append(a.shape) or real_svd(a))
+    y = st.retr(x, u)
+    st.assert_check_point_on_manifold(y, atol=TOL, rtol=TOL)
+    h = y[1].mT @ (x[1] + u[1])  # polar decomposition W + U = Q H: H symmetric positive semi-definite
+    assert float((h - h.mT).abs().max()) < TOL and float(torch.linalg.eigvalsh(h).min()) > -TOL
+    assert svd_calls == [(1, 8, 4)]  # the deficient frame only
+    fast = _linalg.polar(x + u)
+    assert torch.equal(y[0], fast[0]) and torch.equal(y[2], fast[2])
+    # companion: the Gram route alone returns no frame for the deficient one
+    assert not st.check_point_on_manifold(fast[1], atol=1e-3, rtol=1e-3)
+    # companion: a tangent step never takes the SVD (the check is all the normal case pays)
+    svd_calls.clear()
+    st.retr(x, 0.1 * st.proju(x, torch.randn_like(x)))
+    assert svd_calls == []
+
+
+def test_retraction_of_a_rank_deficient_point_under_vmap_is_a_frame(st):
+    """Under torch.vmap the check cannot be read on the host: the SVD of every frame is selected where it fails."""
+    x, u, _ = _point_and_tangents(st, (3, 8, 4))
+    x, u = x.as_subclass(torch.Tensor), 0.1 * u
+    u[1] = -x[1]
+    y = torch.vmap(st.retr)(x, u)
+    st.assert_check_point_on_manifold(y, atol=TOL, rtol=TOL)
+    np.testing.assert_allclose(y[0].numpy(), st.retr(x[0], u[0]).numpy(), atol=TOL)
+    # companion: the Gram route under vmap leaves the deficient frame off the manifold
+    from geoopt_stiefel_attention import _linalg
+
+    assert not st.check_point_on_manifold(torch.vmap(_linalg.polar)(x + u)[1], atol=1e-3, rtol=1e-3)
+
+
 def test_is_frame():
     st = PolarStiefel()
     assert is_frame(geoopt.ManifoldParameter(st.random(5, 2), manifold=st))

@@ -81,8 +81,9 @@ def _grad_fn_factory(shape, seed):
 
 
 def _run_torch(w0, grad_fn, steps, **opt_kwargs):
-    # the written-out reference is the paper's step (c = 1); the default rule is the same update at c * lr and
-    # c * Delta, tested on its own (test_match_rms_adamw_is_the_reference_with_lr_and_radius_times_sqrt_dr)
+    # the written-out reference is the paper's step (c = 1); the default rule is the same update at c * lr with
+    # the same radius Delta (frame units under both rules), tested on its own
+    # (test_match_rms_adamw_is_the_reference_with_lr_times_sqrt_dr)
     opt_kwargs.setdefault("adjust_lr_fn", "original")
     st = PolarStiefel()
     w = geoopt.ManifoldParameter(w0.clone(), manifold=st)

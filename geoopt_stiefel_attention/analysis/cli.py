@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from .._argtypes import UsageError, add_threads_argument, nonnegative_int, output_path_problem, positive_int
+from .._argtypes import UsageError, add_threads_argument, output_path_problem, positive_int, seed_int
 
 HELP = ("Certify the five propositions and the gauge negative result numerically (float64) for StiefelAdam "
         "and stock optimizers, and manifold Muon's properties for StiefelMuon beside torch's Muon, StiefelAdam "
         "and geoopt; print the two tables.")
+
+
+#: What ``--threads`` does here: the main table's certificates run with it; the Muon table's
+#: (:func:`~.muon.run_muon_certificates`) keep one thread of their own.
+THREADS_HELP = ("torch.set_num_threads for the main table's certificates (default 1: the matrices are tiny, and one "
+                "thread is fastest and steadiest on a shared machine); the Muon table (rows M1-M8) runs on one "
+                "thread whatever is given, and a note on stderr says so when another count is given")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--json", metavar="PATH", help="also write one JSON object per table cell to PATH")
     parser.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown to PATH")
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of every random draw (default 0)")
+    parser.add_argument("--seed", type=seed_int, default=0,
+                        help="seed of every random draw, 0 to 2**64 - 1 (default 0)")
     parser.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS,
                         help=f"steps of StiefelAdam's drift/conditioning run, in float64 and float32 "
                              f"(default {DEFAULT_STEPS})")
@@ -33,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only these propositions: numbers 1-6 (all their rows, e.g. --only 5 6) or row labels "
                              "(e.g. 3a 5d); M for every row of the Muon table or its row labels (e.g. M1 M8)")
     parser.add_argument("--quiet", action="store_true", help="print the table only (no legend, findings or progress)")
-    add_threads_argument(parser)
+    add_threads_argument(parser, help=THREADS_HELP)
 
 
 def _select_columns(names):
@@ -69,6 +77,58 @@ def _select_columns(names):
     return main, muon
 
 
+def _is_muon_token(token: str) -> bool:
+    """Whether an ``--only`` token names rows of the Muon table (``M`` or a row label ``M1``-``M8``)."""
+    from .muon import MUON_ROWS
+
+    return token == "M" or token in {row.split()[0] for row in MUON_ROWS}
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two output paths name one file (the same path once resolved, or two links to one file)."""
+    import os
+    from pathlib import Path
+
+    if Path(a).resolve() == Path(b).resolve():
+        return True
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
+
+def _refuse_dropped(names, tokens, main_columns, muon_columns) -> None:
+    """A :class:`UsageError` for the first column of ``--optimizers`` (``names``) or row of ``--only``
+    (``tokens``) that no table being computed holds: a Muon column with no M row asked for, a main-table column
+    with only M rows, an M row with no Muon column of its own named, a main-table row with only Muon columns."""
+    from .muon import muon_column_by_name
+    from .muon import muon_columns as all_muon_columns
+    from .optimizers import column_by_name
+
+    def resolves(lookup, name) -> bool:
+        try:
+            lookup(name)
+        except KeyError:
+            return False
+        return True
+
+    for name in names:
+        in_main, in_muon = resolves(column_by_name, name), resolves(muon_column_by_name, name)
+        if (in_main and main_columns) or (in_muon and muon_columns):
+            continue
+        table = "the Muon table" if in_muon and not in_main else "the main table"
+        rows = "an M row (M, or M1-M8)" if table == "the Muon table" else "a row of its own (1-6, e.g. 1a)"
+        raise UsageError(f"--optimizers/--only: {name!r} is a column of {table} only, and --only names no row of "
+                         f"it; add {rows} to --only, or leave {name!r} out of --optimizers")
+    main_names = {c.name for c in main_columns}
+    own = [c.name for c in all_muon_columns() if not resolves(column_by_name, c.name)]
+    for token in tokens:
+        if _is_muon_token(token) and not muon_columns:
+            raise UsageError(f"--optimizers/--only: {token} is a row of the Muon table, which runs only when "
+                             f"--optimizers names one of its own columns ({', '.join(own)}); add one, or leave "
+                             f"{token} out of --only")
+        if not _is_muon_token(token) and not main_names:
+            raise UsageError(f"--optimizers/--only: {token} is a row of the main table, and --optimizers names none "
+                             f"of its columns; add one (e.g. StiefelAdam), or leave {token} out of --only")
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
     import time
@@ -86,10 +146,13 @@ def run(args: argparse.Namespace) -> int:
         problem = None if path is None else output_path_problem(path, folder=False)
         if problem is not None:
             raise UsageError(f"{flag} {path}: {problem}")
+    if args.json is not None and args.markdown is not None and _same_file(args.json, args.markdown):
+        raise UsageError(f"--json {args.json} and --markdown {args.markdown} name the same file, so the Markdown "
+                         f"would overwrite the JSON; pass two different paths")
     rows, muon_rows = None, None
     if args.only is not None:
         muon_rows = muon_certificates.select_muon_rows(args.only)
-        main_tokens = [t for t in args.only if t != "M" and t not in {r.split()[0] for r in muon_certificates.MUON_ROWS}]
+        main_tokens = [t for t in args.only if not _is_muon_token(t)]
         try:
             rows = suite.select_rows(main_tokens) if main_tokens else ()
         except ValueError as err:
@@ -102,7 +165,11 @@ def run(args: argparse.Namespace) -> int:
     if not main_columns and not muon_columns:
         raise UsageError("--optimizers/--only: no table left to compute (the Muon table needs a Muon column and an "
                          "M row; the main table a column and a row of its own)")
-    torch.set_num_threads(args.threads)  # tiny matrices: one thread is fastest
+    _refuse_dropped(args.optimizers or [], args.only or [], main_columns, muon_columns)
+    torch.set_num_threads(args.threads)
+    if muon_columns and args.threads != 1:
+        print(f"stiefel-attention certify: note: --threads {args.threads} applies to the main table; the Muon table "
+              f"(rows M1-M8) runs on one thread", file=sys.stderr, flush=True)
     start = time.perf_counter()
 
     def progress(name: str) -> None:
@@ -114,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore")
         if main_columns:
             certs = suite.run_certificates(main_columns, seed=args.seed, steps=args.steps,
-                                           other_steps=args.other_steps, progress=progress, rows=rows)
+                                           other_steps=args.other_steps, progress=progress, rows=rows,
+                                           threads=args.threads)
         if muon_columns:
             muon_certs = muon_certificates.run_muon_certificates(muon_columns, seed=args.seed,
                                                                  drift_steps=args.muon_steps, progress=progress,

@@ -91,9 +91,10 @@ def _stiefel_adam(second_moment: str | None) -> OptimizerFactory:
 
         # StiefelAdam validates eps > 0; the update is well defined with eps = 0 whenever xi != 0, which the
         # scale certificate needs, so eps = 0 is set on the groups after construction.
-        # lr and trust_region are a frame's step norm and radius here (adjust_lr_fn="original"), as for the
-        # other columns; the default rule "match_rms_adamw" is this same update at sqrt(d r) lr and
-        # sqrt(d r) trust_region, so every certificate, which holds at every lr and radius, covers it too.
+        # lr is a frame's step norm here (adjust_lr_fn="original"), as for the other columns, and trust_region
+        # caps ||s||_F in the frame's own units under either rule (issue 40); the default rule "match_rms_adamw"
+        # is this same update at sqrt(d r) lr with the same radius, so every certificate, which holds at every
+        # lr and radius, covers it too.
         opt = StiefelAdam(params, lr=lr, betas=betas, eps=eps if eps > 0 else 1e-8, weight_decay=weight_decay,
                           trust_region=trust_region, second_moment=second_moment, adjust_lr_fn="original")
         if eps == 0:

@@ -65,7 +65,7 @@ def run_certificates(columns: Sequence[OptimizerColumn] | None = None, *, seed: 
                      steps: int = DEFAULT_STEPS, other_steps: int = DEFAULT_OTHER_STEPS,
                      long_run_columns: Sequence[str] = ("StiefelAdam",),
                      progress: Callable[[str], None] | None = None,
-                     rows: Sequence[str] | None = None) -> list[Certificate]:
+                     rows: Sequence[str] | None = None, threads: int | None = 1) -> list[Certificate]:
     """Every certificate (rows :data:`ROWS`) for every column, in row-major order.
 
     Parameters
@@ -83,8 +83,12 @@ def run_certificates(columns: Sequence[OptimizerColumn] | None = None, *, seed: 
     rows : sequence of str, optional
         Only these rows of :data:`ROWS` (:func:`select_rows` turns ``--only 5 6`` into them); the work of the
         other rows is skipped. Default: every row.
-
-    The run uses one intra-op thread (restored afterwards): every matrix is tiny.
+    threads : int or None, default 1
+        ``torch.set_num_threads`` for the run, the caller's count restored afterwards (``stiefel-attention certify
+        --threads``); ``None`` keeps the caller's count. One thread is the default because every matrix is tiny:
+        intra-op threads only add synchronisation (100x slower on a busy machine). A figure at rounding level may
+        change in its last bits with the count (the order of a reduction); the tolerances are far above rounding,
+        so no outcome does.
 
     Returns
     -------
@@ -98,14 +102,17 @@ def run_certificates(columns: Sequence[OptimizerColumn] | None = None, *, seed: 
     if unknown or (rows is not None and not rows):
         raise ValueError(f"run_certificates: rows {unknown or '(none)'} are not rows of the table; choose from ROWS "
                          f"(or None for every row).")
-    # The matrices are tiny: intra-op threads only add synchronisation (100x slower on a busy machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"run_certificates: threads={threads!r} is invalid; pass an int >= 1 or None (keep the "
+                         f"caller's torch.get_num_threads()).")
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         return _run(columns, seed=seed, steps=steps, other_steps=other_steps, long_run_columns=long_run_columns,
                     progress=progress, rows=ROWS if rows is None else tuple(rows))
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(previous)
 
 
 def _run(columns, *, seed, steps, other_steps, long_run_columns, progress, rows) -> list[Certificate]:

@@ -102,10 +102,24 @@ def _names_where(certs: Sequence[Certificate], name: str, passed: bool | None, l
     return [labels.get(c.optimizer, c.optimizer) for c in certs if c.name == name and c.passed is passed]
 
 
+#: Columns whose step is of degree one in the gradient (fixed-step, SGD-type): the 2a finding expects them to fail.
+FIXED_STEP_COLUMNS = frozenset({"geoopt-rsgd", "StiefelAdam(second_moment=None)"})
+#: The per-column second-moment variant of the main table: the equivariance finding rests on its 4a and 1b cells.
+PER_COLUMN_VARIANT = "StiefelAdam(second_moment='column')"
+
+
+def _listing(names: Sequence[str]) -> str:
+    return ", ".join(names) or "none"
+
+
 def conclusions(certs: Sequence[Certificate], labels: Mapping[str, str] | None = None, *,
                 ours: str = OUR_COLUMN) -> list[str]:
     """The findings the table supports, as sentences built from the measured outcomes; every other column is
-    compared with the column ``ours``."""
+    compared with the column ``ours``.
+
+    A finding is stated only where the cells it rests on were computed and came out as it says; otherwise the
+    sentence says which cells failed or were not computed and that the finding is not established by this table.
+    The cells of ``ours`` that fail are listed last."""
     labels = dict(_default_labels() if labels is None else labels)
     out = []
     _, cols, cells = _grid(certs)
@@ -115,23 +129,57 @@ def conclusions(certs: Sequence[Certificate], labels: Mapping[str, str] | None =
     def passing(key):
         return _names_where(certs, prefix[key], True, labels) if key in prefix else []
 
+    def failing(key):
+        return _names_where(certs, prefix[key], False, labels) if key in prefix else []
+
+    def cell(key, column):
+        return cells.get((prefix[key], column)) if key in prefix else None
+
+    def label(column):
+        return labels.get(column, column)
+
     if "4a" in prefix and "4b" in prefix and "1b" in prefix:
         left, right = set(passing("4a")), set(passing("4b"))
-        out.append(
-            "Equivariance: left O(d) holds for " + (", ".join(sorted(left)) or "none")
-            + "; right O(r) as well for " + (", ".join(sorted(left & right)) or "none")
-            + ". Steepest descent in the embedded metric (1b) holds for " + (", ".join(passing("1b")) or "none")
-            + ". Equivariance alone does not force the per-frame second moment (a per-column one is still "
-              "left O(d)-equivariant); steepest descent does.")
+        text = ("Equivariance: left O(d) holds for " + _listing(sorted(left))
+                + "; right O(r) as well for " + _listing(sorted(left & right))
+                + ". Steepest descent in the embedded metric (1b) holds for " + _listing(passing("1b")) + ".")
+        needed = {(f"4a {label(PER_COLUMN_VARIANT)}", True): cell("4a", PER_COLUMN_VARIANT),
+                  (f"1b {label(PER_COLUMN_VARIANT)}", False): cell("1b", PER_COLUMN_VARIANT),
+                  (f"1b {label(ours)}", True): cell("1b", ours)}
+        absent = [what for (what, _), c in needed.items() if c is None or c.passed is None]
+        contrary = [f"{what} {'fails' if c.passed is False else 'passes'}" for (what, expected), c in needed.items()
+                    if c is not None and c.passed is not None and c.passed is not expected]
+        if not absent and not contrary:
+            text += (" Equivariance alone does not force the per-frame second moment (a per-column one is still "
+                     "left O(d)-equivariant); steepest descent does.")
+        else:
+            text += (" Whether equivariance alone leaves the second moment open and steepest descent fixes it is "
+                     "not established by this table ("
+                     + "; ".join(contrary + ([f"not computed: {', '.join(absent)}"] if absent else [])) + ").")
+        out.append(text)
     if "2a" in prefix:
-        out.append("Scale-free steps (2a) hold for " + (", ".join(passing("2a")) or "none")
-                   + ": degree zero in the gradient is shared by every Adam-type method; a fixed-step "
-                     "(SGD-type) update is of degree one.")
-    if "6a" in prefix:
-        out.append("Gauge: in attention the loss is invariant along (W_Q B, -W_K B^T), and the gradient has no "
-                   "component there (6a, 6b), for frames and unconstrained matrices alike. A direction along "
-                   "which the loss is invariant carries no gradient, so no optimizer moves along it and removing "
-                   "the gauge cannot be what the Stiefel constraint buys.")
+        scale = [c for c in certs if c.name == prefix["2a"] and c.passed is not None]
+        adam = [c for c in scale if c.optimizer not in FIXED_STEP_COLUMNS]
+        fixed = [c for c in scale if c.optimizer in FIXED_STEP_COLUMNS]
+        text = "Scale-free steps (2a) hold for " + _listing(passing("2a"))
+        if any(c.passed is False for c in adam):
+            text += ("; they fail for " + _listing([label(c.optimizer) for c in adam if c.passed is False])
+                     + ", Adam-type, so the table does not show degree zero in the gradient shared by every "
+                       "Adam-type method")
+        elif adam:
+            text += ": degree zero in the gradient is shared by every Adam-type method"
+        else:
+            text += " (no Adam-type column is in this table)"
+        if fixed and all(c.passed is False for c in fixed):
+            text += "; a fixed-step (SGD-type) update is of degree one."
+        elif fixed:
+            text += ("; the fixed-step (SGD-type) " + _listing([label(c.optimizer) for c in fixed if c.passed])
+                     + " passes too, so the table does not show a fixed-step update to be of degree one.")
+        else:
+            text += " (no fixed-step, SGD-type, column is in this table)."
+        out.append(text)
+    if "6a" in prefix or "6b" in prefix:
+        out.append(_gauge_finding(certs, prefix, passing, failing))
     if ours in cols:
         for col in cols:
             if col == ours:
@@ -139,9 +187,41 @@ def conclusions(certs: Sequence[Certificate], labels: Mapping[str, str] | None =
             differ = [row for (row, c), cert in cells.items() if c == col and cert.passed is False
                       and cells.get((row, ours)) is not None and cells[(row, ours)].passed]
             if differ:
-                out.append(f"{labels.get(col, col)} fails where {labels.get(ours, ours)} passes: "
+                out.append(f"{label(col)} fails where {label(ours)} passes: "
                            + ", ".join(r.split(" ")[0] for r in differ) + ".")
+        own = [row for (row, c), cert in cells.items() if c == ours and cert.passed is False]
+        if own:
+            out.append(f"{label(ours)} itself fails: " + ", ".join(r.split(" ")[0] for r in own) + ".")
     return out
+
+
+def _gauge_finding(certs: Sequence[Certificate], prefix: Mapping[str, str], passing, failing) -> str:
+    """The gauge sentence: the negative result when 6a and 6b were computed and pass for every column, else which
+    of them failed (and for whom) or were not computed."""
+    keys = ("6a", "6b")
+    failed = {key: failing(key) for key in keys if key in prefix}
+    if all(key in prefix for key in keys) and not any(failed.values()):
+        kinds = {str(c.details.get("parametrisation", "")).split(" ")[0] for c in certs
+                 if c.name in (prefix["6a"], prefix["6b"])} - {""}
+        scope = (", for frames and unconstrained matrices alike" if kinds >= {"frames", "unconstrained"}
+                 else f", for {kinds.pop()} parametrisations (the only kind in this table)" if len(kinds) == 1
+                 else "")
+        return ("Gauge: in attention the loss is invariant along (W_Q B, -W_K B^T), and the gradient has no "
+                f"component there (6a, 6b){scope}. A direction along which the loss is invariant carries no "
+                "gradient, so no optimizer moves along it and removing the gauge cannot be what the Stiefel "
+                "constraint buys.")
+    parts = []
+    for key in keys:
+        if key not in prefix:
+            parts.append(f"{key} was not computed")
+        elif failed[key]:
+            parts.append(f"{key} fails for {_listing(failed[key])}"
+                         + (f" (passes for {_listing(passing(key))})" if passing(key) else ""))
+        else:
+            parts.append(f"{key} passes for {_listing(passing(key))}")
+    return ("Gauge: not established by this table (" + "; ".join(parts) + "): it does not show that the gradient "
+            "has no component along the symmetry (W_Q B, -W_K B^T), nor that removing the gauge cannot be what "
+            "the Stiefel constraint buys.")
 
 
 def stiefel_adam_failures(certs: Iterable[Certificate]) -> list[Certificate]:

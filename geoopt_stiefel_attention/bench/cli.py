@@ -11,10 +11,10 @@ from dataclasses import replace
 from .._argtypes import (
     UsageError,
     add_threads_argument,
-    nonnegative_int,
     output_path_problem,
     positive_float,
     positive_int,
+    seed_int,
 )
 from .gpu import CHECK_SCALES, accelerator_check, format_check
 from .paths import (
@@ -128,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--clock", default="wall", choices=CLOCKS,
         help="'wall' time, or process 'cpu' time (robust on a shared machine with --threads 1)")
     add_threads_argument(parser)
-    add("--seed", type=nonnegative_int, default=0, help="seed of the parameters, gradients and data (default 0)")
+    add("--seed", type=seed_int, default=0, help="seed of the parameters, gradients and data (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
