@@ -720,19 +720,24 @@ def test_run_certificates_threads_argument(monkeypatch):
         torch.set_num_threads(1)
 
 
-def test_cli_certify_says_the_muon_table_keeps_one_thread(monkeypatch, capsys):
-    """The Muon table (analysis.muon) runs on one thread of its own: a --threads other than 1 says so on stderr."""
+def test_cli_certify_threads_reach_the_muon_table(monkeypatch, capsys):
+    """--threads N is also the count the Muon table's certificates (rows M1-M8) run with."""
     from geoopt_stiefel_attention.analysis import muon
     from geoopt_stiefel_attention.cli import main
 
-    monkeypatch.setattr(muon, "run_muon_certificates", lambda columns, **k: [])
+    seen = []
+    real = muon._certify
+
+    def spy(column, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(column, **kwargs)
+
+    monkeypatch.setattr(muon, "_certify", spy)
     try:
-        assert main(["certify", "--quiet", "--only", "M", "--threads", "3"]) == 0
-        err = capsys.readouterr().err
-        assert ("note: --threads 3 applies to the main table; the Muon table (rows M1-M8) runs on one thread"
-                in err), err
-        # companion: with one thread there is nothing to say
-        assert main(["certify", "--quiet", "--only", "M", "--threads", "1"]) == 0
-        assert "note:" not in capsys.readouterr().err
+        for threads in (2, 1):  # companion: 1 is seen as 1
+            assert main(["certify", "--quiet", "--only", "M7", "--optimizers", "StiefelMuon", "--muon-steps", "1",
+                         "--threads", str(threads)]) == 0
     finally:
         torch.set_num_threads(1)
+    assert seen == [2, 1]
+    assert "note:" not in capsys.readouterr().err

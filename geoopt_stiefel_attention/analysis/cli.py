@@ -11,11 +11,9 @@ HELP = ("Certify the five propositions and the gauge negative result numerically
         "and geoopt; print the two tables.")
 
 
-#: What ``--threads`` does here: the main table's certificates run with it; the Muon table's
-#: (:func:`~.muon.run_muon_certificates`) keep one thread of their own.
-THREADS_HELP = ("torch.set_num_threads for the main table's certificates (default 1: the matrices are tiny, and one "
-                "thread is fastest and steadiest on a shared machine); the Muon table (rows M1-M8) runs on one "
-                "thread whatever is given, and a note on stderr says so when another count is given")
+#: What ``--threads`` does here: both tables' certificates run with it.
+THREADS_HELP = ("torch.set_num_threads for the certificates of both tables (default 1: the matrices are tiny, and "
+                "one thread is fastest and steadiest on a shared machine)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,9 +165,6 @@ def run(args: argparse.Namespace) -> int:
                          "M row; the main table a column and a row of its own)")
     _refuse_dropped(args.optimizers or [], args.only or [], main_columns, muon_columns)
     torch.set_num_threads(args.threads)
-    if muon_columns and args.threads != 1:
-        print(f"stiefel-attention certify: note: --threads {args.threads} applies to the main table; the Muon table "
-              f"(rows M1-M8) runs on one thread", file=sys.stderr, flush=True)
     start = time.perf_counter()
 
     def progress(name: str) -> None:
@@ -186,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         if muon_columns:
             muon_certs = muon_certificates.run_muon_certificates(muon_columns, seed=args.seed,
                                                                  drift_steps=args.muon_steps, progress=progress,
-                                                                 rows=muon_rows)
+                                                                 rows=muon_rows, threads=args.threads)
     elapsed = time.perf_counter() - start
     labels = {c.name: c.label for c in main_columns}
     muon_labels = {c.name: c.short for c in muon_columns}

@@ -251,9 +251,10 @@ def _orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:
 def run_muon_certificates(columns: Sequence[MuonColumn] | None = None, *, seed: int = 0, shape=(3, 12, 4),
                           drift_steps: int = DEFAULT_MUON_STEPS,
                           progress: Callable[[str], None] | None = None,
-                          rows: Sequence[str] | None = None) -> list[Certificate]:
-    """Every row of :data:`MUON_ROWS` (or only ``rows``) for every column, row-major. One intra-op thread (the
-    matrices are tiny). ``progress`` is called with each column's name before it is certified."""
+                          rows: Sequence[str] | None = None, threads: int | None = 1) -> list[Certificate]:
+    """Every row of :data:`MUON_ROWS` (or only ``rows``) for every column, row-major, with ``threads`` intra-op
+    threads (default 1: the matrices are tiny; ``None`` keeps the caller's count, which comes back afterwards).
+    ``progress`` is called with each column's name before it is certified."""
     columns = list(muon_columns() if columns is None else columns)
     if drift_steps < 1:
         raise ValueError(f"run_muon_certificates: drift_steps={drift_steps} must be >= 1.")
@@ -261,8 +262,9 @@ def run_muon_certificates(columns: Sequence[MuonColumn] | None = None, *, seed: 
     if unknown or (rows is not None and not rows):
         raise ValueError(f"run_muon_certificates: rows {unknown or '(none)'} are not rows of MUON_ROWS.")
     wanted = MUON_ROWS if rows is None else tuple(rows)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         cells = []
         for column in columns:
@@ -270,7 +272,7 @@ def run_muon_certificates(columns: Sequence[MuonColumn] | None = None, *, seed: 
                 progress(column.name)
             cells += _certify(column, seed=seed, shape=shape, drift_steps=drift_steps)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(previous)
     return sorted((c for c in cells if c.name in wanted), key=lambda c: MUON_ROWS.index(c.name))
 
 
