@@ -1,7 +1,8 @@
 """The command ``python -m experiments <study>``: one subcommand per study, with each study's flags.
 
 Each study module provides ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``; errors are
-handled as in the ``stiefel-attention`` command (:func:`geoopt_stiefel_attention.cli.run_command`).
+handled as in the ``stiefel-attention`` command (:func:`geoopt_stiefel_attention.cli.run_command`), and argparse's
+own errors are one line too (:class:`~experiments.harness.cli_args.OneLineParser`, exit status 2).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ STUDIES: dict[str, str] = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m experiments`` with every study as a subcommand."""
-    parser = argparse.ArgumentParser(prog=PROG, description="Run, resume or rebuild the report of a study.")
+    from .harness.cli_args import OneLineParser
+
+    parser = OneLineParser(prog=PROG, description="Run, resume or rebuild the report of a study.")
     add_subcommands(parser, STUDIES, metavar="STUDY")
     return parser
 

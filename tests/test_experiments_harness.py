@@ -435,6 +435,46 @@ def test_summary_statistics_written_out():
     assert abs(paired["t"] - ref.statistic) < 1e-9 and paired["n"] == 2 and paired["n_positive"] == 1
 
 
+def _write_metrics(run_dir, records) -> None:
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_study_records_come_from_seed_digit_folders_only(tmp_path):
+    """``runs/<arm>/seed<digits>/`` only: a copy ``seed0-old`` or ``seed0.bak`` (its records name seed 0) is not read,
+    so it cannot merge into seed 0's run; companion: ``seed12`` is a run (and the same copy under a seed name is
+    refused as a duplicate, not merged)."""
+    from experiments.harness.records import group_runs, load_study_records, run_paths, seed_of
+
+    run = [{"arm": "a", "seed": 0, "epoch": e, "val_acc": 0.5 + e / 10} for e in range(3)]
+    _write_metrics(tmp_path / "runs/a/seed0", run)
+    for name in ("seed0-old", "seed0.bak", "seedx", "seed"):
+        _write_metrics(tmp_path / "runs/a" / name, [{**r, "val_acc": 0.0} for r in run])
+    assert load_study_records(tmp_path) == run
+    assert group_runs(load_study_records(tmp_path)) == {"a": {0: run}}
+    assert [p.parent.name for p in run_paths(tmp_path, "metrics.jsonl")] == ["seed0"]
+    assert [seed_of(n) for n in ("seed0", "seed12", "seed0-old", "seed0.bak", "seed", "seedx", "xseed1")] == [
+        0, 12, None, None, None, None, None]
+    other = [{"arm": "a", "seed": 12, "epoch": e, "val_acc": 0.1} for e in range(3)]
+    _write_metrics(tmp_path / "runs/a/seed12", other)  # companion: a seed folder is read
+    assert group_runs(load_study_records(tmp_path)) == {"a": {0: run, 12: other}}
+    assert [p.parent.name for p in run_paths(tmp_path, "metrics.jsonl", parent="*/a")] == ["seed0", "seed12"]
+
+
+def test_group_runs_refuses_two_records_of_one_run_at_one_epoch():
+    """Records of the same (arm, seed, epoch) twice are refused, naming them, not merged; companion: distinct
+    epochs (in any order) group and sort."""
+    from experiments.harness.records import InconsistentRecordsError, group_runs
+
+    recs = [{"arm": "a", "seed": 1, "epoch": e} for e in (20, 0, 10)]
+    assert [r["epoch"] for r in group_runs(recs)["a"][1]] == [0, 10, 20]  # companion
+    with pytest.raises(InconsistentRecordsError, match=r"arm a seed 1 has more than one record at epoch 0, 20"):
+        group_runs([*recs, {"arm": "a", "seed": 1, "epoch": 20}, {"arm": "a", "seed": 1, "epoch": 0},
+                    {"arm": "b", "seed": 1, "epoch": 0}])
+    assert set(group_runs([*recs, {"arm": "b", "seed": 1, "epoch": 20}, {"arm": "a", "seed": 2, "epoch": 20}])) == {
+        "a", "b"}  # the same epoch in another arm or seed is no duplicate
+
+
 def test_report_puts_measured_next_to_published_only_under_the_papers_protocol():
     paper = PaperReference("someone", 40, {"a": 0.123, "b": 0.456}, "one run", protocol={"p": 97, "train.epochs": 40})
     matching = {"p": 97, "train": {"epochs": 40, "eval_every": 10}}

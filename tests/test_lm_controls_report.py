@@ -293,6 +293,28 @@ def test_readme_paragraph_says_suggest_with_few_pairs(controls):
     # companion: with ten pairs the same paragraph states them (test_readme_paragraph_answers_...)
 
 
+def test_a_zero_difference_reads_equal_not_higher(controls):
+    """A comparison (either way round) or a warm-up difference of exactly 0 reads "equal"/"the same", never
+    "higher"; companion: the same summary's non-zero differences keep their direction."""
+    summary = _finalize(controls).summary
+    q1, _, q2 = cr.readme_paragraph(summary)[:3]
+    assert "`stiefel`'s test bpb is lower than `adamw-qknorm`'s" in q1 and "gives lower validation bpb" in q2
+    comps = summary["final"]["comparisons"]
+    key = "test: stiefel - adamw-qknorm" if "test: stiefel - adamw-qknorm" in comps else "test: adamw-qknorm - stiefel"
+    comps[key] = {**comps[key], "mean": 0.0}
+    for per_arm in summary["controls"]["warmup"].values():
+        if per_arm.get("adamw") is not None:
+            per_arm["adamw"] = {**per_arm["adamw"], "mean": 0.0}
+    q1, _, q2 = cr.readme_paragraph(summary)[:3]
+    for a, b in (("stiefel", "adamw-qknorm"), ("adamw-qknorm", "stiefel")):  # both ways round (one is flipped)
+        claim = cr._claim(comps, a, b)
+        assert claim.startswith(f"`{a}`'s test bpb equals `{b}`'s on average (mean difference 0)"), claim
+        assert "higher" not in claim and "lower than" not in claim
+    assert "`stiefel`'s test bpb equals `adamw-qknorm`'s on average" in q1
+    assert "gives the same mean validation bpb as warm-up 10 (mean difference 0)" in q2
+    assert "higher validation bpb" not in q2
+
+
 def test_readme_check_catches_a_number_that_disagrees_with_the_summary(controls, tmp_path):
     summary = _finalize(controls).summary
     readme = tmp_path / "README.md"
@@ -312,6 +334,30 @@ def test_readme_check_catches_a_number_that_disagrees_with_the_summary(controls,
     assert cr.readme_problems(text, None) and cr.readme_problems(
         text.replace(_block(text), cr.README_PLACEHOLDER), summary)
     assert cr.readme_problems("no markers", summary)[0].startswith("the README lacks the markers")
+
+
+def test_readme_command_errors_are_one_line_naming_the_file(controls, tmp_path, capsys):
+    """``readme --check`` on a corrupt, non-object or missing ``--summary``, or a missing ``--readme``: one line naming
+    the file, exit status 2, no traceback; companion: a good summary and README check clean (0), a disagreeing README
+    exit 1."""
+    summary = _finalize(controls).summary
+    good = tmp_path / "summary.json"
+    good.write_text(json.dumps(summary))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{cr.README_BEGIN}\n" + "\n".join(cr.readme_paragraph(summary)) + f"\n{cr.README_END}\n")
+    bad, listed = tmp_path / "bad.json", tmp_path / "list.json"
+    bad.write_text(json.dumps(summary)[:-20])  # cut short
+    listed.write_text("[1, 2]")
+    for argv, needle in ((["--summary", str(bad), "--readme", str(readme)], f"--summary {bad}: cannot be read as JSON"),
+                         (["--summary", str(listed), "--readme", str(readme)], f"--summary {listed}: holds a JSON list"),
+                         (["--summary", str(tmp_path / "none.json"), "--readme", str(readme)], "none.json: no such file"),
+                         (["--summary", str(good), "--readme", str(tmp_path / "none.md")], "none.md: no such file")):
+        assert cr.main(["readme", "--check", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.splitlines() == [err] and needle in err and "Traceback" not in err, err
+    assert cr.main(["readme", "--check", "--summary", str(good), "--readme", str(readme)]) == 0  # companion
+    readme.write_text(readme.read_text().replace("**Geometry", "**Geometry!"))
+    assert cr.main(["readme", "--check", "--summary", str(good), "--readme", str(readme)]) == 1
 
 
 def test_readme_paragraph_waits_for_a_complete_final_cell(controls):

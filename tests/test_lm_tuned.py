@@ -372,6 +372,173 @@ def test_report_names_a_diverged_grid_point(synthetic):
         out / "report.md").read_text()
 
 
+def _set_config(run: Path, change: Callable[[dict], None]) -> None:
+    meta = json.loads((run / "config.json").read_text())
+    change(meta["config"])
+    (run / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+
+
+def _set_lr(run: Path, lr: float) -> None:
+    _set_config(run, lambda c: c["optim"].__setitem__("lr", lr))
+
+
+def _set_epochs(run: Path, epochs: int) -> None:
+    _set_config(run, lambda c: c["train"].__setitem__("epochs", epochs))
+
+
+def test_final_runs_of_one_arm_at_different_lrs_are_refused_naming_the_folder_and_the_lrs(synthetic):
+    """The final cell's lr of an arm is read from every one of its runs: seeds at different lrs are refused (one
+    lr cannot stand for them), not reported at whichever seed's lr was read last; companion: one lr per arm."""
+    from experiments.harness.records import InconsistentRecordsError
+
+    out, best = synthetic
+    assert tuned.finalize_tuned(out, LMConfig).summary["final"]["lr"] == best  # companion
+    for seed in (0, 4):  # the first and the last seed read: neither may stand for the arm
+        _set_lr(out / "final/runs/muon" / f"seed{seed}", 0.03)
+        with pytest.raises(InconsistentRecordsError, match=r"final/runs/muon: the final runs of muon were trained at "
+                           r"different learning rates \(lr 0\.01: .*; lr 0\.03: muon seed" + str(seed)):
+            tuned.finalize_tuned(out, LMConfig)
+        _set_lr(out / "final/runs/muon" / f"seed{seed}", 0.01)
+    tuned.finalize_tuned(out, LMConfig)
+
+
+def test_grid_cell_runs_at_different_lrs_are_refused_naming_the_cell_and_the_lrs(synthetic):
+    """A grid cell's lr is read from every run's config, not from the first one: runs at different lrs in one cell
+    are refused (the CLI says it in one line, exit 2); companion: the same change to every run of the cell moves
+    the cell's lr and is accepted."""
+    from experiments.harness.records import InconsistentRecordsError
+
+    out, _ = synthetic
+    cell = out / "lr-0.01"
+    _set_lr(cell / "runs/stiefel/seed1", 0.02)
+    with pytest.raises(InconsistentRecordsError, match=r"lr-0\.01: the runs of this grid cell were trained at "
+                       r"different learning rates \(lr 0\.01: adamw seed0, .*; lr 0\.02: stiefel seed1\)"):
+        tuned.read_grid(out)
+    # companion: every run of the cell at 0.02 is one lr, read from the configs (not the folder's name)
+    for run in cell.glob("runs/*/seed*"):
+        _set_lr(run, 0.02)
+    assert set(tuned.read_grid(out)["finals"]["stiefel"]) == {1e-3, 3e-3, 0.02}
+
+
+def test_a_report_on_inconsistent_records_is_one_line_and_exit_2(synthetic, capsys):
+    out, _ = synthetic
+    _set_lr(out / "lr-0.01/runs/stiefel/seed1", 0.02)
+    code = _exit_code(lambda: cli_main(["lm", "--out", str(out), "--report-only"]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "lr-0.01: the runs of this grid cell" in err[0]
+    _set_lr(out / "lr-0.01/runs/stiefel/seed1", 0.01)  # companion: consistent records give a report
+    assert _exit_code(lambda: cli_main(["lm", "--out", str(out), "--report-only"])) == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_grid_run_is_finished_at_its_own_epochs(synthetic, seed):
+    """A grid run configured for more epochs than the other seed of its arm (e.g. extended) is unfinished at the
+    other's count, and the other is finished at its own: whichever seed's config is read last."""
+    out, _ = synthetic
+    _set_epochs(out / "lr-0.01/runs/stiefel" / f"seed{seed}", 4)
+    grid = tuned.read_grid(out)
+    assert grid["unfinished"] == [("stiefel", 0.01, seed, 2, 4)]
+    assert set(grid["finals"]["stiefel"][0.01]) == {1 - seed}  # the other seed finished at its own 2 epochs
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+def test_a_final_run_is_finished_at_its_own_epochs(synthetic, seed):
+    """In the final cell too: one seed configured for 3 epochs (records to 2) is in progress, the others are
+    finished at their 2; companion: every seed at 2 leaves none in progress."""
+    out, _ = synthetic
+    assert tuned.finalize_tuned(out, LMConfig).summary["final"]["in_progress"] == []  # companion
+    _set_epochs(out / "final/runs/muon" / f"seed{seed}", 3)
+    final = tuned.finalize_tuned(out, LMConfig).summary["final"]
+    assert final["in_progress"] == [f"muon seed {seed} (epoch 2 of 3)"]
+    assert final["seeds"]["muon"] == [s for s in range(5) if s != seed]
+
+
+def test_finished_runs_of_different_lengths_are_not_compared(synthetic):
+    """A final seed configured for (and finished at) 1 epoch is not paired with the others' 2-epoch runs, and a
+    grid arm's points at different lengths are not ranked: both are refused, naming the runs of each length."""
+    from experiments.harness.records import InconsistentRecordsError
+
+    out, _ = synthetic
+    run = out / "final/runs/muon/seed4"
+    _set_epochs(run, 1)
+    recs = read_records(run / "metrics.jsonl")[:2]  # epochs 0 and 1: finished at its 1 epoch
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(InconsistentRecordsError, match=r"different numbers of epochs \(1 epochs: muon seed4; "
+                       r"2 epochs: adamw seed0"):
+        tuned.finalize_tuned(out, LMConfig)
+    shutil.rmtree(run)
+    tuned.finalize_tuned(out, LMConfig)  # companion: the runs left are of one length
+    run = out / "lr-0.01/runs/adamw/seed1"
+    _set_epochs(run, 1)
+    recs = read_records(run / "metrics.jsonl")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({**r, "epoch": min(r["epoch"], 1)}) + "\n" for r in recs))
+    with pytest.raises(InconsistentRecordsError, match=r"adamw: 1 epochs \(lr-0\.01 seed1\), 2 epochs"):
+        tuned.read_grid(out)
+
+
+def test_a_copy_of_a_run_folder_is_not_read_as_that_run(synthetic):
+    """``seed0-old`` or ``seed0.bak`` beside ``seed0`` is not a run of seed 0: the report is the same byte for byte
+    (its records are neither merged into seed 0's nor counted); companion: the same copy named ``seed7`` is a run."""
+    out, _ = synthetic
+    tuned.finalize_tuned(out, LMConfig)
+    before = {f: (out / f).read_bytes() for f in (tuned.REPORT_FILE, tuned.SUMMARY_FILE)}
+    for name in ("seed0-old", "seed0.bak"):
+        copy = out / "final/runs/muon" / name
+        shutil.copytree(out / "final/runs/muon/seed0", copy)
+        _rewrite = [{**r, "test_bpb": 9.0} for r in read_records(copy / "metrics.jsonl")]  # an older, other run
+        (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rewrite))
+        _set_lr(copy, 0.5)
+        shutil.copytree(out / "lr-0.01/runs/adamw/seed0", out / "lr-0.01/runs/adamw" / name)
+    tuned.finalize_tuned(out, LMConfig)
+    assert {f: (out / f).read_bytes() for f in before} == before
+    assert tuned.is_tuned_folder(out) and not tuned.is_tuned_folder(out / "final/runs")
+    # companion: the copy renamed to a seed folder is read (and its records name seed 0: refused, not merged)
+    from experiments.harness.records import InconsistentRecordsError
+
+    (out / "final/runs/muon/seed0.bak").rename(out / "final/runs/muon/seed7")
+    with pytest.raises(InconsistentRecordsError):
+        tuned.finalize_tuned(out, LMConfig)
+
+
+def test_a_diverged_final_run_is_listed_and_left_out_not_a_traceback(synthetic):
+    """A final run whose test bpb is NaN (diverged) is listed in the summary, the report and the README table, and
+    left out of the means and pairs (in the final cell and at equal wall-clock); companion: without it, nothing is
+    said to have diverged."""
+    out, _ = synthetic
+    summary = tuned.finalize_tuned(out, LMConfig).summary
+    assert "diverged" not in summary["final"] and "Diverged" not in (out / tuned.REPORT_FILE).read_text()  # companion
+    run = out / "final/runs/muon/seed1/metrics.jsonl"
+    recs = read_records(run)
+    for r in recs[1:]:  # from epoch 1 on, every set
+        r.update({f"{s}_bpb": float("nan") for s in tuned.CATEGORY_SETS})
+    run.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary = tuned.finalize_tuned(out, LMConfig).summary
+    final = summary["final"]
+    assert final["diverged"] == {"muon": [1]} and final["seeds"]["muon"] == [0, 1, 2, 3, 4]
+    kept = [row[0] + 0.001 * s for s, row in enumerate(FINAL["muon"]) if s != 1]
+    assert final["test"]["muon"]["test"]["n"] == 4
+    assert final["test"]["muon"]["test"]["mean"] == pytest.approx(sum(kept) / 4, abs=STAT_TOL)
+    assert final["comparisons"]["test: muon - adamw"]["n"] == 4 and final["comparisons"]["test: stiefel - adamw"]["n"] == 5
+    assert summary["equal_wallclock"]["diverged"] == {"muon": [1]}
+    assert summary["equal_wallclock"]["comparisons"]["test: muon - adamw"]["n"] == 4
+    report = (out / tuned.REPORT_FILE).read_text()
+    assert report.count("**Diverged, left out of the means and the paired differences** (a ") == 2
+    assert "): muon seed 1." in report
+    table = "\n".join(tuned.readme_table(summary))
+    assert "| `muon` | 0.01 | no | 5 (1 diverged, left out) |" in table and "muon seed 1" in table
+    json.loads((out / tuned.SUMMARY_FILE).read_text())  # the summary is still JSON (no NaN written)
+    assert "NaN" not in (out / tuned.SUMMARY_FILE).read_text()
+
+
+def test_a_zero_difference_reads_equal_not_higher():
+    c = {"mean": 0.0, "n": 5, "p_holm": 1.0}
+    text = tuned._sentence("test: a - b", c)
+    assert "equal" in text and "higher" not in text and "lower" not in text
+    # companions: a positive difference is higher, a negative one lower
+    assert "is higher than" in tuned._sentence("test: a - b", {**c, "mean": 1e-9})
+    assert "is lower than" in tuned._sentence("test: a - b", {**c, "mean": -1e-9})
+
+
 # ---------------------------------------------------------------------------------------------- CLI errors
 @pytest.mark.parametrize("flags, fragment", [
     (["--lrs", "-1"], "--lrs"),

@@ -180,6 +180,32 @@ def test_missing_optional_dependency_is_one_line(tmp_path, capsys, monkeypatch, 
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["lm", "--lrs", "abc"], "argument --lrs: expected a number, got 'abc'"),
+    (["lm", "--final-seeds", "x"], "argument --final-seeds: invalid int value: 'x'"),
+    (["lm", "--seeds"], "argument --seeds: expected at least one argument"),
+    (["grokking", "--epochs", "1.5"], "argument --epochs: invalid int value: '1.5'"),
+    (["lm", "--bogus"], "unrecognized arguments: --bogus"),
+    (["lmx"], "argument STUDY: invalid choice: 'lmx'"),
+])
+def test_argparse_errors_are_one_line_exit_2_without_the_usage_block(tmp_path, capsys, argv, needle):
+    """A value of the wrong type (or a missing value, an unknown flag or study) is argparse's error, said in one line
+    naming the flag, exit status 2, like every other usage error; companion: a plain ``ArgumentParser`` prints its
+    usage block too (what this one must not)."""
+    import argparse
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.splitlines() == [err] and needle in err and "usage:" not in err
+    assert err.startswith("python -m experiments") and not (tmp_path / "o").exists()
+    plain = argparse.ArgumentParser(prog="p")
+    plain.add_argument("--lrs", type=float)
+    with pytest.raises(SystemExit):
+        plain.parse_args(["--lrs", "abc"])
+    assert len(capsys.readouterr().err.strip().splitlines()) > 1  # companion
+
+
 def test_a_user_error_prints_no_traceback_from_python_m_experiments(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "experiments", "grokking", "--seeds", "-1",
                            "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120,

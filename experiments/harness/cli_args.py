@@ -17,7 +17,17 @@ from .config import OptimConfig, TrainConfig
 
 __all__ = ["add_schedule_arguments", "add_optim_arguments", "add_runner_arguments", "train_config_from_args",
            "optim_config_from_args", "check_runner_args", "check_out_dir", "require_modules", "build_config",
-           "invoked_command", "user_errors"]
+           "invoked_command", "user_errors", "OneLineParser"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors (a value of the wrong type, a missing value, an unknown flag or choice) are
+    one line, ``<prog>: error: argument --flag: ...``, with exit status 2 and no usage block: the same form as
+    every other usage error of the commands (:class:`~geoopt_stiefel_attention._argtypes.UsageError`). Its
+    subcommands' parsers are of this class too (``add_subparsers`` makes them of the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
 def _none_or_float(text: str) -> float | None:
@@ -236,7 +246,7 @@ def build_config(factory, args: argparse.Namespace):
 
 class user_errors:  # noqa: N801 - used as a context manager: ``with user_errors(): ...``
     """Turn the harness's user-facing errors (a run folder holding another run, a folder being trained by
-    another process, an arm run under a frame-step rule it does not follow) into :class:`~geoopt_stiefel_attention._argtypes.UsageError` (one line, exit status 2)."""
+    another process, an arm run under a frame-step rule it does not follow, records that contradict each other) into :class:`~geoopt_stiefel_attention._argtypes.UsageError` (one line, exit status 2)."""
 
     def __enter__(self) -> None:
         return None
@@ -245,8 +255,9 @@ class user_errors:  # noqa: N801 - used as a context manager: ``with user_errors
         from geoopt_stiefel_attention._argtypes import UsageError
 
         from .arms import ArmRuleError
+        from .records import InconsistentRecordsError
         from .runner import ConfigMismatchError, RunLockedError
 
-        if isinstance(err, (ConfigMismatchError, RunLockedError, ArmRuleError)):
+        if isinstance(err, (ConfigMismatchError, RunLockedError, ArmRuleError, InconsistentRecordsError)):
             raise UsageError(str(err)) from None
         return False

@@ -158,7 +158,7 @@ def study_runs(out_dir: str | os.PathLike, summary: Mapping[str, Any]
     runs to the same last epoch (their first epoch at the threshold by :func:`~.records.summarize`'s definition).
     ``left_out`` names the runs of those folders that do not qualify, and why. Nothing here needs a flag: adding a
     run to a folder adds it to the next rebuild."""
-    from .records import METRICS_FILE, read_records, summarize
+    from .records import METRICS_FILE, read_records, run_paths, seed_of, summarize
 
     out_dir = Path(out_dir)
     arms = summary["arms"]
@@ -173,9 +173,9 @@ def study_runs(out_dir: str | os.PathLike, summary: Mapping[str, Any]
                                                       _commits(calls))]
     left_out = []
     for folder in PAIRING_FOLDERS[1:]:
-        for path in sorted((out_dir / folder).glob(f"*/seed*/{METRICS_FILE}")):
+        for path in run_paths(out_dir, METRICS_FILE, parent=f"{folder}/*"):
             run_dir, arm = path.parent, path.parent.parent.name
-            seed, name = int(run_dir.name.removeprefix("seed")), f"{folder}/{arm}/{run_dir.name}"
+            seed, name = seed_of(run_dir), f"{folder}/{arm}/{run_dir.name}"
             if arm not in arms:
                 continue
             records = read_records(path)

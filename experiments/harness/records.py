@@ -10,15 +10,39 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["METRICS_FILE", "append_record", "read_records", "truncate_records", "load_study_records",
+__all__ = ["METRICS_FILE", "InconsistentRecordsError", "SEED_DIR", "seed_of", "run_paths", "append_record",
+           "read_records", "truncate_records", "load_study_records",
            "summarize", "summarize_cell", "mean_std", "group_runs", "tail_records", "tail_description",
            "dip_count", "DIP_DEFINITION", "W_Q_SUFFIXES", "w_q_norm"]
 
 METRICS_FILE = "metrics.jsonl"
+#: The name of a run's folder: ``seed`` and the seed's digits, nothing else (``seed0-old`` or ``seed0.bak`` is not
+#: a run of seed 0, and no reader may take it for one).
+SEED_DIR = re.compile(r"seed([0-9]+)")
+
+
+class InconsistentRecordsError(ValueError):
+    """The records on disk contradict each other (two records of one run at the same epoch, runs of one cell at
+    different learning rates, ...): no report is made from them; the message names what to fix. The command line
+    prints it as one line (exit status 2)."""
+
+
+def seed_of(run_dir: str | os.PathLike) -> int | None:
+    """The seed of a run folder named ``seed<digits>`` exactly (:data:`SEED_DIR`); ``None`` for any other name."""
+    match = SEED_DIR.fullmatch(Path(run_dir).name)
+    return None if match is None else int(match.group(1))
+
+
+def run_paths(base: str | os.PathLike, filename: str, parent: str = "runs/*") -> list[Path]:
+    """The files ``base/<parent>/seed<k>/<filename>`` (``parent`` a glob pattern, by default ``runs/*``: every
+    arm), sorted, of run folders named ``seed<digits>`` exactly (:func:`seed_of`): a copy such as ``seed0-old`` or
+    ``seed0.bak`` is not read. The one glob of run folders that every reader of records uses."""
+    return sorted(p for p in Path(base).glob(f"{parent}/seed*/{filename}") if seed_of(p.parent) is not None)
 
 
 def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
@@ -61,10 +85,10 @@ def truncate_records(path: str | os.PathLike, n: int) -> None:
 
 
 def load_study_records(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every record of every run under ``out_dir/runs/<arm>/seed<k>/metrics.jsonl``."""
-    root = Path(out_dir) / "runs"
+    """Every record of every run under ``out_dir/runs/<arm>/seed<k>/metrics.jsonl`` (:func:`run_paths`: folders
+    named ``seed<digits>`` only)."""
     out: list[dict[str, Any]] = []
-    for path in sorted(root.glob(f"*/seed*/{METRICS_FILE}")):
+    for path in run_paths(out_dir, METRICS_FILE):
         out.extend(read_records(path))
     return out
 
@@ -81,13 +105,26 @@ def mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
 
 
 def group_runs(records: Iterable[dict[str, Any]]) -> dict[str, dict[int, list[dict[str, Any]]]]:
-    """Group evaluation records as ``{arm: {seed: [records sorted by epoch]}}``."""
+    """Group evaluation records as ``{arm: {seed: [records sorted by epoch]}}``.
+
+    Raises
+    ------
+    InconsistentRecordsError
+        Two records of the same arm and seed at the same epoch (e.g. a copy of a run folder read beside it, or the
+        records of two cells passed together): they are not merged; the message names the arm, seed and epoch.
+    """
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
     for r in records:
         runs.setdefault(r["arm"], {}).setdefault(int(r["seed"]), []).append(r)
-    for seeds in runs.values():
-        for recs in seeds.values():
+    for arm, seeds in runs.items():
+        for seed, recs in seeds.items():
             recs.sort(key=lambda r: r["epoch"])
+            twice = sorted({a["epoch"] for a, b in zip(recs, recs[1:], strict=False) if a["epoch"] == b["epoch"]})
+            if twice:
+                raise InconsistentRecordsError(
+                    f"records: arm {arm} seed {seed} has more than one record at epoch "
+                    f"{', '.join(map(str, twice))}; two runs' records were read as one (a copy of a run folder, or "
+                    f"two cells' records together). Move the copy out of the study folder.")
     return runs
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import RunSpec, to_dict
-from .records import load_study_records, summarize
+from .records import load_study_records, run_paths, summarize
 from .report import PaperReference, render_report, write_text
 from .runner import (
     CONFIG_FILE,
@@ -134,7 +134,7 @@ def cell_records(out_dir: str | os.PathLike, cell: Cell, arms: Sequence[str] | N
 def speed_from_environment(out_dir: str | os.PathLike) -> dict[str, Any]:
     """Training speed per run from each run's ``environment.json``: epochs and seconds summed over the calls."""
     runs = {}
-    for path in sorted(Path(out_dir).glob(f"runs/*/seed*/{ENVIRONMENT_FILE}")):
+    for path in run_paths(out_dir, ENVIRONMENT_FILE):
         calls = json.loads(path.read_text())
         epochs = sum((c.get("end_epoch") or c["start_epoch"]) - c["start_epoch"] for c in calls)
         seconds = sum(c.get("seconds") or 0.0 for c in calls)
@@ -196,7 +196,7 @@ def run_info_from_records(out_dir: str | os.PathLike, speed: Mapping[str, Any]) 
 def recorded_config(out_dir: str | os.PathLike, cell: Cell | None = None) -> dict[str, Any] | None:
     """The study config (plain JSON) of the first run found under the (cell's) folder, from its ``config.json``."""
     folder = (cell or Cell(None)).folder(out_dir)
-    for path in sorted(folder.glob(f"runs/*/seed*/{CONFIG_FILE}")):
+    for path in run_paths(folder, CONFIG_FILE):
         return json.loads(path.read_text())["config"]
     return None
 

@@ -47,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..harness.records import run_paths, seed_of
 from ..harness.study import StudyOutputs
 from . import tuned
 
@@ -99,7 +100,7 @@ README_IN_PROGRESS = ("_No results yet: the final cell of the controls study is 
 def is_controls_folder(out_dir: str | os.PathLike) -> bool:
     """Whether ``out_dir`` holds a run (grid, warm-up grid or final cell) of an arm of :data:`CONTROL_ONLY_ARMS`."""
     out_dir = Path(out_dir)
-    return any(next(out_dir.glob(f"{cells}/runs/{arm}/seed*/config.json"), None) is not None
+    return any(run_paths(out_dir, "config.json", parent=f"{cells}/runs/{arm}")
                for cells in (f"{tuned.GRID_PREFIX}*", tuned.FINAL_DIR, f"{tuned.WARMUP_PREFIX}*/{tuned.GRID_PREFIX}*")
                for arm in CONTROL_ONLY_ARMS)
 
@@ -174,11 +175,11 @@ def _grid_steps(folder: Path) -> dict[tuple[str, float, int], dict[str, Any]]:
     its config records it)."""
     out = {}
     for cell in tuned._grid_folders(folder):
-        for config in sorted(cell.glob("runs/*/seed*/config.json")):
+        for config in run_paths(cell, "config.json"):
             steps = _read_steps(config.parent)
             if steps:
                 lr = float(json.loads(config.read_text())["config"]["optim"]["lr"])
-                out[(config.parent.parent.name, lr, int(config.parent.name[len("seed"):]))] = step_summary(steps)
+                out[(config.parent.parent.name, lr, seed_of(config.parent))] = step_summary(steps)
     return out
 
 
@@ -596,12 +597,14 @@ def _claim(comparisons: Mapping[str, Mapping[str, Any]], a: str, b: str, prefix:
     c = _comparison(comparisons, a, b, prefix)
     if c is None or c["mean"] is None:
         return f"`{a}` and `{b}` have no pairs yet"
-    direction = "lower" if c["mean"] < 0 else "higher"
+    direction = tuned._direction(c["mean"])
     ci = "" if c["ci_low"] is None else f"95% CI of the difference {c['ci_low']:+.4f} to {c['ci_high']:+.4f}; "
     p = "–" if c.get("p_holm") is None else f"{c['p_holm']:.2g}"
     sp = "–" if c.get("sign_test_p_holm") is None else f"{c['sign_test_p_holm']:.2g}"
     detail = (f"({ci}{c['n']} pairs, lower on {c['n_negative']} of them; Holm-adjusted p: paired t {p}, "
               f"sign test {sp})")
+    if direction == "equal":  # a zero mean difference: never resolved (its paired t is 0 or undefined)
+        return f"`{a}`'s test bpb equals `{b}`'s on average (mean difference 0) {detail}"
     if _resolved(c):
         return f"`{a}`'s test bpb is {direction} than `{b}`'s by {abs(c['mean']):.4f} {detail}"
     return f"the data suggest `{a}`'s test bpb is {direction} than `{b}`'s by {abs(c['mean']):.4f}, not resolved {detail}"
@@ -667,9 +670,11 @@ def readme_paragraph(summary: Mapping[str, Any]) -> list[str]:
         if w is None or w["mean"] is None:
             continue
         ci = "" if w["ci_low"] is None else f" (95% CI {w['ci_low']:+.4f} to {w['ci_high']:+.4f})"
+        on = f"on the grid (validation, {w['n']} pairs of lr and seed at lr {', '.join(map(_lr, w['lrs']))})"
         warm_parts.append(
-            f"on the grid (validation, {w['n']} pairs of lr and seed at lr {', '.join(map(_lr, w['lrs']))}) the data "
-            f"suggest warm-up {steps} gives {'lower' if w['mean'] < 0 else 'higher'} validation bpb than warm-up "
+            f"{on} warm-up {steps} gives the same mean validation bpb as warm-up {own} (mean difference 0){ci}"
+            if w["mean"] == 0 else
+            f"{on} the data suggest warm-up {steps} gives {tuned._direction(w['mean'])} validation bpb than warm-up "
             f"{own} by {abs(w['mean']):.4f}{ci}")
     chosen = ("" if recipe is None else
               f"; the selection trains the final cell at warm-up {recipe['warmup_steps'] or own}, lr {_lr(recipe['lr'])}")
@@ -701,7 +706,8 @@ def readme_paragraph(summary: Mapping[str, Any]) -> list[str]:
     if wall:
         q3 += (" At equal wall-clock (each arm read within the fastest arm's full-run time): "
                + _claim(wall, "stiefeladam-muon", "muon") + "; " + _claim(wall, "stiefelmuon-muon", "muon") + ".")
-    return [q1, "", q2, "", q3]
+    diverged = [] if not final.get("diverged") else ["", tuned._diverged_text(final["diverged"], "final test bpb")]
+    return [q1, "", q2, "", q3, *diverged]
 
 
 def _readme_block(text: str) -> str | None:
@@ -745,25 +751,66 @@ def write_readme(readme: str | os.PathLike = README, summary: Mapping[str, Any] 
     return new != text
 
 
+PROG = "python -m experiments.lm.controls_report"
+
+
+def _read_summary(path: Path, given: bool) -> dict[str, Any] | None:
+    """The summary at ``path``: ``None`` when the default one does not exist yet (no records: the placeholder);
+    a :class:`~geoopt_stiefel_attention._argtypes.UsageError` naming the file when one given with ``--summary``
+    does not exist, or when it is not a JSON object."""
+    from geoopt_stiefel_attention._argtypes import UsageError
+
+    if not path.exists():
+        if given:
+            raise UsageError(f"--summary {path}: no such file; pass the summary.json of the controls study.")
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"--summary {path}: cannot be read as JSON ({err}); rebuild it with python -m experiments "
+                         f"lm --report-only --out {path.parent}.") from None
+    if not isinstance(summary, dict):
+        raise UsageError(f"--summary {path}: holds a JSON {type(summary).__name__}, not a summary object; rebuild it "
+                         f"with python -m experiments lm --report-only --out {path.parent}.")
+    return summary
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``readme [--check] [--summary PATH] [--readme PATH]``: write (or with ``--check`` only check) the README's
-    controls paragraph from the study's ``summary.json`` (the placeholder while there is none)."""
-    parser = argparse.ArgumentParser(prog="python -m experiments.lm.controls_report", description=main.__doc__)
+    controls paragraph from the study's ``summary.json`` (the placeholder while there is none). A missing or
+    unreadable file (the README, a summary given with ``--summary``, a corrupt summary) is one line naming it, exit
+    status 2; a README that disagrees with ``--check``: one line per problem, exit status 1."""
+    from geoopt_stiefel_attention._argtypes import UsageError
+    from geoopt_stiefel_attention.cli import run_command
+
+    from ..harness.cli_args import OneLineParser
+
+    parser = OneLineParser(prog=PROG, description=main.__doc__)
     parser.add_argument("command", choices=("readme",))
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if the README disagrees")
-    parser.add_argument("--summary", default=str(RECORDS / tuned.SUMMARY_FILE))
+    parser.add_argument("--summary", default=None,
+                        help=f"the study's summary (default {RECORDS / tuned.SUMMARY_FILE}, absent before its records)")
     parser.add_argument("--readme", default=str(README))
     a = parser.parse_args(argv)
-    path = Path(a.summary)
-    summary = json.loads(path.read_text()) if path.exists() else None
-    if a.check:
-        problems = readme_problems(Path(a.readme).read_text(), summary)
-        for p in problems:
-            print(f"controls_report: {p}", file=sys.stderr)
-        return 1 if problems else 0
-    changed = write_readme(a.readme, summary)
-    print(f"controls_report: {a.readme} {'updated' if changed else 'already up to date'}")
-    return 0
+
+    def run(a: argparse.Namespace) -> int:
+        summary = _read_summary(Path(a.summary or RECORDS / tuned.SUMMARY_FILE), given=a.summary is not None)
+        readme = Path(a.readme)
+        if not readme.is_file():
+            raise UsageError(f"--readme {readme}: no such file; pass the README that holds the controls block.")
+        if a.check:
+            problems = readme_problems(readme.read_text(), summary)
+            for p in problems:
+                print(f"controls_report: {p}", file=sys.stderr)
+            return 1 if problems else 0
+        try:
+            changed = write_readme(readme, summary)
+        except ValueError as err:  # the markers are missing
+            raise UsageError(str(err)) from None
+        print(f"controls_report: {a.readme} {'updated' if changed else 'already up to date'}")
+        return 0
+
+    return run_command(run, a, PROG)
 
 
 if __name__ == "__main__":

@@ -747,11 +747,12 @@ NOTES = (
 
 def _sweep_folders(out_dir: Path) -> list[Cell]:
     """The frame-lr cells on disk, with the configs their runs were trained with."""
+    from ..harness.records import run_paths
     from ..harness.runner import CONFIG_FILE
 
     cells = []
     for folder in sorted(out_dir.glob("frame-lr-*"), key=lambda p: float(p.name[len("frame-lr-"):])):
-        specs = sorted(folder.glob(f"runs/*/seed*/{CONFIG_FILE}"))
+        specs = run_paths(folder, CONFIG_FILE)
         if specs:
             config = config_from_dict(LMConfig, json.loads(specs[0].read_text())["config"])
             cells.append(Cell(config, folder.name, "frame_lr", float(config.optim.frame_lr)))
@@ -1130,7 +1131,9 @@ class LMCommand(StudyCommand):
 
     def config_for_report(self, args: argparse.Namespace) -> LMConfig:
         """The config recorded in ``--out``: its main cell's runs, or for a tuned study (no main cell) its cells'."""
-        if not any(Path(args.out).glob("runs/*/seed*/config.json")) and is_tuned_folder(args.out):
+        from ..harness.records import run_paths
+
+        if not run_paths(args.out, "config.json") and is_tuned_folder(args.out):
             return config_from_dict(LMConfig, find_config(args.out))
         return self.recorded_config(args.out)
 

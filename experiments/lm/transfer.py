@@ -66,7 +66,9 @@ def _papers_step_finals(folder: Path, lr: float, epochs: int) -> dict[str, float
     run there that is not the paper's step at the shape's lr, so the column cannot silently be something else."""
     if not folder.is_dir():
         return {}
-    for spec in sorted(folder.glob("runs/*/seed*/config.json")):
+    from ..harness.records import run_paths
+
+    for spec in run_paths(folder, "config.json"):
         o = json.loads(spec.read_text())["config"]["optim"]
         if o.get("adjust_lr_fn", "original") != "original" or (o.get("frame_lr") or o["lr"]) != lr or o["lr"] != lr:
             raise ValueError(f"{spec}: a run in {PAPERS_STEP_FOLDER}/ must be the stiefel arm with "
@@ -79,12 +81,13 @@ def collect_shapes(root: str | os.PathLike) -> list[dict[str, Any]]:
     """One entry per study folder under ``root`` (sorted by width, then head size): its shape (``width``,
     ``heads``, ``head_size``, ``depth``), the model ``lr``, ``adjust_lr_fn``, the ``adamw`` finals per seed and
     one ``points`` row per frame lr (``multiplier``, ``frame_lr``, ``finals`` per seed) with finished runs."""
+    from ..harness.records import run_paths
     from ..harness.runner import CONFIG_FILE
 
     root = Path(root)
     shapes = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-        configs = sorted(folder.glob(f"runs/*/seed*/{CONFIG_FILE}"))
+        configs = run_paths(folder, CONFIG_FILE)
         if not configs:
             continue
         config = json.loads(configs[0].read_text())["config"]
@@ -92,7 +95,7 @@ def collect_shapes(root: str | os.PathLike) -> list[dict[str, Any]]:
         lr = config["optim"]["lr"]
         cells = [(folder, config["optim"]["frame_lr"] or lr)]
         for cell in folder.glob("frame-lr-*"):
-            specs = sorted(cell.glob(f"runs/*/seed*/{CONFIG_FILE}"))
+            specs = run_paths(cell, CONFIG_FILE)
             if specs:
                 cells.append((cell, json.loads(specs[0].read_text())["config"]["optim"]["frame_lr"]))
         points = []
@@ -114,16 +117,16 @@ def collect_shapes(root: str | os.PathLike) -> list[dict[str, Any]]:
 
 def _finished_runs(folder: Path) -> list[tuple[dict[str, Any], str, int, list[dict[str, Any]]]]:
     """``(config, arm, seed, records)`` of every run under ``folder`` that reached its last epoch."""
-    from ..harness.records import read_records
+    from ..harness.records import read_records, run_paths, seed_of
     from ..harness.runner import CONFIG_FILE
 
     out = []
-    for spec in sorted(folder.glob(f"runs/*/seed*/{CONFIG_FILE}")):
+    for spec in run_paths(folder, CONFIG_FILE):
         meta = json.loads(spec.read_text())
         recs = read_records(spec.parent / "metrics.jsonl") if (spec.parent / "metrics.jsonl").exists() else []
         if recs and recs[-1]["epoch"] >= meta["config"]["train"]["epochs"]:
             # the arm and seed from the folder (runs/<arm>/seed<k>), as the study's own reader takes them
-            out.append((meta["config"], spec.parent.parent.name, int(spec.parent.name[len("seed"):]), recs))
+            out.append((meta["config"], spec.parent.parent.name, seed_of(spec.parent), recs))
     return out
 
 
@@ -415,7 +418,9 @@ def trained_on(root: str | os.PathLike) -> dict[str, Any]:
     commits: dict[str, bool] = {}
     cpus: set[str] = set()
     seconds = 0.0
-    for path in sorted(Path(root).glob("**/runs/*/seed*/environment.json")):
+    from ..harness.records import run_paths
+
+    for path in run_paths(root, "environment.json", parent="**/runs/*"):
         for call in json.loads(path.read_text()):
             sha = call.get("git_sha") or "unknown"
             commits[sha] = commits.get(sha, False) or bool(call.get("git_dirty"))
@@ -427,9 +432,10 @@ def trained_on(root: str | os.PathLike) -> dict[str, Any]:
 
 def setup_text(root: str | os.PathLike) -> str:
     """The shared setup of the studies under ``root`` in words, from the first run's ``config.json``."""
+    from ..harness.records import run_paths
     from ..harness.runner import CONFIG_FILE
 
-    first = next(iter(sorted(Path(root).glob(f"*/runs/*/seed*/{CONFIG_FILE}"))), None)
+    first = next(iter(run_paths(root, CONFIG_FILE, parent="*/runs/*")), None)
     if first is None:
         return ""
     c = json.loads(first.read_text())["config"]
@@ -461,8 +467,10 @@ def _radius_reading(root: str | os.PathLike) -> str:
     either code: its commit says which)."""
     from datetime import datetime
 
+    from ..harness.records import run_paths
+
     limit, starts = datetime.fromisoformat(FRAME_UNITS_TIME), []
-    for env in Path(root).glob("*/runs/*/seed*/environment.json"):
+    for env in run_paths(root, "environment.json", parent="*/runs/*"):
         data = json.loads(env.read_text())
         starts += [r.get("started") for r in (data if isinstance(data, list) else [data])]
     if starts and all(s and datetime.fromisoformat(s) < limit for s in starts):

@@ -38,7 +38,11 @@ read once, here: test bits per byte per arm with a Student-t 95% interval, and p
 ``adamw`` and against ``muon`` (paired t, sign test, Holm's adjustment over the family of every comparison of
 the table), overall and per category (``code``, ``prose``, ``data``). Every run evaluates every split (one
 training loop), so the grid's records hold test numbers too; :func:`read_grid` reads only the final validation
-bpb, and nothing reads the grid's test numbers.
+bpb, and nothing reads the grid's test numbers. A final run whose test bpb is not finite (it diverged) is listed
+in the report and left out of the means and the pairs. Records that contradict each other are refused, naming
+them (:class:`~experiments.harness.records.InconsistentRecordsError`): runs of one grid cell, or final runs of one
+arm, at different lrs; finished runs of different lengths; two records of one run at one epoch. Only
+``runs/<arm>/seed<digits>/`` folders are runs (a copy such as ``seed0-old`` is not read).
 
 **Equal wall-clock** (:func:`equal_wallclock`). With :math:`t_a` the median seconds per training step of arm
 :math:`a` in the timing pass and :math:`N` the steps of a full run, the common budget is the fastest arm's full
@@ -151,14 +155,14 @@ def is_tuned_folder(out_dir: str | os.PathLike) -> bool:
     """Whether ``out_dir`` holds a tuned study (a grid cell or the final cell with runs)."""
     out_dir = Path(out_dir)
     folders = [*_grid_folders(out_dir), out_dir / FINAL_DIR]
-    return any(any(f.glob("runs/*/seed*/config.json")) for f in folders)
+    return any(_config_paths(f) for f in folders)
 
 
 def find_config(out_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The plain-JSON config of the first run of a tuned study (final cell first, then the grid)."""
     out_dir = Path(out_dir)
     for folder in [out_dir / FINAL_DIR, *_grid_folders(out_dir)]:
-        for path in sorted(folder.glob("runs/*/seed*/config.json")):
+        for path in _config_paths(folder):
             return json.loads(path.read_text())["config"]
     return None
 
@@ -170,35 +174,96 @@ def _runs(folder: Path) -> dict[str, dict[int, list[dict[str, Any]]]]:
     return group_runs(load_study_records(folder)) if (folder / "runs").is_dir() else {}
 
 
-def _epochs(folder: Path) -> dict[str, int]:
-    """Per arm, the epochs its runs in ``folder`` were configured for."""
-    out = {}
-    for path in sorted(folder.glob("runs/*/seed*/config.json")):
-        config = json.loads(path.read_text())["config"]
-        out[path.parent.parent.name] = int(config["train"]["epochs"])
-    return out
+def _config_paths(folder: Path) -> list[Path]:
+    """The ``config.json`` of every run of ``folder`` (``runs/<arm>/seed<digits>/`` only: :func:`run_paths`)."""
+    from ..harness.records import run_paths
+
+    return run_paths(folder, "config.json")
+
+
+def _configs(folder: Path) -> dict[tuple[str, int], dict[str, Any]]:
+    """``(arm, seed) ->`` the recorded config of every run of ``folder`` (the arm and seed from the run's folder,
+    ``runs/<arm>/seed<k>``, as the records are grouped)."""
+    from ..harness.records import seed_of
+
+    return {(path.parent.parent.name, seed_of(path.parent)): json.loads(path.read_text())["config"]
+            for path in _config_paths(folder)}
+
+
+def _epochs(folder: Path) -> dict[tuple[str, int], int]:
+    """Per run ``(arm, seed)``, the epochs it was configured for in ``folder`` (each run its own: a seed configured
+    for fewer epochs than another of its arm has finished at its own count)."""
+    return {key: int(config["train"]["epochs"]) for key, config in _configs(folder).items()}
+
+
+def _lrs_by_value(lrs: Mapping[Any, float]) -> dict[float, list[Any]]:
+    """``lrs`` (key -> lr) grouped by value (values within :data:`LR_REL_TOL` are one), in order of value."""
+    groups: dict[float, list[Any]] = {}
+    for key, lr in sorted(lrs.items(), key=lambda kv: (kv[1], str(kv[0]))):
+        same = next((v for v in groups if math.isclose(v, lr, rel_tol=LR_REL_TOL)), None)
+        groups.setdefault(lr if same is None else same, []).append(key)
+    return groups
+
+
+def _one_lr(folder: Path, lrs: Mapping[Any, float], what: str) -> float:
+    """The one lr of ``lrs`` (key -> lr of each run); else
+    :class:`~experiments.harness.records.InconsistentRecordsError` naming ``folder`` and each lr with its runs
+    (``what``: the runs that must agree)."""
+    from ..harness.records import InconsistentRecordsError
+
+    groups = _lrs_by_value(lrs)
+    if len(groups) > 1:
+        found = "; ".join(f"lr {_lr_text(lr)}: " + ", ".join(_run_text(k) for k in keys) for lr, keys in groups.items())
+        raise InconsistentRecordsError(
+            f"{folder}: {what} were trained at different learning rates ({found}); one number cannot stand for "
+            f"them. Move the runs at the wrong lr out of {folder} (or retrain them) and rebuild the report.")
+    return next(iter(groups))
+
+
+def _run_text(key: Any) -> str:
+    return f"{key[0]} seed{key[1]}" if isinstance(key, tuple) else str(key)
 
 
 def read_grid(out_dir: str | os.PathLike) -> dict[str, Any]:
     """The grid's records: ``{"finals": {arm: {lr: {seed: final val bpb}}}, "unfinished": [(arm, lr, seed,
-    epoch, epochs)]}``, the lr read from each cell's recorded config (not from its folder name)."""
+    epoch, epochs)]}``, the lr read from each cell's recorded configs (not from its folder name), each run finished
+    at its own configured epochs.
+
+    Raises
+    ------
+    ~experiments.harness.records.InconsistentRecordsError
+        The runs of one cell were trained at different lrs (the message names the cell and every lr found), or the
+        finished runs of one arm for different numbers of epochs (its grid points would not be comparable).
+    """
+    from ..harness.records import InconsistentRecordsError
+
     out_dir = Path(out_dir)
     finals: dict[str, dict[float, dict[int, float]]] = {}
     unfinished: list[tuple[str, float, int, int, int]] = []
+    lengths: dict[str, dict[int, list[str]]] = {}  # arm -> epochs -> its finished runs of that length
     for folder in _grid_folders(out_dir):
-        configs = sorted(folder.glob("runs/*/seed*/config.json"))
+        configs = _configs(folder)
         if not configs:
             continue
-        lr = float(json.loads(configs[0].read_text())["config"]["optim"]["lr"])
-        epochs = _epochs(folder)
+        lr = _one_lr(folder, {key: float(c["optim"]["lr"]) for key, c in configs.items()}, "the runs of this grid cell")
+        epochs = {key: int(c["train"]["epochs"]) for key, c in configs.items()}
         for arm, seeds in _runs(folder).items():
             for seed, recs in seeds.items():
-                last = recs[-1]
-                if last["epoch"] >= epochs.get(arm, last["epoch"]) and last.get("val_bpb") is not None:
+                last, wanted = recs[-1], epochs.get((arm, seed))
+                if wanted is not None and last["epoch"] >= wanted and last.get("val_bpb") is not None:
                     finals.setdefault(arm, {}).setdefault(lr, {})[seed] = float(last["val_bpb"])
+                    lengths.setdefault(arm, {}).setdefault(wanted, []).append(f"{folder.name} seed{seed}")
                 else:
-                    unfinished.append((arm, lr, seed, int(last["epoch"]), epochs.get(arm, -1)))
+                    unfinished.append((arm, lr, seed, int(last["epoch"]), -1 if wanted is None else wanted))
                     finals.setdefault(arm, {}).setdefault(lr, {})
+    mixed = {arm: per for arm, per in lengths.items() if len(per) > 1}
+    if mixed:
+        found = "; ".join(f"{arm}: " + ", ".join(f"{n} epochs ({', '.join(runs)})" for n, runs in sorted(per.items()))
+                          for arm, per in mixed.items())
+        raise InconsistentRecordsError(
+            f"{out_dir}: the finished grid runs of an arm were configured for different numbers of epochs ({found}); "
+            f"the selection compares an arm's grid points at one length. Train them to the same --epochs (or move the "
+            f"others out of {out_dir}).")
     return {"finals": finals, "unfinished": sorted(unfinished)}
 
 
@@ -453,15 +518,18 @@ def _mean_ci(values: Sequence[float]) -> dict[str, Any]:
 
 
 def _finished(folder: Path) -> tuple[dict[str, dict[int, list[dict[str, Any]]]], list[str]]:
-    """The runs of ``folder`` that reached their epochs, and the names of those that did not."""
+    """The runs of ``folder`` that reached their epochs (each run its own configured epochs), and the names of
+    those that did not (a run without a ``config.json`` has no epochs to reach: it is named, not counted)."""
     epochs = _epochs(folder)
     done, open_runs = {}, []
     for arm, seeds in _runs(folder).items():
         for seed, recs in seeds.items():
-            if recs[-1]["epoch"] >= epochs.get(arm, 0):
+            wanted = epochs.get((arm, seed))
+            if wanted is not None and recs[-1]["epoch"] >= wanted:
                 done.setdefault(arm, {})[seed] = recs
             else:
-                open_runs.append(f"{arm} seed {seed} (epoch {recs[-1]['epoch']} of {epochs.get(arm)})")
+                open_runs.append(f"{arm} seed {seed} (epoch {recs[-1]['epoch']} of "
+                                 f"{'? (no config.json)' if wanted is None else wanted})")
     return done, open_runs
 
 
@@ -500,14 +568,31 @@ def _ci_text(s: Mapping[str, Any]) -> str:
     return _f(s["mean"]) + ("" if s.get("ci_low") is None else f" [{_f(s['ci_low'])}, {_f(s['ci_high'])}]")
 
 
+def _diverged_text(diverged: Mapping[str, Sequence[int]], what: str) -> str:
+    """The runs left out because they diverged, in words (arm -> seeds)."""
+    runs = "; ".join(f"{arm} seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
+                     for arm, seeds in diverged.items())
+    return (f"**Diverged, left out of the means and the paired differences** (a {what} that is not finite): {runs}. "
+            "An arm's mean is then over its other seeds, and its pairs are fewer.")
+
+
+def _direction(mean: float) -> str:
+    """``"lower"``, ``"higher"`` or ``"equal"`` (a zero difference is neither lower nor higher)."""
+    return "lower" if mean < 0 else "higher" if mean > 0 else "equal"
+
+
 def _sentence(name: str, c: Mapping[str, Any]) -> str:
-    """One comparison in words: "is" only with enough pairs and a Holm-adjusted paired t below :data:`ALPHA`."""
+    """One comparison in words: "is" only with enough pairs and a Holm-adjusted paired t below :data:`ALPHA`; a
+    zero mean difference reads "equal"."""
     if c["mean"] is None:
         return f"- {name}: no pairs."
     what, base = name.split(": ", 1)[1].split(" - ")
-    direction = "lower" if c["mean"] < 0 else "higher"
+    direction = _direction(c["mean"])
     p = c.get("p_holm")
     ptext = "–" if p is None else f"{p:.2g}"
+    if direction == "equal":  # never resolved: its paired t is 0 (p 1) or undefined
+        return (f"- {name}: `{what}`'s test bpb equals `{base}`'s on average (mean difference 0; {c['n']} pairs, "
+                f"Holm-adjusted paired-t p {ptext}).")
     if c["n"] >= MIN_SEEDS_FOR_CLAIM and p is not None and p < ALPHA:
         return (f"- {name}: `{what}` has {direction} test bpb than `{base}`, by {abs(c['mean']):.4f} "
                 f"({c['n']} pairs, Holm-adjusted paired-t p {ptext}).")
@@ -594,7 +679,7 @@ def tuned_summary(out_dir: str | os.PathLike, config_type: type, *, arms: Sequen
     warmups = warmup_grids(out_dir)
     # with warm-up grids, a final run may train at another warm-up than the study's: its setup is then the grid's
     recorded = next((json.loads(path.read_text())["config"] for folder in (_grid_folders(out_dir) if warmups else [])
-                     for path in sorted(folder.glob("runs/*/seed*/config.json"))), None) or find_config(out_dir)
+                     for path in _config_paths(folder)), None) or find_config(out_dir)
     if recorded is None:
         raise ValueError(f"{out_dir}: holds no tuned study (no lr-<v>/runs or final/runs); train it first.")
     config = config_from_dict(config_type, recorded)
@@ -605,15 +690,18 @@ def tuned_summary(out_dir: str | os.PathLike, config_type: type, *, arms: Sequen
     recipes = select_recipes(selection, warmups) if warmups else None
     final_runs, open_runs = _finished(out_dir / FINAL_DIR)
     final_arms = _order(a for a in final_runs if arms is None or a in arms)
-    final_epochs = _epochs(out_dir / FINAL_DIR)
-    final_lrs = {}
-    for path in sorted((out_dir / FINAL_DIR).glob("runs/*/seed*/config.json")):
-        final_lrs[path.parent.parent.name] = json.loads(path.read_text())["config"]["optim"]["lr"]
+    final_configs = _configs(out_dir / FINAL_DIR)
+    final_lrs = {arm: _one_lr(out_dir / FINAL_DIR / "runs" / arm,
+                              {k: float(c["optim"]["lr"]) for k, c in final_configs.items() if k[0] == arm},
+                              f"the final runs of {arm}")
+                 for arm in dict.fromkeys(k[0] for k in final_configs)}
+    final_epochs = _final_epochs(out_dir / FINAL_DIR, final_configs, final_runs, final_arms)
 
     sets = [s for s in CATEGORY_SETS
             if any(f"{s}_bpb" in recs[-1] for a in final_arms for recs in final_runs[a].values())]
-    per_set = {s: {a: {str(seed): float(recs[-1][f"{s}_bpb"]) for seed, recs in sorted(final_runs[a].items())
-                       if recs[-1].get(f"{s}_bpb") is not None} for a in final_arms} for s in sets}
+    per_set, diverged = _without_diverged(
+        {s: {a: {str(seed): float(recs[-1][f"{s}_bpb"]) for seed, recs in sorted(final_runs[a].items())
+                 if recs[-1].get(f"{s}_bpb") is not None} for a in final_arms} for s in sets})
     test = {a: {s: {**_mean_ci(list(per_set[s][a].values())), "per_seed": per_set[s][a]} for s in sets}
             for a in final_arms}
     comparisons = tuned_comparisons(per_set, final_arms, baselines)
@@ -623,11 +711,17 @@ def tuned_summary(out_dir: str | os.PathLike, config_type: type, *, arms: Sequen
     wall = None
     if timing and final_arms:
         sps = {a: v["seconds_per_step"] for a, v in timing["arms"].items() if a in final_arms}
-        total = next(iter(final_epochs.values())) * config.steps_per_epoch
+        total = final_epochs * config.steps_per_epoch
         wall = equal_wallclock(sps, total_steps=total, steps_per_epoch=config.steps_per_epoch,
                                records={a: final_runs[a] for a in final_arms}, keys=[f"{s}_bpb" for s in sets])
-        wall["comparisons"] = tuned_comparisons(
-            {s: {a: v[f"{s}_bpb"] for a, v in wall["arms"].items()} for s in sets}, final_arms, baselines)
+        wall_sets, wall_diverged = _without_diverged(
+            {s: {a: v[f"{s}_bpb"] for a, v in wall["arms"].items()} for s in sets})
+        for s in sets:
+            for a, v in wall["arms"].items():
+                v[f"{s}_bpb"] = wall_sets[s][a]
+        if wall_diverged:  # only when there is one: an older summary rebuilds byte for byte
+            wall["diverged"] = wall_diverged
+        wall["comparisons"] = tuned_comparisons(wall_sets, final_arms, baselines)
     trained = _trained_on(out_dir)
     identity = config.corpus_identity or {}
     licence = identity.get("licence")
@@ -639,11 +733,48 @@ def tuned_summary(out_dir: str | os.PathLike, config_type: type, *, arms: Sequen
                **({"recipes": recipes} if recipes is not None else {}),
                "final": {"arms": final_arms, "lr": {a: final_lrs.get(a) for a in final_arms},
                          "seeds": {a: sorted(final_runs[a]) for a in final_arms}, "in_progress": open_runs,
+                         # only when a run diverged: an older summary rebuilds byte for byte
+                         **({"diverged": diverged} if diverged else {}),
                          "test": test, "comparisons": comparisons},
                "equal_wallclock": wall, "timing": timing and {k: v for k, v in timing.items() if k != "environment"},
                "timing_setup": None if not timing else _timing_setup(timing), "trained_on": trained,
                "figure": None if figure is None else FIGURE_FILE}
     return summary, config, figure
+
+
+def _final_epochs(folder: Path, configs: Mapping[tuple[str, int], Mapping[str, Any]],
+                  runs: Mapping[str, Mapping[int, Any]], arms: Sequence[str]) -> int | None:
+    """The one number of epochs the finished final runs of ``arms`` were configured for (``None`` without any);
+    :class:`~experiments.harness.records.InconsistentRecordsError` naming each count with its runs when they
+    differ (runs of different lengths are not paired: their test numbers, and the equal-wall-clock budget, would
+    mix them)."""
+    from ..harness.records import InconsistentRecordsError
+
+    epochs: dict[int, list[str]] = {}
+    for arm in arms:
+        for seed in sorted(runs[arm]):
+            epochs.setdefault(int(configs[(arm, seed)]["train"]["epochs"]), []).append(f"{arm} seed{seed}")
+    if len(epochs) > 1:
+        found = "; ".join(f"{n} epochs: {', '.join(keys)}" for n, keys in sorted(epochs.items()))
+        raise InconsistentRecordsError(
+            f"{folder}: the finished final runs were configured for different numbers of epochs ({found}); runs of "
+            f"different lengths are not compared. Train every final run to the same --epochs (or move the others "
+            f"out of {folder}) and rebuild the report.")
+    return next(iter(epochs), None)
+
+
+def _without_diverged(per_set: Mapping[str, Mapping[str, Mapping[str, float]]]
+                      ) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, list[int]]]:
+    """``per_set`` (set -> arm -> seed -> bpb) without the runs that diverged, and those runs (arm -> seeds): a run
+    diverged when any of its values is not finite (NaN or inf); it is left out of every set, so that the sets
+    keep the same pairs. The caller states them (a mean over the others is not the arm's mean over its seeds)."""
+    bad: dict[str, set[str]] = {}
+    for per_arm in per_set.values():
+        for arm, per_seed in per_arm.items():
+            bad.setdefault(arm, set()).update(s for s, v in per_seed.items() if not math.isfinite(v))
+    clean = {name: {arm: {s: v for s, v in per_seed.items() if s not in bad.get(arm, ())}
+                    for arm, per_seed in per_arm.items()} for name, per_arm in per_set.items()}
+    return clean, {arm: sorted(int(s) for s in seeds) for arm, seeds in bad.items() if seeds}
 
 
 def _timing_setup(timing: Mapping[str, Any]) -> str:
@@ -709,6 +840,8 @@ def _render(summary: Mapping[str, Any], config: Any, extra: Sequence[str] = ()) 
     else:
         if final["in_progress"]:
             lines += ["**In progress, left out**: " + "; ".join(final["in_progress"]) + ".", ""]
+        if final.get("diverged"):
+            lines += [_diverged_text(final["diverged"], "final test bpb"), ""]
         pending = [a for a in sel["arms"] if a not in final["arms"]]
         if pending:
             lines += ["**The final cell is incomplete**: no finished final run yet for " + ", ".join(pending) + ".", ""]
@@ -750,6 +883,8 @@ def _render(summary: Mapping[str, Any], config: Any, extra: Sequence[str] = ()) 
                          f"{1000 * min(rounds):.1f}–{1000 * max(rounds):.1f} | {v['steps_fit']:,} | "
                          f"{', '.join(f'{s:,}' for s in v['steps_read']) or '–'} | "
                          + " | ".join(_ci_text(_mean_ci(list(v[f"{s}_bpb"].values()))) for s in wall_sets) + " |")
+        if wall.get("diverged"):
+            lines += ["", _diverged_text(wall["diverged"], "test bpb at the step read")]
         lines += ["", "Paired differences at equal wall-clock, as in section 2; Holm over every row of this section.",
                   ""] + _comparison_sections(wall["comparisons"], wall_sets)
 
@@ -806,8 +941,12 @@ def readme_table(summary: Mapping[str, Any]) -> list[str]:
             ci = "" if c["ci_low"] is None else f" [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]"
             p = "" if c.get("p_holm") is None else f", {c['p_holm']:.2g}"
             diffs.append(f"{c['mean']:+.4f}{ci}{p}")
+        gone = len(final.get("diverged", {}).get(a, ()))
         lines.append(f"| `{a}` | {_lr_text(final['lr'][a])} | {'yes' if s.get('bracketed') else 'no'} | "
-                     f"{len(final['seeds'][a])} | {_ci_text(final['test'][a].get('test', {}))} | " + " | ".join(diffs) + " |")
+                     f"{len(final['seeds'][a])}{f' ({gone} diverged, left out)' if gone else ''} | "
+                     f"{_ci_text(final['test'][a].get('test', {}))} | " + " | ".join(diffs) + " |")
+    if final.get("diverged"):
+        lines += ["", _diverged_text(final["diverged"], "final test bpb")]
     lines += ["", "In words, by the report's rule (\"suggest\" unless the Holm-adjusted paired t says otherwise):", ""]
     lines += [_sentence(k, c) for k, c in final["comparisons"].items() if k.startswith("test: ")]
     wall = summary.get("equal_wallclock") or {}

@@ -46,7 +46,7 @@ from ..harness.cli_args import build_config
 from ..harness.command import StudyCommand
 from ..harness.config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
 from ..harness.metrics import QKGeometry, StepMovement, WeightNorms
-from ..harness.records import group_runs, summarize_cell
+from ..harness.records import group_runs, run_paths, summarize_cell
 from ..harness.report import (
     PaperReference,
     comparison_table,
@@ -574,7 +574,7 @@ def recorded_cells(out_dir: str | os.PathLike, study: str) -> list[Cell]:
         (p for p in out_dir.glob(f"{sweep[1]}*") if p.is_dir()), key=lambda p: float(p.name[len(sweep[1]):]))
     cells = []
     for folder in folders:
-        specs = [json.loads(p.read_text()) for p in sorted(folder.glob(f"runs/*/seed*/{CONFIG_FILE}"))]
+        specs = [json.loads(p.read_text()) for p in run_paths(folder, CONFIG_FILE)]
         base = [s for s in specs if s["arm"] != "stiefel-sgd"] or specs  # stiefel-sgd may carry its own frame lr
         if not base:
             continue
