@@ -37,6 +37,7 @@ from geoopt_stiefel_attention import (
     unstiefelize,
 )
 from geoopt_stiefel_attention._guard import FrameOffManifoldError
+from geoopt_stiefel_attention.convert import converted_query_key_frames
 
 #: agreement of two float64 forward passes that compute the same function in different orders
 SAME_TOL = 1e-10
@@ -175,6 +176,46 @@ def _tv_vit():
     return model
 
 
+class FusedQKVAttention(nn.Module):
+    """A fused ``qkv`` Linear (the built-in "fused qkv Linear" layout) under grouped-query attention: its rows
+    are ``heads * head_dim`` query rows, then ``kv_heads * head_dim`` key rows and as many value rows, as the
+    module declares (``num_heads``, ``num_key_value_heads``, ``head_dim``)."""
+
+    def __init__(self, d=16, heads=4, kv_heads=1, head_dim=4):
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = heads, kv_heads, head_dim
+        self.qkv = nn.Linear(d, (heads + 2 * kv_heads) * head_dim, dtype=F64)
+        with torch.no_grad():
+            self.qkv.bias.normal_()
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h, kv, r = self.num_heads, self.num_key_value_heads, self.head_dim
+        q, k, v = self.qkv(x).split([h * r, kv * r, kv * r], dim=-1)
+        q = q.view(b, t, h, r).transpose(1, 2)
+        k, v = (z.view(b, t, kv, r).transpose(1, 2).repeat_interleave(h // kv, dim=1) for z in (k, v))
+        return nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, h * r)
+
+
+def _fused_qkv_gqa(**kw):
+    torch.manual_seed(0)
+    return nn.Sequential(FusedQKVAttention(**kw), FusedQKVAttention(**kw))
+
+
+def _exaone_vision(kv_heads=1):
+    """HF EXAONE 4.5's vision tower: a fused ``qkv`` Linear with 4 query heads and ``kv_heads`` key/value heads."""
+    cfg = transformers.Exaone4_5_VisionConfig(depth=2, hidden_size=32, intermediate_size=32, num_heads=4,
+                                              num_key_value_heads=kv_heads, patch_size=2, temporal_patch_size=1,
+                                              spatial_merge_size=1, window_size=4, out_hidden_size=32,
+                                              fullatt_block_indexes=[1])
+    torch.manual_seed(0)
+    return transformers.Exaone4_5_VisionModel(cfg).to(F64).eval()
+
+
+def _exaone_run(model):
+    return model(_x(16, 12), torch.tensor([[1, 4, 4]])).last_hidden_state
+
+
 def _rows(get, q_rows, k_rows, r):
     """Blocks of separate q/k weights: ``get(model)`` yields ``(w_q, w_k)`` per layer."""
     def blocks(model):
@@ -219,6 +260,12 @@ CASES = {
     "timm_fused_qkv": Case(_timm_vit, lambda m: m(_x(2, 3, 16, 16)), [(2, 2)] * 2,
                            lambda m: [blk for b in m.blocks for blk in (
                                (b.attn.qkv.weight, 0, 0, 16, 8), (b.attn.qkv.weight, 0, 16, 16, 8))]),
+    "fused_qkv_gqa": Case(_fused_qkv_gqa, lambda m: m(_x(2, 5, 16)), [(4, 1)] * 2,
+                          lambda m: [blk for a in m for blk in ((a.qkv.weight, 0, 0, 16, 4),
+                                                                 (a.qkv.weight, 0, 16, 4, 4))]),
+    "exaone_vision_fused_qkv_gqa": Case(_exaone_vision, _exaone_run, [(4, 1)] * 2,
+                                        lambda m: [blk for b in m.blocks for blk in (
+                                            (b.attn.qkv.weight, 0, 0, 32, 8), (b.attn.qkv.weight, 0, 32, 8, 8))]),
 }
 
 
@@ -627,6 +674,132 @@ def test_explicit_spans_convert_a_fused_gqa_projection():
     with pytest.raises(ValueError, match=r"either span .* or part/parts"):
         Block("wqkv.weight", part=1, parts=3, span=(16, 24))
     assert Block("wqkv.weight", span=(16, 24)).locate(40) == (16, 8)  # companion: span alone is fine
+
+
+def _hand_frames(model, case, scales):
+    """The frames of each converted module located by hand: head block / its scale, as ``(q, k)`` stacks."""
+    blocks = case.blocks(model)
+    out, i = [], 0
+    for blk in blocks:
+        views = head_blocks(blk)
+        out.append(torch.stack([v.detach() / scales[i + h] for h, v in enumerate(views)]))
+        i += len(views)
+    return list(zip(out[0::2], out[1::2], strict=True))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 4])
+@pytest.mark.parametrize("name", ["fused_qkv_gqa", "exaone_vision_fused_qkv_gqa"])
+def test_fused_qkv_is_split_by_the_declared_heads(name, kv_heads):
+    """A fused q|k|v weight under grouped-query attention (4 query heads, 1 key/value head) is not three equal
+    thirds: the query frames are its first 4 head blocks and the key frame the fifth. Scaled orthonormal blocks
+    with fitted gains keep the function exactly only where every block lands on its own frame (equal thirds
+    would make query heads 2 and 3 the "keys"). Companion (kv_heads=4): plain multi-head attention still splits
+    into equal thirds and matches."""
+    build, r = (_fused_qkv_gqa, 4) if name == "fused_qkv_gqa" else (_exaone_vision, 8)
+
+    def blocks(m):
+        weights = [a.qkv.weight for a in m] if name == "fused_qkv_gqa" else [b.attn.qkv.weight for b in m.blocks]
+        return [blk for w in weights for blk in ((w, 0, 0, 4 * r, r), (w, 0, 4 * r, kv_heads * r, r))]
+
+    case = Case(lambda: build(kv_heads=kv_heads), CASES[name].run, [(4, kv_heads)] * 2, blocks)
+    model = case.build()
+    n = sum(length // r for _, _, _, length, r in case.blocks(model))
+    scales = torch.linspace(0.5, 2.0, n).tolist()
+    set_blocks(model, case, scales)
+    with torch.no_grad():  # a query/key bias would be scaled differently by the fitted gain: zero here
+        for w, _, start, length, _ in case.blocks(model):
+            next(m for m in model.modules() if getattr(m, "weight", None) is w).bias[start:start + length] = 0
+    expected = _hand_frames(model, case, scales)
+    before = case.run(model).detach()
+    report = stiefelize(model, logit_gain="fit")
+    assert [(c.q_heads, c.k_heads) for c in report] == case.heads
+    split = f"grouped-query split: q rows 0:{4 * r}, k rows {4 * r}:{(4 + kv_heads) * r}"
+    assert all((split in c.layout) == (kv_heads < 4) for c in report), [c.layout for c in report]
+    for (_, qf, kf), (q_hand, k_hand) in zip(converted_query_key_frames(model), expected, strict=True):
+        torch.testing.assert_close(qf.detach(), q_hand, rtol=0, atol=SAME_TOL)
+        torch.testing.assert_close(kf.detach(), k_hand, rtol=0, atol=SAME_TOL)
+    if name == "fused_qkv_gqa":
+        torch.testing.assert_close(case.run(model).detach(), before, rtol=0, atol=SAME_TOL)
+    else:  # EXAONE's vision rotary embedding runs in float32 whatever the model's dtype
+        assert rel(case.run(model), before) < F32_TOL
+
+
+def test_fused_qkv_gqa_bias_drop_takes_the_split_rows():
+    model = _fused_qkv_gqa()
+    value_bias = [a.qkv.bias.detach()[20:].clone() for a in model]
+    stiefelize(model, qk_bias="drop")
+    for a, kept in zip(model, value_bias, strict=True):
+        assert bool((a.qkv.bias[:20] == 0).all()) and torch.equal(a.qkv.bias[20:], kept)
+
+
+def _untouched(model, state):
+    assert not frame_parameters(model) and model.state_dict().keys() == state.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("declared", ["kv_heads", "heads"])
+def test_fused_qkv_whose_width_contradicts_the_declared_heads_is_refused(declared, strict):
+    """Rows that are neither (H + 2 H_kv) r for a grouped-query module nor 3 H r for a multi-head one cannot be
+    told apart: refused, naming the module and the explicit spans to pass, with the model unchanged."""
+    model = _fused_qkv_gqa() if declared == "kv_heads" else _fused_qkv_gqa(kv_heads=4)
+    for a in model:
+        if declared == "kv_heads":
+            a.num_key_value_heads = 2  # 24 rows, but (4 + 2*2) * 4 = 32
+        else:
+            a.num_heads = a.num_key_value_heads = 2  # 48 rows, but 3 * 2 * 4 = 24
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    pattern = (r"'0', '1': FusedQKVAttention matches layout 'fused qkv Linear' but qkv.weight has 24 rows, which is "
+               r"not q\|k\|v for the num_heads=4 query and num_key_value_heads=2 key/value heads of size 4"
+               if declared == "kv_heads" else
+               r"'0', '1': FusedQKVAttention matches layout 'fused qkv Linear' but qkv.weight has 48 rows, not 3 "
+               r"equal parts of num_heads=2 heads of size 4 \(24\)")
+    fix = r".*pass targets=\[Layout\('fused qkv Linear', q=Block\('qkv.weight', span=\(start, stop\)\)"
+    if strict:
+        with pytest.raises(ValueError, match=pattern + fix):
+            stiefelize(model)
+    else:
+        with pytest.warns(UserWarning, match=pattern + fix):
+            stiefelize(model, strict=False)
+    _untouched(model, state)
+
+
+def _phi3(kv_heads):
+    cfg = transformers.Phi3Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=32,
+                                  pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.Phi3ForCausalLM(cfg).to(F64).eval()
+
+
+def test_a_layout_of_equal_thirds_is_split_by_heads_on_phi3_gqa():
+    """A Layout written with part/parts for Phi-3's ``qkv_proj`` (4 query heads, 1 key/value head: 24 rows) used
+    to take rows 0:8 as queries and 8:16 as keys; the declared heads now split it (q 0:16, k 16:20), and a layout
+    that is not q|k|v order under grouped-query attention is refused."""
+    layout = Layout("phi3 qkv_proj", Block("qkv_proj.weight", 0, 0, 3), Block("qkv_proj.weight", 0, 1, 3))
+    case = Case(lambda: _phi3(1), lambda m: m(input_ids=_ids()).logits, [(4, 1)] * 2,
+                lambda m: [blk for lay in m.model.layers for blk in (
+                    (lay.self_attn.qkv_proj.weight, 0, 0, 16, 4), (lay.self_attn.qkv_proj.weight, 0, 16, 4, 4))])
+    model = case.build()
+    scales = torch.linspace(0.5, 2.0, 10).tolist()
+    set_blocks(model, case, scales)
+    expected = _hand_frames(model, case, scales)
+    before = case.run(model).detach()
+    report = stiefelize(model, targets=[layout], logit_gain="fit")
+    assert [(c.q_heads, c.k_heads) for c in report] == case.heads
+    for (_, qf, kf), (q_hand, k_hand) in zip(converted_query_key_frames(model), expected, strict=True):
+        torch.testing.assert_close(qf.detach(), q_hand, rtol=0, atol=SAME_TOL)
+        torch.testing.assert_close(kf.detach(), k_hand, rtol=0, atol=SAME_TOL)
+    torch.testing.assert_close(case.run(model).detach(), before, rtol=0, atol=SAME_TOL)
+    # companion: keys before queries cannot be mapped onto declared heads: refused, nothing changed
+    swapped = Layout("k|q|v", Block("qkv_proj.weight", 0, 1, 3), Block("qkv_proj.weight", 0, 0, 3))
+    model = _phi3(1)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"declares num_key_value_heads=1 key/value heads for "
+                                         r"config.num_attention_heads=4 query heads, so qkv_proj.weight is not 3 "
+                                         r"equal parts as the layout says; pass targets="):
+        stiefelize(model, targets=[swapped])
+    _untouched(model, state)
 
 
 def test_callable_targets_choose_modules():
@@ -1072,8 +1245,13 @@ def test_tied_query_key_weights_are_refused_before_anything_changes(tie, strict)
     pattern = (r"'1.q_proj.weight' and '1.k_proj.weight'" if tie == "query_is_key"
                else r"'0.q_proj.weight' and '1.q_proj.weight'; '0.k_proj.weight' and '1.k_proj.weight'")
     if strict:
-        with pytest.raises(ValueError, match=rf"nothing was changed\.\n.*{pattern}: tied weights.*untie them first"):
+        with pytest.raises(ValueError, match=rf"nothing was changed\.\n.*{pattern}: tied weights.*untie them first") as err:
             stiefelize(model)
+        # one message: the tie and its fix, once each, with no closing advice about layouts (untying is the fix)
+        text = str(err.value)
+        assert text.count("tied weights") == 1 and text.count(pattern.split(";")[0].replace("\\", "")) == 1
+        assert "Layouts searched" not in text and "Pass targets=" not in text and "strict=False" not in text
+        assert text.endswith("under each name but one)")
     else:
         with pytest.warns(UserWarning, match=rf"{pattern}: tied weights.*untie them first"):
             report = stiefelize(model, strict=False)
@@ -1085,6 +1263,20 @@ def test_tied_query_key_weights_are_refused_before_anything_changes(tie, strict)
         assert model.state_dict().keys() == state.keys()
         assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
         assert torch.equal(model(x).detach(), out) and not frame_parameters(model)
+
+
+def test_tied_weights_beside_a_module_no_layout_fits_keep_the_layout_advice_for_that_module():
+    """Companion of the one-message tie refusal: where another module matches no layout, the closing advice
+    (layouts searched, targets=, strict=False) is still given, for the modules that are not tied."""
+    model = nn.Sequential(_tied_model("query_is_key")[1], ToQK())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"cannot convert 2 module\(s\)") as err:
+        stiefelize(model)
+    text = str(err.value)
+    assert "tied weights" in text and "'1': ToQK looks like attention but matches no layout" in text
+    assert text.endswith("Pass targets= with a Layout for the modules not tied, or strict=False to leave them "
+                         "Euclidean.")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items()) and not frame_parameters(model)
 
 
 def test_companion_the_untied_model_converts():

@@ -225,13 +225,72 @@ def test_a_converted_model_is_restored_from_the_stock_checkpoint_and_trains(tmp_
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_companion_restoring_without_the_gain_changes_the_function(tmp_path, name):
+def test_companion_restoring_without_the_gain_changes_the_function_and_warns_naming_the_modules(tmp_path, name):
     model = _converted(name, "learn")
     expected = _logits(model)
     model.save_pretrained(tmp_path)
     restored = type(model).from_pretrained(tmp_path)
-    stiefelize(restored)  # no gain: every head's logit scale is reset to that of orthonormal frames
+    paths = [c.path for c in stiefelize(MODELS[name][0]())]
+    with pytest.warns(UserWarning, match=rf"logit_gain=None resets the query gains saved in the weights of "
+                                         rf"'{paths[0]}', '{paths[1]}' \(each query head block is a frame times a "
+                                         rf"gain, .*pass logit_gain='learn' to keep them\.$"):
+        stiefelize(restored)  # no gain: every head's logit scale is reset to that of orthonormal frames
     assert float((_logits(restored) - expected).abs().max()) > CHANGED_MIN
+
+
+def _reconverted(model, how, tmp_path, gain):
+    """``model``'s saved state in a stock model, converted again with ``logit_gain=gain`` (warnings are errors)."""
+    if how == "save_pretrained":
+        model.save_pretrained(tmp_path)
+        stock = type(model).from_pretrained(tmp_path)
+    elif how == "state_dict":
+        torch.manual_seed(7)
+        stock = type(model)(model.config)
+        stock.load_state_dict(model.state_dict(), strict=True)
+    else:  # the converted model itself, unstiefelized
+        with pytest.warns(UserWarning, match="unstiefelize"):
+            stock = unstiefelize(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = stiefelize(stock, logit_gain=gain)
+    return stock, report
+
+
+@pytest.mark.parametrize("how", ["save_pretrained", "state_dict", "unstiefelize"])
+@pytest.mark.parametrize("name", MODELS)
+def test_learning_again_keeps_the_learned_gains_of_a_saved_model(tmp_path, name, how):
+    """A model trained with a learned gain saves gamma_h U_h; converting that state again with
+    logit_gain='learn' used to start every gain at 1 (a silent change of the logits): it starts at the saved
+    gains, so the logits and the gains come back to float32 rounding."""
+    model = _converted(name, "learn")
+    expected = _logits(model)
+    gains = {n: torch.exp(GAIN_RATE * p.detach()) for n, p in model.named_parameters() if n.endswith("q_log_gain")}
+    assert max(float((g - 1).abs().max()) for g in gains.values()) > 0.1  # the gains moved
+    restored, report = _reconverted(model, how, tmp_path, "learn")
+    assert all(c.logit_gain.startswith("learn (kept from the weights: ") for c in report), str(report)
+    assert float((_logits(restored) - expected).abs().max()) <= F32_LOGIT_TOL
+    back = {n: torch.exp(GAIN_RATE * p.detach()) for n, p in restored.named_parameters() if n.endswith("q_log_gain")}
+    assert back.keys() == gains.keys()
+    assert all(float((back[n] - g).abs().max()) <= 1e-5 for n, g in gains.items())
+    _one_step(restored)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_companion_no_learned_gain_nothing_is_kept_and_nothing_warns(tmp_path, name):
+    """Where no gain was learned (a model converted without one, or a freshly initialised stock model), 'learn'
+    starts at 1 and None is silent: there is nothing to keep."""
+    model = _converted(name, None)
+    expected = _logits(model)
+    for gain in (None, "learn"):
+        restored, report = _reconverted(model, "state_dict", tmp_path, gain)
+        assert all(c.logit_gain == ("none" if gain is None else "learn (1)") for c in report), str(report)
+        assert float((_logits(restored) - expected).abs().max()) <= F32_LOGIT_TOL
+    torch.manual_seed(0)
+    fresh = MODELS[name][0]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = stiefelize(fresh, logit_gain="learn")
+    assert all(c.logit_gain == "learn (1)" for c in report)
 
 
 # ------------------------------------------------------------------------------------------ load_state_dict

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from .._linalg import ORTHONORMALITY_TOLERANCE, orthonormality_error
 from ..manifolds import is_frame
 from .checkpoints import (
     _hook_state_dicts,
@@ -51,7 +52,18 @@ from .checkpoints import (
     parametrized_state_dict,
     unstiefelize,
 )
-from .layouts import HEAD_DIM_ATTRS, LAYOUTS, NUM_HEADS_ATTRS, Block, Layout, _children_are, _is_linear, _is_torch_mha
+from .layouts import (
+    HEAD_DIM_ATTRS,
+    KV_GROUPS_ATTRS,
+    KV_HEADS_ATTRS,
+    LAYOUTS,
+    NUM_HEADS_ATTRS,
+    Block,
+    Layout,
+    _children_are,
+    _is_linear,
+    _is_torch_mha,
+)
 from .parametrization import _MARK, _frames_from, _get, _owner, _QKWeight, _watch_model, _ZeroQKBias
 
 __all__ = [
@@ -94,7 +106,8 @@ class ConvertedAttention:
     r : int
         Head size.
     logit_gain : str
-        ``"none"``, ``"learn (1)"`` or ``"fit (min..max)"`` (the fitted gains' range).
+        ``"none"``, ``"learn (1)"``, ``"learn (kept from the weights: min..max)"`` (the gains a converted model
+        saved, see :func:`stiefelize`) or ``"fit (min..max)"`` (the fitted gains' range).
     """
 
     path: str
@@ -184,36 +197,112 @@ class _Site:
     q: _Piece
     k: _Piece
     bias_spans: list[tuple[nn.Module, str, int, int]]
+    split: str = ""  # how a fused weight was split by declared heads (shown in the result's layout)
 
 
 class _Refusal(ValueError):
     pass
 
 
-def _head_dim(module: nn.Module, layout: Layout, q_width: int) -> int:
+def _explicit_head_dim(module: nn.Module, layout: Layout) -> Any:
+    """The head size the layout or the module states (``layout.head_dim``, else the first int attribute among
+    :data:`HEAD_DIM_ATTRS`); ``None`` when neither states one."""
     spec = layout.head_dim
     if callable(spec):
-        value = spec(module)
-    elif isinstance(spec, str):
-        value = getattr(module, spec, None)
-    elif spec is not None:
-        value = spec
-    else:
-        value = next((getattr(module, a) for a in HEAD_DIM_ATTRS if _is_count(getattr(module, a, None))), None)
-        if value is None:
-            for source in (module, getattr(module, "config", None)):
-                heads = next((getattr(source, a) for a in NUM_HEADS_ATTRS if _is_count(getattr(source, a, None))),
-                             None)
-                if heads is not None:
-                    if q_width % heads:
-                        raise _Refusal(f"the query width {q_width} is not divisible by num_heads={heads}")
-                    value = q_width // heads
-                    break
+        return spec(module)
+    if isinstance(spec, str):
+        return getattr(module, spec, None)
+    if spec is not None:
+        return spec
+    return next((getattr(module, a) for a in HEAD_DIM_ATTRS if _is_count(getattr(module, a, None))), None)
+
+
+def _declared(module: nn.Module, names: Sequence[str]) -> tuple[int, str] | tuple[None, None]:
+    """The first int count among ``names`` on ``module``, then on ``module.config``, with where it was read."""
+    for source, where in ((module, ""), (getattr(module, "config", None), "config.")):
+        for a in names:
+            value = getattr(source, a, None)
+            if _is_count(value):
+                return int(value), where + a
+    return None, None
+
+
+def _head_dim(module: nn.Module, layout: Layout, q_width: int) -> int:
+    value = _explicit_head_dim(module, layout)
+    if value is None and layout.head_dim is None:
+        heads, _ = _declared(module, NUM_HEADS_ATTRS)
+        if heads is not None:
+            if q_width % heads:
+                raise _Refusal(f"the query width {q_width} is not divisible by num_heads={heads}")
+            value = q_width // heads
     if not _is_count(value):
         raise _Refusal(f"cannot tell its head size (looked for an int attribute among {HEAD_DIM_ATTRS}, then "
                        f"{NUM_HEADS_ATTRS} on the module and its config; got {value!r}); pass "
                        f"targets=[Layout({layout.name!r}, q=..., k=..., head_dim=<int or attribute name>)]")
     return int(value)
+
+
+def _kv_heads(module: nn.Module, heads: int) -> tuple[int, str] | tuple[None, None]:
+    """The key/value heads ``module`` declares (:data:`KV_HEADS_ATTRS`, else ``heads`` over one of
+    :data:`KV_GROUPS_ATTRS`), each looked for on the module first, then on its config."""
+    for source, where in ((module, ""), (getattr(module, "config", None), "config.")):
+        for a in KV_HEADS_ATTRS:
+            value = getattr(source, a, None)
+            if _is_count(value):
+                return int(value), where + a
+        for a in KV_GROUPS_ATTRS:
+            value = getattr(source, a, None)
+            if _is_count(value) and heads % value == 0:
+                return heads // int(value), f"{where}{a}={value}"
+    return None, None
+
+
+def _fused_blocks(module: nn.Module, layout: Layout) -> tuple[Block, Block, str]:
+    """The query and key blocks of ``module`` and a note on how they were found.
+
+    A layout whose query and key are equal slices of one weight (``part``/``parts``, a fused q|k|v) assumes as
+    many key heads as query heads. Where the module declares its heads, that is checked against the weight's
+    width: under grouped-query attention (fewer key/value heads declared) the query and key rows are taken by
+    the declared counts instead (q|k|v order, ``part`` 0 and 1 of 3), and a width that fits neither is refused."""
+    qb, kb = layout.q, layout.k
+    if not (qb.param == kb.param and qb.span is None and kb.span is None and qb.parts == kb.parts > 1
+            and qb.dim == kb.dim):
+        return qb, kb, ""
+    heads, heads_at = _declared(module, NUM_HEADS_ATTRS)
+    if heads is None:
+        return qb, kb, ""  # nothing declared to check against: the layout's equal slices
+    try:
+        w = _get(module, qb.param)
+    except AttributeError:
+        return qb, kb, ""
+    width = int(w.shape[qb.dim])
+    r = _explicit_head_dim(module, layout)
+    r = int(r) if _is_count(r) else None
+    kv, kv_at = _kv_heads(module, heads)
+    axis = "rows" if qb.dim == 0 else "columns"
+    if kv is None or kv == heads:
+        if r is not None and width != qb.parts * heads * r:
+            raise _Refusal(f"{qb.param} has {width} {axis}, not {qb.parts} equal parts of {heads_at}={heads} heads of "
+                           f"size {r} ({qb.parts * heads * r}), so its query/key rows cannot be told apart; pass "
+                           f"targets=[Layout({layout.name!r}, q=Block({qb.param!r}, span=(start, stop)), "
+                           f"k=Block({kb.param!r}, span=(start, stop)), head_dim={r})] with the module's actual rows")
+        return qb, kb, ""
+    if r is None:
+        r = width // (heads + 2 * kv) if width % (heads + 2 * kv) == 0 else None
+    fix = (f"pass targets=[Layout({layout.name!r}, q=Block({qb.param!r}, span=(start, stop)), "
+           f"k=Block({kb.param!r}, span=(start, stop)){'' if r is None else f', head_dim={r}'})] with the "
+           f"module's actual query and key {axis}")
+    if (qb.part, kb.part, qb.parts) != (0, 1, 3):
+        raise _Refusal(f"it declares {kv_at}={kv} key/value heads for {heads_at}={heads} query heads, so "
+                       f"{qb.param} is not {qb.parts} equal parts as the layout says; {fix}")
+    if r is None or width != (heads + 2 * kv) * r:
+        size = "of an undeclared size" if r is None else f"of size {r}"
+        raise _Refusal(f"{qb.param} has {width} {axis}, which is not q|k|v for the {heads_at}={heads} query and "
+                       f"{kv_at}={kv} key/value heads {size} that it declares ((H + 2 H_kv) r rows), so its "
+                       f"query/key rows cannot be told apart; {fix}")
+    q_span, k_span = (0, heads * r), (heads * r, (heads + kv) * r)
+    return (Block(qb.param, qb.dim, span=q_span), Block(kb.param, kb.dim, span=k_span),
+            f" (grouped-query split: q {axis} {q_span[0]}:{q_span[1]}, k {axis} {k_span[0]}:{k_span[1]})")
 
 
 def _is_count(x: Any) -> bool:
@@ -241,11 +330,21 @@ def _piece(module: nn.Module, block: Block, role: str) -> _Piece:
 _QK_BIAS_NAMES = ("q_bias", "k_bias")
 
 
+def _split_bias(given: Block | None, block: Block, declared: Block) -> Block | None:
+    """A layout's own bias Block, moved to the span of its weight's block when :func:`_fused_blocks` split that
+    weight by declared heads and the bias was given as the same equal slice (``part``/``parts``)."""
+    if given is None or block is declared or given.span is not None or (given.part, given.parts) != (
+            declared.part, declared.parts):
+        return given
+    return Block(given.param, given.dim, span=block.span)
+
+
 def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str) -> _Site:
-    q = _piece(module, layout.q, "q")
-    k = _piece(module, layout.k, "k")
+    q_block, k_block, split = _fused_blocks(module, layout)
+    q = _piece(module, q_block, "q")
+    k = _piece(module, k_block, "k")
     r = _head_dim(module, layout, q.length)
-    for p, block in ((q, layout.q), (k, layout.k)):
+    for p, block in ((q, q_block), (k, k_block)):
         if p.length % r:
             raise _Refusal(f"{block.param}: {p.length} {'query' if p.role == 'q' else 'key'} features are not "
                            f"a whole number of heads of size {r}")
@@ -257,8 +356,8 @@ def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str) -> _Site:
         raise _Refusal(f"{q.heads} query heads cannot share {k.heads} key heads in equal groups")
     spans = []
     if qk_bias == "drop":
-        for role, block in (("query", layout.q_bias or layout.q.bias_block()),
-                            ("key", layout.k_bias or layout.k.bias_block())):
+        for role, block in (("query", _split_bias(layout.q_bias, q_block, layout.q) or q_block.bias_block()),
+                            ("key", _split_bias(layout.k_bias, k_block, layout.k) or k_block.bias_block())):
             try:
                 b = _get(module, block.param)
             except AttributeError:
@@ -279,7 +378,7 @@ def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str) -> _Site:
                 raise _Refusal(str(err)) from None
             owner, attr = _owner(module, block.param)
             spans.append((owner, attr, start, length))
-    return _Site(path, module, layout, r, q, k, spans)
+    return _Site(path, module, layout, r, q, k, spans, split)
 
 
 #: Names of query/key Linear children that mark a module as attention even when its class name does not say so.
@@ -346,17 +445,17 @@ def _tied(model: nn.Module, sites: list[_Site]) -> tuple[list[_Site], list[tuple
     for site in sites:
         targets = {(id(p.owner), p.attr): (p.owner, p.attr) for p in (site.q, site.k)}
         targets.update({(id(owner), attr): (owner, attr) for owner, attr, _, _ in site.bias_spans})
-        shared = []
+        shared: dict[int, str] = {}  # one entry per shared Parameter (a query weight tied to the key weight is one)
         for owner, attr in targets.values():
             held = names.get(id(getattr(owner, attr)), [])
             if len(held) > 1:
-                shared.append(" and ".join(repr(n) for n in held))
+                shared[id(getattr(owner, attr))] = " and ".join(repr(n) for n in held)
         if shared:
             problems.append((site.path, f"its query/key tensor is one Parameter held under several names "
-                                        f"({'; '.join(shared)}: tied weights), and a frame parametrization would "
-                                        f"replace it in one module only; untie them first (e.g. "
-                                        f"module.weight = nn.Parameter(module.weight.detach().clone()) in each "
-                                        f"module but one)"))
+                                        f"({'; '.join(shared.values())}: tied weights), and a frame parametrization would "
+                                        f"replace it under one name only; untie them first (e.g. "
+                                        f"module.weight = nn.Parameter(module.weight.detach().clone()) under each "
+                                        f"name but one)"))
         else:
             kept.append(site)
     return kept, problems
@@ -398,7 +497,8 @@ def stiefelize(
     targets : "auto", sequence of Layout, Layout or callable, default "auto"
         ``"auto"``: the built-in table :data:`LAYOUTS` (torch ``nn.MultiheadAttention`` in any ``batch_first``,
         also inside ``nn.Transformer*`` and torchvision's ViT; ``q_proj``/``k_proj`` Linears as in Llama,
-        Mistral, Qwen, OPT; ``query``/``key`` Linears as in BERT, RoBERTa, HF ViT; timm's fused ``qkv``;
+        Mistral, Qwen, OPT; ``query``/``key`` Linears as in BERT, RoBERTa, HF ViT; a fused ``qkv`` as in timm,
+        split by the module's declared heads under grouped-query attention (HF EXAONE 4.5's vision tower);
         GPT-2's ``c_attn`` and cross-attention ``q_attn`` + ``c_attn``). A sequence of :class:`Layout`
         replaces the table (extend it with ``(*LAYOUTS, Layout(...))``). A callable
         ``targets(path, module)`` is asked about every module and returns a :class:`Layout` (convert with
@@ -408,7 +508,11 @@ def stiefelize(
         :math:`\gamma_h = \exp(\text{gain_rate}\cdot\theta_h)` multiplying its rebuilt query rows, hence its
         logits (rotary embeddings rotate within the head, so they commute with it; under grouped-query
         attention each query head has its own gain against the shared key head). ``"learn"`` starts at
-        :math:`\gamma_h = 1`, the choice for training from scratch. ``"fit"`` starts at
+        :math:`\gamma_h = 1`, the choice for training from scratch, except where the weights are exactly what a
+        model converted with a gain saves (``save_pretrained``, ``state_dict``, :func:`unstiefelize`): every key
+        head block a frame and every query head block a frame times :math:`\gamma_h \ne 1`; it then starts at
+        those :math:`\gamma_h`, so converting a saved model again keeps its learned gains (``None`` warns there,
+        naming the modules whose gains it resets). ``"fit"`` starts at
         :math:`\gamma_h = \rho(A_{Q,h})\,\rho(A_{K,g(h)})` with :math:`\rho(A) = \|A\|_F/\sqrt{r}` the RMS
         singular value, so each head keeps its logit scale (exactly when the blocks are scaled orthonormal
         frames): the choice for preserving a trained model's function. Fitted to a freshly initialised
@@ -542,9 +646,13 @@ def stiefelize(
     searched = ", ".join(lay.name for lay in (table or LAYOUTS))  # names only: the table is in the docs
     if problems and strict:
         listing = "\n".join(f"  {line}" for line in _grouped(problems))
+        # a tied weight's line carries its own fix (untie them); the closing advice is for the modules no layout fits
+        others = [p for p in problems if p not in tied]
+        closing = "" if not others else (
+            f"\nLayouts searched: {searched}.\nPass targets= with a Layout for "
+            f"{'them' if not tied else 'the modules not tied'}, or strict=False to leave them Euclidean.")
         raise ValueError(f"stiefelize: cannot convert {len(problems)} module(s) of {type(model).__name__}; "
-                         f"nothing was changed.\n{listing}\nLayouts searched: {searched}.\nPass targets= with a "
-                         f"Layout for them, or strict=False to leave them Euclidean.")
+                         f"nothing was changed.\n{listing}{closing}")
     if not sites:
         existing = sum(1 for p in model.parameters() if is_frame(p))
         held = f" (it already holds {existing} Stiefel frame tensors)" if existing else ""
@@ -565,9 +673,21 @@ def stiefelize(
             warnings.warn(f"stiefelize: qk_bias='drop' had nothing to drop in {len(nothing)} of {len(sites)} converted "
                           f"module(s) ({', '.join(_where(p) for p in nothing[:4])}{', ...' if len(nothing) > 4 else ''}):"
                           f" they have no query/key bias.", stacklevel=2)
-    gains = [_initial_gain(site, logit_gain) for site in sites]  # checked for every site before any change
+    # gains a converted model saved into its weights (gamma_h U_h): "learn" starts from them, None would drop them
+    saved = [_saved_gain(site) if logit_gain in (None, "learn") else None for site in sites]
+    if logit_gain is None and any(g is not None for g in saved):
+        found = [(site.path, g) for site, g in zip(sites, saved, strict=True) if g is not None]
+        lo = min(float(g.min()) for _, g in found)
+        hi = max(float(g.max()) for _, g in found)
+        names = ", ".join(_where(p) for p, _ in found[:4]) + (f", ... ({len(found)} modules)" if len(found) > 4 else "")
+        warnings.warn(f"stiefelize: logit_gain=None resets the query gains saved in the weights of {names} (each "
+                      f"query head block is a frame times a gain, {lo:.4g}..{hi:.4g}, and each key block a frame, as a "
+                      f"model converted with a logit gain saves them), which changes those heads' logits by those "
+                      f"factors; pass logit_gain='learn' to keep them.", UserWarning, stacklevel=2)
+    gains = [_initial_gain(site, logit_gain, g) for site, g in zip(sites, saved, strict=True)]  # checked before any change
     before = _probe(model, probe) if probe is not None else None
-    rows = [_apply(site, logit_gain, gain_rate, gain) for site, gain in zip(sites, gains, strict=True)]
+    rows = [_apply(site, logit_gain, gain_rate, gain, from_weights=g is not None)
+            for site, gain, g in zip(sites, gains, saved, strict=True)]
     if rows:
         _watch_model(model)  # the frame check of a training forward, once for the whole model
     change = absolute = scale = None
@@ -614,17 +734,47 @@ def _hint(module: nn.Module) -> str:
             f"k=Block('{k}.weight'){head_dim})))")
 
 
-def _initial_gain(site: _Site, logit_gain: str | None) -> Tensor | None:
-    """The per-query-head gain a site starts with: none, ones (``"learn"``), or the product of the q and k
-    blocks' RMS singular values (``"fit"``). A fitted gain must be positive and finite: a zero block would
-    give a log-gain of -inf, a head whose logits stay zero for the whole of training."""
+def _saved_gain(site: _Site) -> Tensor | None:
+    r"""The query gains a model converted with a logit gain saved into this site's weights, or ``None``.
+
+    A converted model's state dict (``save_pretrained``, :func:`export_state_dict`, ``unstiefelize``) holds each
+    query head block as :math:`\gamma_h U_h` and each key head block as a frame :math:`U_{K,g}`. Where every block
+    is exactly that (orthonormal within the weight dtype's
+    :data:`~geoopt_stiefel_attention._linalg.ORTHONORMALITY_TOLERANCE` after dividing the query block by
+    :math:`\gamma_h = \|A_h\|_F/\sqrt r`) and some :math:`\gamma_h` differs from 1 by more than that tolerance,
+    the :math:`\gamma_h` are returned; a freshly initialised or otherwise trained weight is not of that form."""
+    q, k, r = site.q, site.k, site.r
+    wq, wk = getattr(q.owner, q.attr), getattr(k.owner, k.attr)
+    if any(w.device.type == "meta" or getattr(w, "_local_tensor", None) is not None for w in (wq, wk)):
+        return None
+    tol = ORTHONORMALITY_TOLERANCE.get(wq.dtype, 1e-4)
+    with torch.no_grad():
+        keys = _frames_from(wk, k.dim, k.start, k.length, r).double()
+        if not float(orthonormality_error(keys)) <= ORTHONORMALITY_TOLERANCE.get(wk.dtype, 1e-4):
+            return None
+        blocks = _frames_from(wq, q.dim, q.start, q.length, r).double()
+        gain = blocks.flatten(1).norm(dim=1) / math.sqrt(r)
+        if not (bool(torch.isfinite(gain).all()) and bool((gain > 0).all())):
+            return None
+        if not float(orthonormality_error(blocks / gain.view(-1, 1, 1))) <= tol:
+            return None
+        if not float((gain - 1).abs().max()) > tol:
+            return None
+    return gain.to(wq.dtype)
+
+
+def _initial_gain(site: _Site, logit_gain: str | None, saved: Tensor | None = None) -> Tensor | None:
+    """The per-query-head gain a site starts with: none, ones (``"learn"``; the gains ``saved`` in the weights
+    where :func:`_saved_gain` found them), or the product of the q and k blocks' RMS singular values
+    (``"fit"``). A fitted gain must be positive and finite: a zero block would give a log-gain of -inf, a head
+    whose logits stay zero for the whole of training."""
     if logit_gain is None:
         return None
     q, k, r = site.q, site.k, site.r
     wq, wk = getattr(q.owner, q.attr), getattr(k.owner, k.attr)
     with torch.no_grad():
         if logit_gain == "learn":
-            return torch.ones(q.heads, dtype=wq.dtype, device=wq.device)
+            return saved if saved is not None else torch.ones(q.heads, dtype=wq.dtype, device=wq.device)
         rms_q = _frames_from(wq, q.dim, q.start, q.length, r).flatten(1).norm(dim=1) / math.sqrt(r)
         rms_k = _frames_from(wk, k.dim, k.start, k.length, r).flatten(1).norm(dim=1) / math.sqrt(r)
         gain = rms_q * rms_k.repeat_interleave(q.heads // k.heads)
@@ -637,7 +787,8 @@ def _initial_gain(site: _Site, logit_gain: str | None) -> Tensor | None:
     return gain
 
 
-def _apply(site: _Site, logit_gain: str | None, gain_rate: float, gain: Tensor | None) -> ConvertedAttention:
+def _apply(site: _Site, logit_gain: str | None, gain_rate: float, gain: Tensor | None,
+           from_weights: bool = False) -> ConvertedAttention:
     q, k, r = site.q, site.k, site.r
     groups: dict[tuple[int, str], list] = {}
     for p in (q, k):
@@ -668,9 +819,11 @@ def _apply(site: _Site, logit_gain: str | None, gain_rate: float, gain: Tensor |
         _hook_state_dicts(owner, _stock_names(owner))
         parametrize.register_parametrization(owner, attr, _ZeroQKBias(getattr(owner, attr), spans))
     object.__setattr__(site.module, _MARK, (site.layout.q.param, site.layout.k.param))
+    span = "none" if gain is None else f"{float(gain.min()):.3g}..{float(gain.max()):.3g}"
     gain_text = "none" if gain is None else (
-        "learn (1)" if logit_gain == "learn" else f"fit ({float(gain.min()):.3g}..{float(gain.max()):.3g})")
-    return ConvertedAttention(site.path, site.layout.name, q.heads, k.heads, q.d, k.d, r, gain_text)
+        f"learn (kept from the weights: {span})" if logit_gain == "learn" and from_weights else
+        "learn (1)" if logit_gain == "learn" else f"fit ({span})")
+    return ConvertedAttention(site.path, site.layout.name + site.split, q.heads, k.heads, q.d, k.d, r, gain_text)
 
 
 def _probe(model: nn.Module, batch: Any) -> Tensor:

@@ -18,6 +18,10 @@ from .parametrization import _get
 #: Attribute names read (in order) for a module's head size, then for its number of query heads.
 HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim")
 NUM_HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+#: Attribute names read (in order) for a module's number of key/value heads (grouped-query attention), then
+#: for its number of query heads per key/value head.
+KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv")
+KV_GROUPS_ATTRS = ("num_key_value_groups",)
 
 
 # ---------------------------------------------------------------------------------------------- the table
@@ -34,7 +38,11 @@ class Block:
         ``nn.MultiheadAttention``), ``1`` for an ``(in, out)`` weight (GPT-2's ``Conv1D``).
     part, parts : int, default 0, 1
         The projection is slice ``part`` of ``parts`` equal slices along ``dim`` (``part=1, parts=3`` is the
-        key block of a fused q|k|v weight).
+        key block of a fused q|k|v weight). A fused q|k|v weight of a module that declares fewer key/value heads
+        than query heads (an int attribute among :data:`KV_HEADS_ATTRS` or :data:`KV_GROUPS_ATTRS`, on the
+        module, then on ``module.config``) is not three equal slices: :func:`~geoopt_stiefel_attention.stiefelize`
+        then takes the query rows ``0 : H r`` and the key rows ``H r : (H + H_kv) r`` from the declared head
+        counts, and refuses a weight of another width.
     span : (int, int), optional
         An explicit ``(start, stop)`` range along ``dim`` instead of ``part``/``parts``, for fused projections
         with unequal blocks (a fused q|k|v weight under grouped-query attention).
