@@ -469,7 +469,11 @@ _FORWARD_DOC = r"""
 
     Notes
     -----
-    A query whose keys are all masked gets NaN, as in :class:`torch.nn.MultiheadAttention`.
+    A query whose keys are all masked gets NaN with ``need_weights=True`` (output and weights); with
+    ``need_weights=False`` it gets what :func:`~torch.nn.functional.scaled_dot_product_attention` gives such a
+    row, zero attention on the CPU, so its output is ``b_O``. Both are what :class:`torch.nn.MultiheadAttention`
+    gives outside its inference fast path (which gives NaN with ``need_weights=False``); neither is a signal to
+    rely on: drop such queries, or keep one key unmasked.
 """
 
 _LAYOUT_DOC = r"""
@@ -578,7 +582,9 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
                               error_msgs) -> None:
         """``load_state_dict`` keeps ``w_q``/``w_k`` frames: a loaded matrix that is not orthonormal (a Euclidean
         module's weights share these keys and shapes) is replaced by its polar factor with a ``UserWarning``
-        (to carry a Euclidean module's function over, use :meth:`from_euclidean` instead), and ``assign=True``
+        (to carry a Euclidean module's function over, use :meth:`from_euclidean` instead); a frame saved in a coarser
+        dtype (a float32 checkpoint loaded into a float64 module), off the manifold by that dtype's rounding only, is
+        re-projected silently, as by a cast (``.double()``). ``assign=True``
         installs the loaded tensors as :class:`geoopt.ManifoldParameter` s on the frame's manifold, keeping
         ``requires_grad``, rather than as plain parameters that no frame optimizer would see. Sharded (``DTensor``)
         frames load as torch loads them; the frame check of a training forward covers them."""
@@ -591,15 +597,22 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
                 continue  # torch reports a missing key or a shape mismatch itself
             if getattr(given, "_local_tensor", None) is not None or getattr(current, "_local_tensor", None) is not None:
                 continue  # sharded (DTensor) frames: the training forward's frame check covers them
-            tol = ORTHONORMALITY_TOLERANCE.get(current.dtype, 1e-4)
+            # the frame is checked in, and its polar factor kept in, the dtype the frame will have: the module's
+            # (loaded by copy_), or the state dict's (assign=True)
+            target = given.dtype if assign else current.dtype
+            tol = ORTHONORMALITY_TOLERANCE.get(target, 1e-4)
+            # a frame saved in a coarser dtype (a float32 checkpoint, a float64 module) is off by its rounding
+            rounding = max(tol, ORTHONORMALITY_TOLERANCE.get(given.dtype, tol))
             with torch.no_grad():
-                err = float(orthonormality_error(given.detach().to(current.dtype)))
-                if not err <= tol:
+                err = float(orthonormality_error(given.detach().to(target)))
+                if tol < err <= rounding:  # re-projected to this dtype's precision, as after .double()
+                    given = PolarStiefel().projx(given.detach().to(target))
+                elif not err <= tol:
                     warnings.warn(f"load_state_dict: {key} is not orthonormal (max|W^T W - I| = {err:.3g} > {tol:g}; "
                                   f"a Euclidean module's weights?); its polar factor is loaded. To carry a Euclidean "
                                   f"module's function over, use StiefelMultiheadAttention.from_euclidean.",
                                   UserWarning, stacklevel=3)
-                    given = PolarStiefel().projx(given.detach().to(current.dtype)).to(given.dtype)
+                    given = PolarStiefel().projx(given.detach().to(target))
             if assign and not isinstance(given, geoopt.ManifoldParameter):
                 given = geoopt.ManifoldParameter(given.detach(), manifold=current.manifold,
                                                  requires_grad=current.requires_grad)

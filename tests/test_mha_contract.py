@@ -20,6 +20,7 @@ from conftest import F64
 from torch import nn
 
 from geoopt_stiefel_attention import EuclideanMultiheadAttention, StiefelMultiheadAttention
+from geoopt_stiefel_attention._linalg import ORTHONORMALITY_TOLERANCE
 
 #: max |difference| between the library's float64 forward and torch's (outputs and attention weights)
 TORCH_TOL = 1e-12
@@ -229,6 +230,46 @@ def test_training_mode_dropout_drops_weights_like_torch():
     assert (w == 0).any()  # dropout did act
 
 
+@pytest.mark.parametrize("mask", ["key_padding_mask", "attn_mask"])
+@pytest.mark.parametrize("layout", ["batch_first", "seq_first"])
+@pytest.mark.parametrize("kind", ["euclidean", "stiefel"])
+def test_fully_masked_queries_as_torch(kind, layout, mask):
+    """A query whose keys are all masked: with need_weights=True its output and weights are NaN; with
+    need_weights=False its attention is zero, so its output is the output bias b_O (what SDPA gives such a row);
+    both as torch's nn.MultiheadAttention outside its inference fast path. The other queries are unaffected.
+    Companion: torch's fast path (eval, no grad, batch-first self-attention) gives NaN with need_weights=False,
+    which is why the documentation does not promise NaN there."""
+    source = torch_source(cross=False, batch_first=layout == "batch_first", orthonormal=kind == "stiefel")
+    module = library_module(kind, source)
+    (q, k, v), _ = make_inputs(layout, False, "none")
+    if mask == "key_padding_mask":
+        m = torch.zeros(N, L, dtype=torch.bool)
+        m[1] = True  # every key of batch entry 1: all its queries
+        dead = torch.zeros(N, L, dtype=torch.bool)
+        dead[1] = True
+    else:
+        m = torch.zeros(L, L, dtype=torch.bool)
+        m[2] = True  # query 2 sees no key, in every batch entry
+        dead = torch.zeros(N, L, dtype=torch.bool)
+        dead[:, 2] = True
+    for need_weights in (True, False):
+        ref, ref_w = source(q, k, v, need_weights=need_weights, **{mask: m})
+        out, w = module(q, k, v, need_weights=need_weights, **{mask: m})
+        torch.testing.assert_close(out, ref, rtol=0, atol=TORCH_TOL, equal_nan=True)
+        out_bf = out if layout == "batch_first" else out.transpose(0, 1)
+        assert out_bf[~dead].isfinite().all()
+        if need_weights:
+            torch.testing.assert_close(w, ref_w, rtol=0, atol=TORCH_TOL, equal_nan=True)
+            assert out_bf[dead].isnan().all() and w[dead].isnan().all() and w[~dead].isfinite().all()
+        else:
+            torch.testing.assert_close(out_bf[dead], module.b_o.detach().expand(int(dead.sum()), E), rtol=0,
+                                       atol=TORCH_TOL)
+    if layout == "batch_first":
+        with torch.no_grad():
+            fast, _ = source(q, q, q, need_weights=False, **{mask: m})
+        assert fast[dead].isnan().all()
+
+
 # ------------------------------------------------------------------------------------- signatures
 def _parameters(fn) -> list[tuple[str, object]]:
     return [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.name != "self"]
@@ -362,6 +403,48 @@ def test_load_state_dict_keeps_the_frames_frames():
     assert [n for n, _ in empty.named_parameters() if n in ("w_q", "w_k")] == ["w_q", "w_k"]
     assert len(frame_parameters(empty)) == 2 and not empty.w_k.requires_grad
     assert torch.equal(empty.w_q, stiefel.w_q) and empty.w_q.device.type == "cpu"
+
+
+@pytest.mark.parametrize(("source_dtype", "dtype"), [(torch.float32, F64), (torch.float16, torch.float32),
+                                                     (torch.bfloat16, torch.float32)])
+def test_load_state_dict_from_a_coarser_dtype_loads_frames_of_the_module_precision(source_dtype, dtype):
+    """A frame saved in a coarser dtype (a float32 checkpoint loaded into a float64 module) is off the manifold by
+    its rounding only: as after ``.double()``, its polar factor is loaded, in the module's dtype and without a
+    warning, and the module trains (the polar factor was rounded back to the checkpoint's dtype, so the next
+    training forward refused the frames, after a warning that named a Euclidean module's weights). Companion: a
+    Euclidean module's state dict in that coarser dtype still warns, and its polar factors are loaded in the
+    module's precision too."""
+    import warnings
+
+    from geoopt_stiefel_attention._guard import FRAME_CHECK_TOLERANCE
+
+    def assert_frames(module):
+        for w in (module.w_q, module.w_k):
+            eye = torch.eye(w.shape[-1], dtype=dtype)
+            assert (w.detach().transpose(-1, -2) @ w.detach() - eye).abs().max() <= FRAME_CHECK_TOLERANCE[dtype]
+        x = torch.randn(N, L, 16, generator=gen(3), dtype=dtype)
+        module.train()(x, x, x)[0].sum().backward()  # the training forward checks the frames
+
+    saved = StiefelMultiheadAttention(16, 4, batch_first=True, generator=gen(0)).to(source_dtype)
+    module = StiefelMultiheadAttention(16, 4, batch_first=True, generator=gen(1), dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        module.load_state_dict(saved.state_dict())
+    assert_frames(module)
+    for w, src in ((module.w_q, saved.w_q), (module.w_k, saved.w_k)):  # the saved frames, re-projected
+        assert (w.detach() - src.detach().to(dtype)).abs().max() <= ORTHONORMALITY_TOLERANCE[source_dtype]
+    with torch.device("meta"):
+        empty = StiefelMultiheadAttention(16, 4, batch_first=True, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        empty.load_state_dict(saved.state_dict(), assign=True)  # assign=True keeps the state dict's dtype
+    assert torch.equal(empty.w_q, saved.w_q) and torch.equal(empty.w_k, saved.w_k)  # frames of it: as they are
+    euclid = EuclideanMultiheadAttention(16, 4, batch_first=True, generator=gen(2)).to(source_dtype)
+    with pytest.warns(UserWarning) as record:
+        module.load_state_dict(euclid.state_dict())
+    assert sorted(str(r.message).split()[1] for r in record) == ["w_k", "w_q"]
+    assert all("is not orthonormal" in str(r.message) and "from_euclidean" in str(r.message) for r in record)
+    assert_frames(module)
 
 
 @pytest.mark.parametrize("cls", [StiefelMultiheadAttention, EuclideanMultiheadAttention])
