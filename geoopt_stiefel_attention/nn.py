@@ -88,6 +88,51 @@ def _refuse_unsupported(owner: str, *, add_bias_kv: Any, add_zero_attn: Any) -> 
 
 
 # ---------------------------------------------------------------------------------------------- the modules
+_NO_OUT_PROJ = ("this library's attention modules have no out_proj Linear: the output projection is w_o, "
+                "(num_heads * head_dim, embed_dim), with y = concat_h(o_h) @ w_o + b_o")
+
+
+class _NotATensor:
+    """``out_proj.weight`` and ``out_proj.bias`` of this library's attention modules, which have no torch
+    ``out_proj`` Linear (their output projection is ``w_o``, ``b_o``).
+
+    ``nn.TransformerEncoder.forward`` (eval mode, a ``src_key_padding_mask``, ``enable_nested_tensor=True``) reads
+    ``in_proj_weight``, ``in_proj_bias``, ``out_proj.weight`` and ``out_proj.bias`` of its first layer's
+    ``self_attn``, with no check that it is torch's module, to decide whether to pack the batch into a nested
+    tensor for torch's fused kernels (which take torch's weights); reading a missing ``out_proj`` raised
+    ``AttributeError``. This object has a ``__torch_function__``, so torch's ``has_torch_function`` flags it and
+    the encoder declines that path ("some Tensor argument has_torch_function"): its layers run on the padded
+    batch with the padding mask, the path any encoder takes in training. Using it as a tensor (a torch function,
+    or an attribute such as ``.shape``) raises, naming ``w_o``."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"{func.__name__ if hasattr(func, '__name__') else func}: {_NO_OUT_PROJ}.")
+
+    def __getattr__(self, attr: str):
+        raise AttributeError(f"out_proj.{self.name}.{attr}: {_NO_OUT_PROJ}.")
+
+    def __repr__(self) -> str:
+        return f"<no out_proj.{self.name}: {_NO_OUT_PROJ}>"
+
+
+class _NoOutProj:
+    """``self_attn.out_proj`` of this library's attention modules, for ``nn.TransformerEncoder``'s fast-path
+    checks only (:class:`_NotATensor`)."""
+
+    __slots__ = ()
+    weight = _NotATensor("weight")
+    bias = _NotATensor("bias")
+
+    def __repr__(self) -> str:
+        return "<no out_proj Linear: the output projection is w_o>"
+
+
 class _MultiheadAttentionBase(nn.Module):
     """Shared configuration, layout, initialisation and forward pass of the two attention modules."""
 
@@ -98,6 +143,10 @@ class _MultiheadAttentionBase(nn.Module):
     #: inference fast path, which would read these tensors, is never taken).
     in_proj_weight = None
     in_proj_bias = None
+    #: Not a Linear and no tensors: ``out_proj.weight``/``out_proj.bias`` are read by ``nn.TransformerEncoder``'s
+    #: nested-tensor fast-path checks, which they make decline that path, so that the module runs inside an
+    #: encoder built with ``enable_nested_tensor=True``. The output projection is ``w_o`` (and ``b_o``).
+    out_proj = _NoOutProj()
 
     _owner = "MultiheadAttention"
 
@@ -548,7 +597,11 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
 
     Constructor and call interface are those of :class:`torch.nn.MultiheadAttention` (both layouts via
     ``batch_first``, unbatched inputs, bool and float masks, ``need_weights=True`` by default), so a
-    :class:`torch.nn.TransformerEncoderLayer` accepts the module as its ``self_attn`` (see :func:`stiefelize`).
+    :class:`torch.nn.TransformerEncoderLayer` accepts the module as its ``self_attn`` (see :func:`stiefelize`),
+    also inside an :class:`torch.nn.TransformerEncoder` built with ``enable_nested_tensor=True``: a padded batch
+    then runs on the encoder's ordinary path with the padding mask (its nested-tensor fast path, torch's fused
+    kernels, is declined; ``out_proj`` exists for that check only and is no tensor: the output projection is
+    ``w_o``).
     Differences: no query/key biases, ``add_bias_kv``/``add_zero_attn`` are refused, and ``is_causal=True``
     without ``attn_mask`` applies the causal mask instead of raising.
 

@@ -961,6 +961,57 @@ def test_safetensors_and_save_pretrained_roundtrip(tmp_path):
     assert not frame_parameters(loaded)
 
 
+@pytest.mark.parametrize("form", ["stock", "parametrized"])
+def test_a_float32_state_dict_loads_into_an_encoder_moved_to_float64_without_a_warning(form):
+    """A converted ``nn.TransformerEncoder`` moved to float64 and given the float32 state dict of a converted
+    one (either form): no warning, float64 frames (re-projected, as by ``.double()``) within float32's tolerance
+    of the saved ones, the saved function, and a training forward that accepts the frames. Companion: the same
+    state dict with its query/key blocks off by 1e-2, far above float32's tolerance, still warns (stock form) or
+    is refused by the training forward (parametrized form)."""
+    from geoopt_stiefel_attention import parametrized_state_dict
+    from geoopt_stiefel_attention._guard import FRAME_CHECK_TOLERANCE
+    from geoopt_stiefel_attention._linalg import ORTHONORMALITY_TOLERANCE
+
+    def encoder(seed):
+        torch.manual_seed(seed)
+        layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+        model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        stiefelize(model)
+        return model
+
+    saved = encoder(0)
+    with torch.no_grad():  # frames away from their start
+        for f in frame_parameters(saved):
+            f.copy_(f.manifold.retr(f, 0.3 * f.manifold.proju(f, torch.randn_like(f))))
+    state = saved.state_dict() if form == "stock" else parametrized_state_dict(saved)
+    model = encoder(1).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.load_state_dict(state, strict=True)
+    for f, g in zip(frame_parameters(model), frame_parameters(saved), strict=True):
+        w = f.detach()
+        assert w.dtype == F64
+        assert float((w.mT @ w - torch.eye(4, dtype=F64)).abs().max()) <= FRAME_CHECK_TOLERANCE[F64]
+        assert float((w - g.detach().double()).abs().max()) <= ORTHONORMALITY_TOLERANCE[torch.float32]
+    x = _x(2, 5, 16)
+    with torch.no_grad():
+        expected = saved.eval()(x.float()).double()
+    assert float((model.eval()(x).detach() - expected).abs().max()) <= F32_TOL
+    model.train()(x).sum().backward()  # the training forward checks the frames in float64
+    # companion: off by far more than float32's rounding
+    g = torch.Generator().manual_seed(5)
+    keys = [k for k in state if k.endswith("in_proj_weight" if form == "stock" else "_frames")]
+    bad = {k: v + 1e-2 * torch.randn(v.shape, generator=g) if k in keys else v for k, v in state.items()}
+    model = encoder(1).double()
+    if form == "stock":
+        with pytest.warns(UserWarning, match="not orthonormal"):
+            model.load_state_dict(bad, strict=True)
+        return
+    model.load_state_dict(bad, strict=True)
+    with pytest.raises(FrameOffManifoldError, match="off the Stiefel manifold"):
+        model.train()(x)
+
+
 # ------------------------------------------------------------------------------------------ HF Trainer
 class _Repeats(torch.utils.data.Dataset):
     """Sequences that repeat a random 4-token motif: learnable in a few steps."""

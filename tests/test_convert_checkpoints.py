@@ -13,6 +13,7 @@ practice, built from tiny configs (no download).
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -435,3 +436,90 @@ def test_companion_plain_parametrize_of_a_pure_projection_leaves_a_zero_size_par
     lin = torch.nn.Linear(D, D)
     parametrize.register_parametrization(lin, "weight", Rows(lin.weight), unsafe=True)
     assert any(p.numel() == 0 for p in lin.parameters())
+
+
+# ------------------------------------------------------------------------------- a coarser-dtype checkpoint
+def _frames_by_name(model):
+    return {n: p for n, p in model.named_parameters() if n.endswith("_frames")}
+
+
+def _load_quietly(model, state):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        return model.load_state_dict(state, strict=True)
+
+
+@pytest.mark.parametrize("form", ["stock", "parametrized"])
+@pytest.mark.parametrize("gain", [None, "learn"])
+@pytest.mark.parametrize("name", MODELS)
+def test_a_float32_checkpoint_loads_into_a_float64_model_silently_as_frames_of_float64(name, gain, form):
+    """A converted model moved to float64 (``.double()``) given a float32 state dict, in the stock or the
+    parametrized form: its frames are orthonormal to float32's rounding only, which is no defect of the
+    checkpoint, so they load without a warning, re-projected in float64 (as ``.double()`` does): the frames are
+    float64 frames within float32's tolerance of the saved ones, the model computes the saved model's function and
+    its training forward accepts them (the stock form used to warn "not orthonormal"; the parametrized form loaded
+    them as they were, and the training forward refused them). Companion:
+    test_companion_a_float32_checkpoint_off_the_manifold_still_warns_or_is_refused."""
+    from geoopt_stiefel_attention._guard import FRAME_CHECK_TOLERANCE
+    from geoopt_stiefel_attention._linalg import ORTHONORMALITY_TOLERANCE
+
+    saved = _converted(name, gain)
+    state = saved.state_dict() if form == "stock" else parametrized_state_dict(saved)
+    assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
+    model = _fresh_converted(name, gain).double()
+    result = _load_quietly(model, state)
+    assert not result.missing_keys and not result.unexpected_keys
+    frames, before = _frames_by_name(model), _frames_by_name(saved)
+    assert frames.keys() == before.keys() and frames
+    for n, f in frames.items():
+        w = f.detach()
+        assert w.dtype == torch.float64
+        eye = torch.eye(w.shape[-1], dtype=torch.float64)
+        assert float((w.transpose(-1, -2) @ w - eye).abs().max()) <= FRAME_CHECK_TOLERANCE[torch.float64], n
+        assert float((w - before[n].detach().double()).abs().max()) <= ORTHONORMALITY_TOLERANCE[torch.float32], n
+    with torch.no_grad():
+        expected = _logits(saved).double()
+    assert float((_logits(model) - expected).abs().max()) <= F32_LOGIT_TOL
+    model.train()
+    ids = _ids()
+    model(input_ids=ids, labels=ids).loss.backward()  # the training forward checks the frames in float64
+
+
+@pytest.mark.parametrize("form", ["stock", "parametrized"])
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
+def test_companion_a_float32_checkpoint_off_the_manifold_still_warns_or_is_refused(name, form):
+    """Query/key blocks off the manifold by far more than float32's rounding (1e-2, against float32's tolerance
+    1e-4) are no rounding: loaded into a float64 model, the stock form still warns naming the heads and its
+    polar factors are loaded (float64 frames), and the parametrized form is loaded as it is, so the training
+    forward refuses it, as before."""
+    from geoopt_stiefel_attention._guard import FRAME_CHECK_TOLERANCE, FrameOffManifoldError
+    from geoopt_stiefel_attention._linalg import ORTHONORMALITY_TOLERANCE
+
+    saved = _converted(name, None)
+    g = torch.Generator().manual_seed(5)
+    if form == "stock":
+        state = saved.state_dict()
+        for key, _dim, _pieces in MODELS[name][1](0):
+            state[key] = state[key] + 1e-2 * torch.randn(state[key].shape, generator=g)
+    else:
+        state = parametrized_state_dict(saved)
+        for key in [k for k in state if k.endswith("_frames")]:
+            state[key] = state[key] + 1e-2 * torch.randn(state[key].shape, generator=g)
+    model = _fresh_converted(name, None).double()
+    if form == "stock":
+        tol = re.escape(f"{ORTHONORMALITY_TOLERANCE[torch.float32]:g}")  # the checkpoint's dtype's
+        with pytest.warns(UserWarning, match=rf"head\(s\) \[.*\] \(max\|A\^T A - I\| = .* > {tol}: not orthonormal"):
+            model.load_state_dict(state, strict=True)
+        for f in frame_parameters(model):  # their polar factors, in float64
+            w = f.detach()
+            eye = torch.eye(w.shape[-1], dtype=torch.float64)
+            assert w.dtype == torch.float64
+            assert float((w.transpose(-1, -2) @ w - eye).abs().max()) <= FRAME_CHECK_TOLERANCE[torch.float64]
+        return
+    _load_quietly(model, state)
+    frames = _frames_by_name(model)
+    for key in [k for k in state if k.endswith("_frames")]:
+        assert torch.equal(frames[key].detach(), state[key].double())  # as it is
+    ids = _ids()
+    with pytest.raises(FrameOffManifoldError, match="off the Stiefel manifold"):
+        model.train()(input_ids=ids, labels=ids)

@@ -360,6 +360,98 @@ def test_readme_command_errors_are_one_line_naming_the_file(controls, tmp_path, 
     assert cr.main(["readme", "--check", "--summary", str(good), "--readme", str(readme)]) == 1
 
 
+def test_readme_command_names_a_key_the_summary_lacks(controls, tmp_path, capsys):
+    """``readme`` (with or without ``--check``) on a valid-JSON summary that lacks a key the paragraph needs: one
+    line naming the file, the key's place in the summary and the rebuild command, exit status 2, no traceback, the
+    README unchanged; companion: the complete summary checks clean (0) and writes (0)."""
+    summary = _finalize(controls).summary
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{cr.README_BEGIN}\n{cr.README_PLACEHOLDER}\n{cr.README_END}\n")
+    good = tmp_path / "summary.json"
+    good.write_text(json.dumps(summary))
+    key = "test: stiefel - adamw-qknorm"
+    for where, cut in (('["controls"]', lambda s: s.pop("controls")),
+                       ('["final"]["in_progress"]', lambda s: s["final"].pop("in_progress")),
+                       (f'["final"]["comparisons"]["{key}"]["n"]', lambda s: s["final"]["comparisons"][key].pop("n")),
+                       ('["controls"]["stable_range"][0]["arms"]["stiefel"]["within"]',
+                        lambda s: s["controls"]["stable_range"][0]["arms"]["stiefel"].pop("within"))):
+        lacking = json.loads(json.dumps(summary))
+        cut(lacking)
+        bad = tmp_path / "lacking.json"
+        bad.write_text(json.dumps(lacking))
+        before = readme.read_text()
+        for check in (["--check"], []):
+            assert cr.main(["readme", *check, "--summary", str(bad), "--readme", str(readme)]) == 2, (where, check)
+            err = capsys.readouterr().err.strip()
+            assert err.splitlines() == [err] and "Traceback" not in err, err
+            assert f"--summary {bad}: lacks the key {where} that the README paragraph needs" in err, err
+            assert f"rebuild it with python -m experiments lm --report-only --out {tmp_path}." in err, err
+            assert readme.read_text() == before
+    # companion: the complete summary writes the paragraph, then checks clean
+    assert cr.main(["readme", "--summary", str(good), "--readme", str(readme)]) == 0
+    assert cr.main(["readme", "--check", "--summary", str(good), "--readme", str(readme)]) == 0
+    assert _block(readme.read_text()) == "\n".join(cr.readme_paragraph(summary))
+
+
+class _Reads(cr._SummaryNode):
+    """A summary object that records the place of every key read with ``[]`` (the keys the paragraph needs)."""
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        self.reads.add(f"{self.where}[{json.dumps(key)}]")
+        return value
+
+
+def _reading(value, reads, where=""):
+    """``value`` (parsed JSON) with every object a :class:`_Reads` adding to ``reads``."""
+    if isinstance(value, dict):
+        node = _Reads({k: _reading(v, reads, f"{where}[{json.dumps(k)}]") for k, v in value.items()}, where)
+        node.reads = reads
+        return node
+    if isinstance(value, list):
+        return [_reading(v, reads, f"{where}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def test_every_key_the_paragraph_needs_is_named_when_missing(controls):
+    """Each key :func:`readme_paragraph` reads with ``[]`` from the synthetic summary, deleted alone: the check
+    raises :class:`~experiments.lm.controls_report.SummaryKeyError` naming exactly that key's place (never a bare
+    KeyError, never another exception), or, for a key read only where present, reports the changed paragraph (never
+    checks clean); companion: the complete summary, read the same way, checks clean."""
+    summary = _finalize(controls).summary
+    text = f"{cr.README_BEGIN}\n" + "\n".join(cr.readme_paragraph(summary)) + f"\n{cr.README_END}\n"
+    reads: set[str] = set()
+    assert cr.readme_problems(text, _reading(json.loads(json.dumps(summary)), reads)) == []  # companion
+    paths = {}  # where -> the path of keys to delete
+
+    def walk(value, where="", path=()):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                paths[f"{where}[{json.dumps(k)}]"] = (*path, k)
+                walk(v, f"{where}[{json.dumps(k)}]", (*path, k))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{where}[{i}]", (*path, i))
+
+    walk(summary)
+    assert len(reads) > 50 and reads <= set(paths)
+    named = []
+    for where in sorted(reads):
+        lacking = json.loads(json.dumps(summary))
+        node = lacking
+        for k in paths[where][:-1]:
+            node = node[k]
+        del node[paths[where][-1]]
+        try:
+            problems = cr.readme_problems(text, cr._located(lacking))
+        except cr.SummaryKeyError as err:
+            assert err.where == where
+            named.append(where)
+        else:  # a key read only where present (an arm's stable range): the paragraph changes, and the check says so
+            assert problems, where
+    assert len(named) > 50
+
+
 def test_readme_paragraph_waits_for_a_complete_final_cell(controls):
     shutil.rmtree(controls / "final" / "runs" / "muon" / "seed10")
     summary = _finalize(controls).summary

@@ -270,6 +270,72 @@ def test_fully_masked_queries_as_torch(kind, layout, mask):
         assert fast[dead].isnan().all()
 
 
+# ------------------------------------------------------------------------------------- inside nn.TransformerEncoder
+def _padded_encoder_run(kind: str | None, monkeypatch):
+    """A float64 ``nn.TransformerEncoder`` built with ``enable_nested_tensor=True`` (torch's default) whose layers'
+    ``self_attn`` are then replaced by the library's module of ``kind`` (``None``: torch's own kept), in eval mode;
+    returns the encoder, the padded batch (lengths 6, 4, 2, padding at the end), its mask, and a list that counts
+    the encoder's nested-tensor packings (``torch._nested_tensor_from_mask``)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=True, dtype=F64)
+    encoder = nn.TransformerEncoder(layer, 2)
+    assert encoder.use_nested_tensor  # the encoder would pack a padded batch into a nested tensor
+    if kind is not None:
+        for lay in encoder.layers:
+            lay.self_attn = library_module(kind, lay.self_attn)
+    packs = []
+    pack = torch._nested_tensor_from_mask
+    monkeypatch.setattr(torch, "_nested_tensor_from_mask", lambda *a, **k: packs.append(1) or pack(*a, **k))
+    x = torch.randn(3, 6, E, generator=gen(7), dtype=F64)
+    lengths = (6, 4, 2)
+    pad = torch.arange(6).expand(3, 6) >= torch.tensor(lengths).view(3, 1)
+    return encoder.eval(), x, lengths, pad, packs
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("kind", ["euclidean", "stiefel"])
+def test_swapped_into_a_built_encoder_a_padded_batch_runs_with_the_padding_respected(kind, grad, monkeypatch):
+    """The library's module assigned as ``self_attn`` of an ``nn.TransformerEncoder`` built with
+    ``enable_nested_tensor=True``, in eval mode with a ``src_key_padding_mask`` (the encoder's nested-tensor
+    fast path read ``self_attn.out_proj.weight``, which the module lacked: AttributeError): the encoder declines
+    that path (no nested tensor is made) and each sequence's output over its own positions is that sequence run
+    alone, unpadded. Companions: without the mask the padded sequences' outputs are not (the reference tells a
+    padded run from an unpadded one), and with torch's own module kept the same encoder does take the nested path
+    (so the library's module is what declines it) and gives the same reference."""
+    encoder, x, lengths, pad, packs = _padded_encoder_run(kind, monkeypatch)
+    with torch.set_grad_enabled(grad):
+        out = encoder(x, src_key_padding_mask=pad)
+        unmasked = encoder(x)
+        alone = [encoder(x[b:b + 1, :n])[0] for b, n in enumerate(lengths)]
+    assert packs == [] and not out.is_nested and out.shape == x.shape
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(out[b, :n], alone[b], rtol=0, atol=TORCH_TOL)
+    for b, n in enumerate(lengths[1:], start=1):  # companion: padded keys attended to
+        assert float((unmasked[b, :n] - alone[b]).detach().abs().max()) > DIFFER_MIN
+    stock, x, lengths, pad, packs = _padded_encoder_run(None, monkeypatch)  # companion: torch's module
+    with torch.no_grad():
+        fast = stock(x, src_key_padding_mask=pad)
+        for b, n in enumerate(lengths):
+            torch.testing.assert_close(fast[b, :n], stock(x[b:b + 1, :n])[0], rtol=0, atol=TORCH_TOL)
+    assert len(packs) == 1
+
+
+@pytest.mark.parametrize("kind", ["euclidean", "stiefel"])
+def test_out_proj_is_no_tensor_and_says_where_the_output_projection_is(kind):
+    """``module.out_proj`` exists for the encoder's fast-path checks only: used as a tensor (a torch function, an
+    attribute) it raises, naming ``w_o``; companion: torch's ``has_torch_function`` flags it (which is what makes
+    the encoder decline its nested path), and does not flag the module's real output projection."""
+    module = library_module(kind, torch_source(cross=False, batch_first=True, orthonormal=kind == "stiefel"))
+    with pytest.raises(TypeError, match="no out_proj Linear: the output projection is w_o"):
+        torch.add(module.out_proj.weight, 1)
+    with pytest.raises(AttributeError, match=r"out_proj\.bias\.shape: .*w_o"):
+        _ = module.out_proj.bias.shape
+    assert torch.overrides.has_torch_function((module.out_proj.weight,))
+    assert not torch.overrides.has_torch_function((module.w_o, module.b_o))
+    assert "out_proj" not in dict(module.named_modules()) and not any("out_proj" in k for k in module.state_dict())
+
+
 # ------------------------------------------------------------------------------------- signatures
 def _parameters(fn) -> list[tuple[str, object]]:
     return [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.name != "self"]

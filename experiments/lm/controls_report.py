@@ -38,6 +38,7 @@ questions from ``summary.json`` alone; :func:`readme_problems` checks the README
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -576,11 +577,11 @@ def _comparison(comparisons: Mapping[str, Mapping[str, Any]], a: str, b: str, pr
     """The comparison ``a - b`` of ``comparisons`` (recorded either way round; flipped where it is ``b - a``)."""
     c = comparisons.get(f"{prefix}: {a} - {b}")
     if c is not None:
-        return dict(c)
+        return copy.copy(c)  # a copy that still knows its place in a summary read from disk (_SummaryNode)
     c = comparisons.get(f"{prefix}: {b} - {a}")
     if c is None:
         return None
-    flip = dict(c)
+    flip = copy.copy(c)
     flip["mean"] = None if c["mean"] is None else -c["mean"]
     flip["ci_low"], flip["ci_high"] = (None, None) if c["ci_low"] is None else (-c["ci_high"], -c["ci_low"])
     flip["n_positive"], flip["n_negative"] = c["n_negative"], c["n_positive"]
@@ -641,11 +642,12 @@ def readme_paragraph(summary: Mapping[str, Any]) -> list[str]:
     """The answers to the study's three questions, in plain words, from a controls ``summary.json`` (its final
     comparisons, stable ranges, warm-up comparisons and every-step records): each claim with its interval, its
     number of pairs and the Holm-adjusted p-values, "suggest" unless resolved. :data:`README_IN_PROGRESS` (no
-    number) until the final cell is complete (:func:`~.tuned.readme_table`'s condition)."""
-    if "controls" not in summary or not _final_complete(summary):
+    number) until the final cell is complete (:func:`~.tuned.readme_table`'s condition). A summary without
+    ``controls`` (not the controls study's) is a :class:`KeyError`, never the in-progress text."""
+    c = summary["controls"]  # every controls summary has it: one without is not the controls study's
+    if not _final_complete(summary):
         return [README_IN_PROGRESS]
     comps = summary["final"]["comparisons"]
-    c = summary["controls"]
     rules = c["rules"]
     final = summary["final"]
     n_seeds = len(next(iter(final["seeds"].values())))
@@ -754,10 +756,44 @@ def write_readme(readme: str | os.PathLike = README, summary: Mapping[str, Any] 
 PROG = "python -m experiments.lm.controls_report"
 
 
+class SummaryKeyError(KeyError):
+    """A key that the README paragraph reads is missing from a summary read by :func:`_read_summary`; ``where``
+    is its place in the summary, e.g. ``["final"]["in_progress"]``. A :class:`KeyError`, so a caller catching one
+    still does; the command line says it in one line naming the file (exit status 2)."""
+
+    def __init__(self, where: str):
+        super().__init__(where)
+        self.where = where
+
+
+class _SummaryNode(dict):
+    """A JSON object of a summary read from disk that knows its place in the summary: a missing key
+    (``node[key]``, not ``node.get(key)``, which stays the way to read an optional key) raises
+    :class:`SummaryKeyError` naming the whole path, not a bare :class:`KeyError` naming the last key."""
+
+    def __init__(self, items: Any = (), where: str = ""):
+        super().__init__(items)
+        self.where = where
+
+    def __missing__(self, key: Any):
+        raise SummaryKeyError(f"{self.where}[{json.dumps(key)}]")
+
+
+def _located(value: Any, where: str = "") -> Any:
+    """``value`` (parsed JSON) with every object a :class:`_SummaryNode` that knows its place."""
+    if isinstance(value, dict):
+        return _SummaryNode({k: _located(v, f"{where}[{json.dumps(k)}]") for k, v in value.items()}, where)
+    if isinstance(value, list):
+        return [_located(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
 def _read_summary(path: Path, given: bool) -> dict[str, Any] | None:
     """The summary at ``path``: ``None`` when the default one does not exist yet (no records: the placeholder);
     a :class:`~geoopt_stiefel_attention._argtypes.UsageError` naming the file when one given with ``--summary``
-    does not exist, or when it is not a JSON object."""
+    does not exist, or when it is not a JSON object. Its objects say where they are: a key the README paragraph
+    needs and the file lacks raises :class:`SummaryKeyError` naming the key's path (:func:`main` says it in one
+    line)."""
     from geoopt_stiefel_attention._argtypes import UsageError
 
     if not path.exists():
@@ -772,14 +808,15 @@ def _read_summary(path: Path, given: bool) -> dict[str, Any] | None:
     if not isinstance(summary, dict):
         raise UsageError(f"--summary {path}: holds a JSON {type(summary).__name__}, not a summary object; rebuild it "
                          f"with python -m experiments lm --report-only --out {path.parent}.")
-    return summary
+    return _located(summary)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``readme [--check] [--summary PATH] [--readme PATH]``: write (or with ``--check`` only check) the README's
     controls paragraph from the study's ``summary.json`` (the placeholder while there is none). A missing or
-    unreadable file (the README, a summary given with ``--summary``, a corrupt summary) is one line naming it, exit
-    status 2; a README that disagrees with ``--check``: one line per problem, exit status 1."""
+    unreadable file (the README, a summary given with ``--summary``, a corrupt summary, a summary that lacks a key
+    the paragraph needs) is one line naming it (and the key), exit status 2, and changes nothing; a README that
+    disagrees with ``--check``: one line per problem, exit status 1."""
     from geoopt_stiefel_attention._argtypes import UsageError
     from geoopt_stiefel_attention.cli import run_command
 
@@ -794,17 +831,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parser.parse_args(argv)
 
     def run(a: argparse.Namespace) -> int:
-        summary = _read_summary(Path(a.summary or RECORDS / tuned.SUMMARY_FILE), given=a.summary is not None)
+        path = Path(a.summary or RECORDS / tuned.SUMMARY_FILE)
+        summary = _read_summary(path, given=a.summary is not None)
         readme = Path(a.readme)
         if not readme.is_file():
             raise UsageError(f"--readme {readme}: no such file; pass the README that holds the controls block.")
-        if a.check:
-            problems = readme_problems(readme.read_text(), summary)
-            for p in problems:
-                print(f"controls_report: {p}", file=sys.stderr)
-            return 1 if problems else 0
         try:
-            changed = write_readme(readme, summary)
+            if a.check:
+                problems = readme_problems(readme.read_text(), summary)
+                for p in problems:
+                    print(f"controls_report: {p}", file=sys.stderr)
+                return 1 if problems else 0
+            changed = write_readme(readme, summary)  # builds the whole block before it writes: nothing changes
+        except SummaryKeyError as err:
+            raise UsageError(f"--summary {path}: lacks the key {err.where} that the README paragraph needs; rebuild "
+                             f"it with python -m experiments lm --report-only --out {path.parent}.") from None
         except ValueError as err:  # the markers are missing
             raise UsageError(str(err)) from None
         print(f"controls_report: {a.readme} {'updated' if changed else 'already up to date'}")

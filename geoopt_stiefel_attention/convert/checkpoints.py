@@ -51,7 +51,9 @@ def _stock_to_frames(module: _QKWeight, weight: Tensor, key: str) -> tuple[dict[
     :math:`A_h \leftarrow A_h/\gamma_h` first; then :math:`A` itself when
     :math:`\max|A^\top A - I| \le` :data:`~geoopt_stiefel_attention._linalg.ORTHONORMALITY_TOLERANCE` of the
     frame's dtype (so the model's own state dict loads back bit for bit when there is no gain), else its polar
-    factor :math:`A(A^\top A)^{-1/2}`, and the head is listed as not representable.
+    factor :math:`A(A^\top A)^{-1/2}`, and the head is listed as not representable unless it is off by no more
+    than the tolerance of the weight's own, coarser dtype (a float32 checkpoint loaded into a float64 model: its
+    rounding, re-projected silently as by ``.double()``).
     """
     problems: list[str] = []
     out: dict[str, Tensor] = {}
@@ -77,18 +79,43 @@ def _stock_to_frames(module: _QKWeight, weight: Tensor, key: str) -> tuple[dict[
             blocks = blocks / gain.view(-1, 1, 1)
         blocks = blocks.to(frames.dtype)
         tol = ORTHONORMALITY_TOLERANCE.get(frames.dtype, 1e-4)
+        # a weight saved in a coarser dtype (a float32 checkpoint, a float64 model) is off by its rounding only
+        rounding = max(tol, ORTHONORMALITY_TOLERANCE.get(weight.dtype, tol))
         err = torch.stack([orthonormality_error(b) for b in blocks])
         off = err > tol
         if bool(off.any()):
             blocks = torch.where(off.view(-1, 1, 1), PolarStiefel().projx(blocks), blocks)
-            heads = off.nonzero().flatten().tolist()
+        bad = err > rounding
+        if bool(bad.any()):
+            heads = bad.nonzero().flatten().tolist()
             scaled = "scaled " if gain_param is not None else ""
             problems.append(f"{'query' if role == 'q' else 'key'} head(s) {heads} (max|A^T A - I| = "
-                            f"{float(err.max()):.3g} > {tol:g}: not {scaled}orthonormal)")
+                            f"{float(err.max()):.3g} > {rounding:g}: not {scaled}orthonormal)")
         out[f"0.{role}_frames"] = blocks.contiguous()
     if rest:
         out["original"] = torch.cat(rest, dim=module.dim).contiguous()
     return out, problems
+
+
+def _rounded_frames(given: Tensor, param: Tensor) -> Tensor:
+    """A frame entry of the parametrized form, ``given``, for the frame parameter ``param`` (loaded by a copy into
+    ``param``'s dtype): when ``given`` is of a coarser dtype (a float32 checkpoint, a float64 model), its heads off
+    the manifold in ``param``'s dtype by no more than the tolerance of ``given``'s dtype (its rounding) are replaced
+    by their polar factors in ``param``'s dtype, as by ``.double()``; other heads are kept as they are (a frame off
+    by more is refused by the training forward's frame check, as it always was)."""
+    target = param.dtype
+    tol = ORTHONORMALITY_TOLERANCE.get(target, 1e-4)
+    rounding = max(tol, ORTHONORMALITY_TOLERANCE.get(given.dtype, tol))
+    if (rounding == tol or not given.is_floating_point() or given.dim() < 2 or given.device.type == "meta"
+            or is_sharded(given) or tuple(given.shape) != tuple(param.shape)):
+        return given
+    cast = given.detach().to(target)
+    stack = cast.reshape(-1, *cast.shape[-2:])
+    err = torch.stack([orthonormality_error(b) for b in stack])
+    fix = (err > tol) & (err <= rounding)
+    if not bool(fix.any()):
+        return given
+    return torch.where(fix.view(-1, 1, 1), PolarStiefel().projx(stack), stack).view_as(cast)
 
 
 def _ours_on(owner: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -193,6 +220,11 @@ def _load_state_dict_pre_hook(owner: nn.Module, state_dict: dict, prefix: str, l
                 entries.pop("original", None)
             for name, tensor in entries.items():
                 state_dict[raw + name] = tensor
+        if not assign:  # frames of the parametrized form in a coarser dtype: re-projected in the model's dtype
+            for name, param in p.named_parameters():
+                given = state_dict.get(f"{raw}0.{name}")
+                if is_frame(param) and isinstance(given, Tensor):
+                    state_dict[f"{raw}0.{name}"] = _rounded_frames(given, param)
         if assign:  # load_state_dict(..., assign=True) installs the given tensors: keep frames on their manifold
             for name, param in p.named_parameters():
                 given = state_dict.get(f"{raw}0.{name}")
