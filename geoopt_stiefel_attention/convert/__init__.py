@@ -186,6 +186,7 @@ class _Piece:
     length: int
     d: int
     heads: int
+    groups: int = 1  # > 1: start/length are the range within each of `groups` equal groups (interleaved q|k|v)
 
 
 @dataclass
@@ -309,7 +310,9 @@ def _is_count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
-def _piece(module: nn.Module, block: Block, role: str) -> _Piece:
+def _piece(module: nn.Module, block: Block, role: str, where: tuple[int, int, int] | None = None) -> _Piece:
+    """The planned piece of one block; ``where`` is ``(start, length, groups)`` of an interleaved block (resolved
+    by :func:`_interleaved_grid`), ``None`` for a block located by its own ``part``/``parts`` or ``span``."""
     owner, attr = _owner(module, block.param)
     if parametrize.is_parametrized(owner, attr):
         raise _Refusal(f"{block.param} is already parametrized "
@@ -319,11 +322,15 @@ def _piece(module: nn.Module, block: Block, role: str) -> _Piece:
     if not isinstance(w, nn.Parameter) or not torch.is_floating_point(w):
         raise _Refusal(f"{block.param} is not a floating-point nn.Parameter ({type(w).__name__}, "
                        f"{getattr(w, 'dtype', None)}); quantized or buffer weights cannot hold frames")
-    try:
-        start, length = block.locate(w.shape[block.dim])
-    except ValueError as err:
-        raise _Refusal(str(err)) from None
-    return _Piece(role, owner, attr, block.dim, start, length, int(w.shape[1 - block.dim]), 0)
+    if where is not None:
+        start, length, groups = where
+    else:
+        try:
+            start, length = block.locate(w.shape[block.dim])
+        except ValueError as err:
+            raise _Refusal(str(err)) from None
+        groups = 1
+    return _Piece(role, owner, attr, block.dim, start, length, int(w.shape[1 - block.dim]), 0, groups)
 
 
 #: Parameter names of query/key biases kept apart from the projection weights (timm's BEiT/EVA attention).
@@ -339,16 +346,133 @@ def _split_bias(given: Block | None, block: Block, declared: Block) -> Block | N
     return Block(given.param, given.dim, span=block.span)
 
 
-def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str) -> _Site:
-    q_block, k_block, split = _fused_blocks(module, layout)
-    q = _piece(module, q_block, "q")
-    k = _piece(module, k_block, "k")
-    r = _head_dim(module, layout, q.length)
+def _interleaved_grid(module: nn.Module, layout: Layout) -> tuple[int, int, int]:
+    r"""``(H, H_kv, r)`` of a module whose layout's query/key blocks are interleaved (``Block(...,
+    interleaved=True)``), from what it declares (:data:`NUM_HEADS_ATTRS`, :data:`KV_HEADS_ATTRS` or
+    :data:`KV_GROUPS_ATTRS`, :data:`HEAD_DIM_ATTRS` or ``layout.head_dim``, on the module, then on its config)
+    and the width of the fused weight; :math:`H_{kv} = H` when it declares no key/value heads. Refused when
+    they cannot be told, or the weight is not :math:`H_{kv}(H/H_{kv} + \text{parts} - 1)\,r` wide, or the
+    query is not slice 0 of each group under grouped-query attention (:meth:`Block.locate_interleaved`)."""
+    qb, kb = layout.q, layout.k
+    w = _get(module, qb.param)
+    width = int(w.shape[qb.dim])
+    axis = "rows" if qb.dim == 0 else "columns"
+    heads, heads_at = _declared(module, NUM_HEADS_ATTRS)
+    r = _explicit_head_dim(module, layout)
+    if r is not None and not _is_count(r):
+        raise _Refusal(f"its head size is {r!r}, not a positive int")
+    kv, kv_at = _kv_heads(module, heads) if heads is not None else (None, None)
+    if heads is None:
+        if r is None or kv is not None or width % (qb.parts * r):
+            raise _Refusal(f"cannot tell how {qb.param} interleaves its heads (looked for an int attribute among "
+                           f"{NUM_HEADS_ATTRS} and {HEAD_DIM_ATTRS} on the module and its config); pass "
+                           f"targets=[Layout({layout.name!r}, q=..., k=..., head_dim=<int>)] on a module that "
+                           f"declares its number of heads")
+        heads, heads_at = width // (qb.parts * r), f"{width} {axis} / ({qb.parts} r)"
+    if kv is None:
+        kv, kv_at = heads, "as many key/value heads as query heads"
+    else:
+        kv_at = f"{kv_at}={kv}"
+    if heads % kv:
+        raise _Refusal(f"{heads_at}={heads} query heads cannot share {kv_at} key/value heads in equal groups")
+    slots = heads // kv + qb.parts - 1
+    if r is None:
+        if width % (kv * slots):
+            raise _Refusal(f"{qb.param} has {width} {axis}, not {kv} group(s) of {slots} heads of one size "
+                           f"({heads_at}={heads}, {kv_at}), so its query/key {axis} cannot be told apart")
+        r = width // (kv * slots)
+    if heads > kv and (qb.part != 0 or kb.part == 0):
+        raise _Refusal(f"under grouped-query attention ({heads_at}={heads}, {kv_at}) the query {axis} of each "
+                       f"key/value head's group are its slice 0 (the group's {heads // kv} query heads), but the "
+                       f"layout gives the query as part {qb.part} and the key as part {kb.part}")
+    try:
+        qb.locate_interleaved(width, heads, kv, int(r))
+    except ValueError as err:
+        raise _Refusal(f"{err} for the heads it declares ({heads_at}={heads}, {kv_at}), so its query/key {axis} "
+                       f"cannot be told apart") from None
+    return heads, kv, int(r)
+
+
+def _interleaved_tensors(model: nn.Module) -> dict[int, tuple[Tensor, str, nn.Module, Layout]]:
+    """``id(parameter) -> (parameter, path, module, layout)`` for the fused weight (and its bias) of every module
+    of ``model`` that a built-in interleaved layout (q|k|v per key/value head) matches and whose rows are not one
+    plain q|k|v (more than one group; a module whose heads cannot be told counts as interleaved)."""
+    found: dict[int, tuple[Tensor, str, nn.Module, Layout]] = {}
+    interleaved = [lay for lay in LAYOUTS if lay.q.interleaved]
+    for path, module in model.named_modules():
+        layout = _first_match(interleaved, module)
+        if layout is None:
+            continue
+        try:
+            if _interleaved_grid(module, layout)[1] == 1:
+                continue  # one group: [q | k | v], which a span or the declared-heads split reads correctly
+        except _Refusal:
+            pass
+        for block in (layout.q, layout.q.bias_block()):
+            try:
+                t = _get(module, block.param)
+            except AttributeError:
+                continue
+            if isinstance(t, nn.Parameter):  # a parametrized weight reads as a new tensor each time: not held
+                found[id(t)] = (t, path, module, layout)
+    return found
+
+
+def _refuse_slices_of_interleaved(module: nn.Module, layout: Layout, qk_bias: str,
+                                  interleaving: dict[int, tuple[Tensor, str, nn.Module, Layout]]) -> None:
+    """Refuse a block given as a range of the whole axis (``part``/``parts`` or ``span``) of a tensor that holds
+    q|k|v interleaved per head (:func:`_interleaved_tensors`): its equal slices are not the query/key rows."""
+    blocks = [("query", layout.q), ("key", layout.k)]
+    if qk_bias == "drop":
+        blocks += [("query bias", layout.q_bias or layout.q.bias_block()),
+                   ("key bias", layout.k_bias or layout.k.bias_block())]
+    for role, block in blocks:
+        if block.interleaved:
+            continue
+        try:
+            t = _get(module, block.param)
+        except AttributeError:
+            continue
+        held = interleaving.get(id(t))
+        if held is None or held[0] is not t:
+            continue
+        _, where, owner, builtin = held
+        raise _Refusal(
+            f"its {role} block {block.describe()} reads a range of the whole axis, while {block.param} holds "
+            f"q|k|v interleaved per head ({type(owner).__name__} at {_where(where)}, built-in layout {builtin.name!r}: "
+            f"q = {builtin.q.describe()}, k = {builtin.k.describe()}), so those are not its {role} rows and the "
+            f"conversion would be silently wrong; leave the module to the built-in table (targets='auto', or "
+            f"targets=(*LAYOUTS, ...)), or describe the interleave: Block({block.param!r}, {block.dim}, part, 3, "
+            f"interleaved=True) with part 0 for the query and 1 for the key")
+
+
+def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str,
+          interleaving: dict[int, tuple[Tensor, str, nn.Module, Layout]] | None = None) -> _Site:
+    _refuse_slices_of_interleaved(module, layout, qk_bias, interleaving or {})
+    grid = None
+    if layout.q.interleaved:  # q|k|v per key/value head: ranges within each group (Layout checks k is too)
+        grid = _interleaved_grid(module, layout)
+        width = int(_get(module, layout.q.param).shape[layout.q.dim])
+        q_block, k_block = layout.q, layout.k
+        q = _piece(module, q_block, "q", q_block.locate_interleaved(width, *grid))
+        k = _piece(module, k_block, "k", k_block.locate_interleaved(width, *grid))
+        heads, kv, r = grid
+        n = heads // kv
+        if (q_block.part, k_block.part, q_block.parts) == (0, 1, 3):  # the result's layout says which form
+            split = (" (q|k|v per head)" if n == 1 else f" (one group: q of {heads} heads | k | v)" if kv == 1
+                     else f" (per key/value head: its {n} query heads | k | v)")
+        else:
+            split = f" ({kv} groups of {n + q_block.parts - 1} heads: q part {q_block.part}, k part {k_block.part})"
+    else:
+        q_block, k_block, split = _fused_blocks(module, layout)
+        q = _piece(module, q_block, "q")
+        k = _piece(module, k_block, "k")
+        r = _head_dim(module, layout, q.length)
     for p, block in ((q, q_block), (k, k_block)):
         if p.length % r:
             raise _Refusal(f"{block.param}: {p.length} {'query' if p.role == 'q' else 'key'} features are not "
                            f"a whole number of heads of size {r}")
-        p.heads = p.length // r
+        p.heads = p.groups * p.length // r
         if r > p.d:
             raise _Refusal(f"a frame in St({p.d}, {r}) cannot exist: the head size {r} exceeds the input width "
                            f"{p.d} of {block.param}")
@@ -373,11 +497,17 @@ def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str) -> _Site:
             if b.dim() != 1:
                 raise _Refusal(f"{block.param} has shape {tuple(b.shape)}; a bias is 1-D")
             try:
-                start, length = block.locate(b.shape[0])
+                if block.interleaved:  # the same range in every key/value head's group
+                    if grid is None:
+                        raise ValueError(f"{block.param}: an interleaved bias needs interleaved weight blocks")
+                    start, length, groups = block.locate_interleaved(b.shape[0], *grid)
+                else:
+                    (start, length), groups = block.locate(b.shape[0]), 1
             except ValueError as err:
                 raise _Refusal(str(err)) from None
             owner, attr = _owner(module, block.param)
-            spans.append((owner, attr, start, length))
+            step = b.shape[0] // groups
+            spans += [(owner, attr, g * step + start, length) for g in range(groups)]
     return _Site(path, module, layout, r, q, k, spans, split)
 
 
@@ -499,7 +629,9 @@ def stiefelize(
         also inside ``nn.Transformer*`` and torchvision's ViT; ``q_proj``/``k_proj`` Linears as in Llama,
         Mistral, Qwen, OPT; ``query``/``key`` Linears as in BERT, RoBERTa, HF ViT; a fused ``qkv`` as in timm,
         split by the module's declared heads under grouped-query attention (HF EXAONE 4.5's vision tower);
-        GPT-2's ``c_attn`` and cross-attention ``q_attn`` + ``c_attn``). A sequence of :class:`Layout`
+        GPT-2's ``c_attn`` and cross-attention ``q_attn`` + ``c_attn``; the fused ``query_key_value`` of HF
+        GPT-NeoX (Pythia), GPT-NeoX-Japanese, Bloom, Persimmon and Falcon in its three forms, whose q|k|v rows are
+        interleaved per key/value head, read by ``Block(..., interleaved=True)``). A sequence of :class:`Layout`
         replaces the table (extend it with ``(*LAYOUTS, Layout(...))``). A callable
         ``targets(path, module)`` is asked about every module and returns a :class:`Layout` (convert with
         it), ``True`` (convert with the built-in layout that matches) or ``None``/``False`` (leave it).
@@ -568,7 +700,10 @@ def stiefelize(
         attention-like module that cannot be converted (the message says why and what to pass); the model
         is then unchanged. A query/key weight (or, with ``qk_bias="drop"``, bias) that is one Parameter held by
         several modules (tied weights) cannot be converted: the
-        message names every place it is held; untie them first.
+        message names every place it is held; untie them first. A layout that reads the fused weight of a module
+        that interleaves q|k|v per head (one the built-in "interleaved query_key_value" layout matches) as ranges
+        of the whole axis (``part``/``parts`` or ``span``, without ``interleaved=True``) is refused: those rows
+        are not its query and key rows.
 
     Examples
     --------
@@ -603,6 +738,7 @@ def stiefelize(
 
     sites: list[_Site] = []
     problems: list[tuple[str, str]] = []
+    interleaving = _interleaved_tensors(model)  # fused weights whose equal slices are not q and k (refused)
     for path, module in model.named_modules():
         if any(_under(path, s.path) for s in sites):
             continue
@@ -629,7 +765,7 @@ def stiefelize(
         if layout is None:
             continue
         try:
-            sites.append(_plan(path, module, layout, qk_bias))
+            sites.append(_plan(path, module, layout, qk_bias, interleaving))
         except _Refusal as err:
             problems.append((path, f"{type(module).__name__} matches layout {layout.name!r} but {err}"))
     sites, tied = _tied(model, sites)
@@ -749,10 +885,10 @@ def _saved_gain(site: _Site) -> Tensor | None:
         return None
     tol = ORTHONORMALITY_TOLERANCE.get(wq.dtype, 1e-4)
     with torch.no_grad():
-        keys = _frames_from(wk, k.dim, k.start, k.length, r).double()
+        keys = _frames_from(wk, k.dim, k.start, k.length, r, k.groups).double()
         if not float(orthonormality_error(keys)) <= ORTHONORMALITY_TOLERANCE.get(wk.dtype, 1e-4):
             return None
-        blocks = _frames_from(wq, q.dim, q.start, q.length, r).double()
+        blocks = _frames_from(wq, q.dim, q.start, q.length, r, q.groups).double()
         gain = blocks.flatten(1).norm(dim=1) / math.sqrt(r)
         if not (bool(torch.isfinite(gain).all()) and bool((gain > 0).all())):
             return None
@@ -775,8 +911,8 @@ def _initial_gain(site: _Site, logit_gain: str | None, saved: Tensor | None = No
     with torch.no_grad():
         if logit_gain == "learn":
             return saved if saved is not None else torch.ones(q.heads, dtype=wq.dtype, device=wq.device)
-        rms_q = _frames_from(wq, q.dim, q.start, q.length, r).flatten(1).norm(dim=1) / math.sqrt(r)
-        rms_k = _frames_from(wk, k.dim, k.start, k.length, r).flatten(1).norm(dim=1) / math.sqrt(r)
+        rms_q = _frames_from(wq, q.dim, q.start, q.length, r, q.groups).flatten(1).norm(dim=1) / math.sqrt(r)
+        rms_k = _frames_from(wk, k.dim, k.start, k.length, r, k.groups).flatten(1).norm(dim=1) / math.sqrt(r)
         gain = rms_q * rms_k.repeat_interleave(q.heads // k.heads)
     bad = [h for h, g in enumerate(gain.tolist()) if not (math.isfinite(g) and g > 0)]
     if bad:
@@ -801,7 +937,8 @@ def _apply(site: _Site, logit_gain: str | None, gain_rate: float, gain: Tensor |
         inner = next((n for n, m in site.module.named_modules() if m is owner), "")
         label = ".".join(x for x in (site.path, inner, attr) if x)  # the weight's path in the model
         parametrize.register_parametrization(owner, attr, _QKWeight(weight, pieces[0].dim, specs, gain_rate,
-                                                                    label=label), unsafe=True)
+                                                                    label=label, groups=pieces[0].groups),
+                                             unsafe=True)
         owner.parametrizations[attr][0].__dict__["_registered"] = True  # later right_inverse calls are assignments
         if _is_torch_mha(owner):  # its forward reads the weight three times: build it once per model forward
             owner.parametrizations[attr][0].__dict__["_reread"] = True

@@ -26,6 +26,7 @@ from .parametrization import (
     _frames_from,
     _owner,
     _QKWeight,
+    _rest_of,
     _unwatch_model,
     _ZeroQKBias,
 )
@@ -57,15 +58,14 @@ def _stock_to_frames(module: _QKWeight, weight: Tensor, key: str) -> tuple[dict[
     """
     problems: list[str] = []
     out: dict[str, Tensor] = {}
-    rest = []
+    groups = module.groups  # > 1: the segments repeat in each key/value head's group (q|k|v interleaved)
     for role, start, length in module.segments:
         if role == "rest":
-            rest.append(weight.narrow(module.dim, start, length))
             continue
         frames = getattr(module, f"{role}_frames")
         ct = torch.promote_types(weight.dtype, frames.dtype)
         blocks = _frames_from(weight.to(device=frames.device, dtype=ct), module.dim, start, length,
-                              frames.shape[-1])
+                              frames.shape[-1], groups)
         r = blocks.shape[-1]
         gain_param = getattr(module, "q_log_gain", None) if role == "q" else None
         if gain_param is not None:
@@ -92,8 +92,9 @@ def _stock_to_frames(module: _QKWeight, weight: Tensor, key: str) -> tuple[dict[
             problems.append(f"{'query' if role == 'q' else 'key'} head(s) {heads} (max|A^T A - I| = "
                             f"{float(err.max()):.3g} > {rounding:g}: not {scaled}orthonormal)")
         out[f"0.{role}_frames"] = blocks.contiguous()
-    if rest:
-        out["original"] = torch.cat(rest, dim=module.dim).contiguous()
+    rest = _rest_of(weight, module.dim, module.segments, groups)
+    if rest is not None:
+        out["original"] = rest
     return out, problems
 
 

@@ -27,7 +27,7 @@ KV_GROUPS_ATTRS = ("num_key_value_groups",)
 # ---------------------------------------------------------------------------------------------- the table
 @dataclass(frozen=True)
 class Block:
-    """Where one projection (query or key) lives inside an attention module.
+    r"""Where one projection (query or key) lives inside an attention module.
 
     Parameters
     ----------
@@ -46,6 +46,29 @@ class Block:
     span : (int, int), optional
         An explicit ``(start, stop)`` range along ``dim`` instead of ``part``/``parts``, for fused projections
         with unequal blocks (a fused q|k|v weight under grouped-query attention).
+    interleaved : bool, default False
+        The slices repeat once per key/value head instead of once per weight: the axis is :math:`H_{kv}`
+        consecutive groups, one per key/value head, and ``part`` is the slice of *each group* (``part=1,
+        parts=3``: the key rows of every group of a q|k|v interleave). Slice 0 of group :math:`g` holds the
+        rows of the :math:`n = H/H_{kv}` query heads that share key head :math:`g`, every other slice one head,
+        so a group is :math:`(n + \text{parts} - 1)\,r` rows wide, and, for ``dim=0``, with
+        :math:`L = (n + \text{parts} - 1)\,r`:
+
+        .. math::
+
+            \text{query head } h = g n + i:\ \text{rows } gL + i r \,:\, gL + (i + 1) r, \qquad
+            \text{slice } j \ge 1 \text{ of group } g:\ \text{rows } gL + (n + j - 1) r \,:\, gL + (n + j) r.
+
+        Without grouped-query attention (:math:`n = 1`, :math:`H_{kv} = H`) the rows of head :math:`h` are
+        :math:`[q_h, k_h, v_h]`, :math:`r` each, at :math:`3hr`: HF GPT-NeoX (Pythia), Bloom, Persimmon,
+        GPT-NeoX-Japanese and Falcon's original layout; with :math:`1 < H_{kv} < H`, Falcon's
+        ``new_decoder_architecture``; with :math:`H_{kv} = 1` the plain ``[q | k | v]`` of Falcon's
+        ``multi_query``. :math:`H`, :math:`H_{kv}` and :math:`r` are read from the module when it is converted
+        (:data:`NUM_HEADS_ATTRS`, :data:`KV_HEADS_ATTRS`, :data:`HEAD_DIM_ATTRS`; :math:`H_{kv} = H` when none is
+        declared), and a weight of another width is refused. Reading such a weight as equal slices of the whole
+        axis (``part``/``parts`` without ``interleaved``, or a ``span``) takes query rows of some heads for the
+        keys of others: :func:`~geoopt_stiefel_attention.stiefelize` refuses that for the modules of the
+        built-in table that interleave.
     """
 
     param: str
@@ -53,6 +76,7 @@ class Block:
     part: int = 0
     parts: int = 1
     span: tuple[int, int] | None = None
+    interleaved: bool = False
 
     def __post_init__(self) -> None:
         if self.dim not in (0, 1):
@@ -69,9 +93,17 @@ class Block:
             raise ValueError(f"Block: span={self.span!r} and part={self.part!r}, parts={self.parts!r} both say "
                              f"where the block is; pass either span (an explicit range) or part/parts (equal "
                              f"slices), not both.")
+        if not isinstance(self.interleaved, bool):
+            raise ValueError(f"Block: interleaved={self.interleaved!r} is invalid; pass True or False.")
+        if self.interleaved and (self.span is not None or self.parts < 2):
+            raise ValueError(f"Block: interleaved=True names a slice of every key/value head's group of rows, "
+                             f"given as part/parts with parts >= 2 (part=0, parts=3: the query slice of a q|k|v "
+                             f"interleave); got part={self.part!r}, parts={self.parts!r}, span={self.span!r}.")
 
     def locate(self, width: int) -> tuple[int, int]:
         """``(start, length)`` of this block in a tensor with ``width`` entries along ``dim``."""
+        if self.interleaved:
+            raise ValueError(f"{self.param}: an interleaved block is not one range; use locate_interleaved")
         if self.span is not None:
             if self.span[1] > width:
                 raise ValueError(f"{self.param} has {width} output features, fewer than span={self.span}")
@@ -82,14 +114,41 @@ class Block:
         length = width // self.parts
         return self.part * length, length
 
+    def locate_interleaved(self, width: int, heads: int, kv_heads: int, r: int) -> tuple[int, int, int]:
+        r"""``(start, length, groups)`` of an interleaved block (``interleaved=True``) in a tensor with ``width``
+        entries along ``dim``, for ``heads`` query heads, ``kv_heads`` key/value heads of size ``r``: the
+        block is entries ``start : start + length`` of each of the ``groups`` (:math:`= H_{kv}`) equal
+        consecutive groups, group by group (its head :math:`g\,m + j`, with :math:`m = \text{length}/r`, is
+        entries :math:`gL + \text{start} + jr` to :math:`+ r`, :math:`L = \text{width}/\text{groups}`).
+
+        Raises
+        ------
+        ValueError
+            When ``heads`` is not a multiple of ``kv_heads``, or ``width`` is not
+            :math:`H_{kv}\,(H/H_{kv} + \text{parts} - 1)\,r`.
+        """
+        if heads % kv_heads:
+            raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads in equal groups")
+        n = heads // kv_heads
+        slots = n + self.parts - 1
+        if width != kv_heads * slots * r:
+            raise ValueError(f"{self.param} has {width} output features, not {kv_heads} group(s) of {n} query "
+                             f"head(s) and {self.parts - 1} more head(s) of size {r} ({kv_heads * slots * r}: "
+                             f"H_kv (H/H_kv + {self.parts - 1}) r)")
+        if self.part == 0:
+            return 0, n * r, kv_heads
+        return (n + self.part - 1) * r, r, kv_heads
+
     def bias_block(self) -> Block:
         """Where the matching bias lives by default: the same slice of ``q_proj.bias`` / ``in_proj_bias``."""
         head, _, last = self.param.rpartition(".")
         name = "bias" if last == "weight" else last.replace("weight", "bias")
-        return Block(f"{head}.{name}" if head else name, 0, self.part, self.parts, self.span)
+        return Block(f"{head}.{name}" if head else name, 0, self.part, self.parts, self.span, self.interleaved)
 
     def describe(self) -> str:
         axis = "rows" if self.dim == 0 else "columns"
+        if self.interleaved:
+            return f"{self.param} ({axis} part {self.part + 1}/{self.parts} of each key/value head's group)"
         if self.span is not None:
             where = f"{axis} {self.span[0]}:{self.span[1]}"
         else:
@@ -153,6 +212,16 @@ class Layout:
     q_bias: Block | None = None
     k_bias: Block | None = None
 
+    def __post_init__(self) -> None:
+        q, k = self.q, self.k
+        if (q.interleaved or k.interleaved) and not (
+                q.param == k.param and q.interleaved and k.interleaved and q.dim == k.dim and q.parts == k.parts
+                and q.part != k.part):
+            raise ValueError(f"Layout {self.name!r}: an interleaved query or key block is two different slices of "
+                             f"one weight's key/value-head groups: pass q and k as Block(param, dim, part, parts, "
+                             f"interleaved=True) with the same param, dim and parts and different parts (e.g. "
+                             f"part=0 and part=1 of parts=3); got q={q}, k={k}.")
+
     def matches(self, module: nn.Module) -> bool:
         """Whether ``module`` has this layout: both parameters exist and ``when`` (if any) holds."""
         for block in (self.q, self.k):
@@ -172,6 +241,22 @@ def _is_torch_mha(m: nn.Module) -> bool:
     return isinstance(m, nn.MultiheadAttention)
 
 
+#: HF transformers attention classes whose fused ``query_key_value`` Linear holds q|k|v interleaved per key/value
+#: head, as their forwards split it: ``view(..., H, 3 * r)`` then thirds of the last axis (GPT-NeoX,
+#: GPT-NeoX-Japanese), ``view(..., H, 3, r)`` (Bloom, Persimmon), and Falcon's three forms: ``unflatten(-2, (H, 3))``
+#: (original), ``view(..., H_kv, -1, r)`` with each group's query heads, then its key, then its value
+#: (``new_decoder_architecture``), ``split([H, 1, 1])`` (``multi_query``: one group). In every case group ``g`` of
+#: the module's own ``num_kv_heads`` (``H`` where it declares none) is ``[its H/H_kv query heads, k_g, v_g]``.
+INTERLEAVED_QKV_CLASSES = ("GPTNeoXAttention", "GPTNeoXJapaneseAttention", "BloomAttention", "PersimmonAttention",
+                           "FalconAttention")
+
+
+def _is_class(m: nn.Module, names: Sequence[str]) -> bool:
+    """Whether ``m``'s class, or a class it derives from, is named one of ``names`` (the libraries that define
+    them are not imported)."""
+    return any(c.__name__ in names for c in type(m).__mro__)
+
+
 #: The built-in layouts, tried in this order; the first that matches a module converts it.
 LAYOUTS: tuple[Layout, ...] = (
     Layout("torch MultiheadAttention", Block("in_proj_weight", 0, 0, 3), Block("in_proj_weight", 0, 1, 3),
@@ -189,4 +274,10 @@ LAYOUTS: tuple[Layout, ...] = (
            when=lambda m: _children_are(m, ("c_attn",), _is_conv1d) and getattr(m, "q_attn", None) is None),
     Layout("GPT-2 cross-attention q_attn + c_attn Conv1D", Block("q_attn.weight", 1), Block("c_attn.weight", 1, 0, 2),
            when=lambda m: _children_are(m, ("q_attn", "c_attn"), _is_conv1d)),
+    # q|k|v interleaved per key/value head (Block(..., interleaved=True)): H_kv = H, the rows of head h are
+    # [q_h, k_h, v_h]; Falcon's new decoder architecture: per key/value head g, its H/H_kv query heads, k_g, v_g;
+    # Falcon's multi-query: one group, [q_1..q_H, k, v]
+    Layout("interleaved query_key_value", Block("query_key_value.weight", 0, 0, 3, interleaved=True),
+           Block("query_key_value.weight", 0, 1, 3, interleaved=True),
+           when=lambda m: _is_class(m, INTERLEAVED_QKV_CLASSES) and _children_are(m, ("query_key_value",), _is_linear)),
 )

@@ -31,12 +31,36 @@ def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(owner_path) if owner_path else module), attr
 
 
-def _frames_from(w: Tensor, dim: int, start: int, length: int, r: int) -> Tensor:
-    """The ``(heads, d, r)`` blocks of rows/columns ``start:start+length`` of ``w`` (head ``h``: ``h*r:(h+1)*r``)."""
+def _frames_from(w: Tensor, dim: int, start: int, length: int, r: int, groups: int = 1) -> Tensor:
+    """The ``(heads, d, r)`` blocks of rows/columns ``start:start+length`` of ``w`` (head ``h``: ``h*r:(h+1)*r``).
+
+    With ``groups > 1`` the axis is ``groups`` equal consecutive groups of ``L = w.shape[dim] / groups``
+    entries (an interleaved :class:`~geoopt_stiefel_attention.Block`), ``start:start+length`` is the range within
+    each group, and the heads come group by group: head ``g * (length // r) + j`` is entries
+    ``g*L + start + j*r : g*L + start + (j+1)*r``."""
+    if groups > 1:
+        grouped = w.detach().unflatten(dim, (groups, -1)).narrow(dim + 1, start, length)
+        if dim == 0:  # (G, length, d) -> (G * length/r, r, d) -> (heads, d, r)
+            return grouped.reshape(groups * (length // r), r, -1).transpose(1, 2)
+        return grouped.reshape(grouped.shape[0], groups * (length // r), r).permute(1, 0, 2)  # (d, G, length)
     block = w.detach().narrow(dim, start, length)
     if dim == 0:  # (H*r, d): head h rows are its (r, d) block, the frame is its transpose
         return block.reshape(length // r, r, -1).transpose(1, 2)
     return block.reshape(block.shape[0], length // r, r).permute(1, 0, 2)  # (d, H*r) -> (H, d, r)
+
+
+def _rest_of(weight: Tensor, dim: int, segments: tuple[tuple[str, int, int], ...], groups: int = 1) -> Tensor | None:
+    """The ``rest`` segments of ``weight`` (neither query nor key), concatenated in order along ``dim``: with
+    ``groups > 1`` the segments are ranges within each of the ``groups`` equal groups, and the result holds
+    them group by group (``(groups * rest_per_group, d)`` for ``dim=0``). ``None`` when there is no rest."""
+    spans = [(s, n) for role, s, n in segments if role == "rest"]
+    if not spans:
+        return None
+    if groups > 1:
+        grouped = weight.unflatten(dim, (groups, -1))
+        rest = [grouped.narrow(dim + 1, s, n) for s, n in spans]
+        return (torch.cat(rest, dim=dim + 1) if len(rest) > 1 else rest[0]).flatten(dim, dim + 1).contiguous()
+    return torch.cat([weight.narrow(dim, s, n) for s, n in spans], dim=dim).contiguous()
 
 
 class _QKWeight(nn.Module):
@@ -47,12 +71,21 @@ class _QKWeight(nn.Module):
     frames ``q_frames``/``k_frames`` are ``(heads, d, r)`` :class:`geoopt.ManifoldParameter` s; the query
     log-gain ``q_log_gain`` (``(heads,)``, optional) scales head ``h``'s rows by
     :math:`\\exp(\\text{rate}\\,\\theta_h)`.
+
+    With ``groups > 1`` (an interleaved :class:`~geoopt_stiefel_attention.Block`: q|k|v per key/value head) the
+    axis is ``groups`` equal consecutive groups, the segments are ranges within every group, each role's frames
+    come group by group (:func:`_frames_from`), and ``original`` holds the rest group by group (the value rows
+    of head 0, then of head 1, ...).
     """
 
+    #: one group: the segments are ranges of the whole axis (also for modules pickled before groups existed)
+    groups = 1
+
     def __init__(self, weight: Tensor, dim: int, pieces: list[dict[str, Any]], gain_rate: float,
-                 label: str = "converted weight") -> None:
+                 label: str = "converted weight", groups: int = 1) -> None:
         super().__init__()
         self.dim = dim
+        self.groups = int(groups)
         self.label = label  # where the weight lives, for the frame check's message
         self.gain_rate = float(gain_rate)
         manifold = PolarStiefel()
@@ -63,15 +96,21 @@ class _QKWeight(nn.Module):
             segments.append((piece["role"], piece["start"], piece["length"]))
             cursor = piece["start"] + piece["length"]
             with torch.no_grad():
-                frames = manifold.projx(_frames_from(weight, dim, piece["start"], piece["length"], piece["r"]))
+                frames = manifold.projx(_frames_from(weight, dim, piece["start"], piece["length"], piece["r"],
+                                                     self.groups))
             setattr(self, f"{piece['role']}_frames",
                     geoopt.ManifoldParameter(frames.contiguous(), manifold=manifold,
                                              requires_grad=weight.requires_grad))
             if piece.get("gain") is not None:  # trained, or frozen, with the weight it scales
                 self.q_log_gain = nn.Parameter(piece["gain"].log() / self.gain_rate,
                                                requires_grad=weight.requires_grad)
-        if cursor < weight.shape[dim]:
-            segments.append(("rest", cursor, weight.shape[dim] - cursor))
+        width = weight.shape[dim] // self.groups  # of the whole axis, or of one group
+        if weight.shape[dim] % self.groups or any(p["length"] % p["r"] for p in pieces) or (
+                self.groups > 1 and width % pieces[0]["r"]):
+            raise ValueError(f"{label}: {weight.shape[dim]} features are not {self.groups} equal groups of whole "
+                             f"heads")
+        if cursor < width:
+            segments.append(("rest", cursor, width - cursor))
         self.segments = tuple(segments)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _QKWeight:
@@ -135,6 +174,8 @@ class _QKWeight(nn.Module):
         r = self._head_width()
         if r is None:
             return self._build_by_rows(rest)
+        if self.groups > 1:
+            return self._build_grouped(rest, r)
         parts, offset = [], 0
         for role, _start, length in self.segments:
             if role == "rest":
@@ -151,8 +192,40 @@ class _QKWeight(nn.Module):
             return torch.cat(parts, dim=1).flatten(1) if len(parts) > 1 else parts[0].reshape(parts[0].shape[0], -1)
         return torch.cat(parts, dim=0).flatten(0, 1) if len(parts) > 1 else parts[0].reshape(-1, parts[0].shape[-1])
 
+    def _build_grouped(self, rest: Tensor, r: int) -> Tensor:
+        """:meth:`_build` of an interleaved weight (``groups > 1``): the ``(G, heads per group, r, d)`` views of
+        every segment (``(d, G, heads per group, r)`` along ``dim=1``) laid side by side by one ``torch.cat``
+        along the heads of a group, so that group ``g`` is ``[its query heads, its key head, its value head]``."""
+        g, dim = self.groups, self.dim
+        grouped = rest.unflatten(dim, (g, -1)) if rest.shape[dim] else None
+        parts, offset = [], 0
+        for role, _start, length in self.segments:
+            if role == "rest":
+                block = grouped.narrow(dim + 1, offset, length)
+                offset += length
+                parts.append(block.unflatten(dim + 1, (length // r, r)))  # (G, m, r, d) or (d, G, m, r)
+            else:
+                frames = self._rows(role)  # (G*m, d, r), group by group
+                parts.append(frames.transpose(1, 2).unflatten(0, (g, -1)) if dim == 0
+                             else frames.permute(1, 0, 2).unflatten(1, (g, -1)))
+        return torch.cat(parts, dim=dim + 1).flatten(dim, dim + 2)
+
     def _build_by_rows(self, rest: Tensor) -> Tensor:
-        """The weight segment by segment (any segment widths)."""
+        """The weight segment by segment (any segment widths; with ``groups > 1``, group by group)."""
+        if self.groups > 1:
+            g, dim = self.groups, self.dim
+            grouped = rest.unflatten(dim, (g, -1)) if rest.shape[dim] else None
+            parts, offset = [], 0
+            for role, _start, length in self.segments:
+                if role == "rest":
+                    parts.append(grouped.narrow(dim + 1, offset, length))
+                    offset += length
+                else:
+                    frames = self._rows(role)
+                    h, d, r = frames.shape
+                    parts.append(frames.transpose(1, 2).reshape(g, (h // g) * r, d) if dim == 0
+                                 else frames.permute(1, 0, 2).reshape(d, g, (h // g) * r))
+            return torch.cat(parts, dim=dim + 1).flatten(dim, dim + 1)
         parts, offset = [], 0
         for role, _start, length in self.segments:
             if role == "rest":
@@ -178,14 +251,12 @@ class _QKWeight(nn.Module):
                 if role != "rest":
                     frames = getattr(self, f"{role}_frames")
                     r = frames.shape[-1]
-                    frames.copy_(manifold.projx(_frames_from(weight, self.dim, start, length, r)))
-        rest = [weight.narrow(self.dim, s, n) for role, s, n in self.segments if role == "rest"]
-        if not rest:
+                    frames.copy_(manifold.projx(_frames_from(weight, self.dim, start, length, r, self.groups)))
+        out = _rest_of(weight, self.dim, self.segments, self.groups)
+        if out is None:
             shape = list(weight.shape)
             shape[self.dim] = 0
             out = weight.new_empty(shape)
-        else:
-            out = torch.cat(rest, dim=self.dim).contiguous()
         if self.__dict__.get("_registered", False):  # an assignment, not the call register_parametrization makes
             with torch.no_grad():
                 reads = self._build(out.to(weight.dtype))
@@ -200,7 +271,8 @@ class _QKWeight(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{role}[{s}:{s + n}]" for role, s, n in self.segments) + f", dim={self.dim}"
+        groups = f", per group of {self.groups}" if self.groups > 1 else ""
+        return ", ".join(f"{role}[{s}:{s + n}]" for role, s, n in self.segments) + f"{groups}, dim={self.dim}"
 
 
 class _ZeroQKBias(nn.Module):
