@@ -772,8 +772,24 @@ def test_the_compiled_step_figures_in_the_benchmarks_readme_are_the_committed_re
     quoted = (f"eager {ratio['eager']:.2f}, capturable {ratio['capturable']:.2f}, "
               f"compiled **{ratio['compiled']:.2f}** x floor")
     assert quoted in " ".join(para.split())
-    top = " ".join((root / "README.md").read_text().split())  # the top README quotes two of them
-    assert f"compiled {ratio['compiled']:.2f}×, capturable {ratio['capturable']:.2f}×" in top
+
+
+def test_the_compiled_cpu_plan_figures_in_the_readmes_are_the_committed_results():
+    """benchmarks/README.md and the top README quote results/paths_compiled_cpu_plan{,_run2}.json (issue 40)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    runs = [json.loads((root / "benchmarks" / "results" / f"paths_compiled_cpu_plan{tail}.json").read_text())
+            ["results"][0]["floor_ratio"] for tail in ("", "_run2")]
+    text = " ".join((root / "benchmarks" / "README.md").read_text().split())
+    para = text[text.index("**The compiled CPU step plans its retraction like eager (issue 40).**"):]
+    quoted = "; ".join(f"eager {r['eager']:.2f}, capturable {r['capturable']:.2f}, compiled **{r['compiled']:.2f}**"
+                       for r in runs)
+    assert quoted + " x floor" in para
+    top = " ".join((root / "README.md").read_text().split())
+    first, second = runs
+    assert (f"compiled {first['compiled']:.2f}× and {second['compiled']:.2f}×, eager {first['eager']:.2f}× and "
+            f"{second['eager']:.2f}× in the same two runs") in top
 
 
 @pytest.mark.parametrize("command", [["demo"], ["certify"], ["bench", "step"]])

@@ -18,6 +18,7 @@ import torch
 from conftest import ORTHO_TOL_F64, tiny_transformer
 
 from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, StiefelMuon, param_groups, stiefel_adam_update
+from geoopt_stiefel_attention import _linalg as _linalg_module
 from geoopt_stiefel_attention._linalg import orthonormality_error
 
 KERNEL_TOL = 1e-11  # float64: fused kernel vs stiefel_adam_update after 120 steps (frames, moments)
@@ -907,6 +908,43 @@ def test_compiled_capturable_step_matches_eager_for_100_steps_aot_eager():
 @pytest.mark.slow
 def test_compiled_capturable_step_matches_eager_for_100_steps_inductor():
     assert _compiled_vs_eager("inductor") < COMPILE_STEP_TOL
+
+
+_PLANNED = _linalg_module.inv_sqrt_planned  # the real one, whatever a test has patched since
+
+
+def _planned_bounds(monkeypatch, compiled, capturable):
+    """The squared bounds the retraction was planned for in two steps of frames at lr 2e-2 (trust radius 1 under
+    the default rule: a radius of a frame's own size)."""
+    bounds = []
+
+    def spy(gram, radius_sq, plan):
+        bounds.append(radius_sq)
+        return _PLANNED(gram, radius_sq, plan)
+
+    monkeypatch.setattr(_linalg_module, "inv_sqrt_planned", spy)
+    params, grads = _capturable_setup(dtype=torch.float32)
+    torch._dynamo.reset()
+    try:
+        step_fn = (lambda opt: torch.compile(opt.step, backend="aot_eager", fullgraph=True)) if compiled else None
+        _run_frames(params, grads[:2], 2, step_fn=step_fn, capturable=capturable)
+    finally:
+        torch._dynamo.reset()
+    return bounds
+
+
+def test_the_compiled_step_on_the_cpu_plans_its_retraction_for_the_step_taken(monkeypatch):
+    """Issue 40: Dynamo traces the optimizer as capturable, but the frame update is one operator that runs eagerly
+    inside the compiled graph; on the CPU it reads the step it took and plans the retraction for it, as the default
+    eager step does (a bound far below the trust radius's 1**2), so the compiled step costs what eager does.
+    Companion: eager with capturable=True plans for the radius."""
+    radius_sq = 1.0**2
+    compiled = _planned_bounds(monkeypatch, compiled=True, capturable=None)
+    eager = _planned_bounds(monkeypatch, compiled=False, capturable=None)
+    assert compiled and len(compiled) == len(eager)
+    assert max(compiled) < radius_sq / 4
+    assert compiled == pytest.approx(eager, rel=1e-3)  # the same steps up to float32 bias corrections
+    assert all(b >= radius_sq for b in _planned_bounds(monkeypatch, compiled=False, capturable=True))
 
 
 def _train_steps(compile_backend, steps=5):

@@ -68,6 +68,8 @@ def _frame_update_(
     Returns the boolean ``(n, 1, 1)`` mask of updated frames.
     """
     on_host = w.device.type in _linalg.HOST_READ_DEVICES and not capturable  # may values be read on the host?
+    if on_host and isinstance(step, torch.Tensor) and step.numel() == 1:  # compiled on the CPU (frame_update_)
+        step = int(step)  # bias corrections in Python floats, as the default eager step computes them
     row_major = w.is_contiguous()
 
     def stored(t: torch.Tensor) -> torch.Tensor:
@@ -171,12 +173,21 @@ def frame_update_(w: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     Compiled, the operator runs the eager kernel inside the compiled graph: its six products and in-place moment
     updates as written here, instead of inductor's regeneration of them (on the CPU its generated elementwise loops
     and the copies it inserts around ``baddbmm`` made the compiled step 1.25-1.5x slower than the eager one, issue
-    40). Results are those of the eager kernel, bit for bit."""
+    40). Dynamo traces every optimizer as capturable; the operator, not traced, plans the retraction as the eager
+    kernel would with ``capturable=False`` on a device in :data:`~.._linalg.HOST_READ_DEVICES` (the CPU: it reads the
+    largest step it took, no synchronisation and no graph to capture) and as with ``capturable=True`` elsewhere, so a
+    compiled CPU step costs what the default eager step costs (there a batch with one step count also takes its
+    bias corrections in Python floats, as eager does). Results are those of the eager kernel on the same step
+    counts, bit for bit."""
     if not torch.compiler.is_compiling():
         return _frame_update_(w, grad, exp_avg, exp_avg_sq, scratch, step=step, lr=lr, **hyper)
     step_t = step if isinstance(step, torch.Tensor) else None
     lr_t = lr if isinstance(lr, torch.Tensor) else None
+    # Dynamo traces every optimizer as capturable (step counts as tensors, no host read in the traced code). The
+    # operator is not traced: it runs eagerly inside the compiled graph, so on a device whose tensors the host reads
+    # without a synchronisation (the CPU, where there is no graph to capture) it reads the step it took and plans
+    # the retraction for it, as the default eager step does, instead of for the trust radius.
+    capturable = hyper.get("capturable", False) and w.device.type not in _linalg.HOST_READ_DEVICES
     return _frame_update_op(w, grad, exp_avg, exp_avg_sq, scratch, step_t, 0 if step_t is not None else int(step),
                             lr_t, 0.0 if lr_t is not None else float(lr), hyper["beta1"], hyper["beta2"],
-                            hyper["eps"], hyper["trust_region"], hyper.get("maximize", False),
-                            hyper.get("capturable", False))
+                            hyper["eps"], hyper["trust_region"], hyper.get("maximize", False), capturable)
