@@ -735,9 +735,218 @@ def test_cli_certify_threads_reach_the_muon_table(monkeypatch, capsys):
     monkeypatch.setattr(muon, "_certify", spy)
     try:
         for threads in (2, 1):  # companion: 1 is seen as 1
-            assert main(["certify", "--quiet", "--only", "M7", "--optimizers", "StiefelMuon", "--muon-steps", "1",
+            assert main(["certify", "--quiet", "--only", "M7", "--optimizers", "StiefelMuon",
                          "--threads", str(threads)]) == 0
     finally:
         torch.set_num_threads(1)
     assert seen == [2, 1]
     assert "note:" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ NaN figures and empty sweeps fail
+class _NormalisedSteepest(torch.optim.Optimizer):
+    """W <- polar(W - lr xi/(||xi|| + eps)) per frame, with ``exp_avg_sq`` in the state (bias-corrected: ||xi||^2),
+    so the scale certificates can read sqrt(v_hat). ``nan_above``: a gradient entry above it turns the frame into
+    NaN (a deliberately broken optimizer: it overflows at large gradient scales)."""
+
+    def __init__(self, params, lr, eps, nan_above=None):
+        super().__init__(params, dict(lr=lr, eps=eps))
+        self.nan_above = nan_above
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not torch.isfinite(p).all():
+                    continue
+                if self.nan_above is not None and float(p.grad.abs().max()) > self.nan_above:
+                    p.fill_(float("nan"))
+                    continue
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                xi = num.embedded_projection(p, p.grad)
+                norm = xi.norm(dim=(-2, -1), keepdim=True)
+                state["exp_avg_sq"] = (1 - 0.999 ** state["step"]) * norm.square()
+                p.copy_(num.polar_factor(p - group["lr"] * xi / (norm + group["eps"])))
+
+
+def _normalised_steepest(nan_above=None):
+    def make(params, *, lr, betas, eps, weight_decay, trust_region):
+        return _NormalisedSteepest(params, lr, eps, nan_above)
+
+    return _column("normalised" if nan_above is None else "nan-at-large-scale", _polar_stiefel, make)
+
+
+class _NaNProjection(PolarStiefel):
+    """A Riemannian gradient that is NaN everywhere."""
+
+    def egrad2rgrad(self, x, u):
+        return torch.full_like(u, float("nan"))
+
+    proju = egrad2rgrad
+
+
+def test_worst_figure_keeps_a_nan_wherever_it_is_and_refuses_an_empty_sweep():
+    from geoopt_stiefel_attention.analysis._result import worst_figure
+
+    assert max(0.0, float("nan")) == 0.0  # why: Python's max keeps what it holds when the next figure is NaN
+    for figures in ([0.0, float("nan")], [float("nan"), 0.0], [1e-15, float("nan"), 2e-15]):
+        assert math.isnan(worst_figure(figures)), figures
+    assert worst_figure([1e-15, 3e-15, 2e-15]) == 3e-15  # companion: finite figures give their largest
+    assert worst_figure([float("inf"), 1.0]) == float("inf")
+    with pytest.raises(ValueError, match="empty sweep"):
+        worst_figure([])
+
+
+def test_a_nan_riemannian_gradient_fails_the_projection_and_decay_gradient_certificates(sa):
+    """Before: max(0.0, nan) dropped every NaN figure, and a NaN egrad2rgrad passed 1a and 5 with 0.0."""
+    bad = _column("nan-rgrad", _NaNProjection, stiefel_adam_column().optimizer_factory)
+    for cert in (steepest.certify_projection(bad), weight_decay.certify_decay_gradient(bad)):
+        assert cert.passed is False and math.isnan(cert.measured), cert.name
+    # companion: the same certificates pass for StiefelAdam's projection
+    assert steepest.certify_projection(sa).passed and weight_decay.certify_decay_gradient(sa).passed
+
+
+def test_a_nan_at_one_gradient_scale_fails_both_scale_certificates():
+    """Before: the NaN deviation at c = 1e6 (the last scale) was dropped by max() and 2a, 2b passed."""
+    healthy, broken = _normalised_steepest(), _normalised_steepest(nan_above=1e4)
+    assert scale.certify_scale_invariance(healthy, steps=5).passed  # companion: a scale-free step passes
+    assert scale.certify_scale_with_eps(healthy, steps=5).passed
+    for cert in (scale.certify_scale_invariance(broken, steps=5), scale.certify_scale_with_eps(broken, steps=5)):
+        assert math.isnan(cert.details["deviation_by_scale"]["1e+06"]), cert.name
+        assert cert.passed is False and math.isnan(cert.measured), cert.name
+
+
+def test_a_nan_loss_fails_the_gauge_moves_certificate():
+    """Before: |nan - nan|/|nan| was dropped by max() and 6b passed with 0.0 for a loss that is NaN everywhere."""
+    prob = gauge.AttentionProblem(seed=3, frames=True)
+    cert = gauge.certify_gauge_moves(lambda q, k: prob.loss(q, k) * float("nan"), prob.w_q, prob.w_k, frames=True)
+    assert cert.passed is False and math.isnan(cert.measured)
+    assert gauge.certify_gauge_moves(prob.loss, prob.w_q, prob.w_k, frames=True).passed  # companion
+
+
+def test_sweeps_that_check_nothing_are_refused(sa):
+    """No step, no scale but c = 1, no gauge move of size != 0, no drift run (or one of no step): each passed
+    before, whatever the optimizer or loss, because it compared the start (or the reference) with itself."""
+    sgd = stiefel_adam_column(None)  # of degree one in the gradient: 2a fails for it whenever it is measured
+    prob = gauge.AttentionProblem(seed=3, frames=True)
+
+    def broken(w_q, w_k):  # not gauge-invariant: 6b fails for it whenever a move is made
+        return prob.loss(torch.tanh(3 * w_q), w_k)
+
+    refused = [
+        lambda: scale.certify_scale_invariance(sgd, steps=5, scales=(1.0,)),
+        lambda: scale.certify_scale_invariance(sgd, steps=5, scales=()),
+        lambda: scale.certify_scale_invariance(sgd, steps=5, scales=(1e3, float("nan"))),
+        lambda: scale.certify_scale_with_eps(sgd, steps=5, scales=(1.0,)),
+        lambda: scale.certify_scale_invariance(sgd, steps=0),
+        lambda: scale.certify_scale_with_eps(sgd, steps=0),
+        lambda: analysis.certify_equivariance(stiefel_adam_column("column"), "right", steps=0),
+        lambda: weight_decay.certify_coupled_decay(column_by_name("AdamW"), steps=0),
+        lambda: weight_decay.certify_point_decay(sa, steps=0, project=lambda y: y),
+        lambda: weight_decay.certify_decay_training(column_by_name("AdamW"), steps=0),
+        lambda: gauge.certify_gauge_moves(broken, prob.w_q, prob.w_k, frames=True, sizes=()),
+        lambda: gauge.certify_gauge_moves(broken, prob.w_q, prob.w_k, frames=True, sizes=(0.0,)),
+        lambda: conditioning.run_drift(sa, steps=0),
+        lambda: conditioning.certify_conditioning(sa, []),
+    ]
+    for i, call in enumerate(refused):
+        with pytest.raises(ValueError):
+            call()
+            pytest.fail(f"sweep {i} was accepted")
+    empty = conditioning.DriftRun("no-retraction", "float64", 0, 1.0, 0.1, 1.0, 0, 0.0, 0.0, 0.0)
+    for call in (lambda: conditioning.certify_drift(sa, empty), lambda: conditioning.certify_conditioning(sa, [empty])):
+        with pytest.raises(ValueError, match="steps=0"):
+            call()
+    # companions: a sweep with one scale or move that is not the reference is measured, and fails where it must
+    assert scale.certify_scale_invariance(sgd, steps=5, scales=(1.0, 1e-3)).passed is False
+    assert gauge.certify_gauge_moves(broken, prob.w_q, prob.w_k, frames=True, sizes=(0.0, 0.5)).passed is False
+    run = conditioning.run_drift(sa, steps=1)
+    assert conditioning.certify_drift(sa, run).passed and conditioning.certify_conditioning(sa, [run]).passed
+
+
+_LENGTH_FLAGS_UNREAD = [
+    (["--only", "1a", "--steps", "5"], "--steps", "--only names none of the drift rows 3a-3c"),
+    (["--only", "3", "--optimizers", "geoopt-radam", "--steps", "5"], "--steps", "leaves StiefelAdam out"),
+    (["--only", "3", "--optimizers", "StiefelAdam", "--other-steps", "5"], "--other-steps", "names none"),
+    (["--only", "1", "--other-steps", "2000"], "--other-steps", "3a-3c"),  # refused even at its default value
+    (["--optimizers", "StiefelAdam", "--muon-steps", "5"], "--muon-steps", "the Muon table is not computed"),
+    (["--only", "M7", "--optimizers", "StiefelMuon", "--muon-steps", "5"], "--muon-steps", "M4 and M5"),
+]
+
+
+@pytest.mark.parametrize(("argv", "flag", "said"), _LENGTH_FLAGS_UNREAD)
+def test_cli_certify_refuses_a_run_length_flag_that_nothing_computed_reads(monkeypatch, capsys, argv, flag, said):
+    """Before: `certify --only 1a --steps 5` printed the table and exited 0, the flag ignored."""
+    from geoopt_stiefel_attention.analysis import muon, suite
+    from geoopt_stiefel_attention.cli import main
+
+    computed = []
+    monkeypatch.setattr(suite, "run_certificates", lambda *a, **k: computed.append("main") or [])
+    monkeypatch.setattr(muon, "run_muon_certificates", lambda *a, **k: computed.append("muon") or [])
+    status = main(["certify", "--quiet", *argv])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"stiefel-attention certify: error: {flag}: ") and said in err, err
+    assert computed == []
+
+
+@pytest.mark.parametrize(("argv", "key", "value"), [
+    (["--only", "3a", "--optimizers", "StiefelAdam", "--steps", "5"], "steps", 5),
+    (["--only", "3b", "--optimizers", "geoopt-radam", "--other-steps", "6"], "other_steps", 6),
+    (["--optimizers", "StiefelAdam", "AdamW", "--steps", "5", "--other-steps", "6"], "other_steps", 6),
+    (["--only", "M5", "--optimizers", "StiefelMuon", "--muon-steps", "7"], "drift_steps", 7),
+    (["--muon-steps", "7"], "drift_steps", 7),
+])
+def test_cli_certify_companion_run_length_flags_that_are_read_reach_the_runs(monkeypatch, capsys, argv, key, value):
+    from geoopt_stiefel_attention.analysis import muon, suite
+    from geoopt_stiefel_attention.cli import main
+
+    seen = {}
+    monkeypatch.setattr(suite, "run_certificates", lambda *a, **k: seen.update(k) or [])
+    monkeypatch.setattr(muon, "run_muon_certificates", lambda *a, **k: seen.update(k) or [])
+    assert main(["certify", "--quiet", *argv]) == 0, capsys.readouterr().err
+    assert seen[key] == value
+
+
+class _GainOnGradientNorm(_NormalisedSteepest):
+    """The normalised steepest step times 1 + 0.01 tanh(log ||G||): its length depends on the gradient's scale
+    otherwise than through eps. ``state_v_zero``: the state reports v = 0 (a misreported second moment)."""
+
+    def __init__(self, params, lr, eps, state_v_zero):
+        super().__init__(params, lr, eps)
+        self.state_v_zero = state_v_zero
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                xi = num.embedded_projection(p, p.grad)
+                norm = xi.norm(dim=(-2, -1), keepdim=True)
+                v = torch.zeros_like(norm) if self.state_v_zero else (1 - 0.999 ** state["step"]) * norm.square()
+                state["exp_avg_sq"] = v
+                gain = 1 + 0.01 * math.tanh(math.log(float(p.grad.norm())))
+                p.copy_(num.polar_factor(p - gain * group["lr"] * xi / (norm + group["eps"])))
+
+
+def test_scale_with_eps_fails_a_scale_dependence_that_a_misreported_state_hides_from_the_bound():
+    """2b's bound is computed from sqrt(v_hat) as the optimizer's state reports it: with v reported as 0 the bound
+    grew by 1e6 and a step whose length depends on ||G|| passed (ratio 0.019). The run on c G with eps against the
+    run on G with eps/c reads nothing from the state, and now decides too."""
+    def column(state_v_zero):
+        def make(params, *, lr, betas, eps, weight_decay, trust_region):
+            return _GainOnGradientNorm(params, lr, eps, state_v_zero)
+
+        return _column(f"gain, v reported 0: {state_v_zero}", _polar_stiefel, make)
+
+    truthful = scale.certify_scale_with_eps(column(False), steps=10)
+    assert truthful.passed is False and truthful.measured > scale.SCALE_BOUND_FACTOR
+    hidden = scale.certify_scale_with_eps(column(True), steps=10)
+    assert hidden.measured <= scale.SCALE_BOUND_FACTOR  # the widened bound alone would pass it
+    assert hidden.details["exact_equivalence_residual"] > scale.SCALE_EQUIVALENCE_TOL
+    assert hidden.passed is False and "eps/c" in hidden.details["failure"]
+    # companion: a step where the scale enters only through eps passes, its equivalence at rounding level
+    healthy = scale.certify_scale_with_eps(_normalised_steepest(), steps=10)
+    assert healthy.passed and healthy.details["exact_equivalence_residual"] <= scale.SCALE_EQUIVALENCE_TOL

@@ -2,12 +2,14 @@
 it (the cheap projected msign, torch's Muon on the unconstrained matrix, deliberately broken optimizers)."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 from geoopt_stiefel_attention import PolarStiefel
 from geoopt_stiefel_attention.analysis.muon import (
+    DRIFT_TOL_F32,
     MUON_ROWS,
     MuonColumn,
     _stiefel_run,
@@ -145,3 +147,55 @@ def test_columns_by_name_or_label_and_row_selection():
     assert select_muon_rows(["M"]) == MUON_ROWS
     assert select_muon_rows(["M8", "M1", "5"]) == (MUON_ROWS[0], MUON_ROWS[7])
     assert select_muon_rows(["5", "3a"]) == ()
+
+
+def test_companion_iterates_that_turn_nan_fail_equivariance_scale_and_decay():
+    """A run whose iterates are NaN after its first step: rows M6-M8 took the worst entry difference over the
+    steps with max(), which kept the first (finite) step's figure and dropped every NaN after it, so they passed."""
+    base = dataclasses.replace(_broken("healthy", lambda g: g), eta=None)
+
+    def run(w0, grads, *, weight_decay=0.0):
+        out = base.run(w0, grads[:1], weight_decay=weight_decay)
+        return out + [torch.full_like(out[0], float("nan")) for _ in grads[1:]]
+
+    nan_after_one = dataclasses.replace(base, name="nan after one step", run=run)
+    rows = MUON_ROWS[5:]
+    for column, passes in ((base, True), (nan_after_one, False)):  # companion first: the same step, no NaN
+        cells = {c.name: c for c in run_muon_certificates([column], drift_steps=5, rows=rows)}
+        assert [cells[row].passed for row in rows] == [passes] * len(rows), column.name
+    assert all(math.isnan(cells[row].measured) for row in rows)
+
+
+def test_a_drift_row_fails_when_the_run_comes_back_in_another_dtype():
+    """Row M5 certifies float32: a column whose run upcasts to float64 measured a float64 drift (4e-16) and passed
+    it as float32."""
+    base = dataclasses.replace(_broken("healthy", lambda g: g), eta=None)
+
+    def run64(w0, grads, *, weight_decay=0.0):
+        return base.run(PolarStiefel().projx(w0.double()), [g.double() for g in grads], weight_decay=weight_decay)
+
+    upcast = dataclasses.replace(base, name="upcasts to float64", run=run64)
+    cell = run_muon_certificates([upcast], drift_steps=STEPS, rows=(MUON_ROWS[4],))[0]
+    assert cell.passed is False and cell.measured < DRIFT_TOL_F32
+    assert cell.details["dtype_of_iterates"] == "float64" and "not torch.float32" in cell.details["failure"]
+    companion = run_muon_certificates([base], drift_steps=STEPS, rows=(MUON_ROWS[3], MUON_ROWS[4]))
+    assert [c.passed for c in companion] == [True, True]
+    assert [c.details["dtype_of_iterates"] for c in companion] == ["float64", "float32"]
+
+
+def test_drift_runs_are_made_only_when_a_drift_row_is_asked_for():
+    """--muon-steps is refused unless M4 or M5 is computed; the drift runs are skipped otherwise (they were made
+    and thrown away)."""
+    lengths = []
+    base = dataclasses.replace(_broken("healthy", lambda g: g), eta=None)
+
+    def run(w0, grads, *, weight_decay=0.0):
+        lengths.append(len(grads))
+        return base.run(w0, grads, weight_decay=weight_decay)
+
+    counted = dataclasses.replace(base, run=run)
+    run_muon_certificates([counted], drift_steps=STEPS, rows=(MUON_ROWS[6],))
+    assert STEPS not in lengths and lengths
+    lengths.clear()
+    run_muon_certificates([counted], drift_steps=STEPS, rows=(MUON_ROWS[3],))  # companion
+    assert lengths.count(STEPS) == 1  # the float64 run of M4, not the float32 one of M5

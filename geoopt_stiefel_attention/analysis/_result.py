@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Certificate"]
+__all__ = ["Certificate", "worst_figure", "require_steps"]
 
 _COMPARISONS = ("<=", ">=")
 
@@ -106,3 +106,26 @@ def _json_value(v: Any) -> Any:
     if isinstance(v, dict):
         return {str(k): _json_value(x) for k, x in v.items()}
     return v
+
+
+def worst_figure(figures: Iterable[float], *, what: str = "figures") -> float:
+    """The largest of ``figures``, NaN when any of them is NaN; :class:`ValueError` when there are none.
+
+    Python's ``max`` keeps the figure it holds when the next one is NaN (``max(0.0, nan) == 0.0``), so a NaN
+    after the first figure would vanish and a certificate would read pass; every certificate that takes the
+    worst of several figures takes it here. An empty sweep measured nothing, so it cannot pass either.
+    """
+    values = [float(x) for x in figures]
+    if not values:
+        raise ValueError(f"worst_figure: no {what} to take the worst of (an empty sweep checks nothing).")
+    if any(math.isnan(x) for x in values):
+        return float("nan")
+    return max(values)
+
+
+def require_steps(who: str, steps: int, *, name: str = "steps") -> None:
+    """:class:`ValueError` unless ``steps`` is an int >= 1: with no step, a certificate that compares two
+    trajectories compares their common start, and would pass whatever the optimizer does."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"{who}: {name}={steps!r} must be an int >= 1 (with no step the certificate compares the "
+                         f"start with itself and checks nothing).")

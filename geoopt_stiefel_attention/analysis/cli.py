@@ -16,6 +16,16 @@ THREADS_HELP = ("torch.set_num_threads for the certificates of both tables (defa
                 "one thread is fastest and steadiest on a shared machine)")
 
 
+class _Given(argparse.Action):
+    """Stores the value as ``store`` does, and records the flag in ``namespace._given``: a run-length flag that the
+    selected tables do not read is refused when it is given at all, even at its default value
+    (:func:`_refuse_unread_lengths`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace._given = (*getattr(namespace, "_given", ()), self.option_strings[0])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .muon import DEFAULT_MUON_STEPS
     from .suite import DEFAULT_OTHER_STEPS, DEFAULT_STEPS
@@ -24,12 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown to PATH")
     parser.add_argument("--seed", type=seed_int, default=0,
                         help="seed of every random draw, 0 to 2**64 - 1 (default 0)")
-    parser.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS,
+    parser.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, action=_Given,
                         help=f"steps of StiefelAdam's drift/conditioning run, in float64 and float32 "
                              f"(default {DEFAULT_STEPS})")
-    parser.add_argument("--other-steps", type=positive_int, default=DEFAULT_OTHER_STEPS,
+    parser.add_argument("--other-steps", type=positive_int, default=DEFAULT_OTHER_STEPS, action=_Given,
                         help=f"steps of the drift run for every other optimizer (default {DEFAULT_OTHER_STEPS})")
-    parser.add_argument("--muon-steps", type=positive_int, default=DEFAULT_MUON_STEPS,
+    parser.add_argument("--muon-steps", type=positive_int, default=DEFAULT_MUON_STEPS, action=_Given,
                         help=f"steps of the Muon table's drift runs, rows M4 and M5 (default {DEFAULT_MUON_STEPS})")
     parser.add_argument("--optimizers", nargs="+", metavar="NAME",
                         help="only these columns (full names or short labels, e.g. StiefelAdam geoopt-radam AdamW; "
@@ -127,6 +137,41 @@ def _refuse_dropped(names, tokens, main_columns, muon_columns) -> None:
                              f"of its columns; add one (e.g. StiefelAdam), or leave {token} out of --only")
 
 
+def _refuse_unread_lengths(given, rows, main_columns, muon_rows, muon_columns) -> None:
+    """A :class:`UsageError` for the first of ``--steps``, ``--other-steps``, ``--muon-steps`` given on the command
+    line (``given``) that no certificate being computed reads: ``--steps`` is the drift run of StiefelAdam
+    (rows 3a-3c), ``--other-steps`` that of every other main-table column, ``--muon-steps`` the Muon table's
+    rows M4 and M5."""
+    from .muon import MUON_ROWS
+    from .suite import DRIFT_ROWS, LONG_RUN_COLUMNS
+
+    if not main_columns:
+        no_drift = "the main table is not computed"
+    elif rows is not None and not any(row.split()[0] in DRIFT_ROWS for row in rows):
+        no_drift = "--only names none of the drift rows 3a-3c"
+    else:
+        no_drift = None
+    if not muon_columns:
+        no_muon_drift = "the Muon table is not computed (--optimizers names none of its own columns)"
+    elif muon_rows is not None and not any(row in MUON_ROWS[3:5] for row in muon_rows):
+        no_muon_drift = "--only names neither of the Muon table's drift rows M4 and M5"
+    else:
+        no_muon_drift = None
+    long_run = ", ".join(LONG_RUN_COLUMNS)
+    unread = {
+        "--steps": no_drift or (None if any(c.name in LONG_RUN_COLUMNS for c in main_columns) else
+                                f"it is the length of {long_run}'s drift run, and --optimizers leaves {long_run} out"),
+        "--other-steps": no_drift or (None if any(c.name not in LONG_RUN_COLUMNS for c in main_columns) else
+                                      f"it is the length of the drift run of the columns other than {long_run}, "
+                                      f"and --optimizers names none"),
+        "--muon-steps": no_muon_drift,
+    }
+    for flag in given:
+        if unread.get(flag):
+            raise UsageError(f"{flag}: nothing this command computes reads it: {unread[flag]}; leave {flag} out, "
+                             f"or select what it is for")
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
     import time
@@ -164,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--optimizers/--only: no table left to compute (the Muon table needs a Muon column and an "
                          "M row; the main table a column and a row of its own)")
     _refuse_dropped(args.optimizers or [], args.only or [], main_columns, muon_columns)
+    _refuse_unread_lengths(getattr(args, "_given", ()), rows, main_columns, muon_rows, muon_columns)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
 

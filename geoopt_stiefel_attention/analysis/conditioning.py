@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ._numerics import random_frames, recover_polar_step, step_condition
-from ._result import Certificate
+from ._result import Certificate, require_steps, worst_figure
 from .optimizers import OptimizerColumn
 
 __all__ = ["CONDITION_SLACK", "DRIFT_TOL", "DriftRun", "run_drift", "certify_conditioning", "certify_drift"]
@@ -60,6 +60,7 @@ def run_drift(column: OptimizerColumn, *, steps: int = 10_000, dtype: torch.dtyp
     retraction, the polar-equivalent step) and :math:`\kappa(I + s_t^\top s_t)` computed; the
     orthonormality error of every iterate is measured in float64. No re-projection is ever applied.
     """
+    require_steps("run_drift", steps)
     gen = torch.Generator().manual_seed(seed)
     w0 = random_frames(*_SHAPE, generator=gen).to(dtype)
     p = column.make_parameter(w0)
@@ -89,12 +90,20 @@ def run_drift(column: OptimizerColumn, *, steps: int = 10_000, dtype: torch.dtyp
             finite = cond[torch.isfinite(cond)]
             if finite.numel():
                 max_cond = max(max_cond, float(finite.max()))
-            max_step = max(max_step, float(s.norm(dim=(-2, -1)).max()))
+            max_step = worst_figure([max_step, float(s.norm(dim=(-2, -1)).max())])
         prev = traj[-1]
         done += n
     final = float((prev.transpose(-1, -2) @ prev - eye).abs().amax())
     return DriftRun(column.name, str(dtype).replace("torch.", ""), steps, lr, trust_region, max_cond, no_step,
                     max_err, final, max_step)
+
+
+def _check_runs(who: str, runs: list[DriftRun]) -> None:
+    """:class:`ValueError` for no run, or a run of no step: its figures are the start's, and would pass."""
+    if not runs:
+        raise ValueError(f"{who}: no drift run given (an empty list checks nothing); pass run_drift's results.")
+    for run in runs:
+        require_steps(f"{who}: the run of {run.optimizer} in {run.dtype}", run.steps, name="steps")
 
 
 def certify_conditioning(column: OptimizerColumn, runs: list[DriftRun], *, trust_region: float = 0.1) -> Certificate:
@@ -105,19 +114,20 @@ def certify_conditioning(column: OptimizerColumn, runs: list[DriftRun], *, trust
     if not column.on_manifold:
         return Certificate.not_applicable(name, statement, "unconstrained matrix: no retraction, nothing inverted",
                                           optimizer=column.name)
+    _check_runs("certify_conditioning", runs)
     bound = 1.0 + trust_region**2
     worst = 0.0
     details: dict = {}
     for run in runs:
         slack = CONDITION_SLACK.get(getattr(torch, run.dtype), 1e-4)
         cond = float("inf") if run.steps_without_polar_step else run.max_condition
-        worst = max(worst, (cond - 1.0) / (bound * (1.0 + slack) - 1.0))
+        worst = worst_figure([worst, (cond - 1.0) / (bound * (1.0 + slack) - 1.0)])
         details[f"max_condition_{run.dtype}"] = cond
         details[f"max_step_norm_{run.dtype}"] = run.max_step_norm
         details[f"steps_{run.dtype}"] = run.steps
         if run.steps_without_polar_step:
             details[f"steps_without_polar_step_{run.dtype}"] = run.steps_without_polar_step
-    measured = max(details[f"max_condition_{run.dtype}"] for run in runs)
+    measured = worst_figure(details[f"max_condition_{run.dtype}"] for run in runs)
     details["bound"] = bound
     if not column.has_trust_region:
         details["note"] = "no trust region: the step is not capped, kappa grows like 1 + ||s||^2"
@@ -127,6 +137,7 @@ def certify_conditioning(column: OptimizerColumn, runs: list[DriftRun], *, trust
 
 def certify_drift(column: OptimizerColumn, run: DriftRun) -> Certificate:
     """3b/3c. :math:`\\max_t |W_t^\\top W_t - I|` stays at rounding level (``DRIFT_TOL``) over the run."""
+    _check_runs("certify_drift", [run])
     dtype = getattr(torch, run.dtype)
     label = "3b" if dtype == torch.float64 else "3c"
     name = f"{label} no drift, {run.dtype}"

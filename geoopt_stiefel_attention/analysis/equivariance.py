@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._numerics import QuadraticLoss, random_frames, random_orthogonal
-from ._result import Certificate
+from ._result import Certificate, require_steps
 from .optimizers import OptimizerColumn
 
 __all__ = ["EQUIVARIANCE_TOL", "certify_equivariance"]
@@ -38,6 +38,7 @@ def certify_equivariance(column: OptimizerColumn, side: str, *, seed: int = 0, s
     """
     if side not in ("left", "right"):
         raise ValueError(f"certify_equivariance: side={side!r} is unknown; use 'left' or 'right'.")
+    require_steps("certify_equivariance", steps)
     name = "4a left O(d)-equivariance" if side == "left" else "4b right O(r)-equivariance"
     group = "Q in O(d), R = I" if side == "left" else "Q = I, R in O(r)"
     statement = f"trajectories from (Q W0 R, Q G_t R) equal Q W_t R ({group}), float64, {steps} steps"

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ._numerics import embedded_projection, random_frames
-from ._result import Certificate
+from ._result import Certificate, worst_figure
 from .optimizers import OptimizerColumn
 
 __all__ = [
@@ -195,6 +195,9 @@ def certify_gauge_moves(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor, *
     """
     name = "6b gauge: loss constant on orbit"
     statement = "the loss is unchanged (relative <= 1e-12) along finite gauge moves (W_Q M, W_K M^-T), M = exp(tB)"
+    if not any(t != 0 for t in sizes):
+        raise ValueError(f"certify_gauge_moves: sizes={tuple(sizes)} holds no move of size t != 0 (M = exp(0) = I "
+                         f"leaves the point where it is), so the certificate would check nothing.")
     w_q = w_q.detach().to(torch.float64)
     w_k = w_k.detach().to(torch.float64)
     f, _, c = w_q.shape
@@ -213,8 +216,8 @@ def certify_gauge_moves(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor, *
             m = torch.linalg.matrix_exp(t * b)
             m_inv_t = torch.linalg.inv(m).transpose(-1, -2)
             moved = float(loss_fn(w_q @ m, w_k @ m_inv_t))
-            worst = max(worst, abs(moved - base) / abs(base))
-            control = max(control, abs(float(loss_fn(w_q @ m, w_k)) - base) / abs(base))
+            worst = worst_figure([worst, abs(moved - base) / abs(base)])
+            control = worst_figure([control, abs(float(loss_fn(w_q @ m, w_k)) - base) / abs(base)])
     details = {"loss": base, "sizes": list(sizes), "control_non_symmetry_change": control,
                "parametrisation": "frames (M orthogonal)" if frames else "unconstrained (M invertible)"}
     return Certificate.check(name, statement, worst, GAUGE_MOVE_TOL, optimizer=optimizer, details=details)

@@ -25,7 +25,7 @@ from ._numerics import (
     sym,
     tangent_basis,
 )
-from ._result import Certificate
+from ._result import Certificate, worst_figure
 from .optimizers import OptimizerColumn
 
 __all__ = [
@@ -86,20 +86,21 @@ def certify_projection(column: OptimizerColumn, *, seed: int = 0, n_random: int 
         gn = float(g.norm())
         xi = column.rgrad(w, g.clone())
         n = g - xi
-        worst["tangency"] = max(worst["tangency"], float(sym(w.T @ xi).norm()) / gn)
+        worst["tangency"] = worst_figure([worst["tangency"], float(sym(w.T @ xi).norm()) / gn])
         normal = float((n - w @ (w.T @ n)).norm() + skew(w.T @ n).norm()) / gn
-        worst["normality"] = max(worst["normality"], normal)
+        worst["normality"] = worst_figure([worst["normality"], normal])
         basis = tangent_basis(w)
         coords = (basis * g).sum(dim=(-2, -1))
         best = -float(coords.norm())
         xi_hat = xi / xi.norm()
         along = -float((g * xi_hat).sum())
-        worst["exact_gap"] = max(worst["exact_gap"], abs(along - best) / gn)
+        worst["exact_gap"] = worst_figure([worst["exact_gap"], abs(along - best) / gn])
         mix = torch.randn(n_random, basis.shape[0], dtype=torch.float64, generator=gen)
         mix = mix / mix.norm(dim=1, keepdim=True)
         rand_vals = mix @ coords
-        worst["random_violation"] = max(worst["random_violation"], max(0.0, along - float(rand_vals.min())) / gn)
-    measured = max(worst.values())
+        violation = worst_figure([0.0, along - float(rand_vals.min())]) / gn
+        worst["random_violation"] = worst_figure([worst["random_violation"], violation])
+    measured = worst_figure(worst.values())
     details = {k: v for k, v in worst.items()}
     details.update(shapes=[list(s) for s in _SHAPES], n_random=n_random)
     return Certificate.check(name, statement, measured, PROJECTION_TOL, optimizer=column.name, details=details)

@@ -10,7 +10,8 @@ from . import conditioning, equivariance, gauge, scale, steepest, weight_decay
 from ._result import Certificate
 from .optimizers import OptimizerColumn, default_columns
 
-__all__ = ["ROWS", "DEFAULT_STEPS", "DEFAULT_OTHER_STEPS", "run_certificates", "select_rows"]
+__all__ = ["ROWS", "DEFAULT_STEPS", "DEFAULT_OTHER_STEPS", "LONG_RUN_COLUMNS", "DRIFT_ROWS", "run_certificates",
+           "select_rows"]
 
 #: Certificate names in table order.
 ROWS = (
@@ -38,6 +39,10 @@ ROWS = (
 DEFAULT_STEPS = 10_000
 #: Steps of the drift run for every other column (enough to show drift, or its absence, in seconds).
 DEFAULT_OTHER_STEPS = 2_000
+#: The columns whose drift run has ``steps`` steps (``other_steps`` for every other column) by default.
+LONG_RUN_COLUMNS = ("StiefelAdam",)
+#: The labels of the rows computed from the drift runs (``steps``, ``other_steps``).
+DRIFT_ROWS = ("3a", "3b", "3c")
 
 
 def select_rows(tokens: Sequence[str]) -> tuple[str, ...]:
@@ -63,7 +68,7 @@ def select_rows(tokens: Sequence[str]) -> tuple[str, ...]:
 
 def run_certificates(columns: Sequence[OptimizerColumn] | None = None, *, seed: int = 0,
                      steps: int = DEFAULT_STEPS, other_steps: int = DEFAULT_OTHER_STEPS,
-                     long_run_columns: Sequence[str] = ("StiefelAdam",),
+                     long_run_columns: Sequence[str] = LONG_RUN_COLUMNS,
                      progress: Callable[[str], None] | None = None,
                      rows: Sequence[str] | None = None, threads: int | None = 1) -> list[Certificate]:
     """Every certificate (rows :data:`ROWS`) for every column, in row-major order.
@@ -135,7 +140,7 @@ def _run(columns, *, seed, steps, other_steps, long_run_columns, progress, rows)
             ]
         if wanted("2a", "2b"):
             found += [scale.certify_scale_invariance(column, seed=seed), scale.certify_scale_with_eps(column, seed=seed)]
-        if wanted("3a", "3b", "3c"):
+        if wanted(*DRIFT_ROWS):
             n = steps if column.name in long_run_columns else other_steps
             runs = [conditioning.run_drift(column, steps=n, dtype=dt, seed=seed)
                     for dt in (torch.float64, torch.float32)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ._numerics import QuadraticLoss, polar_factor, random_frames, recover_polar_step, run_trajectory
-from ._result import Certificate
+from ._result import Certificate, require_steps, worst_figure
 from .gauge import AttentionProblem, multihead_attention
 from .optimizers import OptimizerColumn
 
@@ -56,7 +56,7 @@ def certify_decay_gradient(column: OptimizerColumn, *, seed: int = 0, stack: int
     for d, r in _DECAY_SHAPES:
         w = random_frames(stack, d, r, generator=gen)
         rg = column.rgrad(w, w.clone())
-        worst = max(worst, float((rg.norm(dim=(-2, -1)) / w.norm(dim=(-2, -1))).max()))
+        worst = worst_figure([worst, float((rg.norm(dim=(-2, -1)) / w.norm(dim=(-2, -1))).max())])
     return Certificate.check(name, statement, worst, DECAY_GRADIENT_TOL, optimizer=column.name,
                              details={"shapes": [list(s) for s in _DECAY_SHAPES], "stack": stack})
 
@@ -75,6 +75,7 @@ def certify_coupled_decay(column: OptimizerColumn, *, seed: int = 0, steps: int 
     """
     name = "5a coupled decay: no effect"
     statement = "coupled weight decay (lambda W added to G before projection, lambda = 1) leaves the trajectory unchanged"
+    require_steps("certify_coupled_decay", steps)
     loss, w0 = _setup(seed)
     base = run_trajectory(column, w0, lambda w, t: loss.grad(w), steps, lr=lr)
     coupled = run_trajectory(column, w0, lambda w, t: loss.grad(w) + decay * w, steps, lr=lr)
@@ -93,6 +94,7 @@ def certify_point_decay(column: OptimizerColumn, *, seed: int = 0, steps: int = 
     """
     name = "5b decay of retracted point: no effect"
     statement = "decoupled decay on the retracted point, W <- polar((1 - lr lambda) W) after each step, changes nothing"
+    require_steps("certify_point_decay", steps)
     if not column.on_manifold:
         return Certificate.not_applicable(name, statement, "unconstrained matrix: there is no retracted point; "
                                           "AdamW's own decoupled decay shrinks W (see 5d)", optimizer=column.name)
@@ -168,6 +170,7 @@ def certify_decay_training(column: OptimizerColumn, *, seed: int = 0, steps: int
     name = "5d training: frames ignore decay"
     statement = ("a training run with weight_decay = 1 on W_Q, W_K leaves them identical to the run with 0 "
                  "(a Euclidean W_Q under AdamW shrinks instead)")
+    require_steps("certify_decay_training", steps)
     prob = AttentionProblem(seed=seed, frames=True)
 
     def train(wd):
