@@ -315,6 +315,62 @@ def test_state_of_the_wrong_shape_is_refused_at_load():
     assert torch.equal(opt.state[w]["momentum_buffer"], before)
 
 
+def test_a_scheduler_cycling_momentum_is_refused_since_it_would_cycle_betas_not_the_frames_momentum():
+    """OneCycleLR/CyclicLR with cycle_momentum=True cycle betas[0] of an optimizer whose defaults have 'betas';
+    torch's Muon gets its momentum cycled, StiefelMuon's frames kept theirs at 0.95 without a word. Refused at the
+    step, before anything changes; a group of Euclidean parameters only (whose AdamW reads betas[0]) steps."""
+    w = geoopt.ManifoldParameter(_frames(2, 12, 4), manifold=PolarStiefel())
+    b = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    for make in (lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=10),
+                 lambda o: torch.optim.lr_scheduler.CyclicLR(o, 1e-3, 1e-2, step_size_up=2)):
+        opt = StiefelMuon([{"params": [w]}, {"params": [b]}], lr=0.01)
+        make(opt)
+        w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+        before = w.detach().clone(), b.detach().clone()
+        with pytest.raises(ValueError, match="StiefelMuon: parameter group 0 holds Stiefel frames.*cycle_momentum"
+                                             "=False"):
+            opt.step()
+        assert torch.equal(w.detach(), before[0]) and torch.equal(b.detach(), before[1]) and not opt.state
+        w.grad = None  # companion: the Euclidean group alone steps under the same scheduler
+        opt.step()
+        assert not torch.equal(b.detach(), before[1])
+        b.grad = None
+
+
+def test_companion_a_scheduler_without_cycle_momentum_steps_the_frames_with_their_momentum():
+    w = geoopt.ManifoldParameter(_frames(2, 12, 4), manifold=PolarStiefel())
+    opt = StiefelMuon([w], lr=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10, cycle_momentum=False)
+    before = w.detach().clone()
+    for _ in range(3):
+        w.grad = torch.ones_like(w)
+        opt.step()
+        sched.step()
+    assert (w.detach() - before).abs().max() > 1e-3 and opt.param_groups[0]["momentum"] == 0.95
+
+
+def test_a_torch_muon_state_dict_is_refused_at_load_naming_the_missing_options():
+    """torch.optim.Muon's groups have no betas/amsgrad/maximize/foreach (the load stopped with a bare KeyError
+    'betas'); its eps and ns_steps mean something else here. Refused before anything changes."""
+    w = geoopt.ManifoldParameter(_frames(1, 12, 4)[0], manifold=PolarStiefel())  # torch's Muon takes 2-D only
+    same = torch.nn.Parameter(w.detach().clone())
+    theirs = torch.optim.Muon([same], lr=0.01)
+    same.grad = torch.ones_like(same)
+    theirs.step()
+    w.grad = torch.ones_like(w)
+    opt = StiefelMuon([w], lr=0.05)
+    with pytest.raises(ValueError, match=r"StiefelMuon.load_state_dict: parameter group 0 of the state dict lacks "
+                                         r"the options \['amsgrad', 'betas', 'foreach', 'maximize'\]"):
+        opt.load_state_dict(theirs.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.05 and not opt.state
+    # companion: StiefelMuon's own state dict, and one saved before the options StiefelMuon adds existed, load
+    opt.step()
+    saved = opt.state_dict()
+    for key in ("dual_steps", "master_weights", "stabilize"):
+        del saved["param_groups"][0][key]
+    StiefelMuon([w], lr=0.05).load_state_dict(saved)
+
+
 # ------------------------------------------------------------------------- momenta with a decaying spectrum
 #: The solver setting that resolves the 1/i spectra below to the target (measured shortfall 4e-5 at 128 x 32,
 #: 1.3e-4 at 512 x 64 in float64); the default setting is tuned on Gaussian momenta (benchmarks/README.md).

@@ -482,6 +482,50 @@ def test_unsupported_torch_flags_are_refused_clearly(flag):
     StiefelAdam([p], **{flag: False})  # the default value is accepted
 
 
+#: torch's Adam flags a group dict may carry that torch honours and the frame optimizers do not implement
+#: (torch's AdamW on ``{"decoupled_weight_decay": False}`` adds an L2 penalty: 0.06 away after two steps below)
+GROUP_FLAGS = [("fused", True), ("differentiable", True), ("decoupled_weight_decay", False)]
+
+
+@pytest.mark.parametrize("cls", [StiefelAdam, StiefelMuon])
+@pytest.mark.parametrize(("flag", "value"), GROUP_FLAGS)
+def test_unsupported_torch_flags_in_a_group_are_refused_before_anything_changes(cls, flag, value):
+    """Given in a group dict, or written into param_groups later, such a flag was silently ignored (the step of
+    the Euclidean parameters differed from torch's AdamW on the same group); now refused, naming the flag."""
+    net = _Net()
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: {flag}={value}.*not supported"):
+        cls([{"params": list(net.parameters()), flag: value}], lr=0.1, weight_decay=0.5)
+    opt = cls(net.parameters(), lr=0.1, weight_decay=0.5)
+    opt.param_groups[0][flag] = value
+    before = _params(net)
+    (net(torch.ones(2, 10, dtype=torch.float64)).sum()).backward()
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: {flag}={value}.*not supported"):
+        opt.step()
+    assert _same_tensors(_params(net), before) and not opt.state
+
+
+@pytest.mark.parametrize("cls", [StiefelAdam, StiefelMuon])
+@pytest.mark.parametrize(("flag", "value"), [("fused", None), ("fused", False), ("differentiable", False),
+                                             ("decoupled_weight_decay", True)])
+def test_companion_torch_flags_at_their_supported_value_train_the_euclidean_part_as_torch_adamw(cls, flag, value):
+    def run(make):
+        torch.manual_seed(0)
+        b = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+        opt = make([{"params": [b], flag: value}])
+        for t in range(2):
+            b.grad = torch.full_like(b, 1.0 + t)
+            opt.step()
+        return [b.detach().clone()]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no frame at all
+        ours = run(lambda g: cls(g, lr=0.1, weight_decay=0.5))
+    assert _same_tensors(ours, run(lambda g: torch.optim.AdamW(g, lr=0.1, weight_decay=0.5)))
+    # what the refused value would have given: torch's coupled L2 penalty moves the parameter elsewhere
+    assert not torch.allclose(ours[0], run(lambda g: torch.optim.AdamW(
+        [{**g[0], "decoupled_weight_decay": False}], lr=0.1, weight_decay=0.5))[0], atol=1e-3)
+
+
 # ----------------------------------------------------------------------------- LR schedulers
 def test_one_cycle_lr_cycles_lr_and_beta1_of_the_frame_update():
     """OneCycleLR with cycle_momentum writes (beta1, beta2) into the groups; the frame update must use the

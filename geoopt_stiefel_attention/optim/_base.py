@@ -65,6 +65,15 @@ class FrameOptimizer:
         """Refuse, before anything changes, a frame whose state no longer fits its group's options (an option that
         shapes the state was changed after the first step). Nothing to check by default."""
 
+    def _check_frames_group(self, k: int, group: dict[str, Any]) -> None:
+        """Refuse, before anything changes, group ``k`` whose frames take a step now, when something written into it
+        (by a scheduler) would not reach the frame update. Nothing to check by default."""
+
+    #: Group options a state dict may lack because torch's base class fills them when it loads (``__setstate__``)
+    #: or :meth:`load_state_dict` sets them; every other option of ``defaults`` must be in a saved group.
+    _FILLED_ON_LOAD: ClassVar[frozenset[str]] = frozenset({"differentiable", "fused", "capturable",
+                                                           "decoupled_weight_decay"})
+
     # ------------------------------------------------------------------ construction
     def _check_constructed(self) -> None:
         """After the constructor: refuse all-empty groups; warn once when no parameter is a frame."""
@@ -249,8 +258,15 @@ class FrameOptimizer:
             saved["params"] = group["params"]
             if "param_names" in group and "param_names" not in saved:
                 saved["param_names"] = group["param_names"]
+            has = sorted(key for key in saved if key != "params")
             for key, value in self._GROUP_DEFAULTS.items():
                 saved.setdefault(key, value)
+            missing = sorted(key for key in self.defaults if key not in saved and key not in self._FILLED_ON_LOAD)
+            if missing:  # another optimizer's state dict (torch's Muon has no betas, amsgrad, maximize, foreach)
+                raise ValueError(f"{self._NAME}.load_state_dict: parameter group {k} of the state dict lacks the "
+                                 f"options {missing}, which every {self._NAME} group has (it has {has}), so it was "
+                                 f"saved by another optimizer (torch.optim.Muon?), whose moments do not carry "
+                                 f"over; load a state dict saved by {self._NAME}, or start this optimizer afresh.")
             saved["decoupled_weight_decay"] = True
             self._validate_group(saved)
             new_groups.append(saved)
@@ -304,6 +320,9 @@ class FrameOptimizer:
         self._check_frames_still_held()
         split = _validation.validate_step(self.param_groups, self.state, self._NAME, self._validate_group,
                                           self._check_frame_state)
+        for k, (group, (frames, _)) in enumerate(zip(self.param_groups, split, strict=True)):
+            if frames:
+                self._check_frames_group(k, group)
         for group, (frames, euclidean) in zip(self.param_groups, split, strict=True):
             if frames:
                 self._step_frames(group, frames)

@@ -51,8 +51,32 @@ def check_tensor_lr(lr: torch.Tensor, name: str) -> None:
                  f"{name}: lr=tensor({value:g}) is invalid; pass a finite value >= 0 (e.g. torch.tensor(1e-3)).")
 
 
+def check_torch_flags(group: dict[str, Any], name: str) -> None:
+    """Refuse torch's Adam flags that a group may carry (a group dict, or written into ``param_groups`` later) but
+    that the frame optimizers do not implement: torch would honour them, so ignoring them would change the update
+    (``decoupled_weight_decay=False``: an L2 penalty instead of decoupled decay) or drop what they promise
+    (``differentiable=True``: a graph through the step; ``fused=True``: torch's fused kernel) without a word."""
+    fused = group.get("fused")
+    _require(not fused,
+             f"{name}: fused={fused!r} is not supported: frames always use their own fused in-place kernel and other "
+             f"parameters torch's AdamW implementation selected by `foreach`. Pass fused=None (the default), or "
+             f"leave 'fused' out of the parameter group.")
+    diff = group.get("differentiable", False)
+    _require(not diff,
+             f"{name}: differentiable={diff!r} is not supported: the frame update runs in place under "
+             f"torch.no_grad(), so no graph through the step exists. Pass differentiable=False (the default), or "
+             f"leave 'differentiable' out of the parameter group.")
+    decoupled = group.get("decoupled_weight_decay", True)
+    _require(bool(decoupled),
+             f"{name}: decoupled_weight_decay={decoupled!r} (torch.optim.Adam's L2 penalty, added to the gradient) "
+             f"is not supported: {name} applies decoupled (AdamW) weight decay to Euclidean parameters. Leave "
+             f"'decoupled_weight_decay' out of the parameter group (or set it to True), or train those parameters "
+             f"with torch.optim.Adam.")
+
+
 def _validate_hyperparameters(group: dict[str, Any]) -> None:
     """Raise a ``ValueError`` that names the option and the fix when a group option is out of range."""
+    check_torch_flags(group, "StiefelAdam")
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
         check_tensor_lr(lr, "StiefelAdam")

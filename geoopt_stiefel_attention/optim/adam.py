@@ -171,6 +171,8 @@ class StiefelAdam(FrameOptimizer, geoopt.optim.RiemannianAdam):
     _NAME = "StiefelAdam"
     _GROUP_DEFAULTS = _GROUP_DEFAULTS
     _MOMENT_KEY = "exp_avg"
+    # torch's Adam fills these when a state dict of an older torch version lacks them
+    _FILLED_ON_LOAD = FrameOptimizer._FILLED_ON_LOAD | {"amsgrad", "maximize", "foreach"}
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         _validate_hyperparameters(group)

@@ -22,7 +22,7 @@ from ._batching import _frame_batches
 from ._kernel import _rounding_margin
 from ._muon import MUON_ADJUST_LR_FNS, muon_direction, muon_lr_scale
 from ._state import _capturable, _zeros_like_layout, master_copies
-from ._validation import _require, check_tensor_lr
+from ._validation import _require, check_tensor_lr, check_torch_flags
 
 _local = _distributed.local_tensor
 
@@ -43,6 +43,7 @@ _MUON_GROUP_DEFAULTS = {"momentum": 0.95, "nesterov": True, "adjust_lr_fn": "mat
 
 def _validate_muon_group(group: dict[str, Any]) -> None:
     """Raise a ``ValueError`` naming the option and the fix when a StiefelMuon group option is out of range."""
+    check_torch_flags(group, "StiefelMuon")
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
         check_tensor_lr(lr, "StiefelMuon")
@@ -262,6 +263,21 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         _validate_muon_group(group)
+
+    def _check_frames_group(self, k: int, group: dict[str, Any]) -> None:
+        """Refuse a group of frames whose momentum a scheduler meant to cycle: ``OneCycleLR`` and ``CyclicLR`` with
+        ``cycle_momentum=True`` (their default) cycle ``betas[0]`` of an optimizer whose defaults have ``betas``, as
+        StiefelMuon's do (AdamW's, for the Euclidean parameters), so the frames' ``momentum``, which they cycle for
+        torch's ``Muon``, would stay fixed without a word. They mark the group with ``max_momentum`` and
+        ``base_momentum``."""
+        if "max_momentum" in group or "base_momentum" in group:
+            raise ValueError(
+                f"StiefelMuon: parameter group {k} holds Stiefel frames and has 'max_momentum'/'base_momentum', "
+                f"written by a scheduler that cycles momentum (OneCycleLR or CyclicLR with cycle_momentum=True); "
+                f"since StiefelMuon's groups also have AdamW's 'betas', it cycles betas[0], which only Euclidean "
+                f"parameters read, while the frames' momentum would stay at {group['momentum']!r} (torch's Muon "
+                f"would have it cycled). Pass cycle_momentum=False to the scheduler (and write group['momentum'] "
+                f"yourself to schedule it), or delete both keys from the group if no such scheduler is in use.")
 
     def _frame_spec(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[list[str], dict[str, tuple]]:
         shape = tuple(p.shape)
