@@ -71,7 +71,8 @@ def _eye(r: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return eye
 
 
-def check_frame_tensors(owner: str, frames: Iterable[tuple[str, Tensor]]) -> None:
+def check_frame_tensors(owner: str, frames: Iterable[tuple[str, Tensor]], *,
+                        where: str = "a training forward pass") -> None:
     """Raise :class:`FrameOffManifoldError` if any ``(name, frame)`` of ``owner`` is off the manifold.
 
     Two operations per frame (the Gram matrix, and its largest entry-wise distance from the identity by
@@ -85,6 +86,8 @@ def check_frame_tensors(owner: str, frames: Iterable[tuple[str, Tensor]]) -> Non
     frames : iterable of (str, Tensor)
         Stacks of frames ``(..., d, r)``; sharded ones (``DTensor``) are checked on their local shard (whole
         frames, see :mod:`~geoopt_stiefel_attention.distributed`); meta and empty tensors are skipped.
+    where : str, default "a training forward pass"
+        Where the check runs, for the message (eager only; a compiled check names its own place).
     """
     if torch.jit.is_tracing() or torch.jit.is_scripting():
         return
@@ -114,7 +117,7 @@ def check_frame_tensors(owner: str, frames: Iterable[tuple[str, Tensor]]) -> Non
             continue
         if x.device.type == "cpu":
             if not err.item() <= tol:  # NaN fails too
-                _report(owner, name, w.dtype, tol, err)
+                _report(owner, name, w.dtype, tol, err, where)
             continue
         checked.append((name, w.dtype, tol, err))
     if not checked:
@@ -129,7 +132,7 @@ def check_frame_tensors(owner: str, frames: Iterable[tuple[str, Tensor]]) -> Non
         return
     for name, dtype, tol, err in checked:
         if not float(err) <= tol:  # NaN fails too
-            _report(owner, name, dtype, tol, err)
+            _report(owner, name, dtype, tol, err, where)
 
 
 def _message(owner: str, name: str, dtype: torch.dtype, tol: float, err: Tensor | None,
@@ -141,8 +144,9 @@ def _message(owner: str, name: str, dtype: torch.dtype, tol: float, err: Tensor 
             f"model.parameters(), the HuggingFace Trainer's default AdamW); {_FIX}.")
 
 
-def _report(owner: str, name: str, dtype: torch.dtype, tol: float, err: Tensor) -> None:
-    raise FrameOffManifoldError(_message(owner, name, dtype, tol, err))
+def _report(owner: str, name: str, dtype: torch.dtype, tol: float, err: Tensor,
+            where: str = "a training forward pass") -> None:
+    raise FrameOffManifoldError(_message(owner, name, dtype, tol, err, where))
 
 
 def check_frames(model: nn.Module) -> None:

@@ -133,6 +133,18 @@ class _NoOutProj:
         return "<no out_proj Linear: the output projection is w_o>"
 
 
+def _warn_off_manifold_on_save(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """A state-dict post hook: warn when ``w_q``/``w_k`` are off the manifold as they are saved. The training
+    forward's check (:mod:`._guard`) never sees the last step of an optimizer that does not know the constraint
+    (earlier steps are reported by the next forward, the last one by nothing else): without this warning a run with a
+    single such step saves its frames off the manifold silently."""
+    try:
+        _guard.check_frame_tensors(prefix.rstrip(".") or type(module).__name__,
+                                   (("w_q", module.w_q), ("w_k", module.w_k)), where="state_dict()")
+    except _guard.FrameOffManifoldError as err:
+        warnings.warn(f"{err} The state dict holds the frames as they are.", UserWarning, stacklevel=3)
+
+
 class _MultiheadAttentionBase(nn.Module):
     """Shared configuration, layout, initialisation and forward pass of the two attention modules."""
 
@@ -175,6 +187,8 @@ class _MultiheadAttentionBase(nn.Module):
         self._configure(embed_dim, num_heads, head_dim=head_dim, dropout=dropout, bias=bias, kdim=kdim,
                         vdim=vdim, batch_first=batch_first, frames=frames, logit_gain=logit_gain)
         self._install(self._draw(generator=generator, device=device, dtype=dtype), logit_gain=logit_gain)
+        if self._checks_frames:
+            self.register_state_dict_post_hook(_warn_off_manifold_on_save)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # modules pickled before ``batch_first`` became an option were batch-first

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from .. import _guard
 from .._linalg import ORTHONORMALITY_TOLERANCE, orthonormality_error
 from ..distributed import is_sharded
 from ..manifolds import PolarStiefel, is_frame
@@ -133,12 +134,32 @@ def _is_sharded_owner(owner: nn.Module, attr: str) -> bool:
                                        *owner.parametrizations[attr].buffers()))
 
 
+def _warn_off_manifold(prefix: str, ours: list[tuple[str, nn.Module]]) -> None:
+    """Warn, once per weight, when a frame saved in this state dict is off the manifold.
+
+    The frame check of training forward passes (:mod:`.._guard`) cannot see the last step of an optimizer that
+    does not know the constraint (earlier steps are reported by the next forward): without this warning a run with
+    a single such step (a HuggingFace ``Trainer`` with its own AdamW and ``max_steps=1``) is saved, and later
+    converted again (which projects the blocks back), without a word."""
+    for attr, p in ours:
+        if not isinstance(p, _QKWeight):
+            continue
+        try:
+            _guard.check_frame_tensors(f"{prefix}{attr}", p.frames(), where="state_dict() (save_pretrained, a Trainer checkpoint)")
+        except _guard.FrameOffManifoldError as err:
+            warnings.warn(f"{err} The state dict holds the weight as it is, with query/key blocks that are not "
+                          f"orthonormal: loaded into a converted model, or converted again, they are replaced by "
+                          f"their polar factors, which changes the model's outputs.", UserWarning, stacklevel=3)
+
+
 def _state_dict_post_hook(owner: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """Replace the parametrization's entries of ``owner`` by its stock entries, in the stock order."""
-    if _FORM.get() != "stock":
-        return
+    """Replace the parametrization's entries of ``owner`` by its stock entries, in the stock order; warn when a
+    frame is off the manifold (:func:`_warn_off_manifold`)."""
     ours = [(attr, p) for attr, p in _ours_on(owner) if not _is_sharded_owner(owner, attr)]
     if not ours:
+        return
+    _warn_off_manifold(prefix, ours)
+    if _FORM.get() != "stock":
         return
     stock_names = vars(owner)[_HOOKS][0]
     values = {}
