@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from geoopt.manifolds import Euclidean, EuclideanStiefel
 from geoopt.manifolds.stiefel import Stiefel
@@ -42,7 +44,10 @@ class PolarStiefel(EuclideanStiefel):
     is the exact closest frame :math:`U V^\top` from a thin SVD.
 
     Points are stacks of frames of shape ``(..., d, r)`` with ``r <= d``: a stack of attention heads is
-    one tensor. ``float32`` and ``float64`` compute in their own dtype; ``bfloat16``/``float16`` points are
+    one tensor. What ``EuclideanStiefel`` would compute on silently is refused: ``r > d`` and a vector whose last
+    two dimensions are not the point's (``ValueError``; leading dimensions broadcast), complex tensors
+    (``TypeError``), non-finite input of ``projx``/``retr`` (``ValueError``); ``projx`` of a rank-deficient frame
+    warns, since its closest frame is not unique. ``float32`` and ``float64`` compute in their own dtype; ``bfloat16``/``float16`` points are
     retracted in ``float32`` and rounded back.
 
     Examples
@@ -64,20 +69,90 @@ class PolarStiefel(EuclideanStiefel):
             raise ValueError(_shape_message(tuple(shape), reason))
 
     def assert_check_point(self, x: torch.Tensor) -> None:
+        _check_real(x, "a point")
         self._assert_check_shape(tuple(x.shape), "x")
 
+    def _check_args(self, method: str, x: torch.Tensor, **vectors: torch.Tensor | None) -> None:
+        r"""Refuse what geoopt's ``EuclideanStiefel`` computes on silently: a point that is not a stack of real
+        ``d x r`` frames with :math:`r \le d`, and a vector whose last two dimensions are not the point's (torch would
+        broadcast an ``(d, 1)`` or ``(r,)`` tensor against ``x``, returning a full-shape result of the wrong
+        vector)."""
+        _check_real(x, f"PolarStiefel.{method}: the point x")
+        self._assert_check_shape(tuple(x.shape), "x")
+        for name, v in vectors.items():
+            if v is None:
+                continue
+            _check_real(v, f"PolarStiefel.{method}: {name}")
+            if v.dim() < 2 or tuple(v.shape[-2:]) != tuple(x.shape[-2:]):
+                raise ValueError(
+                    f"PolarStiefel.{method}: {name} has shape {tuple(v.shape)} but the point x has shape "
+                    f"{tuple(x.shape)}; a tangent vector at x is a (..., {x.shape[-2]}, {x.shape[-1]}) tensor "
+                    f"(its last two dimensions are not broadcast), so pass one of x's frame shape.")
+
+    def proju(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        r"""Projection onto the tangent space at ``x``: :math:`P_X(U) = U - X \operatorname{sym}(X^\top U)`,
+        :math:`\operatorname{sym}(A) = \tfrac12 (A + A^\top)` (geoopt's ``EuclideanStiefel.proju``).
+
+        Raises ``ValueError`` when ``u``'s last two dimensions differ from ``x``'s, or ``x`` has :math:`r > d`,
+        and ``TypeError`` for a complex tensor.
+        """
+        self._check_args("proju", x, u=u)
+        return super().proju(x, u)
+
+    # geoopt binds egrad2rgrad to EuclideanStiefel.proju in its class body; bind it to the checked one
+    egrad2rgrad = proju
+
+    def transp(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        r"""Vector transport by projection onto the new tangent space, :math:`\mathcal{T}_{X\to Y}(V) = P_Y(V)`."""
+        self._check_args("transp", y, v=v)
+        return super().proju(y, v)
+
+    def inner(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None, *,
+              keepdim: bool = False) -> torch.Tensor:
+        r"""The embedded metric :math:`\langle U, V \rangle_X = \operatorname{tr}(U^\top V)`, one value per frame."""
+        self._check_args("inner", x, u=u, v=v)
+        return super().inner(x, u, v, keepdim=keepdim)
+
+    def expmap(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        r"""The exponential map of the embedded metric (geoopt's ``EuclideanStiefel.expmap``, a
+        :math:`2r \times 2r` matrix exponential; not the retraction, which is :meth:`retr`)."""
+        self._check_args("expmap", x, u=u)
+        return super().expmap(x, u)
+
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        r"""The polar retraction :math:`R_X(U) = (X + U)\big((X + U)^\top (X + U)\big)^{-1/2}`.
+
+        Raises ``ValueError`` for a non-finite ``x + u`` (no frame is its polar factor), a ``u`` whose last two
+        dimensions differ from ``x``'s, or ``r > d``; ``TypeError`` for a complex tensor.
+        """
+        self._check_args("retr", x, u=u)
         ct = _linalg.compute_dtype(x.dtype)
         y = x.to(ct) + u.to(ct)
+        _check_finite(y, "PolarStiefel.retr: x + u")
         return _polar_factor(y, _linalg.polar_any_rank).to(x.dtype)
 
     def retr_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r""":meth:`retr` and :meth:`transp` at once: :math:`(Y, P_Y(V))` with :math:`Y = R_X(U)`."""
+        self._check_args("retr_transp", x, v=v)
         y = self.retr(x, u)
         return y, self.transp(x, y, v)
 
     def projx(self, x: torch.Tensor) -> torch.Tensor:
+        r"""The closest frame in Frobenius norm, :math:`U V^\top` from the thin SVD :math:`X = U \Sigma V^\top`.
+
+        The closest frame is unique exactly when :math:`X` has full column rank. A rank-deficient frame
+        (:math:`\sigma_r \le \max(d, r)\,\varepsilon\,\sigma_1`, the rank tolerance of
+        :func:`torch.linalg.matrix_rank`; an all-zero matrix among them) has a continuum of closest frames, of
+        which the SVD returns one that depends on rounding: a ``UserWarning`` names such frames.
+
+        Raises ``ValueError`` for a non-finite ``x`` (its SVD fails or returns an arbitrary frame) or
+        :math:`r > d`, ``TypeError`` for a complex ``x``.
+        """
+        self._check_args("projx", x)
         ct = _linalg.compute_dtype(x.dtype)
-        return _polar_factor(x.to(ct), _linalg.polar_svd).to(x.dtype)
+        y = x.to(ct)
+        _check_finite(y, "PolarStiefel.projx: x")
+        return _polar_factor(y, _polar_svd_warn_rank).to(x.dtype)
 
     def random(self, *size, dtype=None, device=None, generator: torch.Generator | None = None) -> torch.Tensor:
         r"""A random frame: the polar factor of a Gaussian matrix, i.e. Haar-distributed on :math:`\mathrm{St}(d, r)`.
@@ -161,6 +236,49 @@ def _polar_factor(y: torch.Tensor, polar_fn) -> torch.Tensor:  # noqa: ANN001
     if torch.is_grad_enabled() and y.requires_grad:
         return _PolarFactorFunction.apply(y, polar_fn)
     return polar_fn(y)
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` cannot be read on the host (inside ``torch.compile`` or ``torch.vmap``)."""
+    return torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def _check_real(t: torch.Tensor, what: str) -> None:
+    """Refuse a complex tensor: the manifold is the real one, :math:`W^\top W = I` (not :math:`W^H W = I`)."""
+    if t.is_complex():
+        raise TypeError(f"{what} is complex ({t.dtype}); PolarStiefel is the real Stiefel manifold W^T W = I, "
+                        f"whose checks and retraction use W^T, not W^H, so pass a real floating-point tensor.")
+
+
+def _check_finite(t: torch.Tensor, what: str) -> None:
+    """Refuse a non-finite input of the polar factor (one host read; skipped where the host cannot read)."""
+    if t.numel() == 0 or t.device.type == "meta" or _traced(t):
+        return
+    finite = torch.isfinite(t).reshape(-1, t.shape[-2] * t.shape[-1]).all(dim=-1)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero().flatten().tolist()
+        raise ValueError(f"{what} has non-finite entries (inf or NaN) in frame(s) {bad[:8]} of the flattened stack "
+                         f"of shape {tuple(t.shape)}; no frame is their polar factor (an SVD fails or returns an "
+                         f"arbitrary frame), so find where the non-finite values came from before projecting.")
+
+
+def _polar_svd_warn_rank(x: torch.Tensor) -> torch.Tensor:
+    r""":func:`~geoopt_stiefel_attention._linalg.polar_svd`, :math:`U V^\top`, warning when a frame of ``x`` is
+    rank-deficient, :math:`\sigma_r \le \max(d, r)\,\varepsilon\,\sigma_1`, where :math:`U V^\top` is one of
+    many closest frames (its columns in the null directions are arbitrary)."""
+    u, sigma, vh = torch.linalg.svd(x, full_matrices=False)
+    if sigma.numel() and x.device.type != "meta" and not _traced(sigma):
+        d, r = x.shape[-2], x.shape[-1]
+        tol = max(d, r) * torch.finfo(sigma.dtype).eps * sigma[..., 0]
+        deficient = (sigma[..., -1] <= tol).reshape(-1)
+        if bool(deficient.any()):
+            bad = deficient.nonzero().flatten().tolist()
+            warnings.warn(f"PolarStiefel.projx: frame(s) {bad[:8]} of the flattened stack of shape "
+                          f"{tuple(x.shape)} have rank < r={r} (smallest singular value <= max(d, r) * eps * "
+                          f"largest), so their closest frame is not unique and the one returned is arbitrary "
+                          f"(set by rounding); give them full column rank (e.g. a random init rather than "
+                          f"zeros) before projecting.", UserWarning, stacklevel=4)
+    return u @ vh
 
 
 def _shape_message(shape: tuple[int, ...], reason: str | None) -> str:

@@ -825,7 +825,9 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     :func:`~geoopt_stiefel_attention.stiefelize` first) unless ``expect_frames=False`` or the model is
     built from :class:`EuclideanMultiheadAttention` (the Euclidean arm of a paired experiment, by design).
     Parameters with
-    ``requires_grad=False`` are left out; parameters shared between modules appear once.
+    ``requires_grad=False`` are left out; parameters shared between modules appear once. A model with no
+    trainable parameter at all raises ``ValueError`` (every group would be empty, and a stock optimizer such as
+    :class:`torch.optim.AdamW` accepts empty groups and trains nothing).
 
     The groups suit :class:`~geoopt_stiefel_attention.StiefelAdam` (frames get the Riemannian update,
     the rest AdamW) and stock optimizers such as :class:`torch.optim.AdamW`, which train the frames as plain
@@ -877,9 +879,18 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
         raise ValueError(f"param_groups: adjust_lr_fn={adjust_lr_fn!r} is unknown; pass one of {ADJUST_LR_FNS} "
                          f"or None (the optimizer's default).")
+    for flag, value in (("no_decay_frames", no_decay_frames), ("expect_frames", expect_frames),
+                        ("drop_empty", drop_empty)):
+        if not isinstance(value, bool):
+            raise TypeError(f"param_groups: {flag}={value!r} is invalid; pass True or False.")
+    if not callable(decay):
+        raise TypeError(f"param_groups: decay={decay!r} is not callable; pass a function (name, parameter) -> "
+                        f"bool, e.g. the default decays_matrices.")
     frames, decayed, no_decay = [], [], []
+    frozen = 0
     for name, p in model.named_parameters():
         if not p.requires_grad:
+            frozen += 1
             continue
         if is_frame(p):
             frames.append(p)
@@ -887,6 +898,11 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
             decayed.append(p)
         else:
             no_decay.append(p)
+    if not (frames or decayed or no_decay):
+        held = f"its {frozen} parameter(s) all have requires_grad=False" if frozen else "it holds no parameter"
+        raise ValueError(f"param_groups: {type(model).__name__} has no trainable parameter ({held}), so every group "
+                         f"would be empty and an optimizer built from them would train nothing; unfreeze what "
+                         f"should train (requires_grad_(True)) or build no optimizer.")
     explicit_euclidean = any(isinstance(m, EuclideanMultiheadAttention) for m in model.modules())
     holds_frames = bool(frames) or any(is_frame(p) for p in model.parameters())  # frozen frames are deliberate
     if expect_frames and not holds_frames and not explicit_euclidean:

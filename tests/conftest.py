@@ -60,9 +60,10 @@ def _make_bad_frame(kind):
         sphere = geoopt.Sphere()
         return geoopt.ManifoldParameter(sphere.random(9, dtype=torch.float64), manifold=sphere), ValueError, \
             "RiemannianAdam"
-    if kind == "complex":
-        w = torch.linalg.qr(torch.randn(9, 3, dtype=torch.complex128)).Q
-        return geoopt.ManifoldParameter(w, manifold=st, requires_grad=True), TypeError, "real"
+    if kind == "complex":  # assigned later: PolarStiefel itself refuses a complex tensor at ManifoldParameter()
+        p = geoopt.ManifoldParameter(frames[0], manifold=st, requires_grad=True)
+        p.data = torch.linalg.qr(torch.randn(9, 3, dtype=torch.complex128)).Q
+        return p, TypeError, "real"
     raise AssertionError(kind)
 
 

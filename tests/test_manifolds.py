@@ -1,5 +1,8 @@
 """PolarStiefel: geoopt's manifold contract (as geoopt's own test_manifold_basic checks it), in float64."""
 
+import re
+import warnings
+
 import geoopt
 import numpy as np
 import pytest
@@ -8,6 +11,8 @@ import torch
 from geoopt_stiefel_attention import PolarStiefel, is_frame
 
 TOL = 1e-10  # float64 contract checks
+OPTIMUM_TOL = 1e-8  # a converged SGD run, float64
+ADAM_OPTIMUM_TOL = 1e-4  # Adam at a fixed lr, float64
 SHAPES = [(10, 3), (6, 6), (4, 12, 5), (2, 3, 8, 2)]
 
 
@@ -249,3 +254,140 @@ def test_instances_compare_equal_so_geoopt_accepts_a_point_of_another_instance()
     assert p.manifold == b and isinstance(p.manifold, PolarStiefel)  # geoopt keeps the tensor's own instance
     with pytest.raises(ValueError, match="Manifolds do not match"):
         geoopt.ManifoldParameter(a.random(5, 2, dtype=torch.float64), manifold=geoopt.EuclideanStiefel())
+
+
+# ------------------------------------------------------------------ bad input refused (silent in EuclideanStiefel)
+def _methods_with_a_vector(st, x, u):
+    """Every method taking a point and vectors, called with one vector ``u`` (the others tangent at ``x``)."""
+    t = st.proju(x, torch.randn_like(x))
+    return {
+        "proju": lambda: st.proju(x, u),
+        "egrad2rgrad": lambda: st.egrad2rgrad(x, u),
+        "retr": lambda: st.retr(x, u),
+        "expmap": lambda: st.expmap(x, u),
+        "transp": lambda: st.transp(x, x, u),
+        "retr_transp": lambda: st.retr_transp(x, t, u),
+        "inner": lambda: st.inner(x, t, u),
+        "norm": lambda: st.norm(x, u),
+    }
+
+
+@pytest.mark.parametrize("bad_shape", [(8, 1), (3,), (3, 8)])
+@pytest.mark.parametrize("method", ["proju", "egrad2rgrad", "retr", "expmap", "transp", "retr_transp", "inner",
+                                    "norm"])
+def test_a_vector_of_another_frame_shape_is_refused(st, method, bad_shape):
+    """A (d, 1) column or an (r,) row broadcast against an (d, r) point gave a full-shape result of the wrong vector
+    (geoopt's EuclideanStiefel broadcasts); the last two dimensions must be the point's."""
+    x, _, _ = _point_and_tangents(st, (8, 3))
+    u = torch.randn(bad_shape, dtype=torch.float64)
+    with pytest.raises(ValueError, match=rf"PolarStiefel\.\w+: \w+ has shape {re.escape(str(bad_shape))}"):
+        _methods_with_a_vector(st, x, u)[method]()
+
+
+def test_companion_leading_dimensions_still_broadcast_and_proju_matches_the_formula(st):
+    """Only the frame dimensions must match: a stack of vectors at one point is accepted, and proju is the
+    written-out U - W sym(W^T U)."""
+    x, _, _ = _point_and_tangents(st, (8, 3))
+    g = torch.randn(5, 8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    wtu = x.mT @ g
+    reference = g - x @ (0.5 * (wtu + wtu.mT))
+    np.testing.assert_allclose(st.proju(x, g).numpy(), reference.numpy(), atol=TOL)
+    np.testing.assert_allclose(st.egrad2rgrad(x, g).numpy(), reference.numpy(), atol=TOL)
+    xs = x.expand(5, 8, 3)  # geoopt's expmap concatenates x and u, so it needs x at every leading index
+    for name, call in _methods_with_a_vector(st, xs, st.proju(x, g)).items():
+        assert torch.isfinite(call() if name != "retr_transp" else call()[1]).all(), name
+
+
+@pytest.mark.parametrize("method", ["retr", "proju", "projx", "expmap"])
+def test_r_greater_than_d_is_refused_by_every_method(st, method):
+    """A (3, 8) tensor has no orthonormal columns; retr/projx returned orthonormal rows, proju a (3, 8) matrix."""
+    a = torch.randn(3, 8, dtype=torch.float64)
+    call = {"retr": lambda: st.retr(a, a), "proju": lambda: st.proju(a, a), "projx": lambda: st.projx(a),
+            "expmap": lambda: st.expmap(a, a)}[method]
+    with pytest.raises(ValueError, match=r"r=8 columns but only d=3 rows"):
+        call()
+    # companion: the transposed (8, 3) tensor is a frame shape
+    b = a.mT.contiguous()
+    {"retr": lambda: st.retr(st.projx(b), 0 * b), "proju": lambda: st.proju(st.projx(b), b),
+     "projx": lambda: st.projx(b), "expmap": lambda: st.expmap(st.projx(b), 0 * b)}[method]()
+
+
+@pytest.mark.parametrize("call", ["projx", "retr", "random", "parameter"])
+def test_complex_tensors_are_refused(st, call):
+    """A complex tensor was projected to a unitary U V^H that the manifold's own W^T W check then rejects."""
+    c = torch.randn(8, 3, dtype=torch.complex128)
+    x, _, _ = _point_and_tangents(st, (8, 3))
+    fn = {"projx": lambda: st.projx(c), "retr": lambda: st.retr(x.to(torch.complex128), c),
+          "random": lambda: st.random(8, 3, dtype=torch.complex128),
+          "parameter": lambda: geoopt.ManifoldParameter(c, manifold=st)}[call]
+    with pytest.raises(TypeError, match="complex.*real Stiefel manifold"):
+        fn()
+    # companion: the same calls in float64 give points of the manifold
+    real = {"projx": lambda: st.projx(c.real), "retr": lambda: st.retr(x, st.proju(x, c.real)),
+            "random": lambda: st.random(8, 3, dtype=torch.float64),
+            "parameter": lambda: geoopt.ManifoldParameter(st.projx(c.real), manifold=st)}[call]()
+    st.assert_check_point_on_manifold(real, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_non_finite_input_of_projx_and_retr_is_refused(st, value):
+    """projx of a matrix holding an inf returned the origin-like frame [I; 0] (its SVD's arbitrary answer), a NaN
+    failed inside the SVD or eigh with LinAlgError; both now raise naming the frame."""
+    x, u, _ = _point_and_tangents(st, (3, 8, 3))
+    bad = x.as_subclass(torch.Tensor).clone()
+    bad[2, 0, 0] = value
+    with pytest.raises(ValueError, match=r"PolarStiefel\.projx: x has non-finite entries .* frame\(s\) \[2\]"):
+        st.projx(bad)
+    with pytest.raises(ValueError, match=r"PolarStiefel\.retr: x \+ u has non-finite entries .* frame\(s\) \[2\]"):
+        st.retr(x, bad - x)
+    # companion: finite input gives the SVD reference
+    a, _, bh = np.linalg.svd((x + u).numpy(), full_matrices=False)
+    np.testing.assert_allclose(st.projx(x + u).numpy(), a @ bh, atol=TOL)
+    np.testing.assert_allclose(st.retr(x, u).numpy(), a @ bh, atol=TOL)
+
+
+@pytest.mark.parametrize("case", ["zeros", "two columns equal"])
+def test_projx_of_a_rank_deficient_matrix_warns_that_its_frame_is_arbitrary(st, case):
+    """A rank-deficient matrix has a continuum of closest frames; the SVD returns one set by rounding, which
+    projx returned silently. The warning names the deficient frame of the stack."""
+    x, _, _ = _point_and_tangents(st, (3, 8, 3))
+    a = x.as_subclass(torch.Tensor).clone()
+    if case == "zeros":
+        a[1] = 0.0
+    else:
+        a[1, :, 2] = a[1, :, 1]
+    assert int(torch.linalg.matrix_rank(a[1])) < 3
+    with pytest.warns(UserWarning, match=r"frame\(s\) \[1\] .* rank < r=3 .* arbitrary"):
+        p = st.projx(a)
+    st.assert_check_point_on_manifold(p, atol=TOL, rtol=TOL)  # still a frame
+    # companion: a full-rank stack (even badly scaled) is projected silently, to the SVD reference
+    full = x.as_subclass(torch.Tensor) * torch.tensor([1.0, 1e-6, 1e3], dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = st.projx(full)
+    uu, _, vh = np.linalg.svd(full.numpy(), full_matrices=False)
+    np.testing.assert_allclose(q.numpy(), uu @ vh, atol=TOL)
+
+
+@pytest.mark.parametrize("opt_cls", [geoopt.optim.RiemannianAdam, geoopt.optim.RiemannianSGD])
+def test_geoopt_optimizers_step_a_polar_stiefel_parameter(st, opt_cls):
+    """geoopt's own optimizers (retr_transp, egrad2rgrad, projx when stabilizing) keep the parameter and its
+    momentum on the manifold and its tangent space; SGD's minimiser of ||W - T||^2 is the polar factor of T."""
+    w = geoopt.ManifoldParameter(st.random(2, 8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
+                                 manifold=st)
+    target = torch.randn(2, 8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    kw = dict(lr=0.05, stabilize=5) if opt_cls is geoopt.optim.RiemannianAdam else dict(lr=0.1, momentum=0.5,
+                                                                                       stabilize=5)
+    opt = opt_cls([w], **kw)
+    for _ in range(300):
+        opt.zero_grad()
+        (w - target).square().sum().backward()
+        opt.step()
+    w = w.detach().as_subclass(torch.Tensor)
+    st.assert_check_point_on_manifold(w, atol=TOL, rtol=TOL)
+    buf = opt.state[next(iter(opt.state))]["exp_avg" if opt_cls is geoopt.optim.RiemannianAdam else "momentum_buffer"]
+    st.assert_check_vector_on_tangent(w, buf, atol=TOL, rtol=TOL)
+    a, _, bh = np.linalg.svd(target.numpy(), full_matrices=False)
+    # Adam's steps at a fixed lr keep a jitter of about lr * eps-scale around the optimum; SGD converges
+    tol = ADAM_OPTIMUM_TOL if opt_cls is geoopt.optim.RiemannianAdam else OPTIMUM_TOL
+    np.testing.assert_allclose(w.numpy(), a @ bh, atol=tol)

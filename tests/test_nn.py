@@ -568,6 +568,38 @@ def test_param_groups_warns_without_frames():
         assert param_groups(frozen)[0]["params"] == []  # frozen frames: deliberate, silent
 
 
+
+def test_param_groups_refuses_a_model_with_nothing_to_train():
+    """Every group empty: torch.optim.AdamW accepted the groups and trained nothing, and the frozen frames kept the
+    frames warning quiet, so nothing said so."""
+    frozen = nn.Sequential(StiefelMultiheadAttention(E, H), nn.LayerNorm(E)).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"param_groups: Sequential has no trainable parameter \(its 8 parameter"
+                                         r"\(s\) all have requires_grad=False\).*requires_grad_\(True\)"):
+        param_groups(frozen)
+    with pytest.raises(ValueError, match="it holds no parameter"):
+        param_groups(nn.Module(), expect_frames=False)
+    # companion: one trainable parameter is enough, and the groups train it
+    frozen[1].weight.requires_grad_(True)
+    groups = param_groups(frozen)
+    assert [len(g["params"]) for g in groups] == [0, 0, 1]
+    torch.optim.AdamW(groups, lr=1e-2)
+
+
+def test_param_groups_refuses_flags_that_are_not_bools_and_a_decay_that_is_not_callable():
+    """no_decay_frames="no" was read as True (a truthy string), decay=True failed inside the loop."""
+    model = nn.Sequential(StiefelMultiheadAttention(E, H))
+    for flag in ("no_decay_frames", "expect_frames", "drop_empty"):
+        with pytest.raises(TypeError, match=rf"param_groups: {flag}='no' is invalid; pass True or False"):
+            param_groups(model, **{flag: "no"})
+    with pytest.raises(TypeError, match="param_groups: decay=True is not callable"):
+        param_groups(model, decay=True)
+    # companion: the bools and a callable rule are accepted
+    groups = param_groups(model, 0.1, no_decay_frames=False, expect_frames=True, drop_empty=True,
+                          decay=lambda name, p: name.endswith("w_o"))
+    assert [(g["name"], len(g["params"]), g["weight_decay"]) for g in groups] == [
+        ("frames", 2, 0.1), ("decay", 1, 0.1), ("no_decay", 3, 0.0)]
+
+
 # ------------------------------------------------------------------------------------- parameter helpers
 class TwoAttention(nn.Module):
     def __init__(self):
