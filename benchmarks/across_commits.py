@@ -35,18 +35,32 @@ def summarize(runs: Mapping[str, Sequence[Mapping]], frame_optimizer: str = "sti
 
     ``runs`` maps a commit label to the bench JSON documents of its runs (``{"results": [{"timings": ..., "ratios":
     ...}]}``, one result per configuration, in the same order for every run).
+
+    A competitor that a run could not time (the bench drops it from that run's ratios, with a note) is summarized over
+    the runs that timed it, and the line says over how many (``/geoopt-radam 0.55 (2 of 3 runs)``); runs whose
+    configurations differ are refused (``ValueError``), not merged.
     """
     lines = []
     width = max(map(len, runs), default=0)
     for label, docs in runs.items():
         if not docs:
             raise ValueError(f"commit {label}: no runs to summarize")
+        keys = ("width", "heads", "head_dim", "model")
+        configs = [[{key: r[key] for key in keys if key in r} for r in doc["results"]] for doc in docs]
+        for n, config in enumerate(configs[1:], 2):
+            if config != configs[0]:
+                raise ValueError(f"commit {label}: run {n} timed the configurations {config}, run 1 {configs[0]}; "
+                                 f"a line would mix them")
         for k, first in enumerate(docs[0]["results"]):
-            config = ", ".join(f"{key} {first[key]}" for key in ("width", "heads", "head_dim", "model") if key in first)
+            config = ", ".join(f"{key} {first[key]}" for key in keys if key in first)
             medians = [doc["results"][k]["timings"][frame_optimizer]["median_ms"] for doc in docs]
-            ratios = {name: statistics.median(doc["results"][k]["ratios"][name] for doc in docs)
-                      for name in first.get("ratios", {})}
-            ratio_text = "  ".join(f"/{name} {value:.2f}" for name, value in ratios.items())
+            names = dict.fromkeys(name for doc in docs for name in doc["results"][k].get("ratios", {}))
+            texts = []
+            for name in names:
+                values = [doc["results"][k]["ratios"][name] for doc in docs if name in doc["results"][k]["ratios"]]
+                some = "" if len(values) == len(docs) else f" ({len(values)} of {len(docs)} runs)"
+                texts.append(f"/{name} {statistics.median(values):.2f}{some}")
+            ratio_text = "  ".join(texts)
             lines.append(f"{label:>{width}} | {config} | {frame_optimizer} {min(medians):.2f} ms (min of {len(docs)}) | "
                          f"{ratio_text}")
     return lines
@@ -95,6 +109,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     missing = [c for c, sha in shas.items() if sha is None]
     if missing:
         parser.error(f"--commits {' '.join(missing)}: no such commit in {REPO}")
+    changed = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True).stdout.split("\n")
+    head = _sha("HEAD")
+    for commit, sha in shas.items():
+        if sha == head and any(changed):
+            print(f"across_commits: {commit} is measured as committed ({sha[:12]}); the uncommitted changes to "
+                  f"{len([c for c in changed if c])} tracked file(s) in {REPO} are not measured (commit them to "
+                  f"time them)", file=sys.stderr)
     a.trees.mkdir(parents=True, exist_ok=True)
     trees = {commit: (sha, _tree(sha, a.trees)) for commit, sha in shas.items()}
     runs: dict[str, list[dict]] = {commit: [] for commit in a.commits}
@@ -112,9 +134,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             doc["commit"] = sha
             runs[commit].append(doc)
             print(f"run {r + 1}/{a.runs}: {commit} ({sha[:12]}) done", file=sys.stderr)
-    print("\n".join(summarize(labelled(runs))))
-    if a.out:
+    if a.out:  # before the summary, which may refuse the runs: what was measured is kept
         a.out.write_text(json.dumps(runs, indent=1))
+    try:
+        lines = summarize(labelled(runs))
+    except ValueError as exc:
+        raise SystemExit(f"across_commits: {exc}") from None
+    print("\n".join(lines))
     return 0
 
 

@@ -61,3 +61,53 @@ def test_the_committed_issue_39_table_is_the_summary_of_its_records(across):
     assert len(lines) == 4 and all(line in readme for line in lines)
     assert across.labelled({"HEAD": [{"commit": "514f6cb274e6"}], "c4e6a00": [{"commit": "c4e6a005a55d"}]}).keys() \
         == {"HEAD 514f6cb", "c4e6a00"}
+
+
+def test_a_competitor_missing_from_some_runs_is_summarized_over_the_others_and_said(across):
+    """A competitor the bench could not time in one run (dropped from that run's ratios, with a note) was dropped
+    from the line without a word when the first run lacked it, and raised KeyError when a later run did. Now its
+    ratio is the median over the runs that timed it, and the line says over how many. Companion: a competitor every
+    run timed reads as before."""
+    full, short = {"adamw_foreach": 3.0, "geoopt-radam": 0.5}, {"adamw_foreach": 3.2}
+    for docs in ([_doc(70.0, short), _doc(72.0, full), _doc(71.0, full)],
+                 [_doc(70.0, full), _doc(72.0, full), _doc(71.0, short)]):
+        (line,) = across.summarize({"c": docs})
+        assert line.endswith("| /adamw_foreach 3.00  /geoopt-radam 0.50 (2 of 3 runs)"), line
+    (line,) = across.summarize({"c": [_doc(70.0, full), _doc(72.0, full)]})
+    assert line.endswith("| /adamw_foreach 3.00  /geoopt-radam 0.50") and "of 2 runs" not in line
+
+
+def test_runs_of_different_configurations_are_refused_not_merged(across):
+    """Runs whose results are other configurations were merged by position (width 256's times and ratios counted
+    as width 512's); now a ValueError names the commit and the run. Companion: the same configurations summarize."""
+    other = _doc(9.0, {"adamw_foreach": 2.0})
+    other["results"][0]["width"] = 256
+    with pytest.raises(ValueError, match="commit c: run 2 timed the configurations"):
+        across.summarize({"c": [_doc(70.0, {"adamw_foreach": 3.0}), other]})
+    assert len(across.summarize({"c": [_doc(70.0, {"adamw_foreach": 3.0}), _doc(9.0, {"adamw_foreach": 2.0})]})) == 1
+
+
+@pytest.mark.parametrize("dirty", [True, False])
+def test_a_dirty_head_is_said_to_be_measured_as_committed(tmp_path, dirty):
+    """'--commits HEAD' times HEAD's committed tree in a worktree: uncommitted changes to tracked files (the change
+    one usually means to time) were left out without a word. Now one line on stderr says so; companion: a clean
+    tree gets no such line. (The bench itself is made to fail at once on an unknown flag: nothing is timed.)"""
+    import shutil
+
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    shutil.copy(SCRIPT, repo / "benchmarks" / "across_commits.py")
+    (repo / "tracked.txt").write_text("a\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "benchmarks", "tracked.txt"], ["commit", "-q", "-m", "x"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    (repo / "untracked.txt").write_text("not a change to a tracked file\n")
+    if dirty:
+        (repo / "tracked.txt").write_text("b\n")
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "across_commits.py"), "--commits", "HEAD",
+                           "--runs", "1", "--trees", str(tmp_path / "trees"), "--", "step", "--no-such-flag"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "bench failed on HEAD" in proc.stderr, proc.stderr
+    said = "uncommitted changes to 1 tracked file(s)" in proc.stderr
+    assert said == dirty, proc.stderr
+    subprocess.run([*git, "worktree", "prune"], capture_output=True)

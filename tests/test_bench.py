@@ -821,3 +821,145 @@ def test_the_seed_bound_is_torchs():
         assert main(["certify", "--quiet", "--only", "1b", "--optimizers", "AdamW", "--seed", str(SEED_MAX)]) == 0
     finally:
         torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------- the CPU clock on threads
+@pytest.mark.parametrize("what", ["step", "paths", "train", "gpu"])
+def test_the_cpu_clock_on_more_than_one_thread_is_refused(what, cli_status, capsys, tmp_path, monkeypatch):
+    """Process CPU time sums the threads' times, so on two threads an entry that parallelises is charged twice its
+    wall time and a ratio against one that does not is no wall-time ratio: 'bench step --clock cpu --threads 2' ran
+    and printed such ratios (14.68 x AdamW at width 128, with nothing saying so). Now one line naming both flags,
+    status 2, nothing run. Companion: --clock cpu with --threads 1 gets past the check (it runs elsewhere here)."""
+    from geoopt_stiefel_attention.bench import cli as bench_cli
+
+    ran = []
+    for name in ("step_time_benchmark", "step_path_benchmark", "train_step_benchmark", "accelerator_check"):
+        monkeypatch.setattr(bench_cli, name, lambda *a, **k: ran.append(a) or (_ for _ in ()).throw(RuntimeError("ran")))
+    out = ["--out", str(tmp_path / "x.json")] if what == "gpu" else []
+    assert cli_status(["bench", what, "--clock", "cpu", "--threads", "2", *out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--clock cpu with --threads 2" in err[0] and "--threads 1" in err[0], err
+    assert not ran and not (tmp_path / "x.json").exists()
+    with pytest.raises(RuntimeError, match="ran"):  # companion: one thread passes the check and runs
+        cli_status(["bench", what, "--clock", "cpu", "--threads", "1", *out])
+
+
+def test_the_cpu_clock_on_more_than_one_thread_is_refused_by_the_api():
+    """The library functions refuse it too (a ValueError naming clock='cpu' and the thread count); companion: the
+    wall clock on two threads, and the CPU clock on one, are timed."""
+    with pytest.raises(ValueError, match="clock='cpu' on 2 threads"):
+        bench.step_time_benchmark((64,), optimizers=("stiefel", "adamw_foreach"), rounds=1, steps_per_round=1,
+                                  warmup=1, configs=TINY, clock="cpu", threads=2)
+    for clock, threads in (("wall", 2), ("cpu", 1)):
+        (res,) = bench.step_time_benchmark((64,), optimizers=("stiefel", "adamw_foreach"), rounds=1,
+                                           steps_per_round=1, warmup=1, configs=TINY, clock=clock, threads=threads)
+        assert (res.clock, res.threads) == (clock, threads) and math.isfinite(res.ratios["adamw_foreach"])
+
+
+# ------------------------------------------------------------------------------------- README figures vs results
+def _committed(name):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return root, json.loads((root / "benchmarks" / "results" / name).read_text())
+
+
+def test_the_step_table_and_targets_in_the_readmes_are_the_committed_results():
+    """benchmarks/README.md's step table is format_step_table of results/step_time_1thread_cpuclock.json, line for
+    line; its targets table and the top README's speed table quote the same ratios, rounded as written."""
+    from geoopt_stiefel_attention.bench import StepTimeResult, Timing
+
+    root, doc = _committed("step_time_1thread_cpuclock.json")
+    assert doc["settings"] == dict(benchmark="step", rounds=9, steps_per_round=5, lr=0.001, dtype="float32",
+                                   clock="cpu", threads=1, seed=0)  # the command the README names
+
+    def timing(record):
+        record = dict(record)
+        return Timing(name=record.pop("arm"), **record)
+
+    results = [StepTimeResult(**{**r, "timings": {k: timing(v) for k, v in r["timings"].items()}})
+               for r in doc["results"]]
+    text = (root / "benchmarks" / "README.md").read_text()
+    table = bench.format_step_table(results).splitlines()
+    assert len(table) == 6 and all(line in text.splitlines() for line in table)
+    by = {r.width: r for r in results}
+    adamw = {w: by[w].ratios["adamw_foreach"] for w in by}
+    floor = {w: by[w].ratios["matmul_floor"] for w in by}
+    euclid = [1 / by[w].ratios["geoopt-radam"] for w in by]
+    canon = [1 / by[w].ratios["geoopt-radam-canonical"] for w in by]
+    state = [by[w].state_ratio["stiefel"] for w in by]
+    words = " ".join(text.split())
+    rows = [f"**not met**: {adamw[128]:.1f}x (128), {min(adamw[w] for w in (256, 512, 768)):.1f}–"
+            f"{max(adamw[w] for w in (256, 512, 768)):.1f}x (256–768)",
+            f"met at 256–768 ({floor[256]:.2f}, {floor[512]:.2f}, {floor[768]:.2f}); **not met** at 128 "
+            f"({floor[128]:.2f})",
+            f"**not met**: {min(euclid):.1f}–{max(euclid):.1f}x",
+            "**not met**: " + ", ".join(f"{c:.2g}x" for c in canon),
+            f"met: {min(state):.4f}–{max(state):.4f}x"]
+    for row in rows:
+        assert row in words, row
+    assert max(floor[w] for w in (256, 512, 768)) <= 1.3 < floor[128] and min(euclid) < 4 and max(canon) < 40
+    top = (root / "README.md").read_text().splitlines()
+    for w, ms in ((128, f"{by[128].timings['stiefel'].median_ms:.2f}"),
+                  (768, f"{by[768].timings['stiefel'].median_ms:.0f}")):
+        row = (f"| {w} | {ms} | {adamw[w]:.1f} | {1 / by[w].ratios['geoopt-radam']:.1f}× | "
+               f"{1 / by[w].ratios['geoopt-radam-canonical']:.2g}× | {floor[w]:.2f} | {by[w].state_ratio['stiefel']:.4f}")
+        assert any(line.startswith(row) for line in top), row
+
+
+def test_the_train_table_in_the_readmes_is_the_committed_results():
+    """benchmarks/README.md's full-training-step table and the figures its targets table and the top README quote
+    are results/train_step_1thread_cpuclock.json's medians and ratios, rounded as written."""
+    root, doc = _committed("train_step_1thread_cpuclock.json")
+    assert (doc["settings"]["rounds"], doc["settings"]["clock"], doc["settings"]["threads"]) == (9, "cpu", 1)
+    text = (root / "benchmarks" / "README.md").read_text()
+    lines = text.splitlines()
+    ratios = {}
+    for r in doc["results"]:
+        cells = " | ".join(f"{r['full_step'][a]['median_ms']:.2f} ({r['optimizer_step'][a]['median_ms']:.2f})"
+                           for a in ("adamw", "stiefel"))
+        row = f"| {r['batch']} | {cells} | {r['ratio']:.2f} |"
+        assert sum(line.endswith(row) for line in lines) == 1, row
+        ratios[r["model"]] = f"{r['ratio']:.2f}"
+    tiny, vit = ratios["tiny_transformer"], ratios["patch_vit"]
+    assert f"met: {tiny} (TinyTransformer), {vit} (PatchViT)" in text
+    top = " ".join((root / "README.md").read_text().split())
+    assert f"costs {tiny}× (TinyTransformer) and {vit}× (PatchViT) the AdamW arm" in top
+
+
+def test_the_step_path_figures_in_the_benchmarks_readme_are_the_committed_results():
+    """benchmarks/README.md's step-path table, the post-merge runs, the grid and the run after the capturable masking
+    change are results/paths_*1thread_cpuclock*.json's floor ratios (the protocol's: median over rounds of the
+    per-round ratios), two decimals. The masking-change sentence quoted the ratio of the two medians instead
+    (capturable 1.37 where the file and the top README say 1.39)."""
+    root, now = _committed("paths_1thread_cpuclock.json")
+    _, before = _committed("paths_1thread_cpuclock_run1.json")
+    text = (root / "benchmarks" / "README.md").read_text()
+    lines, words = text.splitlines(), " ".join(text.split())
+    (r,), (e,) = now["results"], before["results"]
+    floor = f"{r['timings']['matmul_floor']['median_ms']:.1f}"
+    assert any(line.startswith("| `matmul_floor` |") and line.endswith(f"| {floor} | 1 | 1 |") for line in lines)
+    for path in ("eager", "capturable", "compiled", "eager-colmajor", "capturable-colmajor"):
+        bold = "**" if "colmajor" not in path else ""
+        tail = (f"| {r['timings'][path]['median_ms']:.1f} | {bold}{r['floor_ratio'][path]:.2f}{bold} | "
+                f"{e['floor_ratio'][path]:.2f} |")
+        assert any(line.startswith(f"| `{path}` |") and line.endswith(tail) for line in lines), (path, tail)
+    merged = [_committed(f"paths_1thread_cpuclock_postmerge{k}.json")[1]["results"][0]["floor_ratio"] for k in (1, 2)]
+    assert ("gave " + ", ".join(f"{label} {merged[0][p]:.2f} and {merged[1][p]:.2f}" for label, p in
+                                (("eager", "eager"), ("capturable", "capturable"),
+                                 ("eager column-major", "eager-colmajor")))) in words
+    _, fix = _committed("paths_1thread_cpuclock_capturable_fix.json")
+    f = fix["results"][0]
+    assert (f"floor {f['timings']['matmul_floor']['median_ms']:.1f} ms, eager **{f['floor_ratio']['eager']:.2f}**, "
+            f"capturable **{f['floor_ratio']['capturable']:.2f}**, eager column-major "
+            f"{f['floor_ratio']['eager-colmajor']:.2f}, capturable column-major "
+            f"{f['floor_ratio']['capturable-colmajor']:.2f}.") in words
+    top = " ".join((root / "README.md").read_text().split())
+    assert f"{f['floor_ratio']['capturable']:.2f}× after skipped frames were masked" in top
+    _, grid = _committed("paths_full_1thread_cpuclock.json")
+    generated = {f"| {g['frames']['d']} x {g['frames']['r']} | {g['timings']['matmul_floor']['median_ms']:.1f} | "
+                 + " | ".join(f"{g['floor_ratio'][p]:.2f}" for p in ("eager", "capturable", "eager-colmajor")) + " |"
+                 for g in grid["results"]}
+    head = lines.index("| d x r | floor ms | eager (x floor) | capturable (x floor) | eager, column-major (x floor) |")
+    table = [line for line in lines[head + 2:head + 20] if line.startswith("| ")][:11]
+    assert len(table) == 11 and set(table) <= generated, set(table) - generated

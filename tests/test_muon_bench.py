@@ -29,3 +29,30 @@ def test_bench_muon_cli_writes_times_and_ratios(tmp_path, cli_status):
     assert all(t > 0 for t in res["times_ms"].values())
     assert res["ratios"]["torch-muon"] == res["times_ms"]["stiefel-muon"] / res["times_ms"]["torch-muon"]
     assert (res["dual_steps"], res["ns_steps"]) == (DEFAULT_DUAL_STEPS, DEFAULT_NS_STEPS)
+
+
+def test_the_muon_tables_in_the_benchmarks_readme_are_the_committed_results():
+    """benchmarks/README.md's solver table and StiefelMuon step table are format_solver_table of
+    results/muon_solver_table_cpu.json and format_muon_table of results/muon_step_cpu.json, line for line; the
+    default setting the file names is the one cheapest_setting picks from its rows."""
+    import json
+    from pathlib import Path
+
+    from geoopt_stiefel_attention.bench.muon import (
+        MuonStepResult,
+        SolverRow,
+        cheapest_setting,
+        format_muon_table,
+        format_solver_table,
+    )
+
+    root = Path(__file__).resolve().parents[1]
+    results = root / "benchmarks" / "results"
+    lines = (root / "benchmarks" / "README.md").read_text().splitlines()
+    solver = json.loads((results / "muon_solver_table_cpu.json").read_text())
+    rows = [SolverRow(**r) for r in solver["rows"]]
+    assert list(cheapest_setting(rows)) == list(solver["cheapest"])
+    step = json.loads((results / "muon_step_cpu.json").read_text())
+    step = step["results"] if isinstance(step, dict) else step
+    for table in (format_solver_table(rows), format_muon_table([MuonStepResult(**r) for r in step])):
+        assert len(table.splitlines()) > 2 and all(line in lines for line in table.splitlines())

@@ -126,7 +126,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="of the parameters (default float32)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     add("--clock", default="wall", choices=CLOCKS,
-        help="'wall' time, or process 'cpu' time (robust on a shared machine with --threads 1)")
+        help="'wall' time, or process 'cpu' time (robust on a shared machine; needs --threads 1, refused on more: "
+             "CPU time sums the threads)")
     add_threads_argument(parser)
     add("--seed", type=seed_int, default=0, help="seed of the parameters, gradients and data (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -181,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
             args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise UsageError(f"--compile-backend {args.compile_backend!r} is not a torch.compile "
                                                f"backend; use e.g. inductor or aot_eager")
+    if "--clock" in BENCHMARK_READS[args.what] and args.clock == "cpu" and args.threads != 1:
+        raise UsageError(f"--clock cpu with --threads {args.threads}: process CPU time sums the threads' times, so "
+                         f"a ratio between entries that parallelise differently is not a wall-time ratio; use "
+                         f"--threads 1 with --clock cpu, or --clock wall")
     if args.what == "gpu" and args.out is None:
         raise UsageError("'gpu' writes its results as JSON: pass --out PATH")
     problem = None if args.out is None else output_path_problem(args.out, folder=False)

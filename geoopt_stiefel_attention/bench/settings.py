@@ -39,7 +39,8 @@ class BenchSettings:
     device : str
         Torch device of the parameters.
     clock : {"wall", "cpu"}
-        Wall time, or the process's CPU time (robust to other processes on a shared machine with one thread).
+        Wall time, or the process's CPU time (robust to other processes on a shared machine); ``"cpu"`` needs one
+        thread (``threads=1``; refused on more: CPU time sums the threads).
     threads : int or None
         ``torch.set_num_threads`` for the run (restored afterwards); ``None`` keeps the current setting.
     seed : int
@@ -84,6 +85,19 @@ def _clock(clock: str) -> Callable[[], float]:
     return time.perf_counter if clock == "wall" else time.process_time
 
 
+def _check_cpu_clock_threads(clock: str) -> None:
+    """Refuse ``clock="cpu"`` on more than one intra-op thread: the process's CPU time sums every thread's, so an
+    entry that runs on two threads is charged twice its wall time and one that runs on one is not, and a ratio
+    between them is neither their wall-time ratio nor stated as anything else."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if clock == "cpu" and threads > 1:
+        raise ValueError(f"bench: clock='cpu' on {threads} threads: process CPU time sums the threads' times, so "
+                         f"ratios between entries that parallelise differently are not wall-time ratios; use "
+                         f"threads=1 with clock='cpu', or clock='wall'.")
+
+
 def _synchronize(device: str) -> None:
     import torch
 
@@ -103,6 +117,7 @@ def _interleave(steps: dict[str, Callable[[], Any]], settings: BenchSettings, *,
     warmup = settings.warmup if warmup is None else warmup
     rounds, steps_per_round, device = settings.rounds, settings.steps_per_round, settings.device
     now = _clock(settings.clock)
+    _check_cpu_clock_threads(settings.clock)
     per_round, failed = {}, {}
     for name, fn in steps.items():
         t0 = time.perf_counter()
