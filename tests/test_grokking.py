@@ -324,3 +324,48 @@ def test_the_weight_norm_panels_compare_the_same_matrices_in_every_arm():
     # the total is the sum of squares of the listed matrices other than W_Q, W_K, written out
     rest = [k for k in first[0] if k.startswith("norm/") and k != "norm/euclidean" and not k.endswith((".w_q", ".w_k"))]
     assert abs(totals[0] - sum(first[0][k] ** 2 for k in rest) ** 0.5) < 1e-12 * totals[0]
+
+
+def _set_config(run, **changes):
+    """Rewrite one field of the study config recorded in ``run/config.json`` (``optim__lr=...``)."""
+    path = run / "config.json"
+    spec = json.loads(path.read_text())
+    for key, value in changes.items():
+        node = spec["config"]
+        *parents, leaf = key.split("__")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    path.write_text(json.dumps(spec))
+
+
+@pytest.mark.parametrize("field, value, flag", [("optim__lr", 0.01, "--lr 0.01"),
+                                                ("train__epochs", 40000, "--epochs 40000"),
+                                                ("p", 13, "--p 13")])
+def test_report_only_refuses_seeds_of_one_arm_trained_with_other_settings(tmp_path, capsys, field, value, flag):
+    # a seed trained at another --lr (or for more --epochs, on another task) in the same --out was averaged in
+    # under the settings of the first run, without a word
+    out = _synthetic_study(tmp_path / "mixed")
+    _set_config(out / "runs" / "adamw" / "seed3", **{field: value})
+    capsys.readouterr()
+    assert cli_main(["grokking", "--report-only", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert f"adamw/seed3 has {flag}" in err and "--arms/--seeds" in err
+    assert not (out / "report.md").exists() and not (out / "summary.json").exists()  # nothing written
+    # companion: the runs alike are reported (seed 3 left out with --seeds)
+    assert cli_main(["grokking", "--report-only", "--out", str(out), "--seeds", "0", "1", "2", "4"]) == 0
+    assert (out / "report.md").exists()
+
+
+def test_report_only_accepts_arms_with_their_own_optimizer_settings_only(tmp_path, capsys):
+    out = _synthetic_study(tmp_path / "arms")
+    for seed in range(5):  # every stiefel seed at its own frame lr: an arm's optimizer, consistent over seeds
+        _set_config(out / "runs" / "stiefel" / f"seed{seed}", optim__frame_lr=0.01)
+    assert cli_main(["grokking", "--report-only", "--out", str(out)]) == 0
+    # but arms on different tasks are not one study
+    for seed in range(5):
+        _set_config(out / "runs" / "stiefel" / f"seed{seed}", train_fraction=0.5)
+    capsys.readouterr()
+    assert cli_main(["grokking", "--report-only", "--out", str(out)]) == 2
+    assert "stiefel/seed0 has --train-fraction 0.5 where adamw/seed0 has --train-fraction 0.3" in capsys.readouterr().err

@@ -26,6 +26,7 @@ from experiments.harness.ablation_arms import (
 from experiments.harness.stats import mean_ci, paired_stats
 from experiments.vision.data import (
     DEBIAN_FASHION_MNIST_DIR,
+    DatasetFormatError,
     DatasetNotFoundError,
     load_vision,
     prepare_fashion_mnist,
@@ -189,6 +190,82 @@ def test_fake_cifar10_trains_one_run(fake_cifar, tmp_path):
     assert res.completed and res.final_record["step"] == 2 and 0.0 <= res.final_record["test_acc"] <= 1.0
 
 
+def _rewrite_batch(root, name, **changes):
+    """Replace entries of one fake CIFAR-10 pickle (``data``, ``labels``, ``label_names``)."""
+    path = root / "cifar-10-batches-py" / name
+    with open(path, "rb") as f:
+        entry = pickle.load(f)
+    entry.update(changes)
+    with open(path, "wb") as f:
+        pickle.dump(entry, f)
+
+
+def _corrupt_cifar(root, batches, defect):
+    if defect == "rows of 1024 values":  # one grey channel per row: reshaped into a third as many colour images
+        for i in range(1, 6):
+            _rewrite_batch(root, f"data_batch_{i}", data=np.zeros((12, 1024), np.uint8), labels=[0] * 12)
+    elif defect == "rows of 6144 values":  # two images per row: twice as many images as labels
+        _rewrite_batch(root, "test_batch", data=np.zeros((4, 6144), np.uint8))
+    elif defect == "a label missing":
+        _rewrite_batch(root, "data_batch_5", labels=batches["data_batch_5"]["labels"][:-1])
+    elif defect == "label -1":
+        _rewrite_batch(root, "data_batch_1", labels=[-1, 0, 1, 2])
+    elif defect == "label 10":
+        _rewrite_batch(root, "test_batch", labels=[10, 0, 1, 2])
+    elif defect == "empty test split":
+        _rewrite_batch(root, "test_batch", data=np.zeros((0, 3072), np.uint8), labels=[])
+    elif defect == "test batch = a training batch":
+        _rewrite_batch(root, "test_batch", data=batches["data_batch_3"]["data"], labels=batches["data_batch_3"]["labels"])
+    elif defect == "batches.meta of 100 classes":
+        _rewrite_batch(root, "batches.meta", label_names=[f"class{i}" for i in range(100)])
+    elif defect == "a batch cut short":
+        path = root / "cifar-10-batches-py" / "data_batch_4"
+        path.write_bytes(path.read_bytes()[:5000])
+    else:
+        raise AssertionError(defect)
+
+
+CIFAR_DEFECTS = {"rows of 1024 values": "images but", "rows of 6144 values": "images but",
+                 "a label missing": "images but", "label -1": "outside 0..9", "label 10": "outside 0..9",
+                 "empty test split": "test split is empty", "test batch = a training batch": "equal a training image",
+                 "batches.meta of 100 classes": "100 classes", "a batch cut short": "not a CIFAR-10 python batch"}
+
+
+@pytest.mark.parametrize("defect", list(CIFAR_DEFECTS))
+def test_cifar10_files_that_do_not_hold_cifar10_are_refused(fake_cifar, defect):
+    # each loaded before without a word: images and labels of different numbers (misaligned by the batcher),
+    # labels outside the 10 classes, no test images, a test split equal to training images (test accuracy =
+    # training accuracy), another data set's meta; a batch cut short raised a bare UnpicklingError
+    root, batches = fake_cifar
+    _corrupt_cifar(root, batches, defect)
+    with pytest.raises(DatasetFormatError, match=CIFAR_DEFECTS[defect]) as info:
+        load_vision("cifar10", root)
+    assert "cifar-10-batches-py" in str(info.value) and "intact copy" in str(info.value)
+
+
+def test_cifar10_with_a_few_test_images_also_in_training_loads(fake_cifar):
+    # companion: the official splits share a few images pixel for pixel; 1 of 100 is not a leaked split
+    root, batches = fake_cifar
+    rng = np.random.default_rng(5)
+    test = rng.integers(0, 256, size=(100, 3072), dtype=np.uint8)
+    test[7] = batches["data_batch_1"]["data"][2]
+    _rewrite_batch(root, "test_batch", data=test, labels=[i % 10 for i in range(100)])
+    data = load_vision("cifar10", root)
+    assert data.test_inputs.shape == (100, 3, 32, 32) and data.test_targets.tolist()[:3] == [0, 1, 2]
+
+
+def test_cli_names_corrupt_cifar10_in_one_line(fake_cifar, tmp_path, capsys):
+    from experiments.cli import main
+
+    root, batches = fake_cifar
+    _corrupt_cifar(root, batches, "test batch = a training batch")
+    out = tmp_path / "out"
+    assert main(["vision", "--dataset", "cifar10", "--data-dir", str(root), "--out", str(out), "--quiet",
+                 "--epochs", "1", "--seeds", "0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "equal a training image" in err and not out.exists()
+
+
 def test_missing_cifar_names_both_flags(tmp_path):
     with pytest.raises(DatasetNotFoundError, match="--data-dir") as info:
         load_vision("cifar10", tmp_path / "nothing")
@@ -223,6 +300,23 @@ def test_fashion_mnist_layout_from_gzipped_idx(tmp_path):
     assert data.train_targets.tolist() == labels["train"].tolist()
     want = (images["t10k"][2, 13, 4] / 255 - 0.2860) / 0.3530
     assert float(data.test_inputs[2, 0, 13, 4]) == pytest.approx(want, abs=PIXEL_TOL)
+
+
+def test_fashion_mnist_with_a_label_outside_the_classes_or_a_leaked_test_split_is_refused(tmp_path):
+    rng = np.random.default_rng(2)
+    images = rng.integers(0, 256, (7, 28, 28))
+    for name, test_images, test_labels, match in (("labels", rng.integers(0, 256, (3, 28, 28)), [1, 12, 3],
+                                                   "labels in 1..12, outside 0..9"),
+                                                  ("leak", images[:3], [1, 2, 3], "3 of the 3 test images")):
+        src = tmp_path / name / "src"
+        src.mkdir(parents=True)
+        _idx(src / "train-images-idx3-ubyte.gz", images)
+        _idx(src / "train-labels-idx1-ubyte.gz", rng.integers(0, 10, 7))
+        _idx(src / "t10k-images-idx3-ubyte.gz", test_images)
+        _idx(src / "t10k-labels-idx1-ubyte.gz", np.array(test_labels))
+        prepare_fashion_mnist(tmp_path / name / "data", source=src)
+        with pytest.raises(DatasetFormatError, match=match):
+            load_vision("fashion-mnist", tmp_path / name / "data")
 
 
 @pytest.mark.skipif(not (DEBIAN_FASHION_MNIST_DIR / "t10k-labels-idx1-ubyte.gz").exists(),

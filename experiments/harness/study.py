@@ -34,7 +34,8 @@ from .runner import (
 )
 
 __all__ = ["Cell", "finished_runs", "StudyOutputs", "run_study", "run_cells", "finalize_study", "speed_from_environment",
-           "record_command", "recorded_commands", "cell_records", "recorded_config", "run_info_from_records"]
+           "record_command", "recorded_commands", "cell_records", "check_runs_alike", "recorded_config",
+           "run_info_from_records"]
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"
@@ -128,7 +129,66 @@ def cell_records(out_dir: str | os.PathLike, cell: Cell, arms: Sequence[str] | N
         raise ValueError(f"no records under {cell.folder(out_dir) / 'runs'} for arms {list(arms or [])} and "
                          f"seeds {list(seeds or [])}; run the study first (without --report-only), or check --out, "
                          f"--arms and --seeds.")
+    check_runs_alike(cell.folder(out_dir), {(r["arm"], int(r["seed"])) for r in records})
     return records
+
+
+def check_runs_alike(folder: str | os.PathLike, runs: Iterable[tuple[str, int]]) -> None:
+    """Refuse to report ``runs`` (``(arm, seed)`` pairs under ``folder/runs``) trained with different settings.
+
+    A mean over seeds, or a paired comparison of arms, is a statement about one configuration: a seed trained at
+    another ``--lr``, for more ``--epochs`` or on another task, would be averaged in under the settings of the
+    first run. The seeds of one arm must share every setting of their ``config.json``; runs of different arms may
+    differ only in their optimizer settings (``optim.*``: an arm's own learning rate, say), never in the task, the
+    model, the data or the schedule. Runs without a ``config.json`` are not checked.
+
+    Raises
+    ------
+    InconsistentRecordsError
+        Naming the runs and the flags that differ, and the fix (``--arms``/``--seeds`` to report runs alike, or
+        rerun the others with the same flags).
+    """
+    from .config import flag_of
+    from .records import InconsistentRecordsError
+
+    wanted = set(runs)
+    configs: dict[tuple[str, int], Any] = {}
+    for path in run_paths(folder, CONFIG_FILE):
+        key = (path.parent.parent.name, int(path.parent.name[len("seed"):]))
+        if key in wanted:
+            configs[key] = json.loads(path.read_text()).get("config")
+    if len(configs) < 2:
+        return
+    items = sorted(configs.items())
+    first_of_arm: dict[str, tuple[int, Any]] = {}
+    for (arm, seed), config in items:
+        first_of_arm.setdefault(arm, (seed, config))
+    found = []
+    for (arm, seed), config in items[1:]:
+        ref_arm, (ref_seed, ref) = (arm, first_of_arm[arm]) if first_of_arm[arm][0] != seed else (
+            items[0][0][0], (items[0][0][1], items[0][1]))
+        diffs = _config_differences(ref, config, "")
+        if arm != ref_arm:  # the first seed of another arm: the optimizer settings may be the arm's own
+            diffs = [d for d in diffs if not d[0].startswith("optim.")]
+        if diffs:
+            found.append(f"{arm}/seed{seed} has " + ", ".join(f"{flag_of(p)} {json.dumps(b)}" for p, _, b in diffs)
+                         + f" where {ref_arm}/seed{ref_seed} has "
+                         + ", ".join(f"{flag_of(p)} {json.dumps(a)}" for p, a, _ in diffs))
+    if found:
+        raise InconsistentRecordsError(
+            f"{Path(folder) / 'runs'} holds runs trained with different settings, which one report would mix: "
+            f"{'; '.join(found)}. Report runs alike with --arms/--seeds, rerun the others with the same flags, or "
+            f"move them to another --out folder.")
+
+
+def _config_differences(have: Any, want: Any, prefix: str) -> list[tuple[str, Any, Any]]:
+    """``(dotted path, value in have, value in want)`` for every leaf where two JSON objects differ."""
+    if isinstance(have, dict) and isinstance(want, dict):
+        out = []
+        for key in sorted(set(have) | set(want)):
+            out += _config_differences(have.get(key), want.get(key), f"{prefix}.{key}" if prefix else key)
+        return out
+    return [] if have == want else [(prefix, have, want)]
 
 
 def speed_from_environment(out_dir: str | os.PathLike) -> dict[str, Any]:

@@ -12,7 +12,9 @@ Every data set is read once into memory as float32 tensors ``(N, C, S, S)`` norm
 - ``digits``: :func:`sklearn.datasets.load_digits` (1,797 images, 8×8, values 0..16), upsampled 2×
   (nearest) to 1×16×16 so that 4×4 patches fit, normalised with the mean and std of its training split.
 
-CIFAR-10 and Fashion-MNIST keep their official train/test split. The digits have none: a fixed, stratified
+CIFAR-10 and Fashion-MNIST keep their official train/test split; files that do not hold them (a batch cut short,
+images and labels of different numbers, a label outside the 10 classes, an empty split, a test split that repeats
+training images) are refused with :class:`DatasetFormatError` (:func:`check_splits`). The digits have none: a fixed, stratified
 split (seed 0, not the run's seed) keeps 500 images for testing.
 
 ``train_size`` subsamples the training set to ``N`` images, uniformly at random from a generator seeded by
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +38,8 @@ import torch
 from ..harness.batches import derived_generator
 
 __all__ = ["DATASETS", "DEBIAN_FASHION_MNIST_DIR", "VisionData", "load_vision", "subsample", "random_crop_flip",
-           "prepare_fashion_mnist", "DatasetNotFoundError", "STREAM_SUBSAMPLE"]
+           "prepare_fashion_mnist", "DatasetNotFoundError", "DatasetFormatError", "check_splits",
+           "STREAM_SUBSAMPLE"]
 
 #: The accepted values of ``dataset`` (with the spellings accepted on the command line).
 DATASETS = ("cifar10", "fashion-mnist", "digits")
@@ -66,6 +70,53 @@ DIGITS_TEST_SIZE = 500
 
 class DatasetNotFoundError(FileNotFoundError):
     """The data set's files are not under ``data_dir`` and downloading was not asked for (or failed)."""
+
+
+class DatasetFormatError(ValueError):
+    """The data set's files are there but do not hold the data set: a file cut short or not in the format, a split
+    whose images and labels differ in number, an empty split, a label outside ``0..num_classes-1``, or a test split
+    that repeats the training images (:func:`check_splits`). The command line prints it as one line (exit 2)."""
+
+
+#: Largest share of the test images that may equal a training image pixel for pixel before the files are refused as
+#: a test split that leaks the training set (the official splits share only a few: for CIFAR-10, duplicates near
+#: or exact make up about 3% of the test set, Barz & Denzler 2020).
+MAX_SHARED_TEST_FRACTION = 0.05
+
+
+def check_splits(dataset: str, where: str | os.PathLike, train: tuple, test: tuple, num_classes: int) -> None:
+    """Refuse files that would train or test on something other than the data set, before anything is trained.
+
+    ``train`` and ``test`` are ``(images, labels)``: images ``(N, ...)`` uint8 as read, labels ``(N,)``. Checks
+    that each split is non-empty, has one label per image, every label in ``0..num_classes-1``, and that no more
+    than :data:`MAX_SHARED_TEST_FRACTION` of the test images equal a training image (a test batch copied from a
+    training batch would report training accuracy as test accuracy).
+
+    Raises
+    ------
+    DatasetFormatError
+        One sentence naming the split, the files (``where``) and what to do.
+    """
+    name = DISPLAY_NAMES[dataset]
+    fix = f"replace the files under {where} with an intact copy of {name} (--data-dir; or fetch it with --download)"
+    for split, (images, labels) in (("training", train), ("test", test)):
+        labels = torch.as_tensor(labels)
+        if len(images) == 0:
+            raise DatasetFormatError(f"{name} at {where}: the {split} split is empty; {fix}.")
+        if len(images) != len(labels):
+            raise DatasetFormatError(f"{name} at {where}: the {split} split has {len(images)} images but "
+                                     f"{len(labels)} labels (a file of another size or format); {fix}.")
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0 or high >= num_classes:
+            raise DatasetFormatError(f"{name} at {where}: the {split} split has labels in {low}..{high}, outside "
+                                     f"0..{num_classes - 1}; {fix}.")
+    seen = {bytes(memoryview(row)) for row in torch.as_tensor(train[0]).reshape(len(train[0]), -1).numpy()}
+    test_rows = torch.as_tensor(test[0]).reshape(len(test[0]), -1).numpy()
+    shared = sum(bytes(memoryview(row)) in seen for row in test_rows)
+    if shared > MAX_SHARED_TEST_FRACTION * len(test_rows):
+        raise DatasetFormatError(f"{name} at {where}: {shared} of the {len(test_rows)} test images equal a "
+                                 f"training image pixel for pixel (the test split repeats the training set, so "
+                                 f"test accuracy would be training accuracy); {fix}.")
 
 
 @dataclass(frozen=True)
@@ -146,6 +197,15 @@ def _load_cifar10(data_dir: Path, download: bool) -> VisionData:
         raise _missing("cifar10", data_dir, f"torchvision says: {err}") from err
     except OSError as err:  # no network
         raise _missing("cifar10", data_dir, f"download failed: {err}") from err
+    except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, AttributeError) as err:
+        raise DatasetFormatError(  # a batch cut short, or not a pickle of the batch dict
+            f"CIFAR-10 at {folder}: a file there is not a CIFAR-10 python batch ({type(err).__name__}: {err}); "
+            f"replace data_batch_1..5, test_batch and batches.meta under --data-dir {data_dir} with an intact "
+            f"copy (or fetch it with --download).") from None
+    if len(train.classes) != 10:
+        raise DatasetFormatError(f"CIFAR-10 at {folder}: batches.meta names {len(train.classes)} classes, not 10; "
+                                 f"replace the files under --data-dir {data_dir} with an intact copy of CIFAR-10.")
+    check_splits("cifar10", folder, (train.data, train.targets), (test.data, test.targets), 10)
     mean, std = NORMALISATION["cifar10"]
 
     def tensors(ds):
@@ -200,6 +260,8 @@ def _load_fashion_mnist(data_dir: Path, download: bool) -> VisionData:
         test = FashionMNIST(str(data_dir), train=False, download=download)
     except RuntimeError as err:
         raise _missing("fashion-mnist", data_dir, f"torchvision says: {err}") from err
+    check_splits("fashion-mnist", Path(data_dir) / "FashionMNIST" / "raw", (train.data, train.targets),
+                 (test.data, test.targets), 10)
     mean, std = NORMALISATION["fashion-mnist"]
     xtr = _normalise(train.data.unsqueeze(1), mean, std)
     xte = _normalise(test.data.unsqueeze(1), mean, std)

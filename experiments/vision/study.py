@@ -65,6 +65,7 @@ from ..harness.stats import describe
 from ..harness.study import Cell, StudyOutputs
 from .data import (
     DISPLAY_NAMES,
+    DatasetFormatError,
     DatasetNotFoundError,
     canonical_dataset,
     load_vision,
@@ -710,7 +711,7 @@ class VisionCommand(StudyCommand):
     arms = ()
     seeds = tuple(range(12))
     report_only_flags = frozenset({"study", "data_dir", "download"})
-    errors = (DatasetNotFoundError,)
+    errors = (DatasetNotFoundError, DatasetFormatError)
     arms_help = ("arms to run (default: the study's: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in STUDY_ARMS.items())
                  + ")")
 
