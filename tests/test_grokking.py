@@ -369,3 +369,30 @@ def test_report_only_accepts_arms_with_their_own_optimizer_settings_only(tmp_pat
     capsys.readouterr()
     assert cli_main(["grokking", "--report-only", "--out", str(out)]) == 2
     assert "stiefel/seed0 has --train-fraction 0.5 where adamw/seed0 has --train-fraction 0.3" in capsys.readouterr().err
+
+
+def test_training_into_the_folder_of_another_study_is_refused(tmp_path, capsys):
+    # grokking runs of a new arm in a vision study's --out were trained beside its runs, and the vision report,
+    # summary and study.json were overwritten by a grokking one without a word
+    from experiments.harness import to_dict
+    from experiments.vision.study import VisionConfig
+
+    other = tmp_path / "vision"
+    run = other / "runs" / "adamw" / "seed0"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(to_dict(RunSpec(VisionConfig(), "adamw", 0))))
+    (other / "report.md").write_text("vision report\n")
+    flags = ["grokking", "--p", "7", "--width", "16", "--heads", "2", "--mlp", "16", "--epochs", "2",
+             "--eval-every", "1", "--quiet", "--device", "cpu", "--threads", "1"]
+    capsys.readouterr()
+    assert cli_main([*flags, "--arms", "stiefel", "--out", str(other)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds runs of the vision study" in err and "--out" in err
+    assert sorted(p.name for p in other.rglob("*")) == ["adamw", "config.json", "report.md", "runs", "seed0"]
+    assert (other / "report.md").read_text() == "vision report\n"
+    # companion: a new arm beside runs of the same study is trained and reported
+    mine = tmp_path / "grokking"
+    assert cli_main([*flags, "--arms", "adamw", "--out", str(mine)]) == 0
+    assert cli_main([*flags, "--arms", "stiefel", "--out", str(mine)]) == 0
+    assert cli_main(["grokking", "--report-only", "--out", str(mine)]) == 0
+    assert "| stiefel | 1 |" in (mine / "report.md").read_text() and "| adamw | 1 |" in (mine / "report.md").read_text()

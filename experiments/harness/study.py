@@ -34,8 +34,8 @@ from .runner import (
 )
 
 __all__ = ["Cell", "finished_runs", "StudyOutputs", "run_study", "run_cells", "finalize_study", "speed_from_environment",
-           "record_command", "recorded_commands", "cell_records", "check_runs_alike", "recorded_config",
-           "run_info_from_records"]
+           "record_command", "recorded_commands", "cell_records", "check_runs_alike", "check_study_folder",
+           "recorded_config", "run_info_from_records"]
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"
@@ -322,6 +322,34 @@ def finalize_study(out_dir: str | os.PathLike, *, title: str, intro: str = "", c
                         figures=figures)
 
 
+def check_study_folder(out_dir: str | os.PathLike, experiments: Iterable[str]) -> None:
+    """Refuse to train runs of ``experiments`` into an ``out_dir`` that holds runs of another study.
+
+    A folder is one study: its ``study.json``, ``summary.json`` and ``report.md`` are those of the study trained
+    there, and its report is rebuilt from every run under it. Runs of the grokking study placed beside a vision
+    study's (a new arm, say) would overwrite the vision report with a grokking one and be mixed into the next
+    rebuild.
+
+    Raises
+    ------
+    ConfigMismatchError
+        Naming ``--out``, the other study and one of its runs; nothing is written.
+    """
+    from .runner import ConfigMismatchError
+
+    wanted = set(experiments)
+    for path in sorted(Path(out_dir).glob(f"**/runs/*/seed*/{CONFIG_FILE}")):
+        try:
+            found = json.loads(path.read_text()).get("config", {}).get("experiment")
+        except (OSError, ValueError, AttributeError):
+            continue  # an unreadable config.json is check_run_dir's to report, for the runs it places
+        if found is not None and found not in wanted:
+            raise ConfigMismatchError(
+                f"--out {out_dir} holds runs of the {found} study ({path.parent}), not of "
+                f"{' or '.join(sorted(wanted))}: a study folder holds one study (its report is rebuilt from every "
+                f"run in it); use another --out folder.")
+
+
 def run_cells(cells: Sequence[Cell], build_task: TaskBuilder, out_dir: str | os.PathLike, *, arms: Sequence[str],
               seeds: Sequence[int], arm_config: Any = None, command: str | None = None,
               options: RunOptions | None = None, **run_kwargs: Any) -> list[RunResult]:
@@ -335,6 +363,7 @@ def run_cells(cells: Sequence[Cell], build_task: TaskBuilder, out_dir: str | os.
     grid = [(cell, [RunSpec(cell.config if arm_config is None else arm_config(cell.config, a), a, s)
                     for a in arms for s in seeds]) for cell in cells]
     placed = [(spec, cell.folder(out_dir) / "runs" / spec.name) for cell, specs in grid for spec in specs]
+    check_study_folder(out_dir, {spec.experiment for _, specs in grid for spec in specs})
     check_placed_jobs(placed)  # refuse a folder holding other runs before anything is trained or written
     record_command(out_dir, command)
     return run_placed_jobs(placed, build_task, options)
