@@ -396,3 +396,19 @@ def test_training_into_the_folder_of_another_study_is_refused(tmp_path, capsys):
     assert cli_main([*flags, "--arms", "stiefel", "--out", str(mine)]) == 0
     assert cli_main(["grokking", "--report-only", "--out", str(mine)]) == 0
     assert "| stiefel | 1 |" in (mine / "report.md").read_text() and "| adamw | 1 |" in (mine / "report.md").read_text()
+
+
+@pytest.mark.parametrize("fraction, rc", [("0.001", 2), ("0.99", 2), ("0.5", 0)])
+def test_a_train_fraction_leaving_a_split_empty_is_one_line_before_anything_is_written(tmp_path, capsys, fraction, rc):
+    # --p 7 --train-fraction 0.001 raised a ValueError traceback (exit 1) after writing runs/adamw/seed0/config.json
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert cli_main(["grokking", "--p", "7", "--train-fraction", fraction, "--width", "16", "--heads", "2", "--mlp",
+                     "16", "--epochs", "1", "--arms", "adamw", "--quiet", "--skip-report", "--device", "cpu",
+                     "--out", str(out)]) == rc
+    err = capsys.readouterr().err.strip()
+    if rc == 2:
+        assert len(err.splitlines()) == 1 and "--train-fraction" in err and "Traceback" not in err
+        assert not out.exists()
+    else:  # companion: 24 of 49 pairs train
+        assert (out / "runs" / "adamw" / "seed0" / "metrics.jsonl").exists()

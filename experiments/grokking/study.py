@@ -247,6 +247,17 @@ class GrokkingCommand(StudyCommand):
     def config_from_args(self, args: argparse.Namespace) -> GrokkingConfig:
         return config_from_args(args)
 
+    def prepare(self, config: GrokkingConfig, args: argparse.Namespace) -> GrokkingConfig:
+        """Refuse a split with an empty training or validation set before any run folder is written (its sizes
+        depend on --p and --train-fraction only, not on the seed)."""
+        from .data import modular_split
+
+        try:
+            modular_split(config.p, config.operation, config.train_fraction, seed=0)
+        except ValueError as err:
+            raise ValueError(f"--train-fraction {config.train_fraction} with --p {config.p}: {err}") from None
+        return config
+
     def train(self, config: GrokkingConfig, args: argparse.Namespace, **kwargs) -> StudyOutputs:
         return run_grokking(config, args.out, report_only=args.report_only, skip_report=args.skip_report, **kwargs)
 
