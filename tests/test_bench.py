@@ -963,3 +963,24 @@ def test_the_step_path_figures_in_the_benchmarks_readme_are_the_committed_result
     head = lines.index("| d x r | floor ms | eager (x floor) | capturable (x floor) | eager, column-major (x floor) |")
     table = [line for line in lines[head + 2:head + 20] if line.startswith("| ")][:11]
     assert len(table) == 11 and set(table) <= generated, set(table) - generated
+
+
+@pytest.mark.parametrize("threads", [1, None])
+def test_the_accelerator_check_records_the_threads_its_parts_ran_on(monkeypatch, threads):
+    """The check's ``machine.torch_threads`` is the thread count its parts ran with (``threads``), not the count
+    torch had before the check; with ``threads=None`` (the parts run on torch's count) the two agree."""
+    import torch
+
+    from geoopt_stiefel_attention.bench import gpu
+
+    for name in ("step_time_benchmark", "step_path_benchmark", "train_step_benchmark"):
+        monkeypatch.setattr(gpu, name, lambda *a, **k: [])
+    monkeypatch.setattr(gpu, "retraction_benchmark", lambda *a, **k: {})
+    monkeypatch.setattr(gpu, "graph_step_benchmark", lambda *a, **k: {})
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = gpu.accelerator_check("cpu", scale="tiny", threads=threads, compile_backend=None)
+    finally:
+        torch.set_num_threads(before)
+    assert out["machine"]["torch_threads"] == (threads or 2)

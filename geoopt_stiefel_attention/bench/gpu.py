@@ -81,7 +81,9 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
     t0 = time.perf_counter()
     out["graphs"] = graph_step_benchmark(sizes["frames"], BenchSettings(**timing))
     seconds["graphs"] = time.perf_counter() - t0
-    return {"machine": asdict(machine_info(device)), "settings": dict(scale=scale, **timing,
+    with torch_threads(threads):  # the machine as the parts ran on it (torch_threads: the threads they used)
+        machine = asdict(machine_info(device))
+    return {"machine": machine, "settings": dict(scale=scale, **timing,
                                                                       compile_backend=compile_backend),
             "seconds": seconds, **out}
 
