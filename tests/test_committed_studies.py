@@ -383,3 +383,221 @@ def test_the_lm_readme_table_on_the_trust_region_units_matches_its_records():
                          / "metrics.jsonl")
     ours = read_records(folder / "w128-auto" / "runs" / "stiefel" / "seed1" / "metrics.jsonl")
     assert [r["val_bpb"] for r in other] != [r["val_bpb"] for r in ours]
+
+
+def _pp(x: float, digits: int = 2, sign: bool = True) -> str:
+    """A fraction as the READMEs print it in percentage points: signed, typographic minus."""
+    return f"{x * 100:{'+' if sign else ''}.{digits}f}".replace("-", "−")
+
+
+def test_the_readmes_numbers_on_the_vision_studies_match_their_summaries():
+    """Every figure the vision README's result sections and the top README's Fashion-MNIST rows state about the
+    committed paired, ablation, scaling and decay studies, rounded as printed, from their summary.json and records.
+    Companion: a gap one hundredth of a point off is not in the text."""
+    paired = json.loads((VISION / "fashion-mnist-paired" / "summary.json").read_text())["cells"][0]
+    ablation = json.loads((VISION / "fashion-mnist-ablation" / "summary.json").read_text())["cells"][0]
+    scaling = json.loads((VISION / "fashion-mnist-scaling" / "summary.json").read_text())["cells"]
+    decay = json.loads((VISION / "fashion-mnist-decay" / "summary.json").read_text())["cells"]
+    vision = " ".join((ROOT / "experiments" / "vision" / "README.md").read_text().split())
+    top = (ROOT / "README.md").read_text().splitlines()
+
+    def row(start):
+        return next(line for line in top if line.startswith(f"| {start} |"))
+
+    arms, comp = paired["arms"], paired["comparisons"]
+    gap, frozen = comp["stiefel - adamw"], comp["stiefel - stiefel-frozen"]
+    for arm in ("adamw", "stiefel"):
+        acc = arms[arm]["final_test_acc"]
+        assert f"| final test accuracy, {arm} | – | {acc['mean'] * 100:.2f}% ± {acc['std'] * 100:.2f} |" in vision, arm
+    ci = f"95% CI [{_pp(gap['ci_low'])}, {_pp(gap['ci_high'])}]"
+    assert f"**{_pp(gap['mean'])} pp** (sd {_pp(gap['std'], sign=False)}, {ci})" in vision
+    p_value = f"{gap['p_value']:.1e}".replace("e-0", "e-")  # 1.2e-5
+    assert f"| {gap['t']:.2g} (p = {p_value})".replace("-", "−", 1) in vision
+    assert gap["n_positive"] == 0 and gap["n"] == 12 and "**0/12**" in vision
+    assert f"all {gap['n']} pairs ({_pp(max(gap['differences']))} to {_pp(min(gap['differences']))} pp)" in vision
+    ratio_q, ratio_k = paired["movement"]["adamw / stiefel"]["ratio_q"], paired["movement"]["adamw / stiefel"]["ratio_k"]
+    band = f"{ratio_q['min']:.0f}–{ratio_q['max']:.0f}×"
+    assert (f"**{band}** over all (seed, window) pairs, median {ratio_q['median']:.0f}×; "
+            f"W_K {ratio_k['min']:.0f}–{ratio_k['max']:.0f}×") in vision
+    assert f"The frames move {band} less per step" in vision
+    move = {a: arms[a]["final_move_total_rel/q"]["mean"] for a in ("stiefel", "adamw")}
+    angle = {a: arms[a]["final_angle_max_deg/q"]["mean"] for a in ("stiefel", "adamw")}
+    assert (f"‖W − W₀‖_F/‖W₀‖_F = {move['stiefel']:.2g}; largest principal angle to the initial span "
+            f"{angle['stiefel']:.1f}° (AdamW's W_Q: {move['adamw']:.2f} and {angle['adamw']:.0f}°)") in vision
+    assert f"barely leave their initialisation ({angle['stiefel']:.1f}°)" in vision
+    assert (f"| {_pp(frozen['mean'])} pp (95% CI [{_pp(frozen['ci_low'])}, {_pp(frozen['ci_high'])}], "
+            f"{frozen['n_positive']}/{frozen['n']} positive, p = {frozen['p_value']:.1g})") in vision
+    assert f"freezing them costs only {_pp(frozen['mean'])} pp" in vision
+    assert f"worth about {-comp['stiefel-frozen - adamw']['mean'] * 100:.1f} pp" in vision
+    # 8 epochs of 10,000 images in batches of 128: the last record's step
+    last = read_records(VISION / "fashion-mnist-paired" / "runs" / "adamw" / "seed0" / "metrics.jsonl")[-1]
+    assert last["epoch"] == 8 and f"8 epochs ({last['step']} steps)" in vision and f"a {last['step']}-step" in vision
+    # the top README's rows
+    t = f"{gap['t']:.2g}".replace("-", "−")
+    assert (f"**Fashion-MNIST: {_pp(gap['mean'])} pp** ({ci}), t = {t}, {gap['n_positive']}/{gap['n']} positive") in row("ViT gap stiefel − adamw, 12 paired starts")
+    assert f"Fashion-MNIST: {band} (median {ratio_q['median']:.0f}×)" in row("per-step movement, AdamW W_Q ÷ frames")
+    assert (f"‖W − W₀‖/‖W₀‖ = {move['stiefel']:.1g}, largest principal angle {angle['stiefel']:.1f}°"
+            in row("frames leave their initialisation"))
+    assert (f"Fashion-MNIST: {_pp(frozen['mean'])} pp (CI [{_pp(frozen['ci_low'])}, {_pp(frozen['ci_high'])}])"
+            in row("cost of freezing the frames"))
+    # ablation: the table's gaps, CIs and movement bands, and the words on them
+    for arm in ("stiefel", "stiefel-sgd", "stiefel-element", "framescalar-euclidean"):
+        c, r = ablation["comparisons"][f"{arm} - adamw"], ablation["movement"][f"adamw / {arm}"]["ratio_q"]
+        digits = 1 if r["max"] < 2 else 0
+        cells = (f"| {_pp(c['mean'])} [{_pp(c['ci_low'])}, {_pp(c['ci_high'])}] | "
+                 f"{r['min']:.{digits}f}–{r['max']:.{digits}f}× |")
+        assert cells in vision.replace("**", ""), (arm, cells)
+    element = ablation["comparisons"]["stiefel-element - adamw"]["mean"]
+    assert (f"the element-wise variant (which moves like AdamW) is best, {_pp(element)} pp over AdamW"
+            in row("ablation: gain from the scale-free step"))
+    below = [-ablation["comparisons"][f"{a} - adamw"]["mean"] * 100 for a in ("stiefel", "stiefel-sgd",
+                                                                               "framescalar-euclidean")]
+    assert f"all sit {min(below):.1f}–{max(below):.1f} pp below AdamW" in vision
+    # scaling and decay: the gap per cell, every pair negative
+    gaps = [c["comparisons"]["stiefel - adamw"] for c in scaling]
+    assert [c["value"] for c in scaling] == [2500, 5000, 10000, 20000]
+    assert all(g["n_negative"] == g["n"] == 4 for g in gaps)  # "all pairs negative at every size"
+    assert (f"gap {_pp(gaps[0]['mean'])} pp (2,500 images), {_pp(gaps[1]['mean'])} (5,000), "
+            f"{_pp(gaps[2]['mean'])} (10,000), {_pp(gaps[3]['mean'])} (20,000), all pairs negative") in vision
+    assert (f"Fashion-MNIST, 4 seeds: {_pp(gaps[0]['mean'])} pp (2,500 images) → {_pp(gaps[1]['mean'])} → "
+            f"{_pp(gaps[2]['mean'])} → {_pp(gaps[3]['mean'])} pp (20,000)") in row("the gap as training data grows")
+    d = [c["comparisons"]["stiefel - adamw"]["mean"] for c in decay]
+    assert [c["value"] for c in decay] == [0, 0.05, 0.5]
+    assert f"gap {_pp(d[0])} pp (decay 0), {_pp(d[1])} (0.05), {_pp(d[2])} (0.5)" in vision
+    # companion: the same sentence with a gap one hundredth of a point off is not in the text
+    assert f"gap {_pp(d[0] + 1e-4)} pp (decay 0)" not in vision
+
+
+def test_the_readme_row_on_the_five_seed_grokking_study_matches_its_summary():
+    """The top README's claims-table row on p97_add_5seeds: endpoints, tail means, grokking epochs, dips and angles,
+    rounded as printed, from its summary.json. It said "17 vs 21 drops", counting AdamW's evaluations below 95%
+    (21) against the Stiefel arm's dips (17); AdamW dipped 20 times."""
+    import statistics
+
+    s = json.loads((ROOT / "experiments" / "grokking" / "records" / "p97_add_5seeds" / "summary.json").read_text())
+    s = s["summary"]
+    arms = s["arms"]
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines()
+               if line.startswith("| grokking, (a + b) mod 97, epoch 20,000 |"))
+
+    def signed(x, fmt):
+        return f"{x:{fmt}}".replace("-", "−")
+
+    final = {a: list(arms[a]["final"]["per_seed"].values()) for a in ("stiefel", "adamw")}
+    assert final["stiefel"] == [1.0] * 5 and "stiefel 100% on 5/5 seeds" in row
+    ad = final["adamw"]
+    assert (f"adamw {statistics.mean(ad) * 100:.1f}% ({min(ad) * 100:.1f}–{max(ad) * 100:.0f}%)") in row
+    tails = {f"{arms[a]['tail_mean']['mean'] * 100:.1f}" for a in ("stiefel", "adamw")}
+    tail = s["paired_tail_mean"]["stiefel - adamw"]
+    assert len(tails) == 1 and (f"tail means {tails.pop()}% both (paired {signed(tail['mean'] * 100, '+.2f')} pp, "
+                                f"95% CI [{signed(tail['ci_low'] * 100, '+.2f')}, "
+                                f"{signed(tail['ci_high'] * 100, '+.2f')}])") in row
+    first = s["paired_first_epoch"]["stiefel - adamw"]
+    medians = [arms[a]["first_epoch_reaching"]["distribution"]["median"] for a in ("stiefel", "adamw")]
+    assert first["n_negative"] == first["n"] == 5 and "Stiefel groks earlier on **5/5 seeds**" in row
+    assert (f"by {-first['mean']:.0f} epochs (CI [{signed(first['ci_low'], '+.0f')}, "
+            f"{signed(first['ci_high'], '+.0f')}], p = {first['p_value']:.2g}; medians {medians[0]:,.0f} vs "
+            f"{medians[1]:,.0f})") in row
+    dips = {a: sum(arms[a]["dips_after_reaching"]["per_seed"].values()) for a in ("stiefel", "adamw")}
+    assert f"({dips['stiefel']} vs {dips['adamw']} dips over 5 seeds, some to near chance)" in row
+    angles = {a: list(arms[a]["final_angle_max_deg/q"]["per_seed"].values()) for a in ("stiefel", "adamw")}
+    assert (f"W_Q's largest angle to its start: {min(angles['stiefel']):.0f}–{max(angles['stiefel']):.0f}° "
+            f"(frames) vs {statistics.mean(angles['adamw']):.0f}° (AdamW)") in row
+    same = s["paired_first_epoch"]["stiefel - geoopt-radam"]
+    assert same["n_zero"] == same["n"] == 3 and "(3 seeds) groks at the Stiefel arm's epochs" in row
+    # companion: the old count (AdamW's evaluations below 95%) is not the dip count
+    assert sum(arms["adamw"]["evaluations_below_after_reaching"]["per_seed"].values()) == 21 != dips["adamw"]
+    assert "17 vs 21" not in row
+
+
+def test_the_grokking_readme_table_and_words_on_the_five_seed_study_match_its_summary():
+    """experiments/grokking/README.md, five-seed study: the table's rows (grokking epochs, endpoints, tail means,
+    seeds above 95% over the tail, lowest accuracy after grokking, W_Q's angles to its start) and the paired
+    figures and words below it, rounded as printed, from summary.json (the mean principal angles from the runs' last
+    records). The dip rows and the tail definition are checked above. Companion: a changed per-seed epoch fails."""
+    import statistics
+
+    folder = ROOT / "experiments" / "grokking" / "records" / "p97_add_5seeds"
+    s = json.loads((folder / "summary.json").read_text())["summary"]
+    arms = s["arms"]
+    readme = (ROOT / "experiments" / "grokking" / "README.md").read_text()
+    section = readme[readme.index("## Five-seed study"):readme.index("## Start, constraint or step?")]
+    words = " ".join(section.split())
+    order = ("adamw", "stiefel", "geoopt-radam")
+
+    def cells(label):
+        line = next(x for x in section.splitlines() if x.startswith(f"| {label} |"))
+        return dict(zip(order, [c.strip() for c in line.strip("|").split("|")[1:4]], strict=True))
+
+    def signed(x, fmt):
+        return f"{x:{fmt}}".replace("-", "−")
+
+    def pct(x):
+        return f"{x * 100:.3g}"
+
+    expected = {"first epoch with val acc ≥ 95%, per seed": {}, "val acc at epoch 20,000, per seed": {},
+                "seeds at ≥ 95% at every evaluation of the tail": {}, "lowest val acc after grokking, per seed": {},
+                "largest / mean principal angle of W_Q to its start": {}}
+    for arm in order:
+        a = arms[arm]
+        first = list(a["first_epoch_reaching"]["per_seed"].values())
+        expected["first epoch with val acc ≥ 95%, per seed"][arm] = (
+            f"{' / '.join(f'{e:,}' for e in first)} (median {statistics.median(first):,.0f})")
+        final = list(a["final"]["per_seed"].values())
+        expected["val acc at epoch 20,000, per seed"][arm] = (
+            "100% on every seed" if all(f == 1.0 for f in final)
+            else f"{' / '.join(pct(f) for f in final)}% (mean {statistics.mean(final) * 100:.1f}%)")
+        stays = list(a["stays_above"]["per_seed"].values())
+        expected["seeds at ≥ 95% at every evaluation of the tail"][arm] = f"{sum(stays)} / {len(stays)}"
+        lowest = list(a["lowest_after_reaching"]["per_seed"].values())
+        expected["lowest val acc after grokking, per seed"][arm] = f"{' / '.join(f'{x * 100:.1f}' for x in lowest)}%"
+        largest = list(a["final_angle_max_deg/q"]["per_seed"].values())
+        means = [read_records(f)[-1]["angle_mean_deg/q"]
+                 for f in sorted((folder / "runs" / arm).glob("seed*/metrics.jsonl"))]
+        assert len(means) == len(largest), arm
+        d = 1 if max(means) > 10 else 2
+        expected["largest / mean principal angle of W_Q to its start"][arm] = (
+            f"{min(largest):.1f}–{max(largest):.1f}° / {min(means):.{d}f}–{max(means):.{d}f}°")
+    for label, by_arm in expected.items():
+        assert cells(label) == by_arm, label
+    tail_row = next(x for x in section.splitlines() if x.startswith("| mean val acc over the tail"))
+    tails = " | ".join(f"{arms[a]['tail_mean']['mean'] * 100:.1f}% ± {arms[a]['tail_mean']['std'] * 100:.1f}"
+                       for a in order)
+    assert f"| {tails} |" in tail_row
+    # the paired bullets
+    first, final, tail = (s[k]["stiefel - adamw"] for k in ("paired_first_epoch", "paired", "paired_tail_mean"))
+    assert first["n_negative"] == 5 and "**Stiefel groks earlier, on 5 of 5 seeds**" in words
+    assert (f"{-first['mean']:.0f} epochs earlier on average ([{signed(first['ci_low'], '.0f')}, "
+            f"{signed(first['ci_high'], '.0f')}], paired t = {signed(first['t'], '.3g')}, p = {first['p_value']:.2g}; "
+            f"sign test p = {first['sign_test_p']:.2g})") in words
+    assert (f"final val acc {signed(final['mean'] * 100, '+.2f')} pp ([{signed(final['ci_low'] * 100, '+.2f')}, "
+            f"{signed(final['ci_high'] * 100, '+.2f')}], p = {final['p_value']:.2g}); tail mean "
+            f"{signed(tail['mean'] * 100, '+.2f')} pp ([{signed(tail['ci_low'] * 100, '+.2f')}, "
+            f"{signed(tail['ci_high'] * 100, '+.2f')}], p = {tail['p_value']:.1f})") in words
+    radam = s["paired_first_epoch"]["geoopt-radam - adamw"]
+    assert (f"{-radam['mean']:.0f} epochs before AdamW on average ([{signed(radam['ci_low'], ',.0f')}, "
+            f"{signed(radam['ci_high'], '+.0f')}], p = {radam['p_value']:.1g}, {radam['n']} pairs)") in words
+    same = s["paired_first_epoch"]["stiefel - geoopt-radam"]
+    assert same["n_zero"] == same["n"] == 3  # "groks at the very epochs of the Stiefel arm"
+    rf, rt = s["paired"]["geoopt-radam - adamw"], s["paired_tail_mean"]["geoopt-radam - adamw"]
+    assert (f"(final {signed(rf['mean'] * 100, '+.2f')} pp against AdamW, [{signed(rf['ci_low'] * 100, '+.2f')}, "
+            f"{signed(rf['ci_high'] * 100, '+.2f')}]; tail mean {signed(rt['mean'] * 100, '+.2f')} pp)") in words
+    low = sorted(arms["geoopt-radam"]["lowest_after_reaching"]["per_seed"].values())
+    assert f"deeper: {low[0] * 100:.1f}–{low[-1] * 100:.1f}%" in words
+    # "What this shows"
+    assert f"(lowest: {min(arms['adamw']['final']['per_seed'].values()) * 100:.1f}%)" in words
+    dips = {a: sum(arms[a]["dips_after_reaching"]["per_seed"].values()) for a in ("adamw", "stiefel")}
+    evals = sum(arms["adamw"]["evaluations_below_after_reaching"]["per_seed"].values())
+    assert f"(AdamW {dips['adamw']} dips over 5 seeds, spanning {evals} evaluations; Stiefel {dips['stiefel']})" in words
+    assert all(min(arms[a]["dips_after_reaching"]["per_seed"].values()) >= 2 for a in order)  # "at least twice"
+    lows = {a: arms[a]["lowest_after_reaching"]["per_seed"]["4"] * 100 for a in ("adamw", "stiefel")}
+    assert f"(AdamW seed 4: {lows['adamw']:.1f}%; Stiefel seed 4: {lows['stiefel']:.1f}%)" in words
+    assert "(3/5 vs 4/5)" in words and [sum(arms[a]["stays_above"]["per_seed"].values()) for a in
+                                         ("stiefel", "adamw")] == [3, 4]
+    largest = {a: list(arms[a]["final_angle_max_deg/q"]["per_seed"].values()) for a in ("stiefel", "adamw")}
+    assert (f"their start {min(largest['stiefel']):.0f}–{max(largest['stiefel']):.0f}° after 20,000 epochs, against "
+            f"about {statistics.mean(largest['adamw']):.0f}° for AdamW's W_Q") in words
+    # companion: one seed's grokking epoch changed is caught by the row check
+    changed = dict(arms["adamw"]["first_epoch_reaching"]["per_seed"], **{"0": 2100})
+    row = " / ".join(f"{e:,}" for e in changed.values())
+    assert not cells("first epoch with val acc ≥ 95%, per seed")["adamw"].startswith(row)
