@@ -601,3 +601,46 @@ def test_the_grokking_readme_table_and_words_on_the_five_seed_study_match_its_su
     changed = dict(arms["adamw"]["first_epoch_reaching"]["per_seed"], **{"0": 2100})
     row = " / ".join(f"{e:,}" for e in changed.values())
     assert not cells("first epoch with val acc ≥ 95%, per seed")["adamw"].startswith(row)
+
+
+def test_the_grokking_readme_table_on_the_single_seed_run_matches_its_summary():
+    """experiments/grokking/README.md, 'Earlier single-seed result': the figures its committed summary.json holds
+    (grokking epoch, endpoint, tail mean, W_Q's movement and largest angle, last-step movement, speed, dip count),
+    rounded as printed. The run's records are not committed: its mean principal angles, the epochs and depths of
+    its drops and the wall-clock of both arms are in no committed file. Companion: a changed epoch fails."""
+    data = json.loads((ROOT / "experiments" / "grokking" / "records" / "p97_add_clean" / "summary.json").read_text())
+    arms, speed = data["summary"]["arms"], data["speed"]
+    readme = (ROOT / "experiments" / "grokking" / "README.md").read_text()
+    section = readme[readme.index("## Earlier single-seed result"):readme.index("## Files")]
+    words = " ".join(section.split())
+
+    def row(label):
+        line = next(x for x in section.splitlines() if x.startswith(f"| {label} |"))
+        return [c.strip() for c in line.strip("|").split("|")[1:3]]
+
+    a, s = arms["adamw"], arms["stiefel"]
+
+    def one(arm, key):
+        return arm[key]["per_seed"]["0"] if "per_seed" in arm[key] else arm[key]["mean"]
+
+    assert row("first epoch with val acc ≥ 95%") == [f"{one(x, 'first_epoch_reaching'):,}" for x in (a, s)]
+    assert row("val acc at epoch 20,000") == [f"{one(x, 'final') * 100:.0f}%" for x in (a, s)]
+    assert row("mean val acc over the tail: the last 10% of training: the evaluations at epochs 18,000–20,000 "
+               "(21 per run)") == [f"{one(x, 'tail_mean') * 100:.1f}%" for x in (a, s)]
+    assert row("‖W_Q − W_Q0‖_F (relative to ‖W_Q0‖_F)") == [
+        f"{one(a, 'final_move_total/q'):.3g} ({one(a, 'final_move_total_rel/q'):.2f})",
+        f"{one(s, 'final_move_total/q'):.3g} ({one(s, 'final_move_total_rel/q'):.3f})"]
+    assert [c.split(" / ")[0] for c in row("largest / mean principal angle of W_Q to its start")] == [
+        f"{one(x, 'final_angle_max_deg/q'):.1f}°" for x in (a, s)]
+    assert row("mean last-step ‖ΔW_Q‖_F over evaluations") == [
+        f"{one(x, 'mean_move_step/q'):.1e}".replace("e-0", "e-") for x in (a, s)]
+    assert len(row("drops below 95% after grokking (epoch: val acc)")[0].split("; ")) == one(a, "dips_after_reaching")
+    assert len(row("drops below 95% after grokking (epoch: val acc)")[1].split("; ")) == one(s, "dips_after_reaching")
+    assert (f"Speed of this run: {speed['adamw/seed0']['epochs_per_second']:.2f} (AdamW) and "
+            f"{speed['stiefel/seed0']['epochs_per_second']:.2f} (Stiefel) epochs/s") in words
+    epochs = [one(x, "first_epoch_reaching") for x in (a, s)]
+    assert f"Both arms grok, at epoch {epochs[0]:,} (AdamW) and {epochs[1]:,} (Stiefel)" in words
+    ratio = one(a, "mean_move_step/q") / one(s, "mean_move_step/q")
+    assert 80 <= ratio <= 120 and "last-step movement is about 100× smaller" in words
+    # companion: another grokking epoch is not the row
+    assert row("first epoch with val acc ≥ 95%") != [f"{epochs[0] + 100:,}", f"{epochs[1]:,}"]
