@@ -496,8 +496,8 @@ def test_the_readme_row_on_the_five_seed_grokking_study_matches_its_summary():
     medians = [arms[a]["first_epoch_reaching"]["distribution"]["median"] for a in ("stiefel", "adamw")]
     assert first["n_negative"] == first["n"] == 5 and "Stiefel groks earlier on **5/5 seeds**" in row
     assert (f"by {-first['mean']:.0f} epochs (CI [{signed(first['ci_low'], '+.0f')}, "
-            f"{signed(first['ci_high'], '+.0f')}], p = {first['p_value']:.2g}; medians {medians[0]:,.0f} vs "
-            f"{medians[1]:,.0f})") in row
+            f"{signed(first['ci_high'], '+.0f')}], p = {first['p_value']:.2g}, {first['p_holm']:.2g} after Holm; "
+            f"medians {medians[0]:,.0f} vs {medians[1]:,.0f})") in row
     dips = {a: sum(arms[a]["dips_after_reaching"]["per_seed"].values()) for a in ("stiefel", "adamw")}
     assert f"({dips['stiefel']} vs {dips['adamw']} dips over 5 seeds, some to near chance)" in row
     angles = {a: list(arms[a]["final_angle_max_deg/q"]["per_seed"].values()) for a in ("stiefel", "adamw")}
@@ -569,7 +569,9 @@ def test_the_grokking_readme_table_and_words_on_the_five_seed_study_match_its_su
     assert first["n_negative"] == 5 and "**Stiefel groks earlier, on 5 of 5 seeds**" in words
     assert (f"{-first['mean']:.0f} epochs earlier on average ([{signed(first['ci_low'], '.0f')}, "
             f"{signed(first['ci_high'], '.0f')}], paired t = {signed(first['t'], '.3g')}, p = {first['p_value']:.2g}; "
-            f"sign test p = {first['sign_test_p']:.2g})") in words
+            f"sign test p = {first['sign_test_p']:.2g}; after Holm's correction over the two comparisons with AdamW, "
+            f"p = {first['p_holm']:.2g} and {first['sign_test_p_holm']:.3g}: with five seeds this suggests, no more)"
+            ) in words
     assert (f"final val acc {signed(final['mean'] * 100, '+.2f')} pp ([{signed(final['ci_low'] * 100, '+.2f')}, "
             f"{signed(final['ci_high'] * 100, '+.2f')}], p = {final['p_value']:.2g}); tail mean "
             f"{signed(tail['mean'] * 100, '+.2f')} pp ([{signed(tail['ci_low'] * 100, '+.2f')}, "
