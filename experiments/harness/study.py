@@ -29,6 +29,7 @@ from .runner import (
     RunOptions,
     RunResult,
     TaskBuilder,
+    _differences,
     check_placed_jobs,
     run_placed_jobs,
 )
@@ -167,7 +168,7 @@ def check_runs_alike(folder: str | os.PathLike, runs: Iterable[tuple[str, int]])
     for (arm, seed), config in items[1:]:
         ref_arm, (ref_seed, ref) = (arm, first_of_arm[arm]) if first_of_arm[arm][0] != seed else (
             items[0][0][0], (items[0][0][1], items[0][1]))
-        diffs = _config_differences(ref, config, "")
+        diffs = _differences(ref, config)
         if arm != ref_arm:  # the first seed of another arm: the optimizer settings may be the arm's own
             diffs = [d for d in diffs if not d[0].startswith("optim.")]
         if diffs:
@@ -179,16 +180,6 @@ def check_runs_alike(folder: str | os.PathLike, runs: Iterable[tuple[str, int]])
             f"{Path(folder) / 'runs'} holds runs trained with different settings, which one report would mix: "
             f"{'; '.join(found)}. Report runs alike with --arms/--seeds, rerun the others with the same flags, or "
             f"move them to another --out folder.")
-
-
-def _config_differences(have: Any, want: Any, prefix: str) -> list[tuple[str, Any, Any]]:
-    """``(dotted path, value in have, value in want)`` for every leaf where two JSON objects differ."""
-    if isinstance(have, dict) and isinstance(want, dict):
-        out = []
-        for key in sorted(set(have) | set(want)):
-            out += _config_differences(have.get(key), want.get(key), f"{prefix}.{key}" if prefix else key)
-        return out
-    return [] if have == want else [(prefix, have, want)]
 
 
 def speed_from_environment(out_dir: str | os.PathLike) -> dict[str, Any]:
