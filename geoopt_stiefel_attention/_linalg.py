@@ -62,6 +62,11 @@ EIGH_DEVICES = frozenset({"cpu"})
 #: radius.
 HOST_READ_DEVICES = frozenset({"cpu"})
 
+
+def traced(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values cannot be read on the host: inside ``torch.compile`` tracing or ``torch.vmap``."""
+    return torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t)
+
 #: Condition number of a Gram matrix (scaled by a bound on its largest eigenvalue) up to which
 #: :func:`inv_sqrt_checked`'s fixed Newton-Schulz iteration count reaches rounding; matrices beyond it fail the
 #: residual check and take eigh. A retraction ``W + Z`` with tangent ``Z`` has condition ``1 + ||Z||_2^2``: 1e4
@@ -364,7 +369,7 @@ def polar_any_rank(y: torch.Tensor) -> torch.Tensor:
     columns = (q.square().sum(dim=-2) - 1.0).abs().amax(dim=-1)
     total = (q.sum(dim=-1).square().sum(dim=-1) - r).abs()
     good = (columns <= tol) & (total <= tol * r)  # NaN and inf fail both comparisons
-    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(q):
+    if traced(q):
         return torch.where(good[..., None, None], q, polar_svd(y))
     if bool(good.all()):
         return q

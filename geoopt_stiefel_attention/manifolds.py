@@ -238,11 +238,6 @@ def _polar_factor(y: torch.Tensor, polar_fn) -> torch.Tensor:  # noqa: ANN001
     return polar_fn(y)
 
 
-def _traced(t: torch.Tensor) -> bool:
-    """Whether ``t`` cannot be read on the host (inside ``torch.compile`` or ``torch.vmap``)."""
-    return torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t)
-
-
 def _check_real(t: torch.Tensor, what: str) -> None:
     """Refuse a complex tensor: the manifold is the real one, :math:`W^\top W = I` (not :math:`W^H W = I`)."""
     if t.is_complex():
@@ -252,7 +247,7 @@ def _check_real(t: torch.Tensor, what: str) -> None:
 
 def _check_finite(t: torch.Tensor, what: str) -> None:
     """Refuse a non-finite input of the polar factor (one host read; skipped where the host cannot read)."""
-    if t.numel() == 0 or t.device.type == "meta" or _traced(t):
+    if t.numel() == 0 or t.device.type == "meta" or _linalg.traced(t):
         return
     finite = torch.isfinite(t).reshape(-1, t.shape[-2] * t.shape[-1]).all(dim=-1)
     if not bool(finite.all()):
@@ -267,7 +262,7 @@ def _polar_svd_warn_rank(x: torch.Tensor) -> torch.Tensor:
     rank-deficient, :math:`\sigma_r \le \max(d, r)\,\varepsilon\,\sigma_1`, where :math:`U V^\top` is one of
     many closest frames (its columns in the null directions are arbitrary)."""
     u, sigma, vh = torch.linalg.svd(x, full_matrices=False)
-    if sigma.numel() and x.device.type != "meta" and not _traced(sigma):
+    if sigma.numel() and x.device.type != "meta" and not _linalg.traced(sigma):
         d, r = x.shape[-2], x.shape[-1]
         tol = max(d, r) * torch.finfo(sigma.dtype).eps * sigma[..., 0]
         deficient = (sigma[..., -1] <= tol).reshape(-1)
