@@ -242,6 +242,41 @@ def test_plan_extends_an_edge_then_refines_at_root_three_then_warms_up_around_th
     assert seeds == tuple(map(str, range(1, 11))) and "0" not in seeds
 
 
+def test_plan_takes_a_refined_point_recorded_at_six_digits_as_on_record(monkeypatch, tmp_path):
+    # lrs travel as %g text: a refined best recorded as 0.0173205 plans best / sqrt(3) = 0.0099999955 and
+    # best * sqrt(3) = 0.0300000..., which are the recorded grid points 0.01 and 0.03, not new runs
+    recorded = lambda v: float(f"{v:g}")  # noqa: E731
+    refined = recorded(1e-2 * math.sqrt(3))
+    coarse = {"adamw": _bowl((1e-3, 1e-2, 1e-1, 3e-2), refined), "muon": _bowl((1e-3, 1e-2, 1e-1), 1e-2)}
+    coarse["adamw"].update(_bowl((recorded(1e-2 / math.sqrt(3)), refined), refined))
+    coarse["muon"].update(_bowl((recorded(1e-2 / math.sqrt(3)), refined), 1e-2))
+    plan = _plan(monkeypatch, tmp_path, {"study": coarse})
+    assert not plan["refine"].calls, plan["refine"].runs
+    (call,) = plan["warm-up 400 steps"].calls
+    assert [float(v) for v in call[call.index("--lrs") + 1:call.index("--seeds")]] == [1e-2, refined, 3e-2]
+    # companion: a point that was not trained (0.1 / sqrt(3) between 1e-2 and 1e-1 for a best at 0.1) is planned
+    coarse["adamw"] = _bowl((1e-3, 1e-2, 1e-1, 1.0), 1e-1)
+    plan = _plan(monkeypatch, tmp_path, {"study": coarse})
+    assert {r.split(" lr ")[1].split()[0] for r in plan["refine"].runs if "adamw" in r} == {"0.057735", "0.173205"}
+
+
+def test_the_committed_controls_grid_plans_no_run_it_holds():
+    from experiments.lm import controls
+
+    out = ROOT / "experiments/lm/records/controls"
+    if not (out / "lr-0.0173205").is_dir():
+        pytest.skip("the controls grid's refined records are not in this checkout")
+    plan = controls.stages(out, controls.read_protocol(ROOT / "experiments/lm/configs/controls.args"))
+    grid = controls.read_grid(out)["finals"]
+    for stage in plan:
+        for run in stage.runs:
+            if run.startswith(out.name + ":"):
+                arm, lr, seed = run.split(": ")[1].split()[::2]
+                assert not any(math.isclose(float(lr), x, rel_tol=1e-5) and int(seed) in per
+                               for x, per in grid.get(arm, {}).items()), (stage.name, run)
+    assert not next(st for st in plan if st.name == "refine").calls
+
+
 def test_recipe_takes_a_warm_up_point_only_when_its_validation_mean_is_lower():
     from experiments.lm.tuned import select_recipes
 

@@ -7,7 +7,9 @@
 # Usage: experiments/lm/run_controls.sh COMMIT WORKTREE [JOBS]
 #   Trains on COMMIT (must be clean) checked out in WORKTREE (created with `git worktree add` when missing), JOBS
 #   runs side by side (one torch thread each; default 1); records go to experiments/lm/records/controls/ of this
-#   checkout. Resumable: rerun it and it skips the runs already recorded and continues.
+#   checkout. Resumable: rerun it and it skips the runs already recorded and continues. The plan (which runs are
+#   missing) and the report are made by this checkout's code, which reads records and trains nothing, so a fix to
+#   the planner or the report applies without a new training commit; every run records the commit that trained it.
 # DRY_RUN=1 lists the stages and the runs each would train now (stages that wait on results say so); trains nothing.
 # Never start two copies on one folder.
 set -euo pipefail
@@ -37,7 +39,7 @@ lm() {
   python -m experiments lm $flags --workers "$jobs" --threads 1 --quiet "$@" 2>&1 | tee -a "$out/log.txt"
 }
 last=
-while calls=$(python -m experiments.lm.controls next "$out" "$args") && [[ -n $calls ]]; do
+while calls=$(cd "$repo" && python -m experiments.lm.controls next "$out" "$tree/$args") && [[ -n $calls ]]; do
   if [[ $calls == "$last" ]]; then
     echo "run_controls.sh: the same calls again after training them; see $out/log.txt" >&2
     exit 1
@@ -48,5 +50,5 @@ while calls=$(python -m experiments.lm.controls next "$out" "$args") && [[ -n $c
   done <<< "$calls"
   last=$calls
 done
-python -m experiments lm --report-only --out "$out"
+(cd "$repo" && python -m experiments lm --report-only --out "$out")
 echo "=== done at $(date -u +%FT%TZ)" | tee -a "$out/log.txt"
