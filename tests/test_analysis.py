@@ -299,6 +299,43 @@ def test_gauge_fails_when_the_symmetry_is_broken():
     assert gauge.certify_gauge_gradient(penalised, euc.w_q, euc.w_k, frames=False).passed is False
 
 
+@pytest.mark.parametrize("frames", [True, False])
+def test_gauge_certificates_refuse_a_point_where_loss_and_gradient_are_exactly_zero(frames):
+    """6a divides by the gradient's norm and 6b by the loss: at an exact fit both are exactly 0 and the relative
+    figures are undefined, so each certificate refuses in one sentence naming the cause (it raised a bare
+    ZeroDivisionError); companion: a gauge-invariant loss that is nonzero, with a nonzero gradient, at the
+    same point is certified and passes."""
+    prob = gauge.AttentionProblem(seed=2, frames=frames)
+
+    def logits(w_q, w_k):  # written out: x W_Q^h (x W_K^h)^T per head, which the gauge moves leave unchanged
+        return torch.einsum("bnd,hdr,bmf,hfr->bhnm", prob.x, w_q, prob.x, w_k)
+
+    target = logits(prob.w_q, prob.w_k)
+
+    def exact_fit(w_q, w_k):
+        return (logits(w_q, w_k) - target).square().mean()
+
+    with torch.no_grad():
+        assert float(exact_fit(prob.w_q, prob.w_k)) == 0.0  # the same operations on the same inputs: exactly 0
+    with pytest.raises(ValueError, match=r"^certify_gauge_moves: the loss at \(w_q, w_k\) is exactly 0, .*"
+                                         r"certify at a point where the loss is nonzero"):
+        gauge.certify_gauge_moves(exact_fit, prob.w_q, prob.w_k, frames=frames)
+    with pytest.raises(ValueError, match=r"^certify_gauge_gradient: the (Riemannian )?gradient at \(w_q, w_k\) "
+                                         r"is exactly 0 .*certify at a point where the gradient is nonzero"):
+        gauge.certify_gauge_gradient(exact_fit, prob.w_q, prob.w_k, frames=frames)
+
+    def shifted(w_q, w_k):  # still invariant, but 1 + sum(logits)/numel at the point, with a nonzero gradient
+        return 1.0 + exact_fit(w_q, w_k) + logits(w_q, w_k).mean()
+
+    with torch.no_grad():
+        expected = 1.0 + float(target.mean())
+    moves = gauge.certify_gauge_moves(shifted, prob.w_q, prob.w_k, frames=frames)
+    assert moves.passed and moves.measured <= gauge.GAUGE_MOVE_TOL
+    assert abs(moves.details["loss"] - expected) <= EXACT_TOL * abs(expected)
+    grad = gauge.certify_gauge_gradient(shifted, prob.w_q, prob.w_k, frames=frames)
+    assert grad.passed and grad.details["gradient_norm"] > 0
+
+
 def test_gauge_directions_are_tangent_for_frames():
     prob = gauge.AttentionProblem(seed=0, frames=True)
     dirs = gauge.gauge_directions(prob.w_q, prob.w_k, skew_only=True)

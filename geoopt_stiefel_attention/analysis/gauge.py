@@ -156,6 +156,8 @@ def certify_gauge_gradient(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor
     projecting :math:`G` or :math:`\xi` gives the same component) and otherwise :math:`(G_Q, G_K)`. The
     details give the same figure for the non-symmetry directions :math:`(W_Q B, +W_K B^\top)`, which
     shows the measurement is sensitive.
+
+    Raises ``ValueError`` when :math:`g` is exactly 0, where the relative component is undefined.
     """
     name = "6a gauge: no gradient along symmetry"
     statement = ("the gradient's component along the span of the gauge directions (W_Q B, -W_K B^T) is zero "
@@ -169,6 +171,11 @@ def certify_gauge_gradient(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor
     else:
         ref = g
     denom = float(ref.norm())
+    if denom == 0.0:
+        raise ValueError(f"certify_gauge_gradient: the {'Riemannian ' if frames else ''}gradient at (w_q, w_k) is "
+                         f"exactly 0 (loss {value!r}), so the relative component ||P g|| / ||g|| this certificate "
+                         f"measures is 0/0, undefined; certify at a point where the gradient is nonzero (not at an "
+                         f"exact minimum, e.g. a target the model does not fit exactly).")
 
     def component(dirs):
         basis, _ = torch.linalg.qr(dirs.T)
@@ -192,6 +199,8 @@ def certify_gauge_moves(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor, *
     orthogonal and the moved point stays on the manifold) and :math:`t` in ``sizes``. Measured: the largest
     :math:`|L(\text{moved}) - L|/|L|`. The details give the change for the non-symmetry move
     :math:`(W_Q M, W_K)` as a control.
+
+    Raises ``ValueError`` when the loss at ``(w_q, w_k)`` is exactly 0, where the relative change is undefined.
     """
     name = "6b gauge: loss constant on orbit"
     statement = "the loss is unchanged (relative <= 1e-12) along finite gauge moves (W_Q M, W_K M^-T), M = exp(tB)"
@@ -205,6 +214,11 @@ def certify_gauge_moves(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor, *
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         base = float(loss_fn(w_q, w_k))
+        if base == 0.0:
+            raise ValueError("certify_gauge_moves: the loss at (w_q, w_k) is exactly 0, so the relative change "
+                             "|L(moved) - L| / |L| this certificate measures is undefined (rounding alone makes it "
+                             "0/0 or infinite); certify at a point where the loss is nonzero (e.g. a target the "
+                             "model does not fit exactly).")
         worst, control = 0.0, 0.0
         for t in sizes:
             b = torch.zeros(f, c, c, dtype=torch.float64)
