@@ -385,6 +385,228 @@ def test_the_lm_readme_table_on_the_trust_region_units_matches_its_records():
     assert [r["val_bpb"] for r in other] != [r["val_bpb"] for r in ours]
 
 
+# ---------------------------------------------------------------------------------------------- README numbers
+# The tests below build, from the committed records, each phrase a README states (rounded as printed) and require it
+# in the text; their companions change one digit of each phrase in the text and require the check to catch it.
+LM = ROOT / "experiments" / "lm" / "records"
+
+
+def _signed(x: float, fmt: str) -> str:
+    """``x`` formatted by ``fmt`` (which may hold ``+``) with the READMEs' typographic minus."""
+    return f"{x:{fmt}}".replace("-", "−")
+
+
+def _missing(text: str, expected: list[str]) -> list[str]:
+    """The phrases of ``expected`` that ``text`` does not contain, line breaks and runs of spaces read as one space."""
+    words = " ".join(text.split())
+    return [e for e in expected if " ".join(e.split()) not in words]
+
+
+def _one_digit_changed(text: str, phrase: str) -> str:
+    """``text`` (whitespace folded) with the last digit of ``phrase`` changed wherever ``phrase`` occurs."""
+    words, phrase = " ".join(text.split()), " ".join(phrase.split())
+    i = max(k for k, c in enumerate(phrase) if c.isdigit())
+    return words.replace(phrase, phrase[:i] + str((int(phrase[i]) + 1) % 10) + phrase[i + 1:])
+
+
+def _assert_quoted(text: str, expected: list[str]) -> None:
+    """Every phrase of ``expected`` is in ``text``; companion: with one digit of any of them changed, it is not."""
+    assert _missing(text, expected) == []
+    for phrase in expected:
+        assert _missing(_one_digit_changed(text, phrase), [phrase]) == [phrase], phrase
+
+
+def _lm_last(study: str, subdir: str, arm: str) -> list[dict]:
+    """The last record of every seed of ``arm`` in a language-model study's cell (``subdir``: '' for the main one)."""
+    runs = (LM / study / subdir / "runs" / arm).glob("seed*/metrics.jsonl")
+    return [read_records(f)[-1] for f in sorted(runs)]
+
+
+def _lm_row(study: str, subdir: str, arm: str, frame_lr: str, vs: dict | None, angle: str, attention: str | None
+            ) -> str:
+    """A row of the LM README's result tables from the records: val bpb with its t-interval, the paired difference
+    against AdamW (bold, with t and p, where the arm is better on every pair), pairs worse, W_Q's largest angle to
+    its start (``angle``: '.0f' for the mean, 'range .1f' for min–max) and the mean logit RMS / entropy."""
+    import statistics
+
+    from experiments.harness.stats import mean_ci
+
+    last = _lm_last(study, subdir, arm)
+    mean, low, high = mean_ci([r["val_bpb"] for r in last])
+    cells = [f"`{arm}`", frame_lr, f"{mean:.3f} [{low:.3f}, {high:.3f}]"]
+    if vs is None:
+        cells += ["–", "–"]
+    else:
+        diff = f"{_signed(vs['mean'], '+.3f')} [{_signed(vs['ci_low'], '+.3f')}, {_signed(vs['ci_high'], '+.3f')}]"
+        if vs["n_negative"] == vs["n"]:
+            diff = f"**{diff}** (t = {_signed(vs['t'], '.2g')}, p = {vs['p_value']:.2g})"
+        cells += [diff, f"{vs['n_positive']}/{vs['n']}"]
+    angles = [r["angle_max_deg/q"] for r in last]
+    fmt = angle.split()[-1]
+    cells.append(f"{min(angles):{fmt}}–{max(angles):{fmt}}°" if angle.startswith("range")
+                 else f"{statistics.mean(angles):{fmt}}°")
+    if attention:
+        rms, entropy = (statistics.mean(r[k] for r in last) for k in ("logit_rms/mean", "attn_entropy/mean"))
+        cells.append(f"{rms:{attention}} / {entropy:{attention}}")
+    return "| " + " | ".join(cells) + " |"
+
+
+def test_the_lm_readme_on_the_full_study_and_its_lr_3e_3_follow_up_quotes_their_records():
+    """experiments/lm/README.md, "What it shows" and "A stronger AdamW baseline": both tables row for row and every
+    figure of the words under them (and the top README's angles), from runs/full and runs/lr-3e-3 (summary.json and
+    the runs' last records). Companion: any of these phrases with one digit changed is caught."""
+    import statistics
+
+    full = json.loads((LM / "full" / "summary.json").read_text())
+    follow = json.loads((LM / "lr-3e-3" / "summary.json").read_text())
+    comp, arms = full["main"]["comparisons"], full["main"]["arms"]
+    sweep = {r["frame_lr"]: r["vs_adamw"] for r in full["frame_lr_sweep"]}
+    again = follow["frame_lr_sweep"][0]["vs_adamw"]
+    readme = (ROOT / "experiments" / "lm" / "README.md").read_text()
+    top = (ROOT / "README.md").read_text()
+    rows = [_lm_row("full", "", "adamw", "–", None, ".0f", ".2f")]
+    rows += [_lm_row("full", "", arm, "1e-3", comp[f"{arm} - adamw"], ".0f", ".2f")
+             for arm in ("stiefel", "geoopt-radam", "stiefel-gain")]
+    rows += [_lm_row("full", f"frame-lr-{lr}", "stiefel", label, sweep[lr], "range .1f", ".1f")
+             for lr, label in ((0.01, "1e-2"), (0.03, "3e-2"), (0.1, "1e-1"))]
+    rows += [_lm_row("lr-3e-3", "", "adamw", "–", None, ".0f", None),
+             _lm_row("lr-3e-3", "frame-lr-0.1", "stiefel", "1e-1", again, "range .0f", None)]
+    assert all(row in readme.splitlines() for row in rows), [r for r in rows if r not in readme.splitlines()]
+    main, best = comp["stiefel - adamw"], sweep[0.1]
+    mean = {k: {a: arms[a][f"final_{k}"]["mean"] for a in ("adamw", "stiefel")}
+            for k in ("train_bpb", "angle_max_deg/q", "attn_entropy/mean")}
+    gain = comp["stiefel - stiefel-gain"]
+    layer1 = [statistics.mean(r[f"logit_rms/1/{h}"] for r in _lm_last("full", "", "stiefel-gain")) for h in range(4)]
+    same = comp["stiefel - geoopt-radam"]
+
+    def e(x):  # one significant digit in e notation, as "−2e-4"
+        return _signed(x, "+.0e").replace("e−0", "e-")
+
+    follow_stiefel = statistics.mean(r["train_bpb"] for r in _lm_last("lr-3e-3", "frame-lr-0.1", "stiefel"))
+    assert main["n_positive"] == main["n"] == 3 and best["n_negative"] == 3 and gain["n_positive"] == 3
+    assert again["n_negative"] == again["n"] == 3
+    phrases = [
+        f"{_signed(main['mean'], '+.2f')} bpb on all three seeds (with three pairs no sign test can go below "
+        f"p = {main['sign_test_p']:.2g})",
+        f"({mean['train_bpb']['stiefel']:.2f} vs {mean['train_bpb']['adamw']:.2f} training-window bpb)",
+        f"({mean['angle_max_deg/q']['stiefel']:.0f}° against AdamW's {mean['angle_max_deg/q']['adamw']:.0f}°)",
+        f"(entropy {mean['attn_entropy/mean']['stiefel']:.2f} vs {mean['attn_entropy/mean']['adamw']:.2f} nats)",
+        " → ".join(_signed(sweep[lr]["mean"], "+.3f") for lr in (0.001, 0.01, 0.03)),
+        f"better than AdamW on all three seeds** by {-best['mean']:.3f} bpb",
+        f"(p = {best['p_value']:.3f} with {best['n']} pairs)",
+        f"(−{gain['mean']:.3f} bpb against `stiefel`, {gain['n_positive']}/{gain['n']} seeds)",
+        f"(logit RMS {min(layer1):.0f}–{max(layer1):.0f} in layer 1)",
+        f"(95% CI of the difference [{e(same['ci_low'])}, {e(same['ci_high'])}])",
+        f"ahead again: {_signed(again['mean'], '+.3f')} bpb, {again['n_negative']}/{again['n']} seeds",
+        f"({follow['main']['arms']['adamw']['final_val_bpb']['mean']:.3f} against "
+        f"{arms['adamw']['final_val_bpb']['mean']:.3f} bpb)",
+        f"({follow_stiefel:.2f} against {follow['main']['arms']['adamw']['final_train_bpb']['mean']:.2f})",
+    ]
+    _assert_quoted(readme, phrases)
+    _assert_quoted(top, [f"({mean['angle_max_deg/q']['stiefel']:.0f}° vs {mean['angle_max_deg/q']['adamw']:.0f}° "
+                         f"after training)"])
+    # companion: a row with one digit changed is not a line of the README
+    assert rows[0].replace("1.993", "1.994") not in readme.splitlines()
+
+
+def test_the_lm_readme_settings_time_pilot_and_controls_figures_match_their_records():
+    """experiments/lm/README.md: the corpus and budget figures of "Settings" (summary.json of runs/full), the uniform
+    entropy (the report's), the seed-0 angles; the measured wall times of "Time" (the runs' environment.json as
+    summary.json's speed sums them); the pilot's table and figures (runs/pilot); the frame-step seeds; the parameter
+    count (the model the study builds); the controls study's split (its runs' config.json). Companion: any of these
+    phrases with one digit changed is caught."""
+    from datetime import datetime, timedelta
+    from types import SimpleNamespace
+
+    from experiments.lm.study import _uniform_entropy, build_model
+
+    readme = (ROOT / "experiments" / "lm" / "README.md").read_text()
+    full = json.loads((LM / "full" / "summary.json").read_text())
+    config, corpus = full["config"], full["corpus"]
+    steps = config["train"]["epochs"] * config["steps_per_epoch"]
+    trained = steps * config["batch_size"] * config["context"]
+    angle0 = {arm: read_records(LM / "full" / "runs" / arm / "seed0" / "metrics.jsonl")[-1]["angle_max_deg/q"]
+              for arm in ("stiefel", "adamw")}
+    model = build_model(SimpleNamespace(**{k: config[k] for k in ("context", "width", "depth", "heads")}), seed=0)
+    phrases = [
+        f"{corpus['train_files']} training files ({corpus['train_bytes']:,} bytes), {corpus['val_files']} validation "
+        f"files ({corpus['val_bytes']:,} bytes), corpus SHA-256 `{corpus['sha256'][:8]}…`",
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters",
+        f"({trained / 1e6:.1f} M training bytes, about {trained / corpus['train_bytes']:.1f} passes over the training "
+        f"text)",
+        f"uniform causal attention averages {_uniform_entropy(config['context']):.2f} over {config['context']} "
+        f"positions",
+        f"(measured at seed 0: {angle0['stiefel']:.0f}° against {angle0['adamw']:.0f}° of largest principal angle "
+        f"after {steps:,} steps)",
+    ]
+    # Time: every run of the study in one of the groups the paragraph names
+    minutes = {k: v["seconds"] / 60 for k, v in full["speed"].items()}
+    groups = {"seed 0": ["adamw/seed0", "stiefel/seed0"], "adamw 1-2": ["adamw/seed1", "adamw/seed2"],
+              "side by side": ["stiefel/seed1", "stiefel/seed2", *(f"{a}/seed{s}" for a in ("stiefel-gain",
+                               "geoopt-radam", "frame-lr-0.01/stiefel") for s in range(3))],
+              "3e-2": [f"frame-lr-0.03/stiefel/seed{s}" for s in range(3)],
+              "1e-1": [f"frame-lr-0.1/stiefel/seed{s}" for s in range(3)]}
+    assert sorted(k for g in groups.values() for k in g) == sorted(minutes) and len(minutes) == 21
+
+    def span(group):
+        values = [minutes[k] for k in groups[group]]
+        return f"{min(values):.1f}–{max(values):.1f} min"
+
+    spans = []
+    for env in (LM / "full").glob("**/runs/*/seed*/environment.json"):
+        for call in json.loads(env.read_text()):
+            start = datetime.fromisoformat(call["started"])
+            spans.append((start, start + timedelta(seconds=call["seconds"])))
+    hours = (max(e for _, e in spans) - min(s for s, _ in spans)).total_seconds() / 3600
+    adamw12 = {f"{minutes[k]:.1f}" for k in groups["adamw 1-2"]}
+    assert len(adamw12) == 1
+    phrases += [
+        f"{minutes['adamw/seed0']:.1f} min (`adamw`) and {minutes['stiefel/seed0']:.1f} min (`stiefel`) for the "
+        f"first two seed-0 runs",
+        f"{span('side by side')} for the other `stiefel`, `stiefel-gain` and `geoopt-radam` runs and the frame-lr "
+        f"1e-2 cell",
+        f"{adamw12.pop()} min for `adamw` seeds 1–2",
+        f"{span('3e-2')} for the frame-lr 3e-2 cell and {span('1e-1')} for the 1e-1 cell",
+        f"the study took {hours:.1f} hours of wall time",
+    ]
+    # the pilot
+    pilot = json.loads((LM / "pilot" / "summary.json").read_text())
+    a, s = pilot["main"]["arms"]["adamw"], pilot["main"]["arms"]["stiefel"]
+    pilot_steps = pilot["config"]["train"]["epochs"] * pilot["config"]["steps_per_epoch"]
+    rates = {f"{pilot_steps / v['seconds']:.2f}" for v in pilot["speed"].values()}
+    start = read_records(LM / "pilot" / "runs" / "adamw" / "seed0" / "metrics.jsonl")[0]
+    assert len(rates) == 1 and start["step"] == 0
+
+    def m(arm, key, fmt):
+        return f"{arm[f'final_{key}']['mean']:{fmt}}"
+
+    phrases += [
+        f"| validation bits per byte (256 fixed windows) | {m(a, 'val_bpb', '.3f')} | {m(s, 'val_bpb', '.3f')} |",
+        f"| training-window bits per byte | {m(a, 'train_bpb', '.3f')} | {m(s, 'train_bpb', '.3f')} |",
+        f"| largest principal angle of W_Q / W_K to its start | {m(a, 'angle_max_deg/q', '.0f')}° / "
+        f"{m(a, 'angle_max_deg/k', '.0f')}° | {m(s, 'angle_max_deg/q', '.1f')}° / {m(s, 'angle_max_deg/k', '.1f')}° |",
+        f"| attention-logit RMS / entropy, mean over the 16 heads | {m(a, 'logit_rms/mean', '.2f')} / "
+        f"{m(a, 'attn_entropy/mean', '.2f')} nats | {m(s, 'logit_rms/mean', '.2f')} / "
+        f"{m(s, 'attn_entropy/mean', '.2f')} nats |",
+        f"({rates.pop()} steps/s per run with both runs side by side",
+        f"grows from {start['logit_rms/mean']:.2f} at initialisation",
+        f"to about {m(a, 'logit_rms/mean', '.1f')}, with lower attention entropy",
+    ]
+    # the frame-step sweep's seeds per shape
+    shapes = {s["name"]: len(s["seeds"]) for s in json.loads((LM / "frame-step" / "summary.json").read_text())["shapes"]}
+    assert shapes == {"w64": 2, "w128": 2, "w128-h64": 1, "w256": 1}
+    phrases.append("(2 seeds at width 64 and at width 128 with 32-dimensional heads, 1 at width 256 and at width 128 "
+                   "with 64-dimensional heads)")
+    # the controls study's three-way split, as every run of it so far records it
+    splits = {tuple(json.loads(f.read_text())["config"]["corpus_identity"][f"{k}_files"] for k in ("train", "val",
+                                                                                                    "test"))
+              for f in (LM / "controls").glob("**/runs/*/seed*/config.json")}
+    if splits:
+        assert len(splits) == 1
+        phrases.append("names the three-way split it used ({}/{}/{} files)".format(*splits.pop()))
+    _assert_quoted(readme, phrases)
+
+
 def _pp(x: float, digits: int = 2, sign: bool = True) -> str:
     """A fraction as the READMEs print it in percentage points: signed, typographic minus."""
     return f"{x * 100:{'+' if sign else ''}.{digits}f}".replace("-", "−")
