@@ -237,6 +237,7 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["machine"]["device"] == "cpu" and doc["settings"]["scale"] == "tiny"
+    assert bench.read_provenance(doc)["format_version"] == 2  # kept when the studies' part adds its figure
     assert set(doc["seconds"]) == {"step", "paths", "train", "retraction", "graphs", "grokking"}
     graphs = doc["graphs"]  # on the CPU: the graph entry skipped, the capturable step and both Muons timed
     assert set(graphs["timings"]) == {"stiefel-adam-capturable", "stiefel-muon", "torch-muon"}
@@ -984,3 +985,93 @@ def test_the_accelerator_check_records_the_threads_its_parts_ran_on(monkeypatch,
     finally:
         torch.set_num_threads(before)
     assert out["machine"]["torch_threads"] == (threads or 2)
+
+
+# ------------------------------------------------------------------------------------- provenance of the JSON
+def _git_out(root, *args):
+    import subprocess
+
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.parametrize("what", ["step", "paths", "train", "muon", "gpu"])
+def test_every_bench_json_records_its_commit_and_format_version(what, tmp_path, monkeypatch):
+    """A ``--out`` file said which machine and settings, not which code: it now starts with ``format_version``,
+    ``git_commit``, ``git_dirty`` and the library's version, compared here with git asked directly. The other keys
+    are those of format 1, so its readers read both."""
+    from pathlib import Path
+
+    import geoopt_stiefel_attention
+    from geoopt_stiefel_attention.bench import gpu
+
+    root = Path(geoopt_stiefel_attention.__file__).resolve().parents[1]
+    _fake_benchmarks(monkeypatch)
+    if what == "gpu":  # the check's own document, with its parts faked (the CLI's fake would bypass it)
+        for name in ("step_time_benchmark", "step_path_benchmark", "train_step_benchmark"):
+            monkeypatch.setattr(gpu, name, lambda *a, **k: [])
+        monkeypatch.setattr(gpu, "retraction_benchmark", lambda *a, **k: {})
+        monkeypatch.setattr(gpu, "graph_step_benchmark", lambda *a, **k: {})
+        monkeypatch.setattr(bench.cli, "accelerator_check", gpu.accelerator_check)
+    out = tmp_path / f"{what}.json"
+    size = {"gpu": ["--scale", "tiny"], "muon": ["--scale", "tiny"]}.get(what, ["--rounds", "1", "--steps", "1"])
+    assert main(["bench", what, *size, "--device", "cpu", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    changed = _git_out(root, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                       ":(exclude,glob)experiments/*/records/**")
+    expected = {"format_version": 2, "git_commit": _git_out(root, "rev-parse", "HEAD"), "git_dirty": bool(changed),
+                "geoopt_stiefel_attention": geoopt_stiefel_attention.__version__}
+    assert {key: doc[key] for key in expected} == expected
+    assert bench.read_provenance(doc) == expected and bench.BENCH_FORMAT_VERSION == 2
+    assert len(expected["git_commit"]) == 40 and "machine" in doc  # companion: the format-1 keys are all kept
+    assert set(doc) - set(expected) == ({"benchmark", "rounds", "threads", "device", "machine", "results"}
+                                        if what == "muon" else {"machine", "settings", "results"} if what != "gpu"
+                                        else {"machine", "settings", "seconds", "step", "paths", "train",
+                                              "retraction", "graphs"})
+
+
+def test_git_state_names_the_commit_and_uncommitted_changes_of_a_checkout_only(tmp_path):
+    """``git_state``: the SHA and ``dirty`` for the top of a checkout; changes to tracked files make it dirty, new
+    files and the study records do not; a folder that is not the top of a checkout is ``("unknown", None)``."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "experiments" / "lm" / "records").mkdir(parents=True)
+    (repo / "code.py").write_text("x = 1\n")
+    (repo / "experiments" / "lm" / "records" / "log.txt").write_text("epoch 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    assert bench.git_state(repo) == ("unknown", None)  # a repository without a commit
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "c"], check=True)
+    sha = _git_out(repo, "rev-parse", "HEAD")
+    assert bench.git_state(repo) == (sha, False)
+    (repo / "new.py").write_text("")  # untracked
+    (repo / "experiments" / "lm" / "records" / "log.txt").write_text("epoch 2\n")  # a study writing its records
+    assert bench.git_state(repo) == (sha, False)
+    (repo / "code.py").write_text("x = 2\n")
+    assert bench.git_state(repo) == (sha, True)
+    assert bench.git_state(repo / "experiments") == ("unknown", None)  # inside a checkout, not its top
+    outside = tmp_path / "installed"
+    outside.mkdir()
+    assert bench.git_state(outside) == ("unknown", None)
+
+
+def test_read_provenance_reads_the_committed_format_1_files_and_refuses_what_it_cannot_read():
+    """The committed results (written before provenance was recorded, and kept as they are) read as format 1,
+    ``"unknown"``; companion: a document of a newer format, or a format-2 document without its fields, is refused
+    naming the field."""
+    import re
+
+    old = ["step_time_1thread_cpuclock.json", "train_step_1thread_cpuclock.json", "paths_1thread_cpuclock.json",
+           "paths_compiled_custom_op.json", "gpu_check_20261204T1151Z_h200.json"]
+    docs = [_committed(name)[1] for name in old]
+    docs += [doc for runs in _committed("step_across_commits_issue39.json")[1].values() for doc in runs]
+    for doc in docs:
+        assert "format_version" not in doc and "machine" in doc
+        assert bench.read_provenance(doc) == {"format_version": 1, "git_commit": "unknown", "git_dirty": None,
+                                              "geoopt_stiefel_attention": None}
+    for bad, field in (({"format_version": 3}, "format_version=3"), ({"format_version": "2"}, "format_version='2'"),
+                       ({"format_version": 2, "git_commit": "abc"}, "git_dirty, geoopt_stiefel_attention"),
+                       ([], "doc is a list")):
+        with pytest.raises(ValueError, match=f"^read_provenance: .*{re.escape(field)}"):
+            bench.read_provenance(bad)

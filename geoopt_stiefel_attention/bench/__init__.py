@@ -35,7 +35,7 @@ medians. ``clock="cpu"`` measures the process's CPU time instead of wall time: w
 machine. Timings are not assertions: nothing here decides pass or fail.
 
 Layout, one module per job: ``settings`` (:class:`BenchSettings`, the interleaving protocol),
-``records`` (timings, machine, JSON), ``step``, ``train``, ``paths`` (one benchmark each,
+``records`` (timings, machine, provenance, JSON), ``step``, ``train``, ``paths`` (one benchmark each,
 with its table), ``gpu`` (the accelerator check) and ``cli`` (``HELP``, ``add_arguments``, ``run``).
 """
 
@@ -57,7 +57,17 @@ from .paths import (
     path_frame_sets,
     step_path_benchmark,
 )
-from .records import Machine, Timing, as_record, machine_info, to_json
+from .records import (
+    BENCH_FORMAT_VERSION,
+    Machine,
+    Timing,
+    as_record,
+    git_state,
+    machine_info,
+    provenance,
+    read_provenance,
+    to_json,
+)
 from .settings import (
     BENCH_DEFAULTS,
     CLOCKS,
@@ -83,10 +93,11 @@ from .train import (
 )
 
 __all__ = [
-    "BENCH_DEFAULTS", "BENCH_FRAMES", "CHECK_SCALES", "CLOCKS", "CONFIGS", "EXTRA_TRAIN_MODELS", "GRIDS",
-    "GRID_RANKS", "GRID_WIDTHS", "HELP", "STEP_OPTIMIZERS", "STEP_PATHS", "TINY_TRAIN_SETTINGS", "TRAIN_MODELS",
-    "TRAIN_SETTINGS", "BenchSettings", "FrameSet", "Machine", "StepPathResult", "StepTimeResult", "Timing",
-    "TrainStepResult", "accelerator_check", "add_arguments", "as_record", "format_check", "format_path_table",
-    "format_step_table", "format_train_table", "frame_shapes", "machine_info", "path_frame_sets", "run",
-    "step_path_benchmark", "step_time_benchmark", "to_json", "torch_threads", "train_step_benchmark",
+    "BENCH_DEFAULTS", "BENCH_FORMAT_VERSION", "BENCH_FRAMES", "CHECK_SCALES", "CLOCKS", "CONFIGS",
+    "EXTRA_TRAIN_MODELS", "GRIDS", "GRID_RANKS", "GRID_WIDTHS", "HELP", "STEP_OPTIMIZERS", "STEP_PATHS",
+    "TINY_TRAIN_SETTINGS", "TRAIN_MODELS", "TRAIN_SETTINGS", "BenchSettings", "FrameSet", "Machine", "StepPathResult",
+    "StepTimeResult", "Timing", "TrainStepResult", "accelerator_check", "add_arguments", "as_record", "format_check",
+    "format_path_table", "format_step_table", "format_train_table", "frame_shapes", "git_state", "machine_info",
+    "path_frame_sets", "provenance", "read_provenance", "run", "step_path_benchmark", "step_time_benchmark",
+    "to_json", "torch_threads", "train_step_benchmark",
 ]

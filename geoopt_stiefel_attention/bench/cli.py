@@ -27,7 +27,7 @@ from .paths import (
     path_frame_sets,
     step_path_benchmark,
 )
-from .records import machine_info, to_json
+from .records import machine_info, provenance, to_json
 from .settings import BENCH_DEFAULTS, CLOCKS, torch_threads
 from .step import CONFIGS, STEP_OPTIMIZERS, format_step_table, step_time_benchmark
 from .train import (
@@ -271,7 +271,7 @@ def _run_muon(args: argparse.Namespace) -> int:
     results = muon_step_benchmark(widths, rounds=rounds, threads=args.threads or 1, device=args.device)
     with torch_threads(args.threads):
         machine = machine_info(args.device)
-    text = json.dumps({"benchmark": "muon", "rounds": rounds, "threads": args.threads, "device": args.device,
+    text = json.dumps({**provenance(), "benchmark": "muon", "rounds": rounds, "threads": args.threads, "device": args.device,
                        "machine": asdict(machine), "results": [asdict(r) for r in results]}, indent=2, default=str)
     if args.out is not None:
         _write_out(args.out, text)

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .paths import BENCH_FRAMES, FrameSet, step_path_benchmark
-from .records import as_record, machine_info
+from .records import as_record, machine_info, provenance
 from .settings import BenchSettings, _interleave, _timing, torch_threads
 from .step import CONFIGS, step_time_benchmark
 from .train import train_step_benchmark
@@ -43,7 +43,8 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
     The grokking study's epochs per second, which ``benchmarks/gpu.sh`` adds next, belong to the studies
     (:mod:`experiments.grokking.speed`): the benchmarks measure the library only.
 
-    Returns a JSON-ready dict: ``machine``, ``settings``, ``seconds`` (per part) and one entry per part.
+    Returns a JSON-ready dict: the provenance (:func:`~.records.provenance`: format version, git commit),
+    ``machine``, ``settings``, ``seconds`` (per part) and one entry per part.
     """
 
     if scale not in CHECK_SCALES:
@@ -83,7 +84,7 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
     seconds["graphs"] = time.perf_counter() - t0
     with torch_threads(threads):  # the machine as the parts ran on it (torch_threads: the threads they used)
         machine = asdict(machine_info(device))
-    return {"machine": machine, "settings": dict(scale=scale, **timing,
+    return {**provenance(), "machine": machine, "settings": dict(scale=scale, **timing,
                                                                       compile_backend=compile_backend),
             "seconds": seconds, **out}
 
