@@ -513,8 +513,8 @@ def test_the_lm_readme_settings_time_pilot_and_controls_figures_match_their_reco
     """experiments/lm/README.md: the corpus and budget figures of "Settings" (summary.json of runs/full), the uniform
     entropy (the report's), the seed-0 angles; the measured wall times of "Time" (the runs' environment.json as
     summary.json's speed sums them); the pilot's table and figures (runs/pilot); the frame-step seeds; the parameter
-    count (the model the study builds); the controls study's split (its runs' config.json). Companion: any of these
-    phrases with one digit changed is caught."""
+    count (the model the study builds); the tuned study's run counts (its run folders); the controls study's split
+    (its runs' config.json). Companion: any of these phrases with one digit changed is caught."""
     from datetime import datetime, timedelta
     from types import SimpleNamespace
 
@@ -597,6 +597,10 @@ def test_the_lm_readme_settings_time_pilot_and_controls_figures_match_their_reco
     assert shapes == {"w64": 2, "w128": 2, "w128-h64": 1, "w256": 1}
     phrases.append("(2 seeds at width 64 and at width 128 with 32-dimensional heads, 1 at width 256 and at width 128 "
                    "with 64-dimensional heads)")
+    # the tuned study's run counts, from its run folders
+    grid = len(list((LM / "tuned").glob("lr-*/runs/*/seed*/metrics.jsonl")))
+    final = len(list((LM / "tuned" / "final").glob("runs/*/seed*/metrics.jsonl")))
+    phrases += [f"{grid} grid runs, {final} final runs", f"The grid ({grid} runs:", f"(seeds 2-6, {final} runs)"]
     # the controls study's three-way split, as every run of it so far records it
     splits = {tuple(json.loads(f.read_text())["config"]["corpus_identity"][f"{k}_files"] for k in ("train", "val",
                                                                                                     "test"))
@@ -829,9 +833,10 @@ def test_the_grokking_readme_table_and_words_on_the_five_seed_study_match_its_su
 
 def test_the_grokking_readme_table_on_the_single_seed_run_matches_its_summary():
     """experiments/grokking/README.md, 'Earlier single-seed result': the figures its committed summary.json holds
-    (grokking epoch, endpoint, tail mean, W_Q's movement and largest angle, last-step movement, speed, dip count),
-    rounded as printed. The run's records are not committed: its mean principal angles, the epochs and depths of
-    its drops and the wall-clock of both arms are in no committed file. Companion: a changed epoch fails."""
+    (grokking epoch, endpoint, tail mean, W_Q's movement and largest angle, last-step movement, speed and seconds,
+    dip count), rounded as printed. The run's records are not committed: its mean principal angles and the epochs and
+    depths of its drops are in no committed file, and the README says so instead of quoting them (it did). Companion:
+    a changed epoch fails, and so does any figure of the words with one digit changed."""
     data = json.loads((ROOT / "experiments" / "grokking" / "records" / "p97_add_clean" / "summary.json").read_text())
     arms, speed = data["summary"]["arms"], data["speed"]
     readme = (ROOT / "experiments" / "grokking" / "README.md").read_text()
@@ -854,17 +859,56 @@ def test_the_grokking_readme_table_on_the_single_seed_run_matches_its_summary():
     assert row("‖W_Q − W_Q0‖_F (relative to ‖W_Q0‖_F)") == [
         f"{one(a, 'final_move_total/q'):.3g} ({one(a, 'final_move_total_rel/q'):.2f})",
         f"{one(s, 'final_move_total/q'):.3g} ({one(s, 'final_move_total_rel/q'):.3f})"]
-    assert [c.split(" / ")[0] for c in row("largest / mean principal angle of W_Q to its start")] == [
+    assert row("largest principal angle of W_Q to its start") == [
         f"{one(x, 'final_angle_max_deg/q'):.1f}°" for x in (a, s)]
     assert row("mean last-step ‖ΔW_Q‖_F over evaluations") == [
         f"{one(x, 'mean_move_step/q'):.1e}".replace("e-0", "e-") for x in (a, s)]
-    assert len(row("drops below 95% after grokking (epoch: val acc)")[0].split("; ")) == one(a, "dips_after_reaching")
-    assert len(row("drops below 95% after grokking (epoch: val acc)")[1].split("; ")) == one(s, "dips_after_reaching")
-    assert (f"Speed of this run: {speed['adamw/seed0']['epochs_per_second']:.2f} (AdamW) and "
-            f"{speed['stiefel/seed0']['epochs_per_second']:.2f} (Stiefel) epochs/s") in words
+    dips = [one(x, "dips_after_reaching") for x in (a, s)]
+    assert row("drops below 95% after grokking") == [str(d) for d in dips] and dips == [4, 4]
+    rates = [speed[f"{arm}/seed0"]["epochs_per_second"] for arm in ("adamw", "stiefel")]
+    seconds = [speed[f"{arm}/seed0"]["seconds"] for arm in ("adamw", "stiefel")]
+    _assert_quoted(section, [
+        f"Speed of this run: {rates[0]:.2f} (AdamW) and {rates[1]:.2f} (Stiefel) epochs/s, evaluation included; "
+        f"{seconds[0]:,.0f} s and {seconds[1]:,.0f} s of training",
+        "each arm drops briefly below 95% four times",
+        f"the largest principal angle is about {one(a, 'final_angle_max_deg/q'):.0f}°. The Stiefel frames stay within "
+        f"about {one(s, 'final_angle_max_deg/q'):.0f}°"])
+    # the Speed section quotes the same run
+    speed_section = readme[readme.index("## Speed"):readme.index("## Five-seed study")]
+    _assert_quoted(speed_section, [
+        "**{:.1f}–{:.1f} epochs/s per run**".format(*sorted(20000 / x for x in seconds)),
+        f"took {min(seconds) / 60:.1f}–{max(seconds) / 60:.1f} minutes on one core"])
+    assert {v["epochs_trained"] for v in speed.values()} == {20000} and len(speed) == 2
     epochs = [one(x, "first_epoch_reaching") for x in (a, s)]
     assert f"Both arms grok, at epoch {epochs[0]:,} (AdamW) and {epochs[1]:,} (Stiefel)" in words
     ratio = one(a, "mean_move_step/q") / one(s, "mean_move_step/q")
     assert 80 <= ratio <= 120 and "last-step movement is about 100× smaller" in words
     # companion: another grokking epoch is not the row
     assert row("first epoch with val acc ≥ 95%") != [f"{epochs[0] + 100:,}", f"{epochs[1]:,}"]
+
+
+def test_the_grokking_readme_figures_across_its_studies_match_their_summaries():
+    """experiments/grokking/README.md: the five-seed study's speed range (its summary's speed), the seed-0 grokking
+    epochs it sets beside the single-seed run's, the seed-0 epochs that led to the fifth arm of p97_add_arms10 and
+    that study's run count, each from the committed summary.json. Companion: any of them with one digit changed is
+    caught."""
+    records = ROOT / "experiments" / "grokking" / "records"
+    five, clean, arms10 = (json.loads((records / name / "summary.json").read_text())
+                           for name in ("p97_add_5seeds", "p97_add_clean", "p97_add_arms10"))
+    rates = [v["epochs_trained"] / v["seconds"] for v in five["speed"].values()]
+
+    def seed0(study, arm):
+        return f"{study['summary']['arms'][arm]['first_epoch_reaching']['per_seed']['0']:,}"
+
+    own = [c for c in arms10["summary"]["mechanism"]["contrasts"] if "adamw-qk-nodecay" not in (c["arm"], c["against"])]
+    runs = len(arms10["speed"])
+    assert runs == 10 * len(arms10["summary"]["arms"])  # every arm's ten seeds, nothing of repro/ or same_cpu/
+    assert all(c["n"] == 10 for c in own)
+    _assert_quoted((ROOT / "experiments" / "grokking" / "README.md").read_text(), [
+        f"({min(rates):.0f}–{max(rates):.0f} epochs/s per run, depending",
+        f"grok at {seed0(five, 'adamw')} / {seed0(five, 'stiefel')} instead of {seed0(clean, 'adamw')} / "
+        f"{seed0(clean, 'stiefel')} epochs",
+        f"`stiefel-frozen` grokked with `stiefel` ({seed0(arms10, 'stiefel-frozen')} and {seed0(arms10, 'stiefel')} "
+        f"epochs) and `adamw-orthostart` with `adamw` ({seed0(arms10, 'adamw-orthostart')} and "
+        f"{seed0(arms10, 'adamw')})",
+        f"The {runs} runs took"])
