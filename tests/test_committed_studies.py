@@ -694,6 +694,35 @@ def test_the_readmes_numbers_on_the_vision_studies_match_their_summaries():
     assert f"gap {_pp(d[0] + 1e-4)} pp (decay 0)" not in vision
 
 
+def test_the_vision_readme_run_figures_match_the_committed_records():
+    """experiments/vision/README.md: the paired study's commit, run count and training time (the committed runs'
+    environment.json, as summary.json's speed sums them; the README quoted the original runs' 26.8 min and 44 s a run,
+    which no committed file holds), the run count of each study in the table on how the reports were rebuilt, and
+    the frame-step check's seeds and grid (the transfer study's summary.json). Companion: any of these phrases with one digit changed is caught."""
+    import statistics
+
+    readme = (ROOT / "experiments" / "vision" / "README.md").read_text()
+    speed = json.loads((VISION / "fashion-mnist-paired" / "summary.json").read_text())["speed"]
+    seconds = [v["seconds"] for v in speed.values()]
+    commits = {v["git_sha"][:7] for v in speed.values()}
+    assert len(commits) == 1
+    phrases = [f"retrained at commit {commits.pop()}",
+               f"{len(seconds)} runs, one at a time, CPU only, one torch thread, {sum(seconds) / 60:.1f} min of "
+               f"training in all ({statistics.mean(seconds):.0f} s a run on average, {max(seconds):.0f} s the longest"]
+    for name in sorted(VISION_STUDIES):
+        runs = len(list((VISION / name).glob("**/runs/*/seed*/metrics.jsonl")))
+        phrases.append(f"| {VISION_STUDIES[name]} ({runs} runs) |")
+    # the frame-step check: its seeds, the two values added because the best of the first five was at the edge
+    checks = json.loads((LM / "frame-step" / "summary.json").read_text())["checks"]
+    vision = next(c for c in checks if c["experiment"] == "vision")
+    best = {r["multiplier"]: r["mean"] for r in vision["rows"]}
+    first = [m for m in sorted(best) if m <= 9]
+    assert len(first) == 5 and max(first, key=best.get) == first[-1] == 9 and sorted(best)[5:] == [27, 81]
+    phrases.append(f"## Frame-step check: Fashion-MNIST, {len(vision['seeds'])} seeds (not CIFAR-10)")
+    _assert_quoted(readme, phrases)
+    assert "26.8 min" not in readme and "44 s per run" not in readme
+
+
 def test_the_readme_row_on_the_five_seed_grokking_study_matches_its_summary():
     """The top README's claims-table row on p97_add_5seeds: endpoints, tail means, grokking epochs, dips and angles,
     rounded as printed, from its summary.json. It said "17 vs 21 drops", counting AdamW's evaluations below 95%
