@@ -47,8 +47,12 @@ class PolarStiefel(EuclideanStiefel):
     one tensor. What ``EuclideanStiefel`` would compute on silently is refused: ``r > d`` and a vector whose last
     two dimensions are not the point's (``ValueError``; leading dimensions broadcast), complex tensors
     (``TypeError``), non-finite input of ``projx``/``retr`` (``ValueError``); ``projx`` of a rank-deficient frame
-    warns, since its closest frame is not unique. ``float32`` and ``float64`` compute in their own dtype; ``bfloat16``/``float16`` points are
-    retracted in ``float32`` and rounded back.
+    warns, since its closest frame is not unique. Every result has the point's dtype, and a vector (``u``, ``v``)
+    of another dtype than the point is refused (``TypeError``) by ``proju``/``egrad2rgrad``, ``inner``,
+    ``transp``, ``expmap``, ``retr`` and ``retr_transp``: cast one to the other first (``retr`` rounded such a
+    vector to the point's dtype, geoopt's QR retraction promotes the result to the wider dtype, and the other
+    methods stopped in a matrix product). ``float32`` and ``float64`` compute in their own dtype;
+    ``bfloat16``/``float16`` points are retracted in ``float32`` and rounded back.
 
     Examples
     --------
@@ -72,29 +76,38 @@ class PolarStiefel(EuclideanStiefel):
         _check_real(x, "a point")
         self._assert_check_shape(tuple(x.shape), "x")
 
-    def _check_args(self, method: str, x: torch.Tensor, **vectors: torch.Tensor | None) -> None:
-        r"""Refuse what geoopt's ``EuclideanStiefel`` computes on silently: a point that is not a stack of real
-        ``d x r`` frames with :math:`r \le d`, and a vector whose last two dimensions are not the point's (torch would
-        broadcast an ``(d, 1)`` or ``(r,)`` tensor against ``x``, returning a full-shape result of the wrong
-        vector)."""
-        _check_real(x, f"PolarStiefel.{method}: the point x")
-        self._assert_check_shape(tuple(x.shape), "x")
+    def _check_args(self, method: str, x: torch.Tensor, *, point: str = "x", **vectors: torch.Tensor | None) -> None:
+        r"""Refuse what geoopt's ``EuclideanStiefel`` computes on silently or fails on without naming the cause: a
+        point that is not a stack of real ``d x r`` frames with :math:`r \le d`, a vector whose last two dimensions
+        are not the point's (torch would broadcast an ``(d, 1)`` or ``(r,)`` tensor against ``x``, returning a
+        full-shape result of the wrong vector), and a vector whose dtype is not the point's (``retr`` rounded it to
+        the point's dtype, geoopt's QR retraction promotes the result away from it, and the other methods stopped
+        in a matrix product with torch's "expected scalar type"). ``point`` is the point's name in the method's
+        signature (``y`` for :meth:`transp`)."""
+        _check_real(x, f"PolarStiefel.{method}: the point {point}")
+        self._assert_check_shape(tuple(x.shape), point)
         for name, v in vectors.items():
             if v is None:
                 continue
             _check_real(v, f"PolarStiefel.{method}: {name}")
             if v.dim() < 2 or tuple(v.shape[-2:]) != tuple(x.shape[-2:]):
                 raise ValueError(
-                    f"PolarStiefel.{method}: {name} has shape {tuple(v.shape)} but the point x has shape "
-                    f"{tuple(x.shape)}; a tangent vector at x is a (..., {x.shape[-2]}, {x.shape[-1]}) tensor "
-                    f"(its last two dimensions are not broadcast), so pass one of x's frame shape.")
+                    f"PolarStiefel.{method}: {name} has shape {tuple(v.shape)} but the point {point} has shape "
+                    f"{tuple(x.shape)}; a tangent vector at {point} is a (..., {x.shape[-2]}, {x.shape[-1]}) tensor "
+                    f"(its last two dimensions are not broadcast), so pass one of {point}'s frame shape.")
+            if v.dtype != x.dtype:
+                raise TypeError(
+                    f"PolarStiefel.{method}: {name} is {v.dtype} but the point {point} is {x.dtype}; a tangent "
+                    f"vector at {point} has {point}'s dtype (mixed, the result would be rounded to one of the two "
+                    f"without a word), so cast one to the other first, e.g. {name}.to({point}.dtype).")
 
     def proju(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         r"""Projection onto the tangent space at ``x``: :math:`P_X(U) = U - X \operatorname{sym}(X^\top U)`,
         :math:`\operatorname{sym}(A) = \tfrac12 (A + A^\top)` (geoopt's ``EuclideanStiefel.proju``).
 
         Raises ``ValueError`` when ``u``'s last two dimensions differ from ``x``'s, or ``x`` has :math:`r > d`,
-        and ``TypeError`` for a complex tensor.
+        and ``TypeError`` for a complex tensor or a ``u`` whose dtype is not
+        ``x``'s.
         """
         self._check_args("proju", x, u=u)
         return super().proju(x, u)
@@ -104,7 +117,7 @@ class PolarStiefel(EuclideanStiefel):
 
     def transp(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         r"""Vector transport by projection onto the new tangent space, :math:`\mathcal{T}_{X\to Y}(V) = P_Y(V)`."""
-        self._check_args("transp", y, v=v)
+        self._check_args("transp", y, point="y", v=v)
         return super().proju(y, v)
 
     def inner(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None, *,
@@ -123,7 +136,8 @@ class PolarStiefel(EuclideanStiefel):
         r"""The polar retraction :math:`R_X(U) = (X + U)\big((X + U)^\top (X + U)\big)^{-1/2}`.
 
         Raises ``ValueError`` for a non-finite ``x + u`` (no frame is its polar factor), a ``u`` whose last two
-        dimensions differ from ``x``'s, or ``r > d``; ``TypeError`` for a complex tensor.
+        dimensions differ from ``x``'s, or ``r > d``; ``TypeError`` for a complex tensor or a ``u`` whose dtype is not
+        ``x``'s.
         """
         self._check_args("retr", x, u=u)
         ct = _linalg.compute_dtype(x.dtype)
@@ -133,7 +147,7 @@ class PolarStiefel(EuclideanStiefel):
 
     def retr_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r""":meth:`retr` and :meth:`transp` at once: :math:`(Y, P_Y(V))` with :math:`Y = R_X(U)`."""
-        self._check_args("retr_transp", x, v=v)
+        self._check_args("retr_transp", x, u=u, v=v)
         y = self.retr(x, u)
         return y, self.transp(x, y, v)
 

@@ -298,6 +298,66 @@ def test_companion_leading_dimensions_still_broadcast_and_proju_matches_the_form
         assert torch.isfinite(call() if name != "retr_transp" else call()[1]).all(), name
 
 
+METHODS_WITH_A_VECTOR = ["proju", "egrad2rgrad", "retr", "expmap", "transp", "retr_transp", "inner", "norm"]
+MIXED_DTYPES = [(torch.float32, torch.float64), (torch.float64, torch.float32), (torch.bfloat16, torch.float32),
+                (torch.float32, torch.bfloat16)]
+FLOAT32_TOL = 1e-5  # a float32 result against its float64 reference (d = 8, r = 3: a few units of roundoff)
+
+
+@pytest.mark.parametrize(("point_dtype", "vector_dtype"), MIXED_DTYPES)
+@pytest.mark.parametrize("method", METHODS_WITH_A_VECTOR)
+def test_a_vector_of_another_dtype_than_the_point_is_refused(st, method, point_dtype, vector_dtype):
+    """retr rounded a float64 step to a float32 point's dtype without a word (geoopt's EuclideanStiefel.retr
+    promotes the result to float64 instead), and proju, transp, expmap stopped in a matrix product with torch's
+    "expected scalar type Float but found Double"; every method now refuses mixed dtypes in one sentence naming
+    both and the cast."""
+    x64, _, _ = _point_and_tangents(st, (8, 3))
+    x = x64.to(point_dtype)
+    u = st.proju(x64, torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    u = u.to(vector_dtype)
+    with pytest.raises(TypeError, match=rf"^PolarStiefel\.\w+: \w+ is {re.escape(str(vector_dtype))} but the point "
+                                        rf"[xy] is {re.escape(str(point_dtype))}; .*e\.g\. \w+\.to\([xy]\.dtype\)\.$"):
+        _methods_with_a_vector(st, x, u)[method]()
+
+
+@pytest.mark.parametrize("method", METHODS_WITH_A_VECTOR)
+def test_companion_a_vector_cast_to_the_points_dtype_gives_the_points_dtype_and_the_reference(st, method):
+    """The fix the refusal names: with ``u`` cast to the float32 point's dtype every method runs, returns float32, and
+    agrees with a float64 reference written out here (retr: the polar factor by SVD; transport and projection:
+    U - Y sym(Y^T U); inner: the trace)."""
+    x64, _, _ = _point_and_tangents(st, (8, 3))
+    u64 = 0.1 * st.proju(x64, torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    x, u = x64.float(), u64.float()
+    t = st.proju(x, torch.randn_like(x))  # the methods' other vector (retr_transp's step, inner's first vector)
+    t64 = t.double()
+
+    def project(y, v):
+        yv = y.mT @ v
+        return v - y @ (0.5 * (yv + yv.mT))
+
+    def polar(y):
+        left, _, right = torch.linalg.svd(y, full_matrices=False)
+        return left @ right
+
+    step64 = x64 + t64
+    reference = {"proju": lambda: project(x64, u64), "egrad2rgrad": lambda: project(x64, u64),
+                 "retr": lambda: polar(x64 + u64), "expmap": lambda: None, "transp": lambda: project(x64, u64),
+                 "retr_transp": lambda: project(polar(step64), u64), "inner": lambda: (t64 * u64).sum(),
+                 "norm": lambda: u64.square().sum().sqrt()}[method]()
+    out = {"proju": lambda: st.proju(x, u), "egrad2rgrad": lambda: st.egrad2rgrad(x, u),
+           "retr": lambda: st.retr(x, u), "expmap": lambda: st.expmap(x, u), "transp": lambda: st.transp(x, x, u),
+           "retr_transp": lambda: st.retr_transp(x, t, u)[1], "inner": lambda: st.inner(x, t, u),
+           "norm": lambda: st.norm(x, u)}[method]()
+    assert out.dtype == torch.float32
+    if method == "expmap":  # the exponential map: on the manifold, and first-order equal to the retraction
+        out = out.double()
+        assert float((out.mT @ out - torch.eye(3, dtype=torch.float64)).abs().max()) < FLOAT32_TOL
+        reference = polar(x64 + u64)
+        assert float((out - reference).abs().max()) < float(u64.norm()) ** 2
+        return
+    assert float((out.double() - reference).abs().max()) < FLOAT32_TOL
+
+
 @pytest.mark.parametrize("method", ["retr", "proju", "projx", "expmap"])
 def test_r_greater_than_d_is_refused_by_every_method(st, method):
     """A (3, 8) tensor has no orthonormal columns; retr/projx returned orthonormal rows, proju a (3, 8) matrix."""
