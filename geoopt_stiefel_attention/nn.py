@@ -34,7 +34,7 @@ from ._linalg import ADJUST_LR_FNS, ORTHONORMALITY_TOLERANCE, orthonormality_err
 # The converter lives in .convert, which does not import this module (no cycle); its stiefelize is re-exported
 # here. The module-replacement helpers of from_euclidean/from_torch are at the end of this module.
 from .convert import converted_query_key_frames, stiefelize
-from .manifolds import PolarStiefel, frame_dtypes, is_frame, reproject_after_cast_
+from .manifolds import PolarStiefel, frame_dtypes, has_manifold, is_frame, reproject_after_cast_
 
 __all__ = [
     "FRAME_GRANULARITIES",
@@ -808,7 +808,9 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     ``decay`` rule (the language-model study keeps its token and position embeddings out of decay).
 
     1. ``"frames"``: every parameter for which :func:`~geoopt_stiefel_attention.is_frame` holds
-       (:class:`geoopt.ManifoldParameter` s on an embedded-metric Stiefel manifold), ``weight_decay=0`` (with
+       (:class:`geoopt.ManifoldParameter` s on a Stiefel manifold: :class:`~geoopt_stiefel_attention.PolarStiefel`,
+       geoopt's ``EuclideanStiefel``, and geoopt's canonical-metric ``Stiefel()``, which
+       :class:`~geoopt_stiefel_attention.StiefelAdam` refuses, naming the fix), ``weight_decay=0`` (with
        ``no_decay_frames=True``). For a Riemannian optimizer decay on a frame is a no-op anyway:
        :math:`P_W(\lambda W) = \lambda (W - W\operatorname{sym}(W^\top W)) = 0`.
     2. ``"decay"``: every other parameter for which ``decay(name, p)`` holds; by default
@@ -824,7 +826,11 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     frames gets a ``UserWarning`` (``StiefelAdam`` would then train it as plain AdamW: call
     :func:`~geoopt_stiefel_attention.stiefelize` first) unless ``expect_frames=False`` or the model is
     built from :class:`EuclideanMultiheadAttention` (the Euclidean arm of a paired experiment, by design).
-    Parameters with
+    A trainable :class:`geoopt.ManifoldParameter` on another manifold (``geoopt.Sphere()``, ...) is grouped as a
+    Euclidean parameter, by ``decay``, with a ``UserWarning`` naming it and its manifold: ``StiefelAdam`` refuses
+    it, and a Euclidean optimizer such as :class:`torch.optim.AdamW` would move it off its manifold (train it
+    with ``geoopt.optim.RiemannianAdam``, or recreate it on
+    :class:`~geoopt_stiefel_attention.PolarStiefel` if it holds frames). Parameters with
     ``requires_grad=False`` are left out; parameters shared between modules appear once. A model with no
     trainable parameter at all raises ``ValueError`` (every group would be empty, and a stock optimizer such as
     :class:`torch.optim.AdamW` accepts empty groups and trains nothing).
@@ -888,16 +894,18 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
                         f"bool, e.g. the default decays_matrices.")
     frames, decayed, no_decay = [], [], []
     frozen = 0
+    other_manifold = []  # (name, manifold, group) of trainable parameters on a manifold that is not Stiefel
     for name, p in model.named_parameters():
         if not p.requires_grad:
             frozen += 1
             continue
         if is_frame(p):
             frames.append(p)
-        elif decay(name, p):
-            decayed.append(p)
-        else:
-            no_decay.append(p)
+            continue
+        group = "decay" if decay(name, p) else "no_decay"
+        (decayed if group == "decay" else no_decay).append(p)
+        if has_manifold(p):
+            other_manifold.append((name, p.manifold, group))
     if not (frames or decayed or no_decay):
         held = f"its {frozen} parameter(s) all have requires_grad=False" if frozen else "it holds no parameter"
         raise ValueError(f"param_groups: {type(model).__name__} has no trainable parameter ({held}), so every group "
@@ -910,6 +918,13 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
                       f"would train every parameter as plain AdamW. Call stiefelize(model) first (it raises when "
                       f"it finds no attention), or pass expect_frames=False for a Euclidean baseline.",
                       UserWarning, stacklevel=2)
+    if other_manifold:
+        listed = ", ".join(f"{name!r} (on {manifold!r}, in {group!r})" for name, manifold, group in other_manifold)
+        warnings.warn(f"param_groups: {listed}: geoopt.ManifoldParameter(s) on a manifold other than Stiefel, "
+                      f"grouped as Euclidean parameters, which torch.optim.AdamW would train off their manifold "
+                      f"without a word (StiefelAdam refuses them); train them with geoopt.optim.RiemannianAdam, "
+                      f"or recreate them on geoopt_stiefel_attention.PolarStiefel() if they are Stiefel frames "
+                      f"(a unit vector is a (d, 1) frame).", UserWarning, stacklevel=2)
     wd = float(weight_decay)
     frame_group = {"name": "frames", "params": frames, "weight_decay": 0.0 if no_decay_frames else wd}
     if adjust_lr_fn is not None:

@@ -569,6 +569,40 @@ def test_param_groups_warns_without_frames():
 
 
 
+def test_param_groups_warns_about_a_parameter_on_a_manifold_other_than_stiefel():
+    """A geoopt.Sphere parameter went into the Euclidean groups without a word: StiefelAdam then refused it, but
+    torch.optim.AdamW trained it off its manifold silently. It is now named, with its manifold, its group and the
+    choices, and grouped as before (the warning changes nothing)."""
+    sphere = geoopt.Sphere()
+    model = nn.Sequential(StiefelMultiheadAttention(E, H))
+    model.directions = geoopt.ManifoldParameter(sphere.random(4, E, dtype=F64), manifold=sphere)  # ndim 2: "decay"
+    model.unit = geoopt.ManifoldParameter(sphere.random(E, dtype=F64), manifold=sphere)  # ndim 1: "no_decay"
+    with pytest.warns(UserWarning) as record:
+        groups = param_groups(model)
+    (message,) = [str(w.message) for w in record]
+    assert message == ("param_groups: 'directions' (on Sphere manifold, in 'decay'), 'unit' (on Sphere manifold, in "
+                       "'no_decay'): geoopt.ManifoldParameter(s) on a manifold other than Stiefel, grouped as "
+                       "Euclidean parameters, which torch.optim.AdamW would train off their manifold without a word "
+                       "(StiefelAdam refuses them); train them with geoopt.optim.RiemannianAdam, or recreate them on "
+                       "geoopt_stiefel_attention.PolarStiefel() if they are Stiefel frames (a unit vector is a (d, 1) "
+                       "frame).")
+    assert any(p is model.directions for p in groups[1]["params"]) and any(p is model.unit for p in groups[2]["params"])
+    with pytest.raises(ValueError, match="is on Sphere manifold.*geoopt.optim.RiemannianAdam"):
+        StiefelAdam(groups, lr=1e-2)  # what the warning says of StiefelAdam
+    # companion: frames on every Stiefel manifold (geoopt's canonical Stiefel() among them: a frame, which StiefelAdam
+    # refuses by its own message), geoopt's Euclidean ManifoldParameter and a frozen sphere parameter pass silently
+    canonical = geoopt.Stiefel()
+    quiet = nn.Sequential(StiefelMultiheadAttention(E, H))
+    quiet.canonical = geoopt.ManifoldParameter(canonical.random(E, 2, dtype=F64), manifold=canonical)
+    quiet.euclidean = geoopt.ManifoldParameter(torch.randn(E, E, dtype=F64))
+    quiet.frozen = geoopt.ManifoldParameter(sphere.random(E, dtype=F64), manifold=sphere, requires_grad=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        groups = param_groups(quiet)
+    assert any(p is quiet.canonical for p in groups[0]["params"])
+    assert any(p is quiet.euclidean for p in groups[1]["params"])
+
+
 def test_param_groups_refuses_a_model_with_nothing_to_train():
     """Every group empty: torch.optim.AdamW accepted the groups and trained nothing, and the frozen frames kept the
     frames warning quiet, so nothing said so."""
