@@ -194,3 +194,24 @@ def lm_cli(root, out, *extra) -> int:
     from experiments.cli import main
 
     return main(["lm", *TINY_LM_FLAGS, "--corpus-root", root, "--out", str(out), *extra])
+
+
+# ---------------------------------------------------------------------------------------------- README numbers
+def missing_phrases(text: str, expected: list[str]) -> list[str]:
+    """The phrases of ``expected`` that ``text`` does not contain, line breaks and runs of spaces read as one space."""
+    words = " ".join(text.split())
+    return [e for e in expected if " ".join(e.split()) not in words]
+
+
+def one_digit_changed(text: str, phrase: str) -> str:
+    """``text`` (whitespace folded) with the last digit of ``phrase`` changed wherever ``phrase`` occurs."""
+    words, phrase = " ".join(text.split()), " ".join(phrase.split())
+    i = max(k for k, c in enumerate(phrase) if c.isdigit())
+    return words.replace(phrase, phrase[:i] + str((int(phrase[i]) + 1) % 10) + phrase[i + 1:])
+
+
+def assert_quoted(text: str, expected: list[str]) -> None:
+    """Every phrase of ``expected`` is in ``text``; companion: with one digit of any of them changed, it is not."""
+    assert missing_phrases(text, expected) == []
+    for phrase in expected:
+        assert missing_phrases(one_digit_changed(text, phrase), [phrase]) == [phrase], phrase

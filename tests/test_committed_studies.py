@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import assert_quoted
 
 from experiments.cli import main
 from experiments.harness.records import read_records
@@ -387,33 +388,14 @@ def test_the_lm_readme_table_on_the_trust_region_units_matches_its_records():
 
 # ---------------------------------------------------------------------------------------------- README numbers
 # The tests below build, from the committed records, each phrase a README states (rounded as printed) and require it
-# in the text; their companions change one digit of each phrase in the text and require the check to catch it.
+# in the text with conftest.assert_quoted, whose companion changes one digit of each phrase and requires the check to
+# catch it.
 LM = ROOT / "experiments" / "lm" / "records"
 
 
 def _signed(x: float, fmt: str) -> str:
     """``x`` formatted by ``fmt`` (which may hold ``+``) with the READMEs' typographic minus."""
     return f"{x:{fmt}}".replace("-", "−")
-
-
-def _missing(text: str, expected: list[str]) -> list[str]:
-    """The phrases of ``expected`` that ``text`` does not contain, line breaks and runs of spaces read as one space."""
-    words = " ".join(text.split())
-    return [e for e in expected if " ".join(e.split()) not in words]
-
-
-def _one_digit_changed(text: str, phrase: str) -> str:
-    """``text`` (whitespace folded) with the last digit of ``phrase`` changed wherever ``phrase`` occurs."""
-    words, phrase = " ".join(text.split()), " ".join(phrase.split())
-    i = max(k for k, c in enumerate(phrase) if c.isdigit())
-    return words.replace(phrase, phrase[:i] + str((int(phrase[i]) + 1) % 10) + phrase[i + 1:])
-
-
-def _assert_quoted(text: str, expected: list[str]) -> None:
-    """Every phrase of ``expected`` is in ``text``; companion: with one digit of any of them changed, it is not."""
-    assert _missing(text, expected) == []
-    for phrase in expected:
-        assert _missing(_one_digit_changed(text, phrase), [phrase]) == [phrase], phrase
 
 
 def _lm_last(study: str, subdir: str, arm: str) -> list[dict]:
@@ -502,8 +484,8 @@ def test_the_lm_readme_on_the_full_study_and_its_lr_3e_3_follow_up_quotes_their_
         f"{arms['adamw']['final_val_bpb']['mean']:.3f} bpb)",
         f"({follow_stiefel:.2f} against {follow['main']['arms']['adamw']['final_train_bpb']['mean']:.2f})",
     ]
-    _assert_quoted(readme, phrases)
-    _assert_quoted(top, [f"({mean['angle_max_deg/q']['stiefel']:.0f}° vs {mean['angle_max_deg/q']['adamw']:.0f}° "
+    assert_quoted(readme, phrases)
+    assert_quoted(top, [f"({mean['angle_max_deg/q']['stiefel']:.0f}° vs {mean['angle_max_deg/q']['adamw']:.0f}° "
                          f"after training)"])
     # companion: a row with one digit changed is not a line of the README
     assert rows[0].replace("1.993", "1.994") not in readme.splitlines()
@@ -513,8 +495,9 @@ def test_the_lm_readme_settings_time_pilot_and_controls_figures_match_their_reco
     """experiments/lm/README.md: the corpus and budget figures of "Settings" (summary.json of runs/full), the uniform
     entropy (the report's), the seed-0 angles; the measured wall times of "Time" (the runs' environment.json as
     summary.json's speed sums them); the pilot's table and figures (runs/pilot); the frame-step seeds; the parameter
-    count (the model the study builds); the tuned study's run counts (its run folders); the controls study's split
-    (its runs' config.json). Companion: any of these phrases with one digit changed is caught."""
+    count (the model the study builds; the top README's too); the tuned study's run counts (its run folders); the
+    controls study's split (its runs' config.json). Companion: any of these phrases with one digit changed is
+    caught."""
     from datetime import datetime, timedelta
     from types import SimpleNamespace
 
@@ -528,10 +511,14 @@ def test_the_lm_readme_settings_time_pilot_and_controls_figures_match_their_reco
     angle0 = {arm: read_records(LM / "full" / "runs" / arm / "seed0" / "metrics.jsonl")[-1]["angle_max_deg/q"]
               for arm in ("stiefel", "adamw")}
     model = build_model(SimpleNamespace(**{k: config[k] for k in ("context", "width", "depth", "heads")}), seed=0)
+    parameters = f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters"
+    assert_quoted((ROOT / "README.md").read_text(), [f"a byte-level GPT-2, {parameters}"])
     phrases = [
         f"{corpus['train_files']} training files ({corpus['train_bytes']:,} bytes), {corpus['val_files']} validation "
         f"files ({corpus['val_bytes']:,} bytes), corpus SHA-256 `{corpus['sha256'][:8]}…`",
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters",
+        f"One model size ({parameters})",
+        f"width 128, 4 layers, 4 heads (head size 32), MLP 512, no dropout, tied embeddings, pre-norm causal; "
+        f"{parameters}",
         f"({trained / 1e6:.1f} M training bytes, about {trained / corpus['train_bytes']:.1f} passes over the training "
         f"text)",
         f"uniform causal attention averages {_uniform_entropy(config['context']):.2f} over {config['context']} "
@@ -608,7 +595,7 @@ def test_the_lm_readme_settings_time_pilot_and_controls_figures_match_their_reco
     if splits:
         assert len(splits) == 1
         phrases.append("names the three-way split it used ({}/{}/{} files)".format(*splits.pop()))
-    _assert_quoted(readme, phrases)
+    assert_quoted(readme, phrases)
 
 
 def _pp(x: float, digits: int = 2, sign: bool = True) -> str:
@@ -719,7 +706,7 @@ def test_the_vision_readme_run_figures_match_the_committed_records():
     first = [m for m in sorted(best) if m <= 9]
     assert len(first) == 5 and max(first, key=best.get) == first[-1] == 9 and sorted(best)[5:] == [27, 81]
     phrases.append(f"## Frame-step check: Fashion-MNIST, {len(vision['seeds'])} seeds (not CIFAR-10)")
-    _assert_quoted(readme, phrases)
+    assert_quoted(readme, phrases)
     assert "26.8 min" not in readme and "44 s per run" not in readme
 
 
@@ -896,7 +883,7 @@ def test_the_grokking_readme_table_on_the_single_seed_run_matches_its_summary():
     assert row("drops below 95% after grokking") == [str(d) for d in dips] and dips == [4, 4]
     rates = [speed[f"{arm}/seed0"]["epochs_per_second"] for arm in ("adamw", "stiefel")]
     seconds = [speed[f"{arm}/seed0"]["seconds"] for arm in ("adamw", "stiefel")]
-    _assert_quoted(section, [
+    assert_quoted(section, [
         f"Speed of this run: {rates[0]:.2f} (AdamW) and {rates[1]:.2f} (Stiefel) epochs/s, evaluation included; "
         f"{seconds[0]:,.0f} s and {seconds[1]:,.0f} s of training",
         "each arm drops briefly below 95% four times",
@@ -904,7 +891,7 @@ def test_the_grokking_readme_table_on_the_single_seed_run_matches_its_summary():
         f"about {one(s, 'final_angle_max_deg/q'):.0f}°"])
     # the Speed section quotes the same run
     speed_section = readme[readme.index("## Speed"):readme.index("## Five-seed study")]
-    _assert_quoted(speed_section, [
+    assert_quoted(speed_section, [
         "**{:.1f}–{:.1f} epochs/s per run**".format(*sorted(20000 / x for x in seconds)),
         f"took {min(seconds) / 60:.1f}–{max(seconds) / 60:.1f} minutes on one core"])
     assert {v["epochs_trained"] for v in speed.values()} == {20000} and len(speed) == 2
@@ -933,7 +920,7 @@ def test_the_grokking_readme_figures_across_its_studies_match_their_summaries():
     runs = len(arms10["speed"])
     assert runs == 10 * len(arms10["summary"]["arms"])  # every arm's ten seeds, nothing of repro/ or same_cpu/
     assert all(c["n"] == 10 for c in own)
-    _assert_quoted((ROOT / "experiments" / "grokking" / "README.md").read_text(), [
+    assert_quoted((ROOT / "experiments" / "grokking" / "README.md").read_text(), [
         f"({min(rates):.0f}–{max(rates):.0f} epochs/s per run, depending",
         f"grok at {seed0(five, 'adamw')} / {seed0(five, 'stiefel')} instead of {seed0(clean, 'adamw')} / "
         f"{seed0(clean, 'stiefel')} epochs",
