@@ -6,6 +6,7 @@ import math
 import geoopt
 import pytest
 import torch
+from conftest import assert_quoted
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, bench
@@ -965,6 +966,46 @@ def test_the_step_path_figures_in_the_benchmarks_readme_are_the_committed_result
     table = [line for line in lines[head + 2:head + 20] if line.startswith("| ")][:11]
     assert len(table) == 11 and set(table) <= generated, set(table) - generated
 
+
+
+def test_the_top_readmes_other_speed_and_memory_figures_are_the_committed_results():
+    """The top README's "Speed and memory" and "Guarantees" figures the tests above do not check, from
+    benchmarks/results: the default step's ratio to its floor and the range of the six measurements of the bench
+    shape in the five runs before the capturable masking change (the main run, its first run, the two post-merge runs
+    and the grid, which holds the shape twice), the capturable step's range and the compiled step's ratio there, the
+    column-major step's ratio and range, the matmul floor against AdamW's step (medians) and how close StiefelAdam
+    runs to it from width 256 up; the frame memory per rank of results/fsdp_memory.md. The README said "2–6×" where
+    the medians give 2.0–6.5. Companion (assert_quoted): each figure with one digit changed is caught."""
+    root, now = _committed("paths_1thread_cpuclock.json")
+    names = ("paths_1thread_cpuclock_run1", "paths_1thread_cpuclock_postmerge1", "paths_1thread_cpuclock_postmerge2",
+             "paths_full_1thread_cpuclock")
+    runs = [now, *(_committed(f"{name}.json")[1] for name in names)]
+    shape = [r["floor_ratio"] for doc in runs for r in doc["results"]
+             if (r["frames"]["d"], r["frames"]["r"]) == (512, 64)]
+    assert len(shape) == 6
+
+    def span(path):
+        values = [r[path] for r in shape]
+        return f"{min(values):.2f}–{max(values):.2f}"
+
+    ratio = now["results"][0]["floor_ratio"]
+    _, step = _committed("step_time_1thread_cpuclock.json")
+    floor_vs_adamw = [r["timings"]["matmul_floor"]["median_ms"] / r["timings"]["adamw_foreach"]["median_ms"]
+                      for r in step["results"]]
+    above_floor = [r["ratios"]["matmul_floor"] - 1 for r in step["results"] if r["width"] >= 256]
+    table = (root / "benchmarks" / "results" / "fsdp_memory.md").read_text().splitlines()
+    rows = ([c.strip() for c in line.strip("|").split("|")] for line in table if line.startswith("| "))
+    total = {(cells[0], cells[1]): float(cells[5]) for cells in rows if cells[0].isdigit()}
+    assert total[("2", "replicated")] == total[("4", "replicated")]
+    assert_quoted((root / "README.md").read_text(), [
+        f"the default step costs {ratio['eager']:.2f}× its matmul floor ({span('eager')} in six measurements over "
+        f"five runs)",
+        f"{span('capturable')} before; target 1.45×), and `torch.compile(opt.step)` {ratio['compiled']:.2f}× before",
+        f"at {ratio['eager-colmajor']:.2f}× ({span('eager-colmajor')})",
+        f"{min(floor_vs_adamw):.1f}–{max(floor_vs_adamw):.1f}× a memory-bound AdamW step at one thread",
+        f"within {min(above_floor) * 100:.0f}–{max(above_floor) * 100:.0f}% of that floor from width 256 up",
+        f"{total[('2', 'replicated')]:g} MiB replicated, {total[('2', 'head-sharded')]:g} MiB on 2 ranks, "
+        f"{total[('4', 'head-sharded')]:g} MiB on 4"])
 
 @pytest.mark.parametrize("threads", [1, None])
 def test_the_accelerator_check_records_the_threads_its_parts_ran_on(monkeypatch, threads):

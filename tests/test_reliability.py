@@ -14,7 +14,7 @@ import geoopt
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_transformer
+from conftest import assert_quoted, tiny_transformer
 
 from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, frame_parameters, param_groups
 from geoopt_stiefel_attention._linalg import orthonormality_error
@@ -343,6 +343,22 @@ def test_drift_check_detects_a_non_orthonormal_frame():
     """Companion: the orthonormality error of a frame perturbed by 1e-4 exceeds the float32 tolerance."""
     w = _frames(SHAPE, 7) + 1e-4 * torch.randn(SHAPE, dtype=torch.float64)
     assert float(orthonormality_error(w)) > DRIFT_TOL_F32
+
+
+
+def test_the_readme_states_the_drift_and_master_copy_bounds_these_tests_hold():
+    """The top README's "Guarantees" gives measured drift figures whose output is not committed, and beside them the
+    bounds the tests here hold the runs to: those are this file's tolerances. Companion (assert_quoted): a bound with
+    one digit changed is caught."""
+    from pathlib import Path
+
+    def e(x):
+        return f"{x:.0e}".replace("e-0", "e-")
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert_quoted(readme, [
+        f"the slow tests hold these runs to ≤ {e(DRIFT_TOL_F64)}, ≤ {e(DRIFT_TOL_F32)} and ≤ {e(DRIFT_TOL_BF16)}",
+        f"the test requires a loss of over {(1 - NO_MASTER_MOVE_RATIO) * 100:.0f}%"])
 
 
 # ----------------------------------------------------------------------------- bf16 and the master copy
