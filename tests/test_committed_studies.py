@@ -364,6 +364,16 @@ def test_the_readmes_words_on_the_tuned_study_quote_only_its_summary():
     # companion: a number the summary does not hold is caught in the same text
     status = _tuned_paragraphs()["experiments/lm/README.md status"]
     assert numbers_not_in_summary(status + " 1.2345 bpb", summary) == ["1.2345"]
+    # the counts, which numbers_not_in_summary does not read (integers): seeds lower, the comparisons Holm adjusts
+    comp = summary["final"]["comparisons"]
+    gap, beside = comp["test: stiefel - adamw"], comp["test: stiefel-muon - muon"]
+    floor = min(c["sign_test_p"] for c in comp.values())
+    assert floor == 2 / 2 ** gap["n"]  # the smallest two-sided sign-test p of n pairs
+    for text in _tuned_paragraphs().values():
+        assert_quoted(text, [f"lower on {gap['n_negative']}/{gap['n']} seeds",
+                             f"give a sign-test p below {floor:g}"])
+    assert_quoted(status, [f"lower on {beside['n_negative']} of {beside['n']} seeds",
+                           f"Holm over each section's {len(comp)} comparisons"])
 
 
 def test_the_lm_readme_table_on_the_trust_region_units_matches_its_records():
