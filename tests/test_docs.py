@@ -4,10 +4,12 @@
 2. every Python example in ``README.md`` (```` ```python ```` fences) and in ``docs/**/*.rst``
    (``.. code-block:: python``, ``.. testcode::``, ``.. doctest::`` and bare ``>>>`` blocks) runs; the
    blocks of one file run in order in one namespace, so a page can build on its earlier examples;
-3. the doctests in the package's docstrings pass (``doctest`` over every module of the package).
+3. the doctests in the package's docstrings pass (``doctest`` over every module of the package);
+4. every relative link in the repository's tracked Markdown files names a tracked file or folder, and every
+   command shown in the README, the docs and the studies' and benchmarks' READMEs parses.
 
 Each check is paired with a case where it must fail: a page with a reST error fails the ``-W`` build, a
-failing snippet and a wrong doctest output are reported.
+failing snippet, a wrong doctest output and a link to a missing path are reported.
 """
 
 from __future__ import annotations
@@ -350,6 +352,132 @@ def test_markdown_file_directive_in_a_build(tmp_path):
     assert proc.returncode != 0 and "not-yet.md" in proc.stderr
 
 
+# --------------------------------------------------------------------------------------- links between Markdown files
+#: ``[text](target)`` and ``![alt](target)`` (one level of brackets inside the text), an optional title after it.
+_MD_LINK = re.compile(r"""!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^\s()<>]*)>?(?:\s+(?:"[^"]*"|'[^']*'))?\s*\)""")
+#: ``[label]: target``, a reference definition.
+_MD_REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?([^\s>]+)>?", re.M)
+#: ``<a href="...">`` and ``<img src="...">``.
+_HTML_LINK = re.compile(r"""<(?:a|img)\b[^>]*?\b(?:href|src)\s*=\s*["']([^"']*)["']""", re.I)
+#: A target that is no file of the repository: a URL scheme (``https:``, ``mailto:``), ``//host`` or ``#anchor``.
+_NOT_A_PATH = re.compile(r"^(?:[a-z][a-z0-9+.-]*:|//|#)", re.I)
+#: An inline code span (CommonMark: a run of backticks closed by a run of the same length).
+_CODE_SPAN_ANY = re.compile(r"(?<!`)(`+)(?!`)[\s\S]*?(?<!`)\1(?!`)")
+
+
+def _markdown_prose(text: str) -> str:
+    """``text`` with fenced code blocks and inline code spans blanked (newlines kept, so line numbers hold):
+    what looks like a link there is code, not a link."""
+    lines, fence = [], None
+    for line in text.split("\n"):
+        m = _MD_FENCE.match(line)
+        if fence is not None:
+            fence = None if line.strip().startswith(fence) else fence
+            lines.append("")
+        elif m:
+            fence = m.group(2)
+            lines.append("")
+        else:
+            lines.append(line)
+    paragraphs = "\n".join(lines).split("\n\n")  # a code span never crosses a blank line
+    blank = lambda m: re.sub(r"[^\n]", " ", m.group(0))  # noqa: E731
+    return "\n\n".join(_CODE_SPAN_ANY.sub(blank, paragraph) for paragraph in paragraphs)
+
+
+def relative_links(text: str) -> list[tuple[int, str]]:
+    """``(line, target)`` of every link of a Markdown text that names a path rather than a URL or an anchor."""
+    prose = _markdown_prose(text)
+    found = []
+    for pattern in (_MD_LINK, _MD_REFERENCE, _HTML_LINK):
+        for m in pattern.finditer(prose):
+            target = m.group(1)
+            if target and not _NOT_A_PATH.match(target):
+                found.append((prose.count("\n", 0, m.start(1)) + 1, target))
+    return sorted(found)
+
+
+def broken_links(path: str, text: str, tracked: set[str]) -> list[str]:
+    """The relative links of the Markdown file ``path`` (relative to the repository root) that name neither a
+    tracked file nor a folder holding one (``tracked``: the paths ``git ls-files`` lists); a link leaving the
+    repository is broken too. A ``#fragment`` or ``?query`` after the path is not checked."""
+    import posixpath
+    from urllib.parse import unquote
+
+    folders = set()
+    for f in tracked:  # every ancestor of a tracked file is a folder
+        while (f := posixpath.dirname(f)) and f not in folders:
+            folders.add(f)
+    broken = []
+    for line, target in relative_links(text):
+        rel = unquote(re.split(r"[#?]", target, maxsplit=1)[0])
+        if not rel:
+            continue
+        joined = rel.lstrip("/") if rel.startswith("/") else posixpath.join(posixpath.dirname(path), rel)
+        resolved = posixpath.normpath(joined)
+        if resolved == ".":
+            resolved = ""
+        if resolved.startswith("../") or resolved == ".." or (resolved not in tracked and resolved not in folders):
+            broken.append(f"{path}:{line}: ({target}) -> {resolved or '.'}: no tracked file or folder")
+    return broken
+
+
+def _tracked_files() -> list[str]:
+    try:
+        proc = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        proc = None
+    if proc is None or proc.returncode != 0:
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    return [f for f in proc.stdout.split("\0") if f]
+
+
+def test_relative_markdown_links_name_tracked_files():
+    """Every relative link in every tracked Markdown file (READMEs, reports, the changelog) resolves, from the
+    file's folder, to a tracked file or to a folder that holds one: a moved or renamed folder cannot leave a
+    README pointing at nothing."""
+    tracked = _tracked_files()
+    pages = [f for f in tracked if f.endswith(".md")]
+    assert "experiments/README.md" in pages and "benchmarks/README.md" in pages
+    checked, broken = 0, []
+    for page in pages:
+        text = (ROOT / page).read_text(encoding="utf-8")
+        checked += len(relative_links(text))
+        broken += broken_links(page, text, set(tracked))
+    assert not broken, "\n".join(broken)
+    assert checked >= 50, f"only {checked} relative links found"
+
+
+def test_markdown_link_check_can_fail():
+    """Companion: a link to a missing file, to a folder that was moved, out of the repository, or a title or an
+    anchor after a missing path, is reported with its line; links that resolve, URLs, anchors and links inside
+    code are not."""
+    tracked = {"study/README.md", "study/records/full/report.md", "study/records/full/a b.png", "top.md"}
+    text = textwrap.dedent("""\
+        Report: [records/full/report.md](records/full/report.md) ([folder](records/full/), [up](../top.md),
+        [root](/top.md "title"), ![fig](records/full/a%20b.png), [sec](#results), [web](https://example.org/x)).
+        In code: `[x](runs/full/)` and
+
+        ```bash
+        cat [y](runs/full/report.md)
+        ```
+
+        Moved: [runs/full/](runs/full/) and ![f](runs/full/a.png "the figure") and [r](runs/full/report.md#table).
+        Outside: [o](../../elsewhere.md). Reference: [ref][1].
+
+        [1]: records/gone.md
+        <img src="img/x.png"> <a href="records/full/report.md">ok</a>
+        """)
+    assert broken_links("study/README.md", text, tracked) == [
+        "study/README.md:9: (runs/full/) -> study/runs/full: no tracked file or folder",
+        "study/README.md:9: (runs/full/a.png) -> study/runs/full/a.png: no tracked file or folder",
+        "study/README.md:9: (runs/full/report.md#table) -> study/runs/full/report.md: no tracked file or folder",
+        "study/README.md:10: (../../elsewhere.md) -> ../elsewhere.md: no tracked file or folder",
+        "study/README.md:12: (records/gone.md) -> study/records/gone.md: no tracked file or folder",
+        "study/README.md:13: (img/x.png) -> study/img/x.png: no tracked file or folder",
+    ]
+    assert broken_links("study/README.md", "[ok](records/full/report.md) [up](../top.md)", tracked) == []
+
+
 # --------------------------------------------------------------------------------------- 2. examples in pages
 def test_readme_has_python_examples():
     assert markdown_examples(README.read_text(encoding="utf-8"), "README.md"), "README.md lost its example"
@@ -467,17 +595,22 @@ def shell_commands(text: str) -> list[tuple[int, str]]:
     return commands
 
 
+#: The READMEs beside the code (the studies' and the benchmarks'), whose commands are checked like the docs'.
+STUDY_READMES = ("experiments/README.md", "experiments/grokking/README.md", "experiments/vision/README.md",
+                 "experiments/lm/README.md", "benchmarks/README.md")
+
+
 def _documented_commands() -> list[tuple[str, str]]:
     found = []
-    for path in [README, *_doc_files()]:
+    for path in [README, *_doc_files(), *(ROOT / name for name in STUDY_READMES)]:
         for line, command in shell_commands(path.read_text(encoding="utf-8")):
             found.append((f"{path.relative_to(ROOT)}:{line}", command))
     return found
 
 
 def test_documented_cli_commands_parse():
-    """Every ``stiefel-attention ...`` and ``python -m experiments ...`` command shown in the README and the docs
-    is accepted by its parser (nothing is run), and every ``python <script>.py`` names a file of the repository."""
+    """Every ``stiefel-attention ...`` and ``python -m experiments ...`` command shown in the README, the docs and
+    the studies' and benchmarks' READMEs is accepted by its parser (nothing is run), and every ``python <script>.py`` names a file of the repository."""
     import shlex
 
     from experiments.cli import build_parser as study_parser
