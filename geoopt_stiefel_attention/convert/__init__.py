@@ -393,18 +393,34 @@ def _interleaved_grid(module: nn.Module, layout: Layout) -> tuple[int, int, int]
     return heads, kv, int(r)
 
 
+def _block_groups(module: nn.Module, block: Block) -> int:
+    """The number of groups of a block of every group (``Block(..., groups=)``): the int, or the module's int
+    attribute it names; refused when the module has no such attribute."""
+    if _is_count(block.groups):
+        return int(block.groups)
+    value = getattr(module, block.groups, None)
+    if not _is_count(value):
+        raise _Refusal(f"its {block.param} is read in groups={block.groups!r} groups, but the module's "
+                       f"{block.groups} is {value!r}, not a positive int; pass targets=[Layout(..., q=Block("
+                       f"{block.param!r}, ..., groups=<int>), k=...)] with the number of groups its forward uses")
+    return int(value)
+
+
 def _interleaved_tensors(model: nn.Module) -> dict[int, tuple[Tensor, str, nn.Module, Layout]]:
     """``id(parameter) -> (parameter, path, module, layout)`` for the fused weight (and its bias) of every module
-    of ``model`` that a built-in interleaved layout (q|k|v per key/value head) matches and whose rows are not one
-    plain q|k|v (more than one group; a module whose heads cannot be told counts as interleaved)."""
+    of ``model`` that a built-in interleaved layout (q|k|v per key/value head) or grouped layout (``groups=``, the
+    same slices in every group) matches and whose rows are not one plain q|k|v (more than one group; a module
+    whose heads or groups cannot be told counts as interleaved)."""
     found: dict[int, tuple[Tensor, str, nn.Module, Layout]] = {}
-    interleaved = [lay for lay in LAYOUTS if lay.q.interleaved]
+    interleaved = [lay for lay in LAYOUTS if lay.q.interleaved or lay.q.groups is not None]
     for path, module in model.named_modules():
         layout = _first_match(interleaved, module)
         if layout is None:
             continue
         try:
-            if _interleaved_grid(module, layout)[1] == 1:
+            groups = (_interleaved_grid(module, layout)[1] if layout.q.interleaved
+                      else _block_groups(module, layout.q))
+            if groups == 1:
                 continue  # one group: [q | k | v], which a span or the declared-heads split reads correctly
         except _Refusal:
             pass
@@ -427,8 +443,6 @@ def _refuse_slices_of_interleaved(module: nn.Module, layout: Layout, qk_bias: st
         blocks += [("query bias", layout.q_bias or layout.q.bias_block()),
                    ("key bias", layout.k_bias or layout.k.bias_block())]
     for role, block in blocks:
-        if block.interleaved:
-            continue
         try:
             t = _get(module, block.param)
         except AttributeError:
@@ -437,13 +451,38 @@ def _refuse_slices_of_interleaved(module: nn.Module, layout: Layout, qk_bias: st
         if held is None or held[0] is not t:
             continue
         _, where, owner, builtin = held
+        reading = ("reads a range of the whole axis" if block.groups is None and not block.interleaved
+                   else "reads other groups")
+        if builtin.q.interleaved:
+            if block.interleaved:
+                continue
+            raise _Refusal(
+                f"its {role} block {block.describe()} {reading}, while {block.param} holds "
+                f"q|k|v interleaved per head ({type(owner).__name__} at {_where(where)}, built-in layout "
+                f"{builtin.name!r}: q = {builtin.q.describe()}, k = {builtin.k.describe()}), so those are not its "
+                f"{role} rows and the conversion would be silently wrong; leave the module to the built-in table "
+                f"(targets='auto', or targets=(*LAYOUTS, ...)), or describe the interleave: Block({block.param!r}, "
+                f"{block.dim}, part, 3, interleaved=True) with part 0 for the query and 1 for the key")
+        # a grouped built-in (the same slices in each of G groups): only a block of the same groups reads its rows
+        try:
+            same = block.groups is not None and _block_groups(module, block) == _block_groups(owner, builtin.q)
+        except _Refusal:
+            same = False
+        if same:
+            continue
+        try:
+            count = _block_groups(owner, builtin.q)
+            count = f"{builtin.q.groups}={count}" if isinstance(builtin.q.groups, str) else f"{count}"
+        except _Refusal:
+            count = f"{builtin.q.groups}"
         raise _Refusal(
-            f"its {role} block {block.describe()} reads a range of the whole axis, while {block.param} holds "
-            f"q|k|v interleaved per head ({type(owner).__name__} at {_where(where)}, built-in layout {builtin.name!r}: "
-            f"q = {builtin.q.describe()}, k = {builtin.k.describe()}), so those are not its {role} rows and the "
-            f"conversion would be silently wrong; leave the module to the built-in table (targets='auto', or "
-            f"targets=(*LAYOUTS, ...)), or describe the interleave: Block({block.param!r}, {block.dim}, part, 3, "
-            f"interleaved=True) with part 0 for the query and 1 for the key")
+            f"its {role} block {block.describe()} {reading}, while {block.param} holds {builtin.q.parts} slices in "
+            f"each of its {count} groups ({type(owner).__name__} at {_where(where)}, built-in layout "
+            f"{builtin.name!r}: q = {builtin.q.describe()}, k = {builtin.k.describe()}), so those are not its "
+            f"{role} rows and the conversion would be silently wrong; leave the module to the built-in table "
+            f"(targets='auto', or targets=(*LAYOUTS, ...)), or describe the groups: Block({block.param!r}, "
+            f"{block.dim}, part, {builtin.q.parts}, groups={builtin.q.groups!r}) with part {builtin.q.part} for "
+            f"the query and {builtin.k.part} for the key")
 
 
 def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str,
@@ -463,6 +502,26 @@ def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str,
                      else f" (per key/value head: its {n} query heads | k | v)")
         else:
             split = f" ({kv} groups of {n + q_block.parts - 1} heads: q part {q_block.part}, k part {k_block.part})"
+    elif layout.q.groups is not None:  # the same slices of each of G groups (Layout checks k is one too)
+        q_block, k_block = layout.q, layout.k
+        groups = _block_groups(module, q_block)
+        width = int(_get(module, q_block.param).shape[q_block.dim])
+        try:
+            q_where, k_where = q_block.locate_grouped(width, groups), k_block.locate_grouped(width, groups)
+        except ValueError as err:
+            raise _Refusal(f"{err} ({q_block.groups}={groups})") from None
+        q = _piece(module, q_block, "q", q_where)
+        k = _piece(module, k_block, "k", k_where)
+        r = _head_dim(module, layout, groups * q.length)
+        axis = "rows" if q_block.dim == 0 else "columns"
+        if q.length % r:
+            heads = f"{groups * q.length // r} " if (groups * q.length) % r == 0 else ""
+            raise _Refusal(f"its {heads}query heads of size {r} do not fit whole in the {q.length}-{axis[:-1]} "
+                           f"query slice of each of the {groups} groups of {q_block.param} ({q_block.groups}="
+                           f"{groups}): a head spanning two groups cannot be one frame, so it cannot be converted "
+                           f"(pass strict=False to leave it Euclidean)")
+        split = (f" ({groups} groups of {q_block.parts} slices: q slice {q_block.part}, k slice {k_block.part} "
+                 f"of each)")
     else:
         q_block, k_block, split = _fused_blocks(module, layout)
         q = _piece(module, q_block, "q")
@@ -501,6 +560,8 @@ def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str,
                     if grid is None:
                         raise ValueError(f"{block.param}: an interleaved bias needs interleaved weight blocks")
                     start, length, groups = block.locate_interleaved(b.shape[0], *grid)
+                elif block.groups is not None:  # the same range in every group
+                    start, length, groups = block.locate_grouped(b.shape[0], _block_groups(module, block))
                 else:
                     (start, length), groups = block.locate(b.shape[0]), 1
             except ValueError as err:
@@ -631,7 +692,11 @@ def stiefelize(
         split by the module's declared heads under grouped-query attention (HF EXAONE 4.5's vision tower);
         GPT-2's ``c_attn`` and cross-attention ``q_attn`` + ``c_attn``; the fused ``query_key_value`` of HF
         GPT-NeoX (Pythia), GPT-NeoX-Japanese, Bloom, Persimmon and Falcon in its three forms, whose q|k|v rows are
-        interleaved per key/value head, read by ``Block(..., interleaved=True)``). A sequence of :class:`Layout`
+        interleaved per key/value head, read by ``Block(..., interleaved=True)``, and GPTBigCode's ``c_attn``
+        Linear, interleaved the same way; CodeGen's ``qkv_proj``, ``mp_num`` groups of q|v|k, read by
+        ``Block(..., groups="mp_num")``; on modules whose class name says attention, ``q``/``k`` (T5),
+        ``q_lin``/``k_lin`` (DistilBERT), ``query_proj``/``key_proj`` (DeBERTa-v2) Linears and a fused ``Wqkv``
+        (MPT, ModernBERT; DBRX split by its declared heads)). A sequence of :class:`Layout`
         replaces the table (extend it with ``(*LAYOUTS, Layout(...))``). A callable
         ``targets(path, module)`` is asked about every module and returns a :class:`Layout` (convert with
         it), ``True`` (convert with the built-in layout that matches) or ``None``/``False`` (leave it).

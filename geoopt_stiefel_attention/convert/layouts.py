@@ -69,6 +69,16 @@ class Block:
         axis (``part``/``parts`` without ``interleaved``, or a ``span``) takes query rows of some heads for the
         keys of others: :func:`~geoopt_stiefel_attention.stiefelize` refuses that for the modules of the
         built-in table that interleave.
+    groups : int or str, optional
+        The axis is ``groups`` equal consecutive groups (an int, or the name of the module attribute that holds
+        it, e.g. ``"mp_num"``), each split into ``parts`` equal slices, and the block is slice ``part`` of
+        *every* group. The heads come group by group: with :math:`L` the width of a slice and :math:`m = L/r`
+        heads per slice, head :math:`g m + j` of the block is entries :math:`g\,\text{parts}\,L + \text{part}
+        \, L + j r` to :math:`+ r`. HF CodeGen's ``qkv_proj`` is ``groups="mp_num"`` (4) groups of
+        ``[q | v | k]`` (query ``part=0``, key ``part=2`` of ``parts=3``). Every slice must hold whole heads (a head
+        that spans two groups cannot be one frame: refused). Reading such a weight as equal slices of the whole
+        axis takes value rows for query or key rows: :func:`~geoopt_stiefel_attention.stiefelize` refuses that
+        for the modules of the built-in table that are grouped.
     """
 
     param: str
@@ -77,6 +87,7 @@ class Block:
     parts: int = 1
     span: tuple[int, int] | None = None
     interleaved: bool = False
+    groups: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.dim not in (0, 1):
@@ -99,11 +110,24 @@ class Block:
             raise ValueError(f"Block: interleaved=True names a slice of every key/value head's group of rows, "
                              f"given as part/parts with parts >= 2 (part=0, parts=3: the query slice of a q|k|v "
                              f"interleave); got part={self.part!r}, parts={self.parts!r}, span={self.span!r}.")
+        if self.groups is not None:
+            if not (_is_count(self.groups) or (isinstance(self.groups, str) and self.groups.isidentifier())):
+                raise ValueError(f"Block: groups={self.groups!r} is invalid; pass an int >= 1 or the name of the "
+                                 f"module attribute that holds it (e.g. 'mp_num').")
+            if self.interleaved or self.span is not None or self.parts < 2:
+                raise ValueError(f"Block: groups={self.groups!r} names slice part of parts equal slices of every "
+                                 f"group, given as part/parts with parts >= 2 and without interleaved or span "
+                                 f"(part=0, parts=3, groups='mp_num': the query slice of CodeGen's qkv_proj); got "
+                                 f"part={self.part!r}, parts={self.parts!r}, span={self.span!r}, "
+                                 f"interleaved={self.interleaved!r}.")
 
     def locate(self, width: int) -> tuple[int, int]:
         """``(start, length)`` of this block in a tensor with ``width`` entries along ``dim``."""
         if self.interleaved:
             raise ValueError(f"{self.param}: an interleaved block is not one range; use locate_interleaved")
+        if self.groups is not None:
+            raise ValueError(f"{self.param}: a block of every group (groups={self.groups!r}) is not one range; use "
+                             f"locate_grouped")
         if self.span is not None:
             if self.span[1] > width:
                 raise ValueError(f"{self.param} has {width} output features, fewer than span={self.span}")
@@ -139,16 +163,34 @@ class Block:
             return 0, n * r, kv_heads
         return (n + self.part - 1) * r, r, kv_heads
 
+    def locate_grouped(self, width: int, groups: int) -> tuple[int, int, int]:
+        """``(start, length, groups)`` of a block of every group (``groups=``) in a tensor with ``width`` entries
+        along ``dim`` split into ``groups`` equal groups: entries ``start : start + length`` of each group.
+
+        Raises
+        ------
+        ValueError
+            When ``width`` is not ``groups`` groups of ``parts`` equal slices.
+        """
+        if width % (groups * self.parts):
+            raise ValueError(f"{self.param} has {width} output features, not {groups} group(s) of {self.parts} "
+                             f"equal slices")
+        length = width // (groups * self.parts)
+        return self.part * length, length, groups
+
     def bias_block(self) -> Block:
         """Where the matching bias lives by default: the same slice of ``q_proj.bias`` / ``in_proj_bias``."""
         head, _, last = self.param.rpartition(".")
         name = "bias" if last == "weight" else last.replace("weight", "bias")
-        return Block(f"{head}.{name}" if head else name, 0, self.part, self.parts, self.span, self.interleaved)
+        return Block(f"{head}.{name}" if head else name, 0, self.part, self.parts, self.span, self.interleaved,
+                     self.groups)
 
     def describe(self) -> str:
         axis = "rows" if self.dim == 0 else "columns"
         if self.interleaved:
             return f"{self.param} ({axis} part {self.part + 1}/{self.parts} of each key/value head's group)"
+        if self.groups is not None:
+            return f"{self.param} ({axis} part {self.part + 1}/{self.parts} of each of its {self.groups} groups)"
         if self.span is not None:
             where = f"{axis} {self.span[0]}:{self.span[1]}"
         else:
@@ -158,6 +200,10 @@ class Block:
 
 def _is_index(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
 def _is_linear(m: Any) -> bool:
@@ -221,6 +267,13 @@ class Layout:
                              f"one weight's key/value-head groups: pass q and k as Block(param, dim, part, parts, "
                              f"interleaved=True) with the same param, dim and parts and different parts (e.g. "
                              f"part=0 and part=1 of parts=3); got q={q}, k={k}.")
+        if (q.groups is not None or k.groups is not None) and not (
+                q.param == k.param and q.groups == k.groups and q.dim == k.dim and q.parts == k.parts
+                and q.part != k.part):
+            raise ValueError(f"Layout {self.name!r}: a query or key block of every group (groups=) is two different "
+                             f"slices of one weight's groups: pass q and k as Block(param, dim, part, parts, "
+                             f"groups=...) with the same param, dim, parts and groups and different parts (e.g. "
+                             f"part=0 and part=2 of parts=3, groups='mp_num'); got q={q}, k={k}.")
 
     def matches(self, module: nn.Module) -> bool:
         """Whether ``module`` has this layout: both parameters exist and ``when`` (if any) holds."""
@@ -251,6 +304,21 @@ INTERLEAVED_QKV_CLASSES = ("GPTNeoXAttention", "GPTNeoXJapaneseAttention", "Bloo
                            "FalconAttention")
 
 
+#: HF GPTBigCode (StarCoder, SantaCoder): ``c_attn`` is an ``nn.Linear`` (not GPT-2's ``Conv1D``) whose forward splits
+#: it per head, ``view(..., H, 3 r)`` then thirds of the last axis (``[q_h, k_h, v_h]`` at ``3 h r``), or, with
+#: ``multi_query``, as ``[q | k | v]`` with one key/value head (its ``num_key_value_groups`` is ``H``): the
+#: interleave of :data:`INTERLEAVED_QKV_CLASSES` with ``H_kv = H`` or one group.
+GPT_BIGCODE_CLASSES = ("GPTBigCodeAttention",)
+#: HF CodeGen: ``qkv_proj`` is ``mp_num`` (4) equal groups, each ``[q | v | k]``; its forward takes the query (key)
+#: features group by group, then heads of ``head_dim`` consecutive features.
+CODEGEN_CLASSES = ("CodeGenAttention",)
+
+
+def _is_attention(m: nn.Module) -> bool:
+    """Whether ``m``'s class name says it is attention (for layouts keyed on short, common child names)."""
+    return "attention" in type(m).__name__.lower()
+
+
 def _is_class(m: nn.Module, names: Sequence[str]) -> bool:
     """Whether ``m``'s class, or a class it derives from, is named one of ``names`` (the libraries that define
     them are not imported)."""
@@ -268,8 +336,19 @@ LAYOUTS: tuple[Layout, ...] = (
            when=lambda m: _children_are(m, ("q_proj", "k_proj"), _is_linear)),
     Layout("query/key Linear", Block("query.weight"), Block("key.weight"),
            when=lambda m: _children_are(m, ("query", "key"), _is_linear)),
+    # short or model-specific child names: only on a module whose class says it is attention (T5, MPNet, LongT5,
+    # UMT5: q/k; DistilBERT, XLM, FlauBERT: q_lin/k_lin; DeBERTa-v2, SEW-D, ProphetNet: query_proj/key_proj)
+    Layout("q/k Linear", Block("q.weight"), Block("k.weight"),
+           when=lambda m: _is_attention(m) and _children_are(m, ("q", "k"), _is_linear)),
+    Layout("q_lin/k_lin Linear", Block("q_lin.weight"), Block("k_lin.weight"),
+           when=lambda m: _is_attention(m) and _children_are(m, ("q_lin", "k_lin"), _is_linear)),
+    Layout("query_proj/key_proj Linear", Block("query_proj.weight"), Block("key_proj.weight"),
+           when=lambda m: _is_attention(m) and _children_are(m, ("query_proj", "key_proj"), _is_linear)),
     Layout("fused qkv Linear", Block("qkv.weight", 0, 0, 3), Block("qkv.weight", 0, 1, 3),
            when=lambda m: _children_are(m, ("qkv",), _is_linear)),
+    # MPT, ModernBERT: Wqkv rows [q | k | v] in equal thirds; DBRX: split by its declared key/value heads
+    Layout("fused Wqkv Linear", Block("Wqkv.weight", 0, 0, 3), Block("Wqkv.weight", 0, 1, 3),
+           when=lambda m: _is_attention(m) and _children_are(m, ("Wqkv",), _is_linear)),
     Layout("GPT-2 c_attn Conv1D", Block("c_attn.weight", 1, 0, 3), Block("c_attn.weight", 1, 1, 3),
            when=lambda m: _children_are(m, ("c_attn",), _is_conv1d) and getattr(m, "q_attn", None) is None),
     Layout("GPT-2 cross-attention q_attn + c_attn Conv1D", Block("q_attn.weight", 1), Block("c_attn.weight", 1, 0, 2),
@@ -280,4 +359,12 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("interleaved query_key_value", Block("query_key_value.weight", 0, 0, 3, interleaved=True),
            Block("query_key_value.weight", 0, 1, 3, interleaved=True),
            when=lambda m: _is_class(m, INTERLEAVED_QKV_CLASSES) and _children_are(m, ("query_key_value",), _is_linear)),
+    Layout("GPTBigCode c_attn Linear", Block("c_attn.weight", 0, 0, 3, interleaved=True),
+           Block("c_attn.weight", 0, 1, 3, interleaved=True),
+           when=lambda m: _is_class(m, GPT_BIGCODE_CLASSES) and not getattr(m, "is_cross_attention", False)
+           and _children_are(m, ("c_attn",), _is_linear)),
+    # CodeGen: mp_num groups of [q | v | k]: the query is slice 0 and the key slice 2 of every group
+    Layout("CodeGen qkv_proj", Block("qkv_proj.weight", 0, 0, 3, groups="mp_num"),
+           Block("qkv_proj.weight", 0, 2, 3, groups="mp_num"),
+           when=lambda m: _is_class(m, CODEGEN_CLASSES) and _children_are(m, ("qkv_proj",), _is_linear)),
 )
