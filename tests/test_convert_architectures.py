@@ -11,12 +11,14 @@ that a user layout of equal thirds takes) are other rows, and are refused.
 
 The fused layouts: GPTBigCode's ``c_attn`` (an ``nn.Linear``: ``[q_h, k_h, v_h]`` per head, or ``[q | k | v]`` with
 one key/value head under ``multi_query``), CodeGen's ``qkv_proj`` (``mp_num`` = 4 groups of ``[q | v | k]``), and
-``Wqkv`` (MPT, ModernBERT: equal thirds; DBRX: split by its key/value heads). Tiny random-config models in
-float64, no download.
+``Wqkv`` (MPT, ModernBERT: equal thirds; DBRX: split by its key/value heads). Query/key normalization after the
+projection (Qwen3, OLMo2, Cohere) and MPT's ``clip_qkv`` make a logit gain something other than each head's logit
+factor: warned. Tiny random-config models in float64, no download.
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +51,8 @@ DIFFER_MIN = 1e-4
 #: the same, for a model whose forward computes attention in float32 whatever its dtype (GPT-Neo casts q and k,
 #: ModernBERT's softmax): weights that differ by float64 rounding give outputs 4e-9 apart (measured)
 F32_ATTENTION_TOL = 1e-7
+#: the gradient of a gain that a per-head norm divides out: only the norm's eps lets it through (measured 5e-8)
+DEAD_GRAD_MAX = 1e-6
 
 D, H, R, V = 32, 4, 8, 64  # width, query heads, head size (D / H), vocabulary
 
@@ -97,6 +101,7 @@ class Case:
     inputs: Callable[[], dict]
     qk_norm: bool = False  # normalizes q/k after the projection: a gain is not a logit factor
     same_tol: float = 1e-10  # two forwards of one function whose weights differ by rounding (SAME_TOL)
+    gain_warns: str | None = None  # what a logit gain is warned about on this model (clip_qkv)
 
 
 def _seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -203,7 +208,7 @@ CASES = {
     "dbrx": Case(  # Wqkv(x).split([D, H_kv r, H_kv r])
         _seeded(lambda: T.DbrxForCausalLM(_dbrx_config())),
         "DbrxAttention", lambda m: ("Wqkv.weight", contiguous_rows(H, R), "Wqkv.weight", contiguous_rows(2, R, D)),
-        "fused Wqkv Linear (grouped-query split: q rows 0:32, k rows 32:48)", _lm),
+        "fused Wqkv Linear (grouped-query split: q rows 0:32, k rows 32:48)", _lm, gain_warns="clip_qkv"),
     "modernbert": Case(  # Wqkv(x).view(..., 3, H, r)
         _seeded(lambda: T.ModernBertModel(T.ModernBertConfig(
             hidden_size=D, num_attention_heads=H, num_hidden_layers=2, intermediate_size=64, vocab_size=V,
@@ -441,7 +446,11 @@ def test_fit_gain_keeps_scaled_orthonormal_heads_paired_as_the_forward_pairs_the
     model = case.build()
     set_heads(case, model, scaled=True)
     before = run(case, model).detach()
-    stiefelize(model, logit_gain="fit")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stiefelize(model, logit_gain="fit")
+    said = [str(w.message) for w in caught]
+    assert said == [] if case.gain_warns is None else (len(said) == 1 and case.gain_warns in said[0])
     torch.testing.assert_close(run(case, model), before, rtol=0, atol=case.same_tol)
     # companion: without the gain the scaled heads lose their logit scale
     plain = case.build()
@@ -626,3 +635,56 @@ def test_qk_bias_drop_zeroes_the_query_and_key_entries_of_every_gpt_bigcode_head
             dropped[s] = True
         assert torch.equal(b[dropped], torch.zeros(int(dropped.sum()), dtype=F64))
         assert torch.equal(b[~dropped], b0[~dropped]) and bool((b0[~dropped] != 0).all())  # the value entries kept
+
+
+# ------------------------------------------------------------------------------------------ logit gains
+#: the QK-norm children each case's forward applies after the projection
+QK_NORMS = {"qwen3": "q_norm (Qwen3RMSNorm), k_norm (Qwen3RMSNorm)",
+            "olmo2": "q_norm (Olmo2RMSNorm), k_norm (Olmo2RMSNorm)",
+            "cohere": "q_norm (CohereLayerNorm), k_norm (CohereLayerNorm)"}
+
+
+def _gain_grad(model, case) -> float:
+    inputs = case.inputs()
+    model(**inputs, labels=inputs["input_ids"]).loss.backward()
+    return max(float(p.grad.abs().max()) for n, p in model.named_parameters() if n.endswith("q_log_gain"))
+
+
+@pytest.mark.parametrize("gain", ["learn", "fit"])
+@pytest.mark.parametrize("name", QK_NORMS)
+def test_a_logit_gain_under_qk_norm_is_warned_naming_the_norm(name, gain):
+    """Qwen3, OLMo2 and Cohere normalize q and k after the projection, so a gain on the query rows is no logit
+    factor (a per-head norm divides it out: its gradient is zero up to the norm's eps): warned, naming the modules
+    and the norms; the conversion itself is the reference (test above)."""
+    case = CASES[name]
+    model = case.build()
+    paths = [p for p, _ in attns(case, model)]
+    with pytest.warns(UserWarning, match=rf"logit_gain='{gain}' does not act as each query head's logit factor in "
+                                         rf"'{paths[0]}', '{paths[1]}': {case.cls}: it normalizes its queries/keys "
+                                         rf"after the projection \({re.escape(QK_NORMS[name])}\).*logit_gain=None"):
+        stiefelize(model, logit_gain=gain)
+    if name != "olmo2" and gain == "learn":  # a norm per head: at gain 1 the gradient is the norm's eps at work
+        assert _gain_grad(model, case) < DEAD_GRAD_MAX
+
+
+@pytest.mark.parametrize("name", ["mistral", "cohere_without_qk_norm"])
+def test_companion_a_logit_gain_without_qk_norm_is_not_warned_and_trains(name):
+    case = CASES["cohere"] if name == "cohere_without_qk_norm" else CASES[name]
+    build = (_llama_like(T.CohereConfig, T.CohereForCausalLM, num_key_value_heads=2, use_qk_norm=False)
+             if name == "cohere_without_qk_norm" else case.build)
+    model = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stiefelize(model, logit_gain="learn")
+    assert _gain_grad(model, case) > DIFFER_MIN
+
+
+def test_a_logit_gain_on_mpt_with_clip_qkv_is_warned_and_not_without():
+    make = lambda clip: _seeded(lambda: T.MptForCausalLM(T.MptConfig(  # noqa: E731
+        d_model=D, n_heads=H, n_layers=1, vocab_size=V, expansion_ratio=2, attn_config={"clip_qkv": clip})))()
+    with pytest.warns(UserWarning, match=r"MptAttention: it clamps q, k and v to \+-6 after the projection "
+                                         r"\(clip_qkv\)"):
+        stiefelize(make(6.0), logit_gain="learn")
+    with warnings.catch_warnings():  # companion: no clamp, no warning
+        warnings.simplefilter("error")
+        stiefelize(make(None), logit_gain="learn")

@@ -704,7 +704,9 @@ def stiefelize(
         ``None``: no gain. Otherwise each query head ``h`` gets a learnable gain
         :math:`\gamma_h = \exp(\text{gain_rate}\cdot\theta_h)` multiplying its rebuilt query rows, hence its
         logits (rotary embeddings rotate within the head, so they commute with it; under grouped-query
-        attention each query head has its own gain against the shared key head). ``"learn"`` starts at
+        attention each query head has its own gain against the shared key head; a module that normalizes its
+        queries or keys after the projection, ``q_norm``/``k_norm`` and the like, or clamps them, ``clip_qkv``, is
+        converted, but with a warning naming it: there the gain is no logit factor). ``"learn"`` starts at
         :math:`\gamma_h = 1`, the choice for training from scratch, except where the weights are exactly what a
         model converted with a gain saves (``save_pretrained``, ``state_dict``, :func:`unstiefelize`): every key
         head block a frame and every query head block a frame times :math:`\gamma_h \ne 1`; it then starts at
@@ -886,6 +888,12 @@ def stiefelize(
                       f"model converted with a logit gain saves them), which changes those heads' logits by those "
                       f"factors; pass logit_gain='learn' to keep them.", UserWarning, stacklevel=2)
     gains = [_initial_gain(site, logit_gain, g) for site, g in zip(sites, saved, strict=True)]  # checked before any change
+    if logit_gain is not None:
+        caveats = [(site.path, why) for site in sites if (why := _gain_caveat(site.module)) is not None]
+        for line in _grouped(caveats):
+            warnings.warn(f"stiefelize: logit_gain={logit_gain!r} does not act as each query head's logit factor in "
+                          f"{line}; pass logit_gain=None for such modules (a callable targets= can convert them "
+                          f"apart from the others).", UserWarning, stacklevel=2)
     before = _probe(model, probe) if probe is not None else None
     rows = [_apply(site, logit_gain, gain_rate, gain, from_weights=g is not None)
             for site, gain, g in zip(sites, gains, saved, strict=True)]
@@ -962,6 +970,30 @@ def _saved_gain(site: _Site) -> Tensor | None:
         if not float((gain - 1).abs().max()) > tol:
             return None
     return gain.to(wq.dtype)
+
+
+#: Names of the child modules that normalize the queries or keys after their projection (QK-norm: Qwen3, OLMo2,
+#: Cohere, Gemma3, Persimmon, ...); an ``nn.Identity`` there (QK-norm switched off) does not count.
+_QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm", "q_layer_norm",
+                  "k_layer_norm", "qk_norm", "qk_layernorm")
+
+
+def _gain_caveat(module: nn.Module) -> str | None:
+    """Why a gain on the query rows of ``module`` would not multiply its logits (``None`` when it does): a norm of
+    the queries or keys after the projection (it divides the gain out), or a clamp of q, k and v (``clip_qkv``)."""
+    norms = [f"{n} ({type(c).__name__})" for n in _QK_NORM_NAMES
+             if isinstance(c := getattr(module, n, None), nn.Module) and not isinstance(c, nn.Identity)]
+    clip = getattr(module, "clip_qkv", None)
+    if clip is None:
+        clip = getattr(getattr(module, "config", None), "clip_qkv", None)
+    why = []
+    if norms:
+        why.append(f"it normalizes its queries/keys after the projection ({', '.join(norms)}), which divides a gain "
+                   f"on the query rows out (a norm over all heads at once keeps only the gains' ratios)")
+    if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0:
+        why.append(f"it clamps q, k and v to +-{clip:g} after the projection (clip_qkv), so a gain stops scaling a "
+                   f"logit where the query entries reach the clamp")
+    return f"{type(module).__name__}: " + "; ".join(why) if why else None
 
 
 def _initial_gain(site: _Site, logit_gain: str | None, saved: Tensor | None = None) -> Tensor | None:
