@@ -816,14 +816,18 @@ def test_callable_targets_choose_modules():
         stiefelize(case.build(), targets="all")
 
 
-def test_timm_attention_pool_is_refused_unless_not_strict():
+def test_attention_that_no_layout_of_the_table_matches_is_refused_unless_not_strict():
+    """timm's attention pool (AttentionPoolLatent: q + kv Linears) against a table without the "q + kv Linear" layout:
+    refused, then left Euclidean with strict=False. The built-in table converts it (test_convert_vision_models.py)."""
     model = _timm_vit(global_pool="map")
+    table = [lay for lay in LAYOUTS if lay.name != "q + kv Linear"]
     with pytest.raises(ValueError, match="AttentionPoolLatent looks like attention"):
-        stiefelize(model)
+        stiefelize(model, targets=table)
     assert not frame_parameters(model)
     with pytest.warns(UserWarning, match="left unconverted"):
-        report = stiefelize(model, strict=False)
+        report = stiefelize(model, targets=table, strict=False)
     assert len(report) == 2 and [p for p, _ in report.skipped] == ["attn_pool"]
+    assert [row.path for row in stiefelize(_timm_vit(global_pool="map"))][-1] == "attn_pool"
 
 
 def test_library_euclidean_module_points_to_from_euclidean():

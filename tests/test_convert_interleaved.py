@@ -405,8 +405,10 @@ def test_interleaved_blocks_are_checked_when_written():
     assert Block("w", 0, 1, 3, interleaved=True).locate_interleaved(96, 4, 4, 8) == (8, 8, 4)
     assert Block("w", 0, 0, 3, interleaved=True).locate_interleaved(64, 4, 2, 8) == (0, 16, 2)
     assert Block("w", 0, 1, 3, interleaved=True).locate_interleaved(64, 4, 2, 8) == (16, 8, 2)
-    # GPTBigCode's c_attn interleaves the same way (tested in test_convert_architectures.py)
-    assert [lay.name for lay in LAYOUTS if lay.q.interleaved] == ["interleaved query_key_value",
+    # GPTBigCode's c_attn interleaves the same way (tested in test_convert_architectures.py), and timm MaxViT's
+    # AttentionCl per head (tested in test_convert_vision_models.py)
+    assert [lay.name for lay in LAYOUTS if lay.q.interleaved] == ["timm AttentionCl qkv (head_first)",
+                                                                  "interleaved query_key_value",
                                                                   "GPTBigCode c_attn Linear"]
 
 

@@ -63,6 +63,8 @@ from .layouts import (
     _children_are,
     _is_linear,
     _is_torch_mha,
+    _normalized_projection,
+    _not_token_attention,
 )
 from .parametrization import _MARK, _frames_from, _get, _owner, _QKWeight, _watch_model, _ZeroQKBias
 
@@ -487,6 +489,10 @@ def _refuse_slices_of_interleaved(module: nn.Module, layout: Layout, qk_bias: st
 
 def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str,
           interleaving: dict[int, tuple[Tensor, str, nn.Module, Layout]] | None = None) -> _Site:
+    if any(layout is builtin for builtin in LAYOUTS):  # a built-in layout matched it by names only
+        why = _not_token_attention(module, layout)
+        if why is not None:
+            raise _Refusal(why)
     _refuse_slices_of_interleaved(module, layout, qk_bias, interleaving or {})
     grid = None
     if layout.q.interleaved:  # q|k|v per key/value head: ranges within each group (Layout checks k is too)
@@ -928,6 +934,9 @@ def _hint(module: nn.Module) -> str:
     """Why ``module`` matched no layout, and the :class:`Layout` to write for it (short: no layout table)."""
     if type(module).__name__ == "EuclideanMultiheadAttention":
         return "it is this library's Euclidean module: use StiefelMultiheadAttention.from_euclidean(module)"
+    why = _normalized_projection(module)
+    if why is not None:
+        return why
     pair = _qk_children(module)
     if pair is None:
         names = [n for n, _ in module.named_parameters()][:6]

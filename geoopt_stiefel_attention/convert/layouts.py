@@ -220,6 +220,58 @@ def _children_are(module: nn.Module, names: Sequence[str], kind: Callable[[Any],
     return all(kind(getattr(module, n, None)) for n in names)
 
 
+#: Attention over channels, not tokens: the forward reshapes the fused ``qkv`` rows per head like token attention
+#: but takes each head's logits between its q and k *channels* (a ``C_h x C_h`` matrix over the tokens):
+#: cross-covariance attention (timm XCiT's ``XCA``, EdgeNeXt's ``CrossCovarianceAttn``) and DaViT's channel
+#: attention (timm ``ChannelAttention``/``ChannelAttentionV2``, HF Florence-2's vision tower).
+CHANNEL_ATTENTION_CLASSES = ("XCA", "CrossCovarianceAttn", "ChannelAttention", "ChannelAttentionV2",
+                             "Florence2VisionChannelAttention")
+#: Factorized attention (timm CoaT): ``q @ (softmax(k over tokens)^T v)``, no query-key logits.
+FACTORIZED_ATTENTION_CLASSES = ("FactorAttnConvRelPosEnc",)
+
+
+def _not_token_attention(module: nn.Module, layout: Layout) -> str | None:
+    """Why ``module``, which the built-in ``layout`` matches by its parameter names, must not be converted by it
+    (``None`` when it may): attention over channels (:data:`CHANNEL_ATTENTION_CLASSES`), factorized attention
+    (:data:`FACTORIZED_ATTENTION_CLASSES`), or a fused weight the module splits per head into ``key_dim`` query,
+    ``key_dim`` key and ``val_dim`` value rows (timm EfficientFormer, TinyViT) rather than into equal slices.
+    Each reason says what to do instead."""
+    leave = "leave it Euclidean (strict=False, or a targets callable that returns None for it)"
+    if _is_class(module, CHANNEL_ATTENTION_CLASSES):
+        return (f"it attends over channels, not tokens (each head's logits are its q channels against its k channels "
+                f"across the tokens), so the rows of {layout.q.param} are no per-token query/key frames; {leave}")
+    if _is_class(module, FACTORIZED_ATTENTION_CLASSES):
+        return (f"it computes factorized attention, q (softmax over the tokens of k)^T v, which has no query-key "
+                f"logits for frames to shape; {leave}")
+    kd, vd, heads = (getattr(module, a, None) for a in ("key_dim", "val_dim", "num_heads"))
+    if layout.q.param == layout.k.param and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                                for x in (kd, vd, heads)):
+        p = layout.q.param
+        split = (f"{p} is split per head into key_dim={kd} query, key_dim={kd} key and val_dim={vd} value rows "
+                 f"(view(..., num_heads, -1).split([key_dim, key_dim, val_dim])), not into the equal slices the "
+                 f"layout reads")
+        if vd % kd == 0:
+            n = 2 + vd // kd
+            return (f"{split}; pass targets=[Layout('q|k|v per head', Block({p!r}, 0, 0, {n}, interleaved=True), "
+                    f"Block({p!r}, 0, 1, {n}, interleaved=True), head_dim='key_dim')] (each head's value rows as "
+                    f"{n - 2} more slices of key_dim)")
+        return f"{split}; {leave}"
+    return None
+
+
+def _normalized_projection(module: nn.Module) -> str | None:
+    """Why ``module``, which looks like attention and matches no layout, cannot be converted by a layout naming its
+    weights (``None`` when a layout could): a query/key projection followed by BatchNorm (timm LeViT's
+    ``LinearNorm``/``ConvNorm``, EfficientFormerV2's ``ConvNorm``)."""
+    normed = [n for n in ("qkv", "kv", "qk", "q", "k") if isinstance(child := getattr(module, n, None), nn.Module)
+              and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in child.modules())]
+    if not normed:
+        return None
+    return (f"its query/key projection ({', '.join(normed)}) is a linear map followed by BatchNorm, whose "
+            f"per-feature scale acts on every query/key row after the weight, so frames on the weight would not be "
+            f"its query/key heads; leave it Euclidean (strict=False, or a targets callable that returns None for it)")
+
+
 @dataclass(frozen=True)
 class Layout:
     """One attention layout: where the query and key rows of a module live.
@@ -327,6 +379,24 @@ def _is_class(m: nn.Module, names: Sequence[str]) -> bool:
 
 #: The built-in layouts, tried in this order; the first that matches a module converts it.
 LAYOUTS: tuple[Layout, ...] = (
+    # vision models (timm, torchvision), each as its forward splits the rows:
+    # timm MaxViT/CoAtNet's AttentionCl with head_first (the default): view(..., H, 3 * dim_head).chunk(3), so the
+    # rows of head h are [q_h, k_h, v_h] at 3 h r (with head_first=False it is the plain q|k|v of "fused qkv Linear")
+    Layout("timm AttentionCl qkv (head_first)", Block("qkv.weight", 0, 0, 3, interleaved=True),
+           Block("qkv.weight", 0, 1, 3, interleaved=True), head_dim="dim_head",
+           when=lambda m: _is_class(m, ("AttentionCl",)) and getattr(m, "head_first", None) is True
+           and _children_are(m, ("qkv",), _is_linear)),
+    # a query Linear beside a fused key|value Linear, reshape(..., 2, H, r): timm PVTv2 and Twins (spatial-reduction
+    # attention, keys from the reduced sequence), VOLO's class attention, AttentionPoolLatent
+    Layout("q + kv Linear", Block("q.weight"), Block("kv.weight", 0, 0, 2),
+           when=lambda m: _children_are(m, ("q", "kv"), _is_linear) and m.kv.out_features == 2 * m.q.out_features),
+    # a fused query|key Linear beside a value Linear, reshape(..., 2, H, r): timm ConViT's GPSA, TNT's attention
+    Layout("qk + v Linear", Block("qk.weight", 0, 0, 2), Block("qk.weight", 0, 1, 2),
+           when=lambda m: _children_are(m, ("qk", "v"), _is_linear)),
+    # torchvision MaxViT: to_qkv(x).chunk(3), then (n_heads, head_dim) per chunk
+    Layout("torchvision MaxViT to_qkv Linear", Block("to_qkv.weight", 0, 0, 3), Block("to_qkv.weight", 0, 1, 3),
+           when=lambda m: _is_class(m, ("RelativePositionalMultiHeadAttention",))
+           and _children_are(m, ("to_qkv",), _is_linear)),
     Layout("torch MultiheadAttention", Block("in_proj_weight", 0, 0, 3), Block("in_proj_weight", 0, 1, 3),
            when=lambda m: _is_torch_mha(m) and m._qkv_same_embed_dim),
     Layout("torch MultiheadAttention (kdim/vdim)", Block("q_proj_weight"), Block("k_proj_weight"),
