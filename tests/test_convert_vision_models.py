@@ -11,7 +11,7 @@ Models whose attention is not per-token query-key attention over the rows a layo
 module and what to do, with nothing changed: attention over channels (XCiT, EdgeNeXt, DaViT), factorized attention
 (CoaT), a fused weight split per head into ``key_dim``/``key_dim``/``val_dim`` rows (EfficientFormer, TinyViT: the
 refusal names the interleaved layout that reads it, checked against the reference), a projection followed by
-BatchNorm (LeViT).
+BatchNorm (LeViT). Cosine attention (SwinV2) converts, but a logit gain is divided out by its normalization: warned.
 Tiny random models in float64, no download.
 """
 
@@ -33,6 +33,10 @@ torchvision = pytest.importorskip("torchvision")
 
 #: two float64 computations of one polar factor (an SVD here, the manifold's projection in the converter)
 POLAR_TOL = 1e-10
+#: the gradient of a query gain that cosine attention divides out (measured 0 to 2e-17)
+DEAD_GRAD_MAX = 1e-12
+#: a gradient that is not zero must exceed this
+LIVE_GRAD_MIN = 1e-6
 
 
 # ------------------------------------------------------------------------------------------ the reference
@@ -414,6 +418,44 @@ def test_a_model_without_attention_raises():
     with pytest.raises(ValueError, match="no attention module of ResNet was converted"):
         stiefelize(model)
     assert not frame_parameters(model)
+
+
+# ------------------------------------------------------------------------------------------ cosine attention
+def _hf_swinv2() -> tuple[nn.Module, torch.Tensor]:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Swinv2Config(image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+                                    window_size=2)
+    torch.manual_seed(0)
+    model = transformers.Swinv2Model(cfg).to(F64).eval()
+    x = torch.randn(2, 3, 16, 16, dtype=F64, generator=torch.Generator().manual_seed(1))
+    return model, x
+
+
+@pytest.mark.parametrize("name", ["timm_swinv2", "timm_swinv2_cr", "torchvision_swin_v2_t", "hf_swinv2"])
+def test_a_logit_gain_on_cosine_attention_is_warned_and_is_indeed_divided_out(name):
+    """SwinV2: F.normalize(q) @ F.normalize(k)^T * logit_scale. A gain on the query rows is divided out (its
+    gradient is zero), so logit_gain warns; the rows convert as above."""
+    model, x = _hf_swinv2() if name == "hf_swinv2" else _built(CASES[name])
+    with pytest.warns(UserWarning, match="computes cosine attention"):
+        stiefelize(model, logit_gain="learn")
+    gains = [p for n, p in model.named_parameters() if n.endswith("q_log_gain")]
+    with torch.no_grad():
+        for g in gains:
+            g.normal_(0, 0.1)
+    out = model(x)
+    getattr(out, "last_hidden_state", out).square().sum().backward()
+    assert gains and max(float(g.grad.abs().max()) for g in gains) < DEAD_GRAD_MAX
+
+
+def test_a_logit_gain_on_dot_product_window_attention_is_not_warned():
+    """Companion: Swin v1 (q * scale @ k^T) takes a gain as each head's logit factor: no warning, live gradient."""
+    model, x = _built(CASES["timm_swin"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stiefelize(model, logit_gain="learn")
+    gains = [p for n, p in model.named_parameters() if n.endswith("q_log_gain")]
+    model(x).square().sum().backward()
+    assert all(float(g.grad.abs().max()) > LIVE_GRAD_MIN for g in gains)
 
 
 def test_the_vision_layouts_come_before_the_generic_fused_qkv():

@@ -711,8 +711,9 @@ def stiefelize(
         :math:`\gamma_h = \exp(\text{gain_rate}\cdot\theta_h)` multiplying its rebuilt query rows, hence its
         logits (rotary embeddings rotate within the head, so they commute with it; under grouped-query
         attention each query head has its own gain against the shared key head; a module that normalizes its
-        queries or keys after the projection, ``q_norm``/``k_norm`` and the like, or clamps them, ``clip_qkv``, is
-        converted, but with a warning naming it: there the gain is no logit factor). ``"learn"`` starts at
+        queries or keys after the projection, ``q_norm``/``k_norm`` and the like (cosine attention with a
+        ``logit_scale``: SwinV2), or clamps them, ``clip_qkv``, is converted, but with a warning naming it: there
+        the gain is no logit factor). ``"learn"`` starts at
         :math:`\gamma_h = 1`, the choice for training from scratch, except where the weights are exactly what a
         model converted with a gain saves (``save_pretrained``, ``state_dict``, :func:`unstiefelize`): every key
         head block a frame and every query head block a frame times :math:`\gamma_h \ne 1`; it then starts at
@@ -989,7 +990,9 @@ _QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layer
 
 def _gain_caveat(module: nn.Module) -> str | None:
     """Why a gain on the query rows of ``module`` would not multiply its logits (``None`` when it does): a norm of
-    the queries or keys after the projection (it divides the gain out), or a clamp of q, k and v (``clip_qkv``)."""
+    the queries or keys after the projection (it divides the gain out), cosine attention (a ``logit_scale``
+    Parameter: q and k L2-normalized per head in the forward, SwinV2 and Swin2SR; it divides the gain out too), or a
+    clamp of q, k and v (``clip_qkv``)."""
     norms = [f"{n} ({type(c).__name__})" for n in _QK_NORM_NAMES
              if isinstance(c := getattr(module, n, None), nn.Module) and not isinstance(c, nn.Identity)]
     clip = getattr(module, "clip_qkv", None)
@@ -1002,6 +1005,9 @@ def _gain_caveat(module: nn.Module) -> str | None:
     if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0:
         why.append(f"it clamps q, k and v to +-{clip:g} after the projection (clip_qkv), so a gain stops scaling a "
                    f"logit where the query entries reach the clamp")
+    if isinstance(getattr(module, "logit_scale", None), nn.Parameter):  # SwinV2 (timm, torchvision, HF), Swin2SR
+        why.append("it computes cosine attention (q and k normalized per head, times its logit_scale), which divides "
+                   "a gain on the query rows out")
     return f"{type(module).__name__}: " + "; ".join(why) if why else None
 
 
