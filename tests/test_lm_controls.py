@@ -277,6 +277,27 @@ def test_the_committed_controls_grid_plans_no_run_it_holds():
     assert not next(st for st in plan if st.name == "refine").calls
 
 
+def test_plan_extends_a_warm_up_grid_whose_best_lr_is_at_its_edge(monkeypatch, tmp_path):
+    r3 = math.sqrt(3)
+    coarse = {"adamw": _bowl((1e-3, 1e-2 / r3, 1e-2, 1e-2 * r3, 1e-1), 1e-2),
+              "muon": _bowl((1e-3, 1e-2 / r3, 1e-2, 1e-2 * r3, 1e-1), 1e-2)}
+    # with 400 warm-up steps adamw's best is the lowest of its three points: the next lower lr of its own grid
+    warm = {"adamw": _bowl((1e-2 / r3, 1e-2, 1e-2 * r3), 1e-3)}
+    plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})
+    (call,) = plan["warm-up 400 steps"].calls
+    assert call[call.index("--arms") + 1:call.index("--seeds")] == ("adamw", "--lrs", "0.001")
+    assert list(plan)[-1] == "final, timing"
+    # beyond the arm's grid (best at 1e-3, its lowest lr): the edge / sqrt(3)
+    warm["adamw"][1e-3] = {0: 1.0, 1: 1.0}
+    plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})
+    (call,) = plan["warm-up 400 steps"].calls
+    assert float(call[call.index("--lrs") + 1]) == pytest.approx(1e-3 / r3, rel=1e-5)
+    # companion: an optimum inside the warm-up grid needs no more points, and the plan reaches the final cell
+    warm = {"adamw": _bowl((1e-2 / r3, 1e-2, 1e-2 * r3), 1e-2)}
+    plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})
+    assert not plan["warm-up 400 steps"].calls and plan["final"].calls
+
+
 def test_recipe_takes_a_warm_up_point_only_when_its_validation_mean_is_lower():
     from experiments.lm.tuned import select_recipes
 

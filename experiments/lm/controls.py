@@ -13,7 +13,10 @@ it are complete (so the first runs are those that say most: every arm's coarse g
 3. **refine**: a point at ×√3 on each side of each arm's best lr (after it, the best lr has neighbours at ×√3
    whichever point wins).
 4. **warm-up**: each ``# warmup <steps> <arm> ...`` line: those arms at the three lrs around their optimum (the
-   best lr and its neighbours) with that warm-up, in ``warmup-<steps>/`` (:func:`~.tuned.select_recipes`).
+   best lr and its neighbours) with that warm-up, in ``warmup-<steps>/`` (:func:`~.tuned.select_recipes`). A
+   warm-up grid whose best lr (validation) is at its edge gets the next lr beyond it, the neighbour in the arm's
+   own grid (else ×√3 beyond the edge), until its optimum is bracketed too: a warm-up that moves the optimum is
+   tuned as finely as the arm itself (tuned against tuned).
 5. **final**: every arm at its recipe (lr, warm-up) on the final seeds, disjoint from the grid's; the test split is
    read here only.
 6. **timing**: the timing pass for the equal-wall-clock readout.
@@ -115,6 +118,25 @@ def _missing(grid: dict, arm: str, lrs: Sequence[float], seed: int) -> list[floa
                                          for x, per in have.items())]
 
 
+def _beyond_warmup_edge(warm: dict, arm: str, grid: Sequence[float]) -> float | None:
+    """The next lr to train on the warm-up grid ``warm`` of ``arm`` when its best point (mean validation bpb over
+    :data:`GRID_SEEDS`, points missing a seed aside) is its lowest or highest lr: the neighbour beyond it in the
+    arm's own ``grid`` (sorted lrs), else the edge ÷ or × :data:`REFINE_RATIO`; ``None`` when the best is inside."""
+    points = {lr: sum(per[s] for s in GRID_SEEDS) / len(GRID_SEEDS)
+              for lr, per in warm["finals"].get(arm, {}).items() if all(s in per for s in GRID_SEEDS)}
+    if len(points) < 2:
+        return None
+    lrs = sorted(points)
+    best = min(lrs, key=points.__getitem__)
+    if best == lrs[0]:
+        below = [v for v in grid if v < best and not math.isclose(v, best, rel_tol=LR_REL_TOL)]
+        return below[-1] if below else best / REFINE_RATIO
+    if best == lrs[-1]:
+        above = [v for v in grid if v > best and not math.isclose(v, best, rel_tol=LR_REL_TOL)]
+        return above[0] if above else best * REFINE_RATIO
+    return None
+
+
 def stages(out: str | Path, protocol: Protocol) -> list[Stage]:
     """Every stage in order, up to and including the first that cannot be planned yet (module docstring); a stage
     whose runs are all on record has no calls."""
@@ -143,6 +165,8 @@ def stages(out: str | Path, protocol: Protocol) -> list[Stage]:
             around[a] = lrs[max(k - 1, 0):k + 2]
         warm = read_grid(folder)
         missing = {a: sorted({lr for s in GRID_SEEDS for lr in _missing(warm, a, lrs, s)}) for a, lrs in around.items()}
+        if not any(missing.values()):  # the three points are on record: extend a grid whose best is at its edge
+            missing = {a: [v] for a in arms if (v := _beyond_warmup_edge(warm, a, selection[a]["grid"])) is not None}
         plan.append(_grid_stage(f"warm-up {steps} steps", folder, missing, GRID_SEEDS,
                                 ("--warmup-fraction", f"{steps / protocol.total_steps:g}")))
         if any(missing.values()):
