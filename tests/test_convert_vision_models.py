@@ -11,7 +11,8 @@ Models whose attention is not per-token query-key attention over the rows a layo
 module and what to do, with nothing changed: attention over channels (XCiT, EdgeNeXt, DaViT), factorized attention
 (CoaT), a fused weight split per head into ``key_dim``/``key_dim``/``val_dim`` rows (EfficientFormer, TinyViT: the
 refusal names the interleaved layout that reads it, checked against the reference), a projection followed by
-BatchNorm (LeViT). Cosine attention (SwinV2) converts, but a logit gain is divided out by its normalization: warned.
+BatchNorm (LeViT). Cosine attention (SwinV2) and MViTv2's per-head norm convert, but divide a logit gain out:
+warned.
 Tiny random models in float64, no download.
 """
 
@@ -33,8 +34,8 @@ torchvision = pytest.importorskip("torchvision")
 
 #: two float64 computations of one polar factor (an SVD here, the manifold's projection in the converter)
 POLAR_TOL = 1e-10
-#: the gradient of a query gain that cosine attention divides out (measured 0 to 2e-17)
-DEAD_GRAD_MAX = 1e-12
+#: the gradient of a query gain that the forward divides out, relative to its frames' (measured 2e-15 to 2e-14)
+DEAD_GRAD_REL = 1e-10
 #: a gradient that is not zero must exceed this
 LIVE_GRAD_MIN = 1e-6
 
@@ -145,6 +146,12 @@ def _maxvit(head_first: bool) -> nn.Module:
     return MaxxVit(cfg, img_size=16, num_classes=5)
 
 
+def _mvitv2() -> nn.Module:
+    from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+    return MultiScaleVit(MultiScaleVitCfg(depths=(1, 1), embed_dim=16, num_heads=(2, 2)), img_size=(32, 32),
+                         num_classes=5)
+
+
 def _tv_swin(v2: bool) -> nn.Module:
     from torchvision.models.swin_transformer import PatchMergingV2, SwinTransformer, SwinTransformerBlockV2
     kw = dict(block=SwinTransformerBlockV2, downsample_layer=PatchMergingV2) if v2 else {}
@@ -221,6 +228,8 @@ CASES = {
     "timm_convit": Case(lambda: _timm("convit_tiny", img_size=16, patch_size=8, embed_dim=8, depth=2, num_heads=2,
                                       local_up_to_layer=1), 16,
                         {"MHSA": QKV, "GPSA": halves("qk.weight", "qk.weight")}),
+    # MViTv2's MultiScaleAttention: qkv(x).reshape(B, N, 3, H, -1), then pooling and a per-head norm_q/norm_k
+    "timm_mvitv2": Case(lambda: _mvitv2(), 32, {"MultiScaleAttention": QKV}),
     "torchvision_swin_t": Case(lambda: _tv_swin(False), 16, {"ShiftedWindowAttention": QKV}),
     "torchvision_swin_v2_t": Case(lambda: _tv_swin(True), 16, {"ShiftedWindowAttentionV2": QKV}),
     # torchvision MaxViT: q, k, v = to_qkv(x).chunk(3, -1); q.reshape(B, G, P, H, DH)
@@ -431,20 +440,60 @@ def _hf_swinv2() -> tuple[nn.Module, torch.Tensor]:
     return model, x
 
 
-@pytest.mark.parametrize("name", ["timm_swinv2", "timm_swinv2_cr", "torchvision_swin_v2_t", "hf_swinv2"])
-def test_a_logit_gain_on_cosine_attention_is_warned_and_is_indeed_divided_out(name):
-    """SwinV2: F.normalize(q) @ F.normalize(k)^T * logit_scale. A gain on the query rows is divided out (its
-    gradient is zero), so logit_gain warns; the rows convert as above."""
-    model, x = _hf_swinv2() if name == "hf_swinv2" else _built(CASES[name])
-    with pytest.warns(UserWarning, match="computes cosine attention"):
-        stiefelize(model, logit_gain="learn")
-    gains = [p for n, p in model.named_parameters() if n.endswith("q_log_gain")]
+def _gain_gradients(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """``path -> (max |d loss / d log-gain|, smallest max |d loss / d frames|)`` per converted module, after
+    ``stiefelize(model, logit_gain="learn")`` with gains drawn away from 1. Before converting, every LayerNorm weight
+    is set to one (SwinV2's post-norms start at zero, which cuts every gradient into the attention), every query
+    bias to zero (with a query bias a normalization divides out all of a gain but its ratio to the bias) and the eps
+    of MViTv2's query norm to zero (its small pooled queries let 0.5% of the gradient through the eps)."""
     with torch.no_grad():
-        for g in gains:
-            g.normal_(0, 0.1)
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm) and m.weight is not None:
+                m.weight.fill_(1.0)
+            if isinstance(getattr(m, "norm_q", None), nn.LayerNorm):
+                m.norm_q.eps = 0.0
+            if isinstance(getattr(m, "q_bias", None), nn.Parameter):
+                m.q_bias.zero_()
+            for name, parts in (("qkv", 3), ("query", 1)):
+                lin = getattr(m, name, None)
+                if isinstance(lin, nn.Linear) and lin.bias is not None:
+                    lin.bias[: lin.out_features // parts].zero_()
+    result = stiefelize(model, logit_gain="learn")
+    weights = {row.path: model.get_submodule(row.path) for row in result}
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "q_log_gain"):
+                m.q_log_gain.normal_(0, 0.1)
     out = model(x)
     getattr(out, "last_hidden_state", out).square().sum().backward()
-    assert gains and max(float(g.grad.abs().max()) for g in gains) < DEAD_GRAD_MAX
+    grads = {}
+    for path, module in weights.items():
+        qk = [m for m in module.modules() if hasattr(m, "q_log_gain")]
+        frames = [p for m in qk for n, p in m.named_parameters() if n.endswith("_frames")]
+        grads[path] = (max(float(m.q_log_gain.grad.abs().max()) for m in qk),
+                       min(float(p.grad.abs().max()) for p in frames))
+    return grads
+
+
+@pytest.mark.parametrize(("name", "words"), [("timm_swinv2", "WindowAttention: it computes cosine attention"),
+                                             ("timm_swinv2_cr", "WindowMultiHeadAttention: it computes cosine"),
+                                             ("torchvision_swin_v2_t", "ShiftedWindowAttentionV2: it computes cosine"),
+                                             ("hf_swinv2", "Swinv2SelfAttention: it computes cosine attention"),
+                                             ("timm_mvitv2", "MultiScaleAttention: it normalizes its queries/keys "
+                                                             "after the projection (norm_q (LayerNorm))")])
+def test_a_logit_gain_that_the_forward_divides_out_is_warned(name, words):
+    """SwinV2: F.normalize(q) @ F.normalize(k)^T * logit_scale; MViTv2: norm_q(pool_q(q)), a LayerNorm per head.
+    A gain on the query rows is divided out (its gradient is zero, up to the norm's eps), so logit_gain warns,
+    naming the modules; the rows convert as above."""
+    model, x = _hf_swinv2() if name == "hf_swinv2" else _built(CASES[name])
+    with pytest.warns(UserWarning, match="does not act as each query head's logit factor") as record:
+        grads = _gain_gradients(model, x)
+    message = next(str(w.message) for w in record if "logit factor" in str(w.message))
+    assert words in message
+    warned = [path for path in grads if repr(path) in message]
+    assert warned == list(grads)
+    for path, (gain, frames) in grads.items():
+        assert frames > LIVE_GRAD_MIN and gain < DEAD_GRAD_REL * frames, path  # the attention learns, the gain not
 
 
 def test_a_logit_gain_on_dot_product_window_attention_is_not_warned():
@@ -452,10 +501,8 @@ def test_a_logit_gain_on_dot_product_window_attention_is_not_warned():
     model, x = _built(CASES["timm_swin"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        stiefelize(model, logit_gain="learn")
-    gains = [p for n, p in model.named_parameters() if n.endswith("q_log_gain")]
-    model(x).square().sum().backward()
-    assert all(float(g.grad.abs().max()) > LIVE_GRAD_MIN for g in gains)
+        grads = _gain_gradients(model, x)
+    assert all(gain > LIVE_GRAD_MIN and frames > LIVE_GRAD_MIN for gain, frames in grads.values())
 
 
 def test_the_vision_layouts_come_before_the_generic_fused_qkv():

@@ -985,7 +985,7 @@ def _saved_gain(site: _Site) -> Tensor | None:
 #: Names of the child modules that normalize the queries or keys after their projection (QK-norm: Qwen3, OLMo2,
 #: Cohere, Gemma3, Persimmon, ...); an ``nn.Identity`` there (QK-norm switched off) does not count.
 _QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm", "q_layer_norm",
-                  "k_layer_norm", "qk_norm", "qk_layernorm")
+                  "k_layer_norm", "qk_norm", "qk_layernorm", "norm_q")  # norm_q: timm MViTv2 (after pooling q)
 
 
 def _gain_caveat(module: nn.Module) -> str | None:
@@ -1007,7 +1007,7 @@ def _gain_caveat(module: nn.Module) -> str | None:
                    f"logit where the query entries reach the clamp")
     if isinstance(getattr(module, "logit_scale", None), nn.Parameter):  # SwinV2 (timm, torchvision, HF), Swin2SR
         why.append("it computes cosine attention (q and k normalized per head, times its logit_scale), which divides "
-                   "a gain on the query rows out")
+                   "a gain on the query rows out (only its ratio to a query bias remains)")
     return f"{type(module).__name__}: " + "; ".join(why) if why else None
 
 
