@@ -27,7 +27,15 @@ import torch
 from conftest import F64
 from torch import nn
 
-from geoopt_stiefel_attention import LAYOUTS, Block, Layout, frame_parameters, stiefelize
+from geoopt_stiefel_attention import (
+    LAYOUTS,
+    Block,
+    Layout,
+    export_state_dict,
+    frame_parameters,
+    stiefelize,
+    unstiefelize,
+)
 
 timm = pytest.importorskip("timm")
 torchvision = pytest.importorskip("torchvision")
@@ -265,6 +273,40 @@ def test_converts_each_attention_module_to_the_reference_frames(name):
     qk, rest = reference_error(model, before, case.readers, expected)
     assert qk < POLAR_TOL and rest == 0.0
     assert torch.isfinite(model(x)).all()
+
+
+#: two float64 forward passes of the same function in different orders
+SAME_TOL = 1e-12
+
+
+@pytest.mark.parametrize("name", ["timm_maxvit_head_first", "timm_pvt_v2", "timm_convit", "torchvision_maxvit_t"])
+def test_the_new_layouts_save_stock_checkpoints_and_convert_them_again(name):
+    """The layouts added for vision models (per-head q|k|v, q + kv, qk + v, to_qkv), with dropped query/key biases
+    and learned gains: the exported state dict loaded into the stock model computes the converted model's function,
+    converting that stock model again keeps the gains, and unstiefelize gives the function back."""
+    model, x = _built(CASES[name])
+    stock, _ = _built(CASES[name])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "stiefelize: qk_bias='drop' had nothing to drop")  # ConViT: no qk bias
+        stiefelize(model, qk_bias="drop", logit_gain="learn")
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "q_log_gain"):
+                m.q_log_gain.normal_(0, 0.1)
+        y = model(x)
+        stock.load_state_dict(export_state_dict(model))
+        assert float((stock(x) - y).abs().max()) < SAME_TOL
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "stiefelize: qk_bias='drop' had nothing to drop")
+        stiefelize(stock, qk_bias="drop", logit_gain="learn")
+    with pytest.warns(UserWarning, match="are plain Parameters again"):
+        unstiefelize(model)
+    with torch.no_grad():
+        assert float((stock(x) - y).abs().max()) < SAME_TOL and float((model(x) - y).abs().max()) < SAME_TOL
 
 
 def test_the_reference_is_not_the_equal_thirds_where_the_forward_interleaves():
