@@ -154,6 +154,12 @@ def _maxvit(head_first: bool) -> nn.Module:
     return MaxxVit(cfg, img_size=16, num_classes=5)
 
 
+def _volo() -> nn.Module:
+    from timm.models.volo import VOLO
+    return VOLO(layers=[1, 1, 1, 1], img_size=32, patch_size=8, stem_hidden_dim=8, embed_dims=[16, 32, 32, 32],
+                num_heads=[1, 2, 2, 2], post_layers=("ca",), num_classes=5)
+
+
 def _mvitv2() -> nn.Module:
     from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
     return MultiScaleVit(MultiScaleVitCfg(depths=(1, 1), embed_dim=16, num_heads=(2, 2)), img_size=(32, 32),
@@ -236,6 +242,13 @@ CASES = {
     "timm_convit": Case(lambda: _timm("convit_tiny", img_size=16, patch_size=8, embed_dim=8, depth=2, num_heads=2,
                                       local_up_to_layer=1), 16,
                         {"MHSA": QKV, "GPSA": halves("qk.weight", "qk.weight")}),
+    # TNT's inner and outer Attention: qk(x).reshape(B, N, 2, H, r), v apart
+    "timm_tnt": Case(lambda: _timm("tnt_s_patch16_224", img_size=16, patch_size=8, embed_dim=16, inner_dim=8, depth=1,
+                                   num_heads_outer=2, num_heads_inner=2, first_stride=2), 16,
+                     {"Attention": halves("qk.weight", "qk.weight")}),
+    # VOLO: Attention (qkv) and the class attention of its post network: kv(x).reshape(B, N, 2, H, r), q(x[:, :1]);
+    # its OutlookAttention (attention weights straight from a Linear of each token, no query or key) is left out
+    "timm_volo": Case(lambda: _volo(), 32, {"Attention": QKV, "ClassAttention": Q_KV}, skipped=["network.0.0.attn"]),
     # MViTv2's MultiScaleAttention: qkv(x).reshape(B, N, 3, H, -1), then pooling and a per-head norm_q/norm_k
     "timm_mvitv2": Case(lambda: _mvitv2(), 32, {"MultiScaleAttention": QKV}),
     "torchvision_swin_t": Case(lambda: _tv_swin(False), 16, {"ShiftedWindowAttention": QKV}),
