@@ -679,6 +679,19 @@ def test_companion_a_logit_gain_without_qk_norm_is_not_warned_and_trains(name):
     assert _gain_grad(model, case) > DIFFER_MIN
 
 
+def test_companion_a_norm_of_the_keys_alone_is_not_warned_and_the_gain_trains():
+    """A per-head norm of k alone leaves the query gain in the logits (q_h k_h^T scales with it): no warning, and
+    the gain gets a gradient, where under the full QK-norm (test above) it is dead."""
+    case = CASES["qwen3"]
+    model = case.build()
+    for _, attn in attns(case, model):
+        attn.q_norm = torch.nn.Identity()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stiefelize(model, logit_gain="learn")
+    assert _gain_grad(model, case) > DIFFER_MIN
+
+
 def test_a_logit_gain_on_mpt_with_clip_qkv_is_warned_and_not_without():
     make = lambda clip: _seeded(lambda: T.MptForCausalLM(T.MptConfig(  # noqa: E731
         d_model=D, n_heads=H, n_layers=1, vocab_size=V, expansion_ratio=2, attn_config={"clip_qkv": clip})))()

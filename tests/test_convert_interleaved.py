@@ -147,7 +147,8 @@ CASES = {
         _layers("transformer.h", "self_attention"), (H, H), per_head_rows),
     "persimmon": Case(_seeded(lambda: transformers.PersimmonForCausalLM(transformers.PersimmonConfig(
         hidden_size=D, num_attention_heads=H, num_hidden_layers=2, intermediate_size=64, vocab_size=VOCAB,
-        bos_token_id=0, eos_token_id=0))),
+        bos_token_id=0, eos_token_id=0, qk_layernorm=False))),  # its default QK-norm would divide a logit gain
+    # out (warned: test_convert_architectures.py); the interleaved rows are the same either way
         _layers("model.layers", "self_attn"), (H, H), per_head_rows),
     "falcon": Case(_falcon(new_decoder_architecture=False, multi_query=False),
                    _layers("transformer.h", "self_attention"), (H, H), per_head_rows),

@@ -986,6 +986,7 @@ def _saved_gain(site: _Site) -> Tensor | None:
 #: Cohere, Gemma3, Persimmon, ...); an ``nn.Identity`` there (QK-norm switched off) does not count.
 _QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm", "q_layer_norm",
                   "k_layer_norm", "qk_norm", "qk_layernorm", "norm_q")  # norm_q: timm MViTv2 (after pooling q)
+_KEY_NORM_NAMES = {"k_norm", "k_layernorm", "key_layernorm", "k_layer_norm"}
 
 
 def _gain_caveat(module: nn.Module) -> str | None:
@@ -993,8 +994,10 @@ def _gain_caveat(module: nn.Module) -> str | None:
     the queries or keys after the projection (it divides the gain out), cosine attention (a ``logit_scale``
     Parameter: q and k L2-normalized per head in the forward, SwinV2 and Swin2SR; it divides the gain out too), or a
     clamp of q, k and v (``clip_qkv``)."""
-    norms = [f"{n} ({type(c).__name__})" for n in _QK_NORM_NAMES
+    found = [n for n in _QK_NORM_NAMES
              if isinstance(c := getattr(module, n, None), nn.Module) and not isinstance(c, nn.Identity)]
+    # a norm of the keys alone leaves the queries' scale, and with it the gain, in the logits
+    norms = [f"{n} ({type(getattr(module, n)).__name__})" for n in found] if set(found) - _KEY_NORM_NAMES else []
     clip = getattr(module, "clip_qkv", None)
     if clip is None:
         clip = getattr(getattr(module, "config", None), "clip_qkv", None)
