@@ -188,6 +188,12 @@ CASES = {
         "GPTBigCodeAttention", lambda m: ("c_attn.weight", contiguous_rows(H, R),
                                           "c_attn.weight", contiguous_rows(1, R, H * R)),
         "GPTBigCode c_attn Linear (one group: q of 4 heads | k | v)", _lm),
+    "deberta_v1": Case(  # in_proj(x).view(..., H, 3 r).chunk(3, dim=-1): [q_h, k_h, v_h] per head
+        _seeded(lambda: T.DebertaModel(T.DebertaConfig(hidden_size=D, num_attention_heads=H, num_hidden_layers=2,
+                                                       intermediate_size=2 * D, vocab_size=V))),
+        "DisentangledSelfAttention", lambda m: ("in_proj.weight", per_head_qkv_rows(H, R, 0),
+                                                "in_proj.weight", per_head_qkv_rows(H, R, 1)),
+        "DeBERTa in_proj Linear (q|k|v per head)", _lm),
     "codegen": Case(  # one head per group
         _seeded(lambda: T.CodeGenForCausalLM(T.CodeGenConfig(n_embd=D, n_head=H, n_layer=2, vocab_size=V,
                                                              rotary_dim=4, n_ctx=32, n_positions=32))),
@@ -300,7 +306,8 @@ CASES = {
         "q_proj/k_proj Linear", _pixels),
 }
 #: the architectures whose fused weight a user layout of equal thirds reads wrongly (refused), with that layout
-THIRDS = {"gpt_bigcode": "c_attn.weight", "codegen": "qkv_proj.weight", "codegen_8_heads": "qkv_proj.weight"}
+THIRDS = {"gpt_bigcode": "c_attn.weight", "codegen": "qkv_proj.weight", "codegen_8_heads": "qkv_proj.weight",
+          "deberta_v1": "in_proj.weight"}
 
 
 def _get(module: nn.Module, name: str):
@@ -343,6 +350,9 @@ def set_heads(case: Case, model: nn.Module, rows_of=None, scaled: bool = False) 
                 bias = _get(attn, param.rsplit(".", 1)[0]).bias if "." in param else None
                 if bias is not None and scales is not None:
                     bias[rows] = 0
+            for name in ("q_bias", "k_bias"):  # biases kept beside a bias-free projection (DeBERTa v1)
+                if scaled and isinstance(getattr(attn, name, None), nn.Parameter):
+                    getattr(attn, name).zero_()
 
 
 def _snapshot(model):
@@ -471,7 +481,7 @@ def test_a_layout_of_equal_thirds_is_refused_naming_the_module_and_the_fix(name)
     model = case.build()
     before = _snapshot(model)
     path = attns(case, model)[0][0]
-    fix = (r"interleaved=True\) with part 0 for the query and 1 for the key" if name == "gpt_bigcode"
+    fix = (r"interleaved=True\) with part 0 for the query and 1 for the key" if name in ("gpt_bigcode", "deberta_v1")
            else r"groups='mp_num'\) with part 0 for the query and 2 for the key")
     with pytest.raises(ValueError, match=rf"(?s)cannot convert .*{path.replace('.', chr(92) + '.')}.*"
                                          rf"silently wrong.*{fix}"):

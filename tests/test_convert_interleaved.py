@@ -410,7 +410,8 @@ def test_interleaved_blocks_are_checked_when_written():
     # AttentionCl per head (tested in test_convert_vision_models.py)
     assert [lay.name for lay in LAYOUTS if lay.q.interleaved] == ["timm AttentionCl qkv (head_first)",
                                                                   "interleaved query_key_value",
-                                                                  "GPTBigCode c_attn Linear"]
+                                                                  "GPTBigCode c_attn Linear",
+                                                                  "DeBERTa in_proj Linear"]
 
 
 # ------------------------------------------------------------------------------------------ (d) checkpoints

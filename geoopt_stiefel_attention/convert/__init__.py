@@ -942,7 +942,9 @@ def _hint(module: nn.Module) -> str:
     if pair is None:
         names = [n for n, _ in module.named_parameters()][:6]
         return (f"its parameters: {', '.join(names)}; write a Layout naming its query and key weights, e.g. "
-                f"Layout('mine', q=Block('<query>.weight'), k=Block('<key>.weight'), head_dim=<int>)")
+                f"Layout('mine', q=Block('<query>.weight'), k=Block('<key>.weight'), head_dim=<int>) (a fused "
+                f"q|k|v weight is often interleaved per head, Block(..., interleaved=True), not equal thirds: "
+                f"read the module's forward for which rows are head h's query and key)")
     q, k = pair
     known = (HEAD_DIM_ATTRS + NUM_HEADS_ATTRS)
     found = next((a for a in known if _is_count(getattr(module, a, None))), None)

@@ -364,6 +364,8 @@ GPT_BIGCODE_CLASSES = ("GPTBigCodeAttention",)
 #: HF CodeGen: ``qkv_proj`` is ``mp_num`` (4) equal groups, each ``[q | v | k]``; its forward takes the query (key)
 #: features group by group, then heads of ``head_dim`` consecutive features.
 CODEGEN_CLASSES = ("CodeGenAttention",)
+#: HF DeBERTa (v1): ``in_proj`` (no bias) viewed ``(..., H, 3 r)`` and chunked: ``[q_h, k_h, v_h]`` per head.
+DEBERTA_V1_CLASSES = ("DisentangledSelfAttention",)
 
 
 def _is_attention(m: nn.Module) -> bool:
@@ -433,6 +435,11 @@ LAYOUTS: tuple[Layout, ...] = (
            Block("c_attn.weight", 0, 1, 3, interleaved=True),
            when=lambda m: _is_class(m, GPT_BIGCODE_CLASSES) and not getattr(m, "is_cross_attention", False)
            and _children_are(m, ("c_attn",), _is_linear)),
+    # DeBERTa v1: in_proj(x).view(..., H, 3 r).chunk(3): [q_h, k_h, v_h] per head (DeBERTa-v2's class of the same
+    # name has query_proj/key_proj and no in_proj)
+    Layout("DeBERTa in_proj Linear", Block("in_proj.weight", 0, 0, 3, interleaved=True),
+           Block("in_proj.weight", 0, 1, 3, interleaved=True),
+           when=lambda m: _is_class(m, DEBERTA_V1_CLASSES) and _children_are(m, ("in_proj",), _is_linear)),
     # CodeGen: mp_num groups of [q | v | k]: the query is slice 0 and the key slice 2 of every group
     Layout("CodeGen qkv_proj", Block("qkv_proj.weight", 0, 0, 3, groups="mp_num"),
            Block("qkv_proj.weight", 0, 2, 3, groups="mp_num"),
