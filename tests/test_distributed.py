@@ -1,6 +1,6 @@
 """DDP and FSDP2 with Stiefel frames: 2 gloo processes on CPU against one process on the whole batch.
 
-One ``torch.multiprocessing.spawn`` (2 ranks, gloo, a free port on 127.0.0.1) trains every model case, with
+One ``torch.multiprocessing.spawn`` (2 ranks, gloo, a file rendezvous) trains every model case, with
 each frame optimizer of :data:`OPTIMIZERS` (StiefelAdam, StiefelMuon), under DDP and under FSDP2 with frames sharded by whole heads (:func:`fully_shard_by_heads`), checkpoints the FSDP2
 run with ``torch.distributed.checkpoint`` half-way and resumes it in a fresh model and optimizer, and saves
 what each rank ends with; the tests compare that with a single-process run on the concatenated batch. The
@@ -9,7 +9,6 @@ refusals (a frame split along ``d``, a plain ``fully_shard``) run in-process on 
 
 import os
 import re
-import socket
 import warnings
 
 import pytest
@@ -157,9 +156,9 @@ def _dcp(model, opt, path, save):
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _worker(rank, port, out_dir):
+def _worker(rank, init_method, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     try:
         x, y = (t.chunk(WORLD)[rank] for t in _batch())
         results = {}
@@ -190,16 +189,16 @@ def _worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(folder):
+    """A file rendezvous in ``folder`` (new for every spawn): no port to pick, so no other process on the machine can
+    take it between picking and binding (a free port found by binding port 0 can be taken before rank 0 binds it)."""
+    return f"file://{folder / 'rendezvous'}"
 
 
 @pytest.fixture(scope="module")
 def parallel_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(_rendezvous(out), str(out)), nprocs=WORLD, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -457,9 +456,9 @@ class _SingleFrame(torch.nn.Module):
         return self.lin(x @ self.frame)
 
 
-def _freeze_worker(rank, port, out_dir):
+def _freeze_worker(rank, init_method, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     try:
         results = {}
         for run, (frozen, shard) in FREEZE_RUNS.items():
@@ -489,7 +488,7 @@ def _freeze_worker(rank, port, out_dir):
 @pytest.fixture(scope="module")
 def freeze_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("freeze")
-    mp.spawn(_freeze_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_freeze_worker, args=(_rendezvous(out), str(out)), nprocs=WORLD, join=True)
     return torch.load(out / "rank0.pt", weights_only=False)
 
 
