@@ -6,7 +6,6 @@ saved (tiny configs, random weights, no downloads)."""
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
@@ -170,14 +169,13 @@ def test_clip_grad_norm_measures_euclidean_gradients_and_scales_the_frame_step_l
 
 
 # ------------------------------------------------------------------ DDP: no_sync, find_unused_parameters
-def _ddp_worker(rank, world, port, mode, out):
+def _ddp_worker(rank, world, init_method, mode, out):
     import contextlib
 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
         torch.manual_seed(rank)  # different weights on each rank: DDP broadcasts rank 0's
@@ -216,15 +214,10 @@ def _jitter(module):
 def test_ddp_no_sync_accumulation_keeps_frames_identical_across_ranks_and_orthonormal(tmp_path, mode):
     """Two gloo ranks, float64, each its own batches, two micro-batches per step (the first under ``no_sync``).
     Companion ("unwrapped"): the same loop without DDP ends with different parameters on the two ranks."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "result.pt"
-    mp.spawn(_ddp_worker, args=(2, port, mode, str(out)), nprocs=2)
+    out = tmp_path / "result.pt"  # a file rendezvous: no port that another process could take first
+    mp.spawn(_ddp_worker, args=(2, f"file://{tmp_path / 'rendezvous'}", mode, str(out)), nprocs=2)
     result = torch.load(out)
     assert result["ortho"] < 1e-12
     assert (result["diff"] > 1e-3) if mode == "unwrapped" else (result["diff"] == 0.0)
