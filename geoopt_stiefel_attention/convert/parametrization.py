@@ -63,6 +63,20 @@ def _rest_of(weight: Tensor, dim: int, segments: tuple[tuple[str, int, int], ...
     return torch.cat([weight.narrow(dim, s, n) for s, n in spans], dim=dim).contiguous()
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Whether default saved-tensor hooks are active (``torch.autograd.graph.saved_tensors_hooks``: activation
+    checkpointing without reentry, in its forward and its recomputation, ``save_on_cpu``); ``True`` where torch
+    cannot tell (then a weight is not reused while gradients are recorded)."""
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks
+    except AttributeError:  # pragma: no cover - every supported torch has it
+        return True
+    try:
+        return top(False) is not None
+    except TypeError:  # pragma: no cover - a torch whose function takes no argument
+        return top() is not None
+
+
 class _QKWeight(nn.Module):
     """Parametrization of one weight tensor holding query and/or key rows.
 
@@ -155,7 +169,13 @@ class _QKWeight(nn.Module):
 
     def forward(self, rest: Tensor) -> Tensor:
         model = self.__dict__.get("_model_scope")  # see _check_model_frames
-        reuse = model is not None and model[2] > 0 and self.__dict__.get("_reread", False)
+        # Under saved-tensor hooks (activation checkpointing without reentry, save_on_cpu) every read builds its
+        # own weight: checkpointing recomputes the region in backward, outside the model's forward, where each read
+        # builds, and matches the tensors saved then to those saved in the forward by position, so the forward must
+        # build as often (reusing a weight there shifts every later saved tensor: a metadata error, or, where the
+        # shapes agree, the gradients of other tensors).
+        reuse = (model is not None and model[2] > 0 and self.__dict__.get("_reread", False)
+                 and not (torch.is_grad_enabled() and _saved_tensor_hooks_active()))
         if reuse:  # read again in the same forward of the converted model: the same tensor, built once
             built = self.__dict__.get("_built")
             if built is not None and built[1] == torch.is_grad_enabled():
