@@ -6,7 +6,6 @@ onto the frames, gains and rest by the chain rule written out below (tiny config
 
 from __future__ import annotations
 
-import copy
 import re
 import warnings
 
@@ -15,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from geoopt_stiefel_attention import StiefelAdam, StiefelMuon, frame_parameters, param_groups, stiefelize
+from geoopt_stiefel_attention import StiefelAdam, frame_parameters, param_groups, stiefelize
 from geoopt_stiefel_attention._linalg import orthonormality_error
 from geoopt_stiefel_attention.convert import GAIN_RATE
 from geoopt_stiefel_attention.convert.parametrization import _QKWeight
@@ -51,9 +50,8 @@ def _reference_grads(converted: nn.Module, stock_grads: dict[str, torch.Tensor],
     """The gradient of every parameter of ``converted`` from the stock model's gradients: a query head block is
     ``g_h U_h`` with ``g_h = exp(rate theta_h)``, so ``dL/dU_h = g_h dW_h`` and ``dL/dtheta_h = rate g_h <dW_h, U_h>``;
     a key head block is ``U_h`` (``dL/dU_h = dW_h``); the rest is the value slices, in order."""
-    params = dict(converted.named_parameters())
     ref = {}
-    for name, p in params.items():
+    for name, _ in converted.named_parameters():
         m = re.fullmatch(r"(.*)\.parametrizations\.(\w+)\.(?:0\.)?(q_frames|k_frames|q_log_gain|original)", name)
         if m is None:
             ref[name] = stock_grads[name]
@@ -251,3 +249,139 @@ def test_a_stiefeladam_step_under_checkpointing_is_the_uncheckpointed_step_and_s
         assert max(float(orthonormality_error(f.detach())) for f in frame_parameters(model)) < 1e-12
         runs.append([p.detach().clone() for p in model.parameters()])
     assert max(float((a - b).abs().max()) for a, b in zip(*runs, strict=True)) < 1e-12
+
+
+# ------------------------------------------------------------------ PEFT adapters (LoRA)
+LORA_QK = "adapter layer (lora.Linear"
+
+
+def _peft():
+    return pytest.importorskip("peft")
+
+
+def _lora(model: nn.Module, targets: list[str], **kwargs) -> nn.Module:
+    peft = _peft()
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False, **kwargs)
+    return peft.get_peft_model(model, config)
+
+
+def _llama_lora_reference(model, ids):
+    """Loss and gradients of a converted Llama with LoRA on ``v_proj``/``o_proj`` from a stock Llama whose adapted
+    weights are ``W + (alpha/r) B A`` (written here): ``dL/dB = s dW A^T``, ``dL/dA = s B^T dW``; the frames' and
+    the other weights' gradients mapped as above."""
+    stock = _hf("llama", None, convert=False)
+    inner = model.get_base_model()
+    weights = {k: v for k, v in inner.state_dict().items() if "lora_" not in k}
+    stock_sd = {}
+    for key, value in weights.items():
+        stock_sd[key.replace(".base_layer.", ".")] = value.detach().clone()
+    scale = 4 / 2
+    for name, module in inner.named_modules():
+        if hasattr(module, "lora_A"):
+            a, b = module.lora_A["default"].weight.detach(), module.lora_B["default"].weight.detach()
+            stock_sd[f"{name}.weight"] = stock_sd[f"{name}.weight"] + scale * b @ a
+    stock.load_state_dict(stock_sd)
+    loss = stock(input_ids=ids, labels=ids).loss
+    loss.backward()
+    dw = {n: p.grad for n, p in stock.named_parameters()}
+    ref = {}
+    for name, module in inner.named_modules():
+        if hasattr(module, "lora_A"):
+            a, b = module.lora_A["default"].weight.detach(), module.lora_B["default"].weight.detach()
+            ref[f"base_model.model.{name}.lora_A.default.weight"] = scale * b.T @ dw[f"{name}.weight"]
+            ref[f"base_model.model.{name}.lora_B.default.weight"] = scale * dw[f"{name}.weight"] @ a.T
+    return loss.detach(), ref, stock
+
+
+def test_stiefelize_refuses_a_peft_model_with_lora_on_the_query_key_projections_naming_the_adapter():
+    """LoRA on ``q_proj``/``k_proj`` (Llama) or on GPT-2's fused ``c_attn``: the effective query weight is
+    ``W + (alpha/r) B A``, which frames on ``W`` alone do not make orthonormal. Refused, naming the adapter layers
+    and the fix, with nothing changed; a user layout naming ``q_proj.base_layer.weight`` is refused the same way.
+    Before: a "matches no layout" refusal whose hint asked for exactly that layout, which then converted."""
+    from geoopt_stiefel_attention import LAYOUTS, Block, Layout
+
+    for kind, targets, where in (("llama", ["q_proj", "k_proj"], "'q_proj', 'k_proj'"),
+                                 ("gpt2", ["c_attn"], "'c_attn'")):
+        model = _lora(_hf(kind, None, convert=False), targets)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ValueError, match=rf"wrapped by an {re.escape(LORA_QK)} at {where}\).*merge_and_unload"):
+            stiefelize(model)
+        assert not frame_parameters(model)
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    layout = Layout("base layers", q=Block("q_proj.base_layer.weight"), k=Block("k_proj.base_layer.weight"),
+                    head_dim=8)
+    model = _lora(_hf("llama", None, convert=False), ["q_proj", "k_proj"])
+    with pytest.raises(ValueError, match=re.escape(LORA_QK)) as err:
+        stiefelize(model, targets=(*LAYOUTS, layout))
+    assert "Pass targets= with a Layout" not in str(err.value)  # the adapter's line carries its own fix
+    assert not frame_parameters(model)
+
+
+def test_companion_stiefelize_converts_a_peft_model_with_lora_on_value_and_output_only():
+    """LoRA on ``v_proj``/``o_proj`` leaves the query/key weights alone: converted (frames frozen with the rest of
+    the base model, as PEFT froze it), and the loss and the adapters' gradients are those of the stock model with
+    ``W + (alpha/r) B A`` written in (1e-12, float64); merging leaves the function and the frames as they are."""
+    model = _lora(_hf("llama", None, convert=False), ["v_proj", "o_proj"])
+    stiefelize(model)
+    frames = frame_parameters(model)
+    assert len(frames) == 4 and not any(f.requires_grad for f in frames)
+    loss_ref, ref, _ = _llama_lora_reference(model, IDS)
+    loss = model(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    assert abs(float(loss.detach() - loss_ref)) <= TOL
+    _assert_grads(model, ref)
+    with torch.no_grad():
+        before = model(input_ids=IDS).logits
+        merged = model.merge_and_unload()
+        assert float((merged(input_ids=IDS).logits - before).abs().max()) < 1e-12
+    assert all(torch.equal(a, b) for a, b in zip(frames, frame_parameters(merged), strict=True))
+
+
+def test_get_peft_model_with_lora_on_converted_query_key_projections_is_refused_naming_the_weight(tmp_path):
+    """``get_peft_model`` (and ``PeftModel.from_pretrained``) with ``q_proj``/``k_proj`` in ``target_modules`` on a
+    converted model: refused at the first read of the wrapped weight (PEFT reads it while injecting), naming the
+    weight, the adapter and the fix. Before: accepted, trained ``U + (alpha/r) B A`` (no longer orthonormal) without
+    a word, and ``merge_and_unload`` lost the adapter (logits 0.097 away from the unmerged model's)."""
+    peft = _peft()
+    model = _hf("llama", None)
+    with pytest.raises(RuntimeError, match=r"^model\.layers\.0\.self_attn\.q_proj\.weight: .*wrapped by an "
+                                           r"adapter layer \(lora\.Linear.*unstiefelize\(model\)"):
+        _lora(model, ["q_proj", "k_proj"])
+    # an adapter trained on the stock model, loaded onto the converted one (then merged: the delta would be lost)
+    stock = _lora(_hf("llama", None, convert=False), ["q_proj", "k_proj"])
+    stock.save_pretrained(str(tmp_path / "adapter"))
+    with pytest.raises(RuntimeError, match=re.escape(LORA_QK)):
+        peft.PeftModel.from_pretrained(_hf("llama", None), str(tmp_path / "adapter"))
+    # companion: after unstiefelize the stock weights take the adapter, and merging keeps the function
+    from geoopt_stiefel_attention import unstiefelize
+
+    converted = _hf("llama", None)
+    with pytest.warns(UserWarning, match="unstiefelize"):
+        unstiefelize(converted)
+    adapted = _lora(converted, ["q_proj", "k_proj"])
+    with torch.no_grad():
+        before = adapted(input_ids=IDS).logits
+        assert float((adapted.merge_and_unload()(input_ids=IDS).logits - before).abs().max()) < 1e-12
+
+
+def test_companion_lora_on_value_and_output_of_a_converted_model_trains_saves_and_loads_consistently(tmp_path):
+    """``get_peft_model`` on a converted Llama with LoRA on ``v_proj``/``o_proj``: the frames stay frozen (PEFT
+    freezes the base) and orthonormal, the adapters' gradients are the stock reference's, a step with StiefelAdam
+    trains the adapters only, and the saved adapter loaded onto a freshly converted model gives the same logits."""
+    peft = _peft()
+    model = _lora(_hf("llama", None), ["v_proj", "o_proj"])
+    assert not any(f.requires_grad for f in frame_parameters(model))
+    loss_ref, ref, _ = _llama_lora_reference(model, IDS)
+    loss = model(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    assert abs(float(loss.detach() - loss_ref)) <= TOL
+    _assert_grads(model, ref)
+    frames = [f.detach().clone() for f in frame_parameters(model)]
+    opt = StiefelAdam(param_groups(model, expect_frames=False), lr=1e-2)
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(frames, frame_parameters(model), strict=True))
+    model.save_pretrained(str(tmp_path / "adapter"))
+    loaded = peft.PeftModel.from_pretrained(_hf("llama", None), str(tmp_path / "adapter"))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=IDS).logits, model(input_ids=IDS).logits)
+

@@ -66,7 +66,17 @@ from .layouts import (
     _normalized_projection,
     _not_token_attention,
 )
-from .parametrization import _MARK, _frames_from, _get, _owner, _QKWeight, _watch_model, _ZeroQKBias
+from .parametrization import (
+    _ADAPTER_REASON,
+    _MARK,
+    _adapter_name,
+    _frames_from,
+    _get,
+    _owner,
+    _QKWeight,
+    _watch_model,
+    _ZeroQKBias,
+)
 
 __all__ = [
     "Block",
@@ -777,7 +787,11 @@ def stiefelize(
         message names every place it is held; untie them first. A layout that reads the fused weight of a module
         that interleaves q|k|v per head (one the built-in "interleaved query_key_value" layout matches) as ranges
         of the whole axis (``part``/``parts`` or ``span``, without ``interleaved=True``) is refused: those rows
-        are not its query and key rows.
+        are not its query and key rows. A query/key projection held by an adapter layer (PEFT's LoRA, DoRA, IA3, ...:
+        a module holding it as its ``base_layer``) is refused, naming the adapter layers: the adapter's update is
+        added outside the frames (merge it first, ``model.merge_and_unload()``, or leave the query/key projections
+        out of its ``target_modules``). Wrapping a converted query/key projection in such an adapter afterwards
+        (``get_peft_model``) raises ``RuntimeError`` at the first read of the weight.
 
     Examples
     --------
@@ -842,6 +856,9 @@ def stiefelize(
             sites.append(_plan(path, module, layout, qk_bias, interleaving))
         except _Refusal as err:
             problems.append((path, f"{type(module).__name__} matches layout {layout.name!r} but {err}"))
+    wrapped = _adapter_layers(model)
+    sites, adapted = _adapted(sites, wrapped)
+    problems += adapted
     sites, tied = _tied(model, sites)
     problems += tied
     if chooser is None:
@@ -851,16 +868,26 @@ def stiefelize(
         for p in candidates:
             if not any(q != p and _under(q, p) for q in candidates):  # report the innermost
                 m = model.get_submodule(p)
+                inside = [(w, layer) for w, layer in wrapped.items() if _under(w, p) or _under(p, w)]
+                # the adapters around a projection a layout of the table reads (q_proj, c_attn, the module itself)
+                # first: one on the value or output projection alone is no reason
+                qk = [(w, layer) for w, layer in inside if _adapted_name(w, p) in _qk_owner_names(table or LAYOUTS)]
+                if qk or inside:  # its projections are held by adapter layers, so the table's names do not match
+                    adapted.append((p, _adapter_refusal(p, qk or inside)))
+                    problems.append(adapted[-1])
+                    continue
                 problems.append((p, f"{type(m).__name__} looks like attention but matches no layout "
                                     f"({_hint(m)})"))
     searched = ", ".join(lay.name for lay in (table or LAYOUTS))  # names only: the table is in the docs
     if problems and strict:
         listing = "\n".join(f"  {line}" for line in _grouped(problems))
-        # a tied weight's line carries its own fix (untie them); the closing advice is for the modules no layout fits
-        others = [p for p in problems if p not in tied]
+        # a tied weight's line carries its own fix (untie them), and so does an adapter's; the closing advice is for
+        # the modules no layout fits
+        others = [p for p in problems if p not in tied and p not in adapted]
+        which = "them" if len(others) == len(problems) else "the modules not tied" if not adapted else "the others"
         closing = "" if not others else (
-            f"\nLayouts searched: {searched}.\nPass targets= with a Layout for "
-            f"{'them' if not tied else 'the modules not tied'}, or strict=False to leave them Euclidean.")
+            f"\nLayouts searched: {searched}.\nPass targets= with a Layout for {which}, or strict=False to leave "
+            f"them Euclidean.")
         raise ValueError(f"stiefelize: cannot convert {len(problems)} module(s) of {type(model).__name__}; "
                          f"nothing was changed.\n{listing}{closing}")
     if not sites:
@@ -913,6 +940,56 @@ def stiefelize(
         # a ratio only where it is defined: a zero (or non-finite) output before conversion has no relative change
         change = absolute / scale if scale > 0 and math.isfinite(scale) else None
     return ConversionResult(tuple(rows), tuple(problems), change, absolute, scale)
+
+
+def _adapter_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The adapter layers of ``model`` (PEFT's LoRA, DoRA, IA3, ... layers: modules holding the layer they adapt as
+    their ``base_layer`` child), by the path of the module they wrap."""
+    found = {}
+    for path, module in model.named_modules():
+        base = module._modules.get("base_layer")
+        if isinstance(base, nn.Module):
+            found[f"{path}.base_layer" if path else "base_layer"] = module
+    return found
+
+
+def _adapted_name(wrapped_path: str, site_path: str) -> str:
+    """The wrapped module's path inside the attention module at ``site_path`` ("" for the module itself)."""
+    inner = wrapped_path[:-len(".base_layer")] if wrapped_path.endswith(".base_layer") else ""
+    return inner[len(site_path):].lstrip(".") if _under(inner, site_path) else ""
+
+
+def _qk_owner_names(table: Sequence[Layout]) -> set[str]:
+    """The modules (relative paths) whose weights the layouts of ``table`` read as queries or keys."""
+    return {block.param.rpartition(".")[0] for layout in table for block in (layout.q, layout.k)}
+
+
+def _adapter_refusal(site_path: str, layers: Sequence[tuple[str, nn.Module]]) -> str:
+    kinds = sorted({_adapter_name(m) for _, m in layers})
+    where = ", ".join(repr(_adapted_name(w, site_path) or "<the module itself>") for w, _ in layers[:4])
+    return (f"its query/key projection is wrapped by an adapter layer ({', '.join(kinds)} at {where}), which "
+            f"{_ADAPTER_REASON}; leave the query/key projections out of the adapter's target_modules, or merge the "
+            f"adapter first (model = model.merge_and_unload()) and convert the merged model")
+
+
+def _adapted(sites: list[_Site], wrapped: dict[str, nn.Module]) -> tuple[list[_Site], list[tuple[str, str]]]:
+    """Refuse the sites whose query/key weight lies in a module an adapter layer wraps (a user layout naming
+    ``q_proj.base_layer.weight``, or an adapter wrapping the attention module itself): its output is the adapted
+    one, not the weight the frames would rebuild."""
+    if not wrapped:
+        return sites, []
+    kept, problems = [], []
+    for site in sites:
+        owners = set()
+        for piece in (site.q, site.k):
+            inner = next((n for n, m in site.module.named_modules() if m is piece.owner), "")
+            owners.add(".".join(x for x in (site.path, inner) if x))
+        layers = [(w, layer) for w, layer in wrapped.items() if any(_under(o, w) for o in owners)]
+        if layers:
+            problems.append((site.path, _adapter_refusal(site.path, layers)))
+        else:
+            kept.append(site)
+    return kept, problems
 
 
 def _where(path: str) -> str:

@@ -6,6 +6,7 @@ its ``(heads, d, r)`` frames (:class:`_QKWeight`), and a bias whose query/key en
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -127,6 +128,15 @@ class _QKWeight(nn.Module):
             segments.append(("rest", cursor, width - cursor))
         self.segments = tuple(segments)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The module's state without what lives only in a live model: the weak references of ``_slot`` (set again
+        by :func:`_watch_model` and by the model's next forward, see :func:`_set_slots`) and a weight built in an
+        open forward."""
+        state = dict(super().__getstate__())
+        state.pop("_slot", None)
+        state.pop("_built", None)
+        return state
+
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _QKWeight:
         """``.to()``, ``.double()``, ``.half()``, ...: after a cast to a more precise dtype the frames are
         re-projected to that precision (:func:`~geoopt_stiefel_attention.manifolds.reproject_after_cast_`)."""
@@ -180,6 +190,9 @@ class _QKWeight(nn.Module):
             built = self.__dict__.get("_built")
             if built is not None and built[1] == torch.is_grad_enabled():
                 return built[0]
+        slot = self.__dict__.get("_slot")
+        if slot is not None and not torch.compiler.is_compiling():
+            _check_not_wrapped(self, slot)
         if torch.is_grad_enabled() and (model is None or model[0] <= 0):
             self.check()
         weight = self._build(rest)
@@ -323,6 +336,51 @@ _OURS = (_QKWeight, _ZeroQKBias)
 _MODEL_HOOKS = "_stiefel_model_check_hooks"
 
 
+def _adapter_name(wrapper: nn.Module) -> str:
+    """``lora.Linear`` for PEFT's ``peft.tuners.lora.layer.Linear`` (the name PEFT prints), else the class name."""
+    module, name = type(wrapper).__module__, type(wrapper).__name__
+    parts = module.split(".")
+    return f"{parts[2]}.{name}" if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else name
+
+
+#: Why an adapter layer (PEFT's LoRA, DoRA, IA3, ...: a module holding the projection as its ``base_layer``) cannot
+#: wrap a converted query/key projection; the first words name where, the fix follows.
+_ADAPTER_REASON = ("adds its update (LoRA: (lora_alpha/r) B A) to the weight outside the frames, so the query/key "
+                  "weight is no longer orthonormal, and merge_and_unload would write it into a weight rebuilt from the "
+                  "frames at every read, where it is lost")
+
+
+def _check_not_wrapped(p: _QKWeight, slot: tuple[Any, str, Any]) -> None:
+    """Refuse to build a converted weight whose module is now held by an adapter layer (its ``base_layer``): PEFT's
+    ``get_peft_model`` / ``PeftModel.from_pretrained`` / ``add_adapter`` with the query/key projections among the
+    targets. Raised at the first read after the wrapping (PEFT reads the weight while it injects the adapter)."""
+    parent, owner = slot[0](), slot[2]()
+    if parent is None or owner is None:
+        return
+    here = parent._modules.get(slot[1])
+    if here is owner or here is None or here._modules.get("base_layer") is not owner:
+        return
+    raise RuntimeError(f"{getattr(p, 'label', 'converted weight')}: its converted module is wrapped by an adapter "
+                       f"layer ({_adapter_name(here)}, e.g. PEFT's get_peft_model with this projection in "
+                       f"target_modules), which {_ADAPTER_REASON}; leave the query/key projections out of the "
+                       f"adapter's target_modules (the frames train with StiefelAdam), or call unstiefelize(model) "
+                       f"before adding the adapter to fine-tune the stock weights (to undo the wrapping: "
+                       f"peft_model.unload(), or build the model again).")
+
+
+def _set_slots(model: nn.Module) -> None:
+    """Give every converted weight of ``model`` its ``_slot``: weak references to the module holding its module,
+    the attribute name, and its module, read by :func:`_check_not_wrapped`."""
+    for parent in model.modules():
+        for name, child in parent._modules.items():
+            plists = getattr(child, "parametrizations", None) if child is not None else None
+            if not isinstance(plists, nn.ModuleDict):
+                continue
+            for plist in plists.values():
+                if isinstance(plist[0], _QKWeight):
+                    plist[0].__dict__["_slot"] = (weakref.ref(parent), name, weakref.ref(child))
+
+
 def _check_model_frames(model: nn.Module, args: Any) -> None:
     """Forward pre-hook of a converted model: in a forward with gradients, check every frame of its converted
     weights at once (same-shaped frame stacks concatenated: one Gram product, one distance and one host read
@@ -333,6 +391,8 @@ def _check_model_frames(model: nn.Module, args: Any) -> None:
     if torch.compiler.is_compiling():
         return
     scope, weights = vars(model)[_MODEL_HOOKS][:2]
+    if weights and "_slot" not in weights[0].__dict__:  # a copy or an unpickled model: no slots yet
+        _set_slots(model)
     scope[2] += 1
     scope[1].append(False)
     if not torch.is_grad_enabled():
@@ -388,6 +448,7 @@ def _watch_model(model: nn.Module) -> None:
     conversion: the list of its converted weights is rebuilt). Not on a bare ``nn.TransformerEncoderLayer``:
     a hook on it would turn off torch's fused inference path (its weights keep their own checks)."""
     _unwatch_model(model)
+    _set_slots(model)
     weights = [m for m in model.modules() if isinstance(m, _QKWeight)]
     if not weights or isinstance(model, nn.TransformerEncoderLayer):
         return
