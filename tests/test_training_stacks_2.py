@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from geoopt_stiefel_attention import StiefelAdam, frame_parameters, param_groups, stiefelize
+from geoopt_stiefel_attention import StiefelAdam, StiefelMuon, frame_parameters, param_groups, stiefelize
 from geoopt_stiefel_attention._linalg import orthonormality_error
 from geoopt_stiefel_attention.convert import GAIN_RATE
 from geoopt_stiefel_attention.convert.parametrization import _QKWeight
@@ -385,3 +385,100 @@ def test_companion_lora_on_value_and_output_of_a_converted_model_trains_saves_an
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=IDS).logits, model(input_ids=IDS).logits)
 
+
+# ------------------------------------------------------------------ torch.amp.GradScaler
+def _scaled_run(opt_cls, *, scaler: bool, steps: int = 3, clip: float | None = None):
+    model = _Encoder()
+    stiefelize(model, logit_gain="learn")
+    _scramble_gains(model)
+    opt = opt_cls(param_groups(model), lr=1e-2)
+    amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if scaler else None
+    x = _x().detach()
+    for k in range(steps):
+        opt.zero_grad()
+        loss = model(x * (1 + k / 10))
+        if amp is None:
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+        else:
+            amp.scale(loss).backward()
+            if clip is not None:
+                amp.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            amp.step(opt)
+            amp.update()
+    return model, opt, amp
+
+
+def _snapshot(model, opt):
+    return ([p.detach().clone() for p in model.parameters()],
+            {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
+             for k, s in opt.state_dict()["state"].items()})
+
+
+def _same(a, b) -> bool:
+    params_a, state_a = a
+    params_b, state_b = b
+    return (all(torch.equal(x, y) for x, y in zip(params_a, params_b, strict=True)) and state_a.keys() == state_b.keys()
+            and all(torch.equal(state_a[k][n], state_b[k][n]) if torch.is_tensor(state_a[k][n])
+                    else state_a[k][n] == state_b[k][n] for k in state_a for n in state_a[k]))
+
+
+@pytest.mark.parametrize("opt_cls", [StiefelAdam, StiefelMuon])
+def test_gradscaler_steps_are_the_unscaled_steps_and_an_inf_step_is_skipped_bit_for_bit(opt_cls):
+    """``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``: the optimizer does not take the scale
+    itself (no ``_step_supports_amp_scaling``), so the scaler divides every gradient, the frames' Euclidean ones
+    included, by the power-of-two scale before the step: three steps equal those of the unscaled loss bit for bit
+    (float64), with ``unscale_`` + ``clip_grad_norm_`` too. A step whose gradients hold an inf (in a frame, or only
+    in a Euclidean parameter) is skipped: every parameter, frames included, and the optimizer's state unchanged bit
+    for bit, and the scale halved."""
+    ref, ref_opt, _ = _scaled_run(opt_cls, scaler=False)
+    model, opt, amp = _scaled_run(opt_cls, scaler=True)
+    assert not getattr(opt, "_step_supports_amp_scaling", False)
+    assert _same(_snapshot(ref, ref_opt), _snapshot(model, opt))
+    clipped_ref, clipped_ref_opt, _ = _scaled_run(opt_cls, scaler=False, clip=0.05)
+    clipped, clipped_opt, _ = _scaled_run(opt_cls, scaler=True, clip=0.05)
+    assert _same(_snapshot(clipped_ref, clipped_ref_opt), _snapshot(clipped, clipped_opt))
+    assert not _same(_snapshot(ref, ref_opt), _snapshot(clipped, clipped_opt))  # the clip acted
+    frame = frame_parameters(model)[0]
+    euclidean = model.head.weight
+    for poisoned in (frame, euclidean):
+        before, scale = _snapshot(model, opt), amp.get_scale()
+        opt.zero_grad()
+        amp.scale(model(_x().detach())).backward()
+        with torch.no_grad():
+            poisoned.grad[0, 0] = float("inf")
+        amp.step(opt)
+        amp.update()
+        assert _same(before, _snapshot(model, opt))
+        assert amp.get_scale() == scale / 2
+    assert max(float(orthonormality_error(f.detach())) for f in frame_parameters(model)) < 1e-12
+
+
+@pytest.mark.parametrize("opt_cls", [StiefelAdam, StiefelMuon])
+def test_gradscaler_with_float16_autocast_on_the_cpu_trains_orthonormal_frames(opt_cls):
+    """The real thing in float32: ``torch.autocast("cpu", torch.float16)`` with a GradScaler; the loss falls, the
+    scale stays finite and the frames stay orthonormal to float32 rounding."""
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            torch.ones(2, 2) @ torch.ones(2, 2)
+    except RuntimeError as err:  # pragma: no cover - a torch without float16 autocast on the CPU
+        pytest.skip(f"no float16 autocast on the CPU: {err}")
+    model = _Encoder().float()
+    stiefelize(model)
+    opt = opt_cls(param_groups(model), lr=1e-2)
+    amp = torch.amp.GradScaler("cpu")
+    x = _x().detach().float()
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x)
+        amp.scale(loss).backward()
+        amp.step(opt)
+        amp.update()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0] and amp.get_scale() > 1
+    assert max(float(orthonormality_error(f.detach())) for f in frame_parameters(model)) < 1e-5
