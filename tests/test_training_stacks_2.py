@@ -6,6 +6,7 @@ onto the frames, gains and rest by the chain rule written out below (tiny config
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 
@@ -347,6 +348,8 @@ def test_get_peft_model_with_lora_on_converted_query_key_projections_is_refused_
     with pytest.raises(RuntimeError, match=r"^model\.layers\.0\.self_attn\.q_proj\.weight: .*wrapped by an "
                                            r"adapter layer \(lora\.Linear.*unstiefelize\(model\)"):
         _lora(model, ["q_proj", "k_proj"])
+    with pytest.raises(RuntimeError, match=re.escape(LORA_QK)):  # a copy of a converted model knows its modules too
+        _lora(copy.deepcopy(_hf("llama", None)), ["q_proj", "k_proj"])
     # an adapter trained on the stock model, loaded onto the converted one (then merged: the delta would be lost)
     stock = _lora(_hf("llama", None, convert=False), ["q_proj", "k_proj"])
     stock.save_pretrained(str(tmp_path / "adapter"))

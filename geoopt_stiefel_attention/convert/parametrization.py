@@ -5,6 +5,7 @@ its ``(heads, d, r)`` frames (:class:`_QKWeight`), and a bias whose query/key en
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from collections.abc import Callable
@@ -136,6 +137,22 @@ class _QKWeight(nn.Module):
         state.pop("_slot", None)
         state.pop("_built", None)
         return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _QKWeight:
+        """A copy (as :func:`copy.deepcopy` makes one) whose ``_slot`` points at the copies of the modules it names
+        when they are copied with it (a copy of the whole model), and is left out otherwise."""
+        done = memo.get(id(self))
+        if done is not None:
+            return done
+        replica = type(self).__new__(type(self))
+        memo[id(self)] = replica
+        replica.__dict__ = copy.deepcopy(self.__getstate__(), memo)
+        slot = self.__dict__.get("_slot")
+        if slot is not None:
+            parent, owner = memo.get(id(slot[0]())), memo.get(id(slot[2]()))
+            if parent is not None and owner is not None and slot[0]() is not None and slot[2]() is not None:
+                replica.__dict__["_slot"] = (weakref.ref(parent), slot[1], weakref.ref(owner))
+        return replica
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _QKWeight:
         """``.to()``, ``.double()``, ``.half()``, ...: after a cast to a more precise dtype the frames are
