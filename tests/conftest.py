@@ -19,6 +19,36 @@ ORTHO_TOL_F64 = 1e-12
 #: max |W^T W - I| of a float32 frame after training
 ORTHO_TOL_F32 = 1e-5
 
+
+# ---------------------------------------------------------------------- conversion references (written out)
+def polar64(a: torch.Tensor) -> torch.Tensor:
+    """The polar factor ``U V^T`` of ``a = U S V^T``, by SVD in float64: the independent reference of a frame."""
+    u, _, vh = torch.linalg.svd(a.double(), full_matrices=False)
+    return u @ vh
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` in the Frobenius norm."""
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
+def state_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``model.state_dict()``."""
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def unconverted_and_unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    """Whether ``model`` holds exactly the state ``before`` (:func:`state_snapshot`), no frame and no
+    parametrization: what a refused conversion must leave."""
+    from torch.nn.utils import parametrize
+
+    from geoopt_stiefel_attention import frame_parameters
+
+    after = model.state_dict()
+    return (sorted(after) == sorted(before) and all(torch.equal(after[n], before[n]) for n in before)
+            and not frame_parameters(model) and not any(parametrize.is_parametrized(m) for m in model.modules()))
+
+
 # The tests use small tensors, for which intra-op threading only adds overhead; on a loaded 2-core machine
 # two threads made a 16x10 optimizer step 10-70x slower. One thread also makes timings reproducible.
 torch.set_num_threads(1)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import geoopt
 import pytest
 import torch
-from conftest import F64, ORTHO_TOL_F64
+from conftest import F64, ORTHO_TOL_F64, rel
 from torch import nn
 
 from geoopt_stiefel_attention import (
@@ -293,10 +293,6 @@ def max_ortho_error(p) -> float:
     w = p.detach()
     eye = torch.eye(w.shape[-1], dtype=w.dtype)
     return float((w.transpose(-1, -2) @ w - eye).abs().max())
-
-
-def rel(a, b) -> float:
-    return float((a - b).detach().norm() / b.detach().norm())
 
 
 # ------------------------------------------------------------------------------------------ per adapter

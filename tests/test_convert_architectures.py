@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import F64, ORTHO_TOL_F64
+from conftest import F64, ORTHO_TOL_F64, polar64, state_snapshot, unconverted_and_unchanged
 from torch import nn
-from torch.nn.utils import parametrize
 
 from geoopt_stiefel_attention import (
     Block,
@@ -77,12 +76,6 @@ def codegen_rows(width: int, heads: int, which: str, mp_num: int = 4) -> list[to
     feature = torch.arange(width)
     rows = (feature // local) * 3 * local + {"q": 0, "v": 1, "k": 2}[which] * local + feature % local
     return [rows[h * r:(h + 1) * r] for h in range(heads)]
-
-
-def polar64(a: torch.Tensor) -> torch.Tensor:
-    """The polar factor ``U V^T`` of ``a = U S V^T``, by SVD in float64."""
-    u, _, vh = torch.linalg.svd(a.double(), full_matrices=False)
-    return u @ vh
 
 
 # ------------------------------------------------------------------------------------------ cases
@@ -330,10 +323,6 @@ def run(case: Case, model: nn.Module) -> torch.Tensor:
     raise AssertionError(type(out))
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).detach().norm() / b.detach().norm())
-
-
 def set_heads(case: Case, model: nn.Module, rows_of=None, scaled: bool = False) -> None:
     """Make every query/key head block at the reference rows (or ``rows_of(module)``) orthonormal (QR of a
     Gaussian); ``scaled``: times ``0.3 ... 2.5`` evenly over a module's blocks (query heads, then key heads), with the
@@ -355,16 +344,6 @@ def set_heads(case: Case, model: nn.Module, rows_of=None, scaled: bool = False) 
                     getattr(attn, name).zero_()
 
 
-def _snapshot(model):
-    return {n: t.detach().clone() for n, t in model.state_dict().items()}
-
-
-def _unchanged(model, before) -> bool:
-    after = model.state_dict()
-    return (sorted(after) == sorted(before) and all(torch.equal(after[n], before[n]) for n in before)
-            and not frame_parameters(model) and not any(parametrize.is_parametrized(m) for m in model.modules()))
-
-
 # ------------------------------------------------------------------------------------------ the frames
 @pytest.mark.parametrize("name", CASES)
 def test_frames_are_the_polar_factors_of_the_head_rows_the_forward_reads(name):
@@ -374,7 +353,7 @@ def test_frames_are_the_polar_factors_of_the_head_rows_the_forward_reads(name):
     assert found, f"no {case.cls} in the model"
     specs = [case.spec(m) for _, m in found]
     stock = [{p: _get(m, p).detach().clone() for p in (s[0], s[2])} for (_, m), s in zip(found, specs, strict=True)]
-    before = _snapshot(model)
+    before = state_snapshot(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # converted without a word of doubt
         report = stiefelize(model)
@@ -479,17 +458,17 @@ def test_a_layout_of_equal_thirds_is_refused_naming_the_module_and_the_fix(name)
     naming the module, the built-in layout and the Block that reads its rows; nothing changed."""
     case = CASES[name]
     model = case.build()
-    before = _snapshot(model)
+    before = state_snapshot(model)
     path = attns(case, model)[0][0]
     fix = (r"interleaved=True\) with part 0 for the query and 1 for the key" if name in ("gpt_bigcode", "deberta_v1")
            else r"groups='mp_num'\) with part 0 for the query and 2 for the key")
     with pytest.raises(ValueError, match=rf"(?s)cannot convert .*{path.replace('.', chr(92) + '.')}.*"
                                          rf"silently wrong.*{fix}"):
         stiefelize(model, targets=[_thirds(THIRDS[name])])
-    assert _unchanged(model, before)
+    assert unconverted_and_unchanged(model, before)
     with pytest.warns(UserWarning, match="silently wrong"):  # strict=False: skipped, named, unchanged
         result = stiefelize(model, targets=[_thirds(THIRDS[name])], strict=False)
-    assert len(result) == 0 and len(result.skipped) == len(attns(case, model)) and _unchanged(model, before)
+    assert len(result) == 0 and len(result.skipped) == len(attns(case, model)) and unconverted_and_unchanged(model, before)
 
 
 @pytest.mark.parametrize(("name", "layout"), [
@@ -516,11 +495,11 @@ def test_companion_a_user_layout_of_the_actual_rows_converts_as_the_built_in_tab
 def test_a_layout_of_other_groups_on_codegen_is_refused(layout):
     case = CASES["codegen"]
     model = case.build()
-    before = _snapshot(model)
+    before = state_snapshot(model)
     with pytest.raises(ValueError, match=r"reads other groups, while qkv_proj\.weight holds 3 slices in each of its "
                                          r"mp_num=4 groups.*silently wrong"):
         stiefelize(model, targets=[layout])
-    assert _unchanged(model, before)
+    assert unconverted_and_unchanged(model, before)
 
 
 def test_codegen_whose_heads_span_two_groups_is_refused():
@@ -528,16 +507,16 @@ def test_codegen_whose_heads_span_two_groups_is_refused():
     no block of one group: refused naming the module; with strict=False skipped with a warning, unchanged."""
     model = _seeded(lambda: T.CodeGenForCausalLM(T.CodeGenConfig(n_embd=D, n_head=2, n_layer=1, vocab_size=V,
                                                                  rotary_dim=4, n_ctx=32, n_positions=32)))()
-    before = _snapshot(model)
+    before = state_snapshot(model)
     why = (r"transformer\.h\.0\.attn': CodeGenAttention matches layout 'CodeGen qkv_proj' but its 2 query heads of "
            r"size 16 do not fit whole in the 8-row query slice of each of the 4 groups of qkv_proj\.weight "
            r"\(mp_num=4\): a head spanning two groups cannot be one frame")
     with pytest.raises(ValueError, match=why):
         stiefelize(model)
-    assert _unchanged(model, before)
+    assert unconverted_and_unchanged(model, before)
     with pytest.warns(UserWarning, match=why):
         stiefelize(model, strict=False)
-    assert _unchanged(model, before)
+    assert unconverted_and_unchanged(model, before)
     # companion: the reference rows of head 0 do span two groups (rows 0:8 and 24:32)
     rows = codegen_rows(D, 2, "q")[0]
     assert rows.tolist() == list(range(0, 8)) + list(range(24, 32))

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import F64, ORTHO_TOL_F64
+from conftest import F64, ORTHO_TOL_F64, polar64, rel, state_snapshot, unconverted_and_unchanged
 from torch import nn
-from torch.nn.utils import parametrize
 
 from geoopt_stiefel_attention import (
     LAYOUTS,
@@ -84,12 +83,6 @@ def contiguous_rows(heads: int, kv_heads: int, r: int) -> tuple[list[slice], lis
     when ``H_kv = H``). Right for Falcon's ``multi_query``, wrong for the others."""
     return ([slice(h * r, (h + 1) * r) for h in range(heads)],
             [slice((heads + g) * r, (heads + g + 1) * r) for g in range(kv_heads)])
-
-
-def polar64(a: torch.Tensor) -> torch.Tensor:
-    """The polar factor ``U V^T`` of ``a = U S V^T``, by SVD in float64."""
-    u, _, vh = torch.linalg.svd(a.double(), full_matrices=False)
-    return u @ vh
 
 
 # ------------------------------------------------------------------------------------------ cases
@@ -187,20 +180,6 @@ def set_heads(model, case, scales=None, bias=True):
                 w[rows] = (u * (1.0 if scales is None else scales[i])).T
                 if b is not None and not bias:
                     b[rows] = 0
-
-
-def rel(a, b) -> float:
-    return float((a - b).detach().norm() / b.detach().norm())
-
-
-def _snapshot(model):
-    return {n: t.detach().clone() for n, t in model.state_dict().items()}
-
-
-def _unchanged(model, before) -> bool:
-    after = model.state_dict()
-    return (sorted(after) == sorted(before) and all(torch.equal(after[n], before[n]) for n in before)
-            and not frame_parameters(model) and not any(parametrize.is_parametrized(m) for m in model.modules()))
 
 
 # ------------------------------------------------------------------------------------------ (a) the frames
@@ -334,25 +313,25 @@ def test_a_plain_qkv_reading_takes_other_rows_and_is_refused(name):
     gap = max(float((polar64(w[a].T) - polar64(w[b].T)).abs().max())
               for a, b in zip(naive_q + naive_k, q_rows + k_rows, strict=True))
     assert gap > DIFFER_MIN
-    before = _snapshot(model)
+    before = state_snapshot(model)
     for layout in (_thirds(), Layout("spans", Block("query_key_value.weight", span=(0, H * R)),
                                      Block("query_key_value.weight", span=(H * R, 2 * H * R)))):
         with pytest.raises(ValueError, match=r"(?s)cannot convert 2 module\(s\).*"
                                              + case.attns(model)[0][0].replace(".", r"\.")
                                              + r".*interleaved per head.*silently wrong.*interleaved=True"):
             stiefelize(model, targets=[layout])
-        assert _unchanged(model, before)
+        assert unconverted_and_unchanged(model, before)
     # with strict=False the modules are skipped, named in a warning, and left unchanged
     with pytest.warns(UserWarning, match="interleaved per head"):
         result = stiefelize(model, targets=[_thirds()], strict=False)
-    assert len(result) == 0 and len(result.skipped) == 2 and _unchanged(model, before)
+    assert len(result) == 0 and len(result.skipped) == 2 and unconverted_and_unchanged(model, before)
     # a layout matching the decoder layer (a wrapper) that names the same weight is refused too
     wrapper_param = case.attns(model)[0][0].rsplit(".", 1)[1] + ".query_key_value.weight"
     wrapper = Layout("wrapper thirds", Block(wrapper_param, 0, 0, 3), Block(wrapper_param, 0, 1, 3),
                      head_dim=R, when=lambda m: hasattr(m, case.attns(model)[0][0].rsplit(".", 1)[1]))
     with pytest.raises(ValueError, match="interleaved per head"):
         stiefelize(model, targets=lambda path, m: wrapper if wrapper.matches(m) else None)
-    assert _unchanged(model, before)
+    assert unconverted_and_unchanged(model, before)
 
 
 @pytest.mark.parametrize("name", INTERLEAVED)
@@ -384,11 +363,11 @@ def test_falcon_whose_declared_key_value_heads_contradict_its_width_is_refused()
     """Falcon's original layout with ``num_kv_heads`` (2) other than its heads (4): the module declares 2 key/value
     heads but its weight holds three per head, so its query/key rows cannot be told apart: refused, unchanged."""
     model = _falcon(new_decoder_architecture=False, multi_query=False, num_kv_heads=2)()
-    before = _snapshot(model)
+    before = state_snapshot(model)
     with pytest.raises(ValueError, match=r"transformer\.h\.0\.self_attention.*96 output features, not 2 group\(s\) "
                                          r"of 2 query head\(s\).*cannot be told apart"):
         stiefelize(model)
-    assert _unchanged(model, before)
+    assert unconverted_and_unchanged(model, before)
 
 
 def test_interleaved_blocks_are_checked_when_written():

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import F64
+from conftest import F64, polar64
 from torch import nn
 
 from geoopt_stiefel_attention import (
@@ -99,17 +99,12 @@ def _get(m: nn.Module, name: str) -> torch.Tensor:
     return getattr(m, attr)
 
 
-def polar(a: torch.Tensor) -> torch.Tensor:
-    u, _, vh = torch.linalg.svd(a, full_matrices=False)
-    return u @ vh
-
-
 def state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def reference_error(model: nn.Module, before: dict, readers: dict[str, Callable], paths: list[str]) -> tuple[float, float]:
-    """``(max |converted - polar(stock)|`` over the query/key head blocks of the modules at ``paths``, ``max |change|``
+    """``(max |converted - polar64(stock)|`` over the query/key head blocks of the modules at ``paths``, ``max |change|``
     of every other state-dict entry)``. ``readers`` maps a class name to its reader."""
     after = state(model)
     assert after.keys() == before.keys()
@@ -120,7 +115,7 @@ def reference_error(model: nn.Module, before: dict, readers: dict[str, Callable]
         for weight, heads in readers[type(module).__name__](module):
             key = f"{path}.{weight}" if path else weight
             for head in heads:
-                qk = max(qk, float((after[key][head].t() - polar(before[key][head].t())).abs().max()))
+                qk = max(qk, float((after[key][head].t() - polar64(before[key][head].t())).abs().max()))
                 rows.setdefault(key, set()).update(head)
     rest = 0.0
     for key, t in before.items():
