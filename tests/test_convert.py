@@ -15,6 +15,7 @@ import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import geoopt
 import pytest
@@ -1390,3 +1391,37 @@ def test_unstiefelize_of_a_fused_projection_warns_and_the_old_optimizer_fails_lo
     with pytest.raises(RuntimeError, match="must match the size"):
         _train_steps(model, opt, x, 1)
     _train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), x, 1)  # companion: rebuilt, it steps
+
+
+# ------------------------------------------------------------------------------------------ fit and biases
+def _fit_change(bias: bool) -> float:
+    """Output change of ``logit_gain="fit"`` on a float64 ``nn.MultiheadAttention`` (2 heads of 8) whose query and key
+    head blocks are scaled orthonormal frames (scales 0.5, 1.5, 2.5, 3.5), with biases of std 0.5 or none."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, bias=bias, batch_first=True).double()
+
+    class Self(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = mha
+
+        def forward(self, x):
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    net = Self()
+    with torch.no_grad():
+        for i, start in enumerate(range(0, 32, 8)):
+            q, _ = torch.linalg.qr(torch.randn(16, 8, dtype=F64))
+            mha.in_proj_weight[start:start + 8] = (q * (0.5 + i)).T
+        if bias:
+            mha.in_proj_bias.normal_(0, 0.5)
+    return stiefelize(net, logit_gain="fit", probe=(torch.randn(2, 5, 16, dtype=F64),)).output_change
+
+
+def test_fit_keeps_the_function_of_scaled_orthonormal_heads_only_without_query_key_biases():
+    """The documented limit of ``logit_gain="fit"`` (docs/converting.rst quotes the 0.36): biases are not rescaled."""
+    assert _fit_change(bias=False) <= 1e-12
+    with_bias = _fit_change(bias=True)
+    assert abs(with_bias - 0.36) < 0.005
+    docs = Path(__file__).resolve().parents[1] / "docs" / "converting.rst"
+    assert "change by 0.36 where it is 1e-15" in " ".join(docs.read_text().split())

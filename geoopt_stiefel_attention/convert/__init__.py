@@ -731,7 +731,8 @@ def stiefelize(
         naming the modules whose gains it resets). ``"fit"`` starts at
         :math:`\gamma_h = \rho(A_{Q,h})\,\rho(A_{K,g(h)})` with :math:`\rho(A) = \|A\|_F/\sqrt{r}` the RMS
         singular value, so each head keeps its logit scale (exactly when the blocks are scaled orthonormal
-        frames): the choice for preserving a trained model's function. Fitted to a freshly initialised
+        frames and the head has no query/key bias: biases are not rescaled, so nonzero ones change the logits
+        even then; ``probe=`` measures the change): the choice for preserving a trained model's function. Fitted to a freshly initialised
         HuggingFace model (std 0.02) it is about :math:`0.02^2 d` (0.013 at :math:`d = 32`) and attention
         starts almost uniform, so do not use it from scratch.
     qk_bias : {"keep", "drop"}, default "keep"
