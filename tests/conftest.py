@@ -49,6 +49,20 @@ def unconverted_and_unchanged(model: torch.nn.Module, before: dict[str, torch.Te
             and not frame_parameters(model) and not any(parametrize.is_parametrized(m) for m in model.modules()))
 
 
+@torch.no_grad()
+def move_every_parameter_(model: torch.nn.Module, euclidean: float = 0.05) -> None:
+    """Move every parameter of ``model`` off its initial value (so a checkpoint or an export is not the initial
+    state): each frame by the retraction of a random tangent step of scale 0.1, everything else by ``euclidean``
+    times a standard normal draw."""
+    from geoopt_stiefel_attention import is_frame
+
+    for p in model.parameters():
+        if is_frame(p):
+            p.copy_(p.manifold.retr(p, 0.1 * p.manifold.proju(p, torch.randn_like(p))))
+        else:
+            p.add_(euclidean * torch.randn_like(p))
+
+
 # The tests use small tensors, for which intra-op threading only adds overhead; on a loaded 2-core machine
 # two threads made a 16x10 optimizer step 10-70x slower. One thread also makes timings reproducible.
 torch.set_num_threads(1)

@@ -20,7 +20,7 @@ from pathlib import Path
 import geoopt
 import pytest
 import torch
-from conftest import F64, ORTHO_TOL_F64, rel
+from conftest import F64, ORTHO_TOL_F64, move_every_parameter_, rel
 from torch import nn
 
 from geoopt_stiefel_attention import (
@@ -355,12 +355,7 @@ def test_export_loads_into_stock_model_and_unstiefelize_restores(name):
     model = case.build()
     stock_keys = list(model.state_dict())
     stiefelize(model, logit_gain="fit")
-    with torch.no_grad():  # move every parameter so the export is not the initial state
-        for p in model.parameters():
-            if is_frame(p):
-                p.copy_(p.manifold.retr(p, 0.1 * p.manifold.proju(p, torch.randn_like(p))))
-            else:
-                p.add_(0.01 * torch.randn_like(p))
+    move_every_parameter_(model, euclidean=0.01)  # so the export is not the initial state
     expected = case.run(model).detach()
     state = export_state_dict(model)
     assert sorted(state) == sorted(stock_keys)

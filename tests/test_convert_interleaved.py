@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import F64, ORTHO_TOL_F64, polar64, rel, state_snapshot, unconverted_and_unchanged
+from conftest import F64, ORTHO_TOL_F64, move_every_parameter_, polar64, rel, state_snapshot, unconverted_and_unchanged
 from torch import nn
 
 from geoopt_stiefel_attention import (
@@ -401,12 +401,7 @@ def test_stock_checkpoint_round_trip(name, gain):
     model = case.build()
     stock_keys = list(model.state_dict())
     stiefelize(model, logit_gain=gain)
-    with torch.no_grad():  # move every parameter so the checkpoint is not the initial state
-        for p in model.parameters():
-            if hasattr(p, "manifold"):
-                p.copy_(p.manifold.retr(p, 0.1 * p.manifold.proju(p, torch.randn_like(p))))
-            else:
-                p.add_(0.05 * torch.randn_like(p))
+    move_every_parameter_(model)  # so the checkpoint is not the initial state
     expected = run(model).detach()
     state = model.state_dict()
     assert list(state) == stock_keys
