@@ -15,14 +15,14 @@ import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import geoopt
 import pytest
 import torch
-from conftest import F64, ORTHO_TOL_F64, move_every_parameter_, rel
+from conftest import F64, ORTHO_TOL_F64, move_every_parameter_, polar64, rel
 from torch import nn
 
+import geoopt_stiefel_attention.convert as convert_module
 from geoopt_stiefel_attention import (
     LAYOUTS,
     Block,
@@ -1114,22 +1114,64 @@ def test_fitted_gain_of_a_zero_block_is_refused_before_anything_changes():
     assert torch.isfinite(gain).all()
 
 
-def test_dropping_a_bias_the_layout_cannot_see_is_refused():
-    """timm's BEiT attention keeps q_bias beside a bias-free fused qkv: 'drop' must not leave it active."""
-    BeitAttention = pytest.importorskip("timm.models.beit").Attention
+class _QKVWithKeyBias(nn.Module):
+    """Attention with a bias-free fused ``qkv`` Linear and its key bias as a parameter beside it, where no built-in
+    layout looks (2 heads of 8)."""
 
+    def __init__(self):
+        super().__init__()
+        self.num_heads = 2
+        self.qkv = nn.Linear(16, 48, bias=False)
+        self.k_bias = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).unbind(-3)
+        k = k + self.k_bias.view(2, 8)
+        att = torch.softmax(torch.einsum("bqhr,bkhr->bhqk", q, k) / 8 ** 0.5, -1)
+        return torch.einsum("bhqk,bkhr->bqhr", att, v).flatten(-2)
+
+
+def test_dropping_a_bias_the_layout_cannot_see_is_refused():
+    """A key bias kept beside a bias-free fused qkv, where the layout does not look: 'drop' must not leave it active."""
     torch.manual_seed(0)
-    attn = BeitAttention(32, num_heads=4, qkv_bias=True)
-    with torch.no_grad():
-        attn.q_bias.normal_()
+    attn = _QKVWithKeyBias()
     model = nn.Sequential(attn)
-    with pytest.raises(ValueError, match="q_bias"):
+    with pytest.raises(ValueError, match="k_bias"):
         stiefelize(model, qk_bias="drop")
     assert not torch.nn.utils.parametrize.is_parametrized(attn.qkv)
     # companion: keeping the biases (the default) converts it, and the bias stays what it was
-    q_bias = attn.q_bias.detach().clone()
+    k_bias = attn.k_bias.detach().clone()
     stiefelize(model)
-    assert torch.equal(attn.q_bias, q_bias)
+    assert torch.equal(attn.k_bias, k_bias)
+
+
+def test_the_query_bias_beside_a_bias_free_qkv_is_dropped():
+    """timm's BEiT attention keeps q_bias beside a bias-free fused qkv (its own layout): 'drop' holds it at zero and
+    the converted model computes the stock model with that bias zeroed and the polar factors as frames."""
+    BeitAttention = pytest.importorskip("timm.models.beit").Attention
+    torch.manual_seed(0)
+    attn = BeitAttention(32, num_heads=4, qkv_bias=True).double()
+    with torch.no_grad():
+        attn.q_bias.normal_()
+        attn.v_bias.normal_()
+    q_bias = attn.q_bias.detach().clone()
+    x = torch.randn(2, 5, 32, dtype=F64)
+    reference = copy.deepcopy(attn)
+    with torch.no_grad():
+        reference.q_bias.zero_()
+        w = reference.qkv.weight.view(3, 4, 8, 32)
+        for part in (0, 1):
+            for h in range(4):
+                w[part, h] = polar64(w[part, h].T).T
+    model = nn.Sequential(attn)
+    (row,) = stiefelize(model, qk_bias="drop")
+    assert row.layout == "fused qkv Linear + q_bias"
+    assert torch.equal(attn.q_bias, torch.zeros(32, dtype=F64))
+    assert rel(attn(x), reference(x)) < FIT_TOL
+    # companion: with its query bias as it was, the reference is another function
+    with torch.no_grad():
+        reference.q_bias.copy_(q_bias)
+    assert rel(attn(x), reference(x)) > 1e-3
 
 
 def test_dropping_biases_that_do_not_exist_says_so():
@@ -1389,34 +1431,156 @@ def test_unstiefelize_of_a_fused_projection_warns_and_the_old_optimizer_fails_lo
 
 
 # ------------------------------------------------------------------------------------------ fit and biases
-def _fit_change(bias: bool) -> float:
-    """Output change of ``logit_gain="fit"`` on a float64 ``nn.MultiheadAttention`` (2 heads of 8) whose query and key
-    head blocks are scaled orthonormal frames (scales 0.5, 1.5, 2.5, 3.5), with biases of std 0.5 or none."""
-    torch.manual_seed(0)
-    mha = nn.MultiheadAttention(16, 2, bias=bias, batch_first=True).double()
+#: relative output change of a float64 model whose function a conversion keeps (rounding of a few products)
+FIT_TOL = 1e-12
 
-    class Self(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = mha
 
-        def forward(self, x):
-            return self.attn(x, x, x, need_weights=False)[0]
-
-    net = Self()
+def _scaled_frames_(weight: torch.Tensor, blocks: list[slice], generator: torch.Generator) -> None:
+    """Set each row block ``weight[s]`` (``(r, d)``) to a scaled orthonormal frame ``rho U^T`` (rho 0.5, 1.5, ...)."""
     with torch.no_grad():
-        for i, start in enumerate(range(0, 32, 8)):
-            q, _ = torch.linalg.qr(torch.randn(16, 8, dtype=F64))
-            mha.in_proj_weight[start:start + 8] = (q * (0.5 + i)).T
-        if bias:
-            mha.in_proj_bias.normal_(0, 0.5)
-    return stiefelize(net, logit_gain="fit", probe=(torch.randn(2, 5, 16, dtype=F64),)).output_change
+        for i, rows in enumerate(blocks):
+            r, d = weight[rows].shape
+            u, _ = torch.linalg.qr(torch.randn(d, r, dtype=weight.dtype, generator=generator))
+            weight[rows] = (u * (0.5 + i)).T
 
 
-def test_fit_keeps_the_function_of_scaled_orthonormal_heads_only_without_query_key_biases():
-    """The documented limit of ``logit_gain="fit"`` (docs/converting.rst quotes the 0.36): biases are not rescaled."""
-    assert _fit_change(bias=False) <= 1e-12
-    with_bias = _fit_change(bias=True)
-    assert abs(with_bias - 0.36) < 0.005
-    docs = Path(__file__).resolve().parents[1] / "docs" / "converting.rst"
-    assert "change by 0.36 where it is 1e-15" in " ".join(docs.read_text().split())
+class _SelfAttention(nn.Module):
+    def __init__(self, mha: nn.MultiheadAttention):
+        super().__init__()
+        self.attn = mha
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def _fit_change(bias: bool, frames: bool = True, logit_gain: str = "fit") -> float:
+    """Output change of converting a float64 ``nn.MultiheadAttention`` (2 heads of 8) whose query and key head blocks
+    are scaled orthonormal frames (scales 0.5, 1.5, 2.5, 3.5; with ``frames=False`` Gaussian blocks), with biases of
+    std 0.5 or none."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    net = _SelfAttention(nn.MultiheadAttention(16, 2, bias=bias, batch_first=True).double())
+    if frames:
+        _scaled_frames_(net.attn.in_proj_weight, [slice(s, s + 8) for s in range(0, 32, 8)], g)
+    if bias:
+        with torch.no_grad():
+            net.attn.in_proj_bias.normal_(0, 0.5, generator=g)
+    probe = (torch.randn(2, 5, 16, dtype=F64, generator=g),)
+    return stiefelize(net, logit_gain=logit_gain, probe=probe).output_change
+
+
+def test_fit_keeps_the_function_of_scaled_orthonormal_heads_with_and_without_biases():
+    """``logit_gain="fit"`` rescales the query/key biases with the gains (docs/converting.rst), so a head whose blocks
+    are scaled orthonormal frames keeps its logits, biases or not."""
+    assert _fit_change(bias=False) <= FIT_TOL
+    assert _fit_change(bias=True) <= FIT_TOL
+    # companions: blocks that are not scaled frames, or a gain that starts at 1, change the function
+    assert _fit_change(bias=True, frames=False) > 1e-2
+    assert _fit_change(bias=True, logit_gain="learn") > 1e-2
+
+
+def test_fit_rescales_each_heads_biases_by_its_key_blocks_rms_singular_value():
+    """b_Q,h <- rho_K,h b_Q,h and b_K,h <- b_K,h / rho_K,h, with rho the RMS singular value of the stock key block
+    (written out with ``svdvals``); the value bias is left as it is."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).double()
+    with torch.no_grad():
+        mha.in_proj_weight.normal_()
+        mha.in_proj_bias.normal_()
+    w, b = mha.in_proj_weight.detach().clone(), mha.in_proj_bias.detach().clone()
+    rho_k = torch.stack([torch.linalg.svdvals(w[16 + 8 * h:24 + 8 * h]).square().mean().sqrt() for h in range(2)])
+    expected = torch.cat([b[:8] * rho_k[0], b[8:16] * rho_k[1], b[16:24] / rho_k[0], b[24:32] / rho_k[1], b[32:]])
+    stiefelize(_SelfAttention(mha), logit_gain="fit")
+    assert rel(mha.in_proj_bias, expected) < FIT_TOL
+    # companion: the other modes leave the biases as they were
+    other = nn.MultiheadAttention(16, 2, batch_first=True).double()
+    other.load_state_dict({"in_proj_weight": w, "in_proj_bias": b}, strict=False)
+    stiefelize(_SelfAttention(other), logit_gain="learn")
+    assert torch.equal(other.in_proj_bias, b) and rel(other.in_proj_bias, expected) > 1e-2
+
+
+def _hf_change(model: nn.Module, q_rows: list[slice], k_rows: list[slice], weights, rescale: bool, monkeypatch) -> float:
+    """Output change of ``logit_gain="fit"`` on an HF model (float64, query/key blocks set to scaled frames, biases of
+    std 0.5); with ``rescale=False`` the conversion's bias rescaling is switched off (the companion)."""
+    if not rescale:
+        monkeypatch.setattr(convert_module, "_rescale_biases", lambda site: None)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5, generator=g)
+    for wq, wk in weights:
+        _scaled_frames_(wq, q_rows, g)
+        _scaled_frames_(wk, k_rows, g)
+    ids = torch.randint(0, 64, (2, 7), generator=g)
+    return stiefelize(model, logit_gain="fit", probe=(ids,)).output_change
+
+
+@pytest.mark.parametrize("rescale", [True, False])
+def test_fit_keeps_a_grouped_query_models_function_with_biases(rescale, monkeypatch):
+    """HF Qwen2 (query, key and value biases; 4 query heads share 2 key heads): each query head's bias is scaled by
+    its own key head's rho. Companion: the same conversion without the bias rescaling changes the function."""
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = transformers.Qwen2Model(cfg).double().eval()
+    attn = model.layers[0].self_attn
+    assert attn.q_proj.bias is not None and attn.k_proj.bias is not None
+    change = _hf_change(model, [slice(8 * h, 8 * h + 8) for h in range(4)], [slice(8 * h, 8 * h + 8) for h in range(2)],
+                        [(attn.q_proj.weight, attn.k_proj.weight)], rescale, monkeypatch)
+    assert change <= FIT_TOL if rescale else change > 1e-3
+
+
+@pytest.mark.parametrize("rescale", [True, False])
+def test_fit_keeps_an_interleaved_models_function_with_biases(rescale, monkeypatch):
+    """HF GPT-NeoX: rows [q_h | k_h | v_h] per head in one fused weight with one fused bias (interleaved spans).
+    Companion: the same conversion without the bias rescaling changes the function."""
+    cfg = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, max_position_embeddings=16, rotary_pct=0.5)
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXModel(cfg).double().eval()
+    w = model.layers[0].attention.query_key_value.weight  # head h: rows 48h..48h+16 q, +16..+32 k, +32..+48 v
+    assert model.layers[0].attention.query_key_value.bias is not None
+    change = _hf_change(model, [slice(48 * h, 48 * h + 16) for h in range(2)],
+                        [slice(48 * h + 16, 48 * h + 32) for h in range(2)], [(w, w)], rescale, monkeypatch)
+    assert change <= FIT_TOL if rescale else change > 1e-3
+
+
+class _ProjWithQueryBias(nn.Module):
+    """Attention with bias-free q_proj/k_proj/v_proj Linears and its query bias as a parameter beside them, where no
+    built-in layout looks (2 heads of 8)."""
+
+    def __init__(self, query_bias: bool = True):
+        super().__init__()
+        self.num_heads = 2
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(16, 16, bias=False) for _ in range(3))
+        if query_bias:
+            self.q_bias = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        q = self.q_proj(x) + getattr(self, "q_bias", 0.0)
+        q, k, v = (t.unflatten(-1, (2, 8)) for t in (q, self.k_proj(x), self.v_proj(x)))
+        att = torch.softmax(torch.einsum("bqhr,bkhr->bhqk", q, k) / 8 ** 0.5, -1)
+        return torch.einsum("bhqk,bkhr->bqhr", att, v).flatten(-2)
+
+
+def _with_scaled_frames(attn: _ProjWithQueryBias) -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    _scaled_frames_(attn.q_proj.weight, [slice(0, 8), slice(8, 16)], g)
+    _scaled_frames_(attn.k_proj.weight, [slice(0, 8), slice(8, 16)], g)
+    return nn.Sequential(attn)
+
+
+def test_fit_says_which_bias_it_cannot_rescale():
+    """A query bias where the layout does not look is kept as it is, with a warning naming it; the heads' attention
+    then changes. Companion: without that bias, no warning and the function is kept."""
+    torch.manual_seed(0)
+    x = (torch.randn(2, 5, 16, dtype=F64),)
+    with pytest.warns(UserWarning, match=r"cannot in .*query bias is not at 'q_proj.bias'.*\['q_bias'\]"):
+        result = stiefelize(_with_scaled_frames(_ProjWithQueryBias().double()), logit_gain="fit", probe=x)
+    assert result.output_change > 1e-3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = stiefelize(_with_scaled_frames(_ProjWithQueryBias(query_bias=False).double()), logit_gain="fit",
+                            probe=x)
+    assert result.output_change <= FIT_TOL

@@ -28,6 +28,7 @@ import torch
 from conftest import F64, ORTHO_TOL_F64, move_every_parameter_, polar64, state_snapshot, unconverted_and_unchanged
 from torch import nn
 
+import geoopt_stiefel_attention.convert as convert_module
 from geoopt_stiefel_attention import (
     Block,
     Layout,
@@ -323,11 +324,18 @@ def run(case: Case, model: nn.Module) -> torch.Tensor:
     raise AssertionError(type(out))
 
 
-def set_heads(case: Case, model: nn.Module, rows_of=None, scaled: bool = False) -> None:
+def set_heads(case: Case, model: nn.Module, rows_of=None, scaled: bool = False, biases: bool = False) -> int:
     """Make every query/key head block at the reference rows (or ``rows_of(module)``) orthonormal (QR of a
     Gaussian); ``scaled``: times ``0.3 ... 2.5`` evenly over a module's blocks (query heads, then key heads), with the
-    query/key biases at those rows zeroed (a gain scales the logits only of a bias-free head)."""
+    query/key biases at those rows zeroed, or with ``biases`` drawn with std 0.5. Returns how many bias entries
+    were drawn."""
     g = torch.Generator().manual_seed(5)
+    drawn = 0
+
+    def set_bias(b: torch.Tensor) -> int:
+        b.copy_(torch.randn(b.shape, generator=g, dtype=b.dtype) * 0.5 if biases else torch.zeros_like(b))
+        return b.numel() if biases else 0
+
     with torch.no_grad():
         for _, attn in attns(case, model):
             q_param, q_rows, k_param, k_rows = (rows_of or case.spec)(attn)
@@ -338,10 +346,11 @@ def set_heads(case: Case, model: nn.Module, rows_of=None, scaled: bool = False) 
                 w[rows] = (u * (1.0 if scales is None else scales[i])).T
                 bias = _get(attn, param.rsplit(".", 1)[0]).bias if "." in param else None
                 if bias is not None and scales is not None:
-                    bias[rows] = 0
+                    drawn += set_bias(bias[rows])
             for name in ("q_bias", "k_bias"):  # biases kept beside a bias-free projection (DeBERTa v1)
                 if scaled and isinstance(getattr(attn, name, None), nn.Parameter):
-                    getattr(attn, name).zero_()
+                    drawn += set_bias(getattr(attn, name))
+    return drawn
 
 
 # ------------------------------------------------------------------------------------------ the frames
@@ -428,12 +437,13 @@ def test_companion_orthonormal_blocks_at_the_equal_thirds_do_not_convert_exactly
 #: a per-head norm after the projection divides each head's scale out (OLMo2's norm over all heads does not, but then
 #: no per-head gain restores it): the fit gain is checked where a gain is a logit factor
 @pytest.mark.parametrize("name", [n for n in CASES if not CASES[n].qk_norm])
-def test_fit_gain_keeps_scaled_orthonormal_heads_paired_as_the_forward_pairs_them(name):
-    """Head ``h``'s fitted gain is scale(q_h) * scale(k of its group): the function is kept only where the
-    converter pairs each query head with the key head the forward pairs it with."""
+def test_fit_gain_keeps_scaled_orthonormal_heads_paired_as_the_forward_pairs_them(name, monkeypatch):
+    """Head ``h``'s fitted gain is scale(q_h) * scale(k of its group), and its query/key biases are rescaled with the
+    key scale: the function is kept only where the converter pairs each query head with the key head the forward
+    pairs it with, and finds its biases."""
     case = CASES[name]
     model = case.build()
-    set_heads(case, model, scaled=True)
+    drawn = set_heads(case, model, scaled=True, biases=True)
     before = run(case, model).detach()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -441,10 +451,17 @@ def test_fit_gain_keeps_scaled_orthonormal_heads_paired_as_the_forward_pairs_the
     said = [str(w.message) for w in caught]
     assert said == [] if case.gain_warns is None else (len(said) == 1 and case.gain_warns in said[0])
     torch.testing.assert_close(run(case, model), before, rtol=0, atol=case.same_tol)
-    # companion: without the gain the scaled heads lose their logit scale
+    # companions: without the gain the scaled heads lose their logit scale; without the rescaled biases, their logits
     plain = case.build()
     set_heads(case, plain, scaled=True)
     assert stiefelize(plain, probe=case.inputs()).output_change > DIFFER_MIN
+    if drawn:
+        unscaled = case.build()
+        set_heads(case, unscaled, scaled=True, biases=True)
+        monkeypatch.setattr(convert_module, "_rescale_biases", lambda site: None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the caveats of the cases that warn, tested above
+            assert stiefelize(unscaled, logit_gain="fit", probe=case.inputs()).output_change > DIFFER_MIN
 
 
 # ------------------------------------------------------------------------------------------ user layouts

@@ -209,8 +209,11 @@ class _Site:
     r: int
     q: _Piece
     k: _Piece
-    bias_spans: list[tuple[nn.Module, str, int, int]]
+    bias_spans: list[tuple[nn.Module, str, int, int]]  # the query/key bias entries qk_bias="drop" holds at zero
     split: str = ""  # how a fused weight was split by declared heads (shown in the result's layout)
+    # the query/key bias (see _bias_spans): None where there is none, a sentence where it cannot be located
+    q_bias: list[tuple[nn.Module, str, int, int]] | str | None = None
+    k_bias: list[tuple[nn.Module, str, int, int]] | str | None = None
 
 
 class _Refusal(ValueError):
@@ -497,6 +500,44 @@ def _refuse_slices_of_interleaved(module: nn.Module, layout: Layout, qk_bias: st
             f"the query and {builtin.k.part} for the key")
 
 
+def _bias_spans(module: nn.Module, layout: Layout, role: str, block: Block, declared: Block,
+                grid: tuple[int, int, int] | None, must: bool) -> list[tuple[nn.Module, str, int, int]] | None:
+    """Where the ``role`` ("query"/"key") bias of a site lives: ``(owner, attr, start, length)`` spans, one per group
+    of an interleaved or grouped block (in head order: span ``g`` holds the heads of group ``g``), or ``None`` when
+    the module has no such bias. With ``must`` (``qk_bias="drop"``), a query/key bias kept where the layout does not
+    look (timm BEiT/EVA: ``q_bias`` beside a bias-free ``qkv``) is refused: it would stay active."""
+    bias_block = _split_bias(layout.q_bias if role == "query" else layout.k_bias, block, declared) or block.bias_block()
+    try:
+        b = _get(module, bias_block.param)
+    except AttributeError:
+        b = None
+    if b is None:
+        own = _QK_BIAS_NAMES[0] if role == "query" else _QK_BIAS_NAMES[1]
+        elsewhere = [n for n, _ in module.named_parameters() if n.split(".")[-1] == own]
+        if elsewhere:
+            raise _Refusal(f"qk_bias='drop' looks for the {role} bias at {bias_block.param!r}, which it does not have, "
+                           f"but it holds {elsewhere}; pass targets= with a Layout whose q_bias/k_bias Block names them"
+                           if must else f"its {role} bias is not at {bias_block.param!r}, where the layout looks, but "
+                           f"it holds {elsewhere}")
+        return None
+    if b.dim() != 1:
+        raise _Refusal(f"{bias_block.param} has shape {tuple(b.shape)}; a bias is 1-D")
+    try:
+        if bias_block.interleaved:  # the same range in every key/value head's group
+            if grid is None:
+                raise ValueError(f"{bias_block.param}: an interleaved bias needs interleaved weight blocks")
+            start, length, groups = bias_block.locate_interleaved(b.shape[0], *grid)
+        elif bias_block.groups is not None:  # the same range in every group
+            start, length, groups = bias_block.locate_grouped(b.shape[0], _block_groups(module, bias_block))
+        else:
+            (start, length), groups = bias_block.locate(b.shape[0]), 1
+    except ValueError as err:
+        raise _Refusal(str(err)) from None
+    owner, attr = _owner(module, bias_block.param)
+    step = b.shape[0] // groups
+    return [(owner, attr, g * step + start, length) for g in range(groups)]
+
+
 def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str,
           interleaving: dict[int, tuple[Tensor, str, nn.Module, Layout]] | None = None) -> _Site:
     if any(layout is builtin for builtin in LAYOUTS):  # a built-in layout matched it by names only
@@ -553,39 +594,24 @@ def _plan(path: str, module: nn.Module, layout: Layout, qk_bias: str,
                            f"{p.d} of {block.param}")
     if q.heads % k.heads:
         raise _Refusal(f"{q.heads} query heads cannot share {k.heads} key heads in equal groups")
-    spans = []
-    if qk_bias == "drop":
-        for role, block in (("query", _split_bias(layout.q_bias, q_block, layout.q) or q_block.bias_block()),
-                            ("key", _split_bias(layout.k_bias, k_block, layout.k) or k_block.bias_block())):
-            try:
-                b = _get(module, block.param)
-            except AttributeError:
-                b = None
-            if b is None:
-                # a bias kept somewhere the layout does not look (timm BEiT/EVA: q_bias beside a bias-free qkv)
-                # would stay active while the user asked for it to be dropped
-                elsewhere = [n for n, _ in module.named_parameters() if n.split(".")[-1] in _QK_BIAS_NAMES]
-                if elsewhere:
-                    raise _Refusal(f"qk_bias='drop' looks for the {role} bias at {block.param!r}, which it does not have, but it holds {elsewhere}; "
-                                   f"pass targets= with a Layout whose q_bias/k_bias Block names them")
-                continue
-            if b.dim() != 1:
-                raise _Refusal(f"{block.param} has shape {tuple(b.shape)}; a bias is 1-D")
-            try:
-                if block.interleaved:  # the same range in every key/value head's group
-                    if grid is None:
-                        raise ValueError(f"{block.param}: an interleaved bias needs interleaved weight blocks")
-                    start, length, groups = block.locate_interleaved(b.shape[0], *grid)
-                elif block.groups is not None:  # the same range in every group
-                    start, length, groups = block.locate_grouped(b.shape[0], _block_groups(module, block))
-                else:
-                    (start, length), groups = block.locate(b.shape[0]), 1
-            except ValueError as err:
-                raise _Refusal(str(err)) from None
-            owner, attr = _owner(module, block.param)
-            step = b.shape[0] // groups
-            spans += [(owner, attr, g * step + start, length) for g in range(groups)]
-    return _Site(path, module, layout, r, q, k, spans, split)
+    biases: list[Any] = []
+    for role, block, declared in (("query", q_block, layout.q), ("key", k_block, layout.k)):
+        try:
+            biases.append(_bias_spans(module, layout, role, block, declared, grid, must=qk_bias == "drop"))
+        except _Refusal as err:
+            if qk_bias == "drop":
+                raise
+            biases.append(str(err))  # kept as it is; logit_gain="fit", which rescales it, says why it cannot
+    for i, (p, role) in enumerate(((q, "query"), (k, "key"))):  # a bias holds one r-wide block per head
+        if isinstance(biases[i], list) and sum(n for *_, n in biases[i]) != p.heads * r:
+            found = sum(n for *_, n in biases[i])
+            why = f"its {role} bias has {found} entries for {p.heads} heads of size {r}"
+            if qk_bias == "drop":
+                raise _Refusal(why)
+            biases[i] = why
+    q_bias, k_bias = biases
+    spans = (q_bias or []) + (k_bias or []) if qk_bias == "drop" else []
+    return _Site(path, module, layout, r, q, k, spans, split, q_bias, k_bias)
 
 
 #: Names of query/key Linear children that mark a module as attention even when its class name does not say so.
@@ -731,8 +757,9 @@ def stiefelize(
         naming the modules whose gains it resets). ``"fit"`` starts at
         :math:`\gamma_h = \rho(A_{Q,h})\,\rho(A_{K,g(h)})` with :math:`\rho(A) = \|A\|_F/\sqrt{r}` the RMS
         singular value, so each head keeps its logit scale (exactly when the blocks are scaled orthonormal
-        frames and the head has no query/key bias: biases are not rescaled, so nonzero ones change the logits
-        even then; ``probe=`` measures the change): the choice for preserving a trained model's function. Fitted to a freshly initialised
+        frames; query/key biases are rescaled with it, :math:`b_{Q,h} \leftarrow \rho(A_{K,g(h)})\,b_{Q,h}`
+        and :math:`b_{K,g} \leftarrow b_{K,g}/\rho(A_{K,g})`, which keeps the logits with biases too;
+        ``probe=`` measures the change): the choice for preserving a trained model's function. Fitted to a freshly initialised
         HuggingFace model (std 0.02) it is about :math:`0.02^2 d` (0.013 at :math:`d = 32`) and attention
         starts almost uniform, so do not use it from scratch.
     qk_bias : {"keep", "drop"}, default "keep"
@@ -929,7 +956,19 @@ def stiefelize(
             warnings.warn(f"stiefelize: logit_gain={logit_gain!r} does not act as each query head's logit factor in "
                           f"{line}; pass logit_gain=None for such modules (a callable targets= can convert them "
                           f"apart from the others).", UserWarning, stacklevel=2)
+    if logit_gain == "fit" and qk_bias == "keep":
+        unscaled = [(site.path, f"{b} (a {role} bias, not rescaled)") for site in sites
+                    for role, b in (("query", site.q_bias), ("key", site.k_bias)) if isinstance(b, str)]
+        for line in _grouped(unscaled):
+            warnings.warn(f"stiefelize: logit_gain='fit' rescales each head's query/key biases with its gain, but "
+                          f"cannot in {line}; so those heads' logits change (a query bias left as it is changes "
+                          f"the attention weights; a key bias only shifts each query's logits by a constant, which a "
+                          f"softmax ignores and a logit cap does not). Pass probe= to measure the change, or a "
+                          f"targets= Layout whose q_bias/k_bias Block names the biases.", UserWarning, stacklevel=2)
     before = _probe(model, probe) if probe is not None else None
+    if logit_gain == "fit" and qk_bias == "keep":
+        for site in sites:
+            _rescale_biases(site)
     rows = [_apply(site, logit_gain, gain_rate, gain, from_weights=g is not None)
             for site, gain, g in zip(sites, gains, saved, strict=True)]
     if rows:
@@ -1102,13 +1141,11 @@ def _initial_gain(site: _Site, logit_gain: str | None, saved: Tensor | None = No
     if logit_gain is None:
         return None
     q, k, r = site.q, site.k, site.r
-    wq, wk = getattr(q.owner, q.attr), getattr(k.owner, k.attr)
+    wq = getattr(q.owner, q.attr)
     with torch.no_grad():
         if logit_gain == "learn":
             return saved if saved is not None else torch.ones(q.heads, dtype=wq.dtype, device=wq.device)
-        rms_q = _frames_from(wq, q.dim, q.start, q.length, r, q.groups).flatten(1).norm(dim=1) / math.sqrt(r)
-        rms_k = _frames_from(wk, k.dim, k.start, k.length, r, k.groups).flatten(1).norm(dim=1) / math.sqrt(r)
-        gain = rms_q * rms_k.repeat_interleave(q.heads // k.heads)
+        gain = _rms_singular(q, r) * _rms_singular(k, r).repeat_interleave(q.heads // k.heads)
     bad = [h for h, g in enumerate(gain.tolist()) if not (math.isfinite(g) and g > 0)]
     if bad:
         raise ValueError(f"stiefelize: logit_gain='fit' at {_where(site.path)} gives query head(s) {bad} a gain of "
@@ -1116,6 +1153,40 @@ def _initial_gain(site: _Site, logit_gain: str | None, saved: Tensor | None = No
                          f"head's logits would stay zero for the whole of training. Nothing was changed; use "
                          f"logit_gain='learn' (starts at 1) or give those heads non-zero weights first.")
     return gain
+
+
+def _rms_singular(piece: _Piece, r: int) -> Tensor:
+    r"""The RMS singular value :math:`\rho(A_h) = \|A_h\|_F/\sqrt r` of each head block of ``piece`` (as stored)."""
+    w = getattr(piece.owner, piece.attr)
+    with torch.no_grad():
+        blocks = _frames_from(w, piece.dim, piece.start, piece.length, r, piece.groups)
+        return blocks.flatten(1).norm(dim=1) / math.sqrt(r)
+
+
+def _rescale_biases(site: _Site) -> None:
+    r"""Rescale the query/key biases of a site ``logit_gain="fit"`` converts, before its weights are converted, so
+    that each head keeps its logits exactly when its blocks are scaled orthonormal frames, biases or not: with
+    :math:`A_{Q,h} = \rho_Q U_{Q,h}^\top`, :math:`A_{K,g} = \rho_K U_{K,g}^\top` and the gain
+    :math:`\gamma_h = \rho_Q\rho_K` on the query frame,
+
+    .. math:: (\gamma_h U_{Q,h}^\top x + \rho_K b_{Q,h})^\top (U_{K,g}^\top y + b_{K,g}/\rho_K)
+              = (A_{Q,h} x + b_{Q,h})^\top (A_{K,g} y + b_{K,g}),
+
+    so :math:`b_{Q,h} \leftarrow \rho_{K,g(h)} b_{Q,h}` and :math:`b_{K,g} \leftarrow b_{K,g}/\rho_{K,g}`."""
+    if not isinstance(site.q_bias, list) and not isinstance(site.k_bias, list):
+        return
+    rho_k = _rms_singular(site.k, site.r)
+    per_query = rho_k.repeat_interleave(site.q.heads // site.k.heads)
+    for spans, factor in ((site.q_bias, per_query), (site.k_bias, 1 / rho_k)):
+        if not isinstance(spans, list):
+            continue
+        head = 0
+        for owner, attr, start, length in spans:  # in head order (one span per group)
+            n = length // site.r
+            bias = getattr(owner, attr)
+            with torch.no_grad():
+                bias[start:start + length].view(n, site.r).mul_(factor[head:head + n, None].to(bias.dtype))
+            head += n
 
 
 def _apply(site: _Site, logit_gain: str | None, gain_rate: float, gain: Tensor | None,

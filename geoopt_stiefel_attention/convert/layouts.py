@@ -416,6 +416,10 @@ LAYOUTS: tuple[Layout, ...] = (
            when=lambda m: _is_attention(m) and _children_are(m, ("q_lin", "k_lin"), _is_linear)),
     Layout("query_proj/key_proj Linear", Block("query_proj.weight"), Block("key_proj.weight"),
            when=lambda m: _is_attention(m) and _children_are(m, ("query_proj", "key_proj"), _is_linear)),
+    # timm BEiT, EVA: a bias-free qkv Linear, its query bias a parameter beside it (the key bias a zero buffer)
+    Layout("fused qkv Linear + q_bias", Block("qkv.weight", 0, 0, 3), Block("qkv.weight", 0, 1, 3),
+           when=lambda m: _children_are(m, ("qkv",), _is_linear) and m.qkv.bias is None
+           and isinstance(getattr(m, "q_bias", None), nn.Parameter), q_bias=Block("q_bias")),
     Layout("fused qkv Linear", Block("qkv.weight", 0, 0, 3), Block("qkv.weight", 0, 1, 3),
            when=lambda m: _children_are(m, ("qkv",), _is_linear)),
     # MPT, ModernBERT: Wqkv rows [q | k | v] in equal thirds; DBRX: split by its declared key/value heads
@@ -436,10 +440,11 @@ LAYOUTS: tuple[Layout, ...] = (
            when=lambda m: _is_class(m, GPT_BIGCODE_CLASSES) and not getattr(m, "is_cross_attention", False)
            and _children_are(m, ("c_attn",), _is_linear)),
     # DeBERTa v1: in_proj(x).view(..., H, 3 r).chunk(3): [q_h, k_h, v_h] per head (DeBERTa-v2's class of the same
-    # name has query_proj/key_proj and no in_proj)
+    # name has query_proj/key_proj and no in_proj); its query bias is q_bias beside the bias-free in_proj
     Layout("DeBERTa in_proj Linear", Block("in_proj.weight", 0, 0, 3, interleaved=True),
            Block("in_proj.weight", 0, 1, 3, interleaved=True),
-           when=lambda m: _is_class(m, DEBERTA_V1_CLASSES) and _children_are(m, ("in_proj",), _is_linear)),
+           when=lambda m: _is_class(m, DEBERTA_V1_CLASSES) and _children_are(m, ("in_proj",), _is_linear),
+           q_bias=Block("q_bias")),
     # CodeGen: mp_num groups of [q | v | k]: the query is slice 0 and the key slice 2 of every group
     Layout("CodeGen qkv_proj", Block("qkv_proj.weight", 0, 0, 3, groups="mp_num"),
            Block("qkv_proj.weight", 0, 2, 3, groups="mp_num"),
