@@ -33,6 +33,7 @@ from geoopt_stiefel_attention import (
     Block,
     Layout,
     StiefelAdam,
+    export_state_dict,
     frame_parameters,
     param_groups,
     stiefelize,
@@ -636,6 +637,32 @@ def test_qk_bias_drop_zeroes_the_query_and_key_entries_of_every_gpt_bigcode_head
             dropped[s] = True
         assert torch.equal(b[dropped], torch.zeros(int(dropped.sum()), dtype=F64))
         assert torch.equal(b[~dropped], b0[~dropped]) and bool((b0[~dropped] != 0).all())  # the value entries kept
+
+
+def test_qk_bias_drop_zeroes_deberta_v1s_q_bias_and_keeps_its_v_bias():
+    """DeBERTa v1 keeps its query bias as ``q_bias`` beside a bias-free ``in_proj`` (its layout names it): 'drop'
+    holds it at zero, leaves ``v_bias``, and the exported checkpoint computes the converted model's function in the
+    stock model, whose ``q_bias`` is then zero."""
+    case = CASES["deberta_v1"]
+    model = case.build()
+    modules = [attn for _, attn in attns(case, model)]
+    with torch.no_grad():
+        for attn in modules:
+            attn.q_bias.normal_()
+            attn.v_bias.normal_()
+    v_biases = [attn.v_bias.detach().clone() for attn in modules]
+    stiefelize(model, qk_bias="drop")
+    for attn, v0 in zip(modules, v_biases, strict=True):
+        assert torch.equal(attn.q_bias, torch.zeros_like(attn.q_bias)) and torch.equal(attn.v_bias, v0)
+        assert bool((v0 != 0).all())  # companion: the value bias is not zero, so keeping it is seen
+    stock = case.build()
+    with torch.no_grad():
+        for _, attn in attns(case, stock):
+            attn.q_bias.fill_(1.0)  # overwritten by the checkpoint's zeros
+    stock.load_state_dict(export_state_dict(model))
+    assert all(torch.equal(attn.q_bias, torch.zeros_like(attn.q_bias)) for _, attn in attns(case, stock))
+    with torch.no_grad():
+        torch.testing.assert_close(run(case, stock), run(case, model), rtol=0, atol=case.same_tol)
 
 
 # ------------------------------------------------------------------------------------------ logit gains

@@ -287,10 +287,11 @@ def test_converts_each_attention_module_to_the_reference_frames(name):
 SAME_TOL = 1e-12
 
 
-@pytest.mark.parametrize("name", ["timm_maxvit_head_first", "timm_pvt_v2", "timm_convit", "torchvision_maxvit_t"])
+@pytest.mark.parametrize("name", ["timm_maxvit_head_first", "timm_pvt_v2", "timm_convit", "torchvision_maxvit_t", "timm_beit",
+                                  "timm_eva_fused"])
 def test_the_new_layouts_save_stock_checkpoints_and_convert_them_again(name):
-    """The layouts added for vision models (per-head q|k|v, q + kv, qk + v, to_qkv), with dropped query/key biases
-    and learned gains: the exported state dict loaded into the stock model computes the converted model's function,
+    """The layouts added for vision models (per-head q|k|v, q + kv, qk + v, to_qkv, q_bias beside qkv), with dropped
+    query/key biases and learned gains: the exported state dict loaded into the stock model computes the converted model's function,
     converting that stock model again keeps the gains, and unstiefelize gives the function back."""
     model, x = _built(CASES[name])
     stock, _ = _built(CASES[name])
