@@ -1,5 +1,6 @@
 """Smoke tests of the benchmark code (tiny sizes; no timing assertions)."""
 
+import dataclasses
 import json
 import math
 
@@ -140,9 +141,15 @@ def test_train_step_benchmark_tiny_models():
                                          threads=1)
     assert [r.model for r in results] == list(bench.TRAIN_MODELS)
     for r in results:
-        assert set(r.full_step) == set(r.optimizer_step) == {"adamw", "stiefel"}
-        assert r.ratio > 0 and all(t.median_ms > 0 for t in r.full_step.values())
-    assert "| tiny_transformer" in bench.format_train_table(results)
+        assert set(r.full_step) == set(r.optimizer_step) == set(r.forward_step) == {"adamw", "stiefel"}
+        assert r.ratio > 0 and all(t.median_ms > 0 for t in [*r.full_step.values(), *r.forward_step.values()])
+    table = bench.format_train_table(results)
+    assert "| tiny_transformer" in table
+    f = results[0].forward_step
+    assert f"| {f['adamw'].median_ms:.2f} / {f['stiefel'].median_ms:.2f} |" in table.splitlines()[2]
+    # companion: a result without forward timings (written before they were taken) leaves the cell empty
+    old = bench.format_train_table([dataclasses.replace(results[0], forward_step=None)])
+    assert old.splitlines()[2].endswith("|  |")
     with pytest.raises(ValueError, match="scale"):
         bench.train_step_benchmark(scale="huge")
 

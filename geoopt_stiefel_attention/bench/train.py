@@ -35,8 +35,9 @@ TRAIN_SCALE_NAMES = ("default", "tiny", "w64")
 
 @dataclass(frozen=True)
 class TrainStepResult:
-    """:func:`train_step_benchmark` for one model: full-step and optimizer-only times per arm, and the ratio
-    of the stiefel arm's full step to the adamw arm's (median over rounds)."""
+    """:func:`train_step_benchmark` for one model: full-step, optimizer-only and forward-only times per arm, and the
+    ratio of the stiefel arm's full step to the adamw arm's (median over rounds). The backward pass takes the rest
+    of a full step (full - forward - optimizer)."""
 
     model: str
     config: dict[str, Any]
@@ -50,6 +51,9 @@ class TrainStepResult:
     autocast: str | None = None
     #: ratio of the two arms' fastest steps (minimum over every timed step; the least disturbed samples)
     min_ratio: float | None = None
+    #: forward and loss alone, with gradients recorded (the graph is freed unused): where a converted model's
+    #: rebuild of W_Q/W_K and its frame check are paid
+    forward_step: dict[str, Timing] | None = None
 
 # ----------------------------------------------------------------------------------------------- train step
 #: Model settings of :func:`train_step_benchmark`: the defaults of the grokking and vision studies.
@@ -329,6 +333,7 @@ def train_step_benchmark(
                                  f"{TRAIN_MODELS + EXTRA_TRAIN_MODELS}.")
             steps: dict[str, Callable[[], Any]] = {}
             opt_steps: dict[str, Callable[[], Any]] = {}
+            forwards: dict[str, Callable[[], Any]] = {}
             for arm, attention in (("adamw", "euclidean"), ("stiefel", "stiefel")):
                 net, x, y, loss_fn = _train_setup(model, attention, table[model], seed=s.seed, device=device)
                 groups = param_groups(net, weight_decay=weight_decay, expect_frames=arm == "stiefel")
@@ -341,10 +346,15 @@ def train_step_benchmark(
                     loss.backward()
                     opt.step()
 
-                steps[arm], opt_steps[arm] = full, opt.step
+                def forward(net=net, x=x, y=y, loss_fn=loss_fn) -> None:
+                    with torch.autocast(**amp):
+                        loss_fn(net(x), y)
+
+                steps[arm], opt_steps[arm], forwards[arm] = full, opt.step, forward
             samples, _ = _interleave(steps, s, required=tuple(steps))
-            # the optimizer alone, on the gradients of the last full step
+            # the optimizer alone, on the gradients of the last full step; the forward alone
             opt_samples, _ = _interleave(opt_steps, s, warmup=1, required=tuple(opt_steps))
+            forward_samples, _ = _interleave(forwards, s, warmup=1, required=tuple(forwards))
             settings = dict(table[model])
             results.append(TrainStepResult(
                 model=model, config={k: v for k, v in settings.items() if k != "batch"}, batch=settings["batch"],
@@ -352,15 +362,16 @@ def train_step_benchmark(
                 optimizer_step={arm: _timing(arm, opt_samples[arm]) for arm in opt_steps},
                 ratio=_ratio(samples["stiefel"], samples["adamw"]), rounds=s.rounds, clock=s.clock,
                 threads=torch.get_num_threads(), autocast=autocast,
-                min_ratio=min(map(min, samples["stiefel"])) / min(map(min, samples["adamw"]))))
+                min_ratio=min(map(min, samples["stiefel"])) / min(map(min, samples["adamw"])),
+                forward_step={arm: _timing(arm, forward_samples[arm]) for arm in forwards}))
         return results
 
 def format_train_table(results: list[TrainStepResult]) -> str:
     """A Markdown table of full-step times per arm and the stiefel / adamw ratio (median over rounds, and of
-    the fastest steps)."""
+    the fastest steps), with each arm's forward (and loss) alone where it was timed."""
     lines = ["| model | batch | adamw step ms (optimizer ms) | stiefel step ms (optimizer ms) | stiefel / adamw "
-             "| of fastest |",
-             "|---|---|---|---|---|---|"]
+             "| of fastest | forward ms, adamw / stiefel |",
+             "|---|---|---|---|---|---|---|"]
     flagged = False
     for r in results:
         cells = [f"{r.full_step[a].median_ms:.2f} ({r.optimizer_step[a].median_ms:.2f})" for a in ("adamw", "stiefel")]
@@ -368,5 +379,8 @@ def format_train_table(results: list[TrainStepResult]) -> str:
         flag = "†" if ratio_disagrees(r.full_step["stiefel"].median_ms, r.full_step["adamw"].median_ms, r.ratio) else ""
         flagged = flagged or bool(flag)
         fastest = "" if r.min_ratio is None else f"{r.min_ratio:.3f}"
-        lines.append(f"| {r.model} ({cfg}) | {r.batch} | {cells[0]} | {cells[1]} | {r.ratio:.3f}{flag} | {fastest} |")
+        forward = ("" if r.forward_step is None else
+                   f"{r.forward_step['adamw'].median_ms:.2f} / {r.forward_step['stiefel'].median_ms:.2f}")
+        lines.append(f"| {r.model} ({cfg}) | {r.batch} | {cells[0]} | {cells[1]} | {r.ratio:.3f}{flag} | {fastest} "
+                     f"| {forward} |")
     return "\n".join(lines + (["", DISAGREEMENT_NOTE] if flagged else []))
