@@ -720,6 +720,40 @@ def test_companion_a_norm_of_the_keys_alone_is_not_warned_and_the_gain_trains():
     assert _gain_grad(model, case) > DIFFER_MIN
 
 
+def _deberta(version: int, **relative) -> nn.Module:
+    """DeBERTa (v1) or DeBERTa-v2 with relative attention, c2p and p2c, and ``relative`` config entries."""
+    if version == 1:
+        cfg = T.DebertaConfig(hidden_size=D, num_attention_heads=H, num_hidden_layers=1, intermediate_size=2 * D,
+                              vocab_size=V, relative_attention=True, pos_att_type=["c2p", "p2c"],
+                              max_relative_positions=16, **relative)
+        return _seeded(lambda: T.DebertaModel(cfg))()
+    cfg = T.DebertaV2Config(hidden_size=D, num_attention_heads=H, num_hidden_layers=1, intermediate_size=2 * D,
+                            vocab_size=V, relative_attention=True, pos_att_type=["c2p", "p2c"],
+                            max_relative_positions=16, position_buckets=8, pad_token_id=0, **relative)
+    return _seeded(lambda: T.DebertaV2Model(cfg))()
+
+
+@pytest.mark.parametrize(("version", "names"), [(1, "pos_proj, pos_q_proj"), (2, "pos_key_proj, pos_query_proj")])
+def test_a_logit_gain_beside_separate_position_projections_is_warned(version, names):
+    """DeBERTa's c2p/p2c logits pair the queries with a position-key projection and the keys with a position-query
+    projection of their own: a query gain (and the keys 'fit' rescales) scales them otherwise than the content
+    logits, so 'fit' does not keep the function of scaled orthonormal heads (about 1e-5 here). Warned, naming them.
+    Companion: DeBERTa-v2 sharing the content projections with the position terms (share_att_key) is not warned and
+    keeps the function."""
+    case = CASES["deberta_v1" if version == 1 else "deberta_v2"]
+    model = _deberta(version, **({} if version == 1 else {"share_att_key": False}))
+    set_heads(case, model, scaled=True, biases=True)
+    with pytest.warns(UserWarning, match=rf"DisentangledSelfAttention: it adds relative-position logits .*\({names}"):
+        result = stiefelize(model, logit_gain="fit", probe=_lm())
+    assert result.output_change > 1e-8
+    if version == 2:
+        shared = _deberta(2, share_att_key=True)
+        set_heads(case, shared, scaled=True, biases=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert stiefelize(shared, logit_gain="fit", probe=_lm()).output_change < case.same_tol
+
+
 def test_a_logit_gain_on_mpt_with_clip_qkv_is_warned_and_not_without():
     make = lambda clip: _seeded(lambda: T.MptForCausalLM(T.MptConfig(  # noqa: E731
         d_model=D, n_heads=H, n_layers=1, vocab_size=V, expansion_ratio=2, attn_config={"clip_qkv": clip})))()

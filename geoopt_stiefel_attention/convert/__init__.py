@@ -748,8 +748,9 @@ def stiefelize(
         logits (rotary embeddings rotate within the head, so they commute with it; under grouped-query
         attention each query head has its own gain against the shared key head; a module that normalizes its
         queries or keys after the projection, ``q_norm``/``k_norm`` and the like (cosine attention with a
-        ``logit_scale``: SwinV2), or clamps them, ``clip_qkv``, is converted, but with a warning naming it: there
-        the gain is no logit factor). ``"learn"`` starts at
+        ``logit_scale``: SwinV2), or clamps them, ``clip_qkv``, or pairs them with position projections of its
+        own, DeBERTa's ``pos_proj``/``pos_key_proj``, is converted, but with a warning naming it: there the gain is
+        no logit factor). ``"learn"`` starts at
         :math:`\gamma_h = 1`, the choice for training from scratch, except where the weights are exactly what a
         model converted with a gain saves (``save_pretrained``, ``state_dict``, :func:`unstiefelize`): every key
         head block a frame and every query head block a frame times :math:`\gamma_h \ne 1`; it then starts at
@@ -1111,8 +1112,9 @@ _KEY_NORM_NAMES = {"k_norm", "k_layernorm", "key_layernorm", "k_layer_norm"}
 def _gain_caveat(module: nn.Module) -> str | None:
     """Why a gain on the query rows of ``module`` would not multiply its logits (``None`` when it does): a norm of
     the queries or keys after the projection (it divides the gain out), cosine attention (a ``logit_scale``
-    Parameter: q and k L2-normalized per head in the forward, SwinV2 and Swin2SR; it divides the gain out too), or a
-    clamp of q, k and v (``clip_qkv``)."""
+    Parameter: q and k L2-normalized per head in the forward, SwinV2 and Swin2SR; it divides the gain out too), a
+    clamp of q, k and v (``clip_qkv``), or relative-position logits through separate position projections
+    (DeBERTa's c2p/p2c without ``share_att_key``)."""
     found = [n for n in _QK_NORM_NAMES
              if isinstance(c := getattr(module, n, None), nn.Module) and not isinstance(c, nn.Identity)]
     # a norm of the keys alone leaves the queries' scale, and with it the gain, in the logits
@@ -1130,7 +1132,18 @@ def _gain_caveat(module: nn.Module) -> str | None:
     if isinstance(getattr(module, "logit_scale", None), nn.Parameter):  # SwinV2 (timm, torchvision, HF), Swin2SR
         why.append("it computes cosine attention (q and k normalized per head, times its logit_scale), which divides "
                    "a gain on the query rows out (only its ratio to a query bias remains)")
+    position = [n for n in _POSITION_PROJ_NAMES if isinstance(getattr(module, n, None), nn.Module)]
+    if position and getattr(module, "relative_attention", True):
+        why.append(f"it adds relative-position logits that pair its queries or keys with separate position "
+                   f"projections ({', '.join(position)}: DeBERTa's c2p/p2c), which a gain on the query rows, or the "
+                   f"keys 'fit' rescales, scale otherwise than the content logits")
     return f"{type(module).__name__}: " + "; ".join(why) if why else None
+
+
+#: Projections of relative positions that disentangled attention pairs with the queries or keys, apart from the
+#: query/key projections: DeBERTa's ``pos_proj``/``pos_q_proj``, DeBERTa-v2's ``pos_key_proj``/``pos_query_proj``
+#: (absent with ``share_att_key``, where the position terms go through the converted projections themselves).
+_POSITION_PROJ_NAMES = ("pos_proj", "pos_q_proj", "pos_key_proj", "pos_query_proj")
 
 
 def _initial_gain(site: _Site, logit_gain: str | None, saved: Tensor | None = None) -> Tensor | None:
