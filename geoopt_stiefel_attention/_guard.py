@@ -154,6 +154,11 @@ def check_frames(model: nn.Module) -> None:
     by themselves, as a :class:`FrameOffManifoldError` with the measured distance; after a compiled step's
     assertion fired on the CPU, it names the frame and how far it is off).
 
+    Parameters
+    ----------
+    model : nn.Module
+        Any model; each of its frames (:func:`~geoopt_stiefel_attention.is_frame`) is checked.
+
     Raises
     ------
     FrameOffManifoldError

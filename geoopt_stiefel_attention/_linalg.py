@@ -418,6 +418,23 @@ def trust_radius(trust_region: float | str | None, adjust_lr_fn: str) -> float |
     :math:`\|s\|_2 \le \|s\|_F \le \Delta` bounds the Gram matrix's spectrum to :math:`[1, 1 + \Delta^2]`, the
     retraction's cost (:func:`retraction_plan`) and the largest principal angle between the column spaces of
     :math:`W` and :math:`\operatorname{polar}(W - s)` by :math:`\arctan \Delta`.
+
+    Parameters
+    ----------
+    trust_region : float or {"auto"} or None
+        The group's ``trust_region`` option: a radius :math:`\Delta > 0`, ``"auto"``, or ``None`` for no cap.
+    adjust_lr_fn : {"original", "match_rms_adamw"}
+        The group's ``adjust_lr_fn``; read for ``"auto"`` only.
+
+    Returns
+    -------
+    float or None
+        :math:`\Delta`, or ``None`` for no cap.
+
+    Raises
+    ------
+    ValueError
+        For a string other than ``"auto"``.
     """
     if isinstance(trust_region, str):
         if trust_region != "auto":
@@ -442,6 +459,23 @@ def frame_step_scale(adjust_lr_fn: str, d: int, r: int) -> float:
 
     Either way the step stays scale-free in the gradient and O(d)-equivariant: :math:`c` depends on the shape
     only.
+
+    Parameters
+    ----------
+    adjust_lr_fn : {"original", "match_rms_adamw"}
+        How ``lr`` is read, as above.
+    d, r : int
+        Shape of the frame, :math:`W \in \mathrm{St}(d, r)`.
+
+    Returns
+    -------
+    float
+        :math:`c`: ``1.0`` or :math:`\sqrt{d r}`.
+
+    Raises
+    ------
+    ValueError
+        For another ``adjust_lr_fn``.
     """
     if adjust_lr_fn == "original":
         return 1.0

@@ -27,7 +27,13 @@ STUDIES = ("grokking", "vision", "lm")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``stiefel-attention`` with every registered subcommand."""
+    """The argument parser of ``stiefel-attention`` with every registered subcommand.
+
+    Returns
+    -------
+    argparse.ArgumentParser
+        The parser; each subcommand's namespace carries its ``run`` function.
+    """
     from . import __version__
 
     parser = argparse.ArgumentParser(
@@ -41,7 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_subcommands(parser: argparse.ArgumentParser, modules: dict[str, str], *, metavar: str) -> None:
     """One required subcommand per ``name -> module`` of ``modules``; each module provides ``HELP`` (one line),
-    ``add_arguments(parser)`` and ``run(args) -> int`` (shared by ``python -m experiments``)."""
+    ``add_arguments(parser)`` and ``run(args) -> int`` (shared by ``python -m experiments``).
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+        The parser to add the subcommands to.
+    modules : dict of str to str
+        Subcommand name to the import path of its module.
+    metavar : str
+        How the subcommand is shown in the usage line (e.g. ``"COMMAND"``).
+    """
     sub = parser.add_subparsers(dest="command", metavar=metavar)
     sub.required = True
     for name, module_name in modules.items():
@@ -56,6 +72,16 @@ def main(argv: list[str] | None = None) -> int:
 
     The studies are not subcommands: ``stiefel-attention grokking`` (or ``vision``, ``lm``) prints one line saying
     to run ``python -m experiments grokking`` from a checkout of the repository, and exits with status 2.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments after the program name; ``None`` (the default) reads ``sys.argv[1:]``.
+
+    Returns
+    -------
+    int
+        The exit status.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in STUDIES:
@@ -72,6 +98,20 @@ def run_command(run, args: argparse.Namespace, prog: str) -> int:
     A :class:`UsageError` is printed as ``<prog>: error: ...`` and gives exit status 2, like argparse's own
     errors; Ctrl-C gives one line saying how to resume and exit status 130; a closed output pipe (``| head``)
     gives 0. ``python -m experiments`` runs its studies through the same function.
+
+    Parameters
+    ----------
+    run : callable
+        ``run(args) -> int or None`` (``None`` is status 0): a subcommand's ``run``.
+    args : argparse.Namespace
+        The parsed arguments, passed to ``run``.
+    prog : str
+        The program name that begins an error line, e.g. ``"stiefel-attention bench"``.
+
+    Returns
+    -------
+    int
+        The exit status.
     """
     try:
         return int(run(args) or 0)

@@ -75,6 +75,16 @@ def is_sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is a :class:`torch.distributed.tensor.DTensor` (e.g. a parameter sharded by FSDP2).
 
     Costs nothing when ``torch.distributed.tensor`` was never imported (then no ``DTensor`` can exist).
+
+    Parameters
+    ----------
+    p : torch.Tensor
+        Any tensor or parameter.
+
+    Returns
+    -------
+    bool
+        ``True`` for a ``DTensor``.
     """
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(p, module.DTensor)
@@ -82,7 +92,18 @@ def is_sharded(p: torch.Tensor) -> bool:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of ``t`` held by this rank: the local shard of a ``DTensor`` (sharing its storage, so in-place
-    changes reach the ``DTensor``), or ``t`` itself."""
+    changes reach the ``DTensor``), or ``t`` itself.
+
+    Parameters
+    ----------
+    t : torch.Tensor
+        A tensor, sharded or not.
+
+    Returns
+    -------
+    torch.Tensor
+        Its local shard, or ``t``.
+    """
     return t._local_tensor if is_sharded(t) else t
 
 
@@ -92,6 +113,21 @@ def local_grad(p: torch.Tensor) -> torch.Tensor:
     Under FSDP2 the gradient of a sharded parameter is a ``DTensor`` with the parameter's placements (FSDP
     reduce-scatters it), and this is free. A gradient with other placements (e.g. ``Partial`` sums from a
     hand-written ``DTensor`` model) is redistributed to the parameter's placements first, a collective.
+
+    Parameters
+    ----------
+    p : torch.Tensor
+        A parameter (sharded or not).
+
+    Returns
+    -------
+    torch.Tensor or None
+        The local gradient (``p.grad`` itself, possibly ``None``, when ``p`` is not sharded).
+
+    Raises
+    ------
+    TypeError
+        When ``p`` is sharded and its gradient is a plain tensor.
     """
     g = p.grad
     if not is_sharded(p):
@@ -111,6 +147,20 @@ def like_parameter(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...])
 
     ``shape`` must agree with ``p`` on every sharded dimension (true of the frame state: ``(..., d, r)``,
     ``(..., 1, 1)``, ``(..., 1, r)`` with frames sharded along the leading dimensions).
+
+    Parameters
+    ----------
+    p : torch.Tensor
+        A parameter (sharded or not).
+    local : torch.Tensor
+        This rank's part of the state.
+    shape : tuple of int
+        The state's global shape.
+
+    Returns
+    -------
+    torch.Tensor
+        ``local``, or a ``DTensor`` wrapping it.
     """
     if not is_sharded(p):
         return local
@@ -129,6 +179,20 @@ def to_placements_of(p: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -
     A ``DTensor`` (what ``torch.distributed.checkpoint`` loads) with other placements is redistributed; a
     plain tensor holding the whole state (the same on every rank, e.g. a full optimizer state dict) is
     split by ``torch.distributed.tensor.distribute_tensor``. Every rank must call it (it may communicate).
+
+    Parameters
+    ----------
+    p : torch.Tensor
+        The sharded parameter whose mesh and placements the result takes.
+    value : torch.Tensor
+        The state, a ``DTensor`` or a plain tensor of global shape.
+    dtype : torch.dtype
+        Dtype of the result.
+
+    Returns
+    -------
+    torch.Tensor
+        A new ``DTensor`` with ``p``'s mesh and placements.
     """
     from torch.distributed.tensor import distribute_tensor
 
@@ -143,7 +207,18 @@ def to_placements_of(p: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -
 def frame_sharding_error(p: torch.Tensor) -> str | None:
     """Why the sharding of frame parameter ``p`` (a ``DTensor`` of shape ``(..., d, r)``) would split frames, or
     ``None`` when every placement is ``Replicate`` or ``Shard`` along a leading dimension (each rank then holds
-    whole frames)."""
+    whole frames).
+
+    Parameters
+    ----------
+    p : torch.Tensor
+        A sharded frame parameter (``DTensor``).
+
+    Returns
+    -------
+    str or None
+        The reason, or ``None`` when the sharding keeps frames whole.
+    """
     from torch.distributed.tensor import Replicate, Shard
 
     for placement in p.placements:
@@ -167,6 +242,11 @@ def declare_sharded_euclidean(params: Iterable[torch.Tensor]) -> None:
 
     Use it only when you shard a model yourself and have given every frame its manifold back (or kept it out
     of the sharding); :func:`fully_shard_by_heads` does this and declares the rest for you.
+
+    Parameters
+    ----------
+    params : iterable of torch.Tensor
+        Parameters to declare; those that are not sharded are ignored.
     """
     for p in params:
         if is_sharded(p):
@@ -184,6 +264,18 @@ def check_parameter(p: torch.Tensor, owner: str = "the frame optimizer") -> None
     :func:`fully_shard_by_heads`). Refused: a frame sharded along ``d`` or ``r``; a sharded parameter on
     another manifold; a sharded parameter without a manifold that was not declared Euclidean (it may be a
     frame whose manifold FSDP2 dropped, which would silently be trained as a Euclidean matrix).
+
+    Parameters
+    ----------
+    p : torch.Tensor
+        The parameter to check (nothing is checked when it is not sharded).
+    owner : str, default "the frame optimizer"
+        First words of the error message.
+
+    Raises
+    ------
+    NotImplementedError
+        For the refused cases above.
     """
     if not is_sharded(p):
         return
@@ -213,6 +305,16 @@ def average_gradients_hook(group=None):
 
     Averaging is linear, so with gradient accumulation (several backward passes before a step) the hook
     may run after each of them: an already averaged part is the same on every rank and stays unchanged.
+
+    Parameters
+    ----------
+    group : torch.distributed.ProcessGroup, optional
+        The ranks to average over; ``None`` (the default) is the default process group.
+
+    Returns
+    -------
+    callable
+        ``hook(p)``, which averages ``p.grad`` in place (nothing for ``p.grad is None`` or one rank).
     """
     import torch.distributed as dist
 

@@ -54,6 +54,12 @@ class PolarStiefel(EuclideanStiefel):
     methods stopped in a matrix product). ``float32`` and ``float64`` compute in their own dtype;
     ``bfloat16``/``float16`` points are retracted in ``float32`` and rounded back.
 
+    Parameters
+    ----------
+    canonical : bool, default True
+        Accepted for the signature of geoopt's ``Stiefel``, whose constructor picks the canonical or the
+        Euclidean metric by it; ignored here: the metric is always the embedded one.
+
     Examples
     --------
     >>> import torch, geoopt
@@ -73,6 +79,21 @@ class PolarStiefel(EuclideanStiefel):
             raise ValueError(_shape_message(tuple(shape), reason))
 
     def assert_check_point(self, x: torch.Tensor) -> None:
+        r"""Refuse a tensor that cannot hold points of :math:`\mathrm{St}(d, r)`: complex, or not ``(..., d, r)``
+        with :math:`r \le d`.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Candidate point, of shape ``(..., d, r)``.
+
+        Raises
+        ------
+        TypeError
+            For a complex ``x``.
+        ValueError
+            For a shape that cannot hold frames (:math:`r > d`, fewer than two dimensions).
+        """
         _check_real(x, "a point")
         self._assert_check_shape(tuple(x.shape), "x")
 
@@ -108,6 +129,18 @@ class PolarStiefel(EuclideanStiefel):
         Raises ``ValueError`` when ``u``'s last two dimensions differ from ``x``'s, or ``x`` has :math:`r > d`,
         and ``TypeError`` for a complex tensor or a ``u`` whose dtype is not
         ``x``'s.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Point :math:`X`, a stack of frames of shape ``(..., d, r)``.
+        u : torch.Tensor
+            Ambient vector :math:`U`, of ``x``'s dtype; its last two dimensions are ``x``'s (leading ones broadcast).
+
+        Returns
+        -------
+        torch.Tensor
+            The tangent vector :math:`P_X(U)`.
         """
         self._check_args("proju", x, u=u)
         return super().proju(x, u)
@@ -116,19 +149,64 @@ class PolarStiefel(EuclideanStiefel):
     egrad2rgrad = proju
 
     def transp(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        r"""Vector transport by projection onto the new tangent space, :math:`\mathcal{T}_{X\to Y}(V) = P_Y(V)`."""
+        r"""Vector transport by projection onto the new tangent space, :math:`\mathcal{T}_{X\to Y}(V) = P_Y(V)`.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Point :math:`X`, a stack of frames of shape ``(..., d, r)``. Not used: the projection depends on ``y`` only.
+        y : torch.Tensor
+            The new point :math:`Y`.
+        v : torch.Tensor
+            Tangent vector :math:`V` at ``x``, of ``y``'s dtype.
+
+        Returns
+        -------
+        torch.Tensor
+            :math:`P_Y(V)`, tangent at ``y``.
+        """
         self._check_args("transp", y, point="y", v=v)
         return super().proju(y, v)
 
     def inner(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None, *,
               keepdim: bool = False) -> torch.Tensor:
-        r"""The embedded metric :math:`\langle U, V \rangle_X = \operatorname{tr}(U^\top V)`, one value per frame."""
+        r"""The embedded metric :math:`\langle U, V \rangle_X = \operatorname{tr}(U^\top V)`, one value per frame.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Point :math:`X`, a stack of frames of shape ``(..., d, r)``.
+        u : torch.Tensor
+            Tangent vector :math:`U` at ``x``.
+        v : torch.Tensor, optional
+            Tangent vector :math:`V` at ``x``; ``None`` (the default) takes :math:`V = U`, the squared norm.
+        keepdim : bool, default False
+            Keep the two reduced dimensions (as size 1).
+
+        Returns
+        -------
+        torch.Tensor
+            :math:`\operatorname{tr}(U^\top V)`, of shape ``x.shape[:-2]`` (``(..., 1, 1)`` with ``keepdim``).
+        """
         self._check_args("inner", x, u=u, v=v)
         return super().inner(x, u, v, keepdim=keepdim)
 
     def expmap(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         r"""The exponential map of the embedded metric (geoopt's ``EuclideanStiefel.expmap``, a
-        :math:`2r \times 2r` matrix exponential; not the retraction, which is :meth:`retr`)."""
+        :math:`2r \times 2r` matrix exponential; not the retraction, which is :meth:`retr`).
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Point :math:`X`, a stack of frames of shape ``(..., d, r)``.
+        u : torch.Tensor
+            Tangent vector :math:`U` at ``x``, of ``x``'s dtype.
+
+        Returns
+        -------
+        torch.Tensor
+            :math:`\operatorname{Exp}_X(U)`, a point of the manifold.
+        """
         self._check_args("expmap", x, u=u)
         return super().expmap(x, u)
 
@@ -138,6 +216,18 @@ class PolarStiefel(EuclideanStiefel):
         Raises ``ValueError`` for a non-finite ``x + u`` (no frame is its polar factor), a ``u`` whose last two
         dimensions differ from ``x``'s, or ``r > d``; ``TypeError`` for a complex tensor or a ``u`` whose dtype is not
         ``x``'s.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Point :math:`X`, a stack of frames of shape ``(..., d, r)``.
+        u : torch.Tensor
+            Step :math:`U` (tangent at ``x`` for the formula to be a retraction), of ``x``'s dtype.
+
+        Returns
+        -------
+        torch.Tensor
+            :math:`R_X(U)`, a stack of frames of ``x``'s shape and dtype.
         """
         self._check_args("retr", x, u=u)
         ct = _linalg.compute_dtype(x.dtype)
@@ -146,7 +236,22 @@ class PolarStiefel(EuclideanStiefel):
         return _polar_factor(y, _linalg.polar_any_rank).to(x.dtype)
 
     def retr_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        r""":meth:`retr` and :meth:`transp` at once: :math:`(Y, P_Y(V))` with :math:`Y = R_X(U)`."""
+        r""":meth:`retr` and :meth:`transp` at once: :math:`(Y, P_Y(V))` with :math:`Y = R_X(U)`.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Point :math:`X`, a stack of frames of shape ``(..., d, r)``.
+        u : torch.Tensor
+            Step :math:`U`, as for :meth:`retr`.
+        v : torch.Tensor
+            Tangent vector :math:`V` at ``x`` to transport.
+
+        Returns
+        -------
+        tuple of torch.Tensor
+            :math:`(Y, P_Y(V))`.
+        """
         self._check_args("retr_transp", x, u=u, v=v)
         y = self.retr(x, u)
         return y, self.transp(x, y, v)
@@ -161,6 +266,16 @@ class PolarStiefel(EuclideanStiefel):
 
         Raises ``ValueError`` for a non-finite ``x`` (its SVD fails or returns an arbitrary frame) or
         :math:`r > d`, ``TypeError`` for a complex ``x``.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Matrices :math:`X` of shape ``(..., d, r)``, :math:`r \le d`.
+
+        Returns
+        -------
+        torch.Tensor
+            :math:`U V^\top`, of ``x``'s shape and dtype.
         """
         self._check_args("projx", x)
         ct = _linalg.compute_dtype(x.dtype)
@@ -179,6 +294,11 @@ class PolarStiefel(EuclideanStiefel):
             As for :func:`torch.randn`.
         generator : torch.Generator, optional
             Source of randomness, for reproducible draws.
+
+        Returns
+        -------
+        geoopt.ManifoldTensor
+            Frames of shape ``size`` on this manifold.
         """
         import geoopt
         from geoopt.utils import size2shape
@@ -191,6 +311,13 @@ class PolarStiefel(EuclideanStiefel):
     random_naive = random
 
     def extra_repr(self) -> str:
+        """The retraction's name in the manifold's ``repr``.
+
+        Returns
+        -------
+        str
+            ``"polar"``.
+        """
         return "polar"
 
     # Equal by type, hashed by identity. Equal: the manifold has no state, so two instances are the same manifold,
@@ -253,7 +380,7 @@ def _polar_factor(y: torch.Tensor, polar_fn) -> torch.Tensor:  # noqa: ANN001
 
 
 def _check_real(t: torch.Tensor, what: str) -> None:
-    """Refuse a complex tensor: the manifold is the real one, :math:`W^\top W = I` (not :math:`W^H W = I`)."""
+    r"""Refuse a complex tensor: the manifold is the real one, :math:`W^\top W = I` (not :math:`W^H W = I`)."""
     if t.is_complex():
         raise TypeError(f"{what} is complex ({t.dtype}); PolarStiefel is the real Stiefel manifold W^T W = I, "
                         f"whose checks and retraction use W^T, not W^H, so pass a real floating-point tensor.")
@@ -303,7 +430,18 @@ def _shape_message(shape: tuple[int, ...], reason: str | None) -> str:
 
 def has_manifold(p: torch.Tensor) -> bool:
     """Whether ``p`` is a geoopt tensor on a non-Euclidean manifold (whose points a Euclidean update, or a
-    sharding that splits the tensor, would move off the manifold)."""
+    sharding that splits the tensor, would move off the manifold).
+
+    Parameters
+    ----------
+    p : torch.Tensor
+        Any tensor or parameter.
+
+    Returns
+    -------
+    bool
+        ``True`` when ``p.manifold`` exists and is not geoopt's ``Euclidean``.
+    """
     manifold = getattr(p, "manifold", None)
     return manifold is not None and not isinstance(manifold, Euclidean)
 
@@ -315,13 +453,34 @@ def is_frame(p: torch.Tensor) -> bool:
     :func:`~geoopt_stiefel_attention.param_groups`, :func:`~geoopt_stiefel_attention.frame_parameters` and
     :mod:`~geoopt_stiefel_attention.distributed`. It includes geoopt's canonical-metric ``Stiefel()``, which
     ``StiefelAdam`` refuses with a message saying how to move it to :class:`PolarStiefel`.
+
+    Parameters
+    ----------
+    p : torch.Tensor
+        Any tensor or parameter.
+
+    Returns
+    -------
+    bool
+        ``True`` when ``p.manifold`` is a geoopt ``Stiefel`` manifold.
     """
     return isinstance(getattr(p, "manifold", None), Stiefel)
 
 
 def frame_dtypes(module: torch.nn.Module) -> dict[str, torch.dtype]:
     """The dtype of every frame that ``module`` holds itself (not its children's), by parameter name: what
-    :func:`reproject_after_cast_` compares with after a cast."""
+    :func:`reproject_after_cast_` compares with after a cast.
+
+    Parameters
+    ----------
+    module : nn.Module
+        Owner of the frames.
+
+    Returns
+    -------
+    dict of str to torch.dtype
+        Dtype of each frame, by the name in ``module._parameters``.
+    """
     return {name: p.dtype for name, p in module._parameters.items() if p is not None and is_frame(p)}
 
 

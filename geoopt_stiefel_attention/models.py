@@ -163,7 +163,23 @@ class TinyTransformer(nn.Module):
             self.to(device)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        """Logits ``(B, T, vocab_size)`` for ``tokens`` of shape ``(B, T)`` (integer, ``T <= seq_len``)."""
+        """Logits ``(B, T, vocab_size)`` for ``tokens`` of shape ``(B, T)`` (integer, ``T <= seq_len``).
+
+        Parameters
+        ----------
+        tokens : torch.Tensor
+            Integer token ids, shape ``(B, T)`` with ``T <= seq_len``.
+
+        Returns
+        -------
+        torch.Tensor
+            Logits, shape ``(B, T, vocab_size)``.
+
+        Raises
+        ------
+        ValueError
+            For another shape or dtype, or ``T > seq_len``.
+        """
         if tokens.dim() != 2 or tokens.dtype not in (torch.long, torch.int32, torch.int64):
             raise ValueError(f"TinyTransformer: tokens must be an integer tensor of shape (batch, seq), got "
                              f"shape {tuple(tokens.shape)} and dtype {tokens.dtype}.")
@@ -177,6 +193,13 @@ class TinyTransformer(nn.Module):
         return self.unembed(self.final_norm(x))
 
     def extra_repr(self) -> str:
+        """The constructor's options shown in the model's ``repr``.
+
+        Returns
+        -------
+        str
+            ``attention``, ``frames`` and ``seed``.
+        """
         return f"attention={self.attention!r}, frames={self.frames!r}, seed={self.seed}"
 
 
@@ -268,7 +291,23 @@ class PatchViT(nn.Module):
             self.to(device)
 
     def forward(self, images: Tensor) -> Tensor:
-        """Logits ``(B, num_classes)`` for ``images`` of shape ``(B, in_channels, image_size, image_size)``."""
+        """Logits ``(B, num_classes)`` for ``images`` of shape ``(B, in_channels, image_size, image_size)``.
+
+        Parameters
+        ----------
+        images : torch.Tensor
+            Shape ``(B, in_channels, image_size, image_size)``.
+
+        Returns
+        -------
+        torch.Tensor
+            Logits, shape ``(B, num_classes)``.
+
+        Raises
+        ------
+        ValueError
+            For another shape.
+        """
         expected = (self.in_channels, self.image_size, self.image_size)
         if images.dim() != 4 or tuple(images.shape[1:]) != expected:
             raise ValueError(f"PatchViT: images must have shape (batch, {', '.join(map(str, expected))}), got "
@@ -284,4 +323,11 @@ class PatchViT(nn.Module):
         return self.head(pooled)
 
     def extra_repr(self) -> str:
+        """The constructor's options shown in the model's ``repr``.
+
+        Returns
+        -------
+        str
+            ``pool``, ``attention``, ``frames`` and ``seed``.
+        """
         return f"pool={self.pool!r}, attention={self.attention!r}, frames={self.frames!r}, seed={self.seed}"

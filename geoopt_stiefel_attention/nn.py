@@ -769,7 +769,18 @@ class EuclideanMultiheadAttention(_MultiheadAttentionBase):
 
     @classmethod
     def from_stiefel(cls, source: StiefelMultiheadAttention) -> EuclideanMultiheadAttention:
-        """A Euclidean module holding exactly the parameters of ``source`` (frames become plain matrices)."""
+        """A Euclidean module holding exactly the parameters of ``source`` (frames become plain matrices).
+
+        Parameters
+        ----------
+        source : StiefelMultiheadAttention
+            The module to copy (left unchanged).
+
+        Returns
+        -------
+        EuclideanMultiheadAttention
+            The new module, in ``source``'s training mode.
+        """
         if not isinstance(source, StiefelMultiheadAttention):
             raise TypeError(f"EuclideanMultiheadAttention.from_stiefel: expected a StiefelMultiheadAttention, "
                             f"got {type(source).__name__}.")
@@ -778,10 +789,27 @@ class EuclideanMultiheadAttention(_MultiheadAttentionBase):
     @classmethod
     def from_torch(cls, source: nn.MultiheadAttention, *, frames: str = "head", drop_qk_bias: bool = False,
                    ignore_batch_first: bool = False) -> EuclideanMultiheadAttention:
-        """A Euclidean module computing what the :class:`torch.nn.MultiheadAttention` ``source`` computes.
+        r"""A Euclidean module computing what the :class:`torch.nn.MultiheadAttention` ``source`` computes.
 
         Weights are copied exactly (re-laid out); the options and refusals are those of
         :meth:`StiefelMultiheadAttention.from_euclidean`.
+
+        Parameters
+        ----------
+        source : nn.MultiheadAttention
+            The module to copy (left unchanged).
+        frames : {"head", "layer"}, default "head"
+            Frame granularity (:data:`FRAME_GRANULARITIES`) of the layout the weights are copied into.
+        drop_qk_bias : bool, default False
+            Drop the query/key biases, which this module does not have (the key bias exactly; a non-zero query
+            bias :math:`b_Q` changes the logits by :math:`b_Q^\top k_j`, so without this flag it is refused).
+        ignore_batch_first : bool, default False
+            Build a batch-first module whatever ``source.batch_first`` is (by default it is kept).
+
+        Returns
+        -------
+        EuclideanMultiheadAttention
+            The new module, in ``source``'s training mode.
         """
         if not isinstance(source, nn.MultiheadAttention):
             raise TypeError(f"EuclideanMultiheadAttention.from_torch: expected nn.MultiheadAttention, got "
@@ -940,7 +968,18 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
 def frame_parameters(model: nn.Module) -> list[geoopt.ManifoldParameter]:
     """Every frame of ``model`` (:func:`~geoopt_stiefel_attention.is_frame`; frozen ones included), in
     ``model.parameters()`` order: the library's own modules' ``w_q``/``w_k`` and the frames created by
-    :func:`~geoopt_stiefel_attention.stiefelize`."""
+    :func:`~geoopt_stiefel_attention.stiefelize`.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Any model.
+
+    Returns
+    -------
+    list of geoopt.ManifoldParameter
+        Its frames (empty when it has none).
+    """
     return [p for p in model.parameters() if is_frame(p)]
 
 
@@ -954,6 +993,16 @@ def query_key_projections(model: nn.Module) -> list[tuple[str, Tensor, Tensor]]:
     an experiment can be compared entry by entry; clone them to record a starting point, e.g.
     ``start = [w.detach().clone() for _, w, _ in query_key_projections(model)]``. Unconverted
     ``nn.MultiheadAttention`` modules are not listed (their projections are fused into ``in_proj_weight``).
+
+    Parameters
+    ----------
+    model : nn.Module
+        Any model.
+
+    Returns
+    -------
+    list of (str, torch.Tensor, torch.Tensor)
+        ``(path, w_q, w_k)`` per attention module, as above.
     """
     found = [(path, m.w_q, m.w_k) for path, m in model.named_modules() if isinstance(m, _MultiheadAttentionBase)]
     found += converted_query_key_frames(model)

@@ -53,7 +53,30 @@ class Certificate:
     def check(cls, name: str, statement: str, measured: float, tolerance: float, *,
               optimizer: str | None = None, details: Mapping[str, Any] | None = None,
               comparison: str = "<=") -> Certificate:
-        """Build a certificate whose ``passed`` is computed from ``measured`` and ``tolerance``."""
+        """Build a certificate whose ``passed`` is computed from ``measured`` and ``tolerance``.
+
+        Parameters
+        ----------
+        name : str
+            Short identifier of the certificate.
+        statement : str
+            The property checked, in words.
+        measured : float
+            The measured figure (NaN fails).
+        tolerance : float
+            The threshold.
+        optimizer : str, optional
+            Name of the optimizer column.
+        details : mapping, optional
+            Supporting figures (JSON-serialisable values).
+        comparison : {"<=", ">="}, default "<="
+            Passes when ``measured <= tolerance`` (or ``>=``).
+
+        Returns
+        -------
+        Certificate
+            With ``passed`` set.
+        """
         measured = float(measured)
         if math.isnan(measured):
             passed = False
@@ -67,7 +90,24 @@ class Certificate:
     @classmethod
     def not_applicable(cls, name: str, statement: str, reason: str, *,
                        optimizer: str | None = None) -> Certificate:
-        """A cell for a property that has no meaning for this optimizer, with the reason."""
+        """A cell for a property that has no meaning for this optimizer, with the reason.
+
+        Parameters
+        ----------
+        name : str
+            Short identifier of the certificate.
+        statement : str
+            The property, in words.
+        reason : str
+            Why it does not apply (``details["reason"]``).
+        optimizer : str, optional
+            Name of the optimizer column.
+
+        Returns
+        -------
+        Certificate
+            With ``measured``, ``tolerance`` and ``passed`` all ``None``.
+        """
         return cls(name, statement, None, None, None, {"reason": reason}, optimizer)
 
     @property
@@ -77,7 +117,13 @@ class Certificate:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict with the keys ``certificate, optimizer, passed, measured, tolerance, details``
-        (plus ``statement`` and ``comparison``). Infinite figures become the strings ``"inf"``/``"-inf"``."""
+        (plus ``statement`` and ``comparison``). Infinite figures become the strings ``"inf"``/``"-inf"``.
+
+        Returns
+        -------
+        dict
+            The certificate, as above.
+        """
         return {
             "certificate": self.name,
             "optimizer": self.optimizer,

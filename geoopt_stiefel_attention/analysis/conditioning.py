@@ -59,6 +59,26 @@ def run_drift(column: OptimizerColumn, *, steps: int = 10_000, dtype: torch.dtyp
     every step is recovered from :math:`(W_t, W_{t+1})` (:func:`recover_polar_step`; for a QR or Cayley
     retraction, the polar-equivalent step) and :math:`\kappa(I + s_t^\top s_t)` computed; the
     orthonormality error of every iterate is measured in float64. No re-projection is ever applied.
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    steps : int, default 10000
+        Steps of the run.
+    dtype : torch.dtype, default torch.float64
+        Of the frames and gradients.
+    seed : int, default 0
+        Seed of the start and the gradients.
+    lr : float, default 1.0
+        Learning rate.
+    trust_region : float or None, default 0.1
+        Trust radius :math:`\Delta` of the optimizer (ignored by columns without one).
+
+    Returns
+    -------
+    DriftRun
+        The run's statistics.
     """
     require_steps("run_drift", steps)
     gen = torch.Generator().manual_seed(seed)
@@ -107,7 +127,22 @@ def _check_runs(who: str, runs: list[DriftRun]) -> None:
 
 
 def certify_conditioning(column: OptimizerColumn, runs: list[DriftRun], *, trust_region: float = 0.1) -> Certificate:
-    r"""3a. :math:`\kappa(I + s^\top s) \le 1 + \Delta^2` on every step of the runs (``runs`` from :func:`run_drift`)."""
+    r"""3a. :math:`\kappa(I + s^\top s) \le 1 + \Delta^2` on every step of the runs (``runs`` from :func:`run_drift`).
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    runs : list of DriftRun
+        Runs of ``column`` (:func:`run_drift`).
+    trust_region : float, default 0.1
+        The radius :math:`\Delta` of the bound, the one the runs stepped with.
+
+    Returns
+    -------
+    Certificate
+        The certificate of this row for ``column``.
+    """
     name = "3a polar step cond <= 1 + D^2"
     statement = (f"the matrix inverted by the polar retraction, I + s^T s, has condition number <= 1 + Delta^2 "
                  f"(Delta = {trust_region:g}) on every step (lr = 1, random gradients)")
@@ -136,7 +171,20 @@ def certify_conditioning(column: OptimizerColumn, runs: list[DriftRun], *, trust
 
 
 def certify_drift(column: OptimizerColumn, run: DriftRun) -> Certificate:
-    """3b/3c. :math:`\\max_t |W_t^\\top W_t - I|` stays at rounding level (``DRIFT_TOL``) over the run."""
+    """3b/3c. :math:`\\max_t |W_t^\\top W_t - I|` stays at rounding level (``DRIFT_TOL``) over the run.
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    run : DriftRun
+        A run of ``column`` (:func:`run_drift`): float64 for 3b, float32 for 3c.
+
+    Returns
+    -------
+    Certificate
+        The certificate of this row for ``column``.
+    """
     _check_runs("certify_drift", [run])
     dtype = getattr(torch, run.dtype)
     label = "3b" if dtype == torch.float64 else "3c"

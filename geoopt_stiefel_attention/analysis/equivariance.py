@@ -35,6 +35,24 @@ def certify_equivariance(column: OptimizerColumn, side: str, *, seed: int = 0, s
     St(16, 4); the transformed run minimises :math:`f(Q^\top W R^\top)`, whose gradient at :math:`QWR` is
     :math:`Q\nabla f(W)R`. ``lr = 0.05`` with trust region 0.1, so the cap is active on some steps.
     Measured: :math:`\max_t \max|\tilde W_t - QW_tR|`.
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    side : {"left", "right"}
+        :math:`O(d)` acting on the left (4a) or :math:`O(r)` on the right (4b).
+    seed : int, default 0
+        Seed of the random frames, gradients and losses.
+    steps : int, default 50
+        Steps of each run.
+    lr : float, default 0.05
+        Learning rate.
+
+    Returns
+    -------
+    Certificate
+        The certificate of this row for ``column``.
     """
     if side not in ("left", "right"):
         raise ValueError(f"certify_equivariance: side={side!r} is unknown; use 'left' or 'right'.")

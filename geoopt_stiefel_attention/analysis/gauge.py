@@ -62,6 +62,11 @@ def multihead_attention(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w
         ``(H, D, r_v)``.
     w_o : torch.Tensor
         ``(H, r_v, D)``.
+
+    Returns
+    -------
+    torch.Tensor
+        :math:`Y`, of shape ``(batch, seq, D)``.
     """
     r = w_q.shape[-1]
     q = torch.einsum("bnd,hdr->bhnr", x, w_q)
@@ -72,9 +77,22 @@ def multihead_attention(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w
 
 
 class AttentionProblem:
-    """A small float64 attention regression problem: random inputs, a random teacher, MSE loss.
+    r"""A small float64 attention regression problem: random inputs, a random teacher, MSE loss.
 
     ``frames=True`` draws ``w_q``, ``w_k`` on St(D, r); otherwise Gaussian with entries of variance ``1/D``.
+
+    Parameters
+    ----------
+    seed : int, default 0
+        Seed of the inputs, the teacher and the start.
+    batch, seq, embed : int, default 8, 6, 8
+        Inputs of shape ``(batch, seq, embed)``; ``embed`` is :math:`D`.
+    heads : int, default 2
+        Heads :math:`H`.
+    head_dim : int, default 4
+        Head size :math:`r`.
+    frames : bool, default True
+        Draw ``w_q``, ``w_k`` on :math:`\mathrm{St}(D, r)` (else Gaussian).
     """
 
     def __init__(self, *, seed: int = 0, batch: int = 8, seq: int = 6, embed: int = 8, heads: int = 2,
@@ -99,7 +117,22 @@ class AttentionProblem:
 
     def loss(self, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor | None = None,
              w_o: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean squared error of the attention output against the teacher's."""
+        """Mean squared error of the attention output against the teacher's.
+
+        Parameters
+        ----------
+        w_q, w_k : torch.Tensor
+            Query and key projections, ``(H, D, r)``.
+        w_v : torch.Tensor, optional
+            Value projection, ``(H, D, r)``; default the problem's own.
+        w_o : torch.Tensor, optional
+            Output projection, ``(H, r, D)``; default the problem's own.
+
+        Returns
+        -------
+        torch.Tensor
+            The scalar loss.
+        """
         w_v = self.w_v if w_v is None else w_v
         w_o = self.w_o if w_o is None else w_o
         return (multihead_attention(self.x, w_q, w_k, w_v, w_o) - self.target).square().mean()
@@ -158,6 +191,26 @@ def certify_gauge_gradient(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor
     shows the measurement is sensitive.
 
     Raises ``ValueError`` when :math:`g` is exactly 0, where the relative component is undefined.
+
+    Parameters
+    ----------
+    loss_fn : callable
+        ``loss_fn(w_q, w_k) -> torch.Tensor``, a scalar loss (e.g. :meth:`AttentionProblem.loss`,
+        :func:`loss_from_module`).
+    w_q, w_k : torch.Tensor
+        The point :math:`(W_Q, W_K)`, stacks of shape ``(F, D, C)`` (float64).
+    frames : bool
+        Whether ``w_q``, ``w_k`` are frames (the gauge group is then :math:`O(r)`, :math:`B` skew), or
+        unconstrained matrices (:math:`GL(r)`).
+    head_dim : int, optional
+        Columns per head block, dividing ``C``; default ``C`` (one head per frame).
+    optimizer : str, optional
+        Column name recorded in the certificate.
+
+    Returns
+    -------
+    Certificate
+        Row 6a.
     """
     name = "6a gauge: no gradient along symmetry"
     statement = ("the gradient's component along the span of the gauge directions (W_Q B, -W_K B^T) is zero "
@@ -201,6 +254,30 @@ def certify_gauge_moves(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor, *
     :math:`(W_Q M, W_K)` as a control.
 
     Raises ``ValueError`` when the loss at ``(w_q, w_k)`` is exactly 0, where the relative change is undefined.
+
+    Parameters
+    ----------
+    loss_fn : callable
+        ``loss_fn(w_q, w_k) -> torch.Tensor``, a scalar loss (e.g. :meth:`AttentionProblem.loss`,
+        :func:`loss_from_module`).
+    w_q, w_k : torch.Tensor
+        The point :math:`(W_Q, W_K)`, stacks of shape ``(F, D, C)`` (float64).
+    frames : bool
+        Whether ``w_q``, ``w_k`` are frames (the gauge group is then :math:`O(r)`, :math:`B` skew), or
+        unconstrained matrices (:math:`GL(r)`).
+    head_dim : int, optional
+        Columns per head block, dividing ``C``; default ``C`` (one head per frame).
+    seed : int, default 0
+        Seed of the random :math:`B`.
+    sizes : tuple of float, default (0.1, 0.5, 1.0, 3.0)
+        The move sizes :math:`t`.
+    optimizer : str, optional
+        Column name recorded in the certificate.
+
+    Returns
+    -------
+    Certificate
+        Row 6b.
     """
     name = "6b gauge: loss constant on orbit"
     statement = "the loss is unchanged (relative <= 1e-12) along finite gauge moves (W_Q M, W_K M^-T), M = exp(tB)"
@@ -244,6 +321,22 @@ def loss_from_module(module: torch.nn.Module, x: torch.Tensor, target: torch.Ten
 
     ``forward(module, x)`` computes the output (default: ``module(x, x, x)``, taking the first element if a
     tuple comes back, as for :class:`torch.nn.MultiheadAttention`-style self-attention).
+
+    Parameters
+    ----------
+    module : nn.Module
+        The attention module, with ``w_q`` and ``w_k`` parameters.
+    x : torch.Tensor
+        Its input.
+    target : torch.Tensor
+        The output the MSE compares with.
+    forward : callable, optional
+        ``forward(module, x)``, its output; default as above.
+
+    Returns
+    -------
+    callable
+        ``loss_fn(w_q, w_k) -> torch.Tensor``.
     """
     from torch.func import functional_call
 
@@ -288,6 +381,20 @@ def certify_gauge(column: OptimizerColumn, *, seed: int = 0, use_library_module:
     (:class:`~geoopt_stiefel_attention.nn.StiefelMultiheadAttention` or
     :class:`~geoopt_stiefel_attention.nn.EuclideanMultiheadAttention`), else on :func:`multihead_attention`.
     The result does not depend on the optimizer: it is a property of the loss.
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    seed : int, default 0
+        Seed of the random frames, gradients and losses.
+    use_library_module : bool, default True
+        Certify the library's attention module (else :func:`multihead_attention`).
+
+    Returns
+    -------
+    list of Certificate
+        Rows 6a and 6b.
     """
     frames = column.on_manifold
     model = "written-out multihead_attention"

@@ -83,11 +83,35 @@ DECAY_TOL = 1e-12
 
 @dataclass(frozen=True)
 class MuonColumn:
-    """One optimizer as a black box: ``run(w0, grads, *, weight_decay) -> iterates`` (each ``(k, d, r)``), the
+    r"""One optimizer as a black box: ``run(w0, grads, *, weight_decay) -> iterates`` (each ``(k, d, r)``), the
     spectral size ``eta(d, r)`` of its first step (``None``: not a spectral-norm step), whether it keeps frames
     on the manifold, the tolerance of rows M1 and M3 (the accuracy its direction solver states), a short
     label for the table's header (the name when empty) and, optionally, ``direction(w, xi) -> A``: the direction
-    its solver computes before the retraction, for row M2 (see the module docstring)."""
+    its solver computes before the retraction, for row M2 (see the module docstring).
+
+    Attributes
+    ----------
+    name : str
+        Full name (the ``optimizer`` of its certificates).
+    run : callable
+        ``run(w0, grads, *, weight_decay) -> iterates``: from frames ``w0`` of shape ``(k, d, r)``, one step per
+        gradient, the iterate after each step.
+    lr : float
+        The learning rate its ``run`` steps with.
+    eta : callable or None
+        ``eta(d, r)``, the spectral norm :math:`\eta` of its first step; ``None`` for an optimizer whose step is
+        not a spectral-norm step (rows M1-M3 then do not apply).
+    on_manifold : bool
+        Whether its iterates are frames (the step is then read through the inverse of the polar retraction).
+    description : str
+        One line on what the column is.
+    direction_tol : float, default 1e-5
+        Tolerance of rows M1 and M3.
+    label : str, default ""
+        Short header for the table (the name when empty).
+    direction : callable or None, default None
+        ``direction(w, xi) -> A``, the direction its solver computes, for row M2.
+    """
 
     name: str
     run: Callable[..., list[torch.Tensor]]
@@ -141,7 +165,18 @@ def _torch_muon_run(lr: float) -> Callable[..., list[torch.Tensor]]:
 
 def muon_columns(lr: float = 1e-2) -> list[MuonColumn]:
     """The columns: StiefelMuon (default solver), StiefelMuon with ``dual_steps=0`` (the projected msign),
-    torch's ``Muon`` on the unconstrained matrices, StiefelAdam and geoopt's RiemannianAdam."""
+    torch's ``Muon`` on the unconstrained matrices, StiefelAdam and geoopt's RiemannianAdam.
+
+    Parameters
+    ----------
+    lr : float, default 1e-2
+        Learning rate of every column.
+
+    Returns
+    -------
+    list of MuonColumn
+        The columns, in table order.
+    """
     import math
 
     import geoopt
@@ -253,9 +288,37 @@ def run_muon_certificates(columns: Sequence[MuonColumn] | None = None, *, seed: 
                           drift_steps: int = DEFAULT_MUON_STEPS,
                           progress: Callable[[str], None] | None = None,
                           rows: Sequence[str] | None = None, threads: int | None = 1) -> list[Certificate]:
-    """Every row of :data:`MUON_ROWS` (or only ``rows``) for every column, row-major, with ``threads`` intra-op
+    r"""Every row of :data:`MUON_ROWS` (or only ``rows``) for every column, row-major, with ``threads`` intra-op
     threads (default 1: the matrices are tiny; ``None`` keeps the caller's count, which comes back afterwards).
-    ``progress`` is called with each column's name before it is certified."""
+    ``progress`` is called with each column's name before it is certified.
+
+    Parameters
+    ----------
+    columns : sequence of MuonColumn, optional
+        Default :func:`muon_columns`.
+    seed : int, default 0
+        Seed of the frames and gradients.
+    shape : tuple of int, default (3, 12, 4)
+        ``(k, d, r)``: ``k`` frames of :math:`\mathrm{St}(d, r)`.
+    drift_steps : int, default DEFAULT_MUON_STEPS
+        Steps of the drift runs (rows M4, M5), at least 1.
+    progress : callable, optional
+        Called with each column's name.
+    rows : sequence of str, optional
+        Only these rows of :data:`MUON_ROWS`; default every row.
+    threads : int or None, default 1
+        Intra-op threads during the run, as above.
+
+    Returns
+    -------
+    list of Certificate
+        One per (row, column), ordered by row, then column.
+
+    Raises
+    ------
+    ValueError
+        For ``drift_steps < 1``, or rows that are not in :data:`MUON_ROWS` (or none).
+    """
     columns = list(muon_columns() if columns is None else columns)
     if drift_steps < 1:
         raise ValueError(f"run_muon_certificates: drift_steps={drift_steps} must be >= 1.")

@@ -54,11 +54,28 @@ class OptimizerColumn:
         return self.manifold_factory is not None
 
     def manifold(self) -> Any:
-        """A fresh instance of the column's manifold (``None`` when unconstrained)."""
+        """A fresh instance of the column's manifold (``None`` when unconstrained).
+
+        Returns
+        -------
+        geoopt.Manifold or None
+            The manifold.
+        """
         return None if self.manifold_factory is None else self.manifold_factory()
 
     def make_parameter(self, value: torch.Tensor) -> torch.nn.Parameter:
-        """A trainable copy of ``value``: a ``ManifoldParameter`` on the column's manifold, or a plain one."""
+        """A trainable copy of ``value``: a ``ManifoldParameter`` on the column's manifold, or a plain one.
+
+        Parameters
+        ----------
+        value : torch.Tensor
+            Initial value (frames of shape ``(..., d, r)`` for a constrained column).
+
+        Returns
+        -------
+        torch.nn.Parameter
+            The parameter.
+        """
         import geoopt
 
         data = value.detach().clone()
@@ -69,17 +86,64 @@ class OptimizerColumn:
     def make_optimizer(self, params: Iterable[Any], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                        eps: float = 1e-8, weight_decay: float = 0.0,
                        trust_region: float | None = 0.1) -> torch.optim.Optimizer:
-        """Build the column's optimizer over ``params`` (tensors or parameter-group dicts)."""
+        r"""Build the column's optimizer over ``params`` (tensors or parameter-group dicts).
+
+        Parameters
+        ----------
+        params : iterable
+            Tensors, or parameter-group dicts.
+        lr : float
+            Learning rate.
+        betas : tuple of float, default (0.9, 0.999)
+            Adam's :math:`(\beta_1, \beta_2)` (ignored by SGD).
+        eps : float, default 1e-8
+            Adam's :math:`\varepsilon` (ignored by SGD).
+        weight_decay : float, default 0.0
+            Weight decay.
+        trust_region : float or None, default 0.1
+            Trust radius :math:`\Delta` (ignored by optimizers without one).
+
+        Returns
+        -------
+        torch.optim.Optimizer
+            The optimizer.
+        """
         return self.optimizer_factory(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       trust_region=trust_region)
 
     def rgrad(self, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """The column's Riemannian gradient map (its manifold's ``egrad2rgrad``; identity when unconstrained)."""
+        """The column's Riemannian gradient map (its manifold's ``egrad2rgrad``; identity when unconstrained).
+
+        Parameters
+        ----------
+        w : torch.Tensor
+            Point :math:`W`.
+        g : torch.Tensor
+            Euclidean gradient :math:`G` at ``w``.
+
+        Returns
+        -------
+        torch.Tensor
+            The Riemannian gradient (:math:`P_W(G)` on the embedded-metric Stiefel manifold), or ``g``.
+        """
         m = self.manifold()
         return g if m is None else m.egrad2rgrad(w, g)
 
     def retr(self, w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """The column's retraction (its manifold's ``retr``; ``w + u`` when unconstrained)."""
+        """The column's retraction (its manifold's ``retr``; ``w + u`` when unconstrained).
+
+        Parameters
+        ----------
+        w : torch.Tensor
+            Point :math:`W`.
+        u : torch.Tensor
+            Step :math:`U`, tangent at ``w``.
+
+        Returns
+        -------
+        torch.Tensor
+            :math:`R_W(U)`, or :math:`W + U`.
+        """
         m = self.manifold()
         return w + u if m is None else m.retr(w, u)
 
@@ -141,7 +205,22 @@ def _canonical_stiefel():
 
 def stiefel_adam_column(second_moment: str | None = "frame", *, name: str | None = None,
                         label: str | None = None) -> OptimizerColumn:
-    """A column for :class:`~geoopt_stiefel_attention.StiefelAdam` with the given ``second_moment`` option."""
+    """A column for :class:`~geoopt_stiefel_attention.StiefelAdam` with the given ``second_moment`` option.
+
+    Parameters
+    ----------
+    second_moment : str or None, default "frame"
+        StiefelAdam's ``second_moment`` option (:data:`~geoopt_stiefel_attention.optim.SECOND_MOMENTS`).
+    name : str, optional
+        Full name; default ``"StiefelAdam"`` for ``"frame"``, else one naming the option.
+    label : str, optional
+        Short header; default ``"StiefelAdam"`` for ``"frame"``, else ``"SA <second_moment>"``.
+
+    Returns
+    -------
+    OptimizerColumn
+        The column.
+    """
     default_name = "StiefelAdam" if second_moment == "frame" else f"StiefelAdam(second_moment={second_moment!r})"
     default_label = "StiefelAdam" if second_moment == "frame" else f"SA {second_moment}"
     return OptimizerColumn(
@@ -163,6 +242,11 @@ def default_columns() -> tuple[OptimizerColumn, ...]:
     element-wise and per-column second-moment variants of ``StiefelAdam``. The geoopt columns carry the
     baseline names used by ``stiefel-attention bench`` and the studies' arms: ``geoopt-radam``,
     ``geoopt-radam-canonical`` and ``geoopt-rsgd``.
+
+    Returns
+    -------
+    tuple of OptimizerColumn
+        The columns.
     """
     return (
         stiefel_adam_column("frame"),
@@ -183,7 +267,18 @@ def default_columns() -> tuple[OptimizerColumn, ...]:
 
 
 def column_by_name(name: str) -> OptimizerColumn:
-    """The default column called ``name`` (full name or short label)."""
+    """The default column called ``name`` (full name or short label).
+
+    Parameters
+    ----------
+    name : str
+        Full name or label of a column of :func:`default_columns`.
+
+    Returns
+    -------
+    OptimizerColumn
+        The column.
+    """
     for column in default_columns():
         if name in (column.name, column.label):
             return column

@@ -82,6 +82,24 @@ def certify_scale_invariance(column: OptimizerColumn, *, seed: int = 0, steps: i
     The loss is :math:`\sum_h \tfrac12\|A_hW_h - B_h\|^2` on 4 frames of St(16, 4), ``steps`` steps from one
     random start; the gradient of the scaled run is :math:`c` times the gradient at its own iterate.
     Measured: :math:`\max_c \max_t \max|W^{(c)}_t - W^{(1)}_t|`.
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    seed : int, default 0
+        Seed of the random frames, gradients and losses.
+    steps : int, default 50
+        Steps of each run.
+    lr : float, default 0.05
+        Learning rate.
+    scales : tuple of float, default SCALES
+        The factors :math:`c`.
+
+    Returns
+    -------
+    Certificate
+        The certificate of this row for ``column``.
     """
     name = "2a scale-free (eps=0)"
     statement = "with eps = 0 the trajectories for gradients c*G_t, c in 1e-6..1e6, coincide with c = 1"
@@ -116,6 +134,26 @@ def certify_scale_with_eps(column: OptimizerColumn, *, seed: int = 0, steps: int
     bound; the equivalence reads nothing from the state).
     An optimizer without a second moment has no such bound (its step is proportional to :math:`c`): the
     figure is then ``inf``.
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    seed : int, default 0
+        Seed of the random frames, gradients and losses.
+    steps : int, default 50
+        Steps of each run.
+    lr : float, default 0.05
+        Learning rate.
+    eps : float, default 1e-8
+        The optimizer's :math:`\epsilon`.
+    scales : tuple of float, default SCALES
+        The factors :math:`c`.
+
+    Returns
+    -------
+    Certificate
+        The certificate of this row for ``column``.
     """
     name = "2b scale-free (default eps)"
     statement = ("with eps = 1e-8 the trajectories for c*G_t deviate from c = 1 by at most twice the first-order "

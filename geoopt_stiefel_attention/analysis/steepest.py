@@ -71,6 +71,20 @@ def certify_projection(column: OptimizerColumn, *, seed: int = 0, n_random: int 
       :math:`\eta \mapsto W^\top\eta + \eta^\top W`), so :math:`-\|c\|` is the true minimum of
       :math:`\langle G, \eta\rangle` over unit tangents;
     * the largest amount by which one of ``n_random`` random unit tangents beats :math:`-\xi/\|\xi\|`.
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    seed : int, default 0
+        Seed of the random frames, gradients and losses.
+    n_random : int, default 4000
+        Random unit tangents compared with :math:`-\xi/\|\xi\|`.
+
+    Returns
+    -------
+    Certificate
+        The certificate of this row for ``column``.
     """
     name = "1a steepest descent: projection"
     statement = ("xi = rgrad(W, G) is tangent, G - xi = W S with S symmetric, and -xi/||xi|| minimises <G, eta> "
@@ -128,6 +142,20 @@ def certify_step_direction(column: OptimizerColumn, *, seed: int = 0, lr: float 
     which is :math:`\ge 0` for every unit tangent and :math:`0` only for steepest descent. For an
     unconstrained matrix the direction :math:`W_1 - W_0` is compared with :math:`-G/\|G\|` instead (the
     steepest direction of the ambient space).
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    seed : int, default 0
+        Seed of the random frames, gradients and losses.
+    lr : float, default 1e-6
+        Learning rate of the step (small, so the step is read to first order).
+
+    Returns
+    -------
+    Certificate
+        The certificate of this row for ``column``.
     """
     name = "1b steepest descent: step direction"
     statement = "the optimizer's first step from a fresh state moves along -xi/||xi|| (embedded-metric steepest descent)"
@@ -160,6 +188,22 @@ def certify_first_step(column: OptimizerColumn, *, seed: int = 0, lr: float = 1e
     column's own ``retr`` otherwise, and :math:`W - \mathrm{lr}\,G/(\|G\| + \epsilon)` for an unconstrained
     matrix. Measured: max-abs difference of the optimizer's first iterate from the reference (``lr`` below
     the trust region, so the cap is inactive).
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    seed : int, default 0
+        Seed of the random frames, gradients and losses.
+    lr : float, default 1e-2
+        Learning rate of the step.
+    eps : float, default 1e-8
+        The optimizer's :math:`\epsilon`, used in the reference step too.
+
+    Returns
+    -------
+    Certificate
+        The certificate of this row for ``column``.
     """
     name = "1c first step = retr(W, -lr xi/||xi||)"
     statement = "the first step from a fresh state is exactly retr(W, -lr xi/(||xi|| + eps)) (frame-normalised steepest step)"
@@ -190,6 +234,22 @@ def certify_retraction_order(column: OptimizerColumn, *, seed: int = 0,
     For a random unit tangent :math:`\eta` at a random frame of St(16, 4), the errors over ``ts`` are fitted
     by :math:`\log e = p \log t + c`; measured is the order :math:`p` (2 for a retraction, 1 when the
     first-order term is wrong). ``retr`` overrides the column's retraction (used by the tests).
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    seed : int, default 0
+        Seed of the random frames, gradients and losses.
+    ts : tuple of float
+        Step lengths :math:`t` of the fit (default :math:`10^{-5}` to :math:`10^{-1}`, two per decade).
+    retr : callable, optional
+        ``retr(w, u)`` in place of the column's retraction.
+
+    Returns
+    -------
+    Certificate
+        The certificate of this row for ``column``.
     """
     name = "1d retraction is first order"
     statement = "||retr(W, t eta) - (W + t eta)|| = O(t^2): the fitted order p over t in [1e-5, 1e-1] is >= 1.9"

@@ -83,6 +83,8 @@ def run_certificates(columns: Sequence[OptimizerColumn] | None = None, *, seed: 
         Length of the drift run (3a-3c) for the columns named in ``long_run_columns``.
     other_steps : int
         Length of the drift run for every other column.
+    long_run_columns : sequence of str, default LONG_RUN_COLUMNS
+        Names of the columns whose drift run has ``steps`` steps.
     progress : callable, optional
         Called with the name of each column before it is certified (the CLI reports progress with it).
     rows : sequence of str, optional

@@ -226,7 +226,18 @@ def _gauge_finding(certs: Sequence[Certificate], prefix: Mapping[str, str], pass
 
 def stiefel_adam_failures(certs: Iterable[Certificate]) -> list[Certificate]:
     """The certificates of the main table's ``StiefelAdam`` column that failed (the Muon table's rows, where
-    StiefelAdam is a comparison column, are not counted)."""
+    StiefelAdam is a comparison column, are not counted).
+
+    Parameters
+    ----------
+    certs : sequence of Certificate
+        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+
+    Returns
+    -------
+    list of Certificate
+        The failed cells, in the order given.
+    """
     return [c for c in certs if c.optimizer == OUR_COLUMN and c.passed is False and not _is_muon_row(c.name)]
 
 
@@ -248,7 +259,28 @@ def format_text(certs: Sequence[Certificate], labels: Mapping[str, str] | None =
     """An aligned plain-text table: certificates as rows, optimizers as columns, then a legend and notes.
 
     ``labels`` and ``descriptions`` (by column name) default to those of the main table's columns; ``ours`` is
-    the column the findings compare the others with."""
+    the column the findings compare the others with.
+
+    Parameters
+    ----------
+    certs : sequence of Certificate
+        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+    labels : mapping of str to str, optional
+        Column headers by column name.
+    legend : bool, default True
+        Add the columns' descriptions and the certificates' statements.
+    notes : bool, default True
+        Add the findings.
+    descriptions : mapping of str to str, optional
+        Column descriptions by column name.
+    ours : str, default OUR_COLUMN
+        Name of the column the findings compare the others with.
+
+    Returns
+    -------
+    str
+        The table.
+    """
     labels = dict(_default_labels() if labels is None else labels)
     rows, cols, cells = _grid(certs)
     heads = _column_key(cols, labels)
@@ -284,7 +316,24 @@ def _md(text: str) -> str:
 def format_markdown(certs: Sequence[Certificate], labels: Mapping[str, str] | None = None, *,
                     descriptions: Mapping[str, str] | None = None, ours: str = OUR_COLUMN) -> str:
     """The table as GitHub Markdown, followed by the legend (columns with their ``descriptions``, when given)
-    and the findings (other columns compared with ``ours``)."""
+    and the findings (other columns compared with ``ours``).
+
+    Parameters
+    ----------
+    certs : sequence of Certificate
+        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+    labels : mapping of str to str, optional
+        Column headers by column name.
+    descriptions : mapping of str to str, optional
+        Column descriptions by column name.
+    ours : str, default OUR_COLUMN
+        Name of the column the findings compare the others with.
+
+    Returns
+    -------
+    str
+        The Markdown document.
+    """
     labels = dict(_default_labels() if labels is None else labels)
     rows, cols, cells = _grid(certs)
     heads = _column_key(cols, labels)
@@ -305,10 +354,34 @@ def format_markdown(certs: Sequence[Certificate], labels: Mapping[str, str] | No
 
 
 def to_records(certs: Iterable[Certificate]) -> list[dict]:
-    """One JSON-ready dict per cell (keys ``certificate, optimizer, passed, measured, tolerance, details``, ...)."""
+    """One JSON-ready dict per cell (keys ``certificate, optimizer, passed, measured, tolerance, details``, ...).
+
+    Parameters
+    ----------
+    certs : sequence of Certificate
+        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+
+    Returns
+    -------
+    list of dict
+        :meth:`Certificate.to_dict` of each cell.
+    """
     return [c.to_dict() for c in certs]
 
 
 def to_json(certs: Iterable[Certificate], *, indent: int = 2) -> str:
-    """:func:`to_records` serialised as a JSON list."""
+    """:func:`to_records` serialised as a JSON list.
+
+    Parameters
+    ----------
+    certs : sequence of Certificate
+        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+    indent : int, default 2
+        JSON indentation.
+
+    Returns
+    -------
+    str
+        The JSON list.
+    """
     return json.dumps(to_records(certs), indent=indent)

@@ -45,6 +45,20 @@ def certify_decay_gradient(column: OptimizerColumn, *, seed: int = 0, stack: int
 
     Measured: :math:`\max \|\mathrm{rgrad}(W, W)\|_F/\|W\|_F` over ``stack`` frames of each shape from
     St(1, 1) to St(256, 64), with the column's ``egrad2rgrad``.
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    seed : int, default 0
+        Seed of the random frames, gradients and losses.
+    stack : int, default 3
+        Frames drawn per shape.
+
+    Returns
+    -------
+    Certificate
+        The certificate of this row for ``column``.
     """
     name = "5  rgrad of decay = 0"
     statement = "the Riemannian gradient of (lambda/2)||W||^2, rgrad(W, lambda W), is 0 to rounding on St(d, r)"
@@ -72,6 +86,24 @@ def certify_coupled_decay(column: OptimizerColumn, *, seed: int = 0, steps: int 
 
     Measured: :math:`\max_t\max|W^{(\lambda)}_t - W^{(0)}_t|` over ``steps`` steps (:math:`\lambda = 1`).
     For an unconstrained matrix, coupled decay is an ordinary L2 penalty and changes the trajectory.
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    seed : int, default 0
+        Seed of the random frames, gradients and losses.
+    steps : int, default 50
+        Steps of each run.
+    lr : float, default 0.05
+        Learning rate :math:`\eta`.
+    decay : float, default 1.0
+        The weight decay :math:`\lambda`.
+
+    Returns
+    -------
+    Certificate
+        The certificate of this row for ``column``.
     """
     name = "5a coupled decay: no effect"
     statement = "coupled weight decay (lambda W added to G before projection, lambda = 1) leaves the trajectory unchanged"
@@ -91,6 +123,26 @@ def certify_point_decay(column: OptimizerColumn, *, seed: int = 0, steps: int = 
     After every optimizer step the frame is replaced by the SVD polar factor of :math:`(1-\eta\lambda)W`
     (``project`` replaces the polar factor; the tests pass the identity to show the certificate can fail);
     measured: max-abs difference from the run without it.
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    seed : int, default 0
+        Seed of the random frames, gradients and losses.
+    steps : int, default 50
+        Steps of each run.
+    lr : float, default 0.05
+        Learning rate :math:`\eta`.
+    decay : float, default 1.0
+        The weight decay :math:`\lambda`.
+    project : callable, default polar_factor
+        Maps the decayed point back to the manifold.
+
+    Returns
+    -------
+    Certificate
+        The certificate of this row for ``column``.
     """
     name = "5b decay of retracted point: no effect"
     statement = "decoupled decay on the retracted point, W <- polar((1 - lr lambda) W) after each step, changes nothing"
@@ -121,6 +173,22 @@ def certify_decay_in_retraction(column: OptimizerColumn, *, seed: int = 0, lr: f
     from a fresh state with ``weight_decay = lambda`` and one with ``weight_decay = 0`` are compared through
     their recovered tangent steps: measured :math:`|\,\|s^{(\lambda)}\|/\|s^{(0)}\| - 1|` (0 when decay does
     not touch the frame step, :math:`\eta\lambda/(1-\eta\lambda)` when it is applied inside the retraction).
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    seed : int, default 0
+        Seed of the random frames, gradients and losses.
+    lr : float, default 0.05
+        Learning rate :math:`\eta`.
+    decay : float, default 1.0
+        The weight decay :math:`\lambda`.
+
+    Returns
+    -------
+    Certificate
+        The certificate of this row for ``column``.
     """
     name = "5c decay never enlarges the step"
     statement = ("polar((1 - lr lambda) W - s) = polar(W - s/(1 - lr lambda)) enlarges the step by 1/(1 - lr lambda); "
@@ -166,6 +234,24 @@ def certify_decay_training(column: OptimizerColumn, *, seed: int = 0, steps: int
     ``w_q``, ``w_k`` between the runs with :math:`\lambda = 1` and :math:`\lambda = 0`, over every step.
     The details give :math:`\|W_Q\|_F` at the start and the end of both runs (an unconstrained ``W_Q``
     under AdamW shrinks).
+
+    Parameters
+    ----------
+    column : OptimizerColumn
+        The optimizer and geometry certified.
+    seed : int, default 0
+        Seed of the random frames, gradients and losses.
+    steps : int, default 100
+        Steps of each run.
+    lr : float, default 0.01
+        Learning rate.
+    decay : float, default 1.0
+        The weight decay :math:`\lambda`.
+
+    Returns
+    -------
+    Certificate
+        The certificate of this row for ``column``.
     """
     name = "5d training: frames ignore decay"
     statement = ("a training run with weight_decay = 1 on W_Q, W_K leaves them identical to the run with 0 "

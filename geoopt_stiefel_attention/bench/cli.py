@@ -86,7 +86,13 @@ def _read_by(flag: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``stiefel-attention bench``; each help ends with the benchmarks that read the flag
-    (:data:`BENCHMARK_READS`)."""
+    (:data:`BENCHMARK_READS`).
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+        The ``bench`` subcommand's parser.
+    """
 
     def add(flag: str, help: str, **kwargs) -> None:
         parser.add_argument(flag, action=_Given, help=f"{help} [read by {_read_by(flag)}]", **kwargs)
@@ -155,7 +161,18 @@ def _refuse_unread(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the chosen benchmark and print a Markdown table (or JSON with ``--json``)."""
+    """Run the chosen benchmark and print a Markdown table (or JSON with ``--json``).
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        Parsed by a parser given :func:`add_arguments`.
+
+    Returns
+    -------
+    int
+        The exit status (0 on success).
+    """
     _refuse_unread(args)  # before anything else: a flag the benchmark would ignore is a user error
     import torch
 

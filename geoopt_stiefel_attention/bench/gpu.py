@@ -45,6 +45,26 @@ def accelerator_check(device: str = "cuda", *, scale: str = "default", clock: st
 
     Returns a JSON-ready dict: the provenance (:func:`~.records.provenance`: format version, git commit),
     ``machine``, ``settings``, ``seconds`` (per part) and one entry per part.
+
+    Parameters
+    ----------
+    device : str, default "cuda"
+        Torch device of every part.
+    scale : {"default", "tiny"}, default "default"
+        Sizes and rounds, from :data:`CHECK_SCALES` (``"tiny"``: a quick run of the same parts).
+    clock : {"wall", "cpu"}, default "wall"
+        Clock of the timings.
+    threads : int, optional
+        ``torch.set_num_threads`` during the check; ``None`` leaves it.
+    compile_backend : str or None, default "inductor"
+        ``torch.compile`` backend of the compiled path; ``None`` leaves that path out.
+    seed : int, default 0
+        Seed of the random frames and data.
+
+    Returns
+    -------
+    dict
+        The JSON-ready result, as above.
     """
 
     if scale not in CHECK_SCALES:
@@ -225,7 +245,18 @@ def graph_step_benchmark(frames: FrameSet, settings: BenchSettings) -> dict[str,
 
 
 def format_check(doc: dict[str, Any]) -> str:
-    """A short plain-text summary of :func:`accelerator_check`'s result."""
+    """A short plain-text summary of :func:`accelerator_check`'s result.
+
+    Parameters
+    ----------
+    doc : dict
+        What :func:`accelerator_check` returned (or its JSON file, loaded).
+
+    Returns
+    -------
+    str
+        The summary, a few lines: one per part of the check.
+    """
     lines = [f"accelerator check on {doc['machine']['device']} ({doc['machine']['cpu']}), "
              f"torch {doc['machine']['torch']}, scale {doc['settings']['scale']}"]
     for r in doc["step"]:

@@ -28,7 +28,17 @@ from .step import _matmul_floor
 # ----------------------------------------------------------------------------------------------- step paths
 @dataclass(frozen=True)
 class FrameSet:
-    """``params`` frame parameters of shape ``(heads, d, r)``: ``params * heads`` frames of ``St(d, r)``."""
+    r"""``params`` frame parameters of shape ``(heads, d, r)``: ``params * heads`` frames of ``St(d, r)``.
+
+    Attributes
+    ----------
+    params : int
+        Number of frame parameters.
+    heads : int
+        Frames per parameter.
+    d, r : int
+        Shape of each frame, :math:`\mathrm{St}(d, r)` with :math:`r \le d`.
+    """
 
     params: int
     heads: int
@@ -64,7 +74,18 @@ GRIDS = ("short", "full")
 def path_frame_sets(grid: str = "short") -> list[FrameSet]:
     """``"short"``: the bench shape alone; ``"full"``: the bench shape, then 24 parameters of 8 heads of
     ``d x r`` frames for ``d`` in :data:`GRID_WIDTHS` and ``r`` in :data:`GRID_RANKS` (``r < d``; the bench
-    shape once)."""
+    shape once).
+
+    Parameters
+    ----------
+    grid : {"short", "full"}, default "short"
+        One of :data:`GRIDS`.
+
+    Returns
+    -------
+    list of FrameSet
+        The frame sets, the bench shape first.
+    """
     if grid not in GRIDS:
         raise ValueError(f"bench: grid={grid!r} is unknown; use one of {GRIDS}.")
     sets = [BENCH_FRAMES]
@@ -81,6 +102,27 @@ class StepPathResult:
     ``floor_ratio[path]`` is the path's step time over the matrix-product floor's (median over rounds of the
     per-round ratio of medians); ``compile_s`` the seconds the compiled path's first steps took (compilation;
     excluded from its timing), ``None`` without that path.
+
+    Attributes
+    ----------
+    frames : FrameSet
+        The frames stepped.
+    dtype, device : str
+        Of the frames.
+    timings : dict of str to Timing
+        Per path.
+    floor_ratio : dict of str to float
+        Per path other than the floor, as above.
+    compile_s : float or None
+        As above.
+    compile_backend : str or None
+        ``torch.compile`` backend of the compiled path; ``None`` without that path.
+    rounds : int
+        Interleaved rounds.
+    clock : {"wall", "cpu"}
+        The clock of the timings.
+    threads : int
+        Torch threads during the run.
     """
 
     frames: FrameSet
@@ -179,6 +221,8 @@ def step_path_benchmark(
         ``torch.compile`` backend of the compiled path (``"aot_eager"`` traces without generating code).
     settings : BenchSettings, optional
         Default ``BENCH_DEFAULTS["paths"]``; with ``**overrides`` as in :func:`step_time_benchmark`.
+    **overrides
+        Fields of :class:`BenchSettings` replacing those of ``settings`` (``rounds=3``, ``clock="cpu"``).
 
     Returns
     -------
@@ -213,7 +257,18 @@ def step_path_benchmark(
 
 
 def format_path_table(results: list[StepPathResult]) -> str:
-    """A Markdown table: per frame set, each path's median step time and its ratio to the product floor."""
+    """A Markdown table: per frame set, each path's median step time and its ratio to the product floor.
+
+    Parameters
+    ----------
+    results : list of StepPathResult
+        From :func:`step_path_benchmark`.
+
+    Returns
+    -------
+    str
+        The table, one row per frame set.
+    """
     timed = [a for a in STEP_PATHS if a != "matmul_floor" and any(a in r.timings for r in results)]
     head = ["frames (params x (heads, d, r))", "floor ms"] + [f"{a} ms (x floor)" for a in timed]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -20,6 +20,21 @@ class Timing:
     median and quartiles over every timed step (milliseconds).
 
     Written to JSON by :func:`as_record`, which keeps the file format's key ``"arm"`` for ``name``.
+
+    Attributes
+    ----------
+    name : str
+        The entry timed (optimizer, path or arm).
+    median_ms, q1_ms, q3_ms : float
+        Median, first and third quartile of the step times, in milliseconds (NaN when the entry did not run).
+    steps : int
+        Timed steps, over every round (0 when the entry did not run).
+    state_bytes : int or None
+        Bytes of the optimizer's state after the run; ``None`` where no optimizer was timed.
+    workspace_bytes : int or None
+        Bytes of the optimizer's step workspaces; ``None`` when it keeps none.
+    note : str
+        Why the entry is missing or flagged; empty otherwise.
     """
 
     name: str
@@ -34,7 +49,25 @@ class Timing:
 
 @dataclass(frozen=True)
 class Machine:
-    """Where a benchmark ran."""
+    """Where a benchmark ran.
+
+    Attributes
+    ----------
+    cpu : str
+        CPU model (from ``/proc/cpuinfo`` where available), and the GPU's name on a CUDA device.
+    logical_cpus : int
+        ``os.cpu_count()``.
+    torch_threads : int
+        ``torch.get_num_threads()`` when it was described.
+    torch, geoopt, python : str
+        Versions.
+    platform : str
+        ``platform.platform()``.
+    device : str
+        Torch device of the benchmark.
+    extra : dict of str to str
+        Further facts, empty by default.
+    """
 
     cpu: str
     logical_cpus: int
@@ -48,7 +81,18 @@ class Machine:
 
 
 def machine_info(device: str = "cpu") -> Machine:
-    """Describe the machine and library versions (the model name from ``/proc/cpuinfo`` where available)."""
+    """Describe the machine and library versions (the model name from ``/proc/cpuinfo`` where available).
+
+    Parameters
+    ----------
+    device : str, default "cpu"
+        Torch device of the benchmark (a ``cuda`` device adds its GPU's name to ``cpu``).
+
+    Returns
+    -------
+    Machine
+        The description.
+    """
     import os
 
     import geoopt
@@ -85,12 +129,38 @@ def _file_dict(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def as_record(result: Any) -> dict[str, Any]:
-    """A result object (its :class:`Timing` entries included) as the JSON-ready dict the files hold."""
+    """A result object (its :class:`Timing` entries included) as the JSON-ready dict the files hold.
+
+    Parameters
+    ----------
+    result : dataclass instance
+        A :class:`StepTimeResult`, :class:`StepPathResult` or :class:`TrainStepResult`.
+
+    Returns
+    -------
+    dict
+        Its fields, a :class:`Timing`'s ``name`` under the key ``"arm"``.
+    """
     return asdict(result, dict_factory=_file_dict)
 
 
 def to_json(results: list[Any], machine: Machine, **meta: Any) -> str:
-    """JSON document with the provenance (:func:`provenance`), the machine, the run's settings and every result."""
+    """JSON document with the provenance (:func:`provenance`), the machine, the run's settings and every result.
+
+    Parameters
+    ----------
+    results : list
+        Result objects, each written by :func:`as_record`.
+    machine : Machine
+        Where they ran (:func:`machine_info`).
+    **meta
+        The run's settings, written under ``"settings"``.
+
+    Returns
+    -------
+    str
+        The JSON document (indented by 2).
+    """
     return json.dumps({**provenance(), "machine": asdict(machine), "settings": meta,
                        "results": [as_record(r) for r in results]}, indent=2, default=str)
 

@@ -192,7 +192,18 @@ def ratio_disagrees(num_ms: float, den_ms: float, ratio: float) -> bool:
 
 @contextlib.contextmanager
 def torch_threads(threads: int | None) -> Iterator[None]:
-    """``torch.set_num_threads(threads)`` inside the block (``None``: unchanged), the previous count restored."""
+    """``torch.set_num_threads(threads)`` inside the block (``None``: unchanged), the previous count restored.
+
+    Parameters
+    ----------
+    threads : int or None
+        Threads inside the block; ``None`` leaves the count as it is.
+
+    Yields
+    ------
+    None
+        Control, once, with the count set.
+    """
     import torch
 
     previous = torch.get_num_threads()

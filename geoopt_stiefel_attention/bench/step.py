@@ -40,6 +40,27 @@ class StepTimeResult:
     below 1.5 meets the AdamW target, ``ratios["matmul_floor"]`` below 1.3 the floor target, and
     ``1 / ratios["geoopt-radam"]`` is the speed-up over stock geoopt. ``state_ratio`` is optimizer-state
     bytes over parameter bytes per optimizer.
+
+    Attributes
+    ----------
+    width, depth, heads, head_dim : int
+        The configuration: model width, layers, heads and head size (``width // heads``).
+    frames : int
+        Frames stepped (``2 * depth * heads``).
+    param_bytes : int
+        Bytes of the frame parameters.
+    dtype : str
+        Of the parameters.
+    timings : dict of str to Timing
+        Per optimizer.
+    ratios, state_ratio : dict of str to float
+        As above.
+    rounds : int
+        Interleaved rounds.
+    clock : {"wall", "cpu"}
+        The clock of the timings.
+    threads : int
+        Torch threads during the run.
     """
 
     width: int
@@ -59,7 +80,22 @@ class StepTimeResult:
 # ----------------------------------------------------------------------------------------------- step time
 def frame_shapes(width: int, depth: int, heads: int) -> list[tuple[int, int, int]]:
     """Shapes of the query/key projections of a ``depth``-layer model, one frame per head: ``2 * depth``
-    parameters of shape ``(heads, width, width // heads)``."""
+    parameters of shape ``(heads, width, width // heads)``.
+
+    Parameters
+    ----------
+    width : int
+        Model width :math:`d`.
+    depth : int
+        Layers.
+    heads : int
+        Heads per layer, dividing ``width``.
+
+    Returns
+    -------
+    list of (int, int, int)
+        ``2 * depth`` copies of ``(heads, width, width // heads)``.
+    """
     if width % heads:
         raise ValueError(f"bench: width={width} is not a multiple of heads={heads}; pick heads dividing width.")
     return [(heads, width, width // heads)] * (2 * depth)
@@ -236,7 +272,18 @@ _OPTIMIZER_LABELS = {
 
 def format_step_table(results: list[StepTimeResult]) -> str:
     """A Markdown table: StiefelAdam's median step time, and for each competitor its time and the ratio
-    (StiefelAdam / competitor for AdamW and the floor; competitor / StiefelAdam, the speed-up, for geoopt)."""
+    (StiefelAdam / competitor for AdamW and the floor; competitor / StiefelAdam, the speed-up, for geoopt).
+
+    Parameters
+    ----------
+    results : list of StepTimeResult
+        From :func:`step_time_benchmark`.
+
+    Returns
+    -------
+    str
+        The table, one row per configuration.
+    """
     competitors = [a for a in STEP_OPTIMIZERS if a != "stiefel" and any(a in r.timings for r in results)]
     head = ["width (layers x heads x head_dim)", "StiefelAdam ms"]
     for name in competitors:

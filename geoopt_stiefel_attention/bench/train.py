@@ -37,7 +37,33 @@ TRAIN_SCALE_NAMES = ("default", "tiny", "w64")
 class TrainStepResult:
     """:func:`train_step_benchmark` for one model: full-step, optimizer-only and forward-only times per arm, and the
     ratio of the stiefel arm's full step to the adamw arm's (median over rounds). The backward pass takes the rest
-    of a full step (full - forward - optimizer)."""
+    of a full step (full - forward - optimizer).
+
+    Attributes
+    ----------
+    model : str
+        The model's name (:data:`TRAIN_MODELS`, :data:`EXTRA_TRAIN_MODELS`).
+    config : dict
+        Its settings, the batch size excepted.
+    batch : int
+        Batch size.
+    full_step, optimizer_step : dict of str to Timing
+        Per arm (``"adamw"``, ``"stiefel"``).
+    ratio : float
+        Stiefel arm's full step over the adamw arm's.
+    rounds : int
+        Interleaved rounds.
+    clock : {"wall", "cpu"}
+        The clock of the timings.
+    threads : int
+        Torch threads during the run.
+    autocast : str or None
+        The ``torch.autocast`` dtype of forward and loss; ``None`` without autocast.
+    min_ratio : float or None
+        Ratio of the two arms' fastest steps.
+    forward_step : dict of str to Timing or None
+        Forward and loss alone, per arm, where timed.
+    """
 
     model: str
     config: dict[str, Any]
@@ -307,6 +333,26 @@ def train_step_benchmark(
     (parameters and optimizer stay float32: mixed precision the way torch users do it). ``settings`` (default
     ``BENCH_DEFAULTS["train"]``) and ``**overrides`` as in :func:`step_time_benchmark`; its ``dtype`` must
     stay ``"float32"``.
+
+    Parameters
+    ----------
+    models : tuple of str, default TRAIN_MODELS
+        Names from :data:`TRAIN_MODELS` and :data:`EXTRA_TRAIN_MODELS`.
+    weight_decay : float, default 0.1
+        Of both arms' optimizers, through :func:`~geoopt_stiefel_attention.param_groups`.
+    scale : {"default", "tiny", "w64"}, default "default"
+        Model sizes, as above.
+    autocast : {"bfloat16", "float16"}, optional
+        Mixed precision of forward and loss; ``None`` (the default) runs in float32.
+    settings : BenchSettings, optional
+        Default ``BENCH_DEFAULTS["train"]``.
+    **overrides
+        Fields of :class:`BenchSettings` replacing those of ``settings``.
+
+    Returns
+    -------
+    list of TrainStepResult
+        One per model, in the order given.
     """
     import torch
 
@@ -368,7 +414,18 @@ def train_step_benchmark(
 
 def format_train_table(results: list[TrainStepResult]) -> str:
     """A Markdown table of full-step times per arm and the stiefel / adamw ratio (median over rounds, and of
-    the fastest steps), with each arm's forward (and loss) alone where it was timed."""
+    the fastest steps), with each arm's forward (and loss) alone where it was timed.
+
+    Parameters
+    ----------
+    results : list of TrainStepResult
+        From :func:`train_step_benchmark`.
+
+    Returns
+    -------
+    str
+        The table, one row per model.
+    """
     lines = ["| model | batch | adamw step ms (optimizer ms) | stiefel step ms (optimizer ms) | stiefel / adamw "
              "| of fastest | forward ms, adamw / stiefel |",
              "|---|---|---|---|---|---|---|"]

@@ -307,6 +307,16 @@ def export_state_dict(model: nn.Module) -> dict[str, Tensor]:
     ``load_state_dict(..., strict=True)`` into the unconverted model class and into a converted one, and
     saves with safetensors. It is the same inside :func:`parametrized_state_dict`.
 
+    Parameters
+    ----------
+    model : nn.Module
+        A model converted by :func:`stiefelize` (unchanged by the call).
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        The stock state dict, as above.
+
     Raises
     ------
     ValueError
@@ -379,6 +389,16 @@ def unstiefelize(model: nn.Module) -> nn.Module:
     whole weight, so that optimizer's state no longer fits it. Build the optimizer again from the unstiefelized
     model (e.g. ``torch.optim.AdamW(model.parameters())``); every call warns so.
 
+    Parameters
+    ----------
+    model : nn.Module
+        A model converted by :func:`stiefelize`; changed in place.
+
+    Returns
+    -------
+    nn.Module
+        ``model`` itself.
+
     Warns
     -----
     UserWarning
@@ -434,7 +454,18 @@ def unstiefelize(model: nn.Module) -> nn.Module:
 
 def converted_query_key_frames(model: nn.Module) -> list[tuple[str, Tensor, Tensor]]:
     """``(path, q_frames, k_frames)`` for every attention module converted by :func:`stiefelize`:
-    the ``(H, d, r)`` and ``(H_kv, d, r)`` frame parameters, in ``named_modules()`` order."""
+    the ``(H, d, r)`` and ``(H_kv, d, r)`` frame parameters, in ``named_modules()`` order.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Any model (an empty list when nothing in it was converted).
+
+    Returns
+    -------
+    list of (str, torch.Tensor, torch.Tensor)
+        ``(path, q_frames, k_frames)`` per converted module.
+    """
     found = []
     for path, module in model.named_modules():
         blocks = vars(module).get(_MARK)

@@ -122,7 +122,24 @@ class Block:
                                  f"interleaved={self.interleaved!r}.")
 
     def locate(self, width: int) -> tuple[int, int]:
-        """``(start, length)`` of this block in a tensor with ``width`` entries along ``dim``."""
+        """``(start, length)`` of this block in a tensor with ``width`` entries along ``dim``.
+
+        Parameters
+        ----------
+        width : int
+            Size of the parameter along ``dim``.
+
+        Returns
+        -------
+        tuple of int
+            ``(start, length)``: ``span`` when given, else part ``part`` of ``parts`` equal parts.
+
+        Raises
+        ------
+        ValueError
+            For an interleaved or grouped block, a ``span`` beyond ``width``, or a ``width`` not divisible into
+            ``parts`` parts.
+        """
         if self.interleaved:
             raise ValueError(f"{self.param}: an interleaved block is not one range; use locate_interleaved")
         if self.groups is not None:
@@ -144,6 +161,22 @@ class Block:
         block is entries ``start : start + length`` of each of the ``groups`` (:math:`= H_{kv}`) equal
         consecutive groups, group by group (its head :math:`g\,m + j`, with :math:`m = \text{length}/r`, is
         entries :math:`gL + \text{start} + jr` to :math:`+ r`, :math:`L = \text{width}/\text{groups}`).
+
+        Parameters
+        ----------
+        width : int
+            Size of the parameter along ``dim``.
+        heads : int
+            Query heads :math:`H`.
+        kv_heads : int
+            Key/value heads :math:`H_{kv}`, which divides :math:`H`.
+        r : int
+            Head size.
+
+        Returns
+        -------
+        tuple of int
+            ``(start, length, groups)``.
 
         Raises
         ------
@@ -167,6 +200,18 @@ class Block:
         """``(start, length, groups)`` of a block of every group (``groups=``) in a tensor with ``width`` entries
         along ``dim`` split into ``groups`` equal groups: entries ``start : start + length`` of each group.
 
+        Parameters
+        ----------
+        width : int
+            Size of the parameter along ``dim``.
+        groups : int
+            Number of equal groups the parameter is split into.
+
+        Returns
+        -------
+        tuple of int
+            ``(start, length, groups)``.
+
         Raises
         ------
         ValueError
@@ -179,13 +224,26 @@ class Block:
         return self.part * length, length, groups
 
     def bias_block(self) -> Block:
-        """Where the matching bias lives by default: the same slice of ``q_proj.bias`` / ``in_proj_bias``."""
+        """Where the matching bias lives by default: the same slice of ``q_proj.bias`` / ``in_proj_bias``.
+
+        Returns
+        -------
+        Block
+            The same slice of the bias named after ``param`` (``weight`` replaced by ``bias``), along dimension 0.
+        """
         head, _, last = self.param.rpartition(".")
         name = "bias" if last == "weight" else last.replace("weight", "bias")
         return Block(f"{head}.{name}" if head else name, 0, self.part, self.parts, self.span, self.interleaved,
                      self.groups)
 
     def describe(self) -> str:
+        """A readable name of the block: the parameter and which of its rows or columns it is.
+
+        Returns
+        -------
+        str
+            E.g. ``"in_proj_weight (rows part 1/3)"``.
+        """
         axis = "rows" if self.dim == 0 else "columns"
         if self.interleaved:
             return f"{self.param} ({axis} part {self.part + 1}/{self.parts} of each key/value head's group)"
@@ -328,7 +386,18 @@ class Layout:
                              f"part=0 and part=2 of parts=3, groups='mp_num'); got q={q}, k={k}.")
 
     def matches(self, module: nn.Module) -> bool:
-        """Whether ``module`` has this layout: both parameters exist and ``when`` (if any) holds."""
+        """Whether ``module`` has this layout: both parameters exist and ``when`` (if any) holds.
+
+        Parameters
+        ----------
+        module : nn.Module
+            Candidate attention module.
+
+        Returns
+        -------
+        bool
+            ``True`` when ``module`` has the two parameters as 2-D tensors and ``when(module)`` is true.
+        """
         for block in (self.q, self.k):
             try:
                 t = _get(module, block.param)
@@ -339,6 +408,13 @@ class Layout:
         return self.when is None or bool(self.when(module))
 
     def describe(self) -> str:
+        """A readable one-line summary: the layout's name and its query and key blocks.
+
+        Returns
+        -------
+        str
+            ``"<name>: q = <block>, k = <block>"`` (see :meth:`Block.describe`).
+        """
         return f"{self.name}: q = {self.q.describe()}, k = {self.k.describe()}"
 
 

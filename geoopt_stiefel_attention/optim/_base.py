@@ -149,6 +149,11 @@ class FrameOptimizer:
         earlier), or added after construction, trains nothing and gives a ``UserWarning``; an explicit empty
         list among non-empty groups at construction is accepted silently, as by torch (e.g. the ``"frames"``
         group of :func:`~geoopt_stiefel_attention.param_groups` for a model without frames).
+
+        Parameters
+        ----------
+        param_group : dict
+            ``"params"`` and any of the optimizer's options; options not given take the optimizer's defaults.
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"{self._NAME}: a parameter group must be a dict with a 'params' entry, not "
@@ -234,6 +239,12 @@ class FrameOptimizer:
         parameter. geoopt's AMSGrad buffer of a frame is dropped with a warning (AMSGrad applies to Euclidean
         parameters only here), and the groups' ``decoupled_weight_decay`` is set to True: StiefelAdam applies
         decoupled decay to Euclidean parameters whatever the checkpoint says.
+
+        Parameters
+        ----------
+        state_dict : dict
+            As returned by :meth:`state_dict` (of this optimizer, or of ``geoopt.optim.RiemannianAdam``), with the
+            entries ``"state"`` and ``"param_groups"``.
         """
         state_dict = state_dict.copy()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -363,7 +374,13 @@ class FrameOptimizer:
     @torch.no_grad()
     def stabilize_group(self, group: dict[str, Any]) -> None:
         """Re-project the group's frames onto the manifold (exact SVD) and their first moments onto the
-        tangent spaces."""
+        tangent spaces.
+
+        Parameters
+        ----------
+        group : dict
+            One of :attr:`param_groups`; its Euclidean parameters and frames without state are left as they are.
+        """
         for p in group["params"]:
             if not _is_frame(p) or not self.state[p]:
                 continue

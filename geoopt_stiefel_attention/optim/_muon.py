@@ -68,6 +68,23 @@ def muon_lr_scale(adjust_lr_fn: str | None, d: int, r: int) -> float:
 
     The step actually taken is :math:`W \leftarrow \operatorname{polar}(W - \eta A^\star)` with
     :math:`\eta = \mathrm{lr}\cdot` this factor, and :math:`\|\eta A^\star\|_2 = \eta`.
+
+    Parameters
+    ----------
+    adjust_lr_fn : {"original", "match_rms_adamw"} or None
+        torch's rule, as above (``None`` is ``"original"``).
+    d, r : int
+        Shape of the frame, :math:`W \in \mathrm{St}(d, r)`.
+
+    Returns
+    -------
+    float
+        :math:`\sqrt{\max(1, d/r)}` or :math:`0.2\sqrt{\max(d, r)}`.
+
+    Raises
+    ------
+    ValueError
+        For another ``adjust_lr_fn``.
     """
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return math.sqrt(max(1.0, d / r))
@@ -240,9 +257,28 @@ def stiefel_muon_update(
     A frame whose gradient has a non-finite entry comes back unchanged (``W`` and ``B``); the returned mask is
     ``False`` there.
 
+    Parameters
+    ----------
+    w : torch.Tensor
+        Frames :math:`W`, shape ``(..., d, r)``.
+    grad : torch.Tensor
+        Euclidean gradient :math:`G`, of ``w``'s shape.
+    momentum_buffer : torch.Tensor
+        Momentum :math:`B` (tangent at ``w``), of ``w``'s shape.
+    lr : float
+        Step size :math:`\eta`, already multiplied by :func:`muon_lr_scale`.
+    momentum : float
+        :math:`\mu \in [0, 1)`.
+    nesterov : bool
+        Nesterov momentum (step 3).
+    iterations : int
+        Iterations of the direction's solver in :func:`muon_direction_reference`.
+
     Returns
     -------
     w_new, buffer_new, finite : torch.Tensor
+        The new frames and momentum (unchanged where the frame did not move), and the mask of frames whose
+        gradient is finite, of shape ``(..., 1, 1)``.
     """
     xi = _linalg.proju(w, grad)
     finite = _linalg.frame_sq_norm(xi) < math.inf
