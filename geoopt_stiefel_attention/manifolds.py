@@ -56,9 +56,10 @@ class PolarStiefel(EuclideanStiefel):
 
     Parameters
     ----------
-    canonical : bool, default True
-        Accepted for the signature of geoopt's ``Stiefel``, whose constructor picks the canonical or the
-        Euclidean metric by it; ignored here: the metric is always the embedded one.
+    canonical : bool, optional
+        geoopt's ``Stiefel(canonical=...)`` picks the canonical or the Euclidean metric by it; this manifold has the
+        Euclidean (embedded) metric only, so ``canonical=True`` is refused (``ValueError``: use
+        ``geoopt.Stiefel(canonical=True)`` for the canonical metric) and ``False`` or leaving it out are the same.
 
     Examples
     --------
@@ -72,6 +73,15 @@ class PolarStiefel(EuclideanStiefel):
     """
 
     name = "Stiefel(euclidean)"
+
+    def __new__(cls, canonical: bool | None = None) -> PolarStiefel:
+        # geoopt's Stiefel.__new__ picks CanonicalStiefel for canonical=True only when called as Stiefel(...); a
+        # subclass got the Euclidean metric whatever was asked for
+        if canonical:
+            raise ValueError("PolarStiefel: canonical=True asks for the canonical metric, but PolarStiefel is a "
+                             "EuclideanStiefel (the embedded metric, with the polar retraction); use "
+                             "geoopt.Stiefel(canonical=True) for the canonical metric, or leave canonical out.")
+        return super().__new__(cls)
 
     def _assert_check_shape(self, shape: tuple[int, ...], name: str) -> None:
         ok, reason = self._check_shape(shape, name)

@@ -1,5 +1,7 @@
 """PolarStiefel: geoopt's manifold contract (as geoopt's own test_manifold_basic checks it), in float64."""
 
+import copy
+import pickle
 import re
 import warnings
 
@@ -451,3 +453,15 @@ def test_geoopt_optimizers_step_a_polar_stiefel_parameter(st, opt_cls):
     # Adam's steps at a fixed lr keep a jitter of about lr * eps-scale around the optimum; SGD converges
     tol = ADAM_OPTIMUM_TOL if opt_cls is geoopt.optim.RiemannianAdam else OPTIMUM_TOL
     np.testing.assert_allclose(w.numpy(), a @ bh, atol=tol)
+
+
+def test_asking_polar_stiefel_for_the_canonical_metric_is_refused():
+    """geoopt's ``Stiefel(canonical=True)`` is the canonical metric; a subclass of ``EuclideanStiefel`` got the
+    Euclidean one whatever was asked for. ``PolarStiefel(canonical=True)`` is refused, naming the fix; companion:
+    ``canonical=False``, no argument, a pickle and a deep copy give the manifold."""
+    with pytest.raises(ValueError, match=r"canonical=True .* geoopt\.Stiefel\(canonical=True\)"):
+        PolarStiefel(canonical=True)
+    assert type(geoopt.Stiefel(canonical=True)) is geoopt.CanonicalStiefel  # what the user asked geoopt for
+    for m in (PolarStiefel(), PolarStiefel(canonical=False), pickle.loads(pickle.dumps(PolarStiefel())),
+              copy.deepcopy(PolarStiefel())):
+        assert type(m) is PolarStiefel and isinstance(m, geoopt.EuclideanStiefel)
