@@ -32,6 +32,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+#: The most threads ``--threads`` takes. Far beyond any CPU's count; asking torch for many more made it start
+#: threads until the process ran out of memory maps and failed later with a traceback (``--threads 100000``).
+THREADS_MAX = 1024
+
+
+def thread_count(text: str) -> int:
+    """A thread count: an integer from 1 to :data:`THREADS_MAX`."""
+    value = positive_int(text)
+    if value > THREADS_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {THREADS_MAX}, got {value}")
+    return value
+
+
 def add_threads_argument(parser: argparse.ArgumentParser, default: int | None = 1, *,
                          help: str | None = None) -> None:  # noqa: A002 - argparse's own name
     """``--threads N``: ``torch.set_num_threads`` for the command, the same flag on every subcommand.
@@ -42,7 +55,7 @@ def add_threads_argument(parser: argparse.ArgumentParser, default: int | None = 
     A command where part of the work keeps its own thread count passes ``help`` saying exactly what the flag does.
     """
     where = "torch's own choice" if default is None else f"{default}"
-    parser.add_argument("--threads", type=positive_int, default=default,
+    parser.add_argument("--threads", type=thread_count, default=default,
                         help=help or f"torch.set_num_threads for the command (default {where}; one thread is "
                                      f"fastest for small matrices and steadiest on a shared machine)")
 

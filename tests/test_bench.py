@@ -409,6 +409,15 @@ BAD_COMMANDS = {
     "bench gpu --device cpu": "'gpu' writes its results as JSON: pass --out PATH",
     "certify --steps 0": "argument --steps: must be an integer >= 1, got 0",
     "certify --optimizers nobody": "--optimizers: No optimizer column named 'nobody'",
+    # a huge --threads made torch start threads until the process ran out of memory maps: a traceback
+    "demo --threads 1025": "argument --threads: must be an integer from 1 to 1024, got 1025",
+    "bench --threads 100000": "argument --threads: must be an integer from 1 to 1024, got 100000",
+    # a repeated value: a width was timed twice, a name dropped silently
+    "bench --widths 128 128": "--widths 128 128: names one value twice",
+    "bench step --optimizers stiefel stiefel": "--optimizers stiefel stiefel: names one value twice",
+    "bench train --models tiny_transformer tiny_transformer": "--models tiny_transformer tiny_transformer: names one",
+    "certify --only 1a 1a": "--only 1a 1a: names a row twice",
+    "certify --optimizers StiefelAdam StiefelAdam": "names the column 'StiefelAdam' twice",
 }
 
 
@@ -813,6 +822,27 @@ def test_every_library_command_refuses_a_seed_torch_cannot_take(command, seed, c
     assert "Traceback" not in "\n".join(err)
     assert err[-1].endswith(f"error: argument --seed: must be an integer from 0 to 2**64 - 1 = {2**64 - 1} (the seeds "
                             f"torch takes), got {seed}"), err[-1]
+
+
+def test_the_thread_bound_and_distinct_values_pass(monkeypatch):
+    """Companions of the refusals of a huge --threads and of a repeated value: 1024 threads pass the flag's type,
+    and distinct widths, optimizers and rows reach the benchmark and the certificates."""
+    from geoopt_stiefel_attention._argtypes import THREADS_MAX, thread_count
+    from geoopt_stiefel_attention.bench import cli as bench_cli
+
+    assert thread_count(str(THREADS_MAX)) == THREADS_MAX == 1024 and thread_count("1") == 1
+    seen = {}
+    monkeypatch.setattr(bench_cli, "step_time_benchmark",
+                        lambda widths, optimizers, settings: seen.update(widths=widths, optimizers=optimizers) or [])
+    monkeypatch.setattr(bench_cli, "format_step_table", lambda results: "")
+    assert main(["bench", "step", "--widths", "128", "256", "--optimizers", "stiefel", "adamw_foreach", "--rounds",
+                 "1", "--steps", "1"]) == 0
+    assert seen == {"widths": (128, 256), "optimizers": ("stiefel", "adamw_foreach")}
+    threads = torch.get_num_threads()
+    try:
+        assert main(["certify", "--quiet", "--only", "1a", "1b", "--optimizers", "AdamW"]) == 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_seed_bound_is_torchs():

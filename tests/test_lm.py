@@ -318,6 +318,7 @@ def _exit_code(call) -> int:
     (["--arms", "nope"], "--arms"),
     (["--val-fraction", "2"], "--val-fraction"),
     (["--arms", "adamw", "--frame-lrs", "3e-3"], "--frame-lrs"),
+    (["--arms", "stiefel", "--frame-lrs", "3e-3", "0.003"], "--frame-lrs: 0.003 0.003 names a frame learning rate twice"),
     (["--max-overlap", "0.05"], "--max-overlap 0.05: filters the held-out windows"),
     (["--overlap-ngram", "64"], "--overlap-ngram 64: filters the held-out windows"),
     (["--max-file-share", "0.5"], "--max-file-share 0.5: filters the held-out windows"),

@@ -548,6 +548,8 @@ def test_a_zero_difference_reads_equal_not_higher():
     (["--allow-unbracketed"], "--allow-unbracketed"),
     (["--time-steps", "0"], "--time-steps"),
     (["--arms", "adamw", "--final-seeds", "0"], "--final-seeds"),  # no grid on disk: names the missing arm
+    (["--lrs", "1e-3", "0.001"], "--lrs: 0.001 0.001 names a learning rate twice"),  # was one grid cell, silently
+    (["--final-seeds", str(2**64)], f"--final-seeds: {2**64} is above 2**64 - 1"),  # was torch's traceback
 ])
 def test_cli_errors_are_one_line_exit_2_and_write_nothing(varied_root, tmp_path, capsys, flags, fragment):
     out = tmp_path / "never"

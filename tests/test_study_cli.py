@@ -54,6 +54,10 @@ def _usage_error(capsys, argv: list[str], *needles: str) -> str:
     (["--p", "12", "--operation", "/"], ["--operation", "--p 12"]),
     (["--device", "nonsense"], ["--device nonsense"]),
     (["--report-only", "--skip-report"], ["--report-only", "--skip-report"]),
+    (["--seeds", str(2**64)], ["--seeds", str(2**64), "2**64 - 1"]),  # was torch's traceback, after the run folder
+    (["--threads", "1025"], ["--threads 1025", "1 to 1024"]),  # was a traceback: torch ran out of memory maps
+    (["--operation", "foo"], ["--operation", "'foo'"]),
+    (["--epochs", "3", "--report-only"], ["--out", "no such folder"]),  # the note on --epochs no second line
 ])
 def test_grokking_user_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, capsys, flags, needles):
     out = tmp_path / "out"
@@ -68,11 +72,55 @@ def test_grokking_user_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, ca
     (["--train-size", "0"], ["--train-size 0"]),
     (["--patch-size", "5"], ["--patch-size 5"]),
     (["--arms", "stiefel", "nope"], ["--arms", "nope"]),
+    # an empty sweep trained nothing, silently, and wrote study.json; a sweep flag of another study was ignored
+    (["--study", "decay", "--weight-decays", ""], ["--weight-decays", "no weight decay given"]),
+    (["--study", "scaling", "--train-sizes", ""], ["--train-sizes", "no size given"]),
+    (["--weight-decays", "0.1"], ["--weight-decays", "--study decay", "--study paired does not read it"]),
+    (["--study", "decay", "--train-sizes", "0.5"], ["--train-sizes", "--study scaling"]),
+    (["--sgd-frame-lr", "0.1"], ["--sgd-frame-lr", "no stiefel-sgd"]),
+    # a repeated value was dropped silently
+    (["--study", "decay", "--weight-decays", "0,0.0"], ["--weight-decays", "twice"]),
+    (["--study", "scaling", "--train-sizes", "0.5,64"], ["--train-sizes", "64 images more than once"]),
 ])
 def test_vision_user_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, capsys, flags, needles):
     out = tmp_path / "out"
-    _usage_error(capsys, [*VISION_TINY, "--out", str(out), *flags], *needles)
+    err = _usage_error(capsys, [*VISION_TINY, "--out", str(out), *flags], *needles)
+    assert "invalid _" not in err
     assert not out.exists()
+
+
+def test_vision_sweep_flags_pass_with_their_study():
+    """Companions of the refusals above: each sweep flag with its own study, distinct values, and --sgd-frame-lr
+    with the stiefel-sgd arm pass the checks, and the sweeps give one cell per value."""
+    from experiments.vision import study as vision
+
+    parser = build_parser()
+    for argv in (["--study", "decay", "--weight-decays", "0,0.1"], ["--study", "scaling", "--train-sizes", "0.5,1"],
+                 ["--study", "ablation", "--sgd-frame-lr", "0.1"], ["--arms", "stiefel-sgd", "--sgd-frame-lr", "0.1"]):
+        args = parser.parse_args([*VISION_TINY, *argv])
+        vision.STUDY.check(args)
+        config = vision.config_from_args(args)
+        cells = vision.study_cells(vision._study_of(args), config, train_sizes=args.train_sizes,
+                                   weight_decays=args.weight_decays, n_train=128)
+        assert len(cells) == {"decay": 2, "scaling": 2}.get(args.study, 1), argv
+
+
+def test_seed_and_thread_bounds_pass_at_the_bound():
+    """Companions: the largest seed torch takes and 1024 threads pass the running checks."""
+    from experiments.harness.cli_args import check_runner_args
+
+    args = build_parser().parse_args(["grokking", "--seeds", "0", str(2**64 - 1), "--threads", "1024", "--device",
+                                      "cpu", "--out", "unused"])
+    check_runner_args(args, study="grokking")
+
+
+def test_an_unreadable_trust_region_names_the_flag_not_a_function(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["grokking", "--trust-region", "abc", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.splitlines() == [err]
+    assert "argument --trust-region: expected a number, auto or none, got 'abc'" in err and "_trust_region" not in err
+    assert build_parser().parse_args(["grokking", "--trust-region", "none"]).trust_region is None  # companion
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -187,6 +235,10 @@ def test_missing_optional_dependency_is_one_line(tmp_path, capsys, monkeypatch, 
     (["grokking", "--epochs", "1.5"], "argument --epochs: invalid int value: '1.5'"),
     (["lm", "--bogus"], "unrecognized arguments: --bogus"),
     (["lmx"], "argument STUDY: invalid choice: 'lmx'"),
+    # argparse named the study's own function: "invalid _floats value: 'a,b'"
+    (["vision", "--study", "decay", "--weight-decays", "a,b"], "argument --weight-decays: expected comma-separated "
+                                                                 "numbers, e.g. 0.1,0.5, got 'a,b'"),
+    (["vision", "--train-size", "abc"], "argument --train-size: expected an integer or all, got 'abc'"),
 ])
 def test_argparse_errors_are_one_line_exit_2_without_the_usage_block(tmp_path, capsys, argv, needle):
     """A value of the wrong type (or a missing value, an unknown flag or study) is argparse's error, said in one line

@@ -200,3 +200,15 @@ def test_the_papers_step_of_a_shape_is_reported_beside_the_rule_and_must_be_the_
     spec.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="papers-step/ must be the stiefel arm with adjust_lr_fn='original'"):
         collect_shapes(tmp_path)
+
+
+def test_transfer_report_refuses_a_flag_it_would_ignore(tmp_path, capsys):
+    """``--transfer-report`` reads only ``--out``: another flag (``--lr 5``, ``--seeds 0``) was silently ignored; now
+    one error line names it, exit status 2, and nothing is written. Companion: with ``--out`` alone it writes."""
+    _shape(tmp_path, "w64", 64, 2, lambda m: 2.0 + (math.log(m)) ** 2)
+    assert main(["lm", "--transfer-report", "--lr", "5", "--seeds", "0", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--transfer-report reads only --out" in err[0] and "drop --lr --seeds" in err[0]
+    assert not (tmp_path / "report.md").exists()
+    assert main(["lm", "--transfer-report", "--quiet", "--out", str(tmp_path)]) == 0  # companion
+    assert (tmp_path / "report.md").exists()

@@ -30,7 +30,7 @@ def canonical_operation(op: str) -> str:
     for canon, spellings in OPERATIONS.items():
         if op in spellings:
             return canon
-    raise ValueError(f"operation={op!r} is unknown; use one of + - * / (or add, sub, mul, div).")
+    raise ValueError(f"operation={op!r} is unknown; use one of + - * / (or add, sub, mul, div) (--operation).")
 
 
 def is_prime(n: int) -> bool:

@@ -17,7 +17,8 @@ from .config import OptimConfig, TrainConfig
 
 __all__ = ["add_schedule_arguments", "add_optim_arguments", "add_runner_arguments", "train_config_from_args",
            "optim_config_from_args", "check_runner_args", "check_out_dir", "require_modules", "build_config",
-           "invoked_command", "user_errors", "OneLineParser"]
+           "invoked_command", "user_errors", "OneLineParser", "check_distinct",
+           "check_seed_range"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -36,7 +37,10 @@ def _none_or_float(text: str) -> float | None:
 
 def _trust_region(text: str) -> float | str | None:
     """``--trust-region``: a float, ``auto`` (the library's default for the rule) or ``none``."""
-    return "auto" if text.lower() == "auto" else _none_or_float(text)
+    try:
+        return "auto" if text.lower() == "auto" else _none_or_float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, auto or none, got {text!r}") from None
 
 
 def _trust_region_default(default: OptimConfig) -> float | str | None:
@@ -131,13 +135,14 @@ def invoked_command() -> str | None:
 
 
 def check_runner_args(args: argparse.Namespace, study: str | None = None) -> None:
-    """Refuse bad running flags before anything is written: unknown or repeated ``--arms``, negative or
-    repeated ``--seeds``, ``--workers``/``--threads``/``--stop-after-epochs`` below 1, a negative
+    """Refuse bad running flags before anything is written: unknown or repeated ``--arms``, negative, repeated or
+    too large ``--seeds`` (torch takes seeds up to 2**64 - 1), ``--workers``/``--threads``/``--stop-after-epochs``
+    below 1, ``--threads`` above :data:`~geoopt_stiefel_attention._argtypes.THREADS_MAX`, a negative
     ``--checkpoint-interval``, a ``--device`` torch cannot use, and an ``--out`` that cannot be a folder.
     Raises :class:`~geoopt_stiefel_attention._argtypes.UsageError` naming the flag."""
     import math
 
-    from geoopt_stiefel_attention._argtypes import UsageError
+    from geoopt_stiefel_attention._argtypes import THREADS_MAX, UsageError
 
     from .arms import ARMS, available_arms
 
@@ -150,18 +155,19 @@ def check_runner_args(args: argparse.Namespace, study: str | None = None) -> Non
         if foreign:
             raise UsageError(f"--arms: {', '.join(foreign)} belongs to another study (its model builder gives it its "
                              f"meaning); arms of this study: {', '.join(available_arms(study))}.")
-        if len(set(args.arms)) != len(args.arms):
-            raise UsageError(f"--arms: {' '.join(args.arms)} names an arm twice; list each arm once.")
+        check_distinct("--arms", args.arms, "arm")
     if args.seeds is not None:
         bad = [s for s in args.seeds if s < 0]
         if bad:
             raise UsageError(f"--seeds: {' '.join(map(str, bad))} is negative; seeds are ints >= 0 (e.g. --seeds 0 1 2).")
-        if len(set(args.seeds)) != len(args.seeds):
-            raise UsageError(f"--seeds: {' '.join(map(str, args.seeds))} names a seed twice; list each seed once.")
+        check_seed_range("--seeds", args.seeds)
+        check_distinct("--seeds", args.seeds, "seed")
     for flag, value in (("--workers", args.workers), ("--threads", args.threads),
                         ("--stop-after-epochs", args.stop_after_epochs)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value}: must be an int >= 1.")
+    if args.threads is not None and args.threads > THREADS_MAX:
+        raise UsageError(f"--threads {args.threads}: must be an int from 1 to {THREADS_MAX}.")
     if not (math.isfinite(args.checkpoint_interval) and args.checkpoint_interval >= 0):
         raise UsageError(f"--checkpoint-interval {args.checkpoint_interval}: must be a number of seconds >= 0.")
     if args.report_only and args.skip_report:
@@ -178,6 +184,46 @@ def check_runner_args(args: argparse.Namespace, study: str | None = None) -> Non
             raise UsageError(f"--device {args.device}: not a device torch knows; use auto, cpu, cuda or "
                              f"cuda:N.") from None
     check_out_dir(args.out, must_exist=args.report_only)
+
+
+def check_seed_range(flag: str, seeds: Sequence[int]) -> None:
+    """Refuse a seed above :data:`~geoopt_stiefel_attention._argtypes.SEED_MAX`, the largest torch takes (beyond it
+    a run failed inside torch with a traceback, after its folder was made). Raises
+    :class:`~geoopt_stiefel_attention._argtypes.UsageError` naming ``flag``.
+
+    Parameters
+    ----------
+    flag : str
+        The flag, e.g. ``"--seeds"``.
+    seeds : sequence of int
+        Its values as parsed.
+    """
+    from geoopt_stiefel_attention._argtypes import SEED_MAX, UsageError
+
+    big = [s for s in seeds if s > SEED_MAX]
+    if big:
+        raise UsageError(f"{flag}: {' '.join(map(str, big))} is above 2**64 - 1 = {SEED_MAX}, the largest seed torch "
+                         f"takes; pass seeds from 0 to {SEED_MAX}.")
+
+
+def check_distinct(flag: str, values: Sequence, word: str = "value") -> None:
+    """Refuse a list flag that names one value twice (a sweep would otherwise drop the repeat silently, or run it
+    twice). Raises :class:`~geoopt_stiefel_attention._argtypes.UsageError` naming ``flag``.
+
+    Parameters
+    ----------
+    flag : str
+        The flag, e.g. ``"--seeds"``.
+    values : sequence
+        Its values as parsed (numbers compare by value: ``1e-3`` and ``0.001`` are one value).
+    word : str
+        What one value is, for the message (``"seed"``, ``"arm"``, ...).
+    """
+    from geoopt_stiefel_attention._argtypes import UsageError
+
+    if len(set(values)) != len(values):
+        raise UsageError(f"{flag}: {' '.join(map(str, values))} names a{'n' if word[0] in 'aeiou' else ''} {word} "
+                         f"twice; list each {word} once.")
 
 
 def check_out_dir(out: str, *, must_exist: bool = False) -> None:

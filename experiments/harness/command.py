@@ -177,13 +177,13 @@ class StudyCommand:
             user_errors,
         )
 
-        ignored = ignored_by_report_only(args, self.report_only_flags)
-        if ignored:  # not silent: say that these flags do nothing here
-            print(f"python -m experiments {self.name}: note: --report-only rebuilds the report with the settings "
-                  f"recorded in --out; ignoring {' '.join(ignored)}", file=sys.stderr)
         check_runner_args(args, study=self.name)
         self.check(args)
         config = self.config_for_report(args) if args.report_only else build_config(self.config_from_args, args)
+        ignored = ignored_by_report_only(args, self.report_only_flags)
+        if ignored:  # not silent: say that these flags do nothing here (after the checks: an error stays one line)
+            print(f"python -m experiments {self.name}: note: --report-only rebuilds the report with the settings "
+                  f"recorded in --out; ignoring {' '.join(ignored)}", file=sys.stderr)
         require_modules(runner_modules(args) + ([] if args.report_only else self.modules(config, args)))
         if not args.report_only:
             try:  # values checked before anything is loaded or written

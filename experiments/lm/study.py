@@ -54,6 +54,7 @@ from geoopt_stiefel_attention._argtypes import UsageError
 from geoopt_stiefel_attention.nn import param_groups
 
 from ..harness.arms import ARMS, Arm, build_stiefel, register_arm
+from ..harness.cli_args import check_distinct, check_seed_range
 from ..harness.command import StudyCommand
 from ..harness.config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
 from ..harness.metrics import MetricHook, QKGeometry, StepHook
@@ -1056,6 +1057,13 @@ def _run_transfer_report(args: argparse.Namespace) -> int:
     if not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out}: no such folder; pass the folder of per-shape lm studies "
                          f"(e.g. experiments/lm/records/frame-step).")
+    parser = getattr(args, "_parser", None)
+    given = [] if parser is None else [
+        a.option_strings[-1] for a in parser._actions if a.option_strings
+        and a.dest not in ("out", "transfer_report", "quiet", "help") and getattr(args, a.dest, a.default) != a.default]
+    if given:  # the report reads only --out: a flag that would change nothing is refused, not ignored
+        raise UsageError(f"--transfer-report reads only --out (the settings are those recorded with the runs); "
+                         f"drop {' '.join(given)}.")
     try:
         summary = transfer_report(args.out)
     except ValueError as err:
@@ -1093,6 +1101,9 @@ class LMCommand(StudyCommand):
         if args.final_seeds and (min(args.final_seeds) < 0 or len(set(args.final_seeds)) != len(args.final_seeds)):
             raise UsageError(f"--final-seeds {' '.join(map(str, args.final_seeds))}: seeds are distinct ints >= 0, "
                              f"e.g. --final-seeds 2 3 4 5 6.")
+        check_seed_range("--final-seeds", args.final_seeds)
+        check_distinct("--lrs", args.lrs, "learning rate")
+        check_distinct("--frame-lrs", args.frame_lrs, "frame learning rate")
         if args.allow_unbracketed and not args.final_seeds:
             raise UsageError("--allow-unbracketed only changes --final-seeds; pass --final-seeds too, or drop it.")
         if args.frame_lrs and args.arms is not None and "stiefel" not in args.arms:

@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from geoopt_stiefel_attention._argtypes import UsageError
 
 from ..harness import ablation_arms  # noqa: F401  (registers the ablation and frozen arms)
 from ..harness.arms import Arm
@@ -285,11 +288,26 @@ def study_cells(study: str, config: VisionConfig, *, train_sizes: Sequence[float
         base = config.train_size or n_train
         if base is None:
             raise ValueError("study_cells: scaling needs n_train (the size of the training set) or a train_size.")
-        sizes = sorted({_fraction_or_count(float(x), base) for x in train_sizes})
-        return [Cell(dataclasses.replace(config, train_size=n), f"size-{n}", "train_size", n) for n in sizes]
+        if not train_sizes:
+            raise ValueError("--train-sizes: no size given; pass at least one, e.g. --train-sizes 0.1,0.5,1.")
+        sizes = [_fraction_or_count(float(x), base) for x in train_sizes]
+        repeated = sorted({n for n in sizes if sizes.count(n) > 1})
+        if repeated:
+            raise ValueError(f"--train-sizes: {','.join(f'{float(x):g}' for x in train_sizes)} gives "
+                             f"{', '.join(map(str, repeated))} images more than once; list each size once.")
+        return [Cell(dataclasses.replace(config, train_size=n), f"size-{n}", "train_size", n) for n in sorted(sizes)]
     if study == "decay":
-        return [Cell(dataclasses.replace(config, optim=dataclasses.replace(config.optim, weight_decay=float(wd))),
-                     f"wd-{float(wd):g}", "weight_decay", float(wd)) for wd in sorted(set(map(float, weight_decays)))]
+        decays = [float(wd) for wd in weight_decays]
+        if not decays:
+            raise ValueError("--weight-decays: no weight decay given; pass at least one, e.g. --weight-decays 0,0.05.")
+        bad = [wd for wd in decays if not (math.isfinite(wd) and wd >= 0)]
+        if bad:
+            raise ValueError(f"--weight-decays: {bad[0]:g} must be a finite float >= 0.")
+        if len(set(decays)) != len(decays):
+            raise ValueError(f"--weight-decays: {','.join(f'{wd:g}' for wd in decays)} names a weight decay twice; "
+                             f"list each once.")
+        return [Cell(dataclasses.replace(config, optim=dataclasses.replace(config.optim, weight_decay=wd)),
+                     f"wd-{wd:g}", "weight_decay", wd) for wd in sorted(decays)]
     return [Cell(config)]
 
 
@@ -586,8 +604,6 @@ def recorded_cells(out_dir: str | os.PathLike, study: str) -> list[Cell]:
             value = config.train_size if sweep[0] == "train_size" else config.optim.weight_decay
             cells.append(Cell(config, folder.name, sweep[0], float(value)))
     if not cells:
-        from geoopt_stiefel_attention._argtypes import UsageError
-
         raise UsageError(f"--out {out_dir}: holds no runs of a {study} study (runs/<arm>/seed<k>/config.json"
                          f"{'' if sweep is None else ' under ' + sweep[1] + '*/'}); check --out and --study, or train "
                          f"the study first, without --report-only.")
@@ -626,12 +642,22 @@ def run_vision(config: VisionConfig, out_dir: str | os.PathLike, *, study: str =
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+#: the defaults of ``--train-sizes`` (``--study scaling``) and ``--weight-decays`` (``--study decay``)
+SWEEP_DEFAULTS = {"train_sizes": [0.1, 0.25, 0.5, 1.0], "weight_decays": [0.0, 0.05, 0.5]}
+
+
 def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.replace(",", " ").split()]
+    try:
+        return [float(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, e.g. 0.1,0.5, got {text!r}") from None
 
 
 def _none_or_int(text: str) -> int | None:
-    return None if text.lower() in ("none", "all") else int(text)
+    try:
+        return None if text.lower() in ("none", "all") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or all, got {text!r}") from None
 
 
 def _task_arguments(parser: argparse.ArgumentParser, d: VisionConfig) -> None:
@@ -650,10 +676,10 @@ def _task_arguments(parser: argparse.ArgumentParser, d: VisionConfig) -> None:
     g = parser.add_argument_group("study")
     g.add_argument("--study", choices=STUDIES, default=None,
                    help="which study (default paired; with --report-only: the one recorded in --out/study.json)")
-    g.add_argument("--train-sizes", type=_floats, default=[0.1, 0.25, 0.5, 1.0],
+    g.add_argument("--train-sizes", type=_floats, default=list(SWEEP_DEFAULTS["train_sizes"]),
                    help="scaling: training-set sizes, fractions <= 1 of --train-size (or of all) or counts, "
                         "comma-separated (default 0.1,0.25,0.5,1)")
-    g.add_argument("--weight-decays", type=_floats, default=[0.0, 0.05, 0.5],
+    g.add_argument("--weight-decays", type=_floats, default=list(SWEEP_DEFAULTS["weight_decays"]),
                    help="decay: weight decays, comma-separated (default 0,0.05,0.5)")
     g.add_argument("--sgd-frame-lr", type=float, default=d.sgd_frame_lr,
                    help="ablation: frame lr of the stiefel-sgd arm (default: the frame lr)")
@@ -724,6 +750,23 @@ class VisionCommand(StudyCommand):
     def config_for_report(self, args: argparse.Namespace) -> VisionConfig:
         """``--report-only`` reads the study, the data's place, from its flags."""
         return build_config(config_from_args, args)
+
+    def check(self, args: argparse.Namespace) -> None:
+        """Refuse a sweep flag of a study that does not sweep it, and ``--sgd-frame-lr`` without the ``stiefel-sgd``
+        arm: each would be ignored."""
+        if args.report_only:  # the note on ignored flags covers them
+            return
+        study = _study_of(args)
+        for flag, dest, sweeping in (("--train-sizes", "train_sizes", "scaling"),
+                                     ("--weight-decays", "weight_decays", "decay")):
+            if study != sweeping and list(getattr(args, dest)) != SWEEP_DEFAULTS[dest]:
+                raise UsageError(f"{flag} is the sweep of --study {sweeping}; --study {study} does not read it: "
+                                 f"pass --study {sweeping}, or drop {flag}.")
+        arms = args.arms or STUDY_ARMS[study]
+        if args.sgd_frame_lr is not None and "stiefel-sgd" not in arms:
+            raise UsageError(f"--sgd-frame-lr sets the stiefel-sgd arm's frame lr, but the arms to run "
+                             f"({' '.join(arms)}) have no stiefel-sgd: add it to --arms (or pass --study ablation), "
+                             f"or drop --sgd-frame-lr.")
 
     def prepare(self, config: VisionConfig, args: argparse.Namespace) -> VisionConfig:
         """Check the sweep's values before anything is loaded or written."""

@@ -79,6 +79,12 @@ def _select_columns(names):
     if unknown:
         choices = [c.name for c in default_columns()] + [c.name for c in muon_columns()]
         raise UsageError(f"--optimizers: No optimizer column named {unknown[0]!r}; choose one of {choices}.")
+    for columns in (main, muon):
+        named = [c.name for c in columns]
+        twice = next((n for n in named if named.count(n) > 1), None)
+        if twice is not None:
+            raise UsageError(f"--optimizers: {' '.join(map(repr, names))} names the column {twice!r} twice (by its "
+                             f"name or its label); list each column once.")
     main_names = {c.name for c in default_columns()}
     if not any(c.name not in main_names for c in muon):
         muon = []
@@ -193,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--json {args.json} and --markdown {args.markdown} name the same file, so the Markdown "
                          f"would overwrite the JSON; pass two different paths")
     rows, muon_rows = None, None
+    if args.only is not None and len(set(args.only)) != len(args.only):
+        raise UsageError(f"--only {' '.join(args.only)}: names a row twice; list each once")
     if args.only is not None:
         muon_rows = muon_certificates.select_muon_rows(args.only)
         main_tokens = [t for t in args.only if not _is_muon_token(t)]

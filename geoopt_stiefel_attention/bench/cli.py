@@ -174,6 +174,10 @@ def run(args: argparse.Namespace) -> int:
         The exit status (0 on success).
     """
     _refuse_unread(args)  # before anything else: a flag the benchmark would ignore is a user error
+    for flag in ("--widths", "--optimizers", "--paths", "--models"):
+        values = getattr(args, flag[2:])
+        if values is not None and len(set(values)) != len(values):  # a width would be timed twice, a name dropped
+            raise UsageError(f"{flag} {' '.join(map(str, values))}: names one value twice; list each once")
     import torch
 
     try:
