@@ -15,6 +15,7 @@ import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import geoopt
 import pytest
@@ -1584,3 +1585,116 @@ def test_fit_says_which_bias_it_cannot_rescale():
         result = stiefelize(_with_scaled_frames(_ProjWithQueryBias(query_bias=False).double()), logit_gain="fit",
                             probe=x)
     assert result.output_change <= FIT_TOL
+
+
+# ------------------------------------------------------------------------------- optimizers built before converting
+class _MHAModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=False)[0]).square().mean()
+
+
+def _frames_of(model: nn.Module) -> list[torch.Tensor]:
+    return [p for n, p in model.named_parameters() if n.endswith("_frames")]
+
+
+def _train(model: nn.Module, optimizers, steps: int, x: torch.Tensor, every=None) -> None:
+    """``steps`` training steps; optimizer ``i`` steps where ``every[i]`` (a step -> bool) says so (default: always)."""
+    for k in range(steps):
+        for opt in optimizers:
+            opt.zero_grad()
+        model(x).backward()
+        for i, opt in enumerate(optimizers):
+            if every is None or every[i](k):
+                opt.step()
+
+
+def test_an_optimizer_built_before_converting_raises_instead_of_never_training_the_frames():
+    """``opt = AdamW(model.parameters()); stiefelize(model)``: the optimizer holds the converted weight (torch MHA:
+    its Parameter lives on as the rest) but not the frames, so the queries and keys would never train. After
+    STALLED_STEPS steps with the frames unchanged its next step raises, taking nothing. Companion: the optimizer
+    built after the conversion trains the frames, never raising."""
+    from geoopt_stiefel_attention.convert._optimizers import STALLED_STEPS
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    model = _MHAModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stiefelize(model)
+    frames = [f.detach().clone() for f in _frames_of(model)]
+    _train(model, [opt], STALLED_STEPS, x)
+    assert all(torch.equal(f, g) for f, g in zip(_frames_of(model), frames, strict=True))  # never trained
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"AdamW holds 'attn\.in_proj_weight', converted by stiefelize, but not "
+                                           r"the Stiefel frames .* built before the conversion, .* not taken"):
+        _train(model, [opt], 1, x)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # the failing step took nothing
+    fresh = _MHAModel()
+    stiefelize(fresh)
+    start = [f.detach().clone() for f in _frames_of(fresh)]
+    _train(fresh, [StiefelAdam(param_groups(fresh), lr=1e-2)], 2 * STALLED_STEPS + 2, x)
+    assert all(not torch.equal(f, g) for f, g in zip(_frames_of(fresh), start, strict=True))
+    docs = Path(__file__).resolve().parents[1] / "docs" / "converting.rst"
+    assert STALLED_STEPS == 4 and "in its last four steps" in " ".join(docs.read_text().split())
+
+
+def test_an_optimizer_built_before_converting_a_pure_q_proj_raises_too():
+    """q_proj/k_proj Linears: their Parameters are left out of the model (emptied), held only by the old optimizer."""
+    from geoopt_stiefel_attention.convert._optimizers import STALLED_STEPS
+
+    torch.manual_seed(0)
+    attn = _ProjWithQueryBias(query_bias=False)
+    model = nn.Sequential(attn)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    stiefelize(model)
+    x = torch.randn(2, 5, 16)
+
+    def loss_model(x):
+        return model(x).square().mean()
+    with pytest.raises(RuntimeError, match=r"SGD holds '0\.q_proj\.weight', '0\.k_proj\.weight'"):
+        for _ in range(STALLED_STEPS + 2):
+            opt.zero_grad()
+            loss_model(x).backward()
+            opt.step()
+
+
+def test_an_optimizer_for_the_rest_beside_one_for_the_frames_is_no_false_alarm():
+    """Two optimizers: one holding the converted weight's rest (built before or after converting), one the frames,
+    stepped in either order, the frame optimizer skipping steps as a GradScaler does on inf gradients (every third
+    step), or the frames frozen: none raises. Companion: a frame optimizer that starts only after the other's
+    first STALLED_STEPS steps is too late: that optimizer's next step raises."""
+    from geoopt_stiefel_attention.convert._optimizers import STALLED_STEPS
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    for before in (True, False):
+        for frames_first in (True, False):
+            model = _MHAModel()
+            rest = torch.optim.AdamW(model.parameters(), lr=1e-2) if before else None
+            stiefelize(model)
+            if rest is None:
+                rest = torch.optim.AdamW([p for n, p in model.named_parameters() if not n.endswith("_frames")])
+            frame_opt = StiefelAdam(_frames_of(model), lr=1e-2)
+            opts = [frame_opt, rest] if frames_first else [rest, frame_opt]
+            _train(model, opts, 3 * STALLED_STEPS, x)
+    model = _MHAModel()
+    rest = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stiefelize(model)
+    frame_opt = StiefelAdam(_frames_of(model), lr=1e-2)
+    _train(model, [rest, frame_opt], 4 * STALLED_STEPS, x, every=[lambda k: True, lambda k: k % 3 == 0])
+    frozen = _MHAModel()
+    stale = torch.optim.AdamW(frozen.parameters(), lr=1e-2)
+    stiefelize(frozen)
+    for f in _frames_of(frozen):
+        f.requires_grad_(False)
+    _train(frozen, [stale], 3 * STALLED_STEPS, x)
+    model = _MHAModel()
+    rest = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stiefelize(model)
+    frame_opt = StiefelAdam(_frames_of(model), lr=1e-2)
+    with pytest.raises(RuntimeError, match="built before the conversion"):
+        _train(model, [rest, frame_opt], 4 * STALLED_STEPS, x, every=[lambda k: True, lambda k: k > STALLED_STEPS])

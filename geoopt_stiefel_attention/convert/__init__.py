@@ -44,6 +44,7 @@ from torch.nn.utils import parametrize
 
 from .._linalg import ORTHONORMALITY_TOLERANCE, orthonormality_error
 from ..manifolds import is_frame
+from ._optimizers import watch
 from .checkpoints import (
     _hook_state_dicts,
     _stock_names,
@@ -970,8 +971,13 @@ def stiefelize(
     if logit_gain == "fit" and qk_bias == "keep":
         for site in sites:
             _rescale_biases(site)
+    converted = _converted_weights(sites)  # the weights themselves, before conversion replaces them
     rows = [_apply(site, logit_gain, gain_rate, gain, from_weights=g is not None)
             for site, gain, g in zip(sites, gains, saved, strict=True)]
+    for weight, owner, attr, label in converted:  # an optimizer built before this call holds them, not the frames
+        plist = owner.parametrizations[attr][0]
+        watch(weight, [t for _, t in plist.frames()] + [t for t in (getattr(plist, "q_log_gain", None),)
+                                                        if t is not None], label)
     if rows:
         _watch_model(model)  # the frame check of a training forward, once for the whole model
     change = absolute = scale = None
@@ -1200,6 +1206,21 @@ def _rescale_biases(site: _Site) -> None:
             with torch.no_grad():
                 bias[start:start + length].view(n, site.r).mul_(factor[head:head + n, None].to(bias.dtype))
             head += n
+
+
+def _converted_weights(sites: list[_Site]) -> list[tuple[Tensor, nn.Module, str, str]]:
+    """``(weight, owner, attr, label)`` of every weight the sites convert, once each (a fused weight holds both the
+    query and the key rows), read before the conversion replaces it; the label is the weight's path in the model."""
+    out, seen = [], set()
+    for site in sites:
+        for piece in (site.q, site.k):
+            if (id(piece.owner), piece.attr) in seen:
+                continue
+            seen.add((id(piece.owner), piece.attr))
+            inner = next((n for n, m in site.module.named_modules() if m is piece.owner), "")
+            label = ".".join(x for x in (site.path, inner, piece.attr) if x)
+            out.append((getattr(piece.owner, piece.attr), piece.owner, piece.attr, label))
+    return out
 
 
 def _apply(site: _Site, logit_gain: str | None, gain_rate: float, gain: Tensor | None,
