@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from geoopt_stiefel_attention.cli import add_subcommands, run_command
+from geoopt_stiefel_attention.cli import add_subcommands, parse_command_line, run_command
 
 __all__ = ["PROG", "STUDIES", "build_parser", "main"]
 
@@ -34,5 +34,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m experiments argv``; returns the exit status (2 for a usage error, 130 for Ctrl-C)."""
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(build_parser(), argv)
     return run_command(args._run, args, f"{PROG} {args.command}")

@@ -98,6 +98,24 @@ class UsageError(ValueError):
     (``stiefel-attention <command>: error: <message>``, naming the flag) and returns exit status 2."""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors (a value of the wrong type, a missing value, an unknown flag or choice) are
+    one line, ``<prog>: error: argument --flag: ...``, with exit status 2 and no usage block: the same form as
+    every other usage error of the commands (:class:`UsageError`). Its subcommands' parsers are of this class too
+    (``add_subparsers`` makes them of the parent's class). ``stiefel-attention`` and ``python -m experiments``
+    both parse with it."""
+
+    def error(self, message: str):
+        """Print ``<prog>: error: <message>`` as one line to stderr and exit with status 2.
+
+        Parameters
+        ----------
+        message : str
+            argparse's description of the error (it names the flag).
+        """
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def output_path_problem(path: str | os.PathLike, *, folder: bool) -> str | None:
     """Why ``path`` cannot be written as an output, or ``None`` when it can; creates nothing that stays.
 

@@ -10,9 +10,10 @@ import argparse
 import importlib
 import sys
 
-from ._argtypes import UsageError  # defined beside the argument types, which the studies import too
+from ._argtypes import OneLineParser, UsageError  # beside the argument types, which the studies import too
 
-__all__ = ["SUBCOMMANDS", "STUDIES", "UsageError", "add_subcommands", "build_parser", "main", "run_command"]
+__all__ = ["SUBCOMMANDS", "STUDIES", "UsageError", "add_subcommands", "build_parser", "main", "parse_command_line",
+           "run_command"]
 
 #: subcommand name -> module implementing it
 SUBCOMMANDS: dict[str, str] = {
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     """
     from . import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="stiefel-attention",
         description="Stiefel-constrained attention: certify, benchmark and demonstrate the library.",
     )
@@ -88,8 +89,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stiefel-attention {argv[0]}: error: the studies are not part of the installed package; from a "
               f"checkout of the repository run `python -m experiments {argv[0]} ...` (same flags).", file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(build_parser(), argv)
     return run_command(args._run, args, f"stiefel-attention {args.command}")
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` of a parser built by :func:`add_subcommands`, except that an unknown flag is
+    reported by the subcommand's parser (``stiefel-attention demo: error: unrecognized arguments: --bogus``), not
+    by the top-level one, which argparse would name instead.
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+        The top-level parser, with subcommands from :func:`add_subcommands`.
+    argv : list of str or None
+        The arguments after the program name (``None``: ``sys.argv[1:]``).
+
+    Returns
+    -------
+    argparse.Namespace
+        The parsed arguments, with the subcommand's ``_run`` and ``_parser``.
+    """
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def run_command(run, args: argparse.Namespace, prog: str) -> int:

@@ -46,6 +46,10 @@ def test_step_time_benchmark_reports_every_optimizer_and_memory():
     table = bench.format_step_table([res])
     rows = [line for line in table.splitlines() if line.startswith("|")]  # a load note may follow the table
     assert len(rows) == 3 and "| 64 (1 x 2 x 32) |" in rows[2]
+    assert rows[2].endswith(f"| {res.state_ratio['stiefel']:.4f}, {res.state_ratio['adamw_foreach']:.2f} |")
+    # without AdamW among the optimizers its state ratio is not measured: "n/a", not "nan"
+    alone = dataclasses.replace(res, state_ratio={"stiefel": res.state_ratio["stiefel"]})
+    assert bench.format_step_table([alone]).splitlines()[2].endswith(f"| {res.state_ratio['stiefel']:.4f}, n/a |")
 
 
 def test_step_time_benchmark_validates_arguments():
@@ -428,6 +432,25 @@ def test_cli_user_errors_are_one_line_exit_2(command, capsys, cli_status):
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"stiefel-attention {command.split()[0]}: error: ") and BAD_COMMANDS[command] in last
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, line", [
+    ("demo --lr abc", "stiefel-attention demo: error: argument --lr: expected a number, got 'abc'"),
+    ("bench nosuch", "stiefel-attention bench: error: argument what: invalid choice: 'nosuch'"),
+    # an unknown flag is named by the subcommand that does not know it (argparse named the top-level program)
+    ("demo --bogus", "stiefel-attention demo: error: unrecognized arguments: --bogus"),
+    ("certify --bogus 1", "stiefel-attention certify: error: unrecognized arguments: --bogus 1"),
+    ("", "stiefel-attention: error: the following arguments are required: COMMAND"),
+])
+def test_cli_argparse_errors_are_one_line_without_the_usage_block(argv, line, capsys, cli_status):
+    """argparse's own errors (a wrong type, an unknown choice or flag, a missing command) are one line like every
+    other usage error: argparse printed its usage block first (4 lines for ``demo --lr abc``, 13 for ``bench
+    nosuch``). Companion: ``--help`` still prints the usage, exit status 0."""
+    assert cli_status(argv.split()) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and err.startswith(line) and "usage:" not in err
+    assert cli_status(["demo", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: stiefel-attention demo")
 
 
 def test_cli_user_error_in_a_real_process_has_no_traceback():

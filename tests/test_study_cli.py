@@ -78,6 +78,9 @@ def test_grokking_user_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, ca
     (["--weight-decays", "0.1"], ["--weight-decays", "--study decay", "--study paired does not read it"]),
     (["--study", "decay", "--train-sizes", "0.5"], ["--train-sizes", "--study scaling"]),
     (["--sgd-frame-lr", "0.1"], ["--sgd-frame-lr", "no stiefel-sgd"]),
+    # scikit-learn's digits come from the package: a data folder or a download was ignored
+    (["--dataset", "digits", "--data-dir", "elsewhere"], ["--data-dir: --dataset digits is scikit-learn's"]),
+    (["--dataset", "digits", "--download"], ["--download: --dataset digits"]),
     # a repeated value was dropped silently
     (["--study", "decay", "--weight-decays", "0,0.0"], ["--weight-decays", "twice"]),
     (["--study", "scaling", "--train-sizes", "0.5,64"], ["--train-sizes", "64 images more than once"]),
@@ -90,13 +93,15 @@ def test_vision_user_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, caps
 
 
 def test_vision_sweep_flags_pass_with_their_study():
-    """Companions of the refusals above: each sweep flag with its own study, distinct values, and --sgd-frame-lr
-    with the stiefel-sgd arm pass the checks, and the sweeps give one cell per value."""
+    """Companions of the refusals above: each sweep flag with its own study, distinct values, --sgd-frame-lr with the
+    stiefel-sgd arm, and --data-dir where it is read (its default with digits) pass the checks, and the sweeps give
+    one cell per value."""
     from experiments.vision import study as vision
 
     parser = build_parser()
     for argv in (["--study", "decay", "--weight-decays", "0,0.1"], ["--study", "scaling", "--train-sizes", "0.5,1"],
-                 ["--study", "ablation", "--sgd-frame-lr", "0.1"], ["--arms", "stiefel-sgd", "--sgd-frame-lr", "0.1"]):
+                 ["--study", "ablation", "--sgd-frame-lr", "0.1"], ["--arms", "stiefel-sgd", "--sgd-frame-lr", "0.1"],
+                 ["--dataset", "digits", "--data-dir", "data"], ["--dataset", "fashion-mnist", "--data-dir", "x"]):
         args = parser.parse_args([*VISION_TINY, *argv])
         vision.STUDY.check(args)
         config = vision.config_from_args(args)
@@ -233,7 +238,8 @@ def test_missing_optional_dependency_is_one_line(tmp_path, capsys, monkeypatch, 
     (["lm", "--final-seeds", "x"], "argument --final-seeds: invalid int value: 'x'"),
     (["lm", "--seeds"], "argument --seeds: expected at least one argument"),
     (["grokking", "--epochs", "1.5"], "argument --epochs: invalid int value: '1.5'"),
-    (["lm", "--bogus"], "unrecognized arguments: --bogus"),
+    # named by the study that does not know it (argparse named the top-level program)
+    (["lm", "--bogus"], "python -m experiments lm: error: unrecognized arguments: --bogus"),
     (["lmx"], "argument STUDY: invalid choice: 'lmx'"),
     # argparse named the study's own function: "invalid _floats value: 'a,b'"
     (["vision", "--study", "decay", "--weight-decays", "a,b"], "argument --weight-decays: expected comma-separated "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from geoopt_stiefel_attention._argtypes import OneLineParser
 from geoopt_stiefel_attention._linalg import ADJUST_LR_FNS, trust_radius
 
 from .config import OptimConfig, TrainConfig
@@ -19,16 +20,6 @@ __all__ = ["add_schedule_arguments", "add_optim_arguments", "add_runner_argument
            "optim_config_from_args", "check_runner_args", "check_out_dir", "require_modules", "build_config",
            "invoked_command", "user_errors", "OneLineParser", "check_distinct",
            "check_seed_range"]
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose errors (a value of the wrong type, a missing value, an unknown flag or choice) are
-    one line, ``<prog>: error: argument --flag: ...``, with exit status 2 and no usage block: the same form as
-    every other usage error of the commands (:class:`~geoopt_stiefel_attention._argtypes.UsageError`). Its
-    subcommands' parsers are of this class too (``add_subparsers`` makes them of the parent's class)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
 def _none_or_float(text: str) -> float | None:

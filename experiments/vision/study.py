@@ -696,7 +696,7 @@ def _task_arguments(parser: argparse.ArgumentParser, d: VisionConfig) -> None:
                    help="warm-up + cosine decay, or constant (default cosine)")
     g.add_argument("--warmup-fraction", type=float, default=d.warmup_fraction,
                    help=f"share of the steps spent warming up (default {d.warmup_fraction})")
-    g.add_argument("--amp", choices=("none", "bf16"), default="none", help="mixed precision (bf16 autocast; CUDA)")
+    g.add_argument("--amp", choices=("none", "bf16"), default="none", help="mixed precision: bf16 autocast of the forward on the run's device (CPU or CUDA)")
 
 
 def config_from_args(args: argparse.Namespace) -> VisionConfig:
@@ -762,6 +762,11 @@ class VisionCommand(StudyCommand):
             if study != sweeping and list(getattr(args, dest)) != SWEEP_DEFAULTS[dest]:
                 raise UsageError(f"{flag} is the sweep of --study {sweeping}; --study {study} does not read it: "
                                  f"pass --study {sweeping}, or drop {flag}.")
+        if args.dataset == "digits" and (args.data_dir != "data" or args.download):
+            given = " and ".join(f for f, on in (("--data-dir", args.data_dir != "data"), ("--download", args.download))
+                                 if on)
+            raise UsageError(f"{given}: --dataset digits is scikit-learn's, loaded from the package, not from a "
+                             f"folder; drop {given}, or pass --dataset fashion-mnist or cifar10.")
         arms = args.arms or STUDY_ARMS[study]
         if args.sgd_frame_lr is not None and "stiefel-sgd" not in arms:
             raise UsageError(f"--sgd-frame-lr sets the stiefel-sgd arm's frame lr, but the arms to run "

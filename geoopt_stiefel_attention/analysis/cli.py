@@ -77,7 +77,8 @@ def _select_columns(names):
         if not found:
             unknown.append(name)
     if unknown:
-        choices = [c.name for c in default_columns()] + [c.name for c in muon_columns()]
+        # a column of both tables (StiefelAdam) is listed once
+        choices = list(dict.fromkeys([c.name for c in default_columns()] + [c.name for c in muon_columns()]))
         raise UsageError(f"--optimizers: No optimizer column named {unknown[0]!r}; choose one of {choices}.")
     for columns in (main, muon):
         named = [c.name for c in columns]

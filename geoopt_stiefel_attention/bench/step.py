@@ -303,8 +303,8 @@ def format_step_table(results: list[StepTimeResult]) -> str:
             flag = "†" if ratio_disagrees(r.timings["stiefel"].median_ms, t.median_ms, ratio) else ""
             flagged = flagged or bool(flag)
             row += [f"{t.median_ms:.3f}", (f"{1 / ratio:.1f}x" if name.startswith("geoopt") else f"{ratio:.2f}") + flag]
-        adamw = r.state_ratio.get("adamw_foreach", math.nan)
-        row += [f"{r.state_ratio.get('stiefel', math.nan):.4f}, {adamw:.2f}"]
+        stiefel, adamw = r.state_ratio.get("stiefel"), r.state_ratio.get("adamw_foreach")
+        row += [f"{'n/a' if stiefel is None else f'{stiefel:.4f}'}, {'n/a' if adamw is None else f'{adamw:.2f}'}"]
         lines.append("| " + " | ".join(row) + " |")
     notes = [f"- width {r.width}, {_OPTIMIZER_LABELS.get(t.name, t.name)}: {t.note}" for r in results
              for t in r.timings.values() if t.note]
