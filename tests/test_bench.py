@@ -842,9 +842,9 @@ def test_every_library_command_refuses_a_seed_torch_cannot_take(command, seed, c
         main([*command, "--seed", seed])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert "Traceback" not in "\n".join(err)
-    assert err[-1].endswith(f"error: argument --seed: must be an integer from 0 to 2**64 - 1 = {2**64 - 1} (the seeds "
-                            f"torch takes), got {seed}"), err[-1]
+    assert "Traceback" not in "\n".join(err) and len(err) == 1
+    assert err[0].startswith(f"stiefel-attention {command[0]}: error: argument --seed: must be an integer from 0 to "
+                             f"2**64 - 1 = {2**64 - 1} (the seeds torch takes), got {seed} "), err[0]
 
 
 def test_the_thread_bound_and_distinct_values_pass(monkeypatch):
