@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -149,10 +150,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="print the table only (no progress lines)")
 
 
+#: Frame stacks of the demo's size alive at once (start, target, the parameter and its gradient, optimizer state,
+#: the step's temporaries): what ``--heads``/``--d``/``--r`` are checked against before anything is allocated
+DEMO_COPIES = 16
+
+
+def _physical_memory() -> int | None:
+    """The machine's physical memory in bytes (``None`` where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.r > args.d:
         raise UsageError(f"--r {args.r} exceeds --d {args.d}: a frame in St(d, r) needs "
                          f"r <= d; lower --r or raise --d")
+
+    need = DEMO_COPIES * args.heads * args.d * args.r * 4  # float32 frame stacks the arms hold at once
+    have = _physical_memory()
+    if have is not None and need > have:
+        raise UsageError(f"--heads {args.heads} --d {args.d} --r {args.r}: the demo holds about {DEMO_COPIES} float32 "
+                         f"stacks of {args.heads} x {args.d} x {args.r} frames ({need / 2**30:.3g} GiB), more than "
+                         f"this machine's memory ({have / 2**30:.3g} GiB); lower --heads, --d or --r")
 
     def progress(line: str) -> None:
         if not args.quiet:

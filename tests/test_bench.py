@@ -415,6 +415,8 @@ BAD_COMMANDS = {
     "certify --optimizers nobody": "--optimizers: No optimizer column named 'nobody'",
     # a huge --threads made torch start threads until the process ran out of memory maps: a traceback
     "demo --threads 1025": "argument --threads: must be an integer from 1 to 1024, got 1025",
+    # frames that cannot fit in memory ended in torch's allocation error, a traceback
+    "demo --heads 1000000000000": "--heads 1000000000000 --d 32 --r 8: the demo holds about 16 float32 stacks",
     "bench --threads 100000": "argument --threads: must be an integer from 1 to 1024, got 100000",
     # a repeated value: a width was timed twice, a name dropped silently
     "bench --widths 128 128": "--widths 128 128: names one value twice",
@@ -845,6 +847,18 @@ def test_every_library_command_refuses_a_seed_torch_cannot_take(command, seed, c
     assert "Traceback" not in "\n".join(err) and len(err) == 1
     assert err[0].startswith(f"stiefel-attention {command[0]}: error: argument --seed: must be an integer from 0 to "
                              f"2**64 - 1 = {2**64 - 1} (the seeds torch takes), got {seed} "), err[0]
+
+
+def test_the_demo_size_check_passes_what_fits(monkeypatch):
+    """Companion of the memory refusal: sizes whose frame stacks fit in the machine's memory pass the check (the run
+    itself is replaced: only the check is under test)."""
+    from geoopt_stiefel_attention import demo
+
+    ran = []
+    monkeypatch.setattr(demo, "run_demo", lambda **kw: ran.append(kw) or [])
+    monkeypatch.setattr(demo, "_physical_memory", lambda: 16 * 1000 * 32 * 8 * 4)  # exactly 1000 heads of 32 x 8
+    assert main(["demo", "--heads", "1000", "--quiet"]) == 0 and ran[0]["heads"] == 1000
+    assert main(["demo", "--heads", "1001", "--quiet"]) == 2  # one head more does not fit
 
 
 def test_the_thread_bound_and_distinct_values_pass(monkeypatch):
