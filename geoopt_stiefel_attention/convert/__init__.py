@@ -800,6 +800,12 @@ def stiefelize(
     load as they are. A pure ``q_proj``/``k_proj`` weight keeps its empty rest as a non-persistent buffer, so
     no zero-size parameter appears.
 
+    **Optimizers.** Build them after converting (``StiefelAdam(param_groups(model))``): one built before holds the
+    converted weights but not the frames that now carry the query/key rows, so it would never train them. Every
+    ``torch.optim`` step is watched for this (a global step pre-hook): such an optimizer raises at its step once no
+    optimizer has changed those frames in its last four steps while they have gradients (docs: "Build the
+    optimizer after converting").
+
     **Writing a converted weight.** A converted weight is computed from its frames at each read, so an in-place
     write to it (``weight.copy_(w)``, ``nn.init.*_(weight)``, an init pass after conversion such as HuggingFace's
     ``post_init``) changes only the tensor that read returned, not the model (torch's parametrizations behave so).
