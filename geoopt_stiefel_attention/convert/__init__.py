@@ -1214,6 +1214,12 @@ def _rescale_biases(site: _Site) -> None:
             head += n
 
 
+def _weight_path(site: _Site, owner: nn.Module, attr: str) -> str:
+    """The path in the model of weight ``attr`` of ``owner``, a module inside the site's attention module."""
+    inner = next((n for n, m in site.module.named_modules() if m is owner), "")
+    return ".".join(x for x in (site.path, inner, attr) if x)
+
+
 def _converted_weights(sites: list[_Site]) -> list[tuple[Tensor, nn.Module, str, str]]:
     """``(weight, owner, attr, label)`` of every weight the sites convert, once each (a fused weight holds both the
     query and the key rows), read before the conversion replaces it; the label is the weight's path in the model."""
@@ -1223,8 +1229,7 @@ def _converted_weights(sites: list[_Site]) -> list[tuple[Tensor, nn.Module, str,
             if (id(piece.owner), piece.attr) in seen:
                 continue
             seen.add((id(piece.owner), piece.attr))
-            inner = next((n for n, m in site.module.named_modules() if m is piece.owner), "")
-            label = ".".join(x for x in (site.path, inner, piece.attr) if x)
+            label = _weight_path(site, piece.owner, piece.attr)
             out.append((getattr(piece.owner, piece.attr), piece.owner, piece.attr, label))
     return out
 
@@ -1240,8 +1245,7 @@ def _apply(site: _Site, logit_gain: str | None, gain_rate: float, gain: Tensor |
         specs = [dict(role=p.role, start=p.start, length=p.length, r=r,
                       gain=gain if p.role == "q" else None) for p in pieces]
         _hook_state_dicts(owner, _stock_names(owner))
-        inner = next((n for n, m in site.module.named_modules() if m is owner), "")
-        label = ".".join(x for x in (site.path, inner, attr) if x)  # the weight's path in the model
+        label = _weight_path(site, owner, attr)
         parametrize.register_parametrization(owner, attr, _QKWeight(weight, pieces[0].dim, specs, gain_rate,
                                                                     label=label, groups=pieces[0].groups),
                                              unsafe=True)
