@@ -171,6 +171,7 @@ def test_clip_grad_norm_measures_euclidean_gradients_and_scales_the_frame_step_l
 # ------------------------------------------------------------------ DDP: no_sync, find_unused_parameters
 def _ddp_worker(rank, world, init_method, mode, out):
     import contextlib
+    import gc
 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -199,6 +200,12 @@ def _ddp_worker(rank, world, init_method, mode, out):
         dist.all_gather(gathered, flat)
         if rank == 0:
             torch.save({"diff": float((gathered[0] - gathered[1]).abs().max()), "ortho": _ortho(model)}, out)
+        # Teardown in order: once in CI a rank aborted as the ranks left ("terminate called without an active
+        # exception" from gloo, not reproduced in 14 local runs); the ranks now meet before either tears down, and
+        # DDP (whose reducer holds the process group) is freed before the group is destroyed.
+        dist.barrier()
+        del ddp, opt
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
@@ -221,6 +228,87 @@ def test_ddp_no_sync_accumulation_keeps_frames_identical_across_ranks_and_orthon
     result = torch.load(out)
     assert result["ortho"] < 1e-12
     assert (result["diff"] > 1e-3) if mode == "unwrapped" else (result["diff"] == 0.0)
+
+
+# ------------------------------------------------------------------ DDP built before the conversion
+def _encoder():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+
+
+def _late_conversion_worker(rank, world, init_method, out):
+    """Each rank: ``stiefelize(ddp)`` (refused), ``stiefelize(ddp.module)`` then a step (refused at the forward), the
+    same with the check switched off (the frames part), and convert-then-wrap (the frames stay equal)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from geoopt_stiefel_attention.convert import parametrization
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    result = {}
+    try:
+        def train(ddp):
+            opt = StiefelAdam(param_groups(ddp.module), lr=1e-2)
+            g = torch.Generator().manual_seed(rank)  # each rank its own batches
+            for _ in range(2):
+                ddp(torch.randn(2, 5, 16, generator=g)).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            frames = torch.cat([f.detach().flatten() for f in frame_parameters(ddp.module)])
+            gathered = [torch.empty_like(frames) for _ in range(world)]
+            dist.all_gather(gathered, frames)
+            return float((gathered[0] - gathered[1]).abs().max())
+
+        model = _encoder()
+        ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        try:
+            stiefelize(ddp)
+        except TypeError as err:
+            result["wrapped"] = str(err)
+        result["wrapped_unchanged"] = not frame_parameters(model) and all(
+            torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        stiefelize(ddp.module)
+        try:
+            train(ddp)
+        except RuntimeError as err:
+            result["late"] = str(err)
+        check = parametrization._check_synchronised
+        parametrization._check_synchronised = lambda *args: None  # the companion: what the refusal prevents
+        try:
+            ddp = DistributedDataParallel(_encoder(), find_unused_parameters=True)
+            stiefelize(ddp.module)
+            result["late_unchecked_diff"] = train(ddp)
+        finally:
+            parametrization._check_synchronised = check
+        model = _encoder()
+        stiefelize(model)
+        result["converted_first_diff"] = train(DistributedDataParallel(model, find_unused_parameters=True))
+        dist.barrier()
+        if rank == 0:
+            torch.save(result, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_built_before_the_conversion_is_refused_and_would_train_the_frames_apart(tmp_path):
+    """Two gloo ranks, each its own batches, ``find_unused_parameters=True`` (where DDP itself says nothing):
+    ``stiefelize(ddp)`` is refused before anything changes, and ``stiefelize(ddp.module)`` at the first forward,
+    naming the weight, its frames and the order to use. Companions: with that check switched off the frames end
+    different on the two ranks; converted before wrapping they end equal."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "result.pt"
+    mp.spawn(_late_conversion_worker, args=(2, f"file://{tmp_path / 'rendezvous'}", str(out)), nprocs=2)
+    result = torch.load(out)
+    assert "model is a DistributedDataParallel" in result["wrapped"]
+    assert "stiefelize(model); ddp = DistributedDataParallel(model)" in result["wrapped"]
+    assert result["wrapped_unchanged"]
+    assert "0.self_attn.in_proj_weight" in result["late"] and "(q_frames, k_frames)" in result["late"]
+    assert "stiefelize(model); ddp = DistributedDataParallel(model)" in result["late"]
+    assert result["late_unchecked_diff"] > 1e-3
+    assert result["converted_first_diff"] == 0.0
 
 
 def test_saving_the_librarys_own_frames_moved_by_a_torch_optimizer_warns():

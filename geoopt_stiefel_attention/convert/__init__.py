@@ -858,6 +858,13 @@ def stiefelize(
                       UserWarning, stacklevel=2)
     if not isinstance(model, nn.Module):
         raise TypeError(f"stiefelize: model must be an nn.Module, got {type(model).__name__}.")
+    for path, module in model.named_modules():
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            where = "model is" if not path else f"model.{path} is"
+            raise TypeError(f"stiefelize: {where} a DistributedDataParallel, which registered the parameters it "
+                            f"synchronises when it was built, so the new frames would train apart on each rank; "
+                            f"convert the model before wrapping it: stiefelize(model); "
+                            f"ddp = DistributedDataParallel(model).")
     table, chooser = _resolve_targets(targets)
 
     sites: list[_Site] = []

@@ -19,6 +19,8 @@ from .. import _guard
 from .._linalg import ORTHONORMALITY_TOLERANCE
 from ..manifolds import PolarStiefel, frame_dtypes, reproject_after_cast_
 
+_DDP = nn.parallel.DistributedDataParallel  # its class attribute ``_active_ddp_module`` names the DDP in a forward
+
 #: Marker attribute set on a converted attention module (read by :func:`converted_query_key_frames`).
 _MARK = "_stiefel_layout"
 
@@ -136,6 +138,7 @@ class _QKWeight(nn.Module):
         state = dict(super().__getstate__())
         state.pop("_slot", None)
         state.pop("_built", None)
+        state.pop("_ddp_checked", None)
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _QKWeight:
@@ -210,6 +213,8 @@ class _QKWeight(nn.Module):
         slot = self.__dict__.get("_slot")
         if slot is not None and not torch.compiler.is_compiling():
             _check_not_wrapped(self, slot)
+        if _DDP._active_ddp_module is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            _check_synchronised(self, _DDP._active_ddp_module)
         if torch.is_grad_enabled() and (model is None or model[0] <= 0):
             self.check()
         weight = self._build(rest)
@@ -383,6 +388,30 @@ def _check_not_wrapped(p: _QKWeight, slot: tuple[Any, str, Any]) -> None:
                        f"adapter's target_modules (the frames train with StiefelAdam), or call unstiefelize(model) "
                        f"before adding the adapter to fine-tune the stock weights (to undo the wrapping: "
                        f"peft_model.unload(), or build the model again).")
+
+
+def _check_synchronised(p: _QKWeight, ddp: nn.Module) -> None:
+    """Refuse to build a converted weight, inside the forward of ``DistributedDataParallel`` ``ddp``, whose trainable
+    frames ``ddp`` does not synchronise: they were made after it was built (``stiefelize(ddp.module)``), so it never
+    registered them and each rank would train its own frames (with ``find_unused_parameters=True`` DDP itself says
+    nothing; without, it fails at the second step on "parameters that were not used"). Checked once per pair
+    (``_ddp_checked`` holds a weak reference to the last DDP that passed)."""
+    checked = p.__dict__.get("_ddp_checked")
+    if checked is not None and checked() is ddp:
+        return
+    held = {id(q) for q in getattr(ddp, "_module_parameters", ())}
+    held.update(id(q) for q in getattr(ddp, "_delay_all_reduce_params", ()))
+    ignored = getattr(ddp, "parameters_to_ignore", ())
+    held.update(id(q) for name, q in ddp.module.named_parameters() if name in ignored)  # left out by the user
+    missing = [name for name, w in p.frames() if w.requires_grad and id(w) not in held
+               and not getattr(w, "_ddp_ignored", False)]
+    if missing:
+        raise RuntimeError(
+            f"{getattr(p, 'label', 'converted weight')}: DistributedDataParallel does not synchronise its frames "
+            f"({', '.join(missing)}): they were made by stiefelize after DDP wrapped the model, so DDP never "
+            f"registered them and each rank would train its own frames; convert first, then wrap: "
+            f"stiefelize(model); ddp = DistributedDataParallel(model).")
+    p.__dict__["_ddp_checked"] = weakref.ref(ddp)
 
 
 def _set_slots(model: nn.Module) -> None:
