@@ -614,3 +614,37 @@ def test_torchrun_example_of_the_docs_trains_saves_and_resumes(tmp_path):
     assert (tmp_path / "ckpt").is_dir()
     # the same batches: a second run that did not resume from the checkpoint would print the same losses
     assert losses[0] != losses[1]
+
+
+def test_a_model_sharded_before_its_conversion_is_refused_before_anything_changes(one_rank_group):
+    """``fully_shard(model)`` then ``stiefelize(model)`` failed inside torch ("Creating a new Tensor subclass
+    ManifoldTensor but the raw Tensor object is already associated to ... DTensor"): now one sentence naming the
+    module, its sharded parameters and the order to use, with the model unchanged. Companion: converted first, then
+    sharded by heads, the same model trains a step with orthonormal frames."""
+    from torch.distributed.fsdp import fully_shard
+
+    from geoopt_stiefel_attention import stiefelize
+
+    def encoder():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+
+    model = encoder()
+    fully_shard(model)
+    before = {k: local_tensor(v).clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError, match=r"'0\.self_attn' holds sharded parameters \(in_proj_weight, .*convert the "
+                                        r"model first, then shard it with .*fully_shard_by_heads"):
+        stiefelize(model)
+    assert not frame_parameters(model)
+    assert all(torch.equal(local_tensor(v), before[k]) for k, v in model.state_dict().items())
+
+    model = encoder()
+    stiefelize(model)
+    fully_shard_by_heads(model)
+    opt = StiefelAdam(param_groups(model), lr=1e-2)
+    start = [local_tensor(f).detach().clone() for f in frame_parameters(model)]
+    model(torch.randn(2, 5, 16)).sum().backward()
+    opt.step()
+    frames = [local_tensor(f).detach() for f in frame_parameters(model)]
+    assert min(float((f - s).abs().max()) for f, s in zip(frames, start, strict=True)) > 1e-4  # they moved
+    assert max(float(orthonormality_error(f)) for f in frames) < 1e-5

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from .. import distributed as _distributed
 from .._linalg import ORTHONORMALITY_TOLERANCE, orthonormality_error
 from ..manifolds import is_frame
 from ._optimizers import watch
@@ -904,6 +905,13 @@ def stiefelize(
     problems += adapted
     sites, tied = _tied(model, sites)
     problems += tied
+    for site in sites:  # before anything changes
+        sharded = [name for name, p in site.module.named_parameters() if _distributed.is_sharded(p)]
+        if sharded:
+            raise TypeError(f"stiefelize: {_where(site.path)} holds sharded parameters ({', '.join(sharded)}: "
+                            f"DTensors, from fully_shard or a tensor-parallel plan applied before the conversion), "
+                            f"whose query/key blocks cannot become whole frames; convert the model first, then shard "
+                            f"it with geoopt_stiefel_attention.distributed.fully_shard_by_heads.")
     if chooser is None:
         claimed = [s.path for s in sites] + [p for p, _ in problems]
         candidates = [p for p, m in model.named_modules()
