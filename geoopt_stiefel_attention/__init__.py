@@ -25,6 +25,7 @@ from .nn import (
     StiefelMultiheadAttention,
     frame_parameters,
     param_groups,
+    project_frames_,
     query_key_projections,
     stiefelize,
 )
@@ -34,7 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = ["PolarStiefel", "StiefelAdam", "StiefelMuon", "is_frame", "stiefel_adam_update", "frame_step_scale", "__version__",
            "StiefelMultiheadAttention", "EuclideanMultiheadAttention", "stiefelize", "param_groups",
-           "frame_parameters", "query_key_projections", "TinyTransformer", "PatchViT", "unstiefelize",
+           "frame_parameters", "project_frames_", "query_key_projections", "TinyTransformer", "PatchViT", "unstiefelize",
            "export_state_dict", "parametrized_state_dict", "Layout", "Block", "LAYOUTS", "ConversionResult", "ConvertedAttention",
            "check_frames", "FrameOffManifoldError"]
 

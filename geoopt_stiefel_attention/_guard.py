@@ -12,9 +12,11 @@ the error grows from there. :data:`FRAME_CHECK_TOLERANCE` sits between the two.
 Cost: one :math:`r\times r` Gram matrix per frame (:math:`d r^2` multiply-adds, against the forward's
 :math:`B\,T\,d\,r` for :math:`B\,T` tokens) and its distance from the identity, two operations; one read of a
 scalar per module off the CPU. A converted weight that its module's forward reads several times
-(``nn.MultiheadAttention``) is rebuilt, and checked, once per forward. It runs in eager training forward
-passes only (forward passes with gradients enabled, whatever ``module.training`` says: a model trained in
-eval mode to switch dropout off is checked too). Under ``torch.compile`` a data-dependent ``raise`` cannot be
+(``nn.MultiheadAttention``) is rebuilt, and checked, once per forward. It raises in eager training forward
+passes (forward passes with gradients enabled, whatever ``module.training`` says: a model trained in
+eval mode to switch dropout off is checked too). A forward without gradients (an evaluation) runs it only when
+the frames changed since its last check (their version counters) and warns instead of raising
+(:func:`check_at_evaluation`): an average of frames (an EMA, ``AveragedModel``) is evaluated, not trained. Under ``torch.compile`` a data-dependent ``raise`` cannot be
 part of a graph, so the check is traced into it as an assertion (``torch._assert_async``, the same Gram product
 and distance per frame): a frame off the manifold stops the compiled forward with a ``RuntimeError`` carrying
 the same message (without the measured distance). On the CPU it is raised by the forward itself; on CUDA it is
@@ -26,6 +28,7 @@ model on demand (e.g. after each optimizer step).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -147,6 +150,34 @@ def _message(owner: str, name: str, dtype: torch.dtype, tol: float, err: Tensor 
 def _report(owner: str, name: str, dtype: torch.dtype, tol: float, err: Tensor,
             where: str = "a training forward pass") -> None:
     raise FrameOffManifoldError(_message(owner, name, dtype, tol, err, where))
+
+
+#: What the warning of an evaluation forward adds to the check's message: the other common cause there.
+_AT_EVALUATION = ("At an evaluation forward (no gradients) this is a warning, given once each time the frames change. "
+                  "An average of frames (torch.optim.swa_utils.AveragedModel, an EMA of the parameters) is not "
+                  "orthonormal either: project the average after each update with "
+                  "geoopt_stiefel_attention.project_frames_(averaged_model).")
+
+
+def check_at_evaluation(owner: str, frames: list[tuple[str, Tensor]], memo: dict) -> None:
+    """The frame check of a forward pass without gradients: run :func:`check_frame_tensors` when the frames changed
+    since the last such check (their identities and version counters, kept in ``memo``), and warn, not raise, when
+    one is off the manifold. An evaluation loop over unchanged frames pays one tuple of version counters per
+    forward; frames changed in place (an optimizer step, an average taken into them) are checked at the next one.
+    Skipped under ``torch.compile``, tracing and scripting."""
+    if torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling():
+        return
+    try:
+        key = tuple((id(w), w._version) for _, w in frames)
+    except RuntimeError:  # inference tensors keep no version counter: checked every time
+        key = None
+    if key is not None and memo.get("versions") == key:
+        return
+    memo["versions"] = key
+    try:
+        check_frame_tensors(owner, frames, where="an evaluation forward pass")
+    except FrameOffManifoldError as err:
+        warnings.warn(f"{err} {_AT_EVALUATION}", UserWarning, stacklevel=4)
 
 
 def check_frames(model: nn.Module) -> None:

@@ -43,6 +43,7 @@ __all__ = [
     "stiefelize",
     "param_groups",
     "frame_parameters",
+    "project_frames_",
     "query_key_projections",
 ]
 
@@ -431,6 +432,9 @@ class _MultiheadAttentionBase(nn.Module):
         n = h * dh
         if self._checks_frames and torch.is_grad_enabled():
             _guard.check_frame_tensors(owner, (("w_q", self.w_q), ("w_k", self.w_k)))
+        elif self._checks_frames:
+            _guard.check_at_evaluation(owner, [("w_q", self.w_q), ("w_k", self.w_k)],
+                                       self.__dict__.setdefault("_evaluation_check", {}))
 
         w_q = self._flat(self.w_q)
         w_k = self._flat(self.w_k)
@@ -981,6 +985,45 @@ def frame_parameters(model: nn.Module) -> list[geoopt.ManifoldParameter]:
         Its frames (empty when it has none).
     """
     return [p for p in model.parameters() if is_frame(p)]
+
+
+@torch.no_grad()
+def project_frames_(model: nn.Module) -> int:
+    r"""Replace every trainable or frozen frame of ``model`` by its polar factor, in place: the closest frame in
+    Frobenius norm,
+
+    .. math::
+
+        W \leftarrow U V^\top, \qquad W = U \Sigma V^\top \ \text{(thin SVD)},
+
+    computed in float64 and rounded to the frame's dtype. For frames that left the manifold on purpose, above all an
+    average of frames: an EMA or ``torch.optim.swa_utils.AveragedModel`` of a model's parameters averages each
+    frame's entries, and a mean of orthonormal frames is not orthonormal (the polar factor of the mean is the
+    usual extrinsic mean on the Stiefel manifold). Call it after each update of the average, e.g.
+    ``ema.update_parameters(model); project_frames_(ema)``. The parameter objects are kept; sharded (``DTensor``)
+    frames are projected shard by shard (each shard holds whole frames), meta and empty ones are skipped.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Any model; its frames are :func:`frame_parameters`.
+
+    Returns
+    -------
+    int
+        The number of frame tensors projected.
+    """
+    from ._linalg import polar_svd
+    from .distributed import local_tensor
+
+    done = 0
+    for p in frame_parameters(model):
+        local = local_tensor(p)
+        if local.device.type == "meta" or local.numel() == 0:
+            continue
+        local.copy_(polar_svd(local.double()).to(local.dtype))
+        done += 1
+    return done
 
 
 def query_key_projections(model: nn.Module) -> list[tuple[str, Tensor, Tensor]]:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextvars
 import math
+import sys
 import warnings
+import weakref
+from typing import Any
 
 import geoopt
 import torch
@@ -152,6 +155,53 @@ def _warn_off_manifold(prefix: str, ours: list[tuple[str, nn.Module]]) -> None:
                           f"their polar factors, which changes the model's outputs.", UserWarning, stacklevel=3)
 
 
+_EMA_WARNED: weakref.WeakSet = weakref.WeakSet()  # the averaging objects already warned about (once each)
+
+
+def _averaging_caller() -> Any:
+    """The object whose method asked for this state dict when it is a model-EMA class (its name holds "ModelEma",
+    any case, underscores ignored: timm's ModelEma/ModelEmaV2/ModelEmaV3, the YOLO and ultralytics ModelEMA), found
+    on the stack above the nested ``Module.state_dict`` calls; else ``None``."""
+    frame = sys._getframe(1)
+    for _ in range(256):  # the hook, then one state_dict frame per level of module nesting
+        if frame is None:
+            return None
+        if frame.f_code.co_name not in ("state_dict", "_state_dict_post_hook", "_warn_if_averaged_in_place",
+                                        "_averaging_caller"):
+            holder = frame.f_locals.get("self")
+            name = type(holder).__name__.replace("_", "").lower()
+            return holder if "modelema" in name else None
+        frame = frame.f_back
+    return None
+
+
+def _warn_if_averaged_in_place(owner: nn.Module, prefix: str, ours: list[tuple[str, nn.Module]]) -> None:
+    """Warn when a model-EMA class reads the state dict (:func:`_averaging_caller`): those classes average a model by
+    updating ``state_dict()`` values in place (``ema_v.lerp_(model_v, 1 - decay)``, ``ema_v.copy_(...)``), which
+    alias the parameters; a converted weight's entry is a tensor rebuilt from its frames, so the update is lost and
+    the average's queries and keys stay where the copy began, without a word."""
+    if not any(isinstance(p, _QKWeight) for _, p in ours):
+        return
+    caller = _averaging_caller()
+    if caller is None:
+        return
+    try:
+        if caller in _EMA_WARNED:
+            return
+        _EMA_WARNED.add(caller)
+    except TypeError:  # not weakly referable: warned at each state_dict() it reads
+        pass
+    name = type(caller).__name__
+    warnings.warn(f"{name} reads state_dict() of a model converted by stiefelize ({prefix}{ours[0][0]}, ...) and "
+                  f"updates its values in place; a converted weight's entry there is a copy rebuilt from its frames, "
+                  f"so the update never reaches the frames and the average's queries and keys stay where it began. "
+                  f"Average the parameters instead, then project the frames: "
+                  f"ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn="
+                  f"get_ema_multi_avg_fn(decay)) and after each ema.update_parameters(model), "
+                  f"geoopt_stiefel_attention.project_frames_(ema) (timm: ModelEmaV3(model, exclude_buffers=True), "
+                  f"then project_frames_(ema.module)).", UserWarning, stacklevel=2)
+
+
 def _state_dict_post_hook(owner: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """Replace the parametrization's entries of ``owner`` by its stock entries, in the stock order; warn when a
     frame is off the manifold (:func:`_warn_off_manifold`)."""
@@ -161,6 +211,7 @@ def _state_dict_post_hook(owner: nn.Module, state_dict: dict, prefix: str, local
     _warn_off_manifold(prefix, ours)
     if _FORM.get() != "stock":
         return
+    _warn_if_averaged_in_place(owner, prefix, ours)
     stock_names = vars(owner)[_HOOKS][0]
     values = {}
     for attr, p in ours:

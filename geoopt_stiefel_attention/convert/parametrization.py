@@ -139,6 +139,7 @@ class _QKWeight(nn.Module):
         state.pop("_slot", None)
         state.pop("_built", None)
         state.pop("_ddp_checked", None)
+        state.pop("_evaluation_check", None)
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _QKWeight:
@@ -441,7 +442,10 @@ def _check_model_frames(model: nn.Module, args: Any) -> None:
         _set_slots(model)
     scope[2] += 1
     scope[1].append(False)
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled():  # an evaluation: checked when the frames changed, and warned (see _guard)
+        for p in weights:
+            _guard.check_at_evaluation(getattr(p, "label", "converted weight"), p.frames(),
+                                       p.__dict__.setdefault("_evaluation_check", {}))
         return
     groups: dict[tuple[Any, ...], list[Tensor]] = {}
     for p in weights:

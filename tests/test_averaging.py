@@ -1,0 +1,195 @@
+"""Averages of a model with frames (EMA, SWA) and the frame check of an evaluation forward.
+
+An average of orthonormal frames is not orthonormal, and the model-EMA classes that average ``state_dict()`` values
+in place (timm's ``ModelEma``/``ModelEmaV2``/``ModelEmaV3``, the YOLO/ultralytics ``ModelEMA``) cannot reach a
+converted weight, whose entry there is a copy rebuilt from its frames: before, the average's queries and keys stayed
+where the copy began, and an averaged model evaluated with frames off the manifold, both without a word. Now the
+first is warned when such a class reads the state dict, the second at an evaluation forward (once each time the
+frames change), and :func:`project_frames_` projects an average back (checked against scipy's polar decomposition).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from scipy.linalg import polar
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from geoopt_stiefel_attention import (
+    StiefelAdam,
+    StiefelMultiheadAttention,
+    frame_parameters,
+    param_groups,
+    project_frames_,
+    stiefelize,
+)
+from geoopt_stiefel_attention._linalg import orthonormality_error
+
+EVALUATION = "off the Stiefel manifold at an evaluation forward pass"
+IN_PLACE = "updates its values in place"
+PROJECTED_TOL_F64 = 1e-12  # project_frames_ against scipy's polar factor, float64 (measured 1e-15)
+ORTHO_TOL_F32 = 1e-5  # a projected float32 frame (the training check's tolerance)
+
+
+def _encoder():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+    stiefelize(model)
+    return model
+
+
+def _train(model, opt, x, steps=3, after=None):
+    for _ in range(steps):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if after is not None:
+            after()
+
+
+def _messages(record, text):
+    return [str(w.message) for w in record if text in str(w.message)]
+
+
+class ModelEMA:
+    """A hand-written EMA as the YOLO repositories write it: ``state_dict()`` values updated in place."""
+
+    def __init__(self, model, decay=0.9):
+        self.ema, self.decay = copy.deepcopy(model), decay
+
+    def update(self, model):
+        with torch.no_grad():
+            msd = model.state_dict()
+            for k, v in self.ema.state_dict().items():
+                if v.dtype.is_floating_point:
+                    v *= self.decay
+                    v += (1 - self.decay) * msd[k].detach()
+
+
+class Snapshot:
+    """The companion: another class reading the state dict (to save it), named otherwise."""
+
+    def update(self, model):
+        self.saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _timm(name):
+    timm_utils = pytest.importorskip("timm.utils")
+    return lambda model: getattr(timm_utils, name)(model, decay=0.9)
+
+
+@pytest.mark.parametrize("make", [_timm("ModelEmaV3"), _timm("ModelEmaV2"), _timm("ModelEma"), ModelEMA],
+                         ids=["timm-ModelEmaV3", "timm-ModelEmaV2", "timm-ModelEma", "yolo-ModelEMA"])
+def test_a_model_ema_of_state_dict_values_is_warned_once_naming_the_fix(make):
+    """The queries and keys of such an average never move (measured: 0.0 while the model's frames moved 0.26);
+    the warning says so once per EMA object, naming the class, a converted weight and what to use instead."""
+    model, x = _encoder(), torch.randn(2, 5, 16)
+    opt = StiefelAdam(param_groups(model), lr=3e-2)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ema = make(model)
+        holder = getattr(ema, "module", None) or getattr(ema, "ema", None)
+        start = [f.detach().clone() for f in frame_parameters(holder)]
+        _train(model, opt, x, after=lambda: ema.update(model))
+    found = _messages(record, IN_PLACE)
+    assert len(found) == 1, found
+    assert found[0].startswith(f"{type(ema).__name__} reads state_dict() of a model converted by stiefelize "
+                               f"(0.self_attn.in_proj_weight, ...)")
+    assert "project_frames_(ema)" in found[0] and "exclude_buffers=True" in found[0]
+    # what the warning is about: the average's frames stayed where they began
+    assert all(torch.equal(f, s) for f, s in zip(frame_parameters(holder), start, strict=True))
+    assert min(float((f.detach() - s).abs().max()) for f, s in zip(frame_parameters(model), start, strict=True)) > 1e-2
+
+
+def test_companion_other_readers_of_the_state_dict_and_unconverted_models_are_not_warned():
+    model, x = _encoder(), torch.randn(2, 5, 16)
+    opt = StiefelAdam(param_groups(model), lr=3e-2)
+    snapshot = Snapshot()
+    plain = torch.nn.Linear(3, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(model, opt, x, after=lambda: snapshot.update(model))
+        ModelEMA(plain).update(plain)  # nothing converted: nothing to warn about
+    assert "0.self_attn.in_proj_weight" in snapshot.saved
+
+
+def test_an_average_of_parameters_warns_at_evaluation_until_projected_and_then_is_a_frame_average():
+    """``AveragedModel`` with an EMA averages the frames' entries: evaluated, it warns once (not at every forward);
+    after ``project_frames_`` it is silent, its frames are orthonormal, and closer to the model's frames than the
+    copy it began from (the average moved)."""
+    model, x = _encoder(), torch.randn(2, 5, 16)
+    opt = StiefelAdam(param_groups(model), lr=3e-2)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    start = [f.detach().clone() for f in frame_parameters(ema)]
+    _train(model, opt, x, steps=5, after=lambda: ema.update_parameters(model))
+    assert max(float(orthonormality_error(f.detach())) for f in frame_parameters(ema)) > 1e-4
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            ema(x)
+            ema(x)  # the frames did not change: no second warning
+    found = _messages(record, EVALUATION)
+    assert len(found) == 1 and "project_frames_(averaged_model)" in found[0], found
+    assert project_frames_(ema) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            ema(x)
+    frames = [f.detach() for f in frame_parameters(ema)]
+    assert max(float(orthonormality_error(f)) for f in frames) < ORTHO_TOL_F32
+    now = [f.detach() for f in frame_parameters(model)]
+    assert all(float((f - n).norm()) < float((s - n).norm())
+               for f, s, n in zip(frames, start, now, strict=True))
+
+
+def test_companion_frames_the_library_trains_are_never_warned_at_evaluation():
+    model, x = _encoder(), torch.randn(2, 5, 16)
+    opt = StiefelAdam(param_groups(model), lr=3e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            _train(model, opt, x, steps=1)
+            with torch.no_grad():
+                model(x)
+
+
+def test_the_librarys_own_module_warns_at_evaluation_once_per_change():
+    torch.manual_seed(0)
+    attn = StiefelMultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        attn.w_q.mul_(1.01)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            attn(x, x, x)
+            attn(x, x, x)
+            attn.w_q.mul_(1.01)  # changed again: checked again
+            attn(x, x, x)
+    found = _messages(record, EVALUATION)
+    assert len(found) == 2 and all("StiefelMultiheadAttention: frame 'w_q'" in m for m in found), found
+
+
+def test_project_frames_is_the_polar_factor_in_float64():
+    """Against scipy's polar decomposition W = U_p P (U_p the closest frame), frame by frame."""
+    model = _encoder().double()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for f in frame_parameters(model):
+            f.add_(0.2 * torch.randn(f.shape, generator=g, dtype=f.dtype))
+    moved = [f.detach().clone() for f in frame_parameters(model)]
+    ids = [id(f) for f in frame_parameters(model)]
+    assert project_frames_(model) == len(moved)
+    assert [id(f) for f in frame_parameters(model)] == ids  # the parameter objects are kept
+    for f, before in zip(frame_parameters(model), moved, strict=True):
+        for h in range(f.shape[0]):
+            reference = polar(before[h].numpy())[0]
+            assert np.abs(f[h].detach().numpy() - reference).max() < PROJECTED_TOL_F64
+
+
+def test_companion_a_model_without_frames_projects_nothing():
+    assert project_frames_(torch.nn.Linear(3, 3)) == 0
