@@ -15,7 +15,8 @@ scalar per module off the CPU. A converted weight that its module's forward read
 (``nn.MultiheadAttention``) is rebuilt, and checked, once per forward. It raises in eager training forward
 passes (forward passes with gradients enabled, whatever ``module.training`` says: a model trained in
 eval mode to switch dropout off is checked too). A forward without gradients (an evaluation) runs it only when
-the frames changed since its last check (their version counters) and warns instead of raising
+the frames changed since its last check (their version counters, which writes through ``.data`` do not move) and
+warns instead of raising
 (:func:`check_at_evaluation`): an average of frames (an EMA, ``AveragedModel``) is evaluated, not trained. Under ``torch.compile`` a data-dependent ``raise`` cannot be
 part of a graph, so the check is traced into it as an assertion (``torch._assert_async``, the same Gram product
 and distance per frame): a frame off the manifold stops the compiled forward with a ``RuntimeError`` carrying
