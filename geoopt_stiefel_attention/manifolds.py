@@ -557,3 +557,25 @@ def reproject_after_cast_(module: torch.nn.Module, before: dict[str, torch.dtype
             p.copy_(_linalg.polar_svd(w64).to(device=p.device, dtype=p.dtype))
         done.append(name)
     return tuple(done)
+
+
+def _frame_manifolds(module: torch.nn.Module) -> dict[str, object]:
+    """The manifold of every frame ``module`` holds itself, by parameter name (taken before a cast, for
+    :func:`_rewrap_frames_`)."""
+    return {name: p.manifold for name, p in module._parameters.items() if p is not None and is_frame(p)}
+
+
+def _rewrap_frames_(module: torch.nn.Module, manifolds: dict[str, object]) -> None:
+    """After ``module._apply``: give back its manifold to a frame that the cast replaced by a plain ``Parameter``.
+
+    torch's ``Module._apply`` keeps a parameter object (``param.data = new``) only when the new tensor can take the
+    old one's place; otherwise (``to_empty()`` from the meta device) it installs ``Parameter(new)``, which drops the
+    ``geoopt.ManifoldParameter`` class and its manifold, so the frame would be trained, and checked, as a plain
+    matrix. The new parameter is wrapped again on the same manifold (same data, same ``requires_grad``)."""
+    import geoopt
+
+    for name, manifold in manifolds.items():
+        p = module._parameters.get(name)
+        if p is not None and not is_frame(p):
+            module._parameters[name] = geoopt.ManifoldParameter(p.data, manifold=manifold,
+                                                                requires_grad=p.requires_grad)

@@ -34,7 +34,15 @@ from ._linalg import ADJUST_LR_FNS, ORTHONORMALITY_TOLERANCE, orthonormality_err
 # The converter lives in .convert, which does not import this module (no cycle); its stiefelize is re-exported
 # here. The module-replacement helpers of from_euclidean/from_torch are at the end of this module.
 from .convert import converted_query_key_frames, stiefelize
-from .manifolds import PolarStiefel, frame_dtypes, has_manifold, is_frame, reproject_after_cast_
+from .manifolds import (
+    PolarStiefel,
+    _frame_manifolds,
+    _rewrap_frames_,
+    frame_dtypes,
+    has_manifold,
+    is_frame,
+    reproject_after_cast_,
+)
 
 __all__ = [
     "FRAME_GRANULARITIES",
@@ -694,8 +702,9 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
     def _apply(self, fn, recurse: bool = True) -> StiefelMultiheadAttention:
         """``.to()``, ``.double()``, ``.half()``, ...: after a cast to a more precise dtype the frames are
         re-projected to that precision (:func:`~geoopt_stiefel_attention.manifolds.reproject_after_cast_`)."""
-        before = frame_dtypes(self)
+        before, manifolds = frame_dtypes(self), _frame_manifolds(self)
         super()._apply(fn, recurse)
+        _rewrap_frames_(self, manifolds)  # to_empty() from the meta device installs plain Parameters
         reproject_after_cast_(self, before)
         return self
 

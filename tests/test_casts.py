@@ -205,3 +205,72 @@ def test_reproject_after_cast_names_what_it_reprojected_and_leaves_sharded_meta_
     assert float(orthonormality_error(attention.w_q)) <= CAST_TOL[torch.float64]
     meta = _library().to("meta", torch.float64)  # no values to re-project: left, no error
     assert all(p.device.type == "meta" and p.dtype == torch.float64 for p in frame_parameters(meta))
+
+
+# ------------------------------------------------------------------ the meta device and to_empty()
+def _meta_models():
+    with torch.device("meta"):
+        encoder = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+        own = nn_module.StiefelMultiheadAttention(16, 2, batch_first=True)
+    stiefelize(encoder)
+    return encoder, own
+
+
+def test_to_empty_from_the_meta_device_keeps_the_frames_frames():
+    """torch's ``_apply`` installs a plain ``Parameter`` where it cannot swap the data in (meta to a device): the
+    frames lost their class and manifold, so ``param_groups`` put them with the Euclidean parameters. Now they keep
+    both, in the converted weights and in the library's own module."""
+    for model in _meta_models():
+        model.to_empty(device="cpu")
+        frames = frame_parameters(model)
+        assert len(frames) == 2
+        assert all(isinstance(f, geoopt.ManifoldParameter) and f.device.type == "cpu" for f in frames)
+        assert all(type(f.manifold).__name__ == "PolarStiefel" for f in frames)
+        assert {id(f) for f in param_groups(model)[0]["params"]} == {id(f) for f in frames}
+
+
+@pytest.mark.parametrize("module", [convert_module, nn_module])
+def test_companion_without_the_rewrap_to_empty_leaves_plain_parameters(monkeypatch, module):
+    monkeypatch.setattr(module, "_rewrap_frames_", lambda *args: None)
+    encoder, own = _meta_models()
+    model = encoder if module is convert_module else own
+    model.to_empty(device="cpu")
+    assert frame_parameters(model) == []
+
+
+def test_a_model_converted_on_the_meta_device_is_filled_by_loading_a_stock_state_dict():
+    """The loading hook read the converted weight with gradients on, so its frame check raised on the frames of
+    to_empty() (uninitialised memory) before the load could fill them. Now the load makes them the polar factors of
+    the stock blocks: the model equals the stock model converted after loading (exactly), and trains."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+    reference = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+    reference.load_state_dict(stock.state_dict())
+    stiefelize(reference)
+    model, _ = _meta_models()
+    model.to_empty(device="cpu")
+    with pytest.warns(UserWarning, match="replaced by their polar factors"):  # random stock blocks: said so
+        model.load_state_dict(stock.state_dict())
+    x = torch.randn(2, 5, 16)
+    assert torch.equal(model(x), reference(x))
+    opt = StiefelAdam(param_groups(model), lr=1e-2)
+    model(x).sum().backward()
+    opt.step()
+    assert max(float(orthonormality_error(f.detach())) for f in frame_parameters(model)) < 1e-5
+
+
+def test_companion_uninitialised_frames_are_named_as_such_at_the_first_training_forward():
+    model, _ = _meta_models()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for f in frame_parameters(model):
+            f.zero_()  # what fresh memory often holds; garbage is as far off, or NaN
+    with pytest.raises(FrameOffManifoldError, match=r"= 1 > 1e-05 .*most likely uninitialised memory .*to_empty\(\): "
+                                                    r"load a state dict into it"):
+        model(torch.randn(2, 5, 16))
+    near = _meta_models()[0].to_empty(device="cpu")
+    with torch.no_grad():
+        for f in frame_parameters(near):
+            f.copy_(torch.linalg.qr(torch.randn(f.shape))[0] * 1.01)  # a drift, not garbage
+    with pytest.raises(FrameOffManifoldError, match="; most likely an optimizer that does not know the constraint"):
+        near(torch.randn(2, 5, 16))

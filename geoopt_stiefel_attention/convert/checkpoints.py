@@ -259,7 +259,8 @@ def _load_state_dict_pre_hook(owner: nn.Module, state_dict: dict, prefix: str, l
         if stock_key in state_dict:
             value = state_dict.pop(stock_key)
             clash = [k for k in state_dict if k.startswith(raw)]
-            expected = tuple(getattr(owner, attr).shape)
+            with torch.no_grad():  # its shape only: no frame check (frames of to_empty() are what this load fills)
+                expected = tuple(getattr(owner, attr).shape)
             if clash:
                 error_msgs.append(f"{stock_key} is given in both the stock form and the parametrized form "
                                   f"({clash[0]}, ...); keep one of them (model.state_dict() writes the stock form)")

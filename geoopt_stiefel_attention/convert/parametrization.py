@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .. import _guard
 from .._linalg import ORTHONORMALITY_TOLERANCE
-from ..manifolds import PolarStiefel, frame_dtypes, reproject_after_cast_
+from ..manifolds import PolarStiefel, _frame_manifolds, _rewrap_frames_, frame_dtypes, reproject_after_cast_
 
 _DDP = nn.parallel.DistributedDataParallel  # its class attribute ``_active_ddp_module`` names the DDP in a forward
 
@@ -161,8 +161,9 @@ class _QKWeight(nn.Module):
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _QKWeight:
         """``.to()``, ``.double()``, ``.half()``, ...: after a cast to a more precise dtype the frames are
         re-projected to that precision (:func:`~geoopt_stiefel_attention.manifolds.reproject_after_cast_`)."""
-        before = frame_dtypes(self)
+        before, manifolds = frame_dtypes(self), _frame_manifolds(self)
         super()._apply(fn, recurse)
+        _rewrap_frames_(self, manifolds)  # to_empty() from the meta device installs plain Parameters
         reproject_after_cast_(self, before)
         return self
 
