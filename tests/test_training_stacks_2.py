@@ -485,3 +485,47 @@ def test_gradscaler_with_float16_autocast_on_the_cpu_trains_orthonormal_frames(o
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0] and amp.get_scale() > 1
     assert max(float(orthonormality_error(f.detach())) for f in frame_parameters(model)) < 1e-5
+
+
+# ------------------------------------------------------------------ torch.nn.utils.parametrize.cached()
+@pytest.mark.parametrize("optimizer", [StiefelAdam, StiefelMuon])
+def test_a_step_inside_parametrize_cached_is_warned_and_would_leave_the_weights_stale(optimizer):
+    """Inside the block each parametrized weight is built once: after a step there, the next forward still reads the
+    weight of the old frames (measured 0.31 apart at lr 0.1), without a word before. Companion: the same step outside
+    the block says nothing, and the next forward reads the new weight."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+    stiefelize(model)
+    opt = optimizer(param_groups(model), lr=1e-1)
+    x = torch.randn(2, 5, 16)
+    attention = model[0].self_attn
+    with parametrize.cached():
+        model(x).sum().backward()
+        with pytest.warns(UserWarning, match=rf"{optimizer.__name__}\.step\(\) inside torch\.nn\.utils\.parametrize"
+                                             r"\.cached\(\): .*step outside the block"):
+            opt.step()
+        stale = attention.in_proj_weight.detach().clone()
+    assert float((attention.in_proj_weight.detach() - stale).abs().max()) > 1e-2  # what the warning is about
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).sum().backward()
+        before = attention.in_proj_weight.detach().clone()
+        opt.step()
+    assert float((attention.in_proj_weight.detach() - before).abs().max()) > 1e-2
+
+
+def test_companion_an_optimizer_without_converted_frames_is_not_warned_inside_parametrize_cached():
+    from torch.nn.utils import parametrize
+
+    from geoopt_stiefel_attention import TinyTransformer
+
+    model = TinyTransformer(11, 6, width=16, depth=1, heads=2, mlp=32, attention="stiefel", seed=0)
+    opt = StiefelAdam(param_groups(model), lr=1e-2)  # its own frames: no parametrization to cache
+    x = torch.randint(0, 11, (2, 6))
+    with parametrize.cached(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).sum().backward()
+        opt.step()

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 import torch.optim.adamw as _torch_adamw
 import torch.optim.optimizer as _torch_optimizer
+from torch.nn.utils import parametrize as _parametrize
 
 from .. import _linalg
 from .. import distributed as _distributed
@@ -33,6 +34,13 @@ from ._validation import _check_parameter
 _local = _distributed.local_tensor  # a DTensor's local shard (whole frames; see distributed), else the tensor
 
 __all__ = ["FrameOptimizer"]
+
+
+def _converted_frames() -> list[torch.Tensor]:
+    """The live frames of every weight :func:`~geoopt_stiefel_attention.stiefelize` converted (its registry)."""
+    from ..convert._optimizers import converted_frames
+
+    return converted_frames()
 
 #: Device types on which torch's own AdamW supports ``capturable=True`` (its Euclidean part of the step).
 _TORCH_CAPTURABLE_DEVICES = tuple(_torch_optimizer._get_capturable_supported_devices())
@@ -329,6 +337,8 @@ class FrameOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self._check_frames_still_held()
+        if _parametrize._cache_enabled and not torch.compiler.is_compiling():
+            self._warn_cached()
         split = _validation.validate_step(self.param_groups, self.state, self._NAME, self._validate_group,
                                           self._check_frame_state)
         for k, (group, (frames, _)) in enumerate(zip(self.param_groups, split, strict=True)):
@@ -340,6 +350,17 @@ class FrameOptimizer:
             if euclidean:
                 self._step_euclidean(group, euclidean)
         return loss
+
+    def _warn_cached(self) -> None:
+        """Warn when this step runs inside ``torch.nn.utils.parametrize.cached()`` and holds a frame of a converted
+        weight: the block caches each parametrized weight at its first read, so the forwards after this step would
+        still use the weights built from the frames as they were."""
+        held = {id(p) for group in self.param_groups for p in group["params"] if _is_frame(p)}
+        if held and any(id(p) in held for p in _converted_frames()):
+            warnings.warn(f"{self._NAME}.step() inside torch.nn.utils.parametrize.cached(): the weights rebuilt from "
+                          f"the frames (stiefelize) are cached until the block ends, so forward passes after this "
+                          f"step in the block still use the frames as they were; step outside the block (it is meant "
+                          f"for inference, or for weights that do not change).", UserWarning, stacklevel=3)
 
     def _step_euclidean(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], []
