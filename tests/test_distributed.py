@@ -648,3 +648,32 @@ def test_a_model_sharded_before_its_conversion_is_refused_before_anything_change
     frames = [local_tensor(f).detach() for f in frame_parameters(model)]
     assert min(float((f - s).abs().max()) for f, s in zip(frames, start, strict=True)) > 1e-4  # they moved
     assert max(float(orthonormality_error(f)) for f in frames) < 1e-5
+
+
+def test_fsdp1_is_refused_at_the_conversion_and_its_flattened_frames_at_the_optimizer():
+    """FSDP1 (``FullyShardedDataParallel``) flattens a unit's parameters and shards them by element count, so frames
+    would be split across ranks. It needs an accelerator to be built, so this test checks the two refusals on what
+    FSDP1 leaves: an instance of its class in the model (made without its constructor) and its mark on the
+    parameters it flattened (``_fsdp_flattened``). Companions: the same model without them converts, and its frames
+    without the mark build an optimizer."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from geoopt_stiefel_attention import stiefelize
+
+    wrapper = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    torch.nn.Module.__init__(wrapper)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = torch.nn.Sequential(layer, wrapper)
+    with pytest.raises(TypeError, match=r"model\.1 is a FullyShardedDataParallel \(FSDP1\), .*splitting frames "
+                                        r"across ranks; .*fully_shard_by_heads\(model\)"):
+        stiefelize(model)
+    assert not frame_parameters(model)
+    stiefelize(torch.nn.Sequential(layer))  # companion: converted without the wrapper
+    frames = frame_parameters(layer)
+    StiefelAdam(param_groups(layer), lr=1e-2)  # companion: no mark, no refusal
+    frames[0]._fsdp_flattened = True
+    with pytest.raises(NotImplementedError, match=r"StiefelAdam: frame parameter \(2, 16, 8\) was flattened by "
+                                                  r"FullyShardedDataParallel \(FSDP1\)"):
+        StiefelAdam(param_groups(layer), lr=1e-2)
+    with pytest.raises(NotImplementedError, match=r"StiefelMuon: frame parameter .* \(FSDP1\)"):
+        StiefelMuon(param_groups(layer), lr=1e-2)

@@ -859,13 +859,19 @@ def stiefelize(
                       UserWarning, stacklevel=2)
     if not isinstance(model, nn.Module):
         raise TypeError(f"stiefelize: model must be an nn.Module, got {type(model).__name__}.")
+    fsdp1 = _fsdp1_class()
     for path, module in model.named_modules():
+        where = "model is" if not path else f"model.{path} is"
         if isinstance(module, nn.parallel.DistributedDataParallel):
-            where = "model is" if not path else f"model.{path} is"
             raise TypeError(f"stiefelize: {where} a DistributedDataParallel, which registered the parameters it "
                             f"synchronises when it was built, so the new frames would train apart on each rank; "
                             f"convert the model before wrapping it: stiefelize(model); "
                             f"ddp = DistributedDataParallel(model).")
+        if fsdp1 is not None and isinstance(module, fsdp1):
+            raise TypeError(f"stiefelize: {where} a FullyShardedDataParallel (FSDP1), which flattened its "
+                            f"parameters and shards them by element count, splitting frames across ranks; convert "
+                            f"the model first, then shard it with FSDP2 by whole heads: "
+                            f"geoopt_stiefel_attention.distributed.fully_shard_by_heads(model).")
     table, chooser = _resolve_targets(targets)
 
     sites: list[_Site] = []
@@ -1058,6 +1064,16 @@ def _adapted(sites: list[_Site], wrapped: dict[str, nn.Module]) -> tuple[list[_S
         else:
             kept.append(site)
     return kept, problems
+
+
+def _fsdp1_class() -> type | None:
+    """``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1), or ``None`` where torch has no distributed
+    package."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
 
 
 def _where(path: str) -> str:
