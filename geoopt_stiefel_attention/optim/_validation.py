@@ -156,8 +156,8 @@ def _check_parameter(p: torch.Tensor, name: str = "StiefelAdam") -> None:
             f"{name}: frame parameter {tuple(p.shape)} was flattened by FullyShardedDataParallel (FSDP1), which "
             f"shards parameters by element count and so splits frames across ranks, where no rank can retract "
             f"them; shard the converted model with FSDP2 by whole heads instead: "
-            f"geoopt_stiefel_attention.distributed.fully_shard_by_heads(model) (with the HuggingFace Trainer or "
-            f"accelerate: fsdp_version 2).")
+            f"geoopt_stiefel_attention.distributed.fully_shard_by_heads(model) (accelerate: fsdp_version: 2; the "
+            f"HuggingFace Trainer: fsdp_config version 2, its default).")
     if p.is_complex():
         raise TypeError(f"{name}: frame parameter of shape {tuple(p.shape)} is complex; Stiefel frames "
                         f"must be real (float64, float32, bfloat16 or float16).")
