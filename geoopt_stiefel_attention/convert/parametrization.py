@@ -401,7 +401,10 @@ def _check_synchronised(p: _QKWeight, ddp: nn.Module) -> None:
     checked = p.__dict__.get("_ddp_checked")
     if checked is not None and checked() is ddp:
         return
-    held = {id(q) for q in getattr(ddp, "_module_parameters", ())}
+    registered = getattr(ddp, "_module_parameters", None)
+    if registered is None:  # a DDP that does not list what it registered (another torch): nothing to compare with
+        return
+    held = {id(q) for q in registered}
     held.update(id(q) for q in getattr(ddp, "_delay_all_reduce_params", ()))
     ignored = getattr(ddp, "parameters_to_ignore", ())
     held.update(id(q) for name, q in ddp.module.named_parameters() if name in ignored)  # left out by the user
