@@ -237,9 +237,28 @@ def test_plan_extends_an_edge_then_refines_at_root_three_then_warms_up_around_th
     # companion: with the warm-up grid on record the plan reaches the final cell, on ten seeds disjoint from the grid's
     warm = {"adamw": _bowl((1e-2 / math.sqrt(3), 1e-2, 1e-2 * math.sqrt(3)), 1e-2)}
     plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})
-    (final,) = plan["final"].calls
-    seeds = final[final.index("--final-seeds") + 1:final.index("--skip-report")]
-    assert seeds == tuple(map(str, range(1, 11))) and "0" not in seeds
+    calls = plan["final"].calls
+    seeds = [call[call.index("--final-seeds") + 1:call.index("--skip-report")] for call in calls]
+    assert seeds == [(str(s),) for s in range(1, 11)]  # one call per seed, in order, none of the grid's
+    assert all(call[call.index("--arms") + 1:call.index("--seeds")] == ("adamw", "muon") for call in calls)
+
+
+def test_plan_trains_the_final_cell_seed_by_seed_so_a_stopped_cell_holds_whole_pairs(monkeypatch, tmp_path):
+    """With adamw seeds 1-10 and muon seeds 1-2 on record, the next call is muon's seed 3 alone, then seed 4, ...:
+    not all of one arm's seeds first. Companion: a finished cell has no final call and plans the timing pass."""
+    from experiments.lm import controls
+
+    coarse = {"adamw": _bowl((1e-3, 1e-2, 1e-1, 1e-2 / math.sqrt(3), 1e-2 * math.sqrt(3)), 1e-2),
+              "muon": _bowl((1e-3, 1e-2, 1e-1, 1e-2 / math.sqrt(3), 1e-2 * math.sqrt(3)), 1e-2)}
+    warm = {"adamw": _bowl((1e-2 / math.sqrt(3), 1e-2, 1e-2 * math.sqrt(3)), 1e-2)}
+    done = {"adamw": {s: 2.0 for s in range(1, 11)}, "muon": {1: 2.0, 2: 2.0}}
+    monkeypatch.setattr(controls, "_finished", lambda folder: (done, []))
+    calls = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})["final"].calls
+    assert [(c[c.index("--arms") + 1:c.index("--seeds")], c[c.index("--final-seeds") + 1]) for c in calls] == [
+        (("muon",), str(s)) for s in range(3, 11)]
+    done["muon"].update({s: 2.0 for s in range(3, 11)})
+    plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})
+    assert not plan["final"].calls and plan["timing"].calls
 
 
 def test_plan_takes_a_refined_point_recorded_at_six_digits_as_on_record(monkeypatch, tmp_path):

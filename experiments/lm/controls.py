@@ -17,8 +17,8 @@ it are complete (so the first runs are those that say most: every arm's coarse g
    warm-up grid whose best lr (validation) is at its edge gets the next lr beyond it, the neighbour in the arm's
    own grid (else ×√3 beyond the edge), until its optimum is bracketed too: a warm-up that moves the optimum is
    tuned as finely as the arm itself (tuned against tuned).
-5. **final**: every arm at its recipe (lr, warm-up) on the final seeds, disjoint from the grid's; the test split is
-   read here only.
+5. **final**: every arm at its recipe (lr, warm-up) on the final seeds, disjoint from the grid's, one call per seed
+   (the arms missing it), so that a cell stopped part-way holds whole pairs; the test split is read here only.
 6. **timing**: the timing pass for the equal-wall-clock readout.
 
 Selection uses validation only (:func:`~.tuned.read_grid` never reads the grid's test numbers).
@@ -172,10 +172,13 @@ def stages(out: str | Path, protocol: Protocol) -> list[Stage]:
         if any(missing.values()):
             return plan + [Stage("final, timing", waiting=f"the warm-up {steps} grid")]
     done, _ = _finished(out / FINAL_DIR)
-    todo = [(a, s) for a in protocol.arms for s in FINAL_SEEDS if s not in done.get(a, {})]
-    final_call = ("--out", str(out), "--arms", *protocol.arms, "--seeds", *map(str, GRID_SEEDS), "--final-seeds",
-                  *map(str, FINAL_SEEDS), "--skip-report")
-    plan.append(Stage("final", (final_call,) if todo else (), tuple(f"final: {a} seed {s}" for a, s in todo)))
+    todo = [(a, s) for s in FINAL_SEEDS for a in protocol.arms if s not in done.get(a, {})]
+    # seed by seed, every arm missing it: a cell stopped part-way holds whole pairs of every arm, not all ten seeds
+    # of the first arms and none of the others
+    final_calls = tuple(("--out", str(out), "--arms", *[a for a in protocol.arms if (a, s) in todo], "--seeds",
+                         *map(str, GRID_SEEDS), "--final-seeds", str(s), "--skip-report")
+                        for s in FINAL_SEEDS if any(t == s for _, t in todo))
+    plan.append(Stage("final", final_calls, tuple(f"final: {a} seed {s}" for a, s in todo)))
     timing = () if (out / TIMING_FILE).exists() else (("--out", str(out), "--arms", *protocol.arms, "--seeds",
                                                         *map(str, GRID_SEEDS), "--time-steps", str(TIME_STEPS),
                                                         "--skip-report"),)
