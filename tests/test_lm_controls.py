@@ -239,24 +239,30 @@ def test_plan_extends_an_edge_then_refines_at_root_three_then_warms_up_around_th
     plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})
     calls = plan["final"].calls
     seeds = [call[call.index("--final-seeds") + 1:call.index("--skip-report")] for call in calls]
-    assert seeds == [(str(s),) for s in range(1, 11)]  # one call per seed, in order, none of the grid's
+    assert seeds == [(str(s), str(s + 1)) for s in range(1, 11, 2)]  # two seeds a call, in order, none of the grid's
     assert all(call[call.index("--arms") + 1:call.index("--seeds")] == ("adamw", "muon") for call in calls)
 
 
 def test_plan_trains_the_final_cell_seed_by_seed_so_a_stopped_cell_holds_whole_pairs(monkeypatch, tmp_path):
-    """With adamw seeds 1-10 and muon seeds 1-2 on record, the next call is muon's seed 3 alone, then seed 4, ...:
-    not all of one arm's seeds first. Companion: a finished cell has no final call and plans the timing pass."""
+    """With adamw seeds 1-10 and muon seeds 1-2 and 4 on record, the calls train muon's seeds 3 and 5 (4 is on
+    record), then 6 and 7, ...: whole pairs early, not all of one arm's seeds first; seeds that miss different arms
+    do not share a call. Companion: a finished cell has no final call and plans the timing pass."""
     from experiments.lm import controls
 
     coarse = {"adamw": _bowl((1e-3, 1e-2, 1e-1, 1e-2 / math.sqrt(3), 1e-2 * math.sqrt(3)), 1e-2),
               "muon": _bowl((1e-3, 1e-2, 1e-1, 1e-2 / math.sqrt(3), 1e-2 * math.sqrt(3)), 1e-2)}
     warm = {"adamw": _bowl((1e-2 / math.sqrt(3), 1e-2, 1e-2 * math.sqrt(3)), 1e-2)}
-    done = {"adamw": {s: 2.0 for s in range(1, 11)}, "muon": {1: 2.0, 2: 2.0}}
+    done = {"adamw": {s: 2.0 for s in range(1, 11)}, "muon": {1: 2.0, 2: 2.0, 4: 2.0}}
     monkeypatch.setattr(controls, "_finished", lambda folder: (done, []))
     calls = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})["final"].calls
-    assert [(c[c.index("--arms") + 1:c.index("--seeds")], c[c.index("--final-seeds") + 1]) for c in calls] == [
-        (("muon",), str(s)) for s in range(3, 11)]
-    done["muon"].update({s: 2.0 for s in range(3, 11)})
+    assert [(c[c.index("--arms") + 1:c.index("--seeds")], c[c.index("--final-seeds") + 1:-1]) for c in calls] == [
+        (("muon",), ("3", "5")), (("muon",), ("6", "7")), (("muon",), ("8", "9")), (("muon",), ("10",))]
+    done["adamw"].pop(5)  # seed 5 misses both arms, seed 6 only muon: they do not share a call
+    calls = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})["final"].calls
+    assert [(c[c.index("--arms") + 1:c.index("--seeds")], c[c.index("--final-seeds") + 1:-1]) for c in calls][1:3] == [
+        (("adamw", "muon"), ("5",)), (("muon",), ("6", "7"))]
+    done["adamw"][5] = 2.0
+    done["muon"].update({s: 2.0 for s in (3, *range(5, 11))})
     plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})
     assert not plan["final"].calls and plan["timing"].calls
 

@@ -17,8 +17,9 @@ it are complete (so the first runs are those that say most: every arm's coarse g
    warm-up grid whose best lr (validation) is at its edge gets the next lr beyond it, the neighbour in the arm's
    own grid (else ×√3 beyond the edge), until its optimum is bracketed too: a warm-up that moves the optimum is
    tuned as finely as the arm itself (tuned against tuned).
-5. **final**: every arm at its recipe (lr, warm-up) on the final seeds, disjoint from the grid's, one call per seed
-   (the arms missing it), so that a cell stopped part-way holds whole pairs; the test split is read here only.
+5. **final**: every arm at its recipe (lr, warm-up) on the final seeds, disjoint from the grid's, seed by seed
+   (a call trains the arms missing a seed, or the next two seeds missing the same arms), so that a cell stopped
+   part-way holds whole pairs; the test split is read here only.
 6. **timing**: the timing pass for the equal-wall-clock readout.
 
 Selection uses validation only (:func:`~.tuned.read_grid` never reads the grid's test numbers).
@@ -43,6 +44,8 @@ __all__ = ["GRID_SEEDS", "FINAL_SEEDS", "REFINE_RATIO", "Protocol", "read_protoc
 GRID_SEEDS = (0,)
 #: Seeds of the final cell: ten, disjoint from the grid's.
 FINAL_SEEDS = tuple(range(1, 11))
+#: Final seeds missing the same arms that one call trains (two: whole pairs early, no idle worker)
+FINAL_SEEDS_PER_CALL = 2
 #: Refinement: one point at best × and ÷ this ratio.
 REFINE_RATIO = math.sqrt(3)
 #: Timing pass: steps per round.
@@ -174,10 +177,19 @@ def stages(out: str | Path, protocol: Protocol) -> list[Stage]:
     done, _ = _finished(out / FINAL_DIR)
     todo = [(a, s) for s in FINAL_SEEDS for a in protocol.arms if s not in done.get(a, {})]
     # seed by seed, every arm missing it: a cell stopped part-way holds whole pairs of every arm, not all ten seeds
-    # of the first arms and none of the others
-    final_calls = tuple(("--out", str(out), "--arms", *[a for a in protocol.arms if (a, s) in todo], "--seeds",
-                         *map(str, GRID_SEEDS), "--final-seeds", str(s), "--skip-report")
-                        for s in FINAL_SEEDS if any(t == s for _, t in todo))
+    # of the first arms and none of the others; the next two seeds missing the same arms share a call, so that an
+    # odd number of runs per seed does not leave a worker idle at the end of every call
+    missing = [(s, tuple(a for a in protocol.arms if (a, s) in todo)) for s in FINAL_SEEDS]
+    batches: list[tuple[tuple[str, ...], list[int]]] = []
+    for s, arms in missing:
+        if not arms:
+            continue
+        if batches and batches[-1][0] == arms and len(batches[-1][1]) < FINAL_SEEDS_PER_CALL:
+            batches[-1][1].append(s)
+        else:
+            batches.append((arms, [s]))
+    final_calls = tuple(("--out", str(out), "--arms", *arms, "--seeds", *map(str, GRID_SEEDS), "--final-seeds",
+                         *map(str, seeds), "--skip-report") for arms, seeds in batches)
     plan.append(Stage("final", final_calls, tuple(f"final: {a} seed {s}" for a, s in todo)))
     timing = () if (out / TIMING_FILE).exists() else (("--out", str(out), "--arms", *protocol.arms, "--seeds",
                                                         *map(str, GRID_SEEDS), "--time-steps", str(TIME_STEPS),
