@@ -30,6 +30,7 @@ model on demand (e.g. after each optimizer step).
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -169,21 +170,28 @@ _AT_EVALUATION = ("At an evaluation forward (no gradients) this is a warning, gi
                   "geoopt_stiefel_attention.project_frames_(averaged_model).")
 
 
-def check_at_evaluation(owner: str, frames: list[tuple[str, Tensor]], memo: dict) -> None:
-    """The frame check of a forward pass without gradients: run :func:`check_frame_tensors` when the frames changed
-    since the last such check (their identities and version counters, kept in ``memo``), and warn, not raise, when
+#: holder module -> the identities and version counters of its frames at its last evaluation check (weakly: a copy
+#: or an unpickled module starts without one, whatever ids it reuses)
+_EVALUATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_at_evaluation(owner: str, frames: list[tuple[str, Tensor]], holder: nn.Module) -> None:
+    """The frame check of a forward pass without gradients: run :func:`check_frame_tensors` when the frames of
+    ``holder`` changed since its last such check (their identities and version counters), and warn, not raise, when
     one is off the manifold. An evaluation loop over unchanged frames pays one tuple of version counters per
     forward; frames changed in place (an optimizer step, an average taken into them) are checked at the next one.
-    Skipped under ``torch.compile``, tracing and scripting."""
+    Writes through ``.data`` move no version counter, and FSDP2 keeps the unsharded parameters' counters as they were
+    on purpose, so frames sharded by it are checked at their first evaluation only. Skipped under ``torch.compile``,
+    tracing and scripting."""
     if torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling():
         return
     try:
         key = tuple((id(w), w._version) for _, w in frames)
     except RuntimeError:  # inference tensors keep no version counter: checked every time
         key = None
-    if key is not None and memo.get("versions") == key:
+    if key is not None and _EVALUATED.get(holder) == key:
         return
-    memo["versions"] = key
+    _EVALUATED[holder] = key
     try:
         check_frame_tensors(owner, frames, where="an evaluation forward pass")
     except FrameOffManifoldError as err:

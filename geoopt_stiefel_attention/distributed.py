@@ -71,6 +71,26 @@ _FIX = ("Shard frames along their leading (head) dimension only, Shard(0) on a (
         "geoopt_stiefel_attention.distributed.fully_shard_by_heads(model), or use DistributedDataParallel.")
 
 
+#: Why FSDP1 cannot shard frames, and what to use: the end of every FSDP1 refusal.
+FSDP1_REFUSAL = ("FullyShardedDataParallel (FSDP1) flattens its parameters and shards them by element count, which "
+                 "splits frames across ranks, where no rank can retract them; convert the model first, then shard it "
+                 "with FSDP2 by whole heads: geoopt_stiefel_attention.distributed.fully_shard_by_heads(model) "
+                 "(accelerate: fsdp_version: 2; the HuggingFace Trainer: fsdp_config version 2, its default)")
+
+
+def flattened_by_fsdp1(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a frame that FSDP1 flattened (``use_orig_params=True`` keeps it as a view of its flat
+    parameter), or an FSDP1 flat parameter holding one (``use_orig_params=False``): torch marks both with
+    ``_fsdp_flattened``, and a flat parameter lists its pieces' owners in ``_param_infos``; an owner names its frame
+    parameters in ``_FRAME_PARAMS`` (the library's attention modules and the parametrization of ``stiefelize``)."""
+    if not getattr(p, "_fsdp_flattened", False):
+        return False
+    if is_frame(p):
+        return True
+    return any(getattr(info, "param_name", None) in getattr(getattr(info, "module", None), "_FRAME_PARAMS", ())
+               for info in getattr(p, "_param_infos", None) or ())
+
+
 def is_sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is a :class:`torch.distributed.tensor.DTensor` (e.g. a parameter sharded by FSDP2).
 

@@ -571,11 +571,13 @@ def _rewrap_frames_(module: torch.nn.Module, manifolds: dict[str, object]) -> No
     torch's ``Module._apply`` keeps a parameter object (``param.data = new``) only when the new tensor can take the
     old one's place; otherwise (``to_empty()`` from the meta device) it installs ``Parameter(new)``, which drops the
     ``geoopt.ManifoldParameter`` class and its manifold, so the frame would be trained, and checked, as a plain
-    matrix. The new parameter is wrapped again on the same manifold (same data, same ``requires_grad``)."""
+    matrix; so does ``torch.__future__.set_overwrite_module_params_on_conversion(True)`` at every cast. The new
+    parameter is wrapped again on the same manifold (same data, ``requires_grad`` and gradient)."""
     import geoopt
 
     for name, manifold in manifolds.items():
         p = module._parameters.get(name)
         if p is not None and not is_frame(p):
-            module._parameters[name] = geoopt.ManifoldParameter(p.data, manifold=manifold,
-                                                                requires_grad=p.requires_grad)
+            frame = geoopt.ManifoldParameter(p.data, manifold=manifold, requires_grad=p.requires_grad)
+            frame.grad = p.grad
+            module._parameters[name] = frame

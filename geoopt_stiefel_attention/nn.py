@@ -34,6 +34,7 @@ from ._linalg import ADJUST_LR_FNS, ORTHONORMALITY_TOLERANCE, orthonormality_err
 # The converter lives in .convert, which does not import this module (no cycle); its stiefelize is re-exported
 # here. The module-replacement helpers of from_euclidean/from_torch are at the end of this module.
 from .convert import converted_query_key_frames, stiefelize
+from .distributed import FSDP1_REFUSAL, flattened_by_fsdp1
 from .manifolds import (
     PolarStiefel,
     _frame_manifolds,
@@ -441,8 +442,7 @@ class _MultiheadAttentionBase(nn.Module):
         if self._checks_frames and torch.is_grad_enabled():
             _guard.check_frame_tensors(owner, (("w_q", self.w_q), ("w_k", self.w_k)))
         elif self._checks_frames:
-            _guard.check_at_evaluation(owner, [("w_q", self.w_q), ("w_k", self.w_k)],
-                                       self.__dict__.setdefault("_evaluation_check", {}))
+            _guard.check_at_evaluation(owner, [("w_q", self.w_q), ("w_k", self.w_k)], self)
 
         w_q = self._flat(self.w_q)
         w_k = self._flat(self.w_k)
@@ -652,6 +652,7 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
 """
 
     _checks_frames = True
+    _FRAME_PARAMS = ("w_q", "w_k")  # its frames, by name (read by distributed.flattened_by_fsdp1)
 
     def _wrap_frame(self, w: Tensor) -> nn.Parameter:
         manifold = PolarStiefel()
@@ -937,6 +938,8 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frame
     frozen = 0
     other_manifold = []  # (name, manifold, group) of trainable parameters on a manifold that is not Stiefel
     for name, p in model.named_parameters():
+        if flattened_by_fsdp1(p):
+            raise NotImplementedError(f"param_groups: {name!r} {tuple(p.shape)} holds frames: {FSDP1_REFUSAL}.")
         if not p.requires_grad:
             frozen += 1
             continue

@@ -193,3 +193,27 @@ def test_project_frames_is_the_polar_factor_in_float64():
 
 def test_companion_a_model_without_frames_projects_nothing():
     assert project_frames_(torch.nn.Linear(3, 3)) == 0
+
+
+def test_the_advertised_timm_path_averages_the_frames_on_the_manifold():
+    """What the warning recommends to timm users: ``ModelEmaV3(model, exclude_buffers=True)`` (parameters, not the
+    state dict), then ``project_frames_``: no warning, the average's frames move towards the model's and stay
+    orthonormal."""
+    timm_utils = pytest.importorskip("timm.utils")
+    model, x = _encoder(), torch.randn(2, 5, 16)
+    opt = StiefelAdam(param_groups(model), lr=3e-2)
+    ema = timm_utils.ModelEmaV3(model, decay=0.5, exclude_buffers=True)
+    start = [f.detach().clone() for f in frame_parameters(ema.module)]
+
+    def update():
+        ema.update(model)
+        project_frames_(ema.module)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(model, opt, x, steps=4, after=update)
+        with torch.no_grad():
+            ema.module(x)
+    frames = [f.detach() for f in frame_parameters(ema.module)]
+    assert max(float(orthonormality_error(f)) for f in frames) < ORTHO_TOL_F32
+    assert min(float((f - s).abs().max()) for f, s in zip(frames, start, strict=True)) > 1e-3

@@ -274,3 +274,20 @@ def test_companion_uninitialised_frames_are_named_as_such_at_the_first_training_
             f.copy_(torch.linalg.qr(torch.randn(f.shape))[0] * 1.01)  # a drift, not garbage
     with pytest.raises(FrameOffManifoldError, match="; most likely an optimizer that does not know the constraint"):
         near(torch.randn(2, 5, 16))
+
+
+def test_overwriting_casts_keep_the_frames_and_their_gradients(monkeypatch):
+    """With ``torch.__future__.set_overwrite_module_params_on_conversion(True)`` every cast installs new plain
+    Parameters: the frames are wrapped again (as after ``to_empty``) with the gradient torch carried over."""
+    monkeypatch.setattr(torch.__future__, "_overwrite_module_params_on_conversion", True)
+    encoder, _ = _meta_models()
+    encoder.to_empty(device="cpu")
+    with torch.no_grad():
+        for f in frame_parameters(encoder):
+            f.copy_(torch.linalg.qr(torch.randn(f.shape))[0])
+    encoder(torch.randn(2, 5, 16)).sum().backward()
+    frames = frame_parameters(encoder)
+    encoder.double()
+    doubled = frame_parameters(encoder)
+    assert len(doubled) == 2 and all(f.dtype == torch.float64 and f is not g for f, g in zip(doubled, frames))
+    assert all(f.grad is not None and f.grad.dtype == torch.float64 for f in doubled)

@@ -650,30 +650,40 @@ def test_a_model_sharded_before_its_conversion_is_refused_before_anything_change
     assert max(float(orthonormality_error(f)) for f in frames) < 1e-5
 
 
-def test_fsdp1_is_refused_at_the_conversion_and_its_flattened_frames_at_the_optimizer():
-    """FSDP1 (``FullyShardedDataParallel``) flattens a unit's parameters and shards them by element count, so frames
-    would be split across ranks. It needs an accelerator to be built, so this test checks the two refusals on what
-    FSDP1 leaves: an instance of its class in the model (made without its constructor) and its mark on the
-    parameters it flattened (``_fsdp_flattened``). Companions: the same model without them converts, and its frames
-    without the mark build an optimizer."""
+@pytest.mark.parametrize("use_orig_params", [True, False])
+def test_fsdp1_is_refused_before_and_after_the_conversion(one_rank_group, use_orig_params):
+    """FSDP1 (``FullyShardedDataParallel``, on the CPU with ``device_id=cpu``) flattens a unit's parameters and shards
+    them by element count, which would split frames across ranks. Wrapped before the conversion: ``stiefelize``
+    refuses, the model unchanged. Converted, then wrapped: ``param_groups`` and the frame optimizers refuse the frame
+    views (``use_orig_params=True``) or the flat parameter holding them (``False``; before, ``param_groups`` saw no
+    frame and the first forward after an AdamW-like step blamed "an optimizer that does not know the constraint").
+    Companion: FSDP1 over a model without frames is grouped and trained as usual."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from geoopt_stiefel_attention import stiefelize
 
-    wrapper = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
-    torch.nn.Module.__init__(wrapper)
-    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-    model = torch.nn.Sequential(layer, wrapper)
-    with pytest.raises(TypeError, match=r"model\.1 is a FullyShardedDataParallel \(FSDP1\), .*splitting frames "
-                                        r"across ranks; .*fully_shard_by_heads\(model\)"):
-        stiefelize(model)
-    assert not frame_parameters(model)
-    stiefelize(torch.nn.Sequential(layer))  # companion: converted without the wrapper
-    frames = frame_parameters(layer)
-    StiefelAdam(param_groups(layer), lr=1e-2)  # companion: no mark, no refusal
-    frames[0]._fsdp_flattened = True
-    with pytest.raises(NotImplementedError, match=r"StiefelAdam: frame parameter \(2, 16, 8\) was flattened by "
-                                                  r"FullyShardedDataParallel \(FSDP1\)"):
-        StiefelAdam(param_groups(layer), lr=1e-2)
-    with pytest.raises(NotImplementedError, match=r"StiefelMuon: frame parameter .* \(FSDP1\)"):
-        StiefelMuon(param_groups(layer), lr=1e-2)
+    def encoder():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+
+    cpu = torch.device("cpu")
+    wrapped = FullyShardedDataParallel(encoder(), use_orig_params=use_orig_params, device_id=cpu)
+    with pytest.raises(TypeError, match=r"model is a FullyShardedDataParallel: .*splits frames across ranks.*"
+                                        r"fully_shard_by_heads\(model\)"):
+        stiefelize(wrapped)
+    assert not frame_parameters(wrapped)
+
+    model = encoder()
+    stiefelize(model)
+    wrapped = FullyShardedDataParallel(model, use_orig_params=use_orig_params, device_id=cpu)
+    named = "q_frames' \\(2, 16, 8\\)" if use_orig_params else "_flat_param' \\(2224,\\)"
+    with pytest.raises(NotImplementedError, match=rf"param_groups: '.*{named} holds frames: FullyShardedDataParallel"):
+        param_groups(wrapped)
+    for optimizer in (StiefelAdam, StiefelMuon):
+        with pytest.raises(NotImplementedError, match=rf"{optimizer.__name__}: (frame|flat) parameter.* \(FSDP1\)"):
+            optimizer(wrapped.parameters(), lr=1e-2)
+
+    plain = FullyShardedDataParallel(torch.nn.Linear(4, 4), use_orig_params=use_orig_params, device_id=cpu)
+    opt = StiefelAdam(param_groups(plain, expect_frames=False), lr=1e-2)
+    plain(torch.randn(2, 4)).sum().backward()
+    opt.step()

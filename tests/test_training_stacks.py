@@ -239,6 +239,7 @@ def _encoder():
 def _late_conversion_worker(rank, world, init_method, out):
     """Each rank: ``stiefelize(ddp)`` (refused), ``stiefelize(ddp.module)`` then a step (refused at the forward), the
     same with the check switched off (the frames part), and convert-then-wrap (the frames stay equal)."""
+    import gc
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -284,10 +285,13 @@ def _late_conversion_worker(rank, world, init_method, out):
             parametrization._check_synchronised = check
         model = _encoder()
         stiefelize(model)
-        result["converted_first_diff"] = train(DistributedDataParallel(model, find_unused_parameters=True))
-        dist.barrier()
+        ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        result["converted_first_diff"] = train(ddp)
         if rank == 0:
             torch.save(result, out)
+        dist.barrier()  # teardown in order, as in _ddp_worker
+        del ddp, model
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
@@ -335,3 +339,36 @@ def test_saving_the_librarys_own_frames_moved_by_a_torch_optimizer_warns():
             assert bool(messages) is off
             if off:
                 assert messages[0].startswith("blocks.0.attn: frame 'w_q' is off the Stiefel manifold at state_dict()")
+
+
+def test_a_converted_model_outside_the_ddp_is_not_refused_inside_its_forward(tmp_path):
+    """DDP's marker of its forward is one class attribute: a trainable converted model called from that forward but
+    held outside ``ddp.module`` (or run by another thread meanwhile) was refused as if converted after wrapping.
+    Companion: a converted weight inside ``ddp.module`` made after the wrapping is still refused (one rank)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    class Calls(torch.nn.Module):
+        def __init__(self, inner, other):
+            super().__init__()
+            self.inner = inner
+            self.other = [other]  # not a submodule: not DDP's
+
+        def forward(self, x):
+            return self.inner(x) + self.other[0](x)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        other = _encoder()
+        stiefelize(other)
+        ddp = DistributedDataParallel(Calls(_encoder(), other))
+        x = torch.randn(2, 5, 16)
+        ddp(x).sum().backward()
+        assert all(f.grad is not None for f in frame_parameters(other))
+        stiefelize(ddp.module.inner)
+        with pytest.raises(RuntimeError, match=r"^0\.self_attn\.in_proj_weight: DistributedDataParallel does "
+                                               r"not synchronise its frames"):
+            ddp(x)
+        del ddp
+    finally:
+        dist.destroy_process_group()

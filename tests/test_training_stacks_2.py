@@ -488,8 +488,9 @@ def test_gradscaler_with_float16_autocast_on_the_cpu_trains_orthonormal_frames(o
 
 
 # ------------------------------------------------------------------ torch.nn.utils.parametrize.cached()
+@pytest.mark.parametrize("copied", [False, True], ids=["converted", "deepcopy"])
 @pytest.mark.parametrize("optimizer", [StiefelAdam, StiefelMuon])
-def test_a_step_inside_parametrize_cached_is_warned_and_would_leave_the_weights_stale(optimizer):
+def test_a_step_inside_parametrize_cached_is_warned_and_would_leave_the_weights_stale(optimizer, copied):
     """Inside the block each parametrized weight is built once: after a step there, the next forward still reads the
     weight of the old frames (measured 0.31 apart at lr 0.1), without a word before. Companion: the same step outside
     the block says nothing, and the next forward reads the new weight."""
@@ -498,6 +499,8 @@ def test_a_step_inside_parametrize_cached_is_warned_and_would_leave_the_weights_
     torch.manual_seed(0)
     model = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
     stiefelize(model)
+    if copied:  # a copy's frames are not the ones stiefelize made
+        model = copy.deepcopy(model)
     opt = optimizer(param_groups(model), lr=1e-1)
     x = torch.randn(2, 5, 16)
     attention = model[0].self_attn

@@ -868,10 +868,7 @@ def stiefelize(
                             f"convert the model before wrapping it: stiefelize(model); "
                             f"ddp = DistributedDataParallel(model).")
         if fsdp1 is not None and isinstance(module, fsdp1):
-            raise TypeError(f"stiefelize: {where} a FullyShardedDataParallel (FSDP1), which flattened its "
-                            f"parameters and shards them by element count, splitting frames across ranks; convert "
-                            f"the model first, then shard it with FSDP2 by whole heads: "
-                            f"geoopt_stiefel_attention.distributed.fully_shard_by_heads(model).")
+            raise TypeError(f"stiefelize: {where} a FullyShardedDataParallel: {_distributed.FSDP1_REFUSAL}.")
     table, chooser = _resolve_targets(targets)
 
     sites: list[_Site] = []

@@ -96,8 +96,3 @@ def _check(optimizer: Any, args: Any, kwargs: Any) -> None:
             f"{STALLED_STEPS} steps, though they have gradients: it was built before the conversion, so the queries and keys would "
             f"never train. This step was not taken; build the optimizer after converting (e.g. "
             f"StiefelAdam(param_groups(model))), or add the frames to an optimizer that trains them.")
-
-
-def converted_frames() -> list[Tensor]:
-    """The live trainable frames (and gains) of every weight registered by :func:`watch`."""
-    return [t for _ref, frames, _label in list(_WATCHED.values()) for r in frames if (t := r()) is not None]

@@ -199,7 +199,8 @@ def _warn_if_averaged_in_place(owner: nn.Module, prefix: str, ours: list[tuple[s
                   f"ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn="
                   f"get_ema_multi_avg_fn(decay)) and after each ema.update_parameters(model), "
                   f"geoopt_stiefel_attention.project_frames_(ema) (timm: ModelEmaV3(model, exclude_buffers=True), "
-                  f"then project_frames_(ema.module)).", UserWarning, stacklevel=2)
+                  f"then project_frames_(ema.module); its set(model) copies through state_dict() too: use "
+                  f"ema.module.load_state_dict(model.state_dict())).", UserWarning, stacklevel=2)
 
 
 def _state_dict_post_hook(owner: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

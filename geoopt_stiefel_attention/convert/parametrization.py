@@ -96,6 +96,8 @@ class _QKWeight(nn.Module):
     of head 0, then of head 1, ...).
     """
 
+    _FRAME_PARAMS = ("q_frames", "k_frames")  # its frames, by name (read by distributed.flattened_by_fsdp1)
+
     #: one group: the segments are ranges of the whole axis (also for modules pickled before groups existed)
     groups = 1
 
@@ -139,7 +141,6 @@ class _QKWeight(nn.Module):
         state.pop("_slot", None)
         state.pop("_built", None)
         state.pop("_ddp_checked", None)
-        state.pop("_evaluation_check", None)
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _QKWeight:
@@ -396,11 +397,17 @@ def _check_synchronised(p: _QKWeight, ddp: nn.Module) -> None:
     """Refuse to build a converted weight, inside the forward of ``DistributedDataParallel`` ``ddp``, whose trainable
     frames ``ddp`` does not synchronise: they were made after it was built (``stiefelize(ddp.module)``), so it never
     registered them and each rank would train its own frames (with ``find_unused_parameters=True`` DDP itself says
-    nothing; without, it fails at the second step on "parameters that were not used"). Checked once per pair
-    (``_ddp_checked`` holds a weak reference to the last DDP that passed)."""
+    nothing; without, it fails at the second step on "parameters that were not used"). Only a weight inside
+    ``ddp.module`` is checked (DDP's marker of its forward is one class attribute, which another thread's model, or
+    a module called from the forward but held elsewhere, also sees); each passes once per DDP (``_ddp_checked``
+    holds a weak reference to the last DDP it passed). DDP's Python reducer (compiled autograd) does not set the
+    marker, so the check is off there."""
     checked = p.__dict__.get("_ddp_checked")
     if checked is not None and checked() is ddp:
         return
+    inner = getattr(ddp, "module", None)
+    if not isinstance(inner, nn.Module) or not any(m is p for m in inner.modules()):
+        return  # read in that forward but not part of the wrapped model (another model, another thread): not its frames
     registered = getattr(ddp, "_module_parameters", None)
     if registered is None:  # a DDP that does not list what it registered (another torch): nothing to compare with
         return
@@ -448,8 +455,7 @@ def _check_model_frames(model: nn.Module, args: Any) -> None:
     scope[1].append(False)
     if not torch.is_grad_enabled():  # an evaluation: checked when the frames changed, and warned (see _guard)
         for p in weights:
-            _guard.check_at_evaluation(getattr(p, "label", "converted weight"), p.frames(),
-                                       p.__dict__.setdefault("_evaluation_check", {}))
+            _guard.check_at_evaluation(getattr(p, "label", "converted weight"), p.frames(), p)
         return
     groups: dict[tuple[Any, ...], list[Tensor]] = {}
     for p in weights:

@@ -36,12 +36,6 @@ _local = _distributed.local_tensor  # a DTensor's local shard (whole frames; see
 __all__ = ["FrameOptimizer"]
 
 
-def _converted_frames() -> list[torch.Tensor]:
-    """The live frames of every weight :func:`~geoopt_stiefel_attention.stiefelize` converted (its registry)."""
-    from ..convert._optimizers import converted_frames
-
-    return converted_frames()
-
 #: Device types on which torch's own AdamW supports ``capturable=True`` (its Euclidean part of the step).
 _TORCH_CAPTURABLE_DEVICES = tuple(_torch_optimizer._get_capturable_supported_devices())
 
@@ -352,11 +346,11 @@ class FrameOptimizer:
         return loss
 
     def _warn_cached(self) -> None:
-        """Warn when this step runs inside ``torch.nn.utils.parametrize.cached()`` and holds a frame of a converted
-        weight: the block caches each parametrized weight at its first read, so the forwards after this step would
-        still use the weights built from the frames as they were."""
-        held = {id(p) for group in self.param_groups for p in group["params"] if _is_frame(p)}
-        if held and any(id(p) in held for p in _converted_frames()):
+        """Warn when this step runs inside ``torch.nn.utils.parametrize.cached()``, a parametrized weight has been
+        read there (the block's cache holds it) and this optimizer holds frames: the weights that ``stiefelize``
+        rebuilds from frames are cached at their first read, so the forwards after this step would still use the
+        frames as they were."""
+        if _parametrize._cache and any(_is_frame(p) for group in self.param_groups for p in group["params"]):
             warnings.warn(f"{self._NAME}.step() inside torch.nn.utils.parametrize.cached(): the weights rebuilt from "
                           f"the frames (stiefelize) are cached until the block ends, so forward passes after this "
                           f"step in the block still use the frames as they were; step outside the block (it is meant "

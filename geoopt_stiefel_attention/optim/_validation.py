@@ -149,15 +149,11 @@ def _check_parameter(p: torch.Tensor, name: str = "StiefelAdam") -> None:
     """Reject parameters the optimizer cannot train, naming the fix."""
     _distributed.check_parameter(p)  # sharded (FSDP/DTensor) parameters: NotImplementedError
     _check_manifold(p, name)
+    if _distributed.flattened_by_fsdp1(p):
+        what = "frame parameter" if _is_frame(p) else "flat parameter holding frames,"
+        raise NotImplementedError(f"{name}: {what} {tuple(p.shape)}: {_distributed.FSDP1_REFUSAL}.")
     if not _is_frame(p):
         return
-    if getattr(p, "_fsdp_flattened", False):  # torch.distributed.fsdp's mark on the parameters FSDP1 flattened
-        raise NotImplementedError(
-            f"{name}: frame parameter {tuple(p.shape)} was flattened by FullyShardedDataParallel (FSDP1), which "
-            f"shards parameters by element count and so splits frames across ranks, where no rank can retract "
-            f"them; shard the converted model with FSDP2 by whole heads instead: "
-            f"geoopt_stiefel_attention.distributed.fully_shard_by_heads(model) (accelerate: fsdp_version: 2; the "
-            f"HuggingFace Trainer: fsdp_config version 2, its default).")
     if p.is_complex():
         raise TypeError(f"{name}: frame parameter of shape {tuple(p.shape)} is complex; Stiefel frames "
                         f"must be real (float64, float32, bfloat16 or float16).")
