@@ -1698,3 +1698,18 @@ def test_an_optimizer_for_the_rest_beside_one_for_the_frames_is_no_false_alarm()
     frame_opt = StiefelAdam(_frames_of(model), lr=1e-2)
     with pytest.raises(RuntimeError, match="built before the conversion"):
         _train(model, [rest, frame_opt], 4 * STALLED_STEPS, x, every=[lambda k: True, lambda k: k > STALLED_STEPS])
+
+
+def test_a_model_built_under_inference_mode_is_refused_before_anything_changes():
+    """Its weights are inference tensors: torch's parametrize failed half-way ("Inplace update to inference tensor
+    outside InferenceMode is not allowed"). Companion: the same model built under no_grad converts."""
+    with torch.inference_mode():
+        model = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+    with pytest.raises(TypeError, match=r"'0\.self_attn' holds inference tensors \(in_proj_weight, .*torch\."
+                                        r"inference_mode\(\)\), .*build or load the model outside inference mode"):
+        stiefelize(model)
+    assert not any(hasattr(m, "parametrizations") for m in model.modules())
+    with torch.no_grad():
+        model = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+    stiefelize(model)
+    assert hasattr(model[0].self_attn, "parametrizations")

@@ -909,6 +909,12 @@ def stiefelize(
     sites, tied = _tied(model, sites)
     problems += tied
     for site in sites:  # before anything changes
+        frozen = [name for name, p in site.module.named_parameters() if p.is_inference()]
+        if frozen:
+            raise TypeError(f"stiefelize: {_where(site.path)} holds inference tensors ({', '.join(frozen)}: the model "
+                            f"was built or loaded under torch.inference_mode()), which cannot be changed in place "
+                            f"outside it; build or load the model outside inference mode (torch.no_grad() is enough "
+                            f"to save memory), then convert it.")
         sharded = [name for name, p in site.module.named_parameters() if _distributed.is_sharded(p)]
         if sharded:
             raise TypeError(f"stiefelize: {_where(site.path)} holds sharded parameters ({', '.join(sharded)}: "
