@@ -1713,3 +1713,34 @@ def test_a_model_built_under_inference_mode_is_refused_before_anything_changes()
         model = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
     stiefelize(model)
     assert hasattr(model[0].self_attn, "parametrizations")
+
+
+@pytest.mark.parametrize("optimizer", ["StiefelAdam", "StiefelMuon"])
+def test_an_optimizer_kept_across_unstiefelize_is_refused_naming_the_resized_weight(optimizer):
+    """unstiefelize turns a fused weight's rest (16 x 16, the value rows) back into the whole (48, 16) weight, the
+    same Parameter: the kept optimizer's AdamW state no longer fits it, and its step failed inside torch ("The size of
+    tensor a (16) must match the size of tensor b (48)"). Now one sentence, before anything changes. Companion: an
+    optimizer built after unstiefelize steps."""
+    import warnings
+
+    import geoopt_stiefel_attention as gsa
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+    stiefelize(model)
+    make = getattr(gsa, optimizer)
+    opt = make(gsa.param_groups(model), lr=1e-2)
+    x = torch.randn(2, 5, 16)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # unstiefelize's own warning about optimizers built before it
+        gsa.unstiefelize(model)
+    model(x).sum().backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"{optimizer}: parameter of shape \(48, 16\) has optimizer state of shape "
+                                         r"\(16, 16\): it was resized .*build a new optimizer"):
+        opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    torch.optim.AdamW(model.parameters(), lr=1e-2).step()  # the companion: a new optimizer for the stock model

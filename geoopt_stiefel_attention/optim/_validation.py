@@ -195,6 +195,13 @@ def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, 
             if not _is_frame(p):
                 if _has_manifold(p):  # a manifold assigned after the parameter was added
                     _check_manifold(p, name)
+                moment = state[p].get("exp_avg") if p in state else None
+                if moment is not None and moment.shape != p.shape:
+                    raise ValueError(
+                        f"{name}: parameter of shape {tuple(p.shape)} has optimizer state of shape "
+                        f"{tuple(moment.shape)}: it was resized after the optimizer's last step (unstiefelize turns a "
+                        f"converted weight's rest back into the whole stock weight); build a new optimizer for the "
+                        f"model as it is now. Nothing was changed.")
                 euclidean.append(p)
                 continue
             frames.append(p)
