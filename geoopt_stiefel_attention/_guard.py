@@ -182,9 +182,11 @@ def check_at_evaluation(owner: str, frames: list[tuple[str, Tensor]], holder: nn
     forward; frames changed in place (an optimizer step, an average taken into them) are checked at the next one.
     Writes through ``.data`` move no version counter, and FSDP2 keeps the unsharded parameters' counters as they were
     on purpose, so frames sharded by it are checked at their first evaluation only. Skipped under ``torch.compile``,
-    tracing and scripting."""
+    tracing, scripting and while a CUDA graph is captured."""
     if torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling():
         return
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        return  # a CUDA graph being captured (an inference graph): no host read is allowed, and replays run no Python
     try:
         key = tuple((id(w), w._version) for _, w in frames)
     except RuntimeError:  # inference tensors keep no version counter: checked every time

@@ -217,3 +217,27 @@ def test_the_advertised_timm_path_averages_the_frames_on_the_manifold():
     frames = [f.detach() for f in frame_parameters(ema.module)]
     assert max(float(orthonormality_error(f)) for f in frames) < ORTHO_TOL_F32
     assert min(float((f - s).abs().max()) for f, s in zip(frames, start, strict=True)) > 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (captures an inference CUDA graph)")
+def test_cuda_graph_capture_of_an_evaluation_forward_skips_the_evaluation_check():
+    """No host read is allowed while a CUDA graph is captured: the evaluation check, which reads the frames' distance
+    when they changed, must stand aside there (replays run no Python). The captured forward replays as eager."""
+    model = _encoder().cuda().eval()
+    opt = StiefelAdam(param_groups(model), lr=1e-2)
+    x = torch.randn(2, 5, 16, device="cuda")
+    model(x).sum().backward()
+    opt.step()  # the frames changed: the next evaluation forward would check them
+    static = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        model(static)  # warm-up outside the capture (checks the frames once)
+        opt.step()  # and changes them again, so the capture would check
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = model(static)
+    graph.replay()
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(static))
