@@ -616,6 +616,12 @@ def test_torchrun_example_of_the_docs_trains_saves_and_resumes(tmp_path):
     assert losses[0] != losses[1]
 
 
+def _stock_encoder():
+    """A stock one-layer ``nn.TransformerEncoderLayer`` model (seed 0), for the wrapping-order refusals."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+
+
 def test_a_model_sharded_before_its_conversion_is_refused_before_anything_changes(one_rank_group):
     """``fully_shard(model)`` then ``stiefelize(model)`` failed inside torch ("Creating a new Tensor subclass
     ManifoldTensor but the raw Tensor object is already associated to ... DTensor"): now one sentence naming the
@@ -625,11 +631,7 @@ def test_a_model_sharded_before_its_conversion_is_refused_before_anything_change
 
     from geoopt_stiefel_attention import stiefelize
 
-    def encoder():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
-
-    model = encoder()
+    model = _stock_encoder()
     fully_shard(model)
     before = {k: local_tensor(v).clone() for k, v in model.state_dict().items()}
     with pytest.raises(TypeError, match=r"'0\.self_attn' holds sharded parameters \(in_proj_weight, .*convert the "
@@ -638,7 +640,7 @@ def test_a_model_sharded_before_its_conversion_is_refused_before_anything_change
     assert not frame_parameters(model)
     assert all(torch.equal(local_tensor(v), before[k]) for k, v in model.state_dict().items())
 
-    model = encoder()
+    model = _stock_encoder()
     stiefelize(model)
     fully_shard_by_heads(model)
     opt = StiefelAdam(param_groups(model), lr=1e-2)
@@ -662,18 +664,14 @@ def test_fsdp1_is_refused_before_and_after_the_conversion(one_rank_group, use_or
 
     from geoopt_stiefel_attention import stiefelize
 
-    def encoder():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
-
     cpu = torch.device("cpu")
-    wrapped = FullyShardedDataParallel(encoder(), use_orig_params=use_orig_params, device_id=cpu)
+    wrapped = FullyShardedDataParallel(_stock_encoder(), use_orig_params=use_orig_params, device_id=cpu)
     with pytest.raises(TypeError, match=r"model is a FullyShardedDataParallel: .*splits frames across ranks.*"
                                         r"fully_shard_by_heads\(model\)"):
         stiefelize(wrapped)
     assert not frame_parameters(wrapped)
 
-    model = encoder()
+    model = _stock_encoder()
     stiefelize(model)
     wrapped = FullyShardedDataParallel(model, use_orig_params=use_orig_params, device_id=cpu)
     named = "q_frames' \\(2, 16, 8\\)" if use_orig_params else "_flat_param' \\(2224,\\)"

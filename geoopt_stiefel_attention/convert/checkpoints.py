@@ -166,8 +166,7 @@ def _averaging_caller() -> Any:
     for _ in range(256):  # the hook, then one state_dict frame per level of module nesting
         if frame is None:
             return None
-        if frame.f_code.co_name not in ("state_dict", "_state_dict_post_hook", "_warn_if_averaged_in_place",
-                                        "_averaging_caller"):
+        if frame.f_code.co_name not in ("state_dict", "_state_dict_post_hook", "_warn_if_averaged_in_place"):
             holder = frame.f_locals.get("self")
             name = type(holder).__name__.replace("_", "").lower()
             return holder if "modelema" in name else None
