@@ -148,10 +148,10 @@ def _message(owner: str, name: str, dtype: torch.dtype, tol: float, err: Tensor 
              where: str = "a training forward pass") -> str:
     gap = "" if err is None else f" = {float(err):.3g}"
     far = err is not None and not float(err) <= FAR_OFF  # NaN too
-    cause = (f"so far off (not a drift) that it is most likely uninitialised memory (a model converted on the meta "
-             f"device, then materialised by to_empty(): load a state dict into it, whose stock weights become the "
-             f"frames, or convert after materialising and initialising the stock model) or values written into it "
-             f"by hand; else " if far else "most likely ")
+    cause = ("so far off (not a drift) that it is most likely uninitialised memory (a model converted on the meta "
+             "device, then materialised by to_empty(): load a state dict into it, whose stock weights become the "
+             "frames, or convert after materialising and initialising the stock model) or values written into it "
+             "by hand; else " if far else "most likely ")
     return (f"{owner}: frame {name!r} is off the Stiefel manifold at {where} "
             f"(max |W^T W - I|{gap} > {tol:g} for {str(dtype).removeprefix('torch.')}); {cause}"
             f"an optimizer that does not know the constraint updated it (a torch optimizer over "

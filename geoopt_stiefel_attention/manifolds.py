@@ -581,3 +581,18 @@ def _rewrap_frames_(module: torch.nn.Module, manifolds: dict[str, object]) -> No
             frame = geoopt.ManifoldParameter(p.data, manifold=manifold, requires_grad=p.requires_grad)
             frame.grad = p.grad
             module._parameters[name] = frame
+
+
+class _FrameOwner(torch.nn.Module):
+    """Base of the modules that hold frames as their own parameters (the parametrization of
+    :func:`~geoopt_stiefel_attention.stiefelize` and :class:`~geoopt_stiefel_attention.StiefelMultiheadAttention`):
+    their ``_apply`` (``.to()``, ``.double()``, ``.half()``, ``to_empty()``, ...) keeps every frame a frame on its
+    manifold (:func:`_rewrap_frames_`) and re-projects the frames a cast moved to a more precise dtype
+    (:func:`reproject_after_cast_`)."""
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN201 - torch's signature
+        before, manifolds = frame_dtypes(self), _frame_manifolds(self)
+        super()._apply(fn, recurse)
+        _rewrap_frames_(self, manifolds)  # to_empty() from the meta device installs plain Parameters
+        reproject_after_cast_(self, before)
+        return self

@@ -35,15 +35,7 @@ from ._linalg import ADJUST_LR_FNS, ORTHONORMALITY_TOLERANCE, orthonormality_err
 # here. The module-replacement helpers of from_euclidean/from_torch are at the end of this module.
 from .convert import converted_query_key_frames, stiefelize
 from .distributed import FSDP1_REFUSAL, flattened_by_fsdp1
-from .manifolds import (
-    PolarStiefel,
-    _frame_manifolds,
-    _rewrap_frames_,
-    frame_dtypes,
-    has_manifold,
-    is_frame,
-    reproject_after_cast_,
-)
+from .manifolds import PolarStiefel, _FrameOwner, has_manifold, is_frame
 
 __all__ = [
     "FRAME_GRANULARITIES",
@@ -611,7 +603,7 @@ _CONSTRUCTOR_DOC = r"""
 """
 
 
-class StiefelMultiheadAttention(_MultiheadAttentionBase):
+class StiefelMultiheadAttention(_FrameOwner, _MultiheadAttentionBase):
     __doc__ = r"""Multi-head attention whose query and key projections are Stiefel frames.
 
     ``w_q`` and ``w_k`` are :class:`geoopt.ManifoldParameter` s on
@@ -699,15 +691,6 @@ class StiefelMultiheadAttention(_MultiheadAttentionBase):
             state_dict[key] = given
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-
-    def _apply(self, fn, recurse: bool = True) -> StiefelMultiheadAttention:
-        """``.to()``, ``.double()``, ``.half()``, ...: after a cast to a more precise dtype the frames are
-        re-projected to that precision (:func:`~geoopt_stiefel_attention.manifolds.reproject_after_cast_`)."""
-        before, manifolds = frame_dtypes(self), _frame_manifolds(self)
-        super()._apply(fn, recurse)
-        _rewrap_frames_(self, manifolds)  # to_empty() from the meta device installs plain Parameters
-        reproject_after_cast_(self, before)
-        return self
 
     @classmethod
     def from_euclidean(

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import geoopt_stiefel_attention.convert.parametrization as convert_module  # where _QKWeight._apply reads it
+import geoopt_stiefel_attention.manifolds as manifolds_module  # where the frame owners' _apply reads its helpers
 import geoopt_stiefel_attention.nn as nn_module
 from geoopt_stiefel_attention import StiefelAdam, TinyTransformer, frame_parameters, param_groups, stiefelize
 from geoopt_stiefel_attention._guard import FrameOffManifoldError
@@ -148,8 +148,7 @@ def test_a_converted_gpt2_trains_after_double():
 def test_companion_without_the_reprojection_a_double_model_is_refused(monkeypatch, kind):
     """The float64 tolerances see float32 rounding: with the re-projection switched off, the frames of a
     ``.double()`` model exceed them and StiefelAdam's first step raises, as it did before issue 23."""
-    for module in (convert_module, nn_module):
-        monkeypatch.setattr(module, "reproject_after_cast_", lambda module, before: ())
+    monkeypatch.setattr(manifolds_module, "reproject_after_cast_", lambda module, before: ())
     build, loss_of = MODELS[kind]
     model = build().double()
     assert all(float(orthonormality_error(p)) > ORTHONORMALITY_TOLERANCE[torch.float64] > CAST_TOL[torch.float64]
@@ -229,11 +228,11 @@ def test_to_empty_from_the_meta_device_keeps_the_frames_frames():
         assert {id(f) for f in param_groups(model)[0]["params"]} == {id(f) for f in frames}
 
 
-@pytest.mark.parametrize("module", [convert_module, nn_module])
-def test_companion_without_the_rewrap_to_empty_leaves_plain_parameters(monkeypatch, module):
-    monkeypatch.setattr(module, "_rewrap_frames_", lambda *args: None)
+@pytest.mark.parametrize("kind", ["converted", "own"])
+def test_companion_without_the_rewrap_to_empty_leaves_plain_parameters(monkeypatch, kind):
+    monkeypatch.setattr(manifolds_module, "_rewrap_frames_", lambda *args: None)
     encoder, own = _meta_models()
-    model = encoder if module is convert_module else own
+    model = encoder if kind == "converted" else own
     model.to_empty(device="cpu")
     assert frame_parameters(model) == []
 
@@ -289,5 +288,5 @@ def test_overwriting_casts_keep_the_frames_and_their_gradients(monkeypatch):
     frames = frame_parameters(encoder)
     encoder.double()
     doubled = frame_parameters(encoder)
-    assert len(doubled) == 2 and all(f.dtype == torch.float64 and f is not g for f, g in zip(doubled, frames))
+    assert len(doubled) == 2 and all(f.dtype == torch.float64 and f is not g for f, g in zip(doubled, frames, strict=True))
     assert all(f.grad is not None and f.grad.dtype == torch.float64 for f in doubled)

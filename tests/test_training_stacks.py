@@ -240,6 +240,7 @@ def _late_conversion_worker(rank, world, init_method, out):
     """Each rank: ``stiefelize(ddp)`` (refused), ``stiefelize(ddp.module)`` then a step (refused at the forward), the
     same with the check switched off (the frames part), and convert-then-wrap (the frames stay equal)."""
     import gc
+
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import geoopt
@@ -17,7 +16,7 @@ from torch import Tensor, nn
 
 from .. import _guard
 from .._linalg import ORTHONORMALITY_TOLERANCE
-from ..manifolds import PolarStiefel, _frame_manifolds, _rewrap_frames_, frame_dtypes, reproject_after_cast_
+from ..manifolds import PolarStiefel, _FrameOwner
 
 _DDP = nn.parallel.DistributedDataParallel  # its class attribute ``_active_ddp_module`` names the DDP in a forward
 
@@ -81,7 +80,7 @@ def _saved_tensor_hooks_active() -> bool:
         return top() is not None
 
 
-class _QKWeight(nn.Module):
+class _QKWeight(_FrameOwner):
     """Parametrization of one weight tensor holding query and/or key rows.
 
     ``original`` (kept by :mod:`torch.nn.utils.parametrize`) is the rest of the tensor: the slices along
@@ -158,15 +157,6 @@ class _QKWeight(nn.Module):
             if parent is not None and owner is not None and slot[0]() is not None and slot[2]() is not None:
                 replica.__dict__["_slot"] = (weakref.ref(parent), slot[1], weakref.ref(owner))
         return replica
-
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _QKWeight:
-        """``.to()``, ``.double()``, ``.half()``, ...: after a cast to a more precise dtype the frames are
-        re-projected to that precision (:func:`~geoopt_stiefel_attention.manifolds.reproject_after_cast_`)."""
-        before, manifolds = frame_dtypes(self), _frame_manifolds(self)
-        super()._apply(fn, recurse)
-        _rewrap_frames_(self, manifolds)  # to_empty() from the meta device installs plain Parameters
-        reproject_after_cast_(self, before)
-        return self
 
     def _rows(self, role: str) -> Tensor:
         """The ``(heads, d, r)`` frames of ``role``, times the query gains (a new tensor when scaled)."""
