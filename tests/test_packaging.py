@@ -376,3 +376,29 @@ def test_no_lock_or_checkpoint_files_are_committed():
     locks = [f for f in files if f.endswith(".lock")]
     checkpoints = [f for f in files if f.endswith(".pt") and not f.startswith("tests/data/")]
     assert not locks and not checkpoints, (locks, checkpoints)
+
+
+#: Seconds allowed for one run of the linter over the repository (about 1 s).
+LINT_TIMEOUT_S = 120
+
+
+def _ruff(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    pytest.importorskip("ruff")  # in the dev extra, which CI installs
+    return subprocess.run([sys.executable, "-m", "ruff", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=LINT_TIMEOUT_S)
+
+
+def test_the_repository_passes_its_linter():
+    """``ruff check`` with the repository's ``ruff.toml`` finds nothing (lint drift is caught by CI, which runs only
+    the test command)."""
+    out = _ruff("check", "--no-cache", ".", cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_companion_the_linter_with_the_repository_settings_fails_on_a_finding(tmp_path):
+    """The same command, with the same settings, on a file holding a finding of a selected rule (F541: an f-string
+    without placeholders) fails: the check above can fail."""
+    (tmp_path / "ruff.toml").write_text((ROOT / "ruff.toml").read_text(encoding="utf-8"), encoding="utf-8")
+    (tmp_path / "bad.py").write_text('x = f"no placeholder"\n', encoding="utf-8")
+    out = _ruff("check", "--no-cache", ".", cwd=tmp_path)
+    assert out.returncode == 1 and "F541" in out.stdout, out.stdout + out.stderr
