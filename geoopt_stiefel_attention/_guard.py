@@ -22,7 +22,8 @@ part of a graph, so the check is traced into it as an assertion (``torch._assert
 and distance per frame): a frame off the manifold stops the compiled forward with a ``RuntimeError`` carrying
 the same message (without the measured distance). On the CPU it is raised by the forward itself; on CUDA it is
 a device-side assert, reported at a later kernel launch, after which the process's CUDA context is unusable
-(run :func:`check_frames` eagerly to see which frame and by how much). ``torch.export``, ``torch.jit.trace``
+(run :func:`check_frames` eagerly to see which frame and by how much). A training forward captured in a CUDA graph
+records the same assertion (no host read is allowed during a capture), run at every replay. ``torch.export``, ``torch.jit.trace``
 and sharded (``DTensor``) frames under ``torch.compile`` skip it; :func:`check_frames` runs it on a whole
 model on demand (e.g. after each optimizer step).
 """
@@ -60,6 +61,11 @@ _FIX = ("train frames with the library's optimizer: opt = StiefelAdam(param_grou
 
 class FrameOffManifoldError(RuntimeError):
     """A frame is off the Stiefel manifold at a training forward pass (see :mod:`._guard`)."""
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (then no tensor may be read on the host)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _is_sharded(w: Tensor) -> bool:
@@ -103,6 +109,9 @@ def check_frame_tensors(owner: str, frames: Iterable[tuple[str, Tensor]], *,
     traced = torch.compiler.is_compiling()
     if traced and torch.compiler.is_exporting():
         return
+    # a CUDA graph being captured (torch.cuda.graph, make_graphed_callables): no host read is allowed, so the check
+    # is an assertion recorded into the graph, as under torch.compile, and runs at every replay
+    captured = not traced and capturing()
     checked = []
     for name, w in frames:
         if traced and _is_sharded(w):  # a DTensor's local shard is not read inside a compiled graph
@@ -120,9 +129,10 @@ def check_frame_tensors(owner: str, frames: Iterable[tuple[str, Tensor]], *,
             gram = x.mT @ x
         err = torch.dist(gram, _eye(gram.shape[-1], gram.dtype, gram.device), float("inf"))  # max |W^T W - I|
         tol = FRAME_CHECK_TOLERANCE.get(w.dtype, FRAME_CHECK_TOLERANCE[torch.float32])
-        if traced:  # in the graph: an assertion, no host read (NaN fails too)
+        if traced or captured:  # in the graph: an assertion, no host read (NaN fails too)
             torch._assert_async(err <= tol, _message(owner, name, w.dtype, tol, None,
-                                                     "a compiled training forward pass"))
+                                                     "a compiled training forward pass" if traced else
+                                                     "a training forward pass captured in a CUDA graph"))
             continue
         if x.device.type == "cpu":
             if not err.item() <= tol:  # NaN fails too
@@ -185,7 +195,7 @@ def check_at_evaluation(owner: str, frames: list[tuple[str, Tensor]], holder: nn
     tracing, scripting and while a CUDA graph is captured."""
     if torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling():
         return
-    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+    if capturing():
         return  # a CUDA graph being captured (an inference graph): no host read is allowed, and replays run no Python
     try:
         key = tuple((id(w), w._version) for _, w in frames)

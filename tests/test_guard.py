@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from geoopt_stiefel_attention import StiefelAdam, StiefelMultiheadAttention, param_groups, stiefelize
+from geoopt_stiefel_attention import StiefelAdam, StiefelMultiheadAttention, _guard, param_groups, stiefelize
 from geoopt_stiefel_attention._guard import FRAME_CHECK_TOLERANCE, FrameOffManifoldError, check_frames
 
 
@@ -144,3 +144,112 @@ def test_a_non_finite_frame_is_reported_and_mixed_dtypes_are_each_held_to_their_
     with pytest.raises(FrameOffManifoldError, match="frame 'b'.*float64"):
         check_frame_tensors("m", [("a", w), ("b", off64)])
     check_frame_tensors("m", [("a", w), ("b", off64.float())])  # companion: as float32 it passes
+
+
+def _refuse_host_reads(monkeypatch):
+    """``Tensor.item``, ``bool(t)`` and ``float(t)`` raise from now on, as a host read does inside a CUDA graph's
+    capture."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read on the host")
+    for name in ("item", "__bool__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+
+
+def _capturing_models():
+    torch.manual_seed(0)
+    return {"converted": _encoder(), "own": StiefelMultiheadAttention(32, 4, batch_first=True)}
+
+
+def _training_forward(kind, model):
+    x = torch.randn(2, 5, 32)
+    return model(x) if kind == "converted" else model(x, x, x)[0]
+
+
+def _push_off(kind, model):
+    with torch.no_grad():
+        frame = (model.layers[0].self_attn.parametrizations.in_proj_weight[0].k_frames if kind == "converted"
+                 else model.w_k)
+        frame.mul_(1.01)
+
+
+@pytest.mark.parametrize("kind", ["converted", "own"])
+def test_a_training_forward_captured_in_a_cuda_graph_checks_the_frames_without_a_host_read(monkeypatch, kind):
+    """While a CUDA graph is captured (``torch.cuda.graph``, ``make_graphed_callables``) no tensor may be read on the
+    host: the check is recorded as an assertion instead (``torch._assert_async``, which the CPU runs at once). Here
+    the capture is simulated on the CPU and host reads refused: frames on the manifold pass without one, and a frame
+    off it stops the forward with the check's message."""
+    models = _capturing_models()
+    monkeypatch.setattr(_guard, "capturing", lambda: True)
+    model = models[kind]
+    with monkeypatch.context() as refused:
+        _refuse_host_reads(refused)
+        _training_forward(kind, model)
+    _push_off(kind, model)
+    with monkeypatch.context() as refused:
+        _refuse_host_reads(refused)
+        with pytest.raises(RuntimeError, match="'k_frames'|'w_k'") as err:
+            _training_forward(kind, model)
+    assert "is off the Stiefel manifold at a training forward pass captured in a CUDA graph" in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["converted", "own"])
+def test_companion_outside_a_capture_the_training_forward_check_reads_the_host(monkeypatch, kind):
+    """The refusal above can fail: outside a capture the check reads each frame's distance on the host (to put the
+    measured distance in its message)."""
+    model = _capturing_models()[kind]
+    with monkeypatch.context() as refused:
+        _refuse_host_reads(refused)
+        with pytest.raises(AssertionError, match="read on the host"):
+            _training_forward(kind, model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (captures a training CUDA graph)")
+def test_cuda_graph_capture_of_a_whole_training_step_matches_eager_steps():
+    """torch's whole-network capture recipe (warm-up on a side stream, then forward, backward and
+    ``StiefelAdam(capturable=True).step()`` captured in one ``torch.cuda.graph``) on a converted model: the capture
+    reads nothing on the host (the frame check is an assertion there), and five replays give the frames of five eager
+    steps from the same state."""
+    import copy
+
+    model = _encoder().cuda()
+    opt = StiefelAdam(param_groups(model), lr=1e-3, capturable=True)
+    x, target = torch.randn(4, 6, 32, device="cuda"), torch.randn(4, 6, 32, device="cuda")
+
+    def step(net, optimizer):
+        loss = (net(x) - target).square().mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            step(model, opt)
+    torch.cuda.current_stream().wait_stream(side)
+    twin = copy.deepcopy(model)
+    twin_opt = StiefelAdam(param_groups(twin), lr=1e-3, capturable=True)
+    twin_opt.load_state_dict(opt.state_dict())
+    opt.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(model, opt)
+    for _ in range(5):
+        graph.replay()
+        twin_opt.zero_grad(set_to_none=True)
+        step(twin, twin_opt)
+    torch.cuda.synchronize()
+    for ours, eager in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_make_graphed_callables_refuses_the_converted_model_itself_as_documented():
+    """``torch.cuda.make_graphed_callables`` refuses a module with forward hooks before anything else (no GPU needed
+    to see it), and ``stiefelize`` puts two on the model it converts: ``docs/converting.rst`` says to pass the layers,
+    which carry none (checked here), or capture the whole step with ``torch.cuda.graph``."""
+    model = _encoder()
+    with pytest.raises(AssertionError, match="must not have hooks"):
+        torch.cuda.make_graphed_callables(model, (torch.randn(2, 3, 32),))
+    layer = model.layers[0]
+    assert not (layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks)
