@@ -185,6 +185,32 @@ _AT_EVALUATION = ("At an evaluation forward (no gradients) this is a warning, gi
 _EVALUATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _evaluation_key(frames: list[tuple[str, Tensor]]) -> tuple | None:
+    """The identities and version counters of ``frames``; ``None`` for inference tensors, which keep no counter."""
+    try:
+        return tuple((id(w), w._version) for _, w in frames)
+    except RuntimeError:
+        return None
+
+
+def evaluation_check_skipped() -> bool:
+    """Whether a forward without gradients skips its check now: under ``torch.compile``, tracing or scripting, and
+    while a CUDA graph is captured (no host read is allowed there, and replays run no Python)."""
+    return (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling()
+            or capturing())
+
+
+def changed_since_evaluation(frames: list[tuple[str, Tensor]], holder: nn.Module) -> bool:
+    """Whether the frames of ``holder`` changed since its last evaluation check (inference tensors: always)."""
+    key = _evaluation_key(frames)
+    return key is None or _EVALUATED.get(holder) != key
+
+
+def mark_evaluated(frames: list[tuple[str, Tensor]], holder: nn.Module) -> None:
+    """Record the frames of ``holder`` as checked at evaluation (found on the manifold by a check of them all)."""
+    _EVALUATED[holder] = _evaluation_key(frames)
+
+
 def check_at_evaluation(owner: str, frames: list[tuple[str, Tensor]], holder: nn.Module) -> None:
     """The frame check of a forward pass without gradients: run :func:`check_frame_tensors` when the frames of
     ``holder`` changed since its last such check (their identities and version counters), and warn, not raise, when
@@ -192,18 +218,10 @@ def check_at_evaluation(owner: str, frames: list[tuple[str, Tensor]], holder: nn
     forward; frames changed in place (an optimizer step, an average taken into them) are checked at the next one.
     Writes through ``.data`` move no version counter, and FSDP2 keeps the unsharded parameters' counters as they were
     on purpose, so frames sharded by it are checked at their first evaluation only. Skipped under ``torch.compile``,
-    tracing, scripting and while a CUDA graph is captured."""
-    if torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling():
+    tracing, scripting and while a CUDA graph is captured (:func:`evaluation_check_skipped`)."""
+    if evaluation_check_skipped() or not changed_since_evaluation(frames, holder):
         return
-    if capturing():
-        return  # a CUDA graph being captured (an inference graph): no host read is allowed, and replays run no Python
-    try:
-        key = tuple((id(w), w._version) for _, w in frames)
-    except RuntimeError:  # inference tensors keep no version counter: checked every time
-        key = None
-    if key is not None and _EVALUATED.get(holder) == key:
-        return
-    _EVALUATED[holder] = key
+    mark_evaluated(frames, holder)
     try:
         check_frame_tensors(owner, frames, where="an evaluation forward pass")
     except FrameOffManifoldError as err:

@@ -241,3 +241,81 @@ def test_cuda_graph_capture_of_an_evaluation_forward_skips_the_evaluation_check(
     graph.replay()
     with torch.no_grad():
         torch.testing.assert_close(out, model(static))
+
+
+def _count_host_reads(monkeypatch):
+    """Count ``Tensor.item``, ``bool(t)`` and ``float(t)`` from now on (each a host read, a synchronisation on an
+    accelerator); the list's length is the count."""
+    reads = []
+    for name in ("item", "__bool__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            reads.append(1)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
+def _reads_by_the_evaluation_check(monkeypatch, model, opt, x):
+    """Host reads of an evaluation forward right after a step (the frames changed), minus those of the next one
+    (the frames unchanged: the check does not run, whatever else the forward reads)."""
+    _train(model, opt, x, steps=1)
+    with monkeypatch.context() as counting, torch.no_grad():
+        reads = _count_host_reads(counting)
+        model(x)
+        changed = len(reads)
+        model(x)
+    return changed - (len(reads) - changed)
+
+
+def _deep_encoder():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
+    stiefelize(model)
+    return model
+
+
+def test_an_evaluation_forward_checks_all_changed_frames_with_one_host_read(monkeypatch):
+    """After a step, the evaluation check tests the frames of every converted weight at once: one host read for the
+    whole model (on an accelerator, one synchronisation instead of one per weight)."""
+    model = _deep_encoder()
+    opt = StiefelAdam(param_groups(model), lr=1e-2)
+    x = torch.randn(2, 5, 16)
+    _train(model, opt, x, steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and the frames on the manifold are not warned
+        assert _reads_by_the_evaluation_check(monkeypatch, model, opt, x) == 1
+
+
+def test_companion_weight_by_weight_the_evaluation_check_reads_the_host_once_per_frame(monkeypatch):
+    """The count above can fail: with the grouped test taken away (each weight checks itself, as before), the same
+    evaluation reads each of the 6 frames (3 layers, query and key) on the host."""
+    from geoopt_stiefel_attention.convert import parametrization
+
+    monkeypatch.setattr(parametrization, "_frames_pass", lambda weights: None)
+    model = _deep_encoder()
+    opt = StiefelAdam(param_groups(model), lr=1e-2)
+    x = torch.randn(2, 5, 16)
+    _train(model, opt, x, steps=1)
+    assert _reads_by_the_evaluation_check(monkeypatch, model, opt, x) == len(frame_parameters(model)) == 6
+
+
+def test_a_grouped_evaluation_check_that_fails_names_the_weight_off_the_manifold():
+    """When the grouped test fails, each changed weight runs its own check: only the weight whose frame is off is
+    warned, by name, and the others are recorded as checked."""
+    model = _deep_encoder()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        model(x)  # every weight checked once
+        model.layers[1].self_attn.parametrizations.in_proj_weight[0].q_frames.mul_(1.01)
+        model.layers[2].self_attn.parametrizations.in_proj_weight[0].k_frames.mul_(1.0)  # changed, still on it
+        with pytest.warns(UserWarning, match=EVALUATION) as record:
+            model(x)
+    messages = _messages(record, EVALUATION)
+    assert len(messages) == 1 and messages[0].startswith("layers.1.self_attn.in_proj_weight: frame 'q_frames'")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model(x)  # nothing changed since: no check, no warning

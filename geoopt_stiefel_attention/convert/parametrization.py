@@ -429,31 +429,16 @@ def _set_slots(model: nn.Module) -> None:
                     plist[0].__dict__["_slot"] = (weakref.ref(parent), name, weakref.ref(child))
 
 
-def _check_model_frames(model: nn.Module, args: Any) -> None:
-    """Forward pre-hook of a converted model: in a forward with gradients, check every frame of its converted
-    weights at once (same-shaped frame stacks concatenated: one Gram product, one distance and one host read
-    per shape and dtype, instead of two operations per frame and a read per weight), then let the weights skip
-    their own check until the model's forward returns. A frame off the manifold is reported by the weight's
-    own check, with the message it always had. Frames of another kind (sharded, meta) leave the weights'
-    checks on."""
-    if torch.compiler.is_compiling():
-        return
-    scope, weights = vars(model)[_MODEL_HOOKS][:2]
-    if weights and "_slot" not in weights[0].__dict__:  # a copy or an unpickled model: no slots yet
-        _set_slots(model)
-    scope[2] += 1
-    scope[1].append(False)
-    if not torch.is_grad_enabled():  # an evaluation: checked when the frames changed, and warned (see _guard)
-        for p in weights:
-            _guard.check_at_evaluation(getattr(p, "label", "converted weight"), p.frames(), p)
-        return
-    if _guard.capturing():  # no host read in a CUDA graph's capture: each weight records its check as an assertion
-        return
+def _frames_pass(weights: list[_QKWeight]) -> bool | None:
+    """Whether every frame of ``weights`` is on the manifold, tested at once: same-shaped frame stacks concatenated,
+    one Gram product and one distance per shape and dtype, and one host read in all (the usual case: one shape and
+    dtype). ``None`` when a frame is of another kind (sharded, meta, not a ``(heads, d, r)`` stack), which the
+    weights' own checks handle. NaN fails."""
     groups: dict[tuple[Any, ...], list[Tensor]] = {}
     for p in weights:
         for _name, w in p.frames():
             if getattr(w, "_local_tensor", None) is not None or w.device.type == "meta" or w.dim() != 3:
-                return
+                return None
             groups.setdefault((w.shape[1:], w.dtype, w.device), []).append(w.detach())
     errs, tols = [], []
     for (shape, dtype, device), ws in groups.items():
@@ -468,10 +453,42 @@ def _check_model_frames(model: nn.Module, args: Any) -> None:
         errs.append(torch.dist(gram, _guard._eye(shape[-1], gram.dtype, device), float("inf")))
         tols.append(_guard.FRAME_CHECK_TOLERANCE.get(dtype, _guard.FRAME_CHECK_TOLERANCE[torch.float32]))
     if len(errs) == 1:
-        ok = bool(errs[0] <= tols[0])
-    else:
-        ok = all(float(e) <= t for e, t in zip(errs, tols, strict=True))
-    if not ok:  # NaN too: the weights' own checks name the frame
+        return bool(errs[0] <= tols[0])
+    return all(float(e) <= t for e, t in zip(errs, tols, strict=True))
+
+
+def _check_model_frames(model: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a converted model: in a forward with gradients, check every frame of its converted
+    weights at once (:func:`_frames_pass`: one Gram product, one distance and one host read per shape and dtype,
+    instead of two operations per frame and a read per weight), then let the weights skip their own check until the
+    model's forward returns. A frame off the manifold is reported by the weight's own check, with the message it
+    always had. Frames of another kind (sharded, meta) leave the weights' checks on. In a forward without gradients
+    (an evaluation) the weights whose frames changed since their last evaluation check are tested at once the same
+    way, and only when that fails does each run its own check, which warns (:func:`~.._guard.check_at_evaluation`)."""
+    if torch.compiler.is_compiling():
+        return
+    scope, weights = vars(model)[_MODEL_HOOKS][:2]
+    if weights and "_slot" not in weights[0].__dict__:  # a copy or an unpickled model: no slots yet
+        _set_slots(model)
+    scope[2] += 1
+    scope[1].append(False)
+    if not torch.is_grad_enabled():  # an evaluation: checked when the frames changed, and warned (see _guard)
+        if _guard.evaluation_check_skipped():
+            return
+        changed = [p for p in weights if _guard.changed_since_evaluation(p.frames(), p)]
+        if changed and _frames_pass(changed):
+            for p in changed:
+                _guard.mark_evaluated(p.frames(), p)
+            return
+        for p in changed:
+            _guard.check_at_evaluation(getattr(p, "label", "converted weight"), p.frames(), p)
+        return
+    if _guard.capturing():  # no host read in a CUDA graph's capture: each weight records its check as an assertion
+        return
+    passed = _frames_pass(weights)
+    if passed is None:  # frames of another kind: the weights check themselves
+        return
+    if not passed:  # NaN too: the weights' own checks name the frame
         for p in weights:
             p.check()
         return
