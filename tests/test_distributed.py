@@ -652,6 +652,7 @@ def test_a_model_sharded_before_its_conversion_is_refused_before_anything_change
     assert max(float(orthonormality_error(f)) for f in frames) < 1e-5
 
 
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`:UserWarning")  # torch's, at one rank
 @pytest.mark.parametrize("use_orig_params", [True, False])
 def test_fsdp1_is_refused_before_and_after_the_conversion(one_rank_group, use_orig_params):
     """FSDP1 (``FullyShardedDataParallel``, on the CPU with ``device_id=cpu``) flattens a unit's parameters and shards

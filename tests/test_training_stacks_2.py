@@ -263,7 +263,10 @@ def _peft():
 def _lora(model: nn.Module, targets: list[str], **kwargs) -> nn.Module:
     peft = _peft()
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False, **kwargs)
-    return peft.get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft's note on GPT-2's Conv1D, and a transformers deprecation peft calls
+        warnings.filterwarnings("ignore", "fan_in_fan_out is set to False", UserWarning)
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.* is deprecated", FutureWarning)
+        return peft.get_peft_model(model, config)
 
 
 def _llama_lora_reference(model, ids):
@@ -367,6 +370,7 @@ def test_get_peft_model_with_lora_on_converted_query_key_projections_is_refused_
         assert float((adapted.merge_and_unload()(input_ids=IDS).logits - before).abs().max()) < 1e-12
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft calls transformers
 def test_companion_lora_on_value_and_output_of_a_converted_model_trains_saves_and_loads_consistently(tmp_path):
     """``get_peft_model`` on a converted Llama with LoRA on ``v_proj``/``o_proj``: the frames stay frozen (PEFT
     freezes the base) and orthonormal, the adapters' gradients are the stock reference's, a step with StiefelAdam
