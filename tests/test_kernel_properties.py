@@ -1,6 +1,6 @@
 """Property-based checks (hypothesis) of the frame update over its whole input space: the fused in-place kernel that
-``StiefelAdam`` runs equals the readable specification ``stiefel_adam_update`` step for step, and its frames stay on
-the manifold, for random frame sizes (``r`` from 1 to ``d``, square frames included), layouts, learning rates over
+``StiefelAdam`` runs equals the readable specification ``stiefel_adam_update`` step for step, its frames stay on
+the manifold, and the retraction planned for a step's bound (a series or Newton-Schulz) is the SVD's polar factor, for random frame sizes (``r`` from 1 to ``d``, square frames included), layouts, learning rates over
 four decades, betas, eps, trust radii (and none), with and without a second moment, maximising or not, on the
 default and the capturable path, with gradients over five decades. float64 throughout.
 
@@ -22,7 +22,11 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from geoopt_stiefel_attention import PolarStiefel, StiefelAdam  # noqa: E402
+from geoopt_stiefel_attention import (  # noqa: E402
+    PolarStiefel,
+    StiefelAdam,
+    _linalg,  # noqa: E402
+)
 from geoopt_stiefel_attention._linalg import orthonormality_error  # noqa: E402
 from geoopt_stiefel_attention.optim import stiefel_adam_update  # noqa: E402
 
@@ -109,3 +113,54 @@ def test_companion_the_comparison_separates_another_second_moment_decay(s):
     other = s["beta2"] - 0.3 if s["beta2"] > 0.8 else s["beta2"] + 0.3
     gap, _ = _run(s, reference_beta2=other)
     assert gap > 1e3 * PROPERTY_TOL and math.isfinite(gap), s
+
+
+# ----------------------------------------------------------------------------- the retraction's plan
+#: entrywise error accepted of the planned polar factor against the float64 SVD's, in units of roundoff of the
+#: retraction's dtype: in float32 the reference is far more precise (16, as tests/test_linalg.py's worst case;
+#: measured at most 7.5 over 1,500 draws); in float64 it rounds as much as the retraction does (measured at most 22)
+RETRACTION_ROUNDOFF_UNITS = {torch.float32: 16, torch.float64: 48}
+
+
+@st.composite
+def _steps(draw, smallest=-4.0):
+    d = draw(st.integers(1, 12))
+    return dict(n=draw(st.integers(1, 3)), d=d, r=draw(st.integers(1, d)),
+                radius=10.0 ** draw(st.floats(smallest, math.log10(3.0))),
+                dtype=draw(st.sampled_from([torch.float32, torch.float64])), seed=draw(st.integers(0, 2**16)))
+
+
+def _planned_polar(s, planned_for=None):
+    """W - s retracted by the plan for ||s||_F^2 (or for ``planned_for``^2) in ``dtype``, and the float64 SVD polar
+    factor of the same matrix: a frame W and a tangent step s of Frobenius norm ``radius``."""
+    gen = torch.Generator().manual_seed(s["seed"])
+    w = PolarStiefel().random(s["n"], s["d"], s["r"], dtype=torch.float64, generator=gen)
+    g = torch.randn(w.shape, generator=gen, dtype=torch.float64)
+    step = g - w @ ((w.mT @ g + g.mT @ w) / 2)  # its tangent part
+    norm = torch.linalg.matrix_norm(step, keepdim=True)
+    step = torch.where(norm > 0, step * s["radius"] / norm.clamp_min(1e-300), step)
+    eps = torch.finfo(s["dtype"]).eps
+    bound = (s["radius"] if planned_for is None else planned_for) ** 2 + 64 * eps
+    plan = _linalg.retraction_plan(bound, s["dtype"])
+    y = (w - step).to(s["dtype"])
+    planned = (y @ _linalg.inv_sqrt_planned(y.mT @ y, bound, plan)).double()
+    return planned, _linalg.polar_svd(w - step), RETRACTION_ROUNDOFF_UNITS[s["dtype"]] * eps
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+@given(_steps())
+def test_the_planned_retraction_is_the_polar_factor_to_rounding(s):
+    """Any tangent step within the bound the plan is made for (||s||_2 <= ||s||_F), from 1e-4 to 3 (a Gram
+    spectrum up to [1, 10]): the planned retraction, a series or Newton-Schulz, gives the SVD's polar factor."""
+    planned, reference, tol = _planned_polar(s)
+    assert float((planned - reference).abs().max()) < tol, s
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+@given(_steps(smallest=0.0))
+def test_companion_a_retraction_planned_for_a_tenth_of_the_step_misses_the_polar_factor(s):
+    """The comparison can fail: planned for a bound ten times below the step taken (a frame with a tangent space and
+    a step of at least 1), the same retraction is off (measured: by at least 7,700 units of roundoff)."""
+    hypothesis.assume(s["r"] < s["d"])
+    planned, reference, tol = _planned_polar(s, planned_for=s["radius"] / 10)
+    assert float((planned - reference).abs().max()) > tol, s
