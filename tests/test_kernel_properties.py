@@ -1,18 +1,23 @@
-"""Property-based checks (hypothesis) of the frame update over its whole input space: the fused in-place kernel that
-``StiefelAdam`` runs equals the readable specification ``stiefel_adam_update`` step for step, its frames stay on
-the manifold, and the retraction planned for a step's bound (a series or Newton-Schulz) is the SVD's polar factor, for random frame sizes (``r`` from 1 to ``d``, square frames included), layouts, learning rates over
-four decades, betas, eps, trust radii (and none), with and without a second moment, maximising or not, on the
-default and the capturable path, with gradients over five decades. float64 throughout.
+"""Property-based checks (hypothesis) over drawn inputs, each with a companion that must fail:
+
+- the fused in-place kernel that ``StiefelAdam`` runs equals the readable specification ``stiefel_adam_update`` step
+  for step and keeps frames on the manifold, for frame sizes from 1 x 1 to square, either layout, lr over four
+  decades, betas, eps, trust radii (and none), with and without a second moment, maximising or not, the default and
+  the capturable path, gradients over five decades (float64; companion: a reference with another beta2);
+- the retraction planned for a step's bound (a series or Newton-Schulz) is the SVD's polar factor, float32 and
+  float64 (companion: planned for a tenth of the step);
+- any ``nn.MultiheadAttention`` configuration converted by ``stiefelize`` round-trips through its stock state dict
+  and ``unstiefelize`` (companion: the stock module with its own weights computes another function).
 
 The parametrized comparisons of ``tests/test_optim_contract.py`` run 120 steps on a few fixed settings; these run a
-few steps on many drawn ones (the retraction's plan, a series or Newton-Schulz sized to the step, changes with the
-step's size, so large steps and large radii are drawn too). The companion shows the comparison can fail: the same
-drawn settings with the reference given another beta2.
+few steps on many drawn ones (the retraction's plan changes with the step's size, so large steps and radii are drawn
+too). ``derandomize=True``: every run draws the same examples, so CI is reproducible.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import geoopt
 import pytest
@@ -164,3 +169,74 @@ def test_companion_a_retraction_planned_for_a_tenth_of_the_step_misses_the_polar
     hypothesis.assume(s["r"] < s["d"])
     planned, reference, tol = _planned_polar(s, planned_for=s["radius"] / 10)
     assert float((planned - reference).abs().max()) > tol, s
+
+
+# ----------------------------------------------------------------------------- the converter's round trips
+#: float64: a converted nn.MultiheadAttention against the stock module loaded from its exported state dict, and
+#: against itself after unstiefelize (the same products in another order)
+ROUND_TRIP_TOL = 1e-12
+
+
+@st.composite
+def _attention(draw):
+    heads, head_dim = draw(st.integers(1, 4)), draw(st.integers(1, 6))
+    embed = heads * head_dim
+    kv = draw(st.one_of(st.none(), st.integers(head_dim, 9)))  # a key frame is (kdim, head_dim): head_dim <= kdim
+    return dict(embed=embed, heads=heads, bias=draw(st.booleans()), add_bias_kv=draw(st.booleans()),
+                add_zero_attn=draw(st.booleans()), kdim=kv, vdim=draw(st.one_of(st.none(), st.integers(1, 9))),
+                batch_first=draw(st.booleans()), logit_gain=draw(st.sampled_from([None, "learn", "fit"])),
+                qk_bias=draw(st.sampled_from(["keep", "drop"])), seed=draw(st.integers(0, 2**16)))
+
+
+def _mha(s):
+    torch.manual_seed(s["seed"])
+    return torch.nn.MultiheadAttention(s["embed"], s["heads"], bias=s["bias"], add_bias_kv=s["add_bias_kv"],
+                                       add_zero_attn=s["add_zero_attn"], kdim=s["kdim"], vdim=s["vdim"],
+                                       batch_first=s["batch_first"], dtype=torch.float64)
+
+
+def _converted(s):
+    """The drawn module converted (in an ``nn.Sequential``), and query, key and value inputs in its layout."""
+    from geoopt_stiefel_attention import stiefelize
+
+    model = torch.nn.Sequential(_mha(s))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what the options say of this configuration (no bias to drop, ...)
+        stiefelize(model, logit_gain=s["logit_gain"], qk_bias=s["qk_bias"])
+    gen = torch.Generator().manual_seed(s["seed"] + 1)
+
+    def inputs(length, features):  # batch 2, in the module's layout
+        x = torch.randn(2, length, features, generator=gen, dtype=torch.float64)
+        return x if s["batch_first"] else x.transpose(0, 1)
+    return model, (inputs(3, s["embed"]), inputs(4, s["kdim"] or s["embed"]), inputs(4, s["vdim"] or s["embed"]))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+@given(_attention())
+def test_a_converted_attention_round_trips_through_the_stock_state_dict_and_unstiefelize(s):
+    """Any ``nn.MultiheadAttention`` configuration (fused or separate projections, biases, bias_kv, zero attention,
+    either layout) with any gain and bias option: the stock module loaded from ``export_state_dict`` computes the
+    converted module's function, and so does the converted module after ``unstiefelize``."""
+    from geoopt_stiefel_attention import export_state_dict, unstiefelize
+
+    model, (q, k, v) = _converted(s)
+    with torch.no_grad():
+        y = model[0](q, k, v)[0]
+        stock = _mha(s)
+        stock.load_state_dict({n.removeprefix("0."): t for n, t in export_state_dict(model).items()})
+        assert float((stock(q, k, v)[0] - y).abs().max()) < ROUND_TRIP_TOL, s
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # unstiefelize's note on optimizers (none here)
+            unstiefelize(model)
+        assert float((model[0](q, k, v)[0] - y).abs().max()) < ROUND_TRIP_TOL, s
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+@given(_attention().filter(lambda s: s["heads"] > 1).map(lambda s: {**s, "logit_gain": None}))
+def test_companion_the_stock_module_with_its_own_weights_computes_another_function(s):
+    """The comparison can fail: the conversion replaces each query/key head block by its polar factor (no gain here,
+    several heads, so each block is a part of its weight), which changes the logits, and the stock module with its
+    own weights computes another function than the converted one."""
+    model, (q, k, v) = _converted(s)
+    with torch.no_grad():
+        assert float((_mha(s)(q, k, v)[0] - model[0](q, k, v)[0]).abs().max()) > 1e3 * ROUND_TRIP_TOL, s
