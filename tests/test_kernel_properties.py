@@ -6,8 +6,9 @@
   the capturable path, gradients over five decades (float64; companion: a reference with another beta2);
 - the retraction planned for a step's bound (a series or Newton-Schulz) is the SVD's polar factor, float32 and
   float64 (companion: planned for a tenth of the step);
-- any ``nn.MultiheadAttention`` configuration converted by ``stiefelize`` round-trips through its stock state dict
-  and ``unstiefelize`` (companion: the stock module with its own weights computes another function).
+- any ``nn.MultiheadAttention`` configuration, and any grouped-query HuggingFace Llama, converted by ``stiefelize``
+  round-trips through its stock state dict and ``unstiefelize`` (companions: the stock model with its own weights
+  computes another function).
 
 The parametrized comparisons of ``tests/test_optim_contract.py`` run 120 steps on a few fixed settings; these run a
 few steps on many drawn ones (the retraction's plan changes with the step's size, so large steps and radii are drawn
@@ -240,3 +241,59 @@ def test_companion_the_stock_module_with_its_own_weights_computes_another_functi
     model, (q, k, v) = _converted(s)
     with torch.no_grad():
         assert float((_mha(s)(q, k, v)[0] - model[0](q, k, v)[0]).abs().max()) > 1e3 * ROUND_TRIP_TOL, s
+
+
+@st.composite
+def _llama(draw):
+    kv, groups = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    hidden = kv * groups * draw(st.integers(2, 4))  # transformers wants the width a multiple of the heads
+    head_dim = 2 * draw(st.integers(1, min(hidden, 6) // 2))  # even (rotary embeddings), at most the width (frames)
+    return dict(kv=kv, groups=groups, hidden=hidden, head_dim=head_dim,
+                logit_gain=draw(st.sampled_from([None, "learn", "fit"])), seed=draw(st.integers(0, 2**16)))
+
+
+def _llama_model(s):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(s["seed"])
+    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=s["hidden"], intermediate_size=8, num_hidden_layers=1,
+                                   num_attention_heads=s["kv"] * s["groups"], num_key_value_heads=s["kv"],
+                                   head_dim=s["head_dim"], max_position_embeddings=8, bos_token_id=0,
+                                   eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg).double().eval()
+
+
+@settings(max_examples=EXAMPLES // 3, deadline=None, derandomize=True)
+@given(_llama())
+def test_a_converted_grouped_query_llama_round_trips_through_the_stock_state_dict_and_unstiefelize(s):
+    """HuggingFace Llama with grouped-query attention in any proportion (1 to 3 key/value heads, 1 to 3 query heads
+    each, head sizes 2, 4 or 6 set apart from the width, so q_proj's output may differ from the model's width), any gain: the
+    stock model loaded from ``export_state_dict`` (strict) and the converted model after ``unstiefelize`` give the
+    converted model's logits."""
+    from geoopt_stiefel_attention import export_state_dict, stiefelize, unstiefelize
+
+    model = _llama_model(s)
+    stiefelize(model, logit_gain=s["logit_gain"])
+    ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(s["seed"]))
+    with torch.no_grad():
+        y = model(ids).logits
+        stock = _llama_model(s)
+        stock.load_state_dict(export_state_dict(model))
+        assert float((stock(ids).logits - y).abs().max()) < ROUND_TRIP_TOL, s
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # unstiefelize's note on optimizers (none here)
+            unstiefelize(model)
+        assert float((model(ids).logits - y).abs().max()) < ROUND_TRIP_TOL, s
+
+
+@settings(max_examples=EXAMPLES // 6, deadline=None, derandomize=True)
+@given(_llama().map(lambda s: {**s, "logit_gain": None}))
+def test_companion_the_stock_llama_with_its_own_weights_gives_other_logits(s):
+    """The comparison can fail: converted without gains (each head block replaced by its polar factor, which changes
+    the logits' scale and direction), the model gives other logits than the stock model with its own weights."""
+    from geoopt_stiefel_attention import stiefelize
+
+    model = _llama_model(s)
+    stiefelize(model)
+    ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(s["seed"]))
+    with torch.no_grad():
+        assert float((_llama_model(s)(ids).logits - model(ids).logits).abs().max()) > 1e3 * ROUND_TRIP_TOL, s
