@@ -6,8 +6,9 @@
   the capturable path, gradients over five decades (float64; companion: a reference with another beta2);
 - the retraction planned for a step's bound (a series or Newton-Schulz) is the SVD's polar factor, float32 and
   float64 (companion: planned for a tenth of the step);
-- any ``nn.MultiheadAttention`` configuration, any HuggingFace GPT-2 (with cross-attention and its scaling options)
-  and any grouped-query HuggingFace Llama, converted by ``stiefelize``
+- any ``nn.MultiheadAttention`` configuration, any HuggingFace GPT-2 (with cross-attention and its scaling options),
+  any grouped-query HuggingFace Llama and any timm ViT (bias, ``qk_norm``, class and register tokens), converted by
+  ``stiefelize``
   round-trips through its stock state dict and ``unstiefelize`` (companions: the stock model with its own weights
   computes another function).
 
@@ -359,3 +360,65 @@ def test_companion_the_stock_gpt2_with_its_own_weights_gives_other_logits(s):
     kwargs = _gpt2_inputs(s)
     with torch.no_grad():
         assert float((_gpt2_model(s)(**kwargs).logits - model(**kwargs).logits).abs().max()) > 1e3 * ROUND_TRIP_TOL, s
+
+
+@st.composite
+def _timm_vit(draw):
+    heads = draw(st.integers(1, 4))
+    return dict(heads=heads, width=heads * draw(st.integers(1, 6)), qkv_bias=draw(st.booleans()),
+                qk_norm=draw(st.booleans()), class_token=draw(st.booleans()), reg_tokens=draw(st.integers(0, 2)),
+                logit_gain=draw(st.sampled_from([None, "learn", "fit"])), qk_bias=draw(st.sampled_from(["keep", "drop"])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def _timm_vit_model(s):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(s["seed"])
+    return timm.models.vision_transformer.VisionTransformer(
+        img_size=8, patch_size=4, embed_dim=s["width"], depth=1, num_heads=s["heads"], mlp_ratio=1.0,
+        qkv_bias=s["qkv_bias"], qk_norm=s["qk_norm"], class_token=s["class_token"], reg_tokens=s["reg_tokens"],
+        global_pool="token" if s["class_token"] else "avg", num_classes=3).double().eval()
+
+
+@settings(max_examples=EXAMPLES // 3, deadline=None, derandomize=True)
+@given(_timm_vit())
+def test_a_converted_timm_vit_round_trips_through_the_stock_state_dict_and_unstiefelize(s):
+    """timm's VisionTransformer (fused ``qkv``) with or without its bias, with or without ``qk_norm``, class and
+    register tokens, any gain and bias option: the stock model loaded from ``export_state_dict`` (strict) and the
+    converted model after ``unstiefelize`` compute the converted model's features (every token, before the head,
+    which timm starts at zero)."""
+    from geoopt_stiefel_attention import export_state_dict, stiefelize, unstiefelize
+
+    model = _timm_vit_model(s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what the options say of this configuration (a gain beside qk_norm, ...)
+        stiefelize(model, logit_gain=s["logit_gain"], qk_bias=s["qk_bias"])
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(s["seed"]), dtype=torch.float64)
+    with torch.no_grad():
+        y = model.forward_features(x)
+        stock = _timm_vit_model(s)
+        stock.load_state_dict(export_state_dict(model))
+        assert float((stock.forward_features(x) - y).abs().max()) < ROUND_TRIP_TOL, s
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # unstiefelize's note on optimizers (none here)
+            unstiefelize(model)
+        assert float((model.forward_features(x) - y).abs().max()) < ROUND_TRIP_TOL, s
+
+
+@settings(max_examples=EXAMPLES // 6, deadline=None, derandomize=True)
+@given(_timm_vit().filter(lambda s: s["heads"] > 1 and s["width"] >= 2 * s["heads"]).map(
+    lambda s: {**s, "logit_gain": None}))
+def test_companion_the_stock_timm_vit_with_its_own_weights_computes_another_function(s):
+    """The comparison can fail: converted without gains, the model computes another function than the stock model
+    with its own weights (heads of at least 2: ``qk_norm`` of a 1-wide head is its bias alone, whatever the
+    weights)."""
+    from geoopt_stiefel_attention import stiefelize
+
+    model = _timm_vit_model(s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stiefelize(model, qk_bias=s["qk_bias"])
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(s["seed"]), dtype=torch.float64)
+    with torch.no_grad():
+        other = _timm_vit_model(s).forward_features(x)
+        assert float((other - model.forward_features(x)).abs().max()) > 1e3 * ROUND_TRIP_TOL, s
