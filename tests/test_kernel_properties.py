@@ -6,6 +6,8 @@
   the capturable path, gradients over five decades (float64; companion: a reference with another beta2);
 - the retraction planned for a step's bound (a series or Newton-Schulz) is the SVD's polar factor, float32 and
   float64 (companion: planned for a tenth of the step);
+- a run saved after any step and resumed from the optimizer's state dict is the run without a break, bit for bit
+  (companion: resumed without the state);
 - any ``nn.MultiheadAttention`` configuration, any HuggingFace GPT-2 (with cross-attention and its scaling options),
   any grouped-query HuggingFace Llama and any timm ViT (bias, ``qk_norm``, class and register tokens), converted by
   ``stiefelize``
@@ -422,3 +424,59 @@ def test_companion_the_stock_timm_vit_with_its_own_weights_computes_another_func
     with torch.no_grad():
         other = _timm_vit_model(s).forward_features(x)
         assert float((other - model.forward_features(x)).abs().max()) > 1e3 * ROUND_TRIP_TOL, s
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _train_frames(s, p, opt, grads):
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+
+
+def _optimizer(s, p):
+    return StiefelAdam([p], lr=s["lr"], betas=(s["beta1"], s["beta2"]), eps=s["eps"], trust_region=s["trust_region"],
+                       second_moment=s["second_moment"], maximize=s["maximize"], capturable=s["capturable"],
+                       adjust_lr_fn="original")
+
+
+def _resume(s, stop, reload=True):
+    """Frames trained for ``s["steps"] + 2`` steps without a break, and the same run saved after ``stop`` steps,
+    loaded into a new optimizer over a copy of the frames (``reload=False``: the new optimizer starts afresh), and
+    continued."""
+    import copy
+
+    gen = torch.Generator().manual_seed(s["seed"])
+    w0 = PolarStiefel().random(s["n"], s["d"], s["r"], dtype=torch.float64, generator=gen)
+    total = s["steps"] + 2
+    grads = [torch.randn(w0.shape, generator=gen, dtype=torch.float64) for _ in range(total)]
+    straight = geoopt.ManifoldParameter(w0.clone(), manifold=PolarStiefel())
+    _train_frames(s, straight, _optimizer(s, straight), grads)
+    first = geoopt.ManifoldParameter(w0.clone(), manifold=PolarStiefel())
+    opt = _optimizer(s, first)
+    _train_frames(s, first, opt, grads[:stop])
+    saved = copy.deepcopy(opt.state_dict())
+    second = geoopt.ManifoldParameter(first.detach().clone(), manifold=PolarStiefel())
+    resumed = _optimizer(s, second)
+    if reload:
+        resumed.load_state_dict(saved)
+    _train_frames(s, second, resumed, grads[stop:])
+    return straight.detach(), second.detach()
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+@given(_settings(), st.integers(1, 6))
+def test_a_run_saved_and_resumed_from_its_state_dict_is_the_run_without_a_break(s, stop):
+    """Any drawn setting, saved after any step: a new optimizer over a copy of the frames, loaded from the state dict,
+    continues the run bit for bit."""
+    stop = min(stop, s["steps"] + 1)
+    straight, resumed = _resume(s, stop)
+    assert torch.equal(straight, resumed), s
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+@given(_moving_settings())
+def test_companion_a_run_resumed_without_its_optimizer_state_goes_elsewhere(s):
+    """The comparison can fail: the same run continued by a fresh optimizer (moments and step count lost) ends
+    elsewhere."""
+    straight, resumed = _resume(s, 1, reload=False)
+    assert not torch.equal(straight, resumed), s
