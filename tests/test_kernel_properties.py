@@ -177,9 +177,40 @@ def test_companion_a_retraction_planned_for_a_tenth_of_the_step_misses_the_polar
 
 
 # ----------------------------------------------------------------------------- the converter's round trips
-#: float64: a converted nn.MultiheadAttention against the stock module loaded from its exported state dict, and
-#: against itself after unstiefelize (the same products in another order)
+#: float64: a converted model against the stock model loaded from its exported state dict, and against itself after
+#: unstiefelize (the same products in another order)
 ROUND_TRIP_TOL = 1e-12
+
+
+def _convert(model, **options):
+    from geoopt_stiefel_attention import stiefelize
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what the options say of a drawn configuration (no bias to drop, ...)
+        stiefelize(model, **options)
+    return model
+
+
+def _assert_round_trips(s, model, stock, run):
+    """``run`` of the converted ``model`` equals ``run`` of ``stock`` loaded from ``export_state_dict(model)``
+    (strict), and ``run`` of ``model`` after ``unstiefelize``."""
+    from geoopt_stiefel_attention import export_state_dict, unstiefelize
+
+    with torch.no_grad():
+        y = run(model)
+        stock.load_state_dict(export_state_dict(model))
+        assert float((run(stock) - y).abs().max()) < ROUND_TRIP_TOL, s
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # unstiefelize's note on optimizers (none here)
+            unstiefelize(model)
+        assert float((run(model) - y).abs().max()) < ROUND_TRIP_TOL, s
+
+
+def _assert_functions_differ(s, converted, stock, run):
+    """The companions: ``run`` of a model converted without gains differs from ``run`` of the stock model with its own
+    weights (each query/key head block replaced by its polar factor changes the logits)."""
+    with torch.no_grad():
+        assert float((run(stock) - run(converted)).abs().max()) > 1e3 * ROUND_TRIP_TOL, s
 
 
 @st.composite
@@ -195,56 +226,35 @@ def _attention(draw):
 
 def _mha(s):
     torch.manual_seed(s["seed"])
-    return torch.nn.MultiheadAttention(s["embed"], s["heads"], bias=s["bias"], add_bias_kv=s["add_bias_kv"],
-                                       add_zero_attn=s["add_zero_attn"], kdim=s["kdim"], vdim=s["vdim"],
-                                       batch_first=s["batch_first"], dtype=torch.float64)
+    return torch.nn.Sequential(torch.nn.MultiheadAttention(
+        s["embed"], s["heads"], bias=s["bias"], add_bias_kv=s["add_bias_kv"], add_zero_attn=s["add_zero_attn"],
+        kdim=s["kdim"], vdim=s["vdim"], batch_first=s["batch_first"], dtype=torch.float64))
 
 
-def _converted(s):
-    """The drawn module converted (in an ``nn.Sequential``), and query, key and value inputs in its layout."""
-    from geoopt_stiefel_attention import stiefelize
-
-    model = torch.nn.Sequential(_mha(s))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # what the options say of this configuration (no bias to drop, ...)
-        stiefelize(model, logit_gain=s["logit_gain"], qk_bias=s["qk_bias"])
+def _mha_run(s):
+    """Cross-attention of 3 queries to 4 keys and values, batch 2, in the module's layout."""
     gen = torch.Generator().manual_seed(s["seed"] + 1)
 
-    def inputs(length, features):  # batch 2, in the module's layout
+    def inputs(length, features):
         x = torch.randn(2, length, features, generator=gen, dtype=torch.float64)
         return x if s["batch_first"] else x.transpose(0, 1)
-    return model, (inputs(3, s["embed"]), inputs(4, s["kdim"] or s["embed"]), inputs(4, s["vdim"] or s["embed"]))
+    q, k, v = inputs(3, s["embed"]), inputs(4, s["kdim"] or s["embed"]), inputs(4, s["vdim"] or s["embed"])
+    return lambda model: model[0](q, k, v)[0]
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
 @given(_attention())
 def test_a_converted_attention_round_trips_through_the_stock_state_dict_and_unstiefelize(s):
     """Any ``nn.MultiheadAttention`` configuration (fused or separate projections, biases, bias_kv, zero attention,
-    either layout) with any gain and bias option: the stock module loaded from ``export_state_dict`` computes the
-    converted module's function, and so does the converted module after ``unstiefelize``."""
-    from geoopt_stiefel_attention import export_state_dict, unstiefelize
-
-    model, (q, k, v) = _converted(s)
-    with torch.no_grad():
-        y = model[0](q, k, v)[0]
-        stock = _mha(s)
-        stock.load_state_dict({n.removeprefix("0."): t for n, t in export_state_dict(model).items()})
-        assert float((stock(q, k, v)[0] - y).abs().max()) < ROUND_TRIP_TOL, s
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # unstiefelize's note on optimizers (none here)
-            unstiefelize(model)
-        assert float((model[0](q, k, v)[0] - y).abs().max()) < ROUND_TRIP_TOL, s
+    either layout) with any gain and bias option."""
+    _assert_round_trips(s, _convert(_mha(s), logit_gain=s["logit_gain"], qk_bias=s["qk_bias"]), _mha(s), _mha_run(s))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
-@given(_attention().filter(lambda s: s["heads"] > 1).map(lambda s: {**s, "logit_gain": None}))
-def test_companion_the_stock_module_with_its_own_weights_computes_another_function(s):
-    """The comparison can fail: the conversion replaces each query/key head block by its polar factor (no gain here,
-    several heads, so each block is a part of its weight), which changes the logits, and the stock module with its
-    own weights computes another function than the converted one."""
-    model, (q, k, v) = _converted(s)
-    with torch.no_grad():
-        assert float((_mha(s)(q, k, v)[0] - model[0](q, k, v)[0]).abs().max()) > 1e3 * ROUND_TRIP_TOL, s
+@given(_attention().filter(lambda s: s["heads"] > 1))
+def test_companion_the_stock_attention_with_its_own_weights_computes_another_function(s):
+    """Several heads, so each block is a part of its weight."""
+    _assert_functions_differ(s, _convert(_mha(s), qk_bias=s["qk_bias"]), _mha(s), _mha_run(s))
 
 
 @st.composite
@@ -266,41 +276,24 @@ def _llama_model(s):
     return transformers.LlamaForCausalLM(cfg).double().eval()
 
 
+def _llama_run(s):
+    ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(s["seed"]))
+    return lambda model: model(ids).logits
+
+
 @settings(max_examples=EXAMPLES // 3, deadline=None, derandomize=True)
 @given(_llama())
 def test_a_converted_grouped_query_llama_round_trips_through_the_stock_state_dict_and_unstiefelize(s):
     """HuggingFace Llama with grouped-query attention in any proportion (1 to 3 key/value heads, 1 to 3 query heads
-    each, head sizes 2, 4 or 6 set apart from the width, so q_proj's output may differ from the model's width), any gain: the
-    stock model loaded from ``export_state_dict`` (strict) and the converted model after ``unstiefelize`` give the
-    converted model's logits."""
-    from geoopt_stiefel_attention import export_state_dict, stiefelize, unstiefelize
-
-    model = _llama_model(s)
-    stiefelize(model, logit_gain=s["logit_gain"])
-    ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(s["seed"]))
-    with torch.no_grad():
-        y = model(ids).logits
-        stock = _llama_model(s)
-        stock.load_state_dict(export_state_dict(model))
-        assert float((stock(ids).logits - y).abs().max()) < ROUND_TRIP_TOL, s
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # unstiefelize's note on optimizers (none here)
-            unstiefelize(model)
-        assert float((model(ids).logits - y).abs().max()) < ROUND_TRIP_TOL, s
+    each, head sizes 2, 4 or 6 set apart from the width, so q_proj's output may differ from the model's width), any
+    gain."""
+    _assert_round_trips(s, _convert(_llama_model(s), logit_gain=s["logit_gain"]), _llama_model(s), _llama_run(s))
 
 
 @settings(max_examples=EXAMPLES // 6, deadline=None, derandomize=True)
-@given(_llama().map(lambda s: {**s, "logit_gain": None}))
+@given(_llama())
 def test_companion_the_stock_llama_with_its_own_weights_gives_other_logits(s):
-    """The comparison can fail: converted without gains (each head block replaced by its polar factor, which changes
-    the logits' scale and direction), the model gives other logits than the stock model with its own weights."""
-    from geoopt_stiefel_attention import stiefelize
-
-    model = _llama_model(s)
-    stiefelize(model)
-    ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(s["seed"]))
-    with torch.no_grad():
-        assert float((_llama_model(s)(ids).logits - model(ids).logits).abs().max()) > 1e3 * ROUND_TRIP_TOL, s
+    _assert_functions_differ(s, _convert(_llama_model(s)), _llama_model(s), _llama_run(s))
 
 
 @st.composite
@@ -320,48 +313,27 @@ def _gpt2_model(s):
     return transformers.GPT2LMHeadModel(cfg).double().eval()
 
 
-def _gpt2_inputs(s):
+def _gpt2_run(s):
     gen = torch.Generator().manual_seed(s["seed"])
     kwargs = {"input_ids": torch.randint(0, 16, (2, 5), generator=gen)}
     if s["cross"]:
         kwargs["encoder_hidden_states"] = torch.randn(2, 3, s["width"], generator=gen, dtype=torch.float64)
-    return kwargs
+    return lambda model: model(**kwargs).logits
 
 
 @settings(max_examples=EXAMPLES // 3, deadline=None, derandomize=True)
 @given(_gpt2())
 def test_a_converted_gpt2_round_trips_through_the_stock_state_dict_and_unstiefelize(s):
     """HuggingFace GPT-2 (Conv1D ``c_attn``, and with ``add_cross_attention`` the ``q_attn`` + ``c_attn``
-    cross-attention layout) with any of its attention-scaling options and any gain: the stock model loaded from
-    ``export_state_dict`` (strict) and the converted model after ``unstiefelize`` give the converted model's logits."""
-    from geoopt_stiefel_attention import export_state_dict, stiefelize, unstiefelize
-
-    model = _gpt2_model(s)
-    stiefelize(model, logit_gain=s["logit_gain"])
-    kwargs = _gpt2_inputs(s)
-    with torch.no_grad():
-        y = model(**kwargs).logits
-        stock = _gpt2_model(s)
-        stock.load_state_dict(export_state_dict(model))
-        assert float((stock(**kwargs).logits - y).abs().max()) < ROUND_TRIP_TOL, s
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # unstiefelize's note on optimizers (none here)
-            unstiefelize(model)
-        assert float((model(**kwargs).logits - y).abs().max()) < ROUND_TRIP_TOL, s
+    cross-attention layout) with any of its attention-scaling options and any gain."""
+    _assert_round_trips(s, _convert(_gpt2_model(s), logit_gain=s["logit_gain"]), _gpt2_model(s), _gpt2_run(s))
 
 
 @settings(max_examples=EXAMPLES // 6, deadline=None, derandomize=True)
-@given(_gpt2().filter(lambda s: s["width"] > 1).map(lambda s: {**s, "logit_gain": None}))
+@given(_gpt2().filter(lambda s: s["width"] > 1))
 def test_companion_the_stock_gpt2_with_its_own_weights_gives_other_logits(s):
-    """The comparison can fail: converted without gains, the model gives other logits than the stock model with its
-    own weights (at width 1 the layer norm before attention outputs zeros, so no query or key matters there)."""
-    from geoopt_stiefel_attention import stiefelize
-
-    model = _gpt2_model(s)
-    stiefelize(model)
-    kwargs = _gpt2_inputs(s)
-    with torch.no_grad():
-        assert float((_gpt2_model(s)(**kwargs).logits - model(**kwargs).logits).abs().max()) > 1e3 * ROUND_TRIP_TOL, s
+    """At width 1 the layer norm before attention outputs zeros, so no query or key matters there."""
+    _assert_functions_differ(s, _convert(_gpt2_model(s)), _gpt2_model(s), _gpt2_run(s))
 
 
 @st.composite
@@ -382,48 +354,27 @@ def _timm_vit_model(s):
         global_pool="token" if s["class_token"] else "avg", num_classes=3).double().eval()
 
 
+def _timm_vit_run(s):
+    """The features of every token, before the head (which timm starts at zero, hiding any difference)."""
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(s["seed"]), dtype=torch.float64)
+    return lambda model: model.forward_features(x)
+
+
 @settings(max_examples=EXAMPLES // 3, deadline=None, derandomize=True)
 @given(_timm_vit())
 def test_a_converted_timm_vit_round_trips_through_the_stock_state_dict_and_unstiefelize(s):
     """timm's VisionTransformer (fused ``qkv``) with or without its bias, with or without ``qk_norm``, class and
-    register tokens, any gain and bias option: the stock model loaded from ``export_state_dict`` (strict) and the
-    converted model after ``unstiefelize`` compute the converted model's features (every token, before the head,
-    which timm starts at zero)."""
-    from geoopt_stiefel_attention import export_state_dict, stiefelize, unstiefelize
-
-    model = _timm_vit_model(s)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # what the options say of this configuration (a gain beside qk_norm, ...)
-        stiefelize(model, logit_gain=s["logit_gain"], qk_bias=s["qk_bias"])
-    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(s["seed"]), dtype=torch.float64)
-    with torch.no_grad():
-        y = model.forward_features(x)
-        stock = _timm_vit_model(s)
-        stock.load_state_dict(export_state_dict(model))
-        assert float((stock.forward_features(x) - y).abs().max()) < ROUND_TRIP_TOL, s
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # unstiefelize's note on optimizers (none here)
-            unstiefelize(model)
-        assert float((model.forward_features(x) - y).abs().max()) < ROUND_TRIP_TOL, s
+    register tokens, any gain and bias option."""
+    _assert_round_trips(s, _convert(_timm_vit_model(s), logit_gain=s["logit_gain"], qk_bias=s["qk_bias"]),
+                        _timm_vit_model(s), _timm_vit_run(s))
 
 
 @settings(max_examples=EXAMPLES // 6, deadline=None, derandomize=True)
-@given(_timm_vit().filter(lambda s: s["heads"] > 1 and s["width"] >= 2 * s["heads"]).map(
-    lambda s: {**s, "logit_gain": None}))
+@given(_timm_vit().filter(lambda s: s["heads"] > 1 and s["width"] >= 2 * s["heads"]))
 def test_companion_the_stock_timm_vit_with_its_own_weights_computes_another_function(s):
-    """The comparison can fail: converted without gains, the model computes another function than the stock model
-    with its own weights (heads of at least 2: ``qk_norm`` of a 1-wide head is its bias alone, whatever the
-    weights)."""
-    from geoopt_stiefel_attention import stiefelize
-
-    model = _timm_vit_model(s)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        stiefelize(model, qk_bias=s["qk_bias"])
-    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(s["seed"]), dtype=torch.float64)
-    with torch.no_grad():
-        other = _timm_vit_model(s).forward_features(x)
-        assert float((other - model.forward_features(x)).abs().max()) > 1e3 * ROUND_TRIP_TOL, s
+    """Heads of at least 2: ``qk_norm`` of a 1-wide head is its bias alone, whatever the weights."""
+    _assert_functions_differ(s, _convert(_timm_vit_model(s), qk_bias=s["qk_bias"]), _timm_vit_model(s),
+                             _timm_vit_run(s))
 
 
 # ----------------------------------------------------------------------------- checkpoints
