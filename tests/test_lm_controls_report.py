@@ -487,3 +487,50 @@ def test_the_lm_readme_paragraph_agrees_with_the_committed_summary():
     for phrase in (f"within {cr.STABLE_BPB:g} of its\nbest", f"more than {cr.DIVERGE_BPB:g} bpb above the best",
                    f"{cr.SPIKE_FACTOR:g}× the median of the {cr.SPIKE_WINDOW} steps before it"):
         assert phrase in text, phrase
+
+
+# ---------------------------------------------------------------------------------------------- reuse (item 5)
+def _tuned_beside(controls: Path, commit: str) -> None:
+    tuned_dir = controls.parent / cr.TUNED_FOLDER
+    tuned_dir.mkdir()
+    (tuned_dir / tuned.SUMMARY_FILE).write_text(json.dumps({"trained_on": {
+        "grid": {"commits": ["1" * 12]}, "final": {"commits": [commit]}}}))
+
+
+def test_reuse_check_finds_no_run_of_the_tuned_study_when_commits_differ(controls):
+    _tuned_beside(controls, "2" * 12)
+    out = cr.finalize_controls(controls, LMConfig, figures=False)
+    reuse = out.summary["controls"]["reuse"]
+    assert reuse == {"tuned": ["1" * 12, "2" * 12], "commits": ["b" * 12], "shared": []}
+    assert "None: every run here was trained on bbbbbbbbbbbb" in out.report_path.read_text()
+
+
+def test_companion_reuse_check_names_a_run_trained_on_a_tuned_commit(controls):
+    # one final run carried over from the tuned study: its environment.json holds the tuned study's commit
+    env = controls / "final" / "runs" / "muon" / "seed4" / "environment.json"
+    env.write_text(env.read_text().replace("b" * 40, "2" * 40))
+    _tuned_beside(controls, "2" * 12 + "*")  # a dirty tuned commit still matches its bare hash
+    out = cr.finalize_controls(controls, LMConfig, figures=False)
+    assert out.summary["controls"]["reuse"]["shared"] == ["2" * 12]
+    assert "**Runs trained on a commit of the tuned study** (222222222222)" in out.report_path.read_text()
+
+
+def test_reuse_check_says_not_checked_without_the_tuned_summary_and_refuses_a_broken_one(controls):
+    out = cr.finalize_controls(controls, LMConfig, figures=False)
+    assert out.summary["controls"]["reuse"] is None
+    assert "Not checked: no `tuned/summary.json` beside this folder" in out.report_path.read_text()
+    (controls.parent / cr.TUNED_FOLDER).mkdir()
+    (controls.parent / cr.TUNED_FOLDER / tuned.SUMMARY_FILE).write_text("{}")
+    with pytest.raises(ValueError, match=r"tuned/summary.json: not a tuned study's summary .*'trained_on'"):
+        cr.reuse_check(controls, {})
+
+
+def test_the_committed_controls_study_reuses_no_run_of_the_tuned_study():
+    """Issue 42, item 5: every committed controls run was trained on a commit that trained no run of runs/tuned
+    (read from the runs' environment.json, not from a summary)."""
+    tuned_summary = cr.RECORDS.parent / cr.TUNED_FOLDER / tuned.SUMMARY_FILE
+    if not (cr.RECORDS / "final").is_dir() or not tuned_summary.is_file():
+        pytest.skip("the controls or tuned records are not in this checkout")
+    reuse = cr.reuse_check(cr.RECORDS, tuned._trained_on(cr.RECORDS))
+    assert reuse["tuned"] and reuse["commits"]
+    assert reuse["shared"] == [], reuse
