@@ -534,3 +534,48 @@ def test_the_committed_controls_study_reuses_no_run_of_the_tuned_study():
     reuse = cr.reuse_check(cr.RECORDS, tuned._trained_on(cr.RECORDS))
     assert reuse["tuned"] and reuse["commits"]
     assert reuse["shared"] == [], reuse
+
+
+# ---------------------------------------------------------------------------------------------- steps to reach
+def _evals(values: list[float]) -> list[dict]:
+    return [{"epoch": e, "test_bpb": v} for e, v in enumerate(values)]
+
+
+def test_steps_to_reach_takes_the_first_evaluation_at_or_below_the_other_arms_final():
+    runs = {"adamw": {1: _evals([5.0, 3.0, 2.5, 2.0]), 2: _evals([5.0, 3.0, 2.6, 2.2]), 3: _evals([5.0, 3.0, 2.0])},
+            # seed 1 reaches 2.0 exactly at epoch 2; seed 2 first goes below 2.2 at epoch 1; seed 3 never reaches
+            # its adamw's 2.0; seed 4 has no adamw twin
+            "muon": {1: _evals([5.0, 2.4, 2.0, 1.8]), 2: _evals([5.0, 2.1, 2.5, 1.9]), 3: _evals([5.0, 2.5, 2.1]),
+                     4: _evals([5.0, 1.0])}}
+    r = cr.steps_to_reach(runs, "muon", "adamw", steps_per_epoch=100)
+    assert r["pairs"] == 3 and r["per_seed"] == {"1": 200, "2": 100} and r["never"] == [3]
+    assert r["steps_against"] == 200  # the last seed's adamw run (3 evaluations)
+    assert (r["median"], r["low"], r["high"]) == (150, 100, 200)
+    assert r["efficiency_median"] == pytest.approx(200 / 150, abs=STAT_TOL)
+    # companion: against itself, an arm reaches its own final only at its last evaluation (efficiency 1)
+    own = cr.steps_to_reach({"adamw": runs["adamw"], "muon": runs["adamw"]}, "muon", "adamw", 100)
+    assert own["per_seed"] == {"1": 300, "2": 300, "3": 200} and own["never"] == []
+
+
+def test_steps_to_reach_never_counts_the_start_and_is_none_without_shared_seeds():
+    # a run that starts below the target (epoch 0) and is above it after training never reached it: step 0 is the
+    # evaluation before training
+    runs = {"adamw": {1: _evals([5.0, 3.0])}, "muon": {1: _evals([2.0, 3.5])}}
+    r = cr.steps_to_reach(runs, "muon", "adamw", 100)
+    assert r["never"] == [1] and r["median"] is None
+    assert "never reaches `adamw`'s final test bpb" in cr._reach_text(r)
+    assert cr.steps_to_reach({"adamw": {1: _evals([1.0])}, "muon": {2: _evals([1.0])}}, "muon", "adamw", 100) is None
+
+
+def test_the_report_and_the_paragraph_give_muons_steps_to_reach(controls):
+    out = cr.finalize_controls(controls, LMConfig, figures=False)
+    reach = {r["arm"]: r for r in out.summary["controls"]["reach"]}
+    assert set(reach) == {"muon", "adamw-qknorm", "stiefel"}
+    # the fixture's final test bpb falls 0.1 per epoch to FINAL_BASE (+ a wobble): muon's 1.70 is below adamw's
+    # final 2.00 already at epoch 1 of 2 on every seed, stiefel's 1.90 too
+    assert reach["muon"]["per_seed"] == {str(s): STEPS_PER_EPOCH for s in FINAL_SEEDS}
+    text = out.report_path.read_text()
+    assert f"`muon` reaches `adamw`'s final test bpb (same seed) by step {STEPS_PER_EPOCH}" in text
+    paragraph = "\n".join(cr.readme_paragraph(out.summary))
+    assert "`muon` reaches `adamw`'s final test bpb" in paragraph
+    assert "`stiefel` reaches" not in paragraph  # the paragraph quotes Muon's only (the question it answers)

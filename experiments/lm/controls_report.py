@@ -30,6 +30,11 @@ median over seeds of the largest logit and the smallest entropy.
 (lr, seed) over the grid points both hold: validation only, a descriptive comparison (the pairs share seeds
 across lrs), always worded "suggests".
 
+**Steps to reach** (:func:`steps_to_reach`). For an arm against ``adamw`` on the same seed: the first
+evaluation step at which the arm's test bpb is at or below ``adamw``'s final test bpb, and the step efficiency
+:math:`S / s` (:math:`S` the steps of ``adamw``'s run, :math:`s` that step). Evaluations are spaced, so the crossing
+lies at or before :math:`s` and :math:`S / s` is a lower bound of the efficiency at that resolution.
+
 **Reuse** (:func:`reuse_check`). Issue 42 lets a run of the tuned study (``records/tuned/``, beside this
 folder) join only after two of its runs, retrained, reproduce their records. The study retrained every run
 instead; the check compares the commits every run here was trained on (``environment.json``) with the tuned
@@ -60,7 +65,7 @@ from . import tuned
 __all__ = ["CONTROL_ARMS", "CONTROL_ONLY_ARMS", "CONTROL_BASELINES", "STABLE_BPB", "DIVERGE_BPB", "SPIKE_WINDOW",
            "SPIKE_FACTOR", "GRAD_SPIKE_FACTOR", "README_BEGIN", "README_END", "README_PLACEHOLDER",
            "README_IN_PROGRESS", "finalize", "is_controls_folder", "step_summary", "stable_range", "warmup_comparison",
-           "finalize_controls", "reuse_check", "readme_paragraph", "readme_problems", "write_readme", "main"]
+           "finalize_controls", "steps_to_reach", "reuse_check", "readme_paragraph", "readme_problems", "write_readme", "main"]
 
 #: The study's arms, in table order.
 CONTROL_ARMS = ("adamw", "adamw-qknorm", "muon", "stiefel", "stiefeladam-muon", "stiefelmuon-muon")
@@ -91,6 +96,8 @@ STEPS_FILE = "steps.jsonl"
 #: Where the study's records live, and the README that quotes them.
 RECORDS = Path(__file__).resolve().parent / "records" / "controls"
 README = Path(__file__).resolve().parent / "README.md"
+#: Steps to reach: (arm, against) pairs, each arm read against the other's final test bpb on the same seed.
+REACH_PAIRS = (("muon", "adamw"), ("adamw-qknorm", "adamw"), ("stiefel", "adamw"))
 #: The tuned study's folder name: its records sit beside this study's (``records/tuned`` next to
 #: ``records/controls``).
 TUNED_FOLDER = "tuned"
@@ -277,6 +284,69 @@ def warmup_comparison(own: Mapping[str, Any], other: Mapping[str, Any], arm: str
     if not a:
         return None
     return {"lrs": lrs, **paired_stats(a, b, labels=labels).to_dict()}
+
+
+# ---------------------------------------------------------------------------------------------- steps to reach
+def steps_to_reach(runs: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]], arm: str, against: str,
+                   steps_per_epoch: int, split: str = "test") -> dict[str, Any] | None:
+    """Per seed both arms finished: the first evaluation step at which ``arm``'s ``<split>_bpb`` is at or below
+    ``against``'s final one, and the step efficiency (``against``'s steps over that step).
+
+    ``runs``: arm -> seed -> the run's evaluation records in order (each with ``epoch`` and ``<split>_bpb``); the step
+    of a record is ``epoch * steps_per_epoch``; the evaluation before training (epoch 0) is not a reach. A seed
+    whose ``arm`` never reaches it (or whose records lack the
+    split) is listed under ``never``. ``None`` when the arms share no seed. The median, low and high are over the
+    seeds that reach it; an efficiency is a lower bound at the evaluations' spacing (the crossing lies at or before
+    the step found)."""
+    a, b = runs.get(arm, {}), runs.get(against, {})
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return None
+    key = f"{split}_bpb"
+    per_seed, never, total = {}, [], None
+    for seed in seeds:
+        last = b[seed][-1]
+        total = int(last["epoch"]) * steps_per_epoch
+        target = last.get(key)
+        hit = None if target is None or not _finite(target) else next(
+            (int(r["epoch"]) * steps_per_epoch for r in a[seed]
+             if int(r["epoch"]) > 0 and _finite(r.get(key)) and r[key] <= target), None)
+        if hit is None:
+            never.append(seed)
+        else:
+            per_seed[str(seed)] = hit
+    hits = sorted(per_seed.values())
+    if not hits:
+        return {"arm": arm, "against": against, "split": split, "pairs": len(seeds), "per_seed": {}, "never": never,
+                "steps_against": total, "median": None, "low": None, "high": None, "efficiency_median": None,
+                "efficiency_low": None, "efficiency_high": None}
+    mid = len(hits) // 2
+    median = hits[mid] if len(hits) % 2 else (hits[mid - 1] + hits[mid]) / 2
+    return {"arm": arm, "against": against, "split": split, "pairs": len(seeds), "per_seed": per_seed,
+            "never": never, "steps_against": total, "median": median, "low": hits[0], "high": hits[-1],
+            "efficiency_median": total / median, "efficiency_low": total / hits[-1], "efficiency_high": total / hits[0]}
+
+
+def _reach_all(out_dir: Path, config: Any, arms: Sequence[str]) -> list[dict[str, Any]]:
+    done, _ = tuned._finished(out_dir / tuned.FINAL_DIR)
+    out = []
+    for arm, against in REACH_PAIRS:
+        if arm in arms and against in arms:
+            r = steps_to_reach(done, arm, against, int(config.steps_per_epoch))
+            if r is not None:
+                out.append(r)
+    return out
+
+
+def _reach_text(r: Mapping[str, Any]) -> str:
+    never = "" if not r["never"] else f"; never on seed(s) {', '.join(map(str, r['never']))}"
+    if r["median"] is None:
+        return (f"`{r['arm']}` never reaches `{r['against']}`'s final {r['split']} bpb within the run "
+                f"({r['pairs']} pairs)")
+    return (f"`{r['arm']}` reaches `{r['against']}`'s final {r['split']} bpb (same seed) by step {r['median']:,g} of "
+            f"{r['steps_against']:,} (median over {len(r['per_seed'])} of {r['pairs']} pairs; {r['low']:,}–"
+            f"{r['high']:,}{never}), a step efficiency of at least {r['efficiency_median']:.2f}× "
+            f"({r['efficiency_low']:.2f}–{r['efficiency_high']:.2f}×)")
 
 
 # ---------------------------------------------------------------------------------------------- every step
@@ -481,6 +551,7 @@ def controls_summary(out_dir: str | os.PathLike, summary: Mapping[str, Any], con
     return {"rules": _rules(), "own_warmup_steps": own, "reuse": reuse_check(out_dir, summary["trained_on"]),
             "stable_range": _stable_ranges(out_dir, config, summary["selection"], arms),
             "warmup": warmup, "final_steps": {a: _final_step_summary(r) for a, r in final_steps.items()},
+            "reach": _reach_all(out_dir, config, final_arms),
             "figures": drawn}
 
 
@@ -597,6 +668,11 @@ def controls_lines(summary: Mapping[str, Any]) -> list[str]:
                     LAYERS_FIGURE: "largest attention logit and smallest attention entropy per layer and arm: "
                                    "median over seeds"}
         lines += [line for f in c["figures"] for line in (f"![{captions[f]}]({f})", "")]
+    if c.get("reach"):
+        lines += ["**Steps to reach `adamw`'s final test bpb** (per seed; evaluations every "
+                  f"{summary['config']['steps_per_epoch']} steps, so each step found is an upper bound of the "
+                  "crossing and each efficiency a lower bound):", "",
+                  *(f"- {_reach_text(r)}." for r in c["reach"]), ""]
     lines += ["## 7. The study's questions", "", *readme_paragraph(summary), ""]
     lines += ["## 8. Runs carried over from the tuned study", "", _reuse_text(c.get("reuse")), ""]
     return lines
@@ -736,7 +812,8 @@ def readme_paragraph(summary: Mapping[str, Any]) -> list[str]:
         for g in c["stable_range"] if g["warmup_steps"] != own and "adamw" in g["arms"]])
     q2 = ("**Is the AdamW baseline stable?** " + warm
           + f"Stable lr range at warm-up {own}: {ranges}. " + spikes
-          + "Against Muon, at its recipe: " + _claim(comps, "muon", "adamw") + ".")
+          + "Against Muon, at its recipe: " + _claim(comps, "muon", "adamw")
+          + "".join(f"; {_reach_text(r)}" for r in c.get("reach", ()) if r["arm"] == "muon") + ".")
 
     frames = [_comparison(comps, a, "muon") for a in ("stiefeladam-muon", "stiefelmuon-muon")]
     helps = [f for f in frames if f is not None and f["mean"] is not None and _resolved(f)]
