@@ -579,3 +579,16 @@ def test_the_report_and_the_paragraph_give_muons_steps_to_reach(controls):
     paragraph = "\n".join(cr.readme_paragraph(out.summary))
     assert "`muon` reaches `adamw`'s final test bpb" in paragraph
     assert "`stiefel` reaches" not in paragraph  # the paragraph quotes Muon's only (the question it answers)
+
+
+def test_the_lm_readme_quotes_the_tuned_studys_steps_to_reach_from_its_records():
+    final = cr.RECORDS.parent / cr.TUNED_FOLDER / tuned.FINAL_DIR
+    if not final.is_dir():
+        pytest.skip("the tuned study's records are not in this checkout")
+    done, _ = tuned._finished(final)
+    r = cr.steps_to_reach(done, "muon", "adamw", steps_per_epoch=100)
+    quoted = (f"reached its AdamW's final test bpb by step {r['median']:,g} of\n{r['steps_against']:,}, median of "
+              f"{len(r['per_seed'])} pairs, {r['low']:,}–{r['high']:,})")
+    assert quoted in cr.README.read_text()
+    # companion: the step the issue estimated between evaluations (1,150) is not what the README quotes
+    assert quoted.replace(f"by step {r['median']:,g}", "by step 1,150") not in cr.README.read_text()
