@@ -575,7 +575,13 @@ def test_the_report_and_the_paragraph_give_muons_steps_to_reach(controls):
     # final 2.00 already at epoch 1 of 2 on every seed, stiefel's 1.90 too
     assert reach["muon"]["per_seed"] == {str(s): STEPS_PER_EPOCH for s in FINAL_SEEDS}
     text = out.report_path.read_text()
-    assert f"`muon` reaches `adamw`'s final test bpb (same seed) by step {STEPS_PER_EPOCH}" in text
+    assert (f"`muon` reaches `adamw`'s final test bpb (same seed) by step {STEPS_PER_EPOCH} of {STEPS_PER_EPOCH * EPOCHS}"
+            f" (on each of 10 of 10 pairs), a step efficiency of at least 2.00×") in text
+    # companion: seeds that reach at different steps give the median and the range
+    assert "by step 150 of 200 (median over 2 of 3 pairs; 100–200; never on seed(s) 3)" in cr._reach_text(
+        cr.steps_to_reach({"adamw": {1: _evals([5, 3, 2.0]), 2: _evals([5, 3, 2.2]), 3: _evals([5, 3, 2.0])},
+                           "muon": {1: _evals([5, 2.4, 2.0]), 2: _evals([5, 2.1, 2.5]), 3: _evals([5, 2.5, 2.1])}},
+                          "muon", "adamw", 100))
     paragraph = "\n".join(cr.readme_paragraph(out.summary))
     assert "`muon` reaches `adamw`'s final test bpb" in paragraph
     assert "`stiefel` reaches" not in paragraph  # the paragraph quotes Muon's only (the question it answers)
@@ -588,7 +594,36 @@ def test_the_lm_readme_quotes_the_tuned_studys_steps_to_reach_from_its_records()
     done, _ = tuned._finished(final)
     r = cr.steps_to_reach(done, "muon", "adamw", steps_per_epoch=100)
     quoted = (f"reached its AdamW's final test bpb by step {r['median']:,g} of\n{r['steps_against']:,}, median of "
-              f"{len(r['per_seed'])} pairs, {r['low']:,}–{r['high']:,})")
+              f"{len(r['per_seed'])} pairs, {r['low']:,}–{r['high']:,};")
     assert quoted in cr.README.read_text()
     # companion: the step the issue estimated between evaluations (1,150) is not what the README quotes
     assert quoted.replace(f"by step {r['median']:,g}", "by step 1,150") not in cr.README.read_text()
+
+
+def _controls_paragraph() -> str:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("**Controls: what the frames' gain is**")
+    return readme[start:readme.index("\n\n", start)]
+
+
+def test_the_top_readmes_words_on_the_controls_study_quote_only_its_summary():
+    """The top README's controls paragraph: every decimal number is one of records/controls/summary.json's at the
+    precision printed, and the counts it states are the summary's."""
+    path = cr.RECORDS / tuned.SUMMARY_FILE
+    if not path.is_file():
+        pytest.skip("the controls study's summary is not in this checkout")
+    summary = json.loads(path.read_text())
+    text = _controls_paragraph()
+    assert tuned.numbers_not_in_summary(text, summary) == []
+    # companion: a number the summary does not hold is caught in the same text
+    assert tuned.numbers_not_in_summary(text + " 0.1234 bpb", summary) == ["0.1234"]
+    comps, final = summary["final"]["comparisons"], summary["final"]
+    assert {len(v) for v in final["seeds"].values()} == {10}
+    gap = comps["test: stiefel - adamw-qknorm"]
+    assert f"lower on {gap['n_negative']} of {gap['n']} pairs" in text
+    assert not cr._resolved(gap) and not cr._resolved(comps["test: stiefeladam-muon - muon"])
+    reach = next(r for r in summary["controls"]["reach"] if r["arm"] == "muon")
+    assert reach["low"] == reach["high"] == reach["median"] and len(reach["per_seed"]) == reach["pairs"]
+    assert f"by step\n{reach['median']:,g} of {reach['steps_against']:,} on every seed" in text
+    for arm, warmup in (("adamw", 400), ("adamw-qknorm", 400)):
+        assert summary["recipes"][arm]["warmup_steps"] == warmup, arm

@@ -343,10 +343,14 @@ def _reach_text(r: Mapping[str, Any]) -> str:
     if r["median"] is None:
         return (f"`{r['arm']}` never reaches `{r['against']}`'s final {r['split']} bpb within the run "
                 f"({r['pairs']} pairs)")
-    return (f"`{r['arm']}` reaches `{r['against']}`'s final {r['split']} bpb (same seed) by step {r['median']:,g} of "
-            f"{r['steps_against']:,} (median over {len(r['per_seed'])} of {r['pairs']} pairs; {r['low']:,}–"
-            f"{r['high']:,}{never}), a step efficiency of at least {r['efficiency_median']:.2f}× "
-            f"({r['efficiency_low']:.2f}–{r['efficiency_high']:.2f}×)")
+    head = (f"`{r['arm']}` reaches `{r['against']}`'s final {r['split']} bpb (same seed) by step {r['median']:,g} of "
+            f"{r['steps_against']:,}")
+    if r["low"] == r["high"]:
+        return (f"{head} (on each of {len(r['per_seed'])} of {r['pairs']} pairs{never}), a step efficiency of at least "
+                f"{r['efficiency_median']:.2f}×")
+    return (f"{head} (median over {len(r['per_seed'])} of {r['pairs']} pairs; {r['low']:,}–{r['high']:,}{never}), a "
+            f"step efficiency of at least {r['efficiency_median']:.2f}× ({r['efficiency_low']:.2f}–"
+            f"{r['efficiency_high']:.2f}×)")
 
 
 # ---------------------------------------------------------------------------------------------- every step
