@@ -1298,3 +1298,21 @@ def test_read_provenance_reads_the_committed_format_1_files_and_refuses_what_it_
                        ([], "doc is a list")):
         with pytest.raises(ValueError, match=f"^read_provenance: .*{re.escape(field)}"):
             bench.read_provenance(bad)
+
+
+@pytest.mark.parametrize("name", ["train_w64_1thread_cpuclock_loaded.json", "train_w64_1thread_cpuclock_quiet.json"])
+def test_the_w64_train_ratios_in_the_benchmarks_readme_are_the_committed_results(name):
+    """benchmarks/README.md's sentences on the width-64 converted models (issue #40, item 4) quote each committed
+    run's stiefel / adamw ratios, rounded as written, model by model."""
+    import re
+
+    root, doc = _committed(name)
+    assert (doc["settings"]["scale"], doc["settings"]["clock"], doc["settings"]["threads"]) == ("w64", "cpu", 1)
+    text = " ".join((root / "benchmarks" / "README.md").read_text().split())
+    sentence = text[text.index(f"`results/{name}`"):]
+    sentence = sentence[:sentence.index(". ")]
+    quoted = dict((m, float(v)) for v, m in re.findall(r"(\d\.\d\d) \((\w+)\)", sentence))
+    assert quoted == {r["model"]: round(r["ratio"], 2) for r in doc["results"]}
+    # companion: a ratio misquoted by 0.01 is a different quote
+    first = doc["results"][0]
+    assert f"{round(first['ratio'], 2) + 0.01:.2f} ({first['model']})" not in sentence
