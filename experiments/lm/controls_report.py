@@ -52,6 +52,7 @@ import copy
 import json
 import math
 import os
+import statistics
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -315,20 +316,21 @@ def steps_to_reach(runs: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]]
             never.append(seed)
         else:
             per_seed[str(seed)] = hit
-    hits = sorted(per_seed.values())
-    if not hits:
-        return {"arm": arm, "against": against, "split": split, "pairs": len(seeds), "per_seed": {}, "never": never,
-                "steps_against": total, "median": None, "low": None, "high": None, "efficiency_median": None,
-                "efficiency_low": None, "efficiency_high": None}
-    mid = len(hits) // 2
-    median = hits[mid] if len(hits) % 2 else (hits[mid - 1] + hits[mid]) / 2
-    return {"arm": arm, "against": against, "split": split, "pairs": len(seeds), "per_seed": per_seed,
-            "never": never, "steps_against": total, "median": median, "low": hits[0], "high": hits[-1],
-            "efficiency_median": total / median, "efficiency_low": total / hits[-1], "efficiency_high": total / hits[0]}
+    out = {"arm": arm, "against": against, "split": split, "pairs": len(seeds), "per_seed": per_seed, "never": never,
+           "steps_against": total, "median": None, "low": None, "high": None, "efficiency_median": None,
+           "efficiency_low": None, "efficiency_high": None}
+    if per_seed:
+        hits = per_seed.values()
+        median, low, high = statistics.median(hits), min(hits), max(hits)
+        out.update(median=median, low=low, high=high, efficiency_median=total / median, efficiency_low=total / high,
+                   efficiency_high=total / low)
+    return out
 
 
-def _reach_all(out_dir: Path, config: Any, arms: Sequence[str]) -> list[dict[str, Any]]:
-    done, _ = tuned._finished(out_dir / tuned.FINAL_DIR)
+def _reach_all(done: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]], config: Any, arms: Sequence[str]
+               ) -> list[dict[str, Any]]:
+    """:func:`steps_to_reach` of every pair of :data:`REACH_PAIRS` among ``arms``, from the finished final runs
+    ``done`` (arm -> seed -> evaluation records)."""
     out = []
     for arm, against in REACH_PAIRS:
         if arm in arms and against in arms:
@@ -354,9 +356,10 @@ def _reach_text(r: Mapping[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- every step
-def _final_steps(out_dir: Path, arms: Sequence[str]) -> dict[str, dict[int, list[dict[str, Any]]]]:
-    """arm -> seed -> the steps of each finished final run that has ``steps.jsonl``."""
-    done, _ = tuned._finished(out_dir / tuned.FINAL_DIR)
+def _final_steps(out_dir: Path, arms: Sequence[str], done: Mapping[str, Mapping[int, Any]]
+                 ) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    """arm -> seed -> the steps of each finished final run (``done``: arm -> seed -> its records) that has
+    ``steps.jsonl``."""
     out: dict[str, dict[int, list[dict[str, Any]]]] = {}
     for arm in arms:
         for seed in sorted(done.get(arm, {})):
@@ -548,14 +551,15 @@ def controls_summary(out_dir: str | os.PathLike, summary: Mapping[str, Any], con
                 if c is not None:
                     warmup.setdefault(str(steps), {})[arm] = c
     final_arms = summary["final"]["arms"]
-    final_steps = _final_steps(out_dir, final_arms)
+    done, _ = tuned._finished(out_dir / tuned.FINAL_DIR)  # the final runs, read once for the steps and the reach
+    final_steps = _final_steps(out_dir, final_arms, done)
     drawn = [] if not figures else [name for name, plot in ((STEPS_FIGURE, plot_steps),
                                                              (LAYERS_FIGURE, plot_step_layers))
                                     if plot(final_steps, out_dir / name) is not None]
     return {"rules": _rules(), "own_warmup_steps": own, "reuse": reuse_check(out_dir, summary["trained_on"]),
             "stable_range": _stable_ranges(out_dir, config, summary["selection"], arms),
             "warmup": warmup, "final_steps": {a: _final_step_summary(r) for a, r in final_steps.items()},
-            "reach": _reach_all(out_dir, config, final_arms),
+            "reach": _reach_all(done, config, final_arms),
             "figures": drawn}
 
 
