@@ -759,3 +759,109 @@ def test_the_default_rule_is_match_rms_adamw_and_the_papers_step_stays_available
     start = _frames((2, 16, 4), seed=6)
     ratio = (ends[None][0] - start).norm() / (ends["original"][0] - start).norm()
     assert abs(float(ratio) - 8.0) < 0.05
+
+
+# ------------------------------------------------------------------ frames of one shape, different head counts
+def _consecutive_slices(tensors):
+    """Whether ``tensors`` are dense and lie one after the other, in order, in one storage (written out from
+    pointers and sizes; the tensors may differ in shape)."""
+    storage = tensors[0].untyped_storage().data_ptr()
+    offset = tensors[0].data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.data_ptr() != offset:
+            return False
+        offset += t.numel() * t.element_size()
+    return True
+
+
+def _gqa_run(steps, *, capturable=None, stack_numel=None, nan_at=None, optimizer="adam"):
+    """Query and key frames of grouped-query attention: 4, 2 and 3 heads of 10 x 3 (one frame shape), beside a
+    parameter of 16 x 5 frames; at step ``nan_at`` the last frame of parameters 1 and 2 has a NaN gradient."""
+    shapes = [(4, 10, 3), (2, 10, 3), (3, 10, 3), (2, 16, 5)]
+    params = [geoopt.ManifoldParameter(_frames(s, seed=70 + k), manifold=PolarStiefel())
+              for k, s in enumerate(shapes)]
+    grad_fns = [_grad_fn_factory(s, seed=80 + k) for k, s in enumerate(shapes)]
+    if optimizer == "adam":
+        opt = StiefelAdam(params, lr=0.05, betas=(0.9, 0.99), trust_region=0.1, capturable=capturable)
+    else:
+        opt = optim.StiefelMuon(params, lr=0.05, capturable=capturable)
+    if stack_numel is not None:
+        opt._stack_numel = stack_numel
+    for t in range(1, steps + 1):
+        for k, (p, fn) in enumerate(zip(params, grad_fns, strict=True)):
+            g = torch.from_numpy(fn(p.detach().numpy(), t))
+            if t == nan_at and k in (1, 2):  # the last frame of each: positions 5 and 8 of the stack
+                g[k, 0, 0] = float("nan")
+            p.grad = g
+        opt.step()
+    return params, opt
+
+
+def test_frame_batches_join_parameters_of_one_frame_shape_whatever_their_head_counts():
+    from geoopt_stiefel_attention.optim._batching import _frame_batches
+
+    params, _ = _gqa_run(0)
+    batches = _frame_batches(params, [1] * 4)
+    assert [[tuple(p.shape) for p in b] for _, b in batches] == [[(4, 10, 3), (2, 10, 3), (3, 10, 3)], [(2, 16, 5)]]
+    # companions: another step count, or a limit below two parameters' size, splits the batch
+    assert len(_frame_batches(params, [1, 2, 1, 1])) == 3
+    assert [len(b) for _, b in _frame_batches(params, [1] * 4, stack_numel=8 * 30)] == [2, 1, 1]
+    # a parameter of more than half the limit is a batch of its own
+    assert [len(b) for _, b in _frame_batches(params, [1] * 4, stack_numel=100)] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+@pytest.mark.parametrize("optimizer", ["adam", "muon"])
+def test_grouped_query_frames_stacked_follow_one_call_per_parameter(capturable, optimizer):
+    """4, 2 and 3 heads of one frame shape are updated as one stack (their moments kept as consecutive slices of
+    one buffer): frames, moments and the skipped-frame counts (one frame of parameters 1 and 2 has a NaN gradient at step 3) are those
+    of one update call per parameter, to rounding."""
+    params, opt = _gqa_run(6, capturable=capturable, nan_at=3, optimizer=optimizer)
+    separate, opt_sep = _gqa_run(6, capturable=capturable, nan_at=3, optimizer=optimizer, stack_numel=1)
+    key = "exp_avg" if optimizer == "adam" else "momentum_buffer"
+    if optimizer == "adam":
+        assert _consecutive_slices([opt.state[p][key] for p in params[:3]])
+        assert _consecutive_slices([opt.state[p]["exp_avg_sq"] for p in params[:3]])
+    # companion: one call per parameter keeps them apart
+    assert not _consecutive_slices([opt_sep.state[p][key] for p in separate[:3]])
+    for p, q in zip(params, separate, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-13)
+        torch.testing.assert_close(opt.state[p][key], opt_sep.state[q][key], rtol=0, atol=1e-13)
+    assert [int(opt.state[p]["skipped_frames"]) for p in params] == [0, 1, 1, 0]
+    assert [int(opt_sep.state[p]["skipped_frames"]) for p in separate] == [0, 1, 1, 0]
+    # the frames moved, and stayed on the manifold
+    start = _frames((2, 10, 3), seed=71)
+    assert (params[1].detach() - start).abs().max() > 1e-2
+    for p in params:
+        assert float((p.detach().mT @ p.detach() - torch.eye(p.shape[-1], dtype=p.dtype)).abs().max()) < 1e-12
+
+
+def test_grouped_query_moments_resume_from_a_state_dict():
+    """Moments of a mixed-head-count batch saved and loaded (as separate tensors) are stacked again at the next
+    step, and the run continues bit for bit."""
+    params, opt = _gqa_run(4)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = StiefelAdam(params, lr=0.05, betas=(0.9, 0.99), trust_region=0.1)
+    fresh.load_state_dict(torch.load(buffer))
+    assert not _consecutive_slices([fresh.state[p]["exp_avg"] for p in params[:3]])
+    for p, fn in zip(params, [_grad_fn_factory(s, seed=80 + k) for k, s in enumerate(
+            [(4, 10, 3), (2, 10, 3), (3, 10, 3), (2, 16, 5)])], strict=True):
+        p.grad = torch.from_numpy(fn(p.detach().numpy(), 5))
+    before = [p.detach().clone() for p in params]
+    fresh.step()
+    assert _consecutive_slices([fresh.state[p]["exp_avg"] for p in params[:3]])
+    again, _ = _gqa_run(5)
+    for p, q, b in zip(params, again, before, strict=True):
+        assert torch.equal(p.detach(), q.detach())
+        assert not torch.equal(p.detach(), b)
+
+
+def test_stacked_view_of_slices_with_different_leading_sizes():
+    buf = torch.arange(36.0).view(6, 2, 3)
+    parts = [buf[0:3], buf[3:4], buf[4:6]]
+    stacked = _stacked_view(parts)
+    assert stacked is not None and stacked.shape == (6, 2, 3) and torch.equal(stacked, buf)
+    assert _stacked_view([buf[0:3], buf[4:6]]) is None  # companion: a gap
+    assert _stacked_view([buf[3:4], buf[0:3]]) is None  # companion: out of order

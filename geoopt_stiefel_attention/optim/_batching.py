@@ -48,39 +48,64 @@ def _frame_lr(group: dict[str, Any], d: int, r: int, device: torch.device, dtype
     return lr, radius
 
 
+def _frame_counts(tensors: list[torch.Tensor]) -> list[int]:
+    """How many ``d x r`` frames each of ``tensors`` (local shards of frame parameters, or their state, all with
+    the same trailing ``(d, r)``) holds."""
+    d, r = tensors[0].shape[-2:]
+    return [t.numel() // max(d * r, 1) for t in tensors]
+
+
 def _frame_batches(frames: list[torch.Tensor], steps: list[int] | None,
                    stack_numel: int | None = None) -> list[tuple[int | None, list[torch.Tensor]]]:
-    """Split frame parameters into update batches of one shape, dtype, device and step count (``steps=None``:
-    any step count, the capturable path), each of at most ``stack_numel`` elements (default: :data:`STACK_NUMEL`
-    on the CPU, :data:`ACCELERATOR_STACK_NUMEL` elsewhere); a parameter of more than half that many is a batch of
-    its own."""
+    """Split frame parameters into update batches of one frame shape ``(d, r)``, dtype, device and step count
+    (``steps=None``: any step count, the capturable path), each of at most ``stack_numel`` elements (default:
+    :data:`STACK_NUMEL` on the CPU, :data:`ACCELERATOR_STACK_NUMEL` elsewhere); a parameter of more than half that
+    many is a batch of its own. Parameters holding different numbers of frames of one shape (the query and key
+    frames of grouped-query attention: 8 and 2 heads of ``d x r``) share a batch, filled in the given order."""
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for p, step in zip(frames, steps if steps is not None else [None] * len(frames), strict=True):
-        groups[(_local(p).shape, p.dtype, p.device, step)].append(p)
+        groups[(tuple(_local(p).shape[-2:]), p.dtype, p.device, step)].append(p)
     batches = []
     for (_, _, device, step), params in groups.items():
         limit = stack_numel or (STACK_NUMEL if device.type == "cpu" else ACCELERATOR_STACK_NUMEL)
-        per_batch = max(1, limit // max(_local(params[0]).numel(), 1))
-        batches.extend((step, params[k:k + per_batch]) for k in range(0, len(params), per_batch))
+        batch: list[torch.Tensor] = []
+        size = 0
+        for p in params:
+            numel = _local(p).numel()
+            if 2 * numel > limit:  # large: a batch of its own (updated in place when its layout allows)
+                batches.append((step, [p]))
+                continue
+            if batch and size + numel > limit:
+                batches.append((step, batch))
+                batch, size = [], 0
+            batch.append(p)
+            size += numel
+        if batch:
+            batches.append((step, batch))
     return batches
 
 
 def _stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """``torch.stack(tensors)`` without a copy, when the tensors are dense, row-major, of one shape and dtype,
-    and lie one after the other, in this order, in one storage; otherwise ``None``."""
+    """The ``(n, a, b)`` stack of every ``a x b`` matrix of ``tensors`` (``torch.cat`` of their
+    ``reshape(-1, a, b)``) without a copy, when the tensors are dense, row-major, of one dtype and one trailing
+    shape ``(a, b)``, and lie one after the other, in this order, in one storage; otherwise ``None``."""
     t0 = tensors[0]
-    block = t0.numel() * t0.element_size()
-    base, storage = t0.data_ptr(), t0.untyped_storage().data_ptr()
-    for i, t in enumerate(tensors):
-        if (not t.is_contiguous() or t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device
-                or t.untyped_storage().data_ptr() != storage or t.data_ptr() != base + i * block):
+    tail = t0.shape[-2:] if t0.dim() >= 2 else None
+    base, storage, offset = t0.data_ptr(), t0.untyped_storage().data_ptr(), 0
+    for t in tensors:
+        if (tail is None or not t.is_contiguous() or t.dim() < 2 or t.shape[-2:] != tail or t.dtype != t0.dtype
+                or t.device != t0.device or t.untyped_storage().data_ptr() != storage
+                or t.data_ptr() != base + offset * t0.element_size()):
             return None
-    return t0.as_strided((len(tensors), *t0.shape), (t0.numel(), *t0.stride()))
+        offset += t.numel()
+    a, b = tail
+    return t0.as_strided((offset // max(a * b, 1), a, b), (a * b, b, 1))
 
 
 def _stacked_state(states: list[dict[str, Any]], key: str,
                    others: Callable[[], Iterable[dict[str, Any]]] = tuple) -> torch.Tensor:
-    """The ``states[i][key]`` tensors as one ``(k, ...)`` stack whose slices they are: a view if they already
+    """The ``states[i][key]`` tensors as one ``(n, a, b)`` stack of their ``a x b`` matrices (:func:`_stacked_view`)
+    whose slices they are: a view if they already
     are consecutive slices of one buffer (every step after the first), else a new buffer, whose slices then
     replace them in the states (the first step of a batch, after ``load_state_dict``, or when the batch's
     members changed). The stacked slices are ordinary tensors of the same shape, dtype and values; they only
@@ -94,9 +119,10 @@ def _stacked_state(states: list[dict[str, Any]], key: str,
     stacked = _stacked_view(tensors)
     if stacked is None:
         replaced = {t.untyped_storage().data_ptr() for t in tensors}
-        stacked = torch.stack(tensors)  # row-major, whatever the layout of the originals
-        for state, view in zip(states, stacked.unbind(0), strict=True):
-            state[key] = view
+        tail = tensors[0].shape[-2:]
+        stacked = torch.cat([t.reshape(-1, *tail) for t in tensors])  # row-major, whatever the originals' layout
+        for state, t, view in zip(states, tensors, stacked.split(_frame_counts(tensors)), strict=True):
+            state[key] = view.view(t.shape)
         for state in others():
             t = state.get(key)
             if (isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in replaced
@@ -127,8 +153,18 @@ def step_tensor(states: dict[torch.Tensor, dict[str, Any]], params: list[torch.T
     steps = [states[p]["step"] for p in params]
     if len(params) == 1:
         return steps[0].to(device=device, dtype=dtype)
-    per_param = _local(params[0]).numel() // (params[0].shape[-2] * params[0].shape[-1])
-    return torch.stack(steps).to(device=device, dtype=dtype).repeat_interleave(per_param).view(-1, 1, 1)
+    counts = _frame_counts([_local(p) for p in params])
+    stacked = torch.stack(steps).to(device=device, dtype=dtype)
+    if len(set(counts)) == 1:
+        return stacked.repeat_interleave(counts[0]).view(-1, 1, 1)
+    # parameters with different numbers of frames: each count repeated by device ops only (no host tensor)
+    return torch.cat([s.expand(c) for s, c in zip(stacked.unsqueeze(1).unbind(0), counts, strict=True)]).view(-1, 1, 1)
+
+
+def _slices(stack: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The consecutive slices of ``stack`` (``(n, ...)``) shaped like the tensors of ``like``, in order."""
+    counts = _frame_counts(like)
+    return [part.view(t.shape) for part, t in zip(stack.split(counts), like, strict=True)]
 
 
 @dataclass
@@ -180,9 +216,8 @@ def _stage_stacked(optimizer: Any, group: dict[str, Any], params: list[torch.Ten
     as consecutive slices of one buffer per batch (:func:`_stacked_state`), which the update reads and writes
     in place; frames (unless a master stack stands for them) and gradients are staged in the workspace, and
     the frames copied back."""
-    shape, k = locals_[0].shape, len(params)
-    d, r = shape[-2:]
-    n = k * locals_[0].numel() // (d * r)
+    d, r = locals_[0].shape[-2:]
+    n = sum(_frame_counts(locals_))
     size = n * d * r
     states = [optimizer.state[p] for p in params]
     keys = ["exp_avg"] + (["exp_avg_sq"] if group["second_moment"] is not None else []) + (
@@ -200,14 +235,16 @@ def _stage_stacked(optimizer: Any, group: dict[str, Any], params: list[torch.Ten
     scratch = buf[:size].view(n, d, r)
     # gradients, then frames (unless a master stack stands for them), each parameter a slice of the workspace:
     # one copy in for both, and the frames' slices are the sources of the copy back
-    staged = buf[size:].view(-1, *shape).unbind(0)
     g = buf[size:2 * size].view(n, d, r)
+    g_k = _slices(g, locals_)
     if master is None:
-        w, w_k = buf[2 * size:].view(n, d, r), list(staged[k:])
-        torch._foreach_copy_(list(staged), grads + locals_)
+        w = buf[2 * size:].view(n, d, r)
+        w_k = _slices(w, locals_)
+        torch._foreach_copy_(g_k + w_k, grads + locals_)
     else:
-        w, w_k = master.view(n, d, r), list(master.view(k, *shape).unbind(0))
-        torch._foreach_copy_(list(staged), grads)
+        w = master.view(n, d, r)
+        w_k = _slices(w, locals_)
+        torch._foreach_copy_(g_k, grads)
 
     def write_back() -> None:  # moments and masters were updated in place; the frames come back from w
         torch._foreach_copy_(locals_, w_k)
@@ -240,23 +277,22 @@ def _stage_copied(sources: list[torch.Tensor], grads: list[torch.Tensor], exp_av
                   locals_: list[torch.Tensor], ws: Callable[[int], torch.Tensor]) -> _Staged:
     """Frames whose dtype or layout differs from their first moment's, or sharded/compiled stacks: frames,
     gradients and first moments copied into the workspace, everything copied back."""
-    shape, k = locals_[0].shape, len(locals_)
-    d, r = shape[-2:]
-    n = k * locals_[0].numel() // (d * r)
+    d, r = locals_[0].shape[-2:]
+    n = sum(_frame_counts(locals_))
     size = n * d * r
     buf = ws(4 * size)
-    staged = buf[size:].view(3, k, *shape)
-    w_k, g_k, m_k = (list(t.unbind(0)) for t in staged.unbind(0))
+    w, g, m = buf[size:].view(3, n, d, r).unbind(0)
+    w_k, g_k, m_k = (_slices(t, locals_) for t in (w, g, m))
     torch._foreach_copy_(w_k, sources)
     torch._foreach_copy_(g_k, grads)
     torch._foreach_copy_(m_k, exp_avgs)
-    w, g, m = staged.view(3, n, d, r).unbind(0)
-    v = torch.stack(exp_avg_sqs).view(n, *exp_avg_sqs[0].shape[-2:]) if exp_avg_sqs else None
+    tail = exp_avg_sqs[0].shape[-2:] if exp_avg_sqs else None
+    v = torch.cat([t.reshape(-1, *tail) for t in exp_avg_sqs]) if exp_avg_sqs else None
 
     def write_back() -> None:
         torch._foreach_copy_(exp_avgs, m_k)
         if exp_avg_sqs:
-            torch._foreach_copy_(exp_avg_sqs, list(v.view(k, *exp_avg_sqs[0].shape).unbind(0)))
+            torch._foreach_copy_(exp_avg_sqs, _slices(v, exp_avg_sqs))
         if masters:
             torch._foreach_copy_(masters, w_k)
         torch._foreach_copy_(locals_, masters or w_k)
@@ -302,5 +338,16 @@ def update_batch(optimizer: Any, group: dict[str, Any], params: list[torch.Tenso
     batch.write_back()
     # on the CPU outside the capturable path, count only when a frame was skipped (a cheap host read)
     if capturable or p0.device.type != "cpu" or not bool(finite.all()):
-        skipped = (~finite).reshape(len(params), -1).sum(dim=1)
-        torch._foreach_add_([optimizer.state[p]["skipped_frames"] for p in params], list(skipped.unbind(0)))
+        _count_skipped(optimizer.state, params, finite)
+
+
+def _count_skipped(states: dict[torch.Tensor, dict[str, Any]], params: list[torch.Tensor],
+                   finite: torch.Tensor) -> None:
+    """Add each parameter's frames that were skipped (``finite`` False, one entry per frame of the batch, in
+    order) to its ``state["skipped_frames"]``."""
+    counts = _frame_counts([_local(p) for p in params])
+    if len(set(counts)) == 1:
+        skipped = list((~finite).reshape(len(params), -1).sum(dim=1).unbind(0))
+    else:
+        skipped = [part.sum() for part in (~finite).reshape(-1).split(counts)]
+    torch._foreach_add_([states[p]["skipped_frames"] for p in params], skipped)

@@ -18,7 +18,7 @@ import torch
 from .. import _linalg
 from .. import distributed as _distributed
 from ._base import FrameOptimizer
-from ._batching import _frame_batches
+from ._batching import _count_skipped, _frame_batches, _slices
 from ._kernel import _rounding_margin
 from ._muon import MUON_ADJUST_LR_FNS, muon_direction, muon_lr_scale
 from ._state import _capturable, _zeros_like_layout, master_copies
@@ -304,7 +304,7 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
                 self._update_batch(group, params)
 
     def _update_batch(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        """Stack same-shaped frames (or their float32 master copies) in the compute dtype, update them with
+        """Stack the frames of one shape (or their float32 master copies) in the compute dtype, update them with
         :func:`_muon_update_`, write frames, moments and gaps back, count skipped frames."""
         p0 = params[0]
         d, r = p0.shape[-2:]
@@ -315,9 +315,9 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         sources = masters or locals_
         bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
         gaps = [_local(self.state[p]["dual_gap"]) for p in params]
-        w = torch.stack([s.to(ct) for s in sources]).reshape(-1, d, r)
-        g = torch.stack([_distributed.local_grad(p).to(ct) for p in params]).reshape(-1, d, r)
-        buf = torch.stack(bufs).reshape(-1, d, r)
+        w = torch.cat([s.to(ct).reshape(-1, d, r) for s in sources])
+        g = torch.cat([_distributed.local_grad(p).to(ct).reshape(-1, d, r) for p in params])
+        buf = torch.cat([b.reshape(-1, d, r) for b in bufs])
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
             lr = lr.to(device=p0.device, dtype=ct) if capturable else float(lr)
@@ -325,12 +325,10 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         finite, gap = _muon_update_(w, g, buf, lr=lr, momentum=group["momentum"], nesterov=group["nesterov"],
                                     dual_steps=group["dual_steps"], ns_steps=group["ns_steps"],
                                     maximize=group["maximize"], capturable=capturable)
-        k = len(params)
-        torch._foreach_copy_(bufs, list(buf.view(k, *bufs[0].shape).unbind(0)))
-        torch._foreach_copy_(gaps, list(gap.view(k, *gaps[0].shape).unbind(0)))
-        new = list(w.view(k, *locals_[0].shape).unbind(0))
+        torch._foreach_copy_(bufs, _slices(buf, bufs))
+        torch._foreach_copy_(gaps, _slices(gap, gaps))
+        new = _slices(w, locals_)
         if masters:
             torch._foreach_copy_(masters, new)
         torch._foreach_copy_(locals_, masters or new)
-        skipped = (~finite).reshape(k, -1).sum(dim=1)
-        torch._foreach_add_([self.state[p]["skipped_frames"] for p in params], list(skipped.unbind(0)))
+        _count_skipped(self.state, params, finite)
