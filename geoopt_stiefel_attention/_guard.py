@@ -10,8 +10,8 @@ default) moves the entries freely: one AdamW step at lr 1e-5 already leaves 6e-5
 the error grows from there. :data:`FRAME_CHECK_TOLERANCE` sits between the two.
 
 Cost: one :math:`r\times r` Gram matrix per frame (:math:`d r^2` multiply-adds, against the forward's
-:math:`B\,T\,d\,r` for :math:`B\,T` tokens) and its distance from the identity, two operations; one read of a
-scalar per module off the CPU. A converted weight that its module's forward reads several times
+:math:`B\,T\,d\,r` for :math:`B\,T` tokens) less the identity, in one ``baddbmm``, and its largest absolute entry:
+three operations; one read of a scalar per module off the CPU. A converted weight that its module's forward reads several times
 (``nn.MultiheadAttention``) is rebuilt, and checked, once per forward. It raises in eager training forward
 passes (forward passes with gradients enabled, whatever ``module.training`` says: a model trained in
 eval mode to switch dropout off is checked too). A forward without gradients (an evaluation) runs it only when
@@ -74,15 +74,16 @@ def _is_sharded(w: Tensor) -> bool:
     return is_sharded(w)
 
 
-_EYES: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+_EYES: dict[tuple[int, torch.dtype, torch.device, float], Tensor] = {}
 
 
-def _eye(r: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The ``r x r`` identity the Gram matrices are compared with, made once per size, dtype and device."""
-    key = (r, dtype, device)
+def _eye(r: int, dtype: torch.dtype, device: torch.device, scale: float = 1.0) -> Tensor:
+    """``scale`` times the ``r x r`` identity the Gram matrices are compared with (``-1``: subtracted from them
+    inside one ``baddbmm``), made once per size, dtype, device and scale; read only, never written."""
+    key = (r, dtype, device, scale)
     eye = _EYES.get(key)
     if eye is None:
-        eye = _EYES[key] = torch.eye(r, dtype=dtype, device=device)
+        eye = _EYES[key] = torch.eye(r, dtype=dtype, device=device).mul_(scale)
     return eye
 
 
@@ -90,8 +91,8 @@ def check_frame_tensors(owner: str, frames: Iterable[tuple[str, Tensor]], *,
                         where: str = "a training forward pass") -> None:
     """Raise :class:`FrameOffManifoldError` if any ``(name, frame)`` of ``owner`` is off the manifold.
 
-    Two operations per frame (the Gram matrix, and its largest entry-wise distance from the identity by
-    ``torch.dist``); on the CPU each error is read as it comes (a host read costs nothing there), on other
+    Three operations per frame (:math:`W^\top W - I` by one ``baddbmm``, its absolute value and its largest
+    entry); on the CPU each error is read as it comes (a host read costs nothing there), on other
     devices all of them at once (one host read per call).
 
     Parameters
@@ -122,12 +123,14 @@ def check_frame_tensors(owner: str, frames: Iterable[tuple[str, Tensor]], *,
         x = w.detach()  # no graph is recorded for it
         if x.dtype in (torch.bfloat16, torch.float16):
             x = x.float()
+        x = x if x.dim() == 3 else x.reshape(-1, *x.shape[-2:])  # a stack of frames, for the batched product
+        minus_eye = _eye(x.shape[-1], x.dtype, x.device, -1.0)
         if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):  # in the frame's own precision
-                gram = x.mT @ x
+                deviation = torch.baddbmm(minus_eye, x.mT, x)  # W^T W - I
         else:
-            gram = x.mT @ x
-        err = torch.dist(gram, _eye(gram.shape[-1], gram.dtype, gram.device), float("inf"))  # max |W^T W - I|
+            deviation = torch.baddbmm(minus_eye, x.mT, x)
+        err = deviation.abs_().amax()  # max |W^T W - I|; NaN if any entry is
         tol = FRAME_CHECK_TOLERANCE.get(w.dtype, FRAME_CHECK_TOLERANCE[torch.float32])
         if traced or captured:  # in the graph: an assertion, no host read (NaN fails too)
             torch._assert_async(err <= tol, _message(owner, name, w.dtype, tol, None,

@@ -1039,13 +1039,14 @@ def test_compiled_training_step_with_the_optimizer_matches_eager_inductor():
 @pytest.mark.parametrize("option, value, name", [
     ("lr", -1.0, "lr"), ("lr", float("nan"), "lr"), ("trust_region", 0.0, "trust_region"),
     ("betas", (0.9, 1.0), "betas"), ("eps", -1e-8, "eps"), ("weight_decay", -0.1, "weight_decay"),
+    ("stabilize", True, "stabilize"),  # equal to the valid 1 the group held, but a bool: still refused
 ])
 def test_options_rewritten_in_param_groups_are_checked_at_step(option, value, name):
     """Schedulers and users write ``param_groups`` directly; a value the constructor would refuse is refused at
     ``step`` too, before anything changes (trust_region=0 would otherwise freeze every frame without a word)."""
     w = _frame_param()
     bias = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
-    opt = StiefelAdam([w, bias], lr=1e-2)
+    opt = StiefelAdam([w, bias], lr=1e-2, stabilize=1)
     w.grad, bias.grad = torch.randn_like(w), torch.randn_like(bias)
     opt.step()
     before = (w.detach().clone(), bias.detach().clone(), copy.deepcopy(opt.state_dict()["state"]))
@@ -1057,6 +1058,21 @@ def test_options_rewritten_in_param_groups_are_checked_at_step(option, value, na
     for k in before[2]:
         for key, t in before[2][k].items():
             assert torch.equal(after[k][key], t), (k, key)
+
+
+def test_a_tensor_lr_changed_in_place_is_checked_at_every_step():
+    """A tensor ``lr`` is read at each step, never taken as unchanged: set negative in place after a step that
+    accepted it, the next step refuses it before anything changes."""
+    w = _frame_param()
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    opt = StiefelAdam([w], lr=lr)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    lr.fill_(-1.0)
+    start = w.detach().clone()
+    with pytest.raises(ValueError, match="lr=tensor"):
+        opt.step()
+    assert torch.equal(w, start)
 
 
 def test_lr_zero_written_by_a_scheduler_is_accepted_and_moves_nothing():

@@ -166,12 +166,19 @@ class _QKWeight(_FrameOwner):
         # subclass is a graph break under torch.compile (one per converted weight).
         frames = getattr(self, f"{role}_frames")
         if role == "q" and getattr(self, "q_log_gain", None) is not None:
-            frames = frames * torch.exp(self.gain_rate * self.q_log_gain).to(frames.dtype).view(-1, 1, 1)
+            gain = torch.exp(self.gain_rate * self.q_log_gain)
+            frames = frames * (gain if gain.dtype == frames.dtype else gain.to(frames.dtype)).view(-1, 1, 1)
         return frames
 
     def frames(self) -> list[tuple[str, Tensor]]:
-        """``(name, frames)`` of each role, in segment order."""
-        return [(f"{role}_frames", getattr(self, f"{role}_frames")) for role, _, _ in self.segments if role != "rest"]
+        """``(name, frames)`` of each role, in segment order (read from the module's parameters directly: this runs
+        at every training forward)."""
+        names = self.__dict__.get("_frame_names")
+        if names is None:  # computed once (also for modules pickled before it existed)
+            names = self.__dict__["_frame_names"] = tuple(f"{role}_frames" for role, _, _ in self.segments
+                                                          if role != "rest")
+        params = self._parameters
+        return [(name, params[name] if name in params else getattr(self, name)) for name in names]
 
     def check(self) -> None:
         """The frame check of a training forward (:func:`~geoopt_stiefel_attention._guard.check_frame_tensors`)."""
@@ -431,29 +438,28 @@ def _set_slots(model: nn.Module) -> None:
 
 def _frames_pass(weights: list[_QKWeight]) -> bool | None:
     """Whether every frame of ``weights`` is on the manifold, tested at once: same-shaped frame stacks concatenated,
-    one Gram product and one distance per shape and dtype, and one host read in all (the usual case: one shape and
-    dtype). ``None`` when a frame is of another kind (sharded, meta, not a ``(heads, d, r)`` stack), which the
-    weights' own checks handle. NaN fails."""
+    one product :math:`W^\top W - I` (a ``baddbmm``) and its largest absolute entry per shape and dtype, and one host
+    read each (the usual case: one shape and dtype). ``None`` when a frame is of another kind (sharded, meta, not a
+    ``(heads, d, r)`` stack), which the weights' own checks handle. NaN fails."""
     groups: dict[tuple[Any, ...], list[Tensor]] = {}
     for p in weights:
         for _name, w in p.frames():
-            if getattr(w, "_local_tensor", None) is not None or w.device.type == "meta" or w.dim() != 3:
+            if getattr(w, "_local_tensor", None) is not None or w.is_meta or w.dim() != 3:
                 return None
-            groups.setdefault((w.shape[1:], w.dtype, w.device), []).append(w.detach())
+            groups.setdefault((w.shape[1], w.shape[2], w.dtype, w.device), []).append(w.detach())
     errs, tols = [], []
-    for (shape, dtype, device), ws in groups.items():
+    for (_, r, dtype, device), ws in groups.items():
         x = torch.cat(ws) if len(ws) > 1 else ws[0]
         if dtype in (torch.bfloat16, torch.float16):
             x = x.float()
+        minus_eye = _guard._eye(r, x.dtype, device, -1.0)
         if torch.is_autocast_enabled(device.type):
             with torch.autocast(device.type, enabled=False):
-                gram = x.mT @ x
+                deviation = torch.baddbmm(minus_eye, x.mT, x)  # W^T W - I, in one product
         else:
-            gram = x.mT @ x
-        errs.append(torch.dist(gram, _guard._eye(shape[-1], gram.dtype, device), float("inf")))
+            deviation = torch.baddbmm(minus_eye, x.mT, x)
+        errs.append(deviation.abs_().amax())  # max |W^T W - I| over every frame; NaN if any entry is
         tols.append(_guard.FRAME_CHECK_TOLERANCE.get(dtype, _guard.FRAME_CHECK_TOLERANCE[torch.float32]))
-    if len(errs) == 1:
-        return bool(errs[0] <= tols[0])
     return all(float(e) <= t for e, t in zip(errs, tols, strict=True))
 
 

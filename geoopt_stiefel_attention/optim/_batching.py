@@ -163,6 +163,9 @@ def step_tensor(states: dict[torch.Tensor, dict[str, Any]], params: list[torch.T
 
 def _slices(stack: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """The consecutive slices of ``stack`` (``(n, ...)``) shaped like the tensors of ``like``, in order."""
+    shape = like[0].shape
+    if all(t.shape == shape for t in like):  # the usual case: one view and one unbind
+        return list(stack.view(len(like), *shape).unbind(0))
     counts = _frame_counts(like)
     return [part.view(t.shape) for part, t in zip(stack.split(counts), like, strict=True)]
 
