@@ -1300,7 +1300,8 @@ def test_read_provenance_reads_the_committed_format_1_files_and_refuses_what_it_
             bench.read_provenance(bad)
 
 
-@pytest.mark.parametrize("name", ["train_w64_1thread_cpuclock_loaded.json", "train_w64_1thread_cpuclock_quiet.json"])
+@pytest.mark.parametrize("name", ["train_w64_1thread_cpuclock_loaded.json", "train_w64_1thread_cpuclock_quiet.json",
+                                  "train_w64_1thread_cpuclock_batched.json"])
 def test_the_w64_train_ratios_in_the_benchmarks_readme_are_the_committed_results(name):
     """benchmarks/README.md's sentences on the width-64 converted models (issue #40, item 4) quote each committed
     run's stiefel / adamw ratios, rounded as written, model by model."""
