@@ -6,7 +6,7 @@ One job per file:
 - :mod:`._reference`: :func:`stiefel_adam_update`, the update as readable maths (the specification, with the
   ablation variants as options);
 - :mod:`._kernel`: ``_frame_update_``, the same update fast and in place (tested equal to the reference);
-- :mod:`._batching`: same-shaped frames grouped into batches, stacked state, workspace, the batch driver;
+- :mod:`._batching`: frames of one shape grouped into batches, stacked state, workspace, the batch driver;
 - :mod:`._state`: state shapes and creation, master copies, checkpoint loading;
 - :mod:`._validation`: argument, parameter and per-step checks;
 - :mod:`._base`: :class:`FrameOptimizer`, the bookkeeping both optimizers share;

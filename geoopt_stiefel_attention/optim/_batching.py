@@ -1,6 +1,7 @@
-"""How frames reach the update: same-shaped frames grouped into batches, their state kept stacked in one buffer
-per batch, a reusable workspace, and :func:`update_batch`, the one driver that stages a batch, runs the update
-(the fast kernel, or the readable reference for the ablation second moments) and writes the results back."""
+"""How frames reach the update: frames of one shape ``(d, r)`` grouped into batches (whatever the number each
+parameter holds), their state kept stacked in one buffer per batch, a reusable workspace, and :func:`update_batch`,
+the one driver that stages a batch, runs the update (the fast kernel, or the readable reference for the ablation
+second moments) and writes the results back."""
 
 from __future__ import annotations
 
@@ -187,7 +188,7 @@ class _Staged:
 
 def _stage(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor],
            masters: list[torch.Tensor] | None, capturable: bool) -> _Staged:
-    """Stage same-shaped frames of one dtype and device for the update.
+    """Stage frames of one shape, dtype and device for the update.
 
     Several plain (unsharded) parameters, outside a region torch.compile traces (where reading storage
     pointers would break the graph), are updated as one stack (:func:`_stage_stacked`). A lone parameter whose
@@ -304,7 +305,7 @@ def _stage_copied(sources: list[torch.Tensor], grads: list[torch.Tensor], exp_av
 
 
 def update_batch(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor], step: int | None) -> None:
-    """Update same-shaped frames of one dtype, device and step count (``step=None``: the capturable path, any
+    """Update frames of one shape, dtype, device and step count (``step=None``: the capturable path, any
     step counts, read from the state as tensors), in place, with their state.
 
     The batch is staged (:func:`_stage`), updated by the fused kernel (:func:`~._kernel.frame_update_`; second moment
