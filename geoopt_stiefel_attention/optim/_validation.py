@@ -186,16 +186,18 @@ def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, 
         frames, euclidean = [], []
         split.append((frames, euclidean))
         for p in group["params"]:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            st = state.get(p)  # one lookup per parameter (a tensor key hashes in Python)
+            if grad.is_sparse:
                 raise ValueError(f"{name}: parameter of shape {tuple(p.shape)} has a sparse gradient, "
                                  f"which is not supported; use a dense gradient (e.g. nn.Embedding("
                                  f"sparse=False)) or geoopt.optim.SparseRiemannianAdam.")
             if not _is_frame(p):
                 if _has_manifold(p):  # a manifold assigned after the parameter was added
                     _check_manifold(p, name)
-                moment = state[p].get("exp_avg") if p in state else None
+                moment = st.get("exp_avg") if st is not None else None
                 if moment is not None and moment.shape != p.shape:
                     raise ValueError(
                         f"{name}: parameter of shape {tuple(p.shape)} has optimizer state of shape "
@@ -207,14 +209,13 @@ def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, 
             frames.append(p)
             if not isinstance(p.manifold, EuclideanStiefel):
                 _check_manifold(p, name)
-            if p.grad.is_complex():
+            if grad.is_complex():
                 raise TypeError(f"{name}: frame parameter of shape {tuple(p.shape)} has a complex "
                                 f"gradient; frames and their gradients must be real.")
             local = _local(p)  # a sharded frame: each rank checks its own whole frames
-            if state.get(p) and check_frame_state is not None:
-                check_frame_state(p, group, state[p])
-            if not state.get(p) and local.numel() and (not _capturable(group, p.device)
-                                                            or _can_read_host()):
+            if st and check_frame_state is not None:
+                check_frame_state(p, group, st)
+            if not st and local.numel() and (not _capturable(group, p.device) or _can_read_host()):
                 err = float(_linalg.orthonormality_error(local))
                 tol = ORTHONORMALITY_TOLERANCE.get(p.dtype, 1e-4)
                 if not err <= tol:
