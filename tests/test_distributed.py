@@ -318,6 +318,43 @@ OPTION_CASES = {  # case -> (optimizer, options, frame dtype): the fused kernel,
 }
 
 
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_sharded_frames_of_different_head_counts_share_a_batch_and_update_like_plain_frames(one_rank_group, name):
+    """Query and key frames of grouped-query attention sharded by heads (4 and 2 heads of one 8 x 3 shape, with a
+    NaN gradient in the key's second head at step 2): staged as one batch of 6 frames, they update exactly as the
+    same plain frames do, and the skipped frame is counted for the key frames only."""
+    import geoopt
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from geoopt_stiefel_attention import PolarStiefel
+    from geoopt_stiefel_attention.optim._batching import _frame_batches
+
+    cls = OPTIMIZERS[name][0]
+    mesh = init_device_mesh("cpu", (1,))
+    gen = torch.Generator().manual_seed(5)
+    whole = [PolarStiefel().random(h, 8, 3, dtype=torch.float64, generator=gen) for h in (4, 2)]
+    sharded, plain = [], []
+    for w in whole:
+        p = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)]))
+        p.manifold = PolarStiefel()
+        sharded.append(p)
+        plain.append(geoopt.ManifoldParameter(w.clone(), manifold=PolarStiefel()))
+    assert [len(b) for _, b in _frame_batches(sharded, [1, 1])] == [2]  # one batch of both parameters
+    grads = [[torch.randn(w.shape, dtype=torch.float64, generator=gen) for w in whole] for _ in range(3)]
+    grads[1][1][1, 0, 0] = float("nan")
+    opt_sharded, opt_plain = cls(sharded, lr=5e-2), cls(plain, lr=5e-2)
+    for step in grads:
+        for p, q, g in zip(sharded, plain, step, strict=True):
+            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+            q.grad = g.clone()
+        opt_sharded.step()
+        opt_plain.step()
+    for p, q, w in zip(sharded, plain, whole, strict=True):
+        assert torch.equal(p.full_tensor(), q.detach())
+        assert float((q.detach() - w).abs().max()) > MOVED_AT_LEAST
+    assert [int(opt_sharded.state[p]["skipped_frames"]) for p in sharded] == [0, 1]
+
+
 @pytest.mark.parametrize("case", list(OPTION_CASES))
 @pytest.mark.parametrize("placement", [Shard(0), Replicate()], ids=str)
 def test_frame_sharded_by_heads_or_replicated_is_updated_like_a_plain_frame(one_rank_group, placement, case):
