@@ -774,22 +774,23 @@ def _consecutive_slices(tensors):
     return True
 
 
-def _gqa_run(steps, *, capturable=None, stack_numel=None, nan_at=None, optimizer="adam"):
+def _gqa_run(steps, *, capturable=None, stack_numel=None, nan_at=None, optimizer="adam", dtype=torch.float64,
+             **options):
     """Query and key frames of grouped-query attention: 4, 2 and 3 heads of 10 x 3 (one frame shape), beside a
     parameter of 16 x 5 frames; at step ``nan_at`` the last frame of parameters 1 and 2 has a NaN gradient."""
     shapes = [(4, 10, 3), (2, 10, 3), (3, 10, 3), (2, 16, 5)]
-    params = [geoopt.ManifoldParameter(_frames(s, seed=70 + k), manifold=PolarStiefel())
+    params = [geoopt.ManifoldParameter(_frames(s, seed=70 + k).to(dtype), manifold=PolarStiefel())
               for k, s in enumerate(shapes)]
     grad_fns = [_grad_fn_factory(s, seed=80 + k) for k, s in enumerate(shapes)]
     if optimizer == "adam":
-        opt = StiefelAdam(params, lr=0.05, betas=(0.9, 0.99), trust_region=0.1, capturable=capturable)
+        opt = StiefelAdam(params, lr=0.05, betas=(0.9, 0.99), trust_region=0.1, capturable=capturable, **options)
     else:
-        opt = optim.StiefelMuon(params, lr=0.05, capturable=capturable)
+        opt = optim.StiefelMuon(params, lr=0.05, capturable=capturable, **options)
     if stack_numel is not None:
         opt._stack_numel = stack_numel
     for t in range(1, steps + 1):
         for k, (p, fn) in enumerate(zip(params, grad_fns, strict=True)):
-            g = torch.from_numpy(fn(p.detach().numpy(), t))
+            g = torch.from_numpy(fn(p.detach().double().numpy(), t)).to(dtype)
             if t == nan_at and k in (1, 2):  # the last frame of each: positions 5 and 8 of the stack
                 g[k, 0, 0] = float("nan")
             p.grad = g
@@ -834,6 +835,31 @@ def test_grouped_query_frames_stacked_follow_one_call_per_parameter(capturable, 
     assert (params[1].detach() - start).abs().max() > 1e-2
     for p in params:
         assert float((p.detach().mT @ p.detach() - torch.eye(p.shape[-1], dtype=p.dtype)).abs().max()) < 1e-12
+
+
+@pytest.mark.parametrize("options", [{"second_moment": "column"}, {"second_moment": "element"},
+                                     {"second_moment": None}, {"stabilize": 2},
+                                     {"master_weights": True, "dtype": torch.bfloat16}], ids=str)
+def test_grouped_query_frames_stacked_with_other_state_shapes_follow_one_call_per_parameter(options):
+    """The readable update's second moments (one per column, one per entry), none, re-projection every 2 steps, and
+    bf16 frames with float32 master copies, on the mixed batch: frames and state equal one call per parameter (to
+    float64 rounding, float32's for the masters)."""
+    params, opt = _gqa_run(5, **options)
+    separate, opt_sep = _gqa_run(5, stack_numel=1, **options)
+    tol = 1e-13 if "dtype" not in options else 1e-6
+    for p, q in zip(params, separate, strict=True):
+        for key, value in opt_sep.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=0, atol=tol)
+        if "dtype" in options:  # a bf16 frame is its master copy's rounding
+            assert opt.state[p]["master"].dtype == torch.float32
+            assert torch.equal(p.detach(), opt.state[p]["master"].to(options["dtype"]))
+        else:
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=tol)
+    start = _frames((2, 10, 3), seed=71).to(options.get("dtype", torch.float64))
+    assert (params[1].detach().double() - start.double()).abs().max() > 1e-2  # the frames moved
+    if options.get("second_moment", "frame") is not None:  # the second moments have the per-parameter shapes
+        assert [tuple(opt.state[p]["exp_avg_sq"].shape) for p in params] == [
+            tuple(opt_sep.state[q]["exp_avg_sq"].shape) for q in separate]
 
 
 def test_grouped_query_moments_resume_from_a_state_dict():
