@@ -74,17 +74,34 @@ def _is_sharded(w: Tensor) -> bool:
     return is_sharded(w)
 
 
-_EYES: dict[tuple[int, torch.dtype, torch.device, float], Tensor] = {}
+_MINUS_EYES: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
 
 
-def _eye(r: int, dtype: torch.dtype, device: torch.device, scale: float = 1.0) -> Tensor:
-    """``scale`` times the ``r x r`` identity the Gram matrices are compared with (``-1``: subtracted from them
-    inside one ``baddbmm``), made once per size, dtype, device and scale; read only, never written."""
-    key = (r, dtype, device, scale)
-    eye = _EYES.get(key)
+def _minus_eye(r: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """:math:`-I_r`, subtracted from the Gram matrices inside one ``baddbmm``; made once per size, dtype and
+    device, read only, never written."""
+    key = (r, dtype, device)
+    eye = _MINUS_EYES.get(key)
     if eye is None:
-        eye = _EYES[key] = torch.eye(r, dtype=dtype, device=device).mul_(scale)
+        eye = _MINUS_EYES[key] = torch.eye(r, dtype=dtype, device=device).neg_()
     return eye
+
+
+def frame_error(x: Tensor) -> Tensor:
+    r""":math:`\max |W^\top W - I|` over every frame of the stack ``x`` (``(..., d, r)``, detached): a 0-d tensor,
+    NaN if any entry is. Computed in ``x``'s own precision (float32 for bf16/fp16, autocast off) by one ``baddbmm``
+    against :func:`_minus_eye`, its absolute value and its largest entry: the check of a training forward, shared by
+    :func:`check_frame_tensors` and the model-level check of a converted model."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        x = x.float()
+    x = x if x.dim() == 3 else x.reshape(-1, *x.shape[-2:])  # a stack of frames, for the batched product
+    minus_eye = _minus_eye(x.shape[-1], x.dtype, x.device)
+    if torch.is_autocast_enabled(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):  # in the frame's own precision
+            deviation = torch.baddbmm(minus_eye, x.mT, x)  # W^T W - I
+    else:
+        deviation = torch.baddbmm(minus_eye, x.mT, x)
+    return deviation.abs_().amax()
 
 
 def check_frame_tensors(owner: str, frames: Iterable[tuple[str, Tensor]], *,
@@ -121,16 +138,7 @@ def check_frame_tensors(owner: str, frames: Iterable[tuple[str, Tensor]], *,
         if w.device.type == "meta" or w.numel() == 0 or w.dim() < 2:
             continue
         x = w.detach()  # no graph is recorded for it
-        if x.dtype in (torch.bfloat16, torch.float16):
-            x = x.float()
-        x = x if x.dim() == 3 else x.reshape(-1, *x.shape[-2:])  # a stack of frames, for the batched product
-        minus_eye = _eye(x.shape[-1], x.dtype, x.device, -1.0)
-        if torch.is_autocast_enabled(x.device.type):
-            with torch.autocast(x.device.type, enabled=False):  # in the frame's own precision
-                deviation = torch.baddbmm(minus_eye, x.mT, x)  # W^T W - I
-        else:
-            deviation = torch.baddbmm(minus_eye, x.mT, x)
-        err = deviation.abs_().amax()  # max |W^T W - I|; NaN if any entry is
+        err = frame_error(x)  # max |W^T W - I|; NaN if any entry is
         tol = FRAME_CHECK_TOLERANCE.get(w.dtype, FRAME_CHECK_TOLERANCE[torch.float32])
         if traced or captured:  # in the graph: an assertion, no host read (NaN fails too)
             torch._assert_async(err <= tol, _message(owner, name, w.dtype, tol, None,

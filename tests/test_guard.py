@@ -5,6 +5,8 @@ bfloat16 with master weights, the capturable path, geoopt's RiemannianAdam)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -253,3 +255,29 @@ def test_make_graphed_callables_refuses_the_converted_model_itself_as_documented
         torch.cuda.make_graphed_callables(model, (torch.randn(2, 3, 32),))
     layer = model.layers[0]
     assert not (layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks)
+
+
+def test_frame_error_is_the_largest_entry_of_wtw_minus_identity():
+    """``_guard.frame_error`` (both training-forward checks use it) against a written-out numpy reference: a float64
+    stack, a single 2-D frame, and bf16 frames (computed in float32); NaN propagates. Companion: an orthonormal
+    stack gives rounding only, far below the error of the perturbed one."""
+    import numpy as np
+
+    from geoopt_stiefel_attention import PolarStiefel
+    from geoopt_stiefel_attention._guard import frame_error
+
+    gen = torch.Generator().manual_seed(3)
+    w = PolarStiefel().random(3, 9, 4, dtype=torch.float64, generator=gen)
+    bent = w + 0.05 * torch.randn(w.shape, dtype=torch.float64, generator=gen)
+
+    def reference(a):
+        a = np.asarray(a, dtype=np.float64)
+        return max(np.abs(f.T @ f - np.eye(a.shape[-1])).max() for f in a.reshape(-1, *a.shape[-2:]))
+
+    assert float(frame_error(bent)) == pytest.approx(reference(bent.numpy()), rel=1e-12)
+    assert float(frame_error(bent[1])) == pytest.approx(reference(bent[1].numpy()), rel=1e-12)  # one 2-D frame
+    half = bent.to(torch.bfloat16)
+    assert float(frame_error(half)) == pytest.approx(reference(half.float().numpy()), rel=1e-5)
+    assert float(frame_error(w)) < 1e-14 < 1e-3 < reference(bent.numpy())  # companion
+    bent[2, 0, 0] = float("nan")
+    assert math.isnan(float(frame_error(bent)))

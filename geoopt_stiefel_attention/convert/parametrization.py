@@ -448,17 +448,8 @@ def _frames_pass(weights: list[_QKWeight]) -> bool | None:
                 return None
             groups.setdefault((w.shape[1], w.shape[2], w.dtype, w.device), []).append(w.detach())
     errs, tols = [], []
-    for (_, r, dtype, device), ws in groups.items():
-        x = torch.cat(ws) if len(ws) > 1 else ws[0]
-        if dtype in (torch.bfloat16, torch.float16):
-            x = x.float()
-        minus_eye = _guard._eye(r, x.dtype, device, -1.0)
-        if torch.is_autocast_enabled(device.type):
-            with torch.autocast(device.type, enabled=False):
-                deviation = torch.baddbmm(minus_eye, x.mT, x)  # W^T W - I, in one product
-        else:
-            deviation = torch.baddbmm(minus_eye, x.mT, x)
-        errs.append(deviation.abs_().amax())  # max |W^T W - I| over every frame; NaN if any entry is
+    for (_, _, dtype, _), ws in groups.items():
+        errs.append(_guard.frame_error(torch.cat(ws) if len(ws) > 1 else ws[0]))
         tols.append(_guard.FRAME_CHECK_TOLERANCE.get(dtype, _guard.FRAME_CHECK_TOLERANCE[torch.float32]))
     return all(float(e) <= t for e, t in zip(errs, tols, strict=True))
 
