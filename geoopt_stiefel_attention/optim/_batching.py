@@ -91,12 +91,13 @@ def _stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     ``reshape(-1, a, b)``) without a copy, when the tensors are dense, row-major, of one dtype and one trailing
     shape ``(a, b)``, and lie one after the other, in this order, in one storage; otherwise ``None``."""
     t0 = tensors[0]
-    tail = t0.shape[-2:] if t0.dim() >= 2 else None
+    if t0.dim() < 2:
+        return None
+    tail = t0.shape[-2:]
     base, storage, offset = t0.data_ptr(), t0.untyped_storage().data_ptr(), 0
     for t in tensors:
-        if (tail is None or not t.is_contiguous() or t.dim() < 2 or t.shape[-2:] != tail or t.dtype != t0.dtype
-                or t.device != t0.device or t.untyped_storage().data_ptr() != storage
-                or t.data_ptr() != base + offset * t0.element_size()):
+        if (not t.is_contiguous() or t.shape[-2:] != tail or t.dtype != t0.dtype or t.device != t0.device
+                or t.untyped_storage().data_ptr() != storage or t.data_ptr() != base + offset * t0.element_size()):
             return None
         offset += t.numel()
     a, b = tail
@@ -120,10 +121,9 @@ def _stacked_state(states: list[dict[str, Any]], key: str,
     stacked = _stacked_view(tensors)
     if stacked is None:
         replaced = {t.untyped_storage().data_ptr() for t in tensors}
-        tail = tensors[0].shape[-2:]
-        stacked = torch.cat([t.reshape(-1, *tail) for t in tensors])  # row-major, whatever the originals' layout
-        for state, t, view in zip(states, tensors, stacked.split(_frame_counts(tensors)), strict=True):
-            state[key] = view.view(t.shape)
+        stacked = _cat_frames(tensors)  # row-major, whatever the originals' layout
+        for state, view in zip(states, _slices(stacked, tensors), strict=True):
+            state[key] = view
         for state in others():
             t = state.get(key)
             if (isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in replaced
@@ -160,6 +160,13 @@ def step_tensor(states: dict[torch.Tensor, dict[str, Any]], params: list[torch.T
         return stacked.repeat_interleave(counts[0]).view(-1, 1, 1)
     # parameters with different numbers of frames: each count repeated by device ops only (no host tensor)
     return torch.cat([s.expand(c) for s, c in zip(stacked.unsqueeze(1).unbind(0), counts, strict=True)]).view(-1, 1, 1)
+
+
+def _cat_frames(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The ``(n, a, b)`` stack (a new, row-major tensor) of every ``a x b`` matrix of ``tensors``, in order: the
+    inverse of :func:`_slices`."""
+    tail = tensors[0].shape[-2:]
+    return torch.cat([t.reshape(-1, *tail) for t in tensors])
 
 
 def _slices(stack: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -290,8 +297,7 @@ def _stage_copied(sources: list[torch.Tensor], grads: list[torch.Tensor], exp_av
     torch._foreach_copy_(w_k, sources)
     torch._foreach_copy_(g_k, grads)
     torch._foreach_copy_(m_k, exp_avgs)
-    tail = exp_avg_sqs[0].shape[-2:] if exp_avg_sqs else None
-    v = torch.cat([t.reshape(-1, *tail) for t in exp_avg_sqs]) if exp_avg_sqs else None
+    v = _cat_frames(exp_avg_sqs) if exp_avg_sqs else None
 
     def write_back() -> None:
         torch._foreach_copy_(exp_avgs, m_k)

@@ -18,7 +18,7 @@ import torch
 from .. import _linalg
 from .. import distributed as _distributed
 from ._base import FrameOptimizer
-from ._batching import _count_skipped, _frame_batches, _slices
+from ._batching import _cat_frames, _count_skipped, _frame_batches, _slices
 from ._kernel import _rounding_margin
 from ._muon import MUON_ADJUST_LR_FNS, muon_direction, muon_lr_scale
 from ._state import _capturable, _zeros_like_layout, master_copies
@@ -315,9 +315,9 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         sources = masters or locals_
         bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
         gaps = [_local(self.state[p]["dual_gap"]) for p in params]
-        w = torch.cat([s.to(ct).reshape(-1, d, r) for s in sources])
-        g = torch.cat([_distributed.local_grad(p).to(ct).reshape(-1, d, r) for p in params])
-        buf = torch.cat([b.reshape(-1, d, r) for b in bufs])
+        w = _cat_frames([s.to(ct) for s in sources])
+        g = _cat_frames([_distributed.local_grad(p).to(ct) for p in params])
+        buf = _cat_frames(bufs)
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
             lr = lr.to(device=p0.device, dtype=ct) if capturable else float(lr)
