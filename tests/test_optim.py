@@ -471,11 +471,15 @@ def test_several_parameters_in_one_group_match_the_reference(mode, batching):
 
 
 def _shares_one_buffer(tensors):
-    """Whether the tensors are consecutive dense slices of one storage, written out from pointers."""
-    base = tensors[0].data_ptr()
-    size = tensors[0].numel() * tensors[0].element_size()
-    return all(t.untyped_storage().data_ptr() == tensors[0].untyped_storage().data_ptr()
-               and t.data_ptr() == base + i * size and t.is_contiguous() for i, t in enumerate(tensors))
+    """Whether the tensors are dense and lie one after the other, in order, in one storage (written out from
+    pointers and sizes; the tensors may differ in shape)."""
+    storage = tensors[0].untyped_storage().data_ptr()
+    offset = tensors[0].data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.data_ptr() != offset:
+            return False
+        offset += t.numel() * t.element_size()
+    return True
 
 
 def test_stacked_view_only_for_consecutive_slices_of_one_buffer():
@@ -762,18 +766,6 @@ def test_the_default_rule_is_match_rms_adamw_and_the_papers_step_stays_available
 
 
 # ------------------------------------------------------------------ frames of one shape, different head counts
-def _consecutive_slices(tensors):
-    """Whether ``tensors`` are dense and lie one after the other, in order, in one storage (written out from
-    pointers and sizes; the tensors may differ in shape)."""
-    storage = tensors[0].untyped_storage().data_ptr()
-    offset = tensors[0].data_ptr()
-    for t in tensors:
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.data_ptr() != offset:
-            return False
-        offset += t.numel() * t.element_size()
-    return True
-
-
 def _gqa_run(steps, *, capturable=None, stack_numel=None, nan_at=None, optimizer="adam", dtype=torch.float64,
              **options):
     """Query and key frames of grouped-query attention: 4, 2 and 3 heads of 10 x 3 (one frame shape), beside a
@@ -821,10 +813,10 @@ def test_grouped_query_frames_stacked_follow_one_call_per_parameter(capturable, 
     separate, opt_sep = _gqa_run(6, capturable=capturable, nan_at=3, optimizer=optimizer, stack_numel=1)
     key = "exp_avg" if optimizer == "adam" else "momentum_buffer"
     if optimizer == "adam":
-        assert _consecutive_slices([opt.state[p][key] for p in params[:3]])
-        assert _consecutive_slices([opt.state[p]["exp_avg_sq"] for p in params[:3]])
+        assert _shares_one_buffer([opt.state[p][key] for p in params[:3]])
+        assert _shares_one_buffer([opt.state[p]["exp_avg_sq"] for p in params[:3]])
     # companion: one call per parameter keeps them apart
-    assert not _consecutive_slices([opt_sep.state[p][key] for p in separate[:3]])
+    assert not _shares_one_buffer([opt_sep.state[p][key] for p in separate[:3]])
     for p, q in zip(params, separate, strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-13)
         torch.testing.assert_close(opt.state[p][key], opt_sep.state[q][key], rtol=0, atol=1e-13)
@@ -871,13 +863,13 @@ def test_grouped_query_moments_resume_from_a_state_dict():
     buffer.seek(0)
     fresh = StiefelAdam(params, lr=0.05, betas=(0.9, 0.99), trust_region=0.1)
     fresh.load_state_dict(torch.load(buffer))
-    assert not _consecutive_slices([fresh.state[p]["exp_avg"] for p in params[:3]])
+    assert not _shares_one_buffer([fresh.state[p]["exp_avg"] for p in params[:3]])
     for p, fn in zip(params, [_grad_fn_factory(s, seed=80 + k) for k, s in enumerate(
             [(4, 10, 3), (2, 10, 3), (3, 10, 3), (2, 16, 5)])], strict=True):
         p.grad = torch.from_numpy(fn(p.detach().numpy(), 5))
     before = [p.detach().clone() for p in params]
     fresh.step()
-    assert _consecutive_slices([fresh.state[p]["exp_avg"] for p in params[:3]])
+    assert _shares_one_buffer([fresh.state[p]["exp_avg"] for p in params[:3]])
     again, _ = _gqa_run(5)
     for p, q, b in zip(params, again, before, strict=True):
         assert torch.equal(p.detach(), q.detach())
