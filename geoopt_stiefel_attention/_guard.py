@@ -11,8 +11,8 @@ the error grows from there. :data:`FRAME_CHECK_TOLERANCE` sits between the two.
 
 Cost: one :math:`r\times r` Gram matrix per frame (:math:`d r^2` multiply-adds, against the forward's
 :math:`B\,T\,d\,r` for :math:`B\,T` tokens) less the identity, in one ``baddbmm``, and its largest absolute entry:
-three operations; one read of a scalar per module off the CPU. A converted weight that its module's forward reads several times
-(``nn.MultiheadAttention``) is rebuilt, and checked, once per forward. It raises in eager training forward
+three operations; one read of a scalar per module off the CPU. A converted weight that its module's forward reads
+several times (``nn.MultiheadAttention``) is rebuilt, and checked, once per forward. It raises in eager training forward
 passes (forward passes with gradients enabled, whatever ``module.training`` says: a model trained in
 eval mode to switch dropout off is checked too). A forward without gradients (an evaluation) runs it only when
 the frames changed since its last check (their version counters, which writes through ``.data`` do not move) and

@@ -807,8 +807,8 @@ def test_frame_batches_join_parameters_of_one_frame_shape_whatever_their_head_co
 @pytest.mark.parametrize("optimizer", ["adam", "muon"])
 def test_grouped_query_frames_stacked_follow_one_call_per_parameter(capturable, optimizer):
     """4, 2 and 3 heads of one frame shape are updated as one stack (their moments kept as consecutive slices of
-    one buffer): frames, moments and the skipped-frame counts (one frame of parameters 1 and 2 has a NaN gradient at step 3) are those
-    of one update call per parameter, to rounding."""
+    one buffer): frames, moments and the skipped-frame counts (one frame of parameters 1 and 2 has a NaN gradient
+    at step 3) are those of one update call per parameter, to rounding."""
     params, opt = _gqa_run(6, capturable=capturable, nan_at=3, optimizer=optimizer)
     separate, opt_sep = _gqa_run(6, capturable=capturable, nan_at=3, optimizer=optimizer, stack_numel=1)
     key = "exp_avg" if optimizer == "adam" else "momentum_buffer"
