@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,14 +194,20 @@ def test_config_records_the_three_way_split_the_run_used(varied_root, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- the plan
-def _plan(monkeypatch, tmp_path, grids: dict[str, dict[str, dict[float, dict[int, float]]]]):
+def _plan(monkeypatch, tmp_path, grids: dict[str, dict[str, dict[float, dict[int, float]]]], confirm=None):
     """The stages of a two-arm protocol over synthetic grids (folder name -> arm -> lr -> seed -> val bpb)."""
     from experiments.lm import controls
 
     monkeypatch.setattr(controls, "read_grid", lambda folder: {"finals": grids.get(Path(folder).name, {}),
                                                                "unfinished": []})
-    protocol = controls.Protocol({"adamw": (1e-3, 1e-2, 1e-1), "muon": (1e-3, 1e-2, 1e-1)}, {400: ("adamw",)}, 2000)
+    protocol = controls.Protocol({"adamw": (1e-3, 1e-2, 1e-1), "muon": (1e-3, 1e-2, 1e-1)},
+                                 {400: ("adamw", "muon")}, 2000, confirm)
     return {st.name: st for st in controls.stages(tmp_path / "study", protocol)}
+
+
+def _call_arms_lrs(call):
+    return call[call.index("--arms") + 1:call.index("--lrs")], [float(v) for v in
+                                                                call[call.index("--lrs") + 1:call.index("--seeds")]]
 
 
 def _bowl(lrs, best, seeds=(0, 1)):
@@ -228,14 +235,20 @@ def test_plan_extends_an_edge_then_refines_at_root_three_then_warms_up_around_th
     for arm, best in (("adamw", 1e-2), ("muon", 1e-1)):
         coarse[arm].update(_bowl((best / math.sqrt(3), best * math.sqrt(3)), best))
     plan = _plan(monkeypatch, tmp_path, {"study": coarse})
-    (call,) = plan["warm-up 400 steps"].calls
-    assert call[call.index("--warmup-fraction") + 1] == "0.2" and call[1].endswith("warmup-400")
-    assert call[call.index("--arms") + 1:call.index("--lrs")] == ("adamw",)  # only the arms the protocol names
-    assert [float(v) for v in call[call.index("--lrs") + 1:call.index("--seeds")]] == pytest.approx(
-        [1e-2 / math.sqrt(3), 1e-2, 1e-2 * math.sqrt(3)], rel=1e-5)
+    calls = plan["warm-up 400 steps"].calls
+    assert all(call[call.index("--warmup-fraction") + 1] == "0.2" and call[1].endswith("warmup-400") for call in calls)
+    planned = dict(_call_arms_lrs(call) for call in calls)  # every arm, each at the three lrs around its optimum
+    assert planned[("adamw",)] == pytest.approx([1e-2 / math.sqrt(3), 1e-2, 1e-2 * math.sqrt(3)], rel=1e-5)
+    assert planned[("muon",)] == pytest.approx([1e-1 / math.sqrt(3), 1e-1, 1e-1 * math.sqrt(3)], rel=1e-5)
     assert list(plan)[-1] == "final, timing"
-    # companion: with the warm-up grid on record the plan reaches the final cell, on ten seeds disjoint from the grid's
+    # the warm-up grid of one arm alone does not reach the final cell: the other arm is tuned as finely
     warm = {"adamw": _bowl((1e-2 / math.sqrt(3), 1e-2, 1e-2 * math.sqrt(3)), 1e-2)}
+    plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})
+    assert [_call_arms_lrs(c)[0] for c in plan["warm-up 400 steps"].calls] == [("muon",)]
+    assert "final" not in plan
+    # companion: with both warm-up grids on record the plan reaches the final cell, on ten seeds disjoint from the
+    # grid's
+    warm["muon"] = _bowl((1e-1 / math.sqrt(3), 1e-1, 1e-1 * math.sqrt(3)), 1e-1)
     plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})
     calls = plan["final"].calls
     seeds = [call[call.index("--final-seeds") + 1:call.index("--skip-report")] for call in calls]
@@ -251,7 +264,7 @@ def test_plan_trains_the_final_cell_seed_by_seed_so_a_stopped_cell_holds_whole_p
 
     coarse = {"adamw": _bowl((1e-3, 1e-2, 1e-1, 1e-2 / math.sqrt(3), 1e-2 * math.sqrt(3)), 1e-2),
               "muon": _bowl((1e-3, 1e-2, 1e-1, 1e-2 / math.sqrt(3), 1e-2 * math.sqrt(3)), 1e-2)}
-    warm = {"adamw": _bowl((1e-2 / math.sqrt(3), 1e-2, 1e-2 * math.sqrt(3)), 1e-2)}
+    warm = {a: _bowl((1e-2 / math.sqrt(3), 1e-2, 1e-2 * math.sqrt(3)), 1e-2) for a in ("adamw", "muon")}
     done = {"adamw": {s: 2.0 for s in range(1, 11)}, "muon": {1: 2.0, 2: 2.0, 4: 2.0}}
     monkeypatch.setattr(controls, "_finished", lambda folder: (done, []))
     calls = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})["final"].calls
@@ -277,29 +290,100 @@ def test_plan_takes_a_refined_point_recorded_at_six_digits_as_on_record(monkeypa
     coarse["muon"].update(_bowl((recorded(1e-2 / math.sqrt(3)), refined), 1e-2))
     plan = _plan(monkeypatch, tmp_path, {"study": coarse})
     assert not plan["refine"].calls, plan["refine"].runs
-    (call,) = plan["warm-up 400 steps"].calls
-    assert [float(v) for v in call[call.index("--lrs") + 1:call.index("--seeds")]] == [1e-2, refined, 3e-2]
+    planned = dict(_call_arms_lrs(call) for call in plan["warm-up 400 steps"].calls)
+    assert planned[("adamw",)] == [1e-2, refined, 3e-2]
     # companion: a point that was not trained (0.1 / sqrt(3) between 1e-2 and 1e-1 for a best at 0.1) is planned
     coarse["adamw"] = _bowl((1e-3, 1e-2, 1e-1, 1.0), 1e-1)
     plan = _plan(monkeypatch, tmp_path, {"study": coarse})
     assert {r.split(" lr ")[1].split()[0] for r in plan["refine"].runs if "adamw" in r} == {"0.057735", "0.173205"}
 
 
-def test_the_committed_controls_grid_plans_no_run_it_holds():
+def test_the_committed_level_grid_plans_no_run_it_holds():
     from experiments.lm import controls
 
-    out = ROOT / "experiments/lm/records/controls"
+    out = ROOT / "experiments/lm/records/level"
     if not (out / "lr-0.0173205").is_dir():
-        pytest.skip("the controls grid's refined records are not in this checkout")
-    plan = controls.stages(out, controls.read_protocol(ROOT / "experiments/lm/configs/controls.args"))
-    grid = controls.read_grid(out)["finals"]
+        pytest.skip("the level study's grid records are not in this checkout")
+    plan = controls.stages(out, controls.read_protocol(ROOT / "experiments/lm/configs/level.args"))
+    grids = {out.name: controls.read_grid(out)["finals"]}
+    for folder in out.glob("warmup-*"):
+        grids[folder.name] = controls.read_grid(folder)["finals"]
+    planned = 0
     for stage in plan:
         for run in stage.runs:
-            if run.startswith(out.name + ":"):
-                arm, lr, seed = run.split(": ")[1].split()[::2]
-                assert not any(math.isclose(float(lr), x, rel_tol=1e-5) and int(seed) in per
-                               for x, per in grid.get(arm, {}).items()), (stage.name, run)
-    assert not next(st for st in plan if st.name == "refine").calls
+            folder, what = run.split(": ")
+            arm, lr, seed = what.split()[::2]
+            planned += 1
+            assert not any(math.isclose(float(lr), x, rel_tol=1e-5) and int(seed) in per
+                           for x, per in grids.get(folder, {}).get(arm, {}).items()), (stage.name, run)
+    assert planned or plan[-1].waiting  # the study is either still planning runs or waits on a stage
+
+
+def test_protocol_refuses_a_knob_tuned_for_some_arms_only(tmp_path):
+    """Tune symmetrically (issue 57): the committed controls study offered warm-up 400 to adamw and adamw-qknorm
+    only, and its args file is refused now, naming the arms left out; the level study's, which names every arm,
+    is read (companion)."""
+    from experiments.lm import controls
+
+    with pytest.raises(ValueError, match=r"but not of muon, stiefel, stiefeladam-muon, stiefelmuon-muon: a knob tuned"):
+        controls.read_protocol(ROOT / "experiments/lm/configs/controls.args")
+    with pytest.raises(ValueError, match="but not of muon"):
+        controls.Protocol({"adamw": (1e-2,), "muon": (1e-2,)}, {400: ("adamw",)}, 2000)
+    level = controls.read_protocol(ROOT / "experiments/lm/configs/level.args")
+    assert all(set(arms) == set(level.grids) for arms in level.warmups.values())
+    assert "stiefel-gain" in level.grids and level.confirm == (11, 3)
+    res = subprocess.run([sys.executable, "-m", "experiments.lm.controls", "plan", str(tmp_path),
+                          str(ROOT / "experiments/lm/configs/controls.args")], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "a knob tuned" in res.stderr
+
+
+def test_protocol_refuses_a_second_seed_that_is_a_grid_or_final_seed():
+    from experiments.lm import controls
+
+    for seed in (0, 1, 10):
+        with pytest.raises(ValueError, match="second selection seed"):
+            controls.Protocol({"adamw": (1e-2,)}, {}, 2000, (seed, 3))
+    assert controls.Protocol({"adamw": (1e-2,)}, {}, 2000, (11, 3)).confirm == (11, 3)  # companion
+
+
+def test_plan_confirms_each_arms_three_best_points_over_lr_and_warm_up_on_a_second_seed(monkeypatch, tmp_path):
+    """After the warm-up grids, seed 11 at each arm's three best points (ranked on seed 0 over the study's own grid
+    and the warm-up grid together), in the folder of each point; then the plan waits (the final cell's two-seed
+    selection). Companion: without '# confirm' the same records go straight to the final cell."""
+    r3 = math.sqrt(3)
+    lrs = (1e-3, 1e-2 / r3, 1e-2, 1e-2 * r3, 1e-1)
+    coarse = {a: _bowl(lrs, 1e-2, seeds=(0,)) for a in ("adamw", "muon")}
+    coarse["muon"][1e-2 * r3][0] = math.nan  # a diverged point ranks last (it would be second otherwise)
+    warm = {"adamw": {1e-2 / r3: {0: 1.5}, 1e-2: {0: 1.0}, 1e-2 * r3: {0: 1.5}},  # adamw: warm-up 400 wins
+            "muon": {1e-2 / r3: {0: 9.5}, 1e-2: {0: 9.0}, 1e-2 * r3: {0: 9.5}}}  # muon: its own warm-up wins
+    with pytest.warns(UserWarning, match="diverged"):
+        plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm}, confirm=(11, 3))
+    assert "final" not in plan and list(plan)[-1] == "final, timing"
+    got = {}
+    for name, stage in plan.items():
+        if name.startswith("second seed"):
+            for call in stage.calls:
+                assert call[call.index("--seeds") + 1:call.index("--skip-report")] == ("11",)
+                assert ("--warmup-fraction" in call) == Path(call[1]).name.startswith("warmup-")
+                arms, values = _call_arms_lrs(call)
+                for arm in arms:
+                    got.setdefault((Path(call[1]).name, arm), []).extend(values)
+    assert sorted(got) == [("study", "muon"), ("warmup-400", "adamw")]
+    assert got[("warmup-400", "adamw")] == pytest.approx([1e-2 / r3, 1e-2, 1e-2 * r3])
+    assert got[("study", "muon")] == pytest.approx([1e-3, 1e-2 / r3, 1e-2])  # not the diverged 1e-2 r3
+    # with seed 11 on record at those points the plan stops, waiting on the two-seed selection
+    for (folder, arm), values in got.items():
+        grid = coarse if folder == "study" else warm
+        for v in values:
+            grid[arm][min(grid[arm], key=lambda x: abs(math.log(x / v)))][11] = 2.0
+    with pytest.warns(UserWarning, match="diverged"):
+        plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm}, confirm=(11, 3))
+    assert not any(st.calls for name, st in plan.items() if name.startswith("second seed"))
+    assert "two-seed selection" in plan["final, timing"].waiting
+    # companion: no second seed in the protocol, and the same records reach the final cell
+    with pytest.warns(UserWarning, match="diverged"):
+        assert _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})["final"].calls
 
 
 def test_plan_extends_a_warm_up_grid_whose_best_lr_is_at_its_edge(monkeypatch, tmp_path):
@@ -307,7 +391,7 @@ def test_plan_extends_a_warm_up_grid_whose_best_lr_is_at_its_edge(monkeypatch, t
     coarse = {"adamw": _bowl((1e-3, 1e-2 / r3, 1e-2, 1e-2 * r3, 1e-1), 1e-2),
               "muon": _bowl((1e-3, 1e-2 / r3, 1e-2, 1e-2 * r3, 1e-1), 1e-2)}
     # with 400 warm-up steps adamw's best is the lowest of its three points: the next lower lr of its own grid
-    warm = {"adamw": _bowl((1e-2 / r3, 1e-2, 1e-2 * r3), 1e-3)}
+    warm = {"adamw": _bowl((1e-2 / r3, 1e-2, 1e-2 * r3), 1e-3), "muon": _bowl((1e-2 / r3, 1e-2, 1e-2 * r3), 1e-2)}
     plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})
     (call,) = plan["warm-up 400 steps"].calls
     assert call[call.index("--arms") + 1:call.index("--seeds")] == ("adamw", "--lrs", "0.001")
@@ -318,7 +402,7 @@ def test_plan_extends_a_warm_up_grid_whose_best_lr_is_at_its_edge(monkeypatch, t
     (call,) = plan["warm-up 400 steps"].calls
     assert float(call[call.index("--lrs") + 1]) == pytest.approx(1e-3 / r3, rel=1e-5)
     # companion: an optimum inside the warm-up grid needs no more points, and the plan reaches the final cell
-    warm = {"adamw": _bowl((1e-2 / r3, 1e-2, 1e-2 * r3), 1e-2)}
+    warm["adamw"] = _bowl((1e-2 / r3, 1e-2, 1e-2 * r3), 1e-2)
     plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})
     assert not plan["warm-up 400 steps"].calls and plan["final"].calls
 

@@ -1,4 +1,5 @@
-r"""The plan of the controls study (issue 42): which ``lm`` calls train next, read from the records on disk.
+r"""The plan of the controls study (issue 42) and of the level-ground study (issue 57): which ``lm`` calls train
+next, read from the records on disk.
 
 ``experiments/lm/run_controls.sh`` asks ``python -m experiments.lm.controls next OUT`` for the calls of the first
 stage that still misses runs, trains them, and asks again until nothing is left; ``plan`` lists every stage (the
@@ -16,11 +17,17 @@ it are complete (so the first runs are those that say most: every arm's coarse g
    best lr and its neighbours) with that warm-up, in ``warmup-<steps>/`` (:func:`~.tuned.select_recipes`). A
    warm-up grid whose best lr (validation) is at its edge gets the next lr beyond it, the neighbour in the arm's
    own grid (else ×√3 beyond the edge), until its optimum is bracketed too: a warm-up that moves the optimum is
-   tuned as finely as the arm itself (tuned against tuned).
-5. **final**: every arm at its recipe (lr, warm-up) on the final seeds, disjoint from the grid's, seed by seed
+   tuned as finely as the arm itself (tuned against tuned). A warm-up line names every arm of the study: the
+   protocol refuses one that tunes a knob for some arms only (:class:`Protocol`; tune symmetrically, issue 57).
+   The committed controls study (``controls.args``) offered warm-up 400 to ``adamw`` and ``adamw-qknorm`` only,
+   so the planner refuses its args file now; ``level.args`` is its successor.
+5. **second seed** (``# confirm <seed> <points>``, :func:`confirm_points`): a second seed at each arm's ``points``
+   best grid points (lr × warm-up, ranked on the first seed), so that the recipe is chosen on the mean of two
+   seeds where neighbouring points differ by less than the seed spread.
+6. **final**: every arm at its recipe (lr, warm-up) on the final seeds, disjoint from the grid's, seed by seed
    (a call trains the arms missing a seed, or the next two seeds missing the same arms), so that a cell stopped
    part-way holds whole pairs; the test split is read here only.
-6. **timing**: the timing pass for the equal-wall-clock readout.
+7. **timing**: the timing pass for the equal-wall-clock readout.
 
 Selection uses validation only (:func:`~.tuned.read_grid` never reads the grid's test numbers).
 """
@@ -36,7 +43,8 @@ from pathlib import Path
 
 from .tuned import FINAL_DIR, LR_REL_TOL, TIMING_FILE, WARMUP_PREFIX, _finished, _lr_text, read_grid, select_lrs
 
-__all__ = ["GRID_SEEDS", "FINAL_SEEDS", "REFINE_RATIO", "Protocol", "read_protocol", "Stage", "stages", "main"]
+__all__ = ["GRID_SEEDS", "FINAL_SEEDS", "REFINE_RATIO", "Protocol", "read_protocol", "Stage", "stages", "confirm_points",
+           "main"]
 
 #: Seeds of every grid point: one, so that the budget goes to the final cell's ten pairs. In the tuned study two seeds
 #: of one grid point differed by 0.018 bpb (median; 0.001-0.026 at the arms' optima), about the size of the gaps
@@ -54,12 +62,42 @@ TIME_STEPS = 20
 
 @dataclass(frozen=True)
 class Protocol:
-    """The study's grids (``# grid <arm> <lr> ...``), warm-up variants (``# warmup <steps> <arm> ...``) and the
-    steps of one run (``--epochs`` × ``--steps-per-epoch``), read from its args file."""
+    """The study's grids (``# grid <arm> <lr> ...``), warm-up variants (``# warmup <steps> <arm> ...``), the steps
+    of one run (``--epochs`` × ``--steps-per-epoch``) and, optionally, the selection's second seed
+    (``# confirm <seed> <points>``: that seed at each arm's ``points`` best grid points), read from its args file.
+
+    Raises
+    ------
+    ValueError
+        A warm-up variant that leaves out an arm of the grid (tune symmetrically: a knob tuned for one arm is
+        tuned for every arm it is compared with), or a second seed that is a grid or final seed.
+    """
 
     grids: dict[str, tuple[float, ...]]
     warmups: dict[int, tuple[str, ...]]
     total_steps: int
+    confirm: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        # tune symmetrically (issue 57): a knob tuned for one arm is tuned for every arm it is compared with, and in
+        # this study every arm is compared with every other (the baselines adamw and muon, and the frames against
+        # adamw-qknorm), so a warm-up variant names every arm or none
+        for steps, arms in self.warmups.items():
+            unknown = sorted(set(arms) - set(self.grids))
+            lacking = [a for a in self.grids if a not in arms]
+            if unknown:
+                raise ValueError(f"'# warmup {steps}' names arms without a grid: {', '.join(unknown)}.")
+            if lacking:
+                raise ValueError(
+                    f"'# warmup {steps}' tunes the warm-up of {', '.join(arms)} but not of {', '.join(lacking)}: a knob "
+                    f"tuned for one arm is tuned for every arm it is compared with; name every arm on the line (or "
+                    f"drop it).")
+        if self.confirm is not None:
+            seed, points = self.confirm
+            if seed in GRID_SEEDS or seed in FINAL_SEEDS or points < 1:
+                raise ValueError(f"'# confirm {seed} {points}': the second selection seed must differ from the grid's "
+                                 f"({', '.join(map(str, GRID_SEEDS))}) and the final cell's "
+                                 f"({FINAL_SEEDS[0]}-{FINAL_SEEDS[-1]}), and the points must be >= 1.")
 
     @property
     def arms(self) -> list[str]:
@@ -71,19 +109,23 @@ def read_protocol(path: str | Path) -> Protocol:
     grids: dict[str, tuple[float, ...]] = {}
     warmups: dict[int, tuple[str, ...]] = {}
     flags: dict[str, str] = {}
+    confirm: tuple[int, int] | None = None
     for line in Path(path).read_text().splitlines():
         words = line.split()
         if words[:2] == ["#", "grid"]:
             grids[words[2]] = tuple(sorted(float(v) for v in words[3:]))
         elif words[:2] == ["#", "warmup"]:
             warmups[int(words[2])] = tuple(words[3:])
+        elif words[:2] == ["#", "confirm"]:
+            confirm = (int(words[2]), int(words[3]))
         elif words and words[0].startswith("--") and len(words) == 2:
             flags[words[0]] = words[1]
-    unknown = sorted({a for arms in warmups.values() for a in arms} - set(grids))
-    if not grids or unknown:
-        raise ValueError(f"{path}: needs '# grid <arm> <lr> ...' lines" + (
-            f"; '# warmup' names arms without a grid: {', '.join(unknown)}" if unknown else "") + ".")
-    return Protocol(grids, warmups, int(flags["--epochs"]) * int(flags["--steps-per-epoch"]))
+    if not grids:
+        raise ValueError(f"{path}: needs '# grid <arm> <lr> ...' lines.")
+    try:
+        return Protocol(grids, warmups, int(flags["--epochs"]) * int(flags["--steps-per-epoch"]), confirm)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
 
 
 @dataclass(frozen=True)
@@ -140,6 +182,34 @@ def _beyond_warmup_edge(warm: dict, arm: str, grid: Sequence[float]) -> float | 
     return None
 
 
+def _score(value: float) -> float:
+    return value if math.isfinite(value) else math.inf
+
+
+def confirm_points(out: Path, protocol: Protocol, grid: dict | None = None
+                   ) -> dict[Path, tuple[tuple[str, ...], dict[str, list[float]]]]:
+    """The grid points that still miss the second selection seed (``protocol.confirm``): for each arm, its
+    ``points`` best grid points by validation bpb on the first grid seed, over the study's own grid and every
+    warm-up grid (lr × warm-up); ``{folder: (extra lm flags, {arm: [lr, ...]})}`` for the folders with runs to
+    train. A diverged point (non-finite bpb) ranks last."""
+    assert protocol.confirm is not None
+    seed, top = protocol.confirm
+    first = GRID_SEEDS[0]
+    folders: list[tuple[Path, tuple[str, ...], dict]] = [(out, (), grid if grid is not None else read_grid(out))]
+    for steps in protocol.warmups:
+        folder = out / f"{WARMUP_PREFIX}{steps}"
+        folders.append((folder, ("--warmup-fraction", f"{steps / protocol.total_steps:g}"), read_grid(folder)))
+    found: dict[Path, tuple[tuple[str, ...], dict[str, list[float]]]] = {}
+    for arm in protocol.arms:
+        points = sorted((_score(per[first]), k, lr) for k, (_, _, g) in enumerate(folders)
+                        for lr, per in g["finals"].get(arm, {}).items() if first in per)
+        for _, k, lr in points[:top]:
+            folder, extra, g = folders[k]
+            if seed not in g["finals"][arm][lr]:
+                found.setdefault(folder, (extra, {}))[1].setdefault(arm, []).append(lr)
+    return found
+
+
 def stages(out: str | Path, protocol: Protocol) -> list[Stage]:
     """Every stage in order, up to and including the first that cannot be planned yet (module docstring); a stage
     whose runs are all on record has no calls."""
@@ -174,6 +244,16 @@ def stages(out: str | Path, protocol: Protocol) -> list[Stage]:
                                 ("--warmup-fraction", f"{steps / protocol.total_steps:g}")))
         if any(missing.values()):
             return plan + [Stage("final, timing", waiting=f"the warm-up {steps} grid")]
+    if protocol.confirm is not None:
+        seed, _ = protocol.confirm
+        missing_by_folder = confirm_points(out, protocol, grid)
+        confirm = [_grid_stage(f"second seed {seed}, {folder.name}", folder, missing, [seed], extra)
+                   for folder, (extra, missing) in missing_by_folder.items()]
+        plan += confirm or [Stage(f"second seed {seed}")]
+        # the final cell selects each arm's recipe on the mean of both seeds over its confirmed points; that
+        # selection is not in the harness yet (tuned.run_tuned selects on one seed), so the plan stops here
+        return plan + [Stage("final, timing", waiting=f"the second seed {seed}" if confirm else
+                             "the two-seed selection of the final cell (issue 57, item 3: not in the harness yet)")]
     done, _ = _finished(out / FINAL_DIR)
     todo = [(a, s) for s in FINAL_SEEDS for a in protocol.arms if s not in done.get(a, {})]
     # seed by seed, every arm missing it: a cell stopped part-way holds whole pairs of every arm, not all ten seeds
@@ -210,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         protocol = read_protocol(a.args)
     except (OSError, ValueError, KeyError) as err:
-        print(f"controls: {a.args}: not a usable args file ({err}).", file=sys.stderr)
+        print(f"controls: not a usable args file: {err}", file=sys.stderr)
         return 2
     plan = stages(a.out, protocol)
     if a.command == "next":

@@ -4,7 +4,10 @@
 # adamw and adamw-qknorm), then the final cell of 10 paired seeds read once on test, the timing pass, the report.
 # The stages and their order: experiments/lm/controls.py; grids and flags: experiments/lm/configs/controls.args.
 #
-# Usage: experiments/lm/run_controls.sh COMMIT WORKTREE [JOBS]
+# Usage: [STUDY=level] experiments/lm/run_controls.sh COMMIT WORKTREE [JOBS]
+#   STUDY (default controls) picks the args file experiments/lm/configs/$STUDY.args and the records folder
+#   experiments/lm/records/$STUDY/: "level" is the level-ground study of issue 57 (its successor; the planner
+#   refuses controls.args now, whose warm-up variant left out four arms).
 #   Trains on COMMIT (must be clean) checked out in WORKTREE (created with `git worktree add` when missing), JOBS
 #   runs side by side (one torch thread each; default 1); records go to experiments/lm/records/controls/ of this
 #   checkout. Resumable: rerun it and it skips the runs already recorded and continues. The plan (which runs are
@@ -19,10 +22,13 @@ commit=$1 tree=$2 jobs=${3:-1}
 [[ $jobs =~ ^[1-9][0-9]*$ ]] || usage "JOBS $jobs: must be a positive int"
 repo=$(git rev-parse --show-toplevel)
 sha=$(git -C "$repo" rev-parse --verify --quiet "$commit^{commit}") || usage "COMMIT $commit: no such commit"
-out=$repo/experiments/lm/records/controls
+study=${STUDY:-controls}
+[[ $study =~ ^[a-z][a-z0-9-]*$ && -f $repo/experiments/lm/configs/$study.args ]] \
+  || usage "STUDY $study: no experiments/lm/configs/$study.args"
+out=$repo/experiments/lm/records/$study
 if [[ ${DRY_RUN:-0} == 1 ]]; then
   cd "$repo"
-  exec python -m experiments.lm.controls plan "$out" experiments/lm/configs/controls.args
+  exec python -m experiments.lm.controls plan "$out" "experiments/lm/configs/$study.args"
 fi
 if [[ ! -e $tree ]]; then
   git -C "$repo" worktree add --detach "$tree" "$sha" >&2
@@ -30,7 +36,7 @@ fi
 [[ $(git -C "$tree" rev-parse HEAD 2>/dev/null) == "$sha" ]] || usage "WORKTREE $tree: is not a checkout of $commit"
 [[ -z $(git -C "$tree" status --porcelain --untracked-files=no) ]] || usage "WORKTREE $tree: has uncommitted changes"
 cd "$tree"
-args=experiments/lm/configs/controls.args
+args=experiments/lm/configs/$study.args
 flags=$(grep -v '^#' "$args")
 mkdir -p "$out"
 lm() {

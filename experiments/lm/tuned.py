@@ -98,7 +98,8 @@ LR_REL_TOL = 1e-5
 #: Grid ratio assumed beyond the edge of a one-point grid.
 DEFAULT_GRID_RATIO = 3.0
 #: Arm order of tables and figures (others follow in name order); the controls study's arms (issue 42) included.
-ARM_ORDER = ("adamw", "adamw-qknorm", "muon", "stiefel", "stiefel-muon", "stiefeladam-muon", "stiefelmuon-muon")
+ARM_ORDER = ("adamw", "adamw-qknorm", "muon", "stiefel", "stiefel-gain", "stiefel-muon", "stiefeladam-muon",
+             "stiefelmuon-muon")
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"
