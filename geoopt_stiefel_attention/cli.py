@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from ._argtypes import OneLineParser, UsageError  # beside the argument types, which the studies import too
+from .argtypes import OneLineParser, UsageError  # beside the argument types, which the studies import too
 
 __all__ = ["SUBCOMMANDS", "STUDIES", "UsageError", "add_subcommands", "build_parser", "main", "parse_command_line",
            "run_command"]

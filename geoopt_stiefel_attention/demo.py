@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._argtypes import UsageError, add_threads_argument, positive_float, positive_int, seed_int
+from .argtypes import UsageError, add_threads_argument, positive_float, positive_int, seed_int
 
 HELP = "Train a stack of Stiefel frames with StiefelAdam and stock geoopt RiemannianAdam; print the comparison."
 

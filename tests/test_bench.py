@@ -864,7 +864,7 @@ def test_the_demo_size_check_passes_what_fits(monkeypatch):
 def test_the_thread_bound_and_distinct_values_pass(monkeypatch):
     """Companions of the refusals of a huge --threads and of a repeated value: 1024 threads pass the flag's type,
     and distinct widths, optimizers and rows reach the benchmark and the certificates."""
-    from geoopt_stiefel_attention._argtypes import THREADS_MAX, thread_count
+    from geoopt_stiefel_attention.argtypes import THREADS_MAX, thread_count
     from geoopt_stiefel_attention.bench import cli as bench_cli
 
     assert thread_count(str(THREADS_MAX)) == THREADS_MAX == 1024 and thread_count("1") == 1
@@ -884,7 +884,7 @@ def test_the_thread_bound_and_distinct_values_pass(monkeypatch):
 
 def test_the_seed_bound_is_torchs():
     """SEED_MAX is the largest seed torch takes (companion: one more fails inside torch), and certify runs with it."""
-    from geoopt_stiefel_attention._argtypes import SEED_MAX, seed_int
+    from geoopt_stiefel_attention.argtypes import SEED_MAX, seed_int
 
     assert seed_int(str(SEED_MAX)) == SEED_MAX and seed_int("0") == 0
     torch.Generator().manual_seed(SEED_MAX)

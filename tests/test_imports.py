@@ -157,6 +157,38 @@ def test_the_harness_never_imports_a_study():
     assert importers_of(harness, ("experiments.grokking", "experiments.vision", "experiments.lm")) == {}
 
 
+def private_package_names(names: dict[str, set[str]]) -> dict[str, list[str]]:
+    """The modules of ``names`` that import a private name of the package: a module, or a name defined in one,
+    whose dotted path below :data:`NAME` has a part starting with ``_`` (``geoopt_stiefel_attention._linalg.sym``,
+    ``geoopt_stiefel_attention.optim._batching``; dunders such as ``__version__`` are public)."""
+    def private(name: str) -> bool:
+        parts = name.split(".")
+        return parts[0] == NAME and any(p.startswith("_") and not p.startswith("__") for p in parts[1:])
+
+    hits = {m: sorted(n for n in imported if private(n)) for m, imported in names.items()}
+    return {m: found for m, found in sorted(hits.items()) if found}
+
+
+def test_the_studies_use_the_public_api_only():
+    """Issue 58: the research imports what a user can import; a private module of the package is the package's to
+    change (the one-line CLI error type is public, :mod:`geoopt_stiefel_attention.argtypes`)."""
+    names = imported_names(EXPERIMENTS, "experiments")
+    assert any(f"{NAME}.argtypes.UsageError" in n for n in names.values())  # the scan sees the studies' imports
+    assert private_package_names(names) == {}
+
+
+def test_the_private_import_scan_finds_one(tmp_path):
+    """Companion: a study module that imports ``_linalg`` inside a function, and one that imports a private helper
+    of a public module, are both caught; ``__version__`` is not."""
+    pkg = tmp_path / "study"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(f"from {NAME} import __version__\n")
+    (pkg / "a.py").write_text(f"def f():\n    from {NAME} import _linalg\n    return _linalg\n")
+    (pkg / "b.py").write_text(f"from {NAME}.optim._batching import _stacked_view\n")
+    found = private_package_names(imported_names(pkg, "study"))
+    assert found == {"study.a": [f"{NAME}._linalg"], "study.b": [f"{NAME}.optim._batching._stacked_view"]}
+
+
 def test_the_import_scan_finds_a_forbidden_import(tmp_path):
     """Companion: a package that imports ``experiments`` inside a function, and seaborn through a relative
     re-export, is caught by the same scan."""

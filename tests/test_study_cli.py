@@ -189,7 +189,7 @@ def test_out_on_a_read_only_file_system_is_one_line_before_any_work(tmp_path, ca
     _usage_error(capsys, [study, "--report-only", "--out", str(ro / "done")], "--out", "nothing can be created")
     assert sorted(p.name for p in ro.iterdir()) == ["done"] and not list((ro / "done").iterdir())
     # companion: elsewhere the same check passes (the probe folder it makes is removed again)
-    from geoopt_stiefel_attention._argtypes import output_path_problem
+    from geoopt_stiefel_attention.argtypes import output_path_problem
 
     assert output_path_problem(tmp_path / "rw" / "study", folder=True) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]
@@ -202,7 +202,7 @@ def test_out_under_proc_is_one_line(capsys):
 
 
 def test_output_path_problem_for_files_and_folders(tmp_path, monkeypatch):
-    from geoopt_stiefel_attention._argtypes import output_path_problem
+    from geoopt_stiefel_attention.argtypes import output_path_problem
 
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -460,9 +460,9 @@ def test_report_only_flags_are_declared_beside_their_study():
 
 def test_usage_error_is_one_class_for_the_cli_and_the_studies():
     from experiments.harness import command
-    from geoopt_stiefel_attention import _argtypes, cli
+    from geoopt_stiefel_attention import argtypes, cli
 
-    assert cli.UsageError is _argtypes.UsageError is command.UsageError
+    assert cli.UsageError is argtypes.UsageError is command.UsageError
 
 
 @pytest.mark.parametrize("study", ["grokking", "vision", "lm"])

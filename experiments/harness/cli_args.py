@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from geoopt_stiefel_attention._argtypes import OneLineParser
-from geoopt_stiefel_attention._linalg import ADJUST_LR_FNS, trust_radius
+from geoopt_stiefel_attention.argtypes import OneLineParser
+from geoopt_stiefel_attention.optim import ADJUST_LR_FNS, trust_radius
 
 from .config import OptimConfig, TrainConfig
 
@@ -128,12 +128,12 @@ def invoked_command() -> str | None:
 def check_runner_args(args: argparse.Namespace, study: str | None = None) -> None:
     """Refuse bad running flags before anything is written: unknown or repeated ``--arms``, negative, repeated or
     too large ``--seeds`` (torch takes seeds up to 2**64 - 1), ``--workers``/``--threads``/``--stop-after-epochs``
-    below 1, ``--threads`` above :data:`~geoopt_stiefel_attention._argtypes.THREADS_MAX`, a negative
+    below 1, ``--threads`` above :data:`~geoopt_stiefel_attention.argtypes.THREADS_MAX`, a negative
     ``--checkpoint-interval``, a ``--device`` torch cannot use, and an ``--out`` that cannot be a folder.
-    Raises :class:`~geoopt_stiefel_attention._argtypes.UsageError` naming the flag."""
+    Raises :class:`~geoopt_stiefel_attention.argtypes.UsageError` naming the flag."""
     import math
 
-    from geoopt_stiefel_attention._argtypes import THREADS_MAX, UsageError
+    from geoopt_stiefel_attention.argtypes import THREADS_MAX, UsageError
 
     from .arms import ARMS, available_arms
 
@@ -178,9 +178,9 @@ def check_runner_args(args: argparse.Namespace, study: str | None = None) -> Non
 
 
 def check_seed_range(flag: str, seeds: Sequence[int]) -> None:
-    """Refuse a seed above :data:`~geoopt_stiefel_attention._argtypes.SEED_MAX`, the largest torch takes (beyond it
+    """Refuse a seed above :data:`~geoopt_stiefel_attention.argtypes.SEED_MAX`, the largest torch takes (beyond it
     a run failed inside torch with a traceback, after its folder was made). Raises
-    :class:`~geoopt_stiefel_attention._argtypes.UsageError` naming ``flag``.
+    :class:`~geoopt_stiefel_attention.argtypes.UsageError` naming ``flag``.
 
     Parameters
     ----------
@@ -189,7 +189,7 @@ def check_seed_range(flag: str, seeds: Sequence[int]) -> None:
     seeds : sequence of int
         Its values as parsed.
     """
-    from geoopt_stiefel_attention._argtypes import SEED_MAX, UsageError
+    from geoopt_stiefel_attention.argtypes import SEED_MAX, UsageError
 
     big = [s for s in seeds if s > SEED_MAX]
     if big:
@@ -199,7 +199,7 @@ def check_seed_range(flag: str, seeds: Sequence[int]) -> None:
 
 def check_distinct(flag: str, values: Sequence, word: str = "value") -> None:
     """Refuse a list flag that names one value twice (a sweep would otherwise drop the repeat silently, or run it
-    twice). Raises :class:`~geoopt_stiefel_attention._argtypes.UsageError` naming ``flag``.
+    twice). Raises :class:`~geoopt_stiefel_attention.argtypes.UsageError` naming ``flag``.
 
     Parameters
     ----------
@@ -210,7 +210,7 @@ def check_distinct(flag: str, values: Sequence, word: str = "value") -> None:
     word : str
         What one value is, for the message (``"seed"``, ``"arm"``, ...).
     """
-    from geoopt_stiefel_attention._argtypes import UsageError
+    from geoopt_stiefel_attention.argtypes import UsageError
 
     if len(set(values)) != len(values):
         raise UsageError(f"{flag}: {' '.join(map(str, values))} names a{'n' if word[0] in 'aeiou' else ''} {word} "
@@ -222,7 +222,7 @@ def check_out_dir(out: str, *, must_exist: bool = False) -> None:
     read-only file system), or (for ``--report-only``) does not exist. Leaves nothing behind."""
     from pathlib import Path
 
-    from geoopt_stiefel_attention._argtypes import UsageError, output_path_problem
+    from geoopt_stiefel_attention.argtypes import UsageError, output_path_problem
 
     path = Path(out)
     if path.exists() and not path.is_dir():
@@ -245,10 +245,10 @@ OPTIONAL_PACKAGES = {"tqdm": "progress bars (or pass --quiet)", "seaborn": "the 
 
 def require_modules(names: Sequence[str]) -> None:
     """Import each optional package in ``names``; one missing raises
-    :class:`~geoopt_stiefel_attention._argtypes.UsageError` saying what needs it and how to install it."""
+    :class:`~geoopt_stiefel_attention.argtypes.UsageError` saying what needs it and how to install it."""
     import importlib
 
-    from geoopt_stiefel_attention._argtypes import UsageError
+    from geoopt_stiefel_attention.argtypes import UsageError
 
     for name in names:
         try:
@@ -271,9 +271,9 @@ def runner_modules(args: argparse.Namespace) -> list[str]:
 
 
 def build_config(factory, args: argparse.Namespace):
-    """``factory(args)`` with a config error turned into a :class:`~geoopt_stiefel_attention._argtypes.UsageError`
+    """``factory(args)`` with a config error turned into a :class:`~geoopt_stiefel_attention.argtypes.UsageError`
     (the config messages name the flags)."""
-    from geoopt_stiefel_attention._argtypes import UsageError
+    from geoopt_stiefel_attention.argtypes import UsageError
 
     try:
         return factory(args)
@@ -283,13 +283,13 @@ def build_config(factory, args: argparse.Namespace):
 
 class user_errors:  # noqa: N801 - used as a context manager: ``with user_errors(): ...``
     """Turn the harness's user-facing errors (a run folder holding another run, a folder being trained by
-    another process, an arm run under a frame-step rule it does not follow, records that contradict each other) into :class:`~geoopt_stiefel_attention._argtypes.UsageError` (one line, exit status 2)."""
+    another process, an arm run under a frame-step rule it does not follow, records that contradict each other) into :class:`~geoopt_stiefel_attention.argtypes.UsageError` (one line, exit status 2)."""
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind, err, tb) -> bool:
-        from geoopt_stiefel_attention._argtypes import UsageError
+        from geoopt_stiefel_attention.argtypes import UsageError
 
         from .arms import ArmRuleError
         from .records import InconsistentRecordsError

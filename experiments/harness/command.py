@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from geoopt_stiefel_attention._argtypes import UsageError
+from geoopt_stiefel_attention.argtypes import UsageError
 
 from .runner import RunOptions, RunResult
 from .study import StudyOutputs

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from geoopt_stiefel_attention._linalg import ADJUST_LR_FNS, trust_radius
+from geoopt_stiefel_attention.optim import ADJUST_LR_FNS, trust_radius
 
 __all__ = ["TrainConfig", "OptimConfig", "RunSpec", "to_dict", "require", "flag_of", "config_value", "config_from_dict",
            "FORMER_CONFIG_CLASSES", "with_current_config_class"]

@@ -917,11 +917,11 @@ def _located(value: Any, where: str = "") -> Any:
 
 def _read_summary(path: Path, given: bool) -> dict[str, Any] | None:
     """The summary at ``path``: ``None`` when the default one does not exist yet (no records: the placeholder);
-    a :class:`~geoopt_stiefel_attention._argtypes.UsageError` naming the file when one given with ``--summary``
+    a :class:`~geoopt_stiefel_attention.argtypes.UsageError` naming the file when one given with ``--summary``
     does not exist, or when it is not a JSON object. Its objects say where they are: a key the README paragraph
     needs and the file lacks raises :class:`SummaryKeyError` naming the key's path (:func:`main` says it in one
     line)."""
-    from geoopt_stiefel_attention._argtypes import UsageError
+    from geoopt_stiefel_attention.argtypes import UsageError
 
     if not path.exists():
         if given:
@@ -944,7 +944,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unreadable file (the README, a summary given with ``--summary``, a corrupt summary, a summary that lacks a key
     the paragraph needs) is one line naming it (and the key), exit status 2, and changes nothing; a README that
     disagrees with ``--check``: one line per problem, exit status 1."""
-    from geoopt_stiefel_attention._argtypes import UsageError
+    from geoopt_stiefel_attention.argtypes import UsageError
     from geoopt_stiefel_attention.cli import run_command
 
     from ..harness.cli_args import OneLineParser

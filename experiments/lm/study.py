@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from geoopt_stiefel_attention._argtypes import UsageError
+from geoopt_stiefel_attention.argtypes import UsageError
 from geoopt_stiefel_attention.nn import param_groups
 
 from ..harness.arms import ARMS, Arm, build_stiefel, register_arm
@@ -962,13 +962,13 @@ def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] 
 
 # ---------------------------------------------------------------------------------------------- CLI
 def _none_or_positive_float(text: str) -> float | None:
-    from geoopt_stiefel_attention._argtypes import positive_float
+    from geoopt_stiefel_attention.argtypes import positive_float
 
     return None if text.lower() in ("none", "off") else positive_float(text)
 
 
 def _task_arguments(parser: argparse.ArgumentParser, d: LMConfig) -> None:
-    from geoopt_stiefel_attention._argtypes import positive_float, positive_int
+    from geoopt_stiefel_attention.argtypes import positive_float, positive_int
 
     g = parser.add_argument_group("corpus")
     g.add_argument("--corpus", choices=CORPORA, default=d.corpus,

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from geoopt_stiefel_attention._argtypes import UsageError
+from geoopt_stiefel_attention.argtypes import UsageError
 
 from ..harness import ablation_arms  # noqa: F401  (registers the ablation and frozen arms)
 from ..harness.arms import Arm

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._argtypes import UsageError, add_threads_argument, output_path_problem, positive_int, seed_int
+from ..argtypes import UsageError, add_threads_argument, output_path_problem, positive_int, seed_int
 
 HELP = ("Certify the five propositions and the gauge negative result numerically (float64) for StiefelAdam "
         "and stock optimizers, and manifold Muon's properties for StiefelMuon beside torch's Muon, StiefelAdam "

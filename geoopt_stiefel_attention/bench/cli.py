@@ -8,7 +8,7 @@ import importlib.util
 import json
 from dataclasses import replace
 
-from .._argtypes import (
+from ..argtypes import (
     UsageError,
     add_threads_argument,
     output_path_problem,

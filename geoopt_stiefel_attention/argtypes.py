@@ -5,7 +5,8 @@ names the flag and exit with status 2 (no traceback). :class:`UsageError` does t
 involve several flags and can only run after parsing: a subcommand raises it, and
 :func:`geoopt_stiefel_attention.cli.main` prints it as one line and returns 2. :func:`output_path_problem`
 says why an output path cannot be written, so that a command checks its output flags before it starts any work.
-This module imports nothing of the package, so that the CLI and the studies can both import it.
+This module imports nothing of the package, so that the CLI and the studies can both import it. It is public so
+that the studies (``python -m experiments``) and users' own scripts build command lines that fail the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +17,27 @@ import os
 import tempfile
 from pathlib import Path
 
+__all__ = ["UsageError", "OneLineParser", "positive_int", "nonnegative_int", "positive_float", "seed_int",
+           "thread_count", "add_threads_argument", "output_path_problem", "THREADS_MAX", "SEED_MAX"]
+
+_TYPE_DOC = """
+
+    Parameters
+    ----------
+    text : str
+        The flag's value as typed.
+
+    Returns
+    -------
+    {kind}
+        The value.
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        For any other value: argparse then prints one line naming the flag and exits with status 2.
+    """
+
 
 def _int(text: str) -> int:
     try:
@@ -25,7 +47,7 @@ def _int(text: str) -> int:
 
 
 def positive_int(text: str) -> int:
-    """An integer >= 1."""
+    """An integer >= 1, as an ``argparse`` ``type=``."""
     value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
@@ -38,7 +60,7 @@ THREADS_MAX = 1024
 
 
 def thread_count(text: str) -> int:
-    """A thread count: an integer from 1 to :data:`THREADS_MAX`."""
+    """A thread count: an integer from 1 to :data:`THREADS_MAX`, as an ``argparse`` ``type=``."""
     value = positive_int(text)
     if value > THREADS_MAX:
         raise argparse.ArgumentTypeError(f"must be an integer from 1 to {THREADS_MAX}, got {value}")
@@ -53,6 +75,15 @@ def add_threads_argument(parser: argparse.ArgumentParser, default: int | None = 
     add synchronisation, and on a shared, loaded machine they can make a command many times slower (measured:
     ``demo`` 5 min 54 s with torch's default thread count on a loaded 2-core machine, 8.2 s with one thread).
     A command where part of the work keeps its own thread count passes ``help`` saying exactly what the flag does.
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+        The command's parser.
+    default : int or None, default 1
+        The thread count without the flag (``None``: torch's own choice).
+    help : str, optional
+        The flag's help text (default: the sentence above).
     """
     where = "torch's own choice" if default is None else f"{default}"
     parser.add_argument("--threads", type=thread_count, default=default,
@@ -61,7 +92,7 @@ def add_threads_argument(parser: argparse.ArgumentParser, default: int | None = 
 
 
 def nonnegative_int(text: str) -> int:
-    """An integer >= 0."""
+    """An integer >= 0, as an ``argparse`` ``type=``."""
     value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
@@ -74,7 +105,8 @@ SEED_MAX = 2**64 - 1
 
 
 def seed_int(text: str) -> int:
-    """A seed: an integer from 0 to :data:`SEED_MAX` (torch's range), checked before any work is done."""
+    """A seed: an integer from 0 to :data:`SEED_MAX` (torch's range), checked before any work is done, as an
+    ``argparse`` ``type=``."""
     value = _int(text)
     if not 0 <= value <= SEED_MAX:
         raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**64 - 1 = {SEED_MAX} (the seeds torch "
@@ -83,7 +115,7 @@ def seed_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    """A finite number > 0."""
+    """A finite number > 0, as an ``argparse`` ``type=``."""
     try:
         value = float(text)
     except ValueError:
@@ -103,7 +135,16 @@ class OneLineParser(argparse.ArgumentParser):
     one line, ``<prog>: error: argument --flag: ...``, with exit status 2 and no usage block: the same form as
     every other usage error of the commands (:class:`UsageError`). Its subcommands' parsers are of this class too
     (``add_subparsers`` makes them of the parent's class). ``stiefel-attention`` and ``python -m experiments``
-    both parse with it."""
+    both parse with it.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        Those of :class:`argparse.ArgumentParser`, passed on unchanged.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         """Print ``<prog>: error: <message>`` as one line to stderr and exit with status 2.
@@ -161,3 +202,8 @@ def output_path_problem(path: str | os.PathLike, *, folder: bool) -> str | None:
     except OSError as err:
         return f"nothing can be created in {existing} ({err.strerror}); pass a path you can write to."
     return None
+
+
+for _fn, _kind in ((positive_int, "int"), (thread_count, "int"), (nonnegative_int, "int"), (seed_int, "int"),
+                   (positive_float, "float")):
+    _fn.__doc__ = (_fn.__doc__ or "") + _TYPE_DOC.format(kind=_kind)
