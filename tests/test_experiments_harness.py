@@ -388,7 +388,7 @@ def test_a_study_of_several_cells_hands_all_its_runs_to_one_pool(tmp_path, monke
 
 
 def test_runs_placed_in_one_folder_are_refused_before_any_training(tmp_path):
-    from experiments.harness.runner import run_placed_jobs
+    from experiments.harness.jobs import run_placed_jobs
 
     spec = RunSpec(ToyConfig(), "adamw", seed=0)
     with pytest.raises(ValueError, match="share a folder"):

@@ -400,7 +400,7 @@ def test_an_arm_of_another_study_is_refused_not_run_as_another(tmp_path, capsys)
     plain frames and run it as ``stiefel`` without a word, so they refuse it (CLI and Python API)."""
     from experiments.harness.arms import available_arms, get_arm
     from experiments.harness.config import RunSpec
-    from experiments.harness.runner import run_jobs
+    from experiments.harness.jobs import run_jobs
     from experiments.lm import study as lm  # noqa: F401  (registers the lm arms)
 
     out = tmp_path / "out"
@@ -432,7 +432,7 @@ def test_report_only_names_the_training_flags_it_ignores(tmp_path, capsys):
 
 
 def test_run_options_are_made_once_from_the_flags():
-    from experiments.harness.runner import RunOptions
+    from experiments.harness.jobs import RunOptions
 
     args = build_parser().parse_args(["grokking", "--workers", "2", "--device", "cpu", "--threads", "3", "--quiet",
                                       "--stop-after-epochs", "5", "--checkpoint-interval", "7"])
@@ -551,7 +551,7 @@ def test_an_arm_that_steps_by_its_own_rule_is_refused_under_another():
     use, so the CLI refuses it in one line, before any work (companion: the same arms under their own rule)."""
     from experiments.harness.arms import check_arm
     from experiments.harness.config import OptimConfig, RunSpec
-    from experiments.harness.runner import run_jobs
+    from experiments.harness.jobs import run_jobs
 
     for arm, own, other in (("geoopt-radam", "original", "match_rms_adamw"),
                             ("geoopt-rsgd", "original", "match_rms_adamw"),

@@ -28,10 +28,11 @@ from ..harness.arms import Arm
 from ..harness.batches import FullBatch
 from ..harness.command import StudyCommand
 from ..harness.config import OptimConfig, RunSpec, TrainConfig, require
+from ..harness.jobs import RunOptions
 from ..harness.mechanism import seeds_text
 from ..harness.metrics import QKGeometry, WeightNorms
 from ..harness.report import PaperReference, frame_rule_text
-from ..harness.runner import RunOptions, Task
+from ..harness.runner import Task
 from ..harness.study import StudyOutputs, finalize_study, run_study
 from .data import canonical_operation, is_prime, modular_split
 
@@ -186,7 +187,7 @@ def run_grokking(config: GrokkingConfig, out_dir, *, arms=("adamw", "stiefel"), 
     ``out_dir``; returns :class:`~.study.StudyOutputs` (without a summary when ``skip_report``). With
     ``report_only`` nothing is trained and the report is rebuilt from the records (``arms``/``seeds`` ``None``:
     every arm and seed on disk). ``command`` is recorded in ``out_dir/study.json`` and shown in the report.
-    ``options`` (:class:`~.runner.RunOptions`) says how to run; its fields may also be given by keyword."""
+    ``options`` (:class:`~.jobs.RunOptions`) says how to run; its fields may also be given by keyword."""
     kwargs = dict(title=f"Grokking on (a {config.operation} b) mod {config.p}: Stiefel W_Q/W_K vs AdamW",
                   intro=_intro(config), paper=PAPER, notes=NOTES)
     if report_only:

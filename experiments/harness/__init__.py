@@ -2,8 +2,9 @@
 
 - :mod:`.config`: frozen, validated configs (:class:`TrainConfig`, :class:`OptimConfig`, :class:`RunSpec`);
 - :mod:`.arms`: the open registry of arms (``adamw``, ``stiefel``, ``geoopt-radam``, ``geoopt-rsgd``);
-- :mod:`.runner`: the one training loop (:func:`train_run`), the parallel job runner (:func:`run_jobs`) and
-  how to run (:class:`RunOptions`);
+- :mod:`.runner`: the one training loop (:func:`train_run`); :mod:`.run_folder`: what a run's folder holds
+  (config, environment, checkpoint, lock) and its checks; :mod:`.jobs`: the parallel job runner
+  (:func:`run_jobs`) and how to run (:class:`RunOptions`);
 - :mod:`.command`: the base class of every study command (:class:`~.command.StudyCommand`);
 - :mod:`.metrics`: per-evaluation hooks (weight norms, movement and principal angles of W_Q, W_K);
 - :mod:`.records`, :mod:`.plotting`, :mod:`.report`: JSON-lines records, summaries, seaborn figures,
@@ -34,7 +35,7 @@ config, its task builder, its arms and its report sections; the harness does the
    :func:`~.study.run_study` (one cell) or :func:`~.study.run_cells` (a sweep of :class:`~.study.Cell`), and
    :func:`~.study.finalize_study` for the report: its sections are the title, intro, notes and the paper's
    figures as a :class:`~.report.PaperReference` with the ``protocol`` they were measured under. How to run
-   is one :class:`~.runner.RunOptions`.
+   is one :class:`~.jobs.RunOptions`.
 5. The command: a subclass of :class:`~.command.StudyCommand` (class attributes ``name``, ``config_type``,
    default ``arms`` and ``seeds``; methods ``task_arguments``, ``config_from_args``, ``train`` and, where the
    study differs, ``check``, ``prepare``, ``config_for_report``, ``summary_lines``, ...), then
@@ -45,8 +46,9 @@ config, its task builder, its arms and its report sections; the harness does the
 
 from .arms import ARMS, Arm, OptimizerGroup, get_arm, register_arm
 from .config import OptimConfig, RunSpec, TrainConfig, to_dict
+from .jobs import RunOptions, run_jobs
 from .metrics import MetricHook, QKGeometry, WeightNorms, principal_angles
-from .runner import RunOptions, RunResult, Task, run_jobs, train_run
+from .runner import RunResult, Task, train_run
 
 __all__ = ["ARMS", "Arm", "OptimizerGroup", "get_arm", "register_arm", "OptimConfig", "RunSpec", "TrainConfig",
            "to_dict", "MetricHook", "QKGeometry", "WeightNorms", "principal_angles", "RunOptions", "RunResult", "Task",

@@ -293,7 +293,7 @@ class user_errors:  # noqa: N801 - used as a context manager: ``with user_errors
 
         from .arms import ArmRuleError
         from .records import InconsistentRecordsError
-        from .runner import ConfigMismatchError, RunLockedError
+        from .run_folder import ConfigMismatchError, RunLockedError
 
         if isinstance(err, (ConfigMismatchError, RunLockedError, ArmRuleError, InconsistentRecordsError)):
             raise UsageError(str(err)) from None

@@ -19,7 +19,8 @@ from typing import Any
 
 from geoopt_stiefel_attention.argtypes import UsageError
 
-from .runner import RunOptions, RunResult
+from .jobs import RunOptions
+from .runner import RunResult
 from .study import StudyOutputs
 
 __all__ = ["StudyCommand", "RUNNER_REPORT_ONLY_FLAGS", "ignored_by_report_only"]

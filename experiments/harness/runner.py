@@ -1,4 +1,6 @@
-r"""The one training loop shared by every study, and the parallel runner of a study's (arm, seed) jobs.
+r"""The one training loop shared by every study, read top-down in :func:`train_run`: plan (check the arm, lock the
+folder, check or write its config: :mod:`.run_folder`), build, resume, then train and record. The parallel runner of
+a study's (arm, seed) jobs is :mod:`.jobs`; what a run folder holds, and its checks, is :mod:`.run_folder`.
 
 A study provides ``build_task(spec, arm, device) -> Task``: the model (built from ``spec.seed`` with the
 arm's attention), a training batch source, named evaluation sets, the parameter grouping, and metric
@@ -24,12 +26,9 @@ same thread count).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import platform
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -40,29 +39,26 @@ from typing import Any
 
 import torch
 
-from geoopt_stiefel_attention.convert import parametrized_state_dict
-
 from .arms import Arm, check_arm, default_param_groups, get_arm
 from .batches import BatchSource
-from .config import RunSpec, flag_of, to_dict, with_current_config_class
+from .config import RunSpec
 from .metrics import MetricHook, StepHook
 from .records import METRICS_FILE, append_record, read_records, truncate_records
+from .run_folder import (
+    CHECKPOINT_FILE,
+    ENVIRONMENT_FILE,
+    STEP_DIGITS,
+    STEPS_FILE,
+    _check_or_write_config,
+    _load_environment,
+    _RunLock,
+    _save_checkpoint,
+    _truncate_steps,
+    _write_json_atomic,
+    environment_info,
+)
 
-__all__ = ["Task", "RunResult", "RunOptions", "train_run", "run_jobs", "run_placed_jobs", "check_placed_jobs", "resolve_device", "environment_info", "CONFIG_FILE",
-           "CHECKPOINT_FILE", "ENVIRONMENT_FILE", "STEPS_FILE", "ConfigMismatchError", "TrainingInterrupted", "check_run_dir",
-           "RunLockedError"]
-
-CONFIG_FILE = "config.json"
-CHECKPOINT_FILE = "checkpoint.pt"
-ENVIRONMENT_FILE = "environment.json"
-#: Every training step's record (``Task.record_steps``): one JSON line per step, ``{"step", "loss", "grad_norm",
-#: ...}`` with ``step`` the 0-based optimizer step, ``loss`` its training loss, ``grad_norm`` the global gradient
-#: norm before clipping, and the values of the task's :class:`~.metrics.StepHook` s; floats to
-#: :data:`STEP_DIGITS` significant digits.
-STEPS_FILE = "steps.jsonl"
-STEP_DIGITS = 6
-LOCK_FILE = ".lock"
-
+__all__ = ["RunResult", "Task", "TaskBuilder", "TrainingInterrupted", "resolve_device", "train_run"]
 
 def _default_predict(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     return model(inputs)
@@ -159,229 +155,6 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return dev
 
 
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def _cpu_model() -> str | None:
-    """The CPU's model name from ``/proc/cpuinfo`` (Linux), else ``None``: float32 kernels round differently
-    on different CPUs, and long runs such as grokking amplify that, so records name the CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def environment_info(device: torch.device) -> dict[str, Any]:
-    """Versions, device, threads and git state, for ``environment.json``."""
-    import geoopt
-    import numpy
-
-    from geoopt_stiefel_attention import __version__
-
-    # uncommitted changes to anything but the committed records (experiments/<study>/records/, before 2026-12-05
-    # studies/): records committed while studies train would otherwise mark every call
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top)",
-                  ":(top,exclude,glob)experiments/*/records/**")
-    info = {
-        "geoopt_stiefel_attention": __version__,
-        "git_sha": _git("rev-parse", "HEAD"),
-        "git_dirty": None if status is None else bool(status),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "geoopt": geoopt.__version__,
-        "numpy": numpy.__version__,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_model": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-        "torch_threads": torch.get_num_threads(),
-    }
-    return info
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
-def _normalise(obj: Any) -> Any:
-    return json.loads(json.dumps(obj))
-
-
-def _differences(have: Any, want: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """``(dotted path, value in have, value in want)`` for every leaf where two JSON objects differ."""
-    if isinstance(have, dict) and isinstance(want, dict):
-        out = []
-        for key in sorted(set(have) | set(want)):
-            out += _differences(have.get(key), want.get(key), f"{prefix}.{key}" if prefix else key)
-        return out
-    return [] if have == want else [(prefix, have, want)]
-
-
-class ConfigMismatchError(ValueError):
-    """A run folder holds a run with other settings; ``differences`` lists ``(path, there, now)``."""
-
-    def __init__(self, message: str, differences: Sequence[tuple[str, Any, Any]] = ()) -> None:
-        super().__init__(message)
-        self.differences = tuple(differences)
-
-
-def _epochs_extendable(config: Any) -> bool:
-    """Whether a finished run of ``config`` may be continued to more epochs: a study whose schedule depends on
-    the total number of epochs (a cosine decay) says no through ``config.epochs_extendable``."""
-    return bool(getattr(config, "epochs_extendable", True))
-
-
-def check_run_dir(run_dir: str | os.PathLike, spec: RunSpec) -> int | None:
-    """Check a run folder's ``config.json`` (if any) against ``spec`` without writing anything.
-
-    Returns ``None`` when the folder is new or holds the same run, and the run's old number of epochs when the
-    only difference is a larger ``train.epochs`` that extends it. Raises :class:`ConfigMismatchError` naming the
-    differing flags otherwise.
-    """
-    run_dir = Path(run_dir)
-    path = run_dir / CONFIG_FILE
-    if not path.exists():
-        return None
-    want = _normalise(to_dict(spec))
-    have = with_current_config_class(json.loads(path.read_text()))
-    if have == want:
-        return None
-    diffs = _differences(have, want)
-    if [d[0] for d in diffs] == ["config.train.epochs"]:
-        old, new = diffs[0][1], diffs[0][2]
-        if isinstance(old, int) and isinstance(new, int) and new > old and _epochs_extendable(spec.config):
-            if not (run_dir / CHECKPOINT_FILE).exists() and (run_dir / METRICS_FILE).exists():
-                # records kept without their checkpoint (e.g. committed): nothing to continue from
-                raise ConfigMismatchError(
-                    f"{run_dir} holds the records of a run of {old} epochs but no {CHECKPOINT_FILE} to continue "
-                    f"from, so it cannot be extended to {new}: use --epochs {old} (its records are kept as they "
-                    f"are) or train the longer run in another --out folder.", diffs)
-            return old
-        why = (f"--epochs {new} is not more than the run's {old}" if not (isinstance(old, int) and new > old) else
-               "its learning-rate schedule depends on the total number of epochs (use --lr-schedule constant "
-               "to extend runs)")
-        raise ConfigMismatchError(f"{run_dir} holds a run of {old} epochs that cannot be continued to {new}: {why}. "
-                                  f"Use --epochs {old} to resume it, another --out folder, or delete {run_dir}.",
-                                  diffs)
-    listed = "; ".join(f"{flag_of(p)} is {json.dumps(a)} there, {json.dumps(b)} now" for p, a, b in diffs)
-    flags = sorted({flag_of(p) for p, _, _ in diffs})
-    raise ConfigMismatchError(f"{run_dir} holds a run with other settings ({listed}); rerun with the run's "
-                              f"{', '.join(flags)} to resume it, use another --out folder, or delete {run_dir} "
-                              f"to start afresh.", diffs)
-
-
-def _check_or_write_config(run_dir: Path, spec: RunSpec) -> int | None:
-    """:func:`check_run_dir`, then write ``config.json`` when it is new or extended (returns the old epochs)."""
-    path = run_dir / CONFIG_FILE
-    extended_from = check_run_dir(run_dir, spec)
-    if extended_from is not None or not path.exists():
-        _write_json_atomic(path, _normalise(to_dict(spec)))
-    return extended_from
-
-
-def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-    it = iter(items)
-    try:
-        prev = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield prev, False
-        prev = item
-    yield prev, True
-
-
-@torch.inference_mode()
-def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
-    out: dict[str, float] = {}
-    model.eval()
-    for name, source in task.eval_data.items():
-        loss_sum, correct, n = 0.0, 0, 0
-        for x, y in source.batches(0):
-            logits = task.predict(model, x)
-            loss_sum += float(task.loss(logits, y)) * y.shape[0]
-            correct += int((logits.argmax(dim=-1) == y).sum())
-            n += y.shape[0]
-        out[f"{name}_loss"] = loss_sum / n
-        out[f"{name}_acc"] = correct / n
-    return out
-
-
-def _save_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: Any, epoch: int, step: int,
-                     n_records: int, completed: bool, device: torch.device) -> None:
-    state = {
-        # frames and log-gains as stored (a stiefelized model's state_dict() is the stock form, whose gains
-        # come back only to float rounding): a resumed run continues bit for bit
-        "model": parametrized_state_dict(model),
-        "optimizer": optimizer.state_dict(),
-        "epoch": epoch,
-        "step": step,
-        "n_records": n_records,
-        "completed": completed,
-        "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-    }
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def _load_environment(path: Path) -> list[dict[str, Any]]:
-    if path.exists():
-        try:
-            calls = json.loads(path.read_text())
-            if isinstance(calls, list):
-                return calls
-        except json.JSONDecodeError:
-            pass
-    return []
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C stopped :func:`train_run`; the message says where the run was checkpointed and how to resume."""
-
-
-class _DeferredInterrupt:
-    """Turn the first Ctrl-C (SIGINT) into a request that the training loop honours at the next epoch boundary,
-    where the state can be checkpointed exactly; a second Ctrl-C interrupts at once. Only the main thread can
-    install the handler; elsewhere Ctrl-C keeps its default behaviour."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._installed = False
-        self._previous: Any = None
-
-    def __enter__(self) -> _DeferredInterrupt:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc: object) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous)
-            self._installed = False
-
-
 @dataclass
 class _Run:
     """The mutable state of one :func:`train_run` call."""
@@ -465,230 +238,6 @@ def train_run(spec: RunSpec, build_task: TaskBuilder, run_dir: str | os.PathLike
                              extended_from=extended_from)
 
 
-class RunLockedError(RuntimeError):
-    """Another process is training the same run folder."""
-
-
-class _RunLock:
-    """Exclusive advisory lock on ``run_dir/.lock`` for the duration of a training call.
-
-    Two processes appending to the same ``metrics.jsonl`` and overwriting the same checkpoint would corrupt
-    the records (one truncates what the other appended). ``fcntl.flock`` is released by the kernel when the
-    holder exits, so a crashed run never leaves a stale lock. Where ``fcntl`` is unavailable (Windows) the
-    lock is a no-op.
-    """
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / LOCK_FILE
-        self._fh = None
-
-    def __enter__(self) -> _RunLock:
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - non-POSIX
-            return self
-        fh = open(self.path, "a+")
-        try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            fh.seek(0)
-            holder = fh.read().strip() or "unknown"
-            fh.close()
-            raise RunLockedError(f"{self.path.parent} is being trained by another process ({holder}); wait for it to "
-                               f"finish (rerunning afterwards resumes), or use another --out folder.") from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"pid {os.getpid()} on {platform.node()}\n")
-        fh.flush()
-        self._fh = fh
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._fh is not None:
-            self._fh.close()  # closing the descriptor releases the flock
-            self._fh = None
-
-
-def _build(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: torch.device) -> _Run:
-    """Seed, build the task and the model, let the arm prepare it, start the hooks, build the optimizer."""
-    arm = get_arm(spec.arm, spec.experiment)
-    torch.manual_seed(spec.seed)
-    task = build_task(spec, arm, dev)
-    model = task.model.to(dev)
-    if arm.prepare is not None:
-        arm.prepare(model)
-    for hook in task.hooks:
-        hook.on_start(model)
-    optimizer = arm.build(model, task.param_groups(model, spec.config.optim.weight_decay), spec.config.optim)
-    for group in optimizer.param_groups:
-        group.setdefault("initial_lr", group["lr"])
-    if task.record_steps:
-        for hook in task.step_hooks:
-            hook.attach(model)
-    return _Run(spec=spec, run_dir=run_dir, device=dev, task=task, model=model, optimizer=optimizer)
-
-
-def _resume(run: _Run) -> None:
-    """Load ``checkpoint.pt`` when there is one (cutting ``metrics.jsonl`` back to the records it had seen).
-
-    Without one: records that reach the run's last epoch are a finished run whose checkpoint was not kept (e.g.
-    records committed to a repository); they are kept as they are and nothing is trained (extending such a run is
-    refused before anything is written, by :func:`check_run_dir`). Other records (a run stopped before its first
-    checkpoint) cannot be continued and are removed."""
-    ckpt_path, metrics_path = run.run_dir / CHECKPOINT_FILE, run.run_dir / METRICS_FILE
-    if not ckpt_path.exists() and metrics_path.exists():
-        recs = read_records(metrics_path)
-        if recs and recs[-1]["epoch"] >= run.spec.config.train.epochs:
-            run.epoch, run.n_records, run.last_record = recs[-1]["epoch"], len(recs), recs[-1]
-            return
-    if ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location=run.device, weights_only=True)
-        run.model.load_state_dict(state["model"])
-        run.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng_cpu"])
-        if state.get("rng_cuda") is not None and run.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng_cuda"], run.device)
-        run.epoch, run.step, run.n_records = int(state["epoch"]), int(state["step"]), int(state["n_records"])
-        run.checkpoint_epoch = run.epoch
-        truncate_records(metrics_path, run.n_records)
-        _truncate_steps(run.run_dir / STEPS_FILE, run.step)
-    else:
-        for path in (metrics_path, run.run_dir / STEPS_FILE):  # records without a checkpoint: start over
-            path.unlink(missing_ok=True)
-
-
-def _truncate_steps(path: Path, step: int) -> None:
-    """Keep the step records of ``path`` before ``step`` (on resume, later steps are trained and written again)."""
-    if path.exists():
-        kept = [r for r in read_records(path) if r["step"] < step]
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, path)
-
-
-def _rounded(value: Any) -> Any:
-    """``value`` (a float, or a list of them) to :data:`STEP_DIGITS` significant digits (modest file sizes)."""
-    if isinstance(value, (list, tuple)):
-        return [_rounded(v) for v in value]
-    return float(f"{value:.{STEP_DIGITS}g}") if isinstance(value, float) else value
-
-
-def _step_record(run: _Run, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
-    """Buffer the record of the step just taken (:data:`STEPS_FILE`); :func:`_write_steps` writes it."""
-    if grad_norm is None:
-        grads = [p.grad for p in run.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    rec = {"step": run.step, "loss": float(loss), "grad_norm": float(grad_norm)}
-    for hook in run.task.step_hooks:
-        rec.update(hook.values())
-    run.steps.append({k: _rounded(v) for k, v in rec.items()})
-
-
-def _write_steps(run: _Run) -> None:
-    """Append the buffered step records to ``steps.jsonl`` (at evaluations and checkpoints)."""
-    if run.steps:
-        with open(run.run_dir / STEPS_FILE, "a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in run.steps))
-        run.steps.clear()
-
-
-def _train_epoch(run: _Run, eval_now: bool) -> None:
-    """One pass over the epoch's batches: ``zero_grad``, loss, ``backward``, ``step`` per batch (the hooks'
-    ``before_last_step`` before the last step of an epoch that ends with an evaluation)."""
-    task, model, optimizer = run.task, run.model, run.optimizer
-    model.train()
-    for (x, y), last in _with_last(task.train_data.batches(run.epoch)):
-        if eval_now and last:
-            for hook in task.hooks:
-                hook.before_last_step(model)
-        if task.lr_factor is not None:
-            factor = float(task.lr_factor(run.step))
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * factor
-        optimizer.zero_grad(set_to_none=True)
-        loss = task.loss(task.predict(model, x), y)
-        loss.backward()
-        grad_norm = None
-        if task.grad_clip is not None:  # returns the total norm before clipping
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), task.grad_clip)
-        if task.record_steps:
-            _step_record(run, loss.detach(), grad_norm)
-        optimizer.step()
-        run.step += 1
-    run.epoch += 1
-
-
-def _record(run: _Run) -> None:
-    """Evaluate every named set and the hooks, and append one record to ``metrics.jsonl`` (and the buffered
-    step records to ``steps.jsonl``)."""
-    _write_steps(run)
-    values = _evaluate(run.task, run.model)
-    if run.task.derived is not None:
-        values.update(run.task.derived(dict(values)))
-    rec = {"experiment": run.spec.experiment, "arm": run.spec.arm, "seed": run.spec.seed, "epoch": run.epoch,
-           "step": run.step, **values}
-    with torch.no_grad():
-        for hook in run.task.hooks:
-            rec.update(hook.metrics(run.model))
-    append_record(run.run_dir / METRICS_FILE, rec)
-    run.n_records += 1
-    run.last_record = rec
-
-
-def _checkpoint(run: _Run) -> None:
-    _write_steps(run)
-    _save_checkpoint(run.run_dir / CHECKPOINT_FILE, model=run.model, optimizer=run.optimizer, epoch=run.epoch,
-                     step=run.step, n_records=run.n_records, completed=run.completed, device=run.device)
-    run.checkpoint_epoch = run.epoch
-
-
-def _progress_keys(record: dict[str, Any]) -> list[str]:
-    """The record's values a progress bar shows: bits per byte where the study reports them (the language-model
-    study), else accuracy (its reports' headline metric either way)."""
-    bpb = [k for k in ("train_bpb", "val_bpb") if k in record]
-    return bpb or [k for k in ("train_acc", "val_acc") if k in record]
-
-
-def _progress_bar(run: _Run, quiet: bool, position: int | None):
-    if quiet:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=run.spec.config.train.epochs, initial=run.epoch, desc=f"{run.spec.arm} seed {run.spec.seed}",
-                unit="ep", position=position, leave=position is None, mininterval=0.5, dynamic_ncols=True)
-
-
-def _log_call_start(run: _Run, extended_from: int | None) -> list[dict[str, Any]]:
-    """Append this call (start time and epoch, versions, device) to ``environment.json``; returns all calls."""
-    path = run.run_dir / ENVIRONMENT_FILE
-    calls = _load_environment(path)
-    calls.append({"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "start_epoch": run.epoch,
-                  **({"extended_from_epochs": extended_from} if extended_from is not None else {}),
-                  **environment_info(run.device)})
-    _write_json_atomic(path, calls)
-    return calls
-
-
-def _log_call_end(run: _Run, calls: list[dict[str, Any]], start_epoch: int, seconds: float) -> int:
-    """Complete this call's entry in ``environment.json`` with the epoch a rerun resumes from (the last
-    checkpoint) and the time spent; returns the number of epochs this call trained and checkpointed."""
-    ended = start_epoch if run.checkpoint_epoch is None else run.checkpoint_epoch
-    done = ended - start_epoch
-    calls[-1].update({"end_epoch": ended, "seconds": round(seconds, 3),
-                      "epochs_per_second": round(done / seconds, 3) if done and seconds > 0 else None})
-    _write_json_atomic(run.run_dir / ENVIRONMENT_FILE, calls)
-    return done
-
-
-def _interrupted(run: _Run) -> TrainingInterrupted:
-    total = run.spec.config.train.epochs
-    if run.checkpoint_epoch is None:
-        where = "before its first checkpoint; rerunning starts it again"
-    else:
-        where = f"checkpointed at epoch {run.checkpoint_epoch} of {total}; rerun the same command to resume"
-    return TrainingInterrupted(f"interrupted: {run.spec.name} in {run.run_dir} {where}.")
-
-
 def _train_locked(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: torch.device, *, quiet: bool,
                   stop_after_epochs: int | None, checkpoint_interval_s: float, progress_position: int | None,
                   extended_from: int | None) -> RunResult:
@@ -741,6 +290,158 @@ def _train_locked(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: to
     return _result(spec, run, run_dir, start_epoch, seconds=seconds, done=done)
 
 
+def _build(spec: RunSpec, build_task: TaskBuilder, run_dir: Path, dev: torch.device) -> _Run:
+    """Seed, build the task and the model, let the arm prepare it, start the hooks, build the optimizer."""
+    arm = get_arm(spec.arm, spec.experiment)
+    torch.manual_seed(spec.seed)
+    task = build_task(spec, arm, dev)
+    model = task.model.to(dev)
+    if arm.prepare is not None:
+        arm.prepare(model)
+    for hook in task.hooks:
+        hook.on_start(model)
+    optimizer = arm.build(model, task.param_groups(model, spec.config.optim.weight_decay), spec.config.optim)
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    if task.record_steps:
+        for hook in task.step_hooks:
+            hook.attach(model)
+    return _Run(spec=spec, run_dir=run_dir, device=dev, task=task, model=model, optimizer=optimizer)
+
+
+def _resume(run: _Run) -> None:
+    """Load ``checkpoint.pt`` when there is one (cutting ``metrics.jsonl`` back to the records it had seen).
+
+    Without one: records that reach the run's last epoch are a finished run whose checkpoint was not kept (e.g.
+    records committed to a repository); they are kept as they are and nothing is trained (extending such a run is
+    refused before anything is written, by :func:`check_run_dir`). Other records (a run stopped before its first
+    checkpoint) cannot be continued and are removed."""
+    ckpt_path, metrics_path = run.run_dir / CHECKPOINT_FILE, run.run_dir / METRICS_FILE
+    if not ckpt_path.exists() and metrics_path.exists():
+        recs = read_records(metrics_path)
+        if recs and recs[-1]["epoch"] >= run.spec.config.train.epochs:
+            run.epoch, run.n_records, run.last_record = recs[-1]["epoch"], len(recs), recs[-1]
+            return
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location=run.device, weights_only=True)
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng_cpu"])
+        if state.get("rng_cuda") is not None and run.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng_cuda"], run.device)
+        run.epoch, run.step, run.n_records = int(state["epoch"]), int(state["step"]), int(state["n_records"])
+        run.checkpoint_epoch = run.epoch
+        truncate_records(metrics_path, run.n_records)
+        _truncate_steps(run.run_dir / STEPS_FILE, run.step)
+    else:
+        for path in (metrics_path, run.run_dir / STEPS_FILE):  # records without a checkpoint: start over
+            path.unlink(missing_ok=True)
+
+
+def _train_epoch(run: _Run, eval_now: bool) -> None:
+    """One pass over the epoch's batches: ``zero_grad``, loss, ``backward``, ``step`` per batch (the hooks'
+    ``before_last_step`` before the last step of an epoch that ends with an evaluation)."""
+    task, model, optimizer = run.task, run.model, run.optimizer
+    model.train()
+    for (x, y), last in _with_last(task.train_data.batches(run.epoch)):
+        if eval_now and last:
+            for hook in task.hooks:
+                hook.before_last_step(model)
+        if task.lr_factor is not None:
+            factor = float(task.lr_factor(run.step))
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * factor
+        optimizer.zero_grad(set_to_none=True)
+        loss = task.loss(task.predict(model, x), y)
+        loss.backward()
+        grad_norm = None
+        if task.grad_clip is not None:  # returns the total norm before clipping
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), task.grad_clip)
+        if task.record_steps:
+            _step_record(run, loss.detach(), grad_norm)
+        optimizer.step()
+        run.step += 1
+    run.epoch += 1
+
+
+def _step_record(run: _Run, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+    """Buffer the record of the step just taken (:data:`STEPS_FILE`); :func:`_write_steps` writes it."""
+    if grad_norm is None:
+        grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    rec = {"step": run.step, "loss": float(loss), "grad_norm": float(grad_norm)}
+    for hook in run.task.step_hooks:
+        rec.update(hook.values())
+    run.steps.append({k: _rounded(v) for k, v in rec.items()})
+
+
+def _rounded(value: Any) -> Any:
+    """``value`` (a float, or a list of them) to :data:`STEP_DIGITS` significant digits (modest file sizes)."""
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return float(f"{value:.{STEP_DIGITS}g}") if isinstance(value, float) else value
+
+
+def _write_steps(run: _Run) -> None:
+    """Append the buffered step records to ``steps.jsonl`` (at evaluations and checkpoints)."""
+    if run.steps:
+        with open(run.run_dir / STEPS_FILE, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in run.steps))
+        run.steps.clear()
+
+
+def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+@torch.inference_mode()
+def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
+    out: dict[str, float] = {}
+    model.eval()
+    for name, source in task.eval_data.items():
+        loss_sum, correct, n = 0.0, 0, 0
+        for x, y in source.batches(0):
+            logits = task.predict(model, x)
+            loss_sum += float(task.loss(logits, y)) * y.shape[0]
+            correct += int((logits.argmax(dim=-1) == y).sum())
+            n += y.shape[0]
+        out[f"{name}_loss"] = loss_sum / n
+        out[f"{name}_acc"] = correct / n
+    return out
+
+
+def _record(run: _Run) -> None:
+    """Evaluate every named set and the hooks, and append one record to ``metrics.jsonl`` (and the buffered
+    step records to ``steps.jsonl``)."""
+    _write_steps(run)
+    values = _evaluate(run.task, run.model)
+    if run.task.derived is not None:
+        values.update(run.task.derived(dict(values)))
+    rec = {"experiment": run.spec.experiment, "arm": run.spec.arm, "seed": run.spec.seed, "epoch": run.epoch,
+           "step": run.step, **values}
+    with torch.no_grad():
+        for hook in run.task.hooks:
+            rec.update(hook.metrics(run.model))
+    append_record(run.run_dir / METRICS_FILE, rec)
+    run.n_records += 1
+    run.last_record = rec
+
+
+def _checkpoint(run: _Run) -> None:
+    _write_steps(run)
+    _save_checkpoint(run.run_dir / CHECKPOINT_FILE, model=run.model, optimizer=run.optimizer, epoch=run.epoch,
+                     step=run.step, n_records=run.n_records, completed=run.completed, device=run.device)
+    run.checkpoint_epoch = run.epoch
+
+
 def _result(spec: RunSpec, run: _Run, run_dir: Path, start_epoch: int, *, seconds: float, done: int) -> RunResult:
     """The :class:`RunResult` of a call that trained ``done`` epochs in ``seconds``; the final record is read
     from ``metrics.jsonl`` when this call wrote none."""
@@ -753,140 +454,79 @@ def _result(spec: RunSpec, run: _Run, run_dir: Path, start_epoch: int, *, second
                      final_record=run.last_record)
 
 
-def _job(args: tuple) -> RunResult:
-    spec, build_task, run_dir, kwargs = args
-    return train_run(spec, build_task, run_dir, **kwargs)
+def _log_call_start(run: _Run, extended_from: int | None) -> list[dict[str, Any]]:
+    """Append this call (start time and epoch, versions, device) to ``environment.json``; returns all calls."""
+    path = run.run_dir / ENVIRONMENT_FILE
+    calls = _load_environment(path)
+    calls.append({"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "start_epoch": run.epoch,
+                  **({"extended_from_epochs": extended_from} if extended_from is not None else {}),
+                  **environment_info(run.device)})
+    _write_json_atomic(path, calls)
+    return calls
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    """How to run a study's jobs: the six running flags, made once from the command line and passed down.
-
-    Parameters
-    ----------
-    workers : int
-        Runs trained at the same time, in separate processes when more than one.
-    device : str
-        ``"auto"`` (CUDA when present, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-    threads : int or None
-        torch threads per run (``None``: torch's choice for one worker, else ``cpu_count // workers``).
-    quiet : bool
-        No progress bars.
-    stop_after_epochs : int or None
-        Train at most this many epochs per run in this call, then checkpoint and stop.
-    checkpoint_interval_s : float
-        Least seconds between two checkpoints (one is always written at the end).
-    """
-
-    workers: int = 1
-    device: str = "auto"
-    threads: int | None = None
-    quiet: bool = False
-    stop_after_epochs: int | None = None
-    checkpoint_interval_s: float = 30.0
-
-    @classmethod
-    def from_args(cls, args: Any) -> RunOptions:
-        """The options of a parsed study command (``--workers`` ... ``--checkpoint-interval``)."""
-        return cls(workers=args.workers, device=args.device, threads=args.threads, quiet=args.quiet,
-                   stop_after_epochs=args.stop_after_epochs, checkpoint_interval_s=args.checkpoint_interval)
-
-    @classmethod
-    def of(cls, options: RunOptions | None = None, **kwargs: Any) -> RunOptions:
-        """``options`` with any option given by keyword (the older keyword form) replaced."""
-        return dataclasses.replace(options or cls(), **kwargs)
+def _log_call_end(run: _Run, calls: list[dict[str, Any]], start_epoch: int, seconds: float) -> int:
+    """Complete this call's entry in ``environment.json`` with the epoch a rerun resumes from (the last
+    checkpoint) and the time spent; returns the number of epochs this call trained and checkpointed."""
+    ended = start_epoch if run.checkpoint_epoch is None else run.checkpoint_epoch
+    done = ended - start_epoch
+    calls[-1].update({"end_epoch": ended, "seconds": round(seconds, 3),
+                      "epochs_per_second": round(done / seconds, 3) if done and seconds > 0 else None})
+    _write_json_atomic(run.run_dir / ENVIRONMENT_FILE, calls)
+    return done
 
 
-def run_jobs(specs: Sequence[RunSpec], build_task: TaskBuilder, out_dir: str | os.PathLike,
-             options: RunOptions | None = None, **kwargs: Any) -> list[RunResult]:
-    """Run (or resume) every spec, each in ``out_dir/runs/<arm>/seed<k>``, ``options.workers`` at a time.
-
-    With ``workers > 1`` the runs go to separate processes (``spawn``); ``build_task`` must then be a
-    module-level function. ``threads=None`` gives each process ``max(1, cpu_count // workers)`` threads when
-    ``workers > 1`` and leaves torch's default otherwise. Per-run progress bars are shown for ``workers=1``;
-    with more workers one bar counts finished runs. The options may also be given one by one as keywords
-    (``workers=2, device="cpu"``), which replace those of ``options``.
-
-    Returns
-    -------
-    list of RunResult
-        In the order of ``specs``.
-    """
-    options = RunOptions.of(options, **kwargs)
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"run_jobs: duplicate (arm, seed) jobs in {names}; each arm/seed pair must appear once.")
-    out_dir = Path(out_dir)
-    return run_placed_jobs([(s, out_dir / "runs" / s.name) for s in specs], build_task, options)
+def _progress_keys(record: dict[str, Any]) -> list[str]:
+    """The record's values a progress bar shows: bits per byte where the study reports them (the language-model
+    study), else accuracy (its reports' headline metric either way)."""
+    bpb = [k for k in ("train_bpb", "val_bpb") if k in record]
+    return bpb or [k for k in ("train_acc", "val_acc") if k in record]
 
 
-def check_placed_jobs(placed: Sequence[tuple[RunSpec, Path]]) -> None:
-    """Refuse, before any work, ``(spec, run_dir)`` pairs of which two share a folder, name an unknown arm, or
-    place a run in a folder that holds another run (:func:`check_run_dir`)."""
-    folders = [Path(d).resolve() for _, d in placed]
-    if len(set(folders)) != len(folders):
-        raise ValueError(f"run_jobs: two runs share a folder in {[str(d) for d in folders]}; each run needs its own.")
-    for s, d in placed:
-        check_arm(s.arm, s.experiment, getattr(s.config, "optim", None))  # fail before any work on an unknown arm
-        check_run_dir(Path(d), s)  # ... or on a folder that holds another run
+def _progress_bar(run: _Run, quiet: bool, position: int | None):
+    if quiet:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=run.spec.config.train.epochs, initial=run.epoch, desc=f"{run.spec.arm} seed {run.spec.seed}",
+                unit="ep", position=position, leave=position is None, mininterval=0.5, dynamic_ncols=True)
 
 
-def run_placed_jobs(placed: Sequence[tuple[RunSpec, Path]], build_task: TaskBuilder,
-                    options: RunOptions | None = None) -> list[RunResult]:
-    """Run (or resume) each ``(spec, run_dir)`` pair in its own folder, ``options.workers`` at a time in one pool.
-
-    :func:`run_jobs` places every spec under one study folder; a study of several cells (one folder per
-    learning rate, say) hands all its runs here at once, so that the workers stay busy across cells instead of
-    waiting at the end of each. Runs, threads and progress bars as in :func:`run_jobs`.
-
-    Returns
-    -------
-    list of RunResult
-        In the order of ``placed``.
-    """
-    options = options or RunOptions()
-    workers, threads, quiet = options.workers, options.threads, options.quiet
-    if not (isinstance(workers, int) and workers >= 1):
-        raise ValueError(f"run_jobs: workers={workers!r} must be an int >= 1.")
-    check_placed_jobs(placed)
-    if workers > 1 and threads is None:
-        threads = max(1, (os.cpu_count() or 1) // workers)
-    kwargs = {"device": options.device, "threads": threads, "stop_after_epochs": options.stop_after_epochs,
-              "checkpoint_interval_s": options.checkpoint_interval_s}
-    jobs = [(s, build_task, Path(d), kwargs) for s, d in placed]
-    if workers == 1 or len(jobs) == 1:
-        return [_job((s, b, d, {**kw, "quiet": quiet})) for s, b, d, kw in jobs]
-
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    results: dict[int, RunResult] = {}
-    ctx = multiprocessing.get_context("spawn")
-    bar = None
-    if not quiet:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(jobs), desc="runs", unit="run", dynamic_ncols=True)
-    try:
-        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
-            futures = {pool.submit(_job, (s, b, d, {**kw, "quiet": True})): i for i, (s, b, d, kw) in enumerate(jobs)}
-            for fut in as_completed(futures):
-                results[futures[fut]] = fut.result()
-                if bar is not None:
-                    res = results[futures[fut]]
-                    final = res.final_record or {}
-                    key = next((k for k in _progress_keys(final) if k.startswith("val_")), "val_acc")
-                    value = final.get(key)
-                    bar.set_postfix_str(f"{res.name} {key}={value if value is None else round(value, 3)}")
-                    bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-    return [results[i] for i in range(len(jobs))]
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped :func:`train_run`; the message says where the run was checkpointed and how to resume."""
 
 
-def epochs_per_second(results: Sequence[RunResult]) -> float | None:
-    """Mean epochs per second over the results that trained in this call (``None`` if none did)."""
-    rates = [r.epochs_per_second for r in results if r.epochs_per_second is not None]
-    return sum(rates) / len(rates) if rates else None
+class _DeferredInterrupt:
+    """Turn the first Ctrl-C (SIGINT) into a request that the training loop honours at the next epoch boundary,
+    where the state can be checkpointed exactly; a second Ctrl-C interrupts at once. Only the main thread can
+    install the handler; elsewhere Ctrl-C keeps its default behaviour."""
 
+    def __init__(self) -> None:
+        self.requested = False
+        self._installed = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _DeferredInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
+
+
+def _interrupted(run: _Run) -> TrainingInterrupted:
+    total = run.spec.config.train.epochs
+    if run.checkpoint_epoch is None:
+        where = "before its first checkpoint; rerunning starts it again"
+    else:
+        where = f"checkpointed at epoch {run.checkpoint_epoch} of {total}; rerun the same command to resume"
+    return TrainingInterrupted(f"interrupted: {run.spec.name} in {run.run_dir} {where}.")

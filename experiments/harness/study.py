@@ -21,18 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from .config import RunSpec, to_dict
+from .jobs import RunOptions, check_placed_jobs, run_placed_jobs
 from .records import load_study_records, run_paths, summarize
 from .report import PaperReference, render_report, write_text
-from .runner import (
-    CONFIG_FILE,
-    ENVIRONMENT_FILE,
-    RunOptions,
-    RunResult,
-    TaskBuilder,
-    _differences,
-    check_placed_jobs,
-    run_placed_jobs,
-)
+from .run_folder import CONFIG_FILE, ENVIRONMENT_FILE, _differences
+from .runner import RunResult, TaskBuilder
 
 __all__ = ["Cell", "finished_runs", "StudyOutputs", "run_study", "run_cells", "finalize_study", "speed_from_environment",
            "record_command", "recorded_commands", "cell_records", "check_runs_alike", "check_study_folder",
@@ -326,7 +319,7 @@ def check_study_folder(out_dir: str | os.PathLike, experiments: Iterable[str]) -
     ConfigMismatchError
         Naming ``--out``, the other study and one of its runs; nothing is written.
     """
-    from .runner import ConfigMismatchError
+    from .run_folder import ConfigMismatchError
 
     wanted = set(experiments)
     for path in sorted(Path(out_dir).glob(f"**/runs/*/seed*/{CONFIG_FILE}")):
@@ -344,11 +337,11 @@ def check_study_folder(out_dir: str | os.PathLike, experiments: Iterable[str]) -
 def run_cells(cells: Sequence[Cell], build_task: TaskBuilder, out_dir: str | os.PathLike, *, arms: Sequence[str],
               seeds: Sequence[int], arm_config: Any = None, command: str | None = None,
               options: RunOptions | None = None, **run_kwargs: Any) -> list[RunResult]:
-    """Run (or resume) every (cell, arm, seed), all cells' runs in one pool (:func:`~.runner.run_placed_jobs`,
+    """Run (or resume) every (cell, arm, seed), all cells' runs in one pool (:func:`~.jobs.run_placed_jobs`,
     so ``options.workers`` runs stay busy across cells), and record
     ``command`` in ``study.json``. ``arm_config(config, arm)`` may adapt a cell's config to an arm (e.g. an
     arm's own frame learning rate); default: the cell's config. Paired: each seed gives every arm of a cell the
-    same data and initial weights. ``options`` (:class:`~.runner.RunOptions`) says how to run; single options
+    same data and initial weights. ``options`` (:class:`~.jobs.RunOptions`) says how to run; single options
     given by keyword replace its fields."""
     options = RunOptions.of(options, **run_kwargs)
     grid = [(cell, [RunSpec(cell.config if arm_config is None else arm_config(cell.config, a), a, s)
@@ -365,7 +358,7 @@ def run_study(config: Any, build_task: TaskBuilder, out_dir: str | os.PathLike, 
               command: str | None = None, **kwargs: Any) -> StudyOutputs:
     """Run (or resume) every (arm, seed) of a single-cell study (:func:`run_cells`), then :func:`finalize_study`
     unless ``skip_report``. Returns :class:`StudyOutputs` either way (without a summary when skipped). Keywords
-    naming a field of :class:`~.runner.RunOptions` replace that option; the others go to :func:`finalize_study`."""
+    naming a field of :class:`~.jobs.RunOptions` replace that option; the others go to :func:`finalize_study`."""
     run_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in RunOptions.__dataclass_fields__}
     results = run_cells([Cell(config)], build_task, out_dir, arms=arms, seeds=seeds, command=command,
                         options=RunOptions.of(options, **run_kwargs))

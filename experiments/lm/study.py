@@ -57,8 +57,10 @@ from ..harness.arms import ARMS, Arm, build_stiefel, register_arm
 from ..harness.cli_args import check_distinct, check_seed_range
 from ..harness.command import StudyCommand
 from ..harness.config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
+from ..harness.jobs import RunOptions
 from ..harness.metrics import MetricHook, QKGeometry, StepHook
-from ..harness.runner import ConfigMismatchError, RunOptions, Task
+from ..harness.run_folder import ConfigMismatchError
+from ..harness.runner import Task
 from ..harness.schedules import warmup_cosine
 from ..harness.study import Cell, StudyOutputs
 from .controls_report import finalize as finalize_report
@@ -749,7 +751,7 @@ NOTES = (
 def _sweep_folders(out_dir: Path) -> list[Cell]:
     """The frame-lr cells on disk, with the configs their runs were trained with."""
     from ..harness.records import run_paths
-    from ..harness.runner import CONFIG_FILE
+    from ..harness.run_folder import CONFIG_FILE
 
     cells = []
     for folder in sorted(out_dir.glob("frame-lr-*"), key=lambda p: float(p.name[len("frame-lr-"):])):
@@ -888,7 +890,7 @@ def with_corpus_identity(config: LMConfig) -> LMConfig:
 
 def _check_recorded_corpus(out_dir: str | os.PathLike, config: LMConfig) -> None:
     """Refuse, naming the two corpora, to add runs on one text to a folder whose runs were trained on another."""
-    from ..harness.runner import ConfigMismatchError
+    from ..harness.run_folder import ConfigMismatchError
     from ..harness.study import recorded_config
 
     recorded = (recorded_config(out_dir) or {}).get("corpus_identity")

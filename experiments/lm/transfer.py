@@ -82,7 +82,7 @@ def collect_shapes(root: str | os.PathLike) -> list[dict[str, Any]]:
     ``heads``, ``head_size``, ``depth``), the model ``lr``, ``adjust_lr_fn``, the ``adamw`` finals per seed and
     one ``points`` row per frame lr (``multiplier``, ``frame_lr``, ``finals`` per seed) with finished runs."""
     from ..harness.records import run_paths
-    from ..harness.runner import CONFIG_FILE
+    from ..harness.run_folder import CONFIG_FILE
 
     root = Path(root)
     shapes = []
@@ -118,7 +118,7 @@ def collect_shapes(root: str | os.PathLike) -> list[dict[str, Any]]:
 def _finished_runs(folder: Path) -> list[tuple[dict[str, Any], str, int, list[dict[str, Any]]]]:
     """``(config, arm, seed, records)`` of every run under ``folder`` that reached its last epoch."""
     from ..harness.records import read_records, run_paths, seed_of
-    from ..harness.runner import CONFIG_FILE
+    from ..harness.run_folder import CONFIG_FILE
 
     out = []
     for spec in run_paths(folder, CONFIG_FILE):
@@ -433,7 +433,7 @@ def trained_on(root: str | os.PathLike) -> dict[str, Any]:
 def setup_text(root: str | os.PathLike) -> str:
     """The shared setup of the studies under ``root`` in words, from the first run's ``config.json``."""
     from ..harness.records import run_paths
-    from ..harness.runner import CONFIG_FILE
+    from ..harness.run_folder import CONFIG_FILE
 
     first = next(iter(run_paths(root, CONFIG_FILE, parent="*/runs/*")), None)
     if first is None:

@@ -419,7 +419,8 @@ def time_arms(configs: Mapping[str, Any], build_task: Callable, *, steps: int, r
     """
     import torch
 
-    from ..harness.runner import _build, _train_epoch, environment_info, resolve_device
+    from ..harness.run_folder import environment_info
+    from ..harness.runner import _build, _train_epoch, resolve_device
 
     if not (isinstance(steps, int) and steps > 0 and isinstance(rounds, int) and rounds > 0):
         raise ValueError(f"time_arms: steps={steps!r} and rounds={rounds!r} must be positive ints (--time-steps).")

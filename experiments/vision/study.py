@@ -9,7 +9,7 @@ arm. A seed fixes the training subsample, the batch order and the initial weight
 pair (the frames are the polar factors of the AdamW arm's initial W_Q, W_K).
 
 Studies (``--study``), each a grid of (arm, seed) runs of the shared training loop
-(:func:`~experiments.harness.runner.run_jobs`):
+(:func:`~experiments.harness.jobs.run_jobs`):
 
 - ``paired``: ``adamw`` vs ``stiefel``; per-pair differences of the final test accuracy, paired t-test, 95%
   interval, count of positive pairs (:mod:`.stats`);
@@ -48,6 +48,7 @@ from ..harness.batches import MiniBatches
 from ..harness.cli_args import build_config
 from ..harness.command import StudyCommand
 from ..harness.config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
+from ..harness.jobs import RunOptions
 from ..harness.metrics import QKGeometry, StepMovement, WeightNorms
 from ..harness.records import group_runs, run_paths, summarize_cell
 from ..harness.report import (
@@ -62,7 +63,7 @@ from ..harness.report import (
     protocol_differences,
     run_lines,
 )
-from ..harness.runner import RunOptions, Task
+from ..harness.runner import Task
 from ..harness.schedules import warmup_cosine  # noqa: F401  (re-exported: vision.warmup_cosine)
 from ..harness.stats import describe
 from ..harness.study import Cell, StudyOutputs
@@ -585,7 +586,7 @@ def finalize_vision(out_dir: str | os.PathLike, study: str, cells: Sequence[Cell
 # ---------------------------------------------------------------------------------------------- running
 def recorded_cells(out_dir: str | os.PathLike, study: str) -> list[Cell]:
     """The cells of a study folder, with the configs their runs were trained with (``--report-only``)."""
-    from ..harness.runner import CONFIG_FILE
+    from ..harness.run_folder import CONFIG_FILE
 
     out_dir = Path(out_dir)
     sweep = {"scaling": ("train_size", "size-"), "decay": ("weight_decay", "wd-")}.get(study)
@@ -620,7 +621,7 @@ def run_vision(config: VisionConfig, out_dir: str | os.PathLike, *, study: str =
     :class:`~.study.StudyOutputs` (without a summary when ``skip_report``). ``arms=None`` takes
     :data:`STUDY_ARMS` ``[study]``. ``report_only``: train nothing, rebuild the report from the records of
     every cell on disk (``arms``/``seeds`` ``None``: every one on disk). ``command`` is recorded in
-    ``out_dir/study.json``. ``options`` (:class:`~.runner.RunOptions`) says how to run; its fields may also be
+    ``out_dir/study.json``. ``options`` (:class:`~.jobs.RunOptions`) says how to run; its fields may also be
     given by keyword."""
     from ..harness.arms import get_arm
     from ..harness.study import run_cells
