@@ -349,8 +349,9 @@ def test_protocol_refuses_a_second_seed_that_is_a_grid_or_final_seed():
 
 def test_plan_confirms_each_arms_three_best_points_over_lr_and_warm_up_on_a_second_seed(monkeypatch, tmp_path):
     """After the warm-up grids, seed 11 at each arm's three best points (ranked on seed 0 over the study's own grid
-    and the warm-up grid together), in the folder of each point; then the plan waits (the final cell's two-seed
-    selection). Companion: without '# confirm' the same records go straight to the final cell."""
+    and the warm-up grid together), in the folder of each point; then the final cell, selecting on both seeds
+    (``--confirm 11 3``). Companion: without '# confirm' the same records go straight to the final cell, without
+    the flag."""
     r3 = math.sqrt(3)
     lrs = (1e-3, 1e-2 / r3, 1e-2, 1e-2 * r3, 1e-1)
     coarse = {a: _bowl(lrs, 1e-2, seeds=(0,)) for a in ("adamw", "muon")}
@@ -380,10 +381,12 @@ def test_plan_confirms_each_arms_three_best_points_over_lr_and_warm_up_on_a_seco
     with pytest.warns(UserWarning, match="diverged"):
         plan = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm}, confirm=(11, 3))
     assert not any(st.calls for name, st in plan.items() if name.startswith("second seed"))
-    assert "two-seed selection" in plan["final, timing"].waiting
+    calls = plan["final"].calls  # the final cell selects on both seeds
+    assert calls and all(c[c.index("--confirm") + 1:c.index("--confirm") + 3] == ("11", "3") for c in calls)
     # companion: no second seed in the protocol, and the same records reach the final cell
     with pytest.warns(UserWarning, match="diverged"):
-        assert _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})["final"].calls
+        calls = _plan(monkeypatch, tmp_path, {"study": coarse, "warmup-400": warm})["final"].calls
+    assert calls and not any("--confirm" in c for c in calls)
 
 
 def test_plan_extends_a_warm_up_grid_whose_best_lr_is_at_its_edge(monkeypatch, tmp_path):
@@ -513,3 +516,34 @@ def test_companion_the_selection_follows_the_grid_validation_numbers(tmp_path):
     flipped = select_lrs(read_grid(_perturbed_grid_copy(tmp_path, "val_bpb")))["arms"]
     several = [a for a, lrs in grid["finals"].items() if a in recorded and sum(1 for s in lrs.values() if s) > 1]
     assert several and all(flipped[a]["best_lr"] != recorded[a]["best_lr"] for a in several)
+
+
+def test_two_seed_recipe_is_the_lowest_two_seed_mean_among_the_first_seeds_best_points():
+    """confirm_recipes: the three best points on seed 0 (own grid and warm-up grid together), then the lowest mean
+    over seeds 0 and 11; a point outside the three is never chosen, however good its seed-11 number. Companions: a
+    candidate missing seed 11 is refused by name; the one-seed rule (select_recipes) would pick another point."""
+    from experiments.lm.tuned import IncompleteSelectionError, confirm_recipes, select_lrs, select_recipes
+
+    grid = {"finals": {"adamw": {1e-3: {0: 2.30, 11: 1.00}, 3e-3: {0: 2.10, 11: 2.40}, 1e-2: {0: 2.20, 11: 2.20},
+                                 3e-2: {0: 2.50}}}, "unfinished": []}
+    warm = {400: {"warmup_fraction": 0.2, "grid": {"finals": {"adamw": {3e-3: {0: 2.15, 11: 2.16}}}}}}
+    got = confirm_recipes(grid, warm, arms=["adamw"], seeds=(0, 11), points=3)["adamw"]
+    assert (got["lr"], got["warmup_steps"]) == (3e-3, 400)  # mean 2.155 against 2.20 (1e-2) and 2.25 (own 3e-3)
+    assert got["mean"] == pytest.approx(2.155) and got["per_seed"] == {"0": 2.15, "11": 2.16}
+    assert [(p["lr"], p["warmup_steps"]) for p in got["points"]] == [(3e-3, None), (3e-3, 400), (1e-2, None)]
+    assert all(p["lr"] != 1e-3 for p in got["points"])  # fourth on seed 0: not a candidate
+    one_seed = select_recipes(select_lrs(grid, arms=["adamw"], seeds=[0]), warm)["adamw"]
+    assert (one_seed["lr"], one_seed["warmup_steps"]) == (3e-3, None)  # companion: seed 0 alone picks another point
+    del grid["finals"]["adamw"][1e-2][11]
+    with pytest.raises(IncompleteSelectionError, match=r"adamw at lr 0.01 seed 11"):
+        confirm_recipes(grid, warm, arms=["adamw"], seeds=(0, 11), points=3)
+
+
+def test_lm_confirm_flag_usage_errors_are_one_line_exit_2():
+    for extra, words in ((["--confirm", "11", "3"], "pass --final-seeds or --time-steps"),
+                         (["--confirm", "1", "3", "--final-seeds", "1", "2"], "SEED must be neither"),
+                         (["--confirm", "11", "0", "--final-seeds", "1", "2"], "POINTS >= 1")):
+        res = subprocess.run([sys.executable, "-m", "experiments", "lm", "--out", "/tmp/nowhere-confirm", "--seeds",
+                              "0", *extra], capture_output=True, text=True, cwd=ROOT)
+        assert res.returncode == 2, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1 and words in res.stderr and "--confirm" in res.stderr

@@ -23,7 +23,8 @@ it are complete (so the first runs are those that say most: every arm's coarse g
    so the planner refuses its args file now; ``level.args`` is its successor.
 5. **second seed** (``# confirm <seed> <points>``, :func:`confirm_points`): a second seed at each arm's ``points``
    best grid points (lr × warm-up, ranked on the first seed), so that the recipe is chosen on the mean of two
-   seeds where neighbouring points differ by less than the seed spread.
+   seeds where neighbouring points differ by less than the seed spread; the final cell and the timing pass then
+   select with ``--confirm <seed> <points>`` (:func:`~.tuned.confirm_recipes`).
 6. **final**: every arm at its recipe (lr, warm-up) on the final seeds, disjoint from the grid's, seed by seed
    (a call trains the arms missing a seed, or the next two seeds missing the same arms), so that a cell stopped
    part-way holds whole pairs; the test split is read here only.
@@ -41,7 +42,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tuned import FINAL_DIR, LR_REL_TOL, TIMING_FILE, WARMUP_PREFIX, _finished, _lr_text, read_grid, select_lrs
+from .tuned import (
+    FINAL_DIR,
+    LR_REL_TOL,
+    TIMING_FILE,
+    WARMUP_PREFIX,
+    _finished,
+    _lr_text,
+    read_grid,
+    select_lrs,
+    top_points,
+)
 
 __all__ = ["GRID_SEEDS", "FINAL_SEEDS", "REFINE_RATIO", "Protocol", "read_protocol", "Stage", "stages", "confirm_points",
            "main"]
@@ -182,10 +193,6 @@ def _beyond_warmup_edge(warm: dict, arm: str, grid: Sequence[float]) -> float | 
     return None
 
 
-def _score(value: float) -> float:
-    return value if math.isfinite(value) else math.inf
-
-
 def confirm_points(out: Path, protocol: Protocol, grid: dict | None = None
                    ) -> dict[Path, tuple[tuple[str, ...], dict[str, list[float]]]]:
     """The grid points that still miss the second selection seed (``protocol.confirm``): for each arm, its
@@ -194,19 +201,18 @@ def confirm_points(out: Path, protocol: Protocol, grid: dict | None = None
     train. A diverged point (non-finite bpb) ranks last."""
     assert protocol.confirm is not None
     seed, top = protocol.confirm
-    first = GRID_SEEDS[0]
-    folders: list[tuple[Path, tuple[str, ...], dict]] = [(out, (), grid if grid is not None else read_grid(out))]
-    for steps in protocol.warmups:
-        folder = out / f"{WARMUP_PREFIX}{steps}"
-        folders.append((folder, ("--warmup-fraction", f"{steps / protocol.total_steps:g}"), read_grid(folder)))
+    sources: list[tuple[int | None, float | None, dict]] = [(None, None, grid if grid is not None else read_grid(out))]
+    sources += [(steps, steps / protocol.total_steps, read_grid(out / f"{WARMUP_PREFIX}{steps}"))
+                for steps in sorted(protocol.warmups)]
     found: dict[Path, tuple[tuple[str, ...], dict[str, list[float]]]] = {}
     for arm in protocol.arms:
-        points = sorted((_score(per[first]), k, lr) for k, (_, _, g) in enumerate(folders)
-                        for lr, per in g["finals"].get(arm, {}).items() if first in per)
-        for _, k, lr in points[:top]:
-            folder, extra, g = folders[k]
-            if seed not in g["finals"][arm][lr]:
-                found.setdefault(folder, (extra, {}))[1].setdefault(arm, []).append(lr)
+        for point in top_points(sources, arm, seed=GRID_SEEDS[0], points=top):
+            if str(seed) in point["per_seed"]:
+                continue
+            steps = point["warmup_steps"]
+            folder = out if steps is None else out / f"{WARMUP_PREFIX}{steps}"
+            flags = () if steps is None else ("--warmup-fraction", f"{steps / protocol.total_steps:g}")
+            found.setdefault(folder, (flags, {}))[1].setdefault(arm, []).append(point["lr"])
     return found
 
 
@@ -244,16 +250,16 @@ def stages(out: str | Path, protocol: Protocol) -> list[Stage]:
                                 ("--warmup-fraction", f"{steps / protocol.total_steps:g}")))
         if any(missing.values()):
             return plan + [Stage("final, timing", waiting=f"the warm-up {steps} grid")]
+    extra: tuple[str, ...] = ()
     if protocol.confirm is not None:
-        seed, _ = protocol.confirm
+        seed, points = protocol.confirm
         missing_by_folder = confirm_points(out, protocol, grid)
-        confirm = [_grid_stage(f"second seed {seed}, {folder.name}", folder, missing, [seed], extra)
-                   for folder, (extra, missing) in missing_by_folder.items()]
+        confirm = [_grid_stage(f"second seed {seed}, {folder.name}", folder, missing, [seed], flags)
+                   for folder, (flags, missing) in missing_by_folder.items()]
         plan += confirm or [Stage(f"second seed {seed}")]
-        # the final cell selects each arm's recipe on the mean of both seeds over its confirmed points; that
-        # selection is not in the harness yet (tuned.run_tuned selects on one seed), so the plan stops here
-        return plan + [Stage("final, timing", waiting=f"the second seed {seed}" if confirm else
-                             "the two-seed selection of the final cell (issue 57, item 3: not in the harness yet)")]
+        if confirm:
+            return plan + [Stage("final, timing", waiting=f"the second seed {seed}")]
+        extra = ("--confirm", str(seed), str(points))  # the final cell and the timing pass select on both seeds
     done, _ = _finished(out / FINAL_DIR)
     todo = [(a, s) for s in FINAL_SEEDS for a in protocol.arms if s not in done.get(a, {})]
     # seed by seed, every arm missing it: a cell stopped part-way holds whole pairs of every arm, not all ten seeds
@@ -268,12 +274,12 @@ def stages(out: str | Path, protocol: Protocol) -> list[Stage]:
             batches[-1][1].append(s)
         else:
             batches.append((arms, [s]))
-    final_calls = tuple(("--out", str(out), "--arms", *arms, "--seeds", *map(str, GRID_SEEDS), "--final-seeds",
-                         *map(str, seeds), "--skip-report") for arms, seeds in batches)
+    final_calls = tuple(("--out", str(out), "--arms", *arms, "--seeds", *map(str, GRID_SEEDS), *extra,
+                         "--final-seeds", *map(str, seeds), "--skip-report") for arms, seeds in batches)
     plan.append(Stage("final", final_calls, tuple(f"final: {a} seed {s}" for a, s in todo)))
     timing = () if (out / TIMING_FILE).exists() else (("--out", str(out), "--arms", *protocol.arms, "--seeds",
-                                                        *map(str, GRID_SEEDS), "--time-steps", str(TIME_STEPS),
-                                                        "--skip-report"),)
+                                                        *map(str, GRID_SEEDS), *extra, "--time-steps",
+                                                        str(TIME_STEPS), "--skip-report"),)
     if todo:
         return plan + [Stage("timing", waiting="the final cell")]
     return plan + [Stage("timing", timing, ("timing pass",) if timing else ())]

@@ -913,7 +913,8 @@ def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] 
            seeds: Sequence[int] | None = (0, 1, 2), frame_lrs: Sequence[float] = (),
            options: RunOptions | None = None, report_only: bool = False, skip_report: bool = False,
            command: str | None = None, lrs: Sequence[float] = (), final_seeds: Sequence[int] = (),
-           time_steps: int | None = None, allow_unbracketed: bool = False, **run_kwargs: Any) -> StudyOutputs:
+           time_steps: int | None = None, allow_unbracketed: bool = False, confirm: tuple[int, int] | None = None,
+           **run_kwargs: Any) -> StudyOutputs:
     """Run (or resume) every (arm, seed) of the main cell, then the ``stiefel`` arm at every extra frame lr of
     ``frame_lrs`` (:func:`sweep_cells`), and write the report into ``out_dir``. ``report_only``: train nothing,
     rebuild the report from the records (``config`` is then the recorded one; ``arms``/``seeds`` ``None``: all
@@ -939,6 +940,7 @@ def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] 
         return run_tuned(config, out_dir, build_task, arms=list(arms or TUNED_ARMS),
                          seeds=list(TUNED_GRID_SEEDS) if lrs and seeds is None else seeds,
                          lrs=lrs, final_seeds=final_seeds, time_steps=time_steps, allow_unbracketed=allow_unbracketed,
+                         confirm=confirm,
                          options=RunOptions.of(options, **run_kwargs), command=command, skip_report=skip_report,
                          config_type=LMConfig, finalize=finalize_report)
     arms = list(arms or STUDY_ARMS)
@@ -970,7 +972,7 @@ def _none_or_positive_float(text: str) -> float | None:
 
 
 def _task_arguments(parser: argparse.ArgumentParser, d: LMConfig) -> None:
-    from geoopt_stiefel_attention.argtypes import positive_float, positive_int
+    from geoopt_stiefel_attention.argtypes import nonnegative_int, positive_float, positive_int
 
     g = parser.add_argument_group("corpus")
     g.add_argument("--corpus", choices=CORPORA, default=d.corpus,
@@ -1030,6 +1032,10 @@ def _task_arguments(parser: argparse.ArgumentParser, d: LMConfig) -> None:
                         "the grid misses a run or an optimum is at a grid edge; resumable")
     g.add_argument("--allow-unbracketed", action="store_true",
                    help="with --final-seeds: run the final cell even where an arm's best lr is at a grid edge")
+    g.add_argument("--confirm", type=nonnegative_int, nargs=2, default=None, metavar=("SEED", "POINTS"),
+                   help="with --final-seeds or --time-steps: choose each arm's recipe on two seeds, the first of "
+                        "--seeds and SEED, over its POINTS best grid points (lr x warm-up, ranked on the first seed); "
+                        "the grid must hold SEED at those points")
     g.add_argument("--time-steps", type=positive_int, default=None, metavar="N",
                    help="timing pass: time every --arms arm's training step (N steps per round, 3 interleaved "
                         "rounds after a warm-up round, one process) at its selected lr; writes timing.json for the "
@@ -1106,6 +1112,15 @@ class LMCommand(StudyCommand):
         check_seed_range("--final-seeds", args.final_seeds)
         check_distinct("--lrs", args.lrs, "learning rate")
         check_distinct("--frame-lrs", args.frame_lrs, "frame learning rate")
+        if args.confirm is not None:
+            seed, points = args.confirm
+            if not (args.final_seeds or args.time_steps):
+                raise UsageError("--confirm chooses the final cell's recipes; pass --final-seeds or --time-steps too, "
+                                 "or drop it.")
+            if points < 1 or seed in args.final_seeds or seed in (args.seeds or []):
+                raise UsageError(f"--confirm {seed} {points}: SEED must be neither a --seeds nor a --final-seeds seed, "
+                                 f"and POINTS >= 1.")
+            check_seed_range("--confirm", [seed])
         if args.allow_unbracketed and not args.final_seeds:
             raise UsageError("--allow-unbracketed only changes --final-seeds; pass --final-seeds too, or drop it.")
         if args.frame_lrs and args.arms is not None and "stiefel" not in args.arms:
@@ -1129,7 +1144,8 @@ class LMCommand(StudyCommand):
 
             kwargs.update(arms=args.arms, seeds=args.seeds)  # not the plain study's defaults
             tuned = dict(lrs=args.lrs, final_seeds=args.final_seeds, time_steps=args.time_steps,
-                         allow_unbracketed=args.allow_unbracketed)
+                         allow_unbracketed=args.allow_unbracketed,
+                         confirm=None if args.confirm is None else tuple(args.confirm))
             try:
                 return run_lm(config, args.out, frame_lrs=args.frame_lrs, skip_report=args.skip_report, **tuned,
                               **kwargs)

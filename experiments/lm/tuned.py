@@ -71,7 +71,8 @@ from ..harness.study import Cell, StudyOutputs
 
 __all__ = ["GRID_PREFIX", "FINAL_DIR", "TIMING_FILE", "BASELINES", "CATEGORY_SETS", "MIN_SEEDS_FOR_CLAIM",
            "IncompleteSelectionError", "grid_cells", "with_lr", "is_tuned_folder", "read_grid", "select_lrs",
-           "WARMUP_PREFIX", "warmup_grids", "select_recipes", "with_recipe",
+           "WARMUP_PREFIX", "warmup_grids", "select_recipes", "with_recipe", "top_points", "confirm_recipes",
+           "SELECTION_FILE",
            "final_cell", "time_arms", "equal_wallclock", "tuned_comparisons", "run_tuned", "finalize_tuned",
            "readme_table", "numbers_not_in_summary", "find_config", "tuned_summary"]
 
@@ -397,6 +398,71 @@ def select_recipes(selection: Mapping[str, Any], warmups: Mapping[int, Mapping[s
     return out
 
 
+#: The file in the study folder that records a two-seed selection (``--confirm SEED POINTS``), for the report.
+SELECTION_FILE = "selection.json"
+
+
+def _score(value: float) -> float:
+    return value if math.isfinite(value) else math.inf
+
+
+def top_points(sources: Sequence[tuple[int | None, float | None, Mapping[str, Any]]], arm: str, *, seed: int,
+               points: int) -> list[dict[str, Any]]:
+    """``arm``'s ``points`` best grid points by final validation bpb on ``seed``, over every source grid: ``sources``
+    are ``(warmup_steps, warmup_fraction, grid)`` triples (``None, None`` for the study's own warm-up; ``grid`` a
+    :func:`read_grid` result), ranked by (bpb, source, lr), a non-finite bpb last. Each point is ``{"lr",
+    "warmup_steps", "warmup_fraction", "per_seed": {seed: bpb}}`` with every seed the point has."""
+    found = []
+    for k, (steps, fraction, grid) in enumerate(sources):
+        for lr, per in grid["finals"].get(arm, {}).items():
+            if seed in per:
+                found.append(((_score(per[seed]), k, lr), {"lr": lr, "warmup_steps": steps, "warmup_fraction": fraction,
+                                                          "per_seed": {str(s): per[s] for s in sorted(per)}}))
+    return [point for _, point in sorted(found, key=lambda item: item[0])[:points]]
+
+
+def confirm_recipes(grid: Mapping[str, Any], warmups: Mapping[int, Mapping[str, Any]], *, arms: Sequence[str],
+                    seeds: tuple[int, int], points: int) -> dict[str, Any]:
+    """Each arm's recipe chosen on two seeds: its ``points`` best grid points on the first seed (:func:`top_points`,
+    over its own grid and every warm-up grid), then the one of lowest mean final validation bpb over both seeds.
+
+    Returns
+    -------
+    dict
+        ``{arm: {"lr", "warmup_steps", "warmup_fraction", "mean", "per_seed", "points"}}``: ``points`` the
+        candidates with both seeds and their means (the report shows them), ``warmup_steps`` ``None`` for the study's
+        own warm-up.
+
+    Raises
+    ------
+    IncompleteSelectionError
+        A candidate misses the second seed (naming it): train it first.
+    """
+    first, second = seeds
+    sources = [(None, None, grid)] + [(steps, w["warmup_fraction"], w["grid"]) for steps, w in sorted(warmups.items())]
+    out: dict[str, Any] = {}
+    missing = []
+    for arm in _order(arms):
+        top = top_points(sources, arm, seed=first, points=points)
+        if not top:
+            missing.append(f"{arm}: no grid point with seed {first}")
+            continue
+        lacking = [p for p in top if str(second) not in p["per_seed"]]
+        missing += [f"{arm} at lr {_lr_text(p['lr'])}" + (f" with warm-up {p['warmup_steps']}" if p["warmup_steps"]
+                                                          else "") + f" seed {second}" for p in lacking]
+        if lacking:
+            continue
+        for p in top:
+            p["mean"] = (p["per_seed"][str(first)] + p["per_seed"][str(second)]) / 2
+        best = min(top, key=lambda p: _score(p["mean"]))
+        out[arm] = {**{k: best[k] for k in ("lr", "warmup_steps", "warmup_fraction", "mean")},
+                    "per_seed": {str(s): best["per_seed"][str(s)] for s in seeds}, "points": top}
+    if missing:
+        raise IncompleteSelectionError("the two-seed selection is incomplete: missing " + "; ".join(missing)
+                                       + ". Train them (--seeds " + str(second) + " at those points) first.")
+    return out
+
+
 def with_recipe(config: Any, recipe: Mapping[str, Any]) -> Any:
     """``config`` at the recipe's lr (:func:`with_lr`) and, where it names one, its warm-up fraction."""
     config = with_lr(config, recipe["lr"])
@@ -692,6 +758,10 @@ def tuned_summary(out_dir: str | os.PathLike, config_type: type, *, arms: Sequen
         warnings.simplefilter("ignore")  # an incomplete grid is stated in the report itself
         selection = select_lrs(grid, arms=[a for a in (arms or grid["finals"]) if a in grid["finals"]])
     recipes = select_recipes(selection, warmups) if warmups else None
+    two_seed = json.loads((out_dir / SELECTION_FILE).read_text()) if (out_dir / SELECTION_FILE).exists() else None
+    if two_seed is not None:
+        recipes = confirm_recipes(grid, warmups, arms=list(selection["arms"]), seeds=tuple(two_seed["seeds"]),
+                                  points=two_seed["points"])
     final_runs, open_runs = _finished(out_dir / FINAL_DIR)
     final_arms = _order(a for a in final_runs if arms is None or a in arms)
     final_configs = _configs(out_dir / FINAL_DIR)
@@ -838,6 +908,20 @@ def _render(summary: Mapping[str, Any], config: Any, extra: Sequence[str] = ()) 
         own = int(config.warmup_fraction * config.total_steps)
         lines += [f"| {arm} | {_lr_text(r['lr'])} | {r['warmup_steps'] or own} | {_f(r['mean'])} |"
                   for arm, r in summary["recipes"].items()] + [""]
+        two = [(arm, r) for arm, r in summary["recipes"].items() if r.get("points")]
+        if two:
+            seeds = list(two[0][1]["per_seed"])
+            lines += [f"**Two-seed selection**: each arm's {len(two[0][1]['points'])} best grid points on seed "
+                      f"{seeds[0]} (lr × warm-up), trained again on seed {seeds[1]}; the recipe (**bold**) is the lowest "
+                      f"mean of both.", "",
+                      f"| arm | lr | warm-up steps | val bpb, seed {seeds[0]} | seed {seeds[1]} | mean |",
+                      "|---|---|---|---|---|---|"]
+            for arm, r in two:
+                for q in r["points"]:
+                    mark = "**" if (q["lr"], q["warmup_steps"]) == (r["lr"], r["warmup_steps"]) else ""
+                    lines.append(f"| {arm} | {mark}{_lr_text(q['lr'])}{mark} | {q['warmup_steps'] or own} "
+                                 f"| {_f(q['per_seed'][seeds[0]])} | {_f(q['per_seed'][seeds[1]])} | {_f(q['mean'])} |")
+            lines.append("")
     lines += ["## 2. Final cell: test bits per byte, each arm at its selected lr", ""]
     if not final["arms"]:
         lines += ["No final runs yet (`--final-seeds`).", ""]
@@ -1002,10 +1086,14 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
               seeds: Sequence[int] | None, lrs: Sequence[float] = (), final_seeds: Sequence[int] = (),
               time_steps: int | None = None, time_rounds: int = 3, allow_unbracketed: bool = False,
               options: Any = None, command: str | None = None, skip_report: bool = False,
-              config_type: type | None = None, finalize: Callable | None = None) -> StudyOutputs:
+              config_type: type | None = None, finalize: Callable | None = None,
+              confirm: tuple[int, int] | None = None) -> StudyOutputs:
     """Run (or resume) the grid (``lrs``: every arm of ``arms`` at every lr, on ``seeds``), then, with
     ``final_seeds``, the final cell (each arm at its selected lr), then, with ``time_steps``, the timing pass;
     then the report unless ``skip_report``: ``finalize(out_dir, config_type)``, default :func:`finalize_tuned`.
+    With ``confirm = (second_seed, points)`` each arm's recipe is chosen on two seeds (:func:`confirm_recipes`: the
+    first of ``seeds`` and ``second_seed``, over its ``points`` best grid points), recorded in
+    :data:`SELECTION_FILE` for the report.
 
     Raises
     ------
@@ -1034,8 +1122,18 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
         grid = read_grid(out_dir)
         strict = bool(final_seeds)
         if strict or all(a in grid["finals"] for a in arms):
-            selection = select_lrs(grid, arms=arms, seeds=seeds, strict=strict)
-            recipes = select_recipes(selection, warmup_grids(out_dir))
+            if confirm is not None:
+                first = (list(seeds or []) or [0])[0]
+                selection = select_lrs(grid, arms=arms, seeds=[first], strict=strict)
+                recipes = confirm_recipes(grid, warmup_grids(out_dir), arms=arms, seeds=(first, confirm[0]),
+                                          points=confirm[1])
+                selection["arms"] = {a: {**s, "seeds": [first, confirm[0]]} for a, s in selection["arms"].items()}
+                (out_dir / SELECTION_FILE).parent.mkdir(parents=True, exist_ok=True)
+                (out_dir / SELECTION_FILE).write_text(json.dumps(
+                    {"seeds": [first, confirm[0]], "points": confirm[1]}, indent=2) + "\n")
+            else:
+                selection = select_lrs(grid, arms=arms, seeds=seeds, strict=strict)
+                recipes = select_recipes(selection, warmup_grids(out_dir))
             chosen = {a: r["lr"] for a, r in recipes.items()}
             edge = [_unbracketed_text(a, s) for a, s in selection["arms"].items() if not s["bracketed"]]
             if final_seeds and edge and not allow_unbracketed:
