@@ -197,3 +197,33 @@ def test_docstring_check_accepts_a_conforming_docstring():
     assert docstring_errors(_conforms) == []
     errors = docstring_errors(_DataclassMissingField)
     assert [code for code, _ in errors] == ["PR01"] and "'b'" in errors[0][1]
+
+
+def test_no_public_docstring_keeps_a_fragment_placeholder():
+    """Shared docstring fragments (``{{name}}`` lines, :mod:`geoopt_stiefel_attention._docfrag`) are filled at
+    import: what a reader sees is whole. Companion: an unknown name raises, naming it, and a known one is indented
+    like its placeholder."""
+    from geoopt_stiefel_attention import _docfrag
+
+    left = [path for path, obj in public_objects().items() if "{{" in (getattr(obj, "__doc__", None) or "")]
+    assert not left, left
+
+    def documented(column):
+        """Summary.
+
+        Parameters
+        ----------
+        {{column}}
+        """
+
+    assert "\n        column : OptimizerColumn\n            The optimizer and geometry certified.\n" in \
+        _docfrag.fill(documented).__doc__
+
+    def misspelt():
+        """Summary.
+
+        {{colum}}
+        """
+
+    with pytest.raises(KeyError, match=r"\{\{colum\}\} names no fragment"):
+        _docfrag.fill(misspelt)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._docfrag import fill
 from ._numerics import random_frames, recover_polar_step, step_condition
 from ._result import Certificate, require_steps, worst_figure
 from .optimizers import OptimizerColumn
@@ -50,6 +51,7 @@ class DriftRun:
     max_step_norm: float
 
 
+@fill
 def run_drift(column: OptimizerColumn, *, steps: int = 10_000, dtype: torch.dtype = torch.float64, seed: int = 0,
               lr: float = 1.0, trust_region: float | None = 0.1) -> DriftRun:
     r"""Run ``column`` for ``steps`` steps on i.i.d. Gaussian gradients, 8 frames of St(16, 4), in ``dtype``.
@@ -62,8 +64,7 @@ def run_drift(column: OptimizerColumn, *, steps: int = 10_000, dtype: torch.dtyp
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
+    {{column}}
     steps : int, default 10000
         Steps of the run.
     dtype : torch.dtype, default torch.float64
@@ -126,22 +127,19 @@ def _check_runs(who: str, runs: list[DriftRun]) -> None:
         require_steps(f"{who}: the run of {run.optimizer} in {run.dtype}", run.steps, name="steps")
 
 
+@fill
 def certify_conditioning(column: OptimizerColumn, runs: list[DriftRun], *, trust_region: float = 0.1) -> Certificate:
     r"""3a. :math:`\kappa(I + s^\top s) \le 1 + \Delta^2` on every step of the runs (``runs`` from :func:`run_drift`).
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
+    {{column}}
     runs : list of DriftRun
         Runs of ``column`` (:func:`run_drift`).
     trust_region : float, default 0.1
         The radius :math:`\Delta` of the bound, the one the runs stepped with.
 
-    Returns
-    -------
-    Certificate
-        The certificate of this row for ``column``.
+    {{returns_certificate}}
     """
     name = "3a polar step cond <= 1 + D^2"
     statement = (f"the matrix inverted by the polar retraction, I + s^T s, has condition number <= 1 + Delta^2 "
@@ -170,20 +168,17 @@ def certify_conditioning(column: OptimizerColumn, runs: list[DriftRun], *, trust
     return Certificate(name, statement, measured, bound, passed, details, column.name)
 
 
+@fill
 def certify_drift(column: OptimizerColumn, run: DriftRun) -> Certificate:
     """3b/3c. :math:`\\max_t |W_t^\\top W_t - I|` stays at rounding level (``DRIFT_TOL``) over the run.
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
+    {{column}}
     run : DriftRun
         A run of ``column`` (:func:`run_drift`): float64 for 3b, float32 for 3c.
 
-    Returns
-    -------
-    Certificate
-        The certificate of this row for ``column``.
+    {{returns_certificate}}
     """
     _check_runs("certify_drift", [run])
     dtype = getattr(torch, run.dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .._docfrag import fill
 from ._numerics import QuadraticLoss, random_frames, random_orthogonal
 from ._result import Certificate, require_steps
 from .optimizers import OptimizerColumn
@@ -26,6 +27,7 @@ EQUIVARIANCE_TOL = 1e-12
 _D, _R, _HEADS = 16, 4, 4
 
 
+@fill
 def certify_equivariance(column: OptimizerColumn, side: str, *, seed: int = 0, steps: int = 50,
                          lr: float = 0.05) -> Certificate:
     r"""4a/4b. Trajectories from :math:`(QW_0R, QG_tR)` equal :math:`QW_tR` (float64).
@@ -38,21 +40,14 @@ def certify_equivariance(column: OptimizerColumn, side: str, *, seed: int = 0, s
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
+    {{column}}
     side : {"left", "right"}
         :math:`O(d)` acting on the left (4a) or :math:`O(r)` on the right (4b).
-    seed : int, default 0
-        Seed of the random frames, gradients and losses.
-    steps : int, default 50
-        Steps of each run.
-    lr : float, default 0.05
-        Learning rate.
+    {{seed_random}}
+    {{steps_each}}
+    {{lr_plain}}
 
-    Returns
-    -------
-    Certificate
-        The certificate of this row for ``column``.
+    {{returns_certificate}}
     """
     if side not in ("left", "right"):
         raise ValueError(f"certify_equivariance: side={side!r} is unknown; use 'left' or 'right'.")

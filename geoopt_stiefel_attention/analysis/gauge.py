@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._docfrag import fill
 from ._numerics import embedded_projection, random_frames
 from ._result import Certificate, worst_figure
 from .optimizers import OptimizerColumn
@@ -178,6 +179,7 @@ def _gradients(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor):
     return float(loss.detach()), g_q, g_k
 
 
+@fill
 def certify_gauge_gradient(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor, *, frames: bool,
                            head_dim: int | None = None, optimizer: str | None = None) -> Certificate:
     r"""6a. The gradient has no component along the span of the gauge directions.
@@ -194,16 +196,7 @@ def certify_gauge_gradient(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor
 
     Parameters
     ----------
-    loss_fn : callable
-        ``loss_fn(w_q, w_k) -> torch.Tensor``, a scalar loss (e.g. :meth:`AttentionProblem.loss`,
-        :func:`loss_from_module`).
-    w_q, w_k : torch.Tensor
-        The point :math:`(W_Q, W_K)`, stacks of shape ``(F, D, C)`` (float64).
-    frames : bool
-        Whether ``w_q``, ``w_k`` are frames (the gauge group is then :math:`O(r)`, :math:`B` skew), or
-        unconstrained matrices (:math:`GL(r)`).
-    head_dim : int, optional
-        Columns per head block, dividing ``C``; default ``C`` (one head per frame).
+    {{gauge_point}}
     optimizer : str, optional
         Column name recorded in the certificate.
 
@@ -243,6 +236,7 @@ def certify_gauge_gradient(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor
     return Certificate.check(name, statement, measured, GAUGE_GRADIENT_TOL, optimizer=optimizer, details=details)
 
 
+@fill
 def certify_gauge_moves(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor, *, frames: bool,
                         head_dim: int | None = None, seed: int = 0, sizes: tuple[float, ...] = (0.1, 0.5, 1.0, 3.0),
                         optimizer: str | None = None) -> Certificate:
@@ -257,16 +251,7 @@ def certify_gauge_moves(loss_fn: LossFn, w_q: torch.Tensor, w_k: torch.Tensor, *
 
     Parameters
     ----------
-    loss_fn : callable
-        ``loss_fn(w_q, w_k) -> torch.Tensor``, a scalar loss (e.g. :meth:`AttentionProblem.loss`,
-        :func:`loss_from_module`).
-    w_q, w_k : torch.Tensor
-        The point :math:`(W_Q, W_K)`, stacks of shape ``(F, D, C)`` (float64).
-    frames : bool
-        Whether ``w_q``, ``w_k`` are frames (the gauge group is then :math:`O(r)`, :math:`B` skew), or
-        unconstrained matrices (:math:`GL(r)`).
-    head_dim : int, optional
-        Columns per head block, dividing ``C``; default ``C`` (one head per frame).
+    {{gauge_point}}
     seed : int, default 0
         Seed of the random :math:`B`.
     sizes : tuple of float, default (0.1, 0.5, 1.0, 3.0)
@@ -375,6 +360,7 @@ def _library_problem(frames: bool, seed: int):
     return module, loss_from_module(module, x, target)
 
 
+@fill
 def certify_gauge(column: OptimizerColumn, *, seed: int = 0, use_library_module: bool = True) -> list[Certificate]:
     """6a and 6b for the parametrisation of ``column``: frames for a manifold column, unconstrained matrices
     otherwise. By default on the library's attention module
@@ -384,10 +370,8 @@ def certify_gauge(column: OptimizerColumn, *, seed: int = 0, use_library_module:
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
-    seed : int, default 0
-        Seed of the random frames, gradients and losses.
+    {{column}}
+    {{seed_random}}
     use_library_module : bool, default True
         Certify the library's attention module (else :func:`multihead_attention`).
 

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from .._docfrag import fill
 from ._numerics import QuadraticLoss, random_frames
 from ._result import Certificate, require_steps, worst_figure
 from .optimizers import OptimizerColumn
@@ -75,6 +76,7 @@ def _run(column: OptimizerColumn, w0, loss: QuadraticLoss, c: float, *, steps: i
     return torch.stack(iterates), sigmas
 
 
+@fill
 def certify_scale_invariance(column: OptimizerColumn, *, seed: int = 0, steps: int = 50, lr: float = 0.05,
                              scales: tuple[float, ...] = SCALES) -> Certificate:
     r"""2a. With :math:`\epsilon = 0`, trajectories for gradients :math:`cG_t`, :math:`c \in [10^{-6}, 10^6]`, coincide.
@@ -85,21 +87,14 @@ def certify_scale_invariance(column: OptimizerColumn, *, seed: int = 0, steps: i
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
-    seed : int, default 0
-        Seed of the random frames, gradients and losses.
-    steps : int, default 50
-        Steps of each run.
-    lr : float, default 0.05
-        Learning rate.
+    {{column}}
+    {{seed_random}}
+    {{steps_each}}
+    {{lr_plain}}
     scales : tuple of float, default SCALES
         The factors :math:`c`.
 
-    Returns
-    -------
-    Certificate
-        The certificate of this row for ``column``.
+    {{returns_certificate}}
     """
     name = "2a scale-free (eps=0)"
     statement = "with eps = 0 the trajectories for gradients c*G_t, c in 1e-6..1e6, coincide with c = 1"
@@ -115,6 +110,7 @@ def certify_scale_invariance(column: OptimizerColumn, *, seed: int = 0, steps: i
                              details=details)
 
 
+@fill
 def certify_scale_with_eps(column: OptimizerColumn, *, seed: int = 0, steps: int = 50, lr: float = 0.05,
                            eps: float = 1e-8, scales: tuple[float, ...] = SCALES) -> Certificate:
     r"""2b. With :math:`\epsilon > 0`, trajectories for :math:`cG_t` stay within the bound that :math:`\epsilon` implies.
@@ -137,23 +133,16 @@ def certify_scale_with_eps(column: OptimizerColumn, *, seed: int = 0, steps: int
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
-    seed : int, default 0
-        Seed of the random frames, gradients and losses.
-    steps : int, default 50
-        Steps of each run.
-    lr : float, default 0.05
-        Learning rate.
+    {{column}}
+    {{seed_random}}
+    {{steps_each}}
+    {{lr_plain}}
     eps : float, default 1e-8
         The optimizer's :math:`\epsilon`.
     scales : tuple of float, default SCALES
         The factors :math:`c`.
 
-    Returns
-    -------
-    Certificate
-        The certificate of this row for ``column``.
+    {{returns_certificate}}
     """
     name = "2b scale-free (default eps)"
     statement = ("with eps = 1e-8 the trajectories for c*G_t deviate from c = 1 by at most twice the first-order "

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from .._docfrag import fill
 from ._numerics import (
     embedded_projection,
     polar_step,
@@ -57,6 +58,7 @@ def _polar_like(column: OptimizerColumn) -> bool:
     return isinstance(column.manifold(), PolarStiefel)
 
 
+@fill
 def certify_projection(column: OptimizerColumn, *, seed: int = 0, n_random: int = 4000) -> Certificate:
     r"""1a. The column's Riemannian gradient is the embedded-metric steepest-descent direction.
 
@@ -74,17 +76,12 @@ def certify_projection(column: OptimizerColumn, *, seed: int = 0, n_random: int 
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
-    seed : int, default 0
-        Seed of the random frames, gradients and losses.
+    {{column}}
+    {{seed_random}}
     n_random : int, default 4000
         Random unit tangents compared with :math:`-\xi/\|\xi\|`.
 
-    Returns
-    -------
-    Certificate
-        The certificate of this row for ``column``.
+    {{returns_certificate}}
     """
     name = "1a steepest descent: projection"
     statement = ("xi = rgrad(W, G) is tangent, G - xi = W S with S symmetric, and -xi/||xi|| minimises <G, eta> "
@@ -133,6 +130,7 @@ def _first_step(column, seed: int, **opt_kwargs):
     return w0, g, p.detach().clone()
 
 
+@fill
 def certify_step_direction(column: OptimizerColumn, *, seed: int = 0, lr: float = 1e-6) -> Certificate:
     r"""1b. The optimizer's first step from a fresh state moves along :math:`-\xi/\|\xi\|`.
 
@@ -145,17 +143,12 @@ def certify_step_direction(column: OptimizerColumn, *, seed: int = 0, lr: float 
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
-    seed : int, default 0
-        Seed of the random frames, gradients and losses.
+    {{column}}
+    {{seed_random}}
     lr : float, default 1e-6
         Learning rate of the step (small, so the step is read to first order).
 
-    Returns
-    -------
-    Certificate
-        The certificate of this row for ``column``.
+    {{returns_certificate}}
     """
     name = "1b steepest descent: step direction"
     statement = "the optimizer's first step from a fresh state moves along -xi/||xi|| (embedded-metric steepest descent)"
@@ -178,6 +171,7 @@ def certify_step_direction(column: OptimizerColumn, *, seed: int = 0, lr: float 
                              details=details)
 
 
+@fill
 def certify_first_step(column: OptimizerColumn, *, seed: int = 0, lr: float = 1e-2, eps: float = 1e-8) -> Certificate:
     r"""1c. The first step from a fresh state is exactly :math:`R_W(-\mathrm{lr}\,\xi/(\|\xi\| + \epsilon))`.
 
@@ -191,19 +185,14 @@ def certify_first_step(column: OptimizerColumn, *, seed: int = 0, lr: float = 1e
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
-    seed : int, default 0
-        Seed of the random frames, gradients and losses.
+    {{column}}
+    {{seed_random}}
     lr : float, default 1e-2
         Learning rate of the step.
     eps : float, default 1e-8
         The optimizer's :math:`\epsilon`, used in the reference step too.
 
-    Returns
-    -------
-    Certificate
-        The certificate of this row for ``column``.
+    {{returns_certificate}}
     """
     name = "1c first step = retr(W, -lr xi/||xi||)"
     statement = "the first step from a fresh state is exactly retr(W, -lr xi/(||xi|| + eps)) (frame-normalised steepest step)"
@@ -226,6 +215,7 @@ def certify_first_step(column: OptimizerColumn, *, seed: int = 0, lr: float = 1e
     return Certificate.check(name, statement, measured, FIRST_STEP_TOL, optimizer=column.name, details=details)
 
 
+@fill
 def certify_retraction_order(column: OptimizerColumn, *, seed: int = 0,
                              ts: tuple[float, ...] = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
                              retr=None) -> Certificate:
@@ -237,19 +227,14 @@ def certify_retraction_order(column: OptimizerColumn, *, seed: int = 0,
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
-    seed : int, default 0
-        Seed of the random frames, gradients and losses.
+    {{column}}
+    {{seed_random}}
     ts : tuple of float
         Step lengths :math:`t` of the fit (default :math:`10^{-5}` to :math:`10^{-1}`, two per decade).
     retr : callable, optional
         ``retr(w, u)`` in place of the column's retraction.
 
-    Returns
-    -------
-    Certificate
-        The certificate of this row for ``column``.
+    {{returns_certificate}}
     """
     name = "1d retraction is first order"
     statement = "||retr(W, t eta) - (W + t eta)|| = O(t^2): the fitted order p over t in [1e-5, 1e-1] is >= 1.9"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .._docfrag import fill
 from ._numerics import QuadraticLoss, polar_factor, random_frames, recover_polar_step, run_trajectory
 from ._result import Certificate, require_steps, worst_figure
 from .gauge import AttentionProblem, multihead_attention
@@ -40,6 +41,7 @@ DECAY_TRAJECTORY_TOL = 1e-12
 _DECAY_SHAPES = ((1, 1), (4, 1), (4, 4), (8, 3), (16, 4), (32, 8), (64, 16), (128, 32), (256, 64))
 
 
+@fill
 def certify_decay_gradient(column: OptimizerColumn, *, seed: int = 0, stack: int = 3) -> Certificate:
     r"""5. :math:`\mathrm{rgrad}(W, W) = 0` to rounding for random frames of many shapes.
 
@@ -48,17 +50,12 @@ def certify_decay_gradient(column: OptimizerColumn, *, seed: int = 0, stack: int
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
-    seed : int, default 0
-        Seed of the random frames, gradients and losses.
+    {{column}}
+    {{seed_random}}
     stack : int, default 3
         Frames drawn per shape.
 
-    Returns
-    -------
-    Certificate
-        The certificate of this row for ``column``.
+    {{returns_certificate}}
     """
     name = "5  rgrad of decay = 0"
     statement = "the Riemannian gradient of (lambda/2)||W||^2, rgrad(W, lambda W), is 0 to rounding on St(d, r)"
@@ -80,6 +77,7 @@ def _setup(seed: int):
     return QuadraticLoss.random(4, 16, 4, generator=gen), random_frames(4, 16, 4, generator=gen)
 
 
+@fill
 def certify_coupled_decay(column: OptimizerColumn, *, seed: int = 0, steps: int = 50, lr: float = 0.05,
                           decay: float = 1.0) -> Certificate:
     r"""5a. Coupled decay, :math:`G_t + \lambda W_t` as the gradient, leaves the trajectory unchanged.
@@ -89,21 +87,14 @@ def certify_coupled_decay(column: OptimizerColumn, *, seed: int = 0, steps: int 
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
-    seed : int, default 0
-        Seed of the random frames, gradients and losses.
-    steps : int, default 50
-        Steps of each run.
-    lr : float, default 0.05
-        Learning rate :math:`\eta`.
+    {{column}}
+    {{seed_random}}
+    {{steps_each}}
+    {{lr_eta}}
     decay : float, default 1.0
         The weight decay :math:`\lambda`.
 
-    Returns
-    -------
-    Certificate
-        The certificate of this row for ``column``.
+    {{returns_certificate}}
     """
     name = "5a coupled decay: no effect"
     statement = "coupled weight decay (lambda W added to G before projection, lambda = 1) leaves the trajectory unchanged"
@@ -116,6 +107,7 @@ def certify_coupled_decay(column: OptimizerColumn, *, seed: int = 0, steps: int 
                              details={"steps": steps, "lr": lr, "lambda": decay})
 
 
+@fill
 def certify_point_decay(column: OptimizerColumn, *, seed: int = 0, steps: int = 50, lr: float = 0.05,
                         decay: float = 1.0, project=polar_factor) -> Certificate:
     r"""5b. Decoupled decay of the retracted point, :math:`W \leftarrow \operatorname{polar}((1-\eta\lambda)W)`, has no effect.
@@ -126,23 +118,16 @@ def certify_point_decay(column: OptimizerColumn, *, seed: int = 0, steps: int = 
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
-    seed : int, default 0
-        Seed of the random frames, gradients and losses.
-    steps : int, default 50
-        Steps of each run.
-    lr : float, default 0.05
-        Learning rate :math:`\eta`.
+    {{column}}
+    {{seed_random}}
+    {{steps_each}}
+    {{lr_eta}}
     decay : float, default 1.0
         The weight decay :math:`\lambda`.
     project : callable, default polar_factor
         Maps the decayed point back to the manifold.
 
-    Returns
-    -------
-    Certificate
-        The certificate of this row for ``column``.
+    {{returns_certificate}}
     """
     name = "5b decay of retracted point: no effect"
     statement = "decoupled decay on the retracted point, W <- polar((1 - lr lambda) W) after each step, changes nothing"
@@ -163,6 +148,7 @@ def certify_point_decay(column: OptimizerColumn, *, seed: int = 0, steps: int = 
                              details={"steps": steps, "lr": lr, "lambda": decay, "factor": factor})
 
 
+@fill
 def certify_decay_in_retraction(column: OptimizerColumn, *, seed: int = 0, lr: float = 0.05,
                                 decay: float = 1.0) -> Certificate:
     r"""5c. The optimizer's ``weight_decay`` does not enlarge the frame step (no decay inside the retraction).
@@ -176,19 +162,13 @@ def certify_decay_in_retraction(column: OptimizerColumn, *, seed: int = 0, lr: f
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
-    seed : int, default 0
-        Seed of the random frames, gradients and losses.
-    lr : float, default 0.05
-        Learning rate :math:`\eta`.
+    {{column}}
+    {{seed_random}}
+    {{lr_eta}}
     decay : float, default 1.0
         The weight decay :math:`\lambda`.
 
-    Returns
-    -------
-    Certificate
-        The certificate of this row for ``column``.
+    {{returns_certificate}}
     """
     name = "5c decay never enlarges the step"
     statement = ("polar((1 - lr lambda) W - s) = polar(W - s/(1 - lr lambda)) enlarges the step by 1/(1 - lr lambda); "
@@ -223,6 +203,7 @@ def certify_decay_in_retraction(column: OptimizerColumn, *, seed: int = 0, lr: f
                              details=details)
 
 
+@fill
 def certify_decay_training(column: OptimizerColumn, *, seed: int = 0, steps: int = 100, lr: float = 0.01,
                            decay: float = 1.0) -> Certificate:
     r"""5d. In a training run, ``weight_decay = 1`` on the query/key group leaves the frames as with 0.
@@ -237,10 +218,8 @@ def certify_decay_training(column: OptimizerColumn, *, seed: int = 0, steps: int
 
     Parameters
     ----------
-    column : OptimizerColumn
-        The optimizer and geometry certified.
-    seed : int, default 0
-        Seed of the random frames, gradients and losses.
+    {{column}}
+    {{seed_random}}
     steps : int, default 100
         Steps of each run.
     lr : float, default 0.01
@@ -248,10 +227,7 @@ def certify_decay_training(column: OptimizerColumn, *, seed: int = 0, steps: int
     decay : float, default 1.0
         The weight decay :math:`\lambda`.
 
-    Returns
-    -------
-    Certificate
-        The certificate of this row for ``column``.
+    {{returns_certificate}}
     """
     name = "5d training: frames ignore decay"
     statement = ("a training run with weight_decay = 1 on W_Q, W_K leaves them identical to the run with 0 "
