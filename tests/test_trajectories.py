@@ -161,6 +161,15 @@ def test_a_change_of_optimizer_state_alone_is_named():
     assert found == [f"6 state(s) differ, first the state after step 3 (0: before the first step), in [{label!r}]"]
 
 
+def test_a_warning_of_the_library_is_recorded_and_its_absence_is_a_mismatch():
+    """The recorded scenarios raise no warning (empty lists); a run that does (StiefelAdam given no frame says so
+    at construction) has it in its trajectory, and against a record without it the comparison fails."""
+    warned = T.FrameRun(T.StiefelAdam, (), steps=2)()
+    assert warned.warnings == ["UserWarning"]
+    quiet = T.Trajectory(warned.labels, warned.digests, warned.losses, warned.final, [])
+    assert T.bitwise_mismatches(quiet.record(), warned) == ["warnings: replayed ['UserWarning'], recorded []"]
+
+
 def test_the_bfloat16_tolerance_is_one_ulp():
     """Entry by entry: one bfloat16 ulp apart passes, two fail."""
     a = torch.tensor([0.3, -0.07, 1.5], dtype=torch.bfloat16)

@@ -224,10 +224,24 @@ def _deterministic(seed: int):
         torch.set_default_dtype(dtype)
 
 
+def _dependency_dirs() -> tuple[str, ...]:
+    """The folders of torch, geoopt and transformers (found without importing transformers)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    dirs = [Path(torch.__file__).parent, Path(geoopt.__file__).parent]
+    if spec is not None and spec.origin:
+        dirs.append(Path(spec.origin).parent)
+    return tuple(f"{d}{'/'}" for d in dirs)
+
+
 def _categories(caught: list[warnings.WarningMessage]) -> list[str]:
-    """The warning categories a run raised, each once, sorted (messages may be reworded; a warning that
-    disappears or appears is a change)."""
-    return sorted({w.category.__name__ for w in caught})
+    """The categories of the warnings a run raised, each once, sorted (messages may be reworded; a warning that
+    disappears or appears is a change). Warnings attributed to a file of torch, geoopt or transformers are left
+    out: they depend on the dependencies' state, not on the library (a cold inductor compile warns, a warm one
+    does not)."""
+    foreign = _dependency_dirs()
+    return sorted({w.category.__name__ for w in caught if not str(w.filename).startswith(foreign)})
 
 
 def _checkpoint_copy(state: dict[str, Any]) -> dict[str, Any]:
