@@ -213,12 +213,19 @@ def test_output_path_problem_for_files_and_folders(tmp_path, monkeypatch):
     assert "is empty" in output_path_problem("", folder=False)
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(tmp_path) else real_access(path, mode))
-    assert "is not writable" in output_path_problem(tmp_path / "new" / "x.md", folder=False)
+    assert "is not writable" in output_path_problem(tmp_path / "x.md", folder=False)
+    assert "is not writable" in output_path_problem(tmp_path / "new" / "study", folder=True)
     monkeypatch.setattr(os, "access", real_access)
-    # companions: a new file in a new folder, an existing file to overwrite, a new folder: all fine, none created
-    assert output_path_problem(tmp_path / "new" / "x.md", folder=False) is None
+    # a file in a folder that does not exist: refused, naming the folder (it was created, tree and all, silently)
+    for missing in (tmp_path / "new" / "x.md", tmp_path / "new" / "deeper" / "x.md"):
+        said = output_path_problem(missing, folder=False)
+        assert said is not None and f"its folder {missing.parent} does not exist" in said, said
+    # companions: a new file in an existing folder, an existing file to overwrite, a new folder (with a new parent):
+    # all fine, none created
+    assert output_path_problem(tmp_path / "x.md", folder=False) is None
     assert output_path_problem(afile, folder=False) is None
     assert output_path_problem(tmp_path / "new", folder=True) is None
+    assert output_path_problem(tmp_path / "new" / "study", folder=True) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
