@@ -229,15 +229,36 @@ def test_output_path_problem_for_files_and_folders(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
-@pytest.mark.parametrize("module, flags", [("seaborn", []), ("tqdm", []), ("torchvision", None)])
-def test_missing_optional_dependency_is_one_line(tmp_path, capsys, monkeypatch, module, flags):
+def _extra_specs(extra: str) -> set[str]:
+    """The distributions pyproject.toml's ``extra`` brings (lower-case names, no versions)."""
+    import re
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    specs = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"][extra]
+    return {re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0].strip().lower() for spec in specs}
+
+
+@pytest.mark.parametrize("module, study", [("seaborn", "grokking"), ("tqdm", "grokking"), ("torchvision", "vision"),
+                                           ("sklearn", "vision-digits"), ("transformers", "lm")])
+def test_missing_optional_dependency_is_one_line_naming_the_extra_that_brings_it(tmp_path, capsys, monkeypatch,
+                                                                                  module, study):
+    """Before: ``lm`` without transformers said to install the experiments extra, which did not bring it."""
+    import re
+
+    from experiments.harness.cli_args import PIP_NAMES
+
     monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError, as if not installed
-    if flags is None:  # torchvision: the Fashion-MNIST and CIFAR-10 loaders
-        argv = ["vision", "--dataset", "fashion-mnist", "--quiet", "--out", str(tmp_path / "o")]
-    else:
-        argv = ["grokking", "--out", str(tmp_path / "o")]
-    _usage_error(capsys, argv, module, "pip install")
+    argv = {"grokking": ["grokking"], "vision": ["vision", "--dataset", "fashion-mnist", "--quiet"],
+            "vision-digits": ["vision", "--dataset", "digits", "--quiet"], "lm": ["lm", "--device", "cpu"]}[study]
+    pip = PIP_NAMES.get(module, module)
+    err = _usage_error(capsys, [*argv, "--out", str(tmp_path / "o")], pip, f"pip install {pip}")
     assert not (tmp_path / "o").exists()
+    extras = re.findall(r"geoopt-stiefel-attention\[([a-z]+)\]", err)
+    assert len(extras) == 1 and pip in _extra_specs(extras[0]), err  # (the companion is in test_packaging.py)
 
 
 @pytest.mark.parametrize("argv, needle", [
