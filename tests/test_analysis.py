@@ -1029,6 +1029,7 @@ def test_cli_certify_help_says_the_exit_statuses_and_the_time_of_full(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "Exit status: 0 when every certificate of StiefelAdam" in text and "1 when one of them failed" in text
     assert f"about {certify_cli.FULL_CPU_S} s of CPU time against {certify_cli.DEFAULT_CPU_S} s by default" in text
+    assert f"about {certify_cli.FULL_CPU_S / certify_cli.DEFAULT_CPU_S:.1f} times the default's time" in text
     assert certify_cli.FULL_CPU_S > certify_cli.DEFAULT_CPU_S > 0
 
 

@@ -32,9 +32,10 @@ EXIT_STATUS_HELP = ("Exit status: 0 when every certificate of StiefelAdam (main 
                     "baselines, shown for contrast, and do not count); 1 when one of them failed; 2 for a usage "
                     "error (nothing computed). The last line printed says which (the verdict).")
 
-#: Measured CPU time (user + sys) of ``certify`` by default and with ``--full`` (one quiet core of a 2-core x86-64
-#: machine, torch 2.14.1, ``--threads 1``); the wall time is this on an idle machine, and grows with the load.
-DEFAULT_CPU_S, FULL_CPU_S = 13, 34
+#: Measured CPU time (user + sys, ``/usr/bin/time``) of ``certify`` by default and with ``--full``, one after the
+#: other on the project's 2-core x86-64 machine under a load of about 10 (torch 2.14.1, ``--threads 1``; 70 s and
+#: 198 s of wall time). On that machine idle, the full-length table took 34 s of CPU time and as long on the clock.
+DEFAULT_CPU_S, FULL_CPU_S = 16, 44
 
 #: Within a long section, a line of progress (a drift run's steps) is printed at most this often, in seconds.
 DETAIL_EVERY_S = 2.0
@@ -53,8 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed of every random draw, 0 to 2**64 - 1 (default 0)")
     parser.add_argument("--full", action="store_true",
                         help=f"the full-length drift runs: --steps {FULL_STEPS}, --other-steps {FULL_OTHER_STEPS}, "
-                             f"--muon-steps {FULL_MUON_STEPS} (about {FULL_CPU_S} s of CPU time against "
-                             f"{DEFAULT_CPU_S} s by default, measured; an explicit length flag still wins)")
+                             f"--muon-steps {FULL_MUON_STEPS}; about {FULL_CPU_S / DEFAULT_CPU_S:.1f} times the "
+                             f"default's time (measured on 2 loaded cores: about {FULL_CPU_S} s of CPU time against "
+                             f"{DEFAULT_CPU_S} s by default). A length flag given with it still wins")
     parser.add_argument("--steps", type=positive_int, default=None, action=_Given,
                         help=f"steps of StiefelAdam's drift/conditioning run, in float64 and float32 "
                              f"(default {DEFAULT_STEPS}, {FULL_STEPS} with --full)")
