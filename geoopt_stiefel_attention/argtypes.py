@@ -163,8 +163,9 @@ def output_path_problem(path: str | os.PathLike, *, folder: bool) -> str | None:
     Parameters
     ----------
     path : str or os.PathLike
-        The value of an output flag: a file to write (``folder=False``) or a folder to create or fill
-        (``folder=True``); missing parent folders are allowed (the command creates them).
+        The value of an output flag: a file to write (``folder=False``), whose folder must exist (a mistyped
+        folder would otherwise become a new tree without a word), or a folder to create or fill (``folder=True``),
+        whose missing parents the command creates with it.
     folder : bool
         Whether ``path`` names a folder rather than a file.
 
@@ -193,6 +194,9 @@ def output_path_problem(path: str | os.PathLike, *, folder: bool) -> str | None:
         existing = existing.parent
     if not existing.is_dir():
         return f"{existing} is a file, so {'the folder' if folder else 'the file'} cannot be created; pass another path."
+    if not folder and existing != target.parent:
+        return (f"its folder {target.parent} does not exist; create it first (mkdir -p {target.parent}) or pass a "
+                f"path in an existing folder.")
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable; pass a path you can write to."
     if not folder and target.exists() and not os.access(target, os.W_OK):

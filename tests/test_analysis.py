@@ -20,7 +20,7 @@ from geoopt_stiefel_attention.analysis import conditioning, gauge, scale, steepe
 from geoopt_stiefel_attention.analysis.optimizers import OptimizerColumn, column_by_name, stiefel_adam_column
 
 EXACT_TOL = 1e-12  # float64 agreement of two exact formulas
-SHORT_DRIFT_STEPS = 300  # drift runs in tests (the CLI default is 10,000)
+SHORT_DRIFT_STEPS = 300  # drift runs in tests (the CLI's defaults: analysis.suite.DEFAULT_STEPS, ...)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -207,6 +207,32 @@ def test_drift_fails_for_a_retraction_that_does_not_correct():
     column = _column("no-retraction", _NoRetraction, _radam)
     run = conditioning.run_drift(column, steps=50)
     assert conditioning.certify_drift(column, run).passed is False
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_default_drift_runs_are_long_enough_to_see_rounding_drift(seed):
+    """The Cayley retraction of geoopt's Stiefel() never re-orthonormalises: its rounding error grows with the
+    steps, and 3b/3c must see it at the length ``certify`` runs by default (geoopt-radam-canonical's column runs
+    DEFAULT_OTHER_STEPS; StiefelAdam's runs DEFAULT_STEPS, longer)."""
+    from geoopt_stiefel_attention.analysis.suite import DEFAULT_OTHER_STEPS, DEFAULT_STEPS
+
+    assert DEFAULT_STEPS >= DEFAULT_OTHER_STEPS
+    cayley = column_by_name("geoopt-radam-canonical")
+    for dtype in (torch.float64, torch.float32):
+        run = conditioning.run_drift(cayley, steps=DEFAULT_OTHER_STEPS, dtype=dtype, seed=seed)
+        cert = conditioning.certify_drift(cayley, run)
+        assert cert.passed is False and cert.details["steps"] == DEFAULT_OTHER_STEPS, (dtype, cert.measured)
+    # companion: a run too short to see it (50 steps) passes, so the length is what makes the row able to fail
+    short = conditioning.run_drift(cayley, steps=50, dtype=torch.float64, seed=seed)
+    assert conditioning.certify_drift(cayley, short).passed
+
+
+def test_stiefel_adam_passes_the_drift_rows_at_the_default_length(sa):
+    from geoopt_stiefel_attention.analysis.suite import DEFAULT_STEPS
+
+    runs = [conditioning.run_drift(sa, steps=DEFAULT_STEPS, dtype=dt) for dt in (torch.float64, torch.float32)]
+    assert conditioning.certify_conditioning(sa, runs).passed
+    assert all(conditioning.certify_drift(sa, run).passed for run in runs)
 
 
 # ------------------------------------------------------------------------------------- 4 equivariance
@@ -428,14 +454,18 @@ def test_cli_certify_checks_its_output_paths_before_computing_anything(tmp_path,
     locked.mkdir()
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(locked) else real_access(path, mode))
-    for path, reason in ((tmp_path, "is a folder"), (afile / "cert", "is a file"), (locked / "cert", "not writable")):
+    missing = tmp_path / "new" / "deeper"
+    for path, reason in ((tmp_path, "is a folder"), (afile / "cert", "is a file"), (locked / "cert", "not writable"),
+                         (missing / "cert", f"its folder {missing} does not exist")):
         status = main(["certify", "--quiet", flag, str(path)])
         err = capsys.readouterr().err.strip()
         assert status == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
         assert err.startswith(f"stiefel-attention certify: error: {flag} {path}: ") and reason in err, err
     assert computed == [] and not list(locked.iterdir()) and afile.read_text() == "x"
-    # companion: a writable path (in a folder that does not exist yet) is accepted and written after the table
+    assert not (tmp_path / "new").exists()  # the missing folder was created, tree and all, without a word
+    # companion: a writable path in an existing folder is accepted and written after the table
     monkeypatch.setattr(os, "access", real_access)
+    (tmp_path / "new").mkdir()
     assert main(["certify", "--quiet", flag, str(tmp_path / "new" / "cert")]) == 0
     assert computed == [1] and (tmp_path / "new" / "cert").is_file()
 
@@ -450,10 +480,12 @@ def test_cli_exits_non_zero_when_a_stiefel_adam_certificate_fails(monkeypatch, c
             analysis.Certificate.check("1a x", "s", 0.0, 1e-12, optimizer="torch AdamW (unconstrained)")]
     monkeypatch.setattr(suite, "run_certificates", lambda *a, **k: fake)
     assert main(["certify", "--quiet"]) == 1
-    assert "StiefelAdam FAILED" in capsys.readouterr().err
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("Verdict: FAILED: 1 of the 1 StiefelAdam certificates failed: 1a (StiefelAdam)"), last
     fake_ok = [fake[1], analysis.Certificate.check("1a x", "s", 2.0, 1e-12, optimizer="torch AdamW (unconstrained)")]
     monkeypatch.setattr(suite, "run_certificates", lambda *a, **k: fake_ok)
     assert main(["certify", "--quiet"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("Verdict: no StiefelAdam or StiefelMuon")
 
 
 def test_cli_rejects_unknown_optimizer(capsys):
@@ -533,8 +565,11 @@ def test_cli_exits_non_zero_when_a_stiefel_muon_certificate_fails(monkeypatch, c
     assert main(["certify", "--quiet", "--only", "M"]) == 0
     broken = [_muon_cell(row, "StiefelMuon", 1.0), _muon_cell(row, "torch Muon", 1.0)]
     monkeypatch.setattr(muon, "run_muon_certificates", lambda *a, **k: broken)
+    capsys.readouterr()
     assert main(["certify", "--quiet", "--only", "M"]) == 1
-    assert "StiefelMuon FAILED: " + row in capsys.readouterr().err
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == ("Verdict: FAILED: 1 of the 1 StiefelMuon certificates failed: M1 (StiefelMuon); the other 1 FAIL "
+                    "cell is a baseline, shown for contrast."), last
 
 
 def test_cli_certify_muon_table_for_real_writes_json_and_markdown(tmp_path, capsys):
@@ -913,6 +948,9 @@ _LENGTH_FLAGS_UNREAD = [
     (["--only", "1", "--other-steps", "2000"], "--other-steps", "3a-3c"),  # refused even at its default value
     (["--optimizers", "StiefelAdam", "--muon-steps", "5"], "--muon-steps", "the Muon table is not computed"),
     (["--only", "M7", "--optimizers", "StiefelMuon", "--muon-steps", "5"], "--muon-steps", "M4 and M5"),
+    (["--only", "1a", "M7", "--full"], "--full", "--only names none of the drift rows 3a-3c, and --only names "
+                                                 "neither of the Muon table's drift rows M4 and M5"),
+    (["--only", "5", "--full"], "--full", "the Muon table is not computed"),
 ]
 
 
@@ -948,6 +986,132 @@ def test_cli_certify_companion_run_length_flags_that_are_read_reach_the_runs(mon
     monkeypatch.setattr(muon, "run_muon_certificates", lambda *a, **k: seen.update(k) or [])
     assert main(["certify", "--quiet", *argv]) == 0, capsys.readouterr().err
     assert seen[key] == value
+
+
+def _lengths_seen(monkeypatch, capsys, argv):
+    from geoopt_stiefel_attention.analysis import muon, suite
+    from geoopt_stiefel_attention.cli import main
+
+    seen = {}
+    monkeypatch.setattr(suite, "run_certificates", lambda *a, **k: seen.update(k) or [])
+    monkeypatch.setattr(muon, "run_muon_certificates", lambda *a, **k: seen.update(k) or [])
+    assert main(["certify", "--quiet", *argv]) == 0, capsys.readouterr().err
+    return seen["steps"], seen["other_steps"], seen["drift_steps"]
+
+
+def test_cli_certify_full_restores_the_full_lengths_and_an_explicit_length_wins(monkeypatch, capsys):
+    from geoopt_stiefel_attention.analysis.muon import DEFAULT_MUON_STEPS, FULL_MUON_STEPS
+    from geoopt_stiefel_attention.analysis.suite import (
+        DEFAULT_OTHER_STEPS,
+        DEFAULT_STEPS,
+        FULL_OTHER_STEPS,
+        FULL_STEPS,
+    )
+
+    assert (FULL_STEPS, FULL_OTHER_STEPS, FULL_MUON_STEPS) == (10_000, 2_000, 300)  # the table before issue 56
+    default = (DEFAULT_STEPS, DEFAULT_OTHER_STEPS, DEFAULT_MUON_STEPS)
+    full = (FULL_STEPS, FULL_OTHER_STEPS, FULL_MUON_STEPS)
+    assert all(d < f for d, f in zip(default, full, strict=True))
+    assert _lengths_seen(monkeypatch, capsys, []) == default
+    assert _lengths_seen(monkeypatch, capsys, ["--full"]) == full
+    assert _lengths_seen(monkeypatch, capsys, ["--full", "--steps", "5"]) == (5, FULL_OTHER_STEPS, FULL_MUON_STEPS)
+    assert _lengths_seen(monkeypatch, capsys, ["--full", "--other-steps", "6", "--muon-steps", "7"]) == (
+        FULL_STEPS, 6, 7)
+    assert _lengths_seen(monkeypatch, capsys, ["--muon-steps", "7"]) == (DEFAULT_STEPS, DEFAULT_OTHER_STEPS, 7)
+
+
+def test_cli_certify_help_says_the_exit_statuses_and_the_time_of_full(capsys):
+    from geoopt_stiefel_attention.analysis import cli as certify_cli
+    from geoopt_stiefel_attention.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["certify", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Exit status: 0 when every certificate of StiefelAdam" in text and "1 when one of them failed" in text
+    assert f"about {certify_cli.FULL_CPU_S} s of CPU time against {certify_cli.DEFAULT_CPU_S} s by default" in text
+    assert f"about {certify_cli.FULL_CPU_S / certify_cli.DEFAULT_CPU_S:.1f} times the default's time" in text
+    assert certify_cli.FULL_CPU_S > certify_cli.DEFAULT_CPU_S > 0
+
+
+def _verdict_cells():
+    from geoopt_stiefel_attention.analysis.muon import MUON_ROWS
+
+    ok = analysis.Certificate.check
+    return [ok("1a x", "s", 0.0, 1e-12, optimizer="StiefelAdam"),
+            ok("1a x", "s", 1.0, 1e-12, optimizer="geoopt-rsgd"),
+            analysis.Certificate.not_applicable("1a x", "s", "why", optimizer="torch AdamW (unconstrained)"),
+            ok(MUON_ROWS[0], "s", 0.0, 1e-12, optimizer="StiefelMuon"),
+            ok(MUON_ROWS[0], "s", 0.0, 1e-12, optimizer="StiefelMuon (solved)"),
+            ok(MUON_ROWS[6], "s", 1.0, 1e-12, optimizer="StiefelAdam"),  # StiefelAdam in the Muon table: a baseline
+            ok(MUON_ROWS[0], "s", 1.0, 1e-12, optimizer="torch Muon")]
+
+
+def test_verdict_passes_when_every_cell_of_ours_passes_and_counts_the_baselines():
+    line, passed = table.verdict(_verdict_cells())
+    assert passed is True
+    assert line == ("Verdict: every StiefelAdam and StiefelMuon certificate passed (3 cells); 3 FAIL cells are "
+                    "baselines, shown for contrast.")
+    only_main = table.verdict(_verdict_cells()[:3])
+    assert only_main == ("Verdict: every StiefelAdam certificate passed (1 cell); 1 FAIL cell is a baseline, shown "
+                         "for contrast.", True)
+    assert table.verdict(_verdict_cells()[1:3]) == (
+        "Verdict: no StiefelAdam or StiefelMuon certificate was computed (the selection leaves their columns out), "
+        "so nothing of ours is certified here; 1 FAIL cell is a baseline, shown for contrast.", True)
+
+
+def test_verdict_fails_when_a_cell_of_ours_fails():
+    from geoopt_stiefel_attention.analysis.muon import MUON_ROWS
+
+    cells = _verdict_cells()
+    cells[4] = analysis.Certificate.check(MUON_ROWS[0], "s", 1.0, 1e-12, optimizer="StiefelMuon (solved)")
+    line, passed = table.verdict(cells)
+    assert passed is False
+    assert line == ("Verdict: FAILED: 1 of the 3 StiefelAdam and StiefelMuon certificates failed: M1 (StiefelMuon "
+                    "(solved)); the other 3 FAIL cells are baselines, shown for contrast.")
+    cells[0] = analysis.Certificate.check("1a x", "s", 1.0, 1e-12, optimizer="StiefelAdam")
+    line, passed = table.verdict(cells)
+    assert passed is False and "2 of the 3" in line and "1a (StiefelAdam), M1 (StiefelMuon (solved))" in line
+
+
+def test_the_drift_runs_report_their_progress_chunk_by_chunk(sa):
+    from geoopt_stiefel_attention.analysis.muon import MUON_ROWS, muon_column_by_name, run_muon_certificates
+    from geoopt_stiefel_attention.analysis.suite import run_certificates
+
+    lines = []
+    run_certificates([sa], rows=["3b no drift, float64"], steps=600, detail=lines.append)
+    assert lines == [f"StiefelAdam: drift run ({dt}), {done}/600 steps" for dt in ("float64", "float32")
+                     for done in (500, 600)]
+    lines.clear()
+    run_muon_certificates([muon_column_by_name("StiefelAdam")], rows=MUON_ROWS[3:5], drift_steps=30,
+                          detail=lines.append)
+    assert lines == [f"StiefelAdam: drift run ({dt}), {done}/30 steps" for dt in ("float64", "float32")
+                     for done in (25, 30)]
+    # companion: a selection without a drift row runs none and reports nothing
+    lines.clear()
+    run_certificates([sa], rows=["5c decay never enlarges the step"], detail=lines.append)
+    assert lines == []
+
+
+def test_cli_certify_prints_progress_within_a_drift_run_and_ends_on_the_verdict(monkeypatch, capsys):
+    from geoopt_stiefel_attention.analysis import cli as certify_cli
+    from geoopt_stiefel_attention.cli import main
+
+    argv = ["certify", "--only", "3b", "--optimizers", "StiefelAdam", "--steps", "600"]
+    monkeypatch.setattr(certify_cli, "DETAIL_EVERY_S", 0.0)  # every report printed
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "  certifying StiefelAdam ...\n    StiefelAdam: drift run (float64), 500/600 steps\n" in captured.err
+    assert "    StiefelAdam: drift run (float32), 600/600 steps" in captured.err
+    assert "drift runs 3a-3c of 600 steps" in captured.out
+    assert captured.out.strip().splitlines()[-1] == ("Verdict: every StiefelAdam certificate passed (1 cell); no "
+                                                     "baseline cell failed.")
+    # companions: --quiet prints no progress, but the verdict; at the default pace a short run prints no report
+    assert main([*argv, "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out.strip().splitlines()[-1].startswith("Verdict: every StiefelAdam")
+    monkeypatch.setattr(certify_cli, "DETAIL_EVERY_S", 3600.0)
+    assert main(argv) == 0
+    assert "drift run" not in capsys.readouterr().err
 
 
 class _GainOnGradientNorm(_NormalisedSteepest):

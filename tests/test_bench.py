@@ -314,9 +314,15 @@ def test_cli_out_is_checked_before_the_benchmark_runs(tmp_path, monkeypatch, cap
     err = capsys.readouterr().err.strip()
     assert status == 2 and "Traceback" not in err, err
     assert err == f"stiefel-attention bench: error: --out {tmp_path}: is a folder; pass the path of a file to write."
-    # companion: a file path passes the check, and the benchmark starts
+    # a file in a folder that does not exist: refused before the benchmark (it was created, tree and all, silently)
+    status = cli_status([*argv, str(tmp_path / "new" / "bench.json")])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert f"--out {tmp_path / 'new' / 'bench.json'}: its folder {tmp_path / 'new'} does not exist" in err, err
+    assert not (tmp_path / "new").exists()
+    # companion: a file path in an existing folder passes the check, and the benchmark starts
     with pytest.raises(_Started):
-        main([*argv, str(tmp_path / "new" / "bench.json")])
+        main([*argv, str(tmp_path / "bench.json")])
 
 
 def test_cli_hf_gpt2_without_transformers_is_a_usage_error(monkeypatch, capsys, cli_status):

@@ -331,6 +331,46 @@ def test_cli_errors_are_one_line_exit_2_and_write_nothing(corpus_root, tmp_path,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("case, said", [
+    ("missing", "the folder is missing (nothing exists at this path)"),
+    ("missing/deeper", "the folder is missing (nothing exists at this path)"),
+    ("afile", "is a file, not a folder"),
+    ("", "is empty (it would read the current folder)"),
+    ("no-python", "the folder holds no *.py files (outside test and site-packages folders)"),
+    ("only-tests", "the folder holds no *.py files (outside test and site-packages folders)"),
+])
+def test_cli_names_a_corpus_root_that_is_missing_or_holds_no_sources(tmp_path, capsys, case, said):
+    """Before: a folder without sources said that the training split was empty; an empty value read the current
+    folder."""
+    (tmp_path / "afile").write_text("x = 1\n")
+    (tmp_path / "no-python").mkdir()
+    (tmp_path / "no-python" / "notes.txt").write_text("text\n")
+    (tmp_path / "only-tests" / "tests").mkdir(parents=True)
+    (tmp_path / "only-tests" / "tests" / "test_x.py").write_text("x = 1\n")
+    root = str(tmp_path / case) if case else ""
+    out = tmp_path / "out"
+    code = _exit_code(lambda: cli_main(["lm", *TINY, "--corpus-root", root, "--out", str(out)]))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    prefix = f"python -m experiments lm: error: --corpus-root{' ' + root if root else ''}: "
+    assert err.startswith(prefix) and said in err and "pass a folder holding *.py files" in err, err
+    assert not out.exists()
+
+
+def test_load_corpus_names_a_root_that_is_missing_or_holds_no_sources(corpus_root, tmp_path):
+    from experiments.lm.data import load_corpus
+
+    with pytest.raises(FileNotFoundError, match="the folder is missing"):
+        load_corpus(root=tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"holds no \*\.py files"):
+        load_corpus(root=tmp_path)
+    # companions: a folder with sources loads; one with too few files for a split says so
+    assert load_corpus(root=corpus_root, val_fraction=0.25).train_files > 0
+    (tmp_path / "one.py").write_text("x = 1\n")
+    with pytest.raises(ValueError, match="split empty"):
+        load_corpus(root=tmp_path, val_fraction=0.25)
+
+
 def test_cli_refuses_a_missing_corpus_root_and_another_corpus(corpus_root, tmp_path, capsys):
     code = _exit_code(lambda: cli_main(["lm", *TINY, "--corpus-root", str(tmp_path / "missing"),
                                         "--out", str(tmp_path / "x")]))

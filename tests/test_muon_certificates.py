@@ -9,6 +9,7 @@ import torch
 
 from geoopt_stiefel_attention import PolarStiefel
 from geoopt_stiefel_attention.analysis.muon import (
+    DEFAULT_MUON_STEPS,
     DRIFT_TOL_F32,
     MUON_ROWS,
     MuonColumn,
@@ -21,7 +22,9 @@ from geoopt_stiefel_attention.optim import StiefelMuon
 
 #: the inverse retraction recovers a tangent step to rounding (float64, measured 2e-16)
 INVERSE_TOL = 1e-12
-STEPS = 40  # drift runs in the tests (the CLI default is 300)
+#: the drift runs at the length ``certify`` runs by default: torch's Muon, an unretracted step, must fail M4 and M5
+#: there (test_companion_torch_muon_fails_tangency_drift_and_decay)
+STEPS = DEFAULT_MUON_STEPS
 
 
 @pytest.fixture(scope="module")

@@ -215,6 +215,27 @@ def test_every_import_of_the_tests_docs_and_package_is_declared():
     assert _undeclared({"polars": "tests/x.py"}) == ["polars (tests/x.py)"]
 
 
+def _not_in_the_studies_extra(imports: dict[str, str], extra: list[str]) -> list[str]:
+    """The imports that neither the core dependencies nor ``extra`` (a list of requirement specs) bring."""
+    brought = {_requirement_name(s) for s in [*PYPROJECT["project"]["dependencies"], *extra]}
+    return [f"{module} ({where})" for module, where in sorted(imports.items())
+            if IMPORT_TO_DIST.get(module, module).lower().replace("_", "-") not in brought]
+
+
+def test_the_experiments_extra_brings_everything_the_studies_import():
+    """A study's missing-dependency message names the experiments extra (experiments.harness.cli_args): that extra,
+    with the core dependencies, must bring every third-party package the studies import."""
+    from experiments.harness.cli_args import OPTIONAL_PACKAGES, STUDIES_EXTRA
+
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    imports = _third_party_imports(sorted((ROOT / "experiments").rglob("*.py")))
+    assert "transformers" in imports and set(OPTIONAL_PACKAGES) <= set(imports)
+    assert _not_in_the_studies_extra(imports, extras[STUDIES_EXTRA]) == []
+    # companion: the extra as it was (no transformers, which the lm study imports) leaves the lm study short
+    before = [s for s in extras[STUDIES_EXTRA] if _requirement_name(s) != "transformers"]
+    assert [m.split()[0] for m in _not_in_the_studies_extra(imports, before)] == ["transformers"]
+
+
 def test_extras_install_what_the_trainer_and_the_packaging_tests_need():
     extras = {name: {_requirement_name(s) for s in specs}
               for name, specs in PYPROJECT["project"]["optional-dependencies"].items()}

@@ -213,24 +213,52 @@ def test_output_path_problem_for_files_and_folders(tmp_path, monkeypatch):
     assert "is empty" in output_path_problem("", folder=False)
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(tmp_path) else real_access(path, mode))
-    assert "is not writable" in output_path_problem(tmp_path / "new" / "x.md", folder=False)
+    assert "is not writable" in output_path_problem(tmp_path / "x.md", folder=False)
+    assert "is not writable" in output_path_problem(tmp_path / "new" / "study", folder=True)
     monkeypatch.setattr(os, "access", real_access)
-    # companions: a new file in a new folder, an existing file to overwrite, a new folder: all fine, none created
-    assert output_path_problem(tmp_path / "new" / "x.md", folder=False) is None
+    # a file in a folder that does not exist: refused, naming the folder (it was created, tree and all, silently)
+    for missing in (tmp_path / "new" / "x.md", tmp_path / "new" / "deeper" / "x.md"):
+        said = output_path_problem(missing, folder=False)
+        assert said is not None and f"its folder {missing.parent} does not exist" in said, said
+    # companions: a new file in an existing folder, an existing file to overwrite, a new folder (with a new parent):
+    # all fine, none created
+    assert output_path_problem(tmp_path / "x.md", folder=False) is None
     assert output_path_problem(afile, folder=False) is None
     assert output_path_problem(tmp_path / "new", folder=True) is None
+    assert output_path_problem(tmp_path / "new" / "study", folder=True) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
-@pytest.mark.parametrize("module, flags", [("seaborn", []), ("tqdm", []), ("torchvision", None)])
-def test_missing_optional_dependency_is_one_line(tmp_path, capsys, monkeypatch, module, flags):
+def _extra_specs(extra: str) -> set[str]:
+    """The distributions pyproject.toml's ``extra`` brings (lower-case names, no versions)."""
+    import re
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    specs = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"][extra]
+    return {re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0].strip().lower() for spec in specs}
+
+
+@pytest.mark.parametrize("module, study", [("seaborn", "grokking"), ("tqdm", "grokking"), ("torchvision", "vision"),
+                                           ("sklearn", "vision-digits"), ("transformers", "lm")])
+def test_missing_optional_dependency_is_one_line_naming_the_extra_that_brings_it(tmp_path, capsys, monkeypatch,
+                                                                                  module, study):
+    """Before: ``lm`` without transformers said to install the experiments extra, which did not bring it."""
+    import re
+
+    from experiments.harness.cli_args import PIP_NAMES
+
     monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError, as if not installed
-    if flags is None:  # torchvision: the Fashion-MNIST and CIFAR-10 loaders
-        argv = ["vision", "--dataset", "fashion-mnist", "--quiet", "--out", str(tmp_path / "o")]
-    else:
-        argv = ["grokking", "--out", str(tmp_path / "o")]
-    _usage_error(capsys, argv, module, "pip install")
+    argv = {"grokking": ["grokking"], "vision": ["vision", "--dataset", "fashion-mnist", "--quiet"],
+            "vision-digits": ["vision", "--dataset", "digits", "--quiet"], "lm": ["lm", "--device", "cpu"]}[study]
+    pip = PIP_NAMES.get(module, module)
+    err = _usage_error(capsys, [*argv, "--out", str(tmp_path / "o")], pip, f"pip install {pip}")
     assert not (tmp_path / "o").exists()
+    extras = re.findall(r"geoopt-stiefel-attention\[([a-z]+)\]", err)
+    assert len(extras) == 1 and pip in _extra_specs(extras[0]), err  # (the companion is in test_packaging.py)
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -54,6 +54,33 @@ def _off_warnings(record):
     return [str(w.message) for w in record if OFF in str(w.message)]
 
 
+#: docs/converting.rst's figure for one AdamW step, to its two significant digits
+DOC_FIGURE_REL_TOL = 0.05
+
+
+def _doc_figure_off(measured: float, text: str | None = None) -> list[str]:
+    """The figures docs/converting.rst gives for the frames' distance after one AdamW step at lr 5e-5 (the scenario
+    of the test below) that differ from ``measured`` by more than :data:`DOC_FIGURE_REL_TOL`; also a note when the
+    page gives none."""
+    import re
+    from pathlib import Path
+
+    if text is None:
+        text = (Path(__file__).resolve().parents[1] / "docs" / "converting.rst").read_text(encoding="utf-8")
+    figures = re.findall(r"([0-9.]+e-[0-9]+) after one AdamW step at lr 5e-5", " ".join(text.split()))
+    if not figures:
+        return ["docs/converting.rst gives no figure for one AdamW step"]
+    return [f for f in figures if abs(float(f) - measured) > DOC_FIGURE_REL_TOL * measured]
+
+
+def test_doc_figure_check_can_fail():
+    """Companion: the page's two figures before issue 56 (3.7e-5 and 2.7e-4) are caught at the measured 2.45e-4."""
+    old = "(3.7e-5 after one AdamW step at lr 5e-5) ... (2.7e-4 after one AdamW step at lr 5e-5)"
+    assert _doc_figure_off(2.45e-4, old) == ["3.7e-5", "2.7e-4"]
+    assert _doc_figure_off(2.45e-4, "no figure") != [] and _doc_figure_off(2.45e-4, "(2.5e-4 after one AdamW step "
+                                                                                    "at lr 5e-5)") == []
+
+
 # ------------------------------------------------------------------ the last step of a foreign optimizer
 def test_saving_frames_moved_by_the_trainers_own_adamw_warns_naming_the_weight_and_the_fix(tmp_path):
     """A one-step Trainer run with its own AdamW: no training forward follows the step, so only the save can tell
@@ -62,6 +89,7 @@ def test_saving_frames_moved_by_the_trainers_own_adamw_warns_naming_the_weight_a
     trainer = _trainer(tmp_path / "run", model, max_steps=1)  # no optimizers=: the Trainer's AdamW
     trainer.train()
     assert _ortho(model) > 1e-5  # off the manifold, and nothing said so
+    assert _doc_figure_off(_ortho(model)) == []  # docs/converting.rst states this figure
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer.save_model(str(tmp_path / "saved"))

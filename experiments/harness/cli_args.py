@@ -17,7 +17,8 @@ from geoopt_stiefel_attention.optim import ADJUST_LR_FNS, trust_radius
 from .config import OptimConfig, TrainConfig
 
 __all__ = ["add_schedule_arguments", "add_optim_arguments", "add_runner_arguments", "train_config_from_args",
-           "optim_config_from_args", "check_runner_args", "check_out_dir", "require_modules", "build_config",
+           "optim_config_from_args", "check_runner_args", "check_out_dir", "check_input_folder", "require_modules",
+           "build_config",
            "invoked_command", "user_errors", "OneLineParser", "check_distinct",
            "check_seed_range"]
 
@@ -236,16 +237,43 @@ def check_out_dir(out: str, *, must_exist: bool = False) -> None:
         raise UsageError(f"--out {out}: {problem}")
 
 
+def check_input_folder(flag: str, value: str | None, holding: str) -> None:
+    """Refuse an input folder flag (``--corpus-root``) whose value is empty, names nothing, or names a file: a
+    :class:`~geoopt_stiefel_attention.argtypes.UsageError` naming ``flag``, the value, what is wrong and the fix
+    (``holding``: what the folder must hold, e.g. ``"*.py files"``). ``None`` (the flag not given) passes."""
+    from pathlib import Path
+
+    from geoopt_stiefel_attention.argtypes import UsageError
+
+    if value is None:
+        return
+    if value == "":
+        raise UsageError(f"{flag}: is empty (it would read the current folder); pass a folder holding {holding}.")
+    path = Path(value)
+    if not path.exists():
+        raise UsageError(f"{flag} {value}: the folder is missing (nothing exists at this path); pass a folder "
+                         f"holding {holding}.")
+    if not path.is_dir():
+        raise UsageError(f"{flag} {value}: is a file, not a folder; pass a folder holding {holding}.")
+
+
 #: optional package -> what needs it
 OPTIONAL_PACKAGES = {"tqdm": "progress bars (or pass --quiet)", "seaborn": "the figures (or pass --skip-report)",
                      "pandas": "the figures (or pass --skip-report)",
                      "matplotlib": "the figures (or pass --skip-report)", "scipy": "the statistics",
-                     "torchvision": "the CIFAR-10 and Fashion-MNIST data", "sklearn": "the digits data"}
+                     "torchvision": "the CIFAR-10 and Fashion-MNIST data", "sklearn": "the digits data",
+                     "transformers": "the lm study's model (GPT-2)"}
+#: import name -> the name pip installs it by, where they differ
+PIP_NAMES = {"sklearn": "scikit-learn"}
+#: The extra of pyproject.toml that brings every optional package of :data:`OPTIONAL_PACKAGES` (and everything else
+#: the studies import: tests/test_packaging.py checks it).
+STUDIES_EXTRA = "experiments"
 
 
 def require_modules(names: Sequence[str]) -> None:
     """Import each optional package in ``names``; one missing raises
-    :class:`~geoopt_stiefel_attention.argtypes.UsageError` saying what needs it and how to install it."""
+    :class:`~geoopt_stiefel_attention.argtypes.UsageError` saying what needs it and how to install it: alone, or
+    with everything the studies import through the :data:`STUDIES_EXTRA` extra."""
     import importlib
 
     from geoopt_stiefel_attention.argtypes import UsageError
@@ -254,10 +282,11 @@ def require_modules(names: Sequence[str]) -> None:
         try:
             importlib.import_module(name)
         except ImportError:
-            pip = "scikit-learn" if name == "sklearn" else name
+            pip = PIP_NAMES.get(name, name)
             raise UsageError(f"the optional package {pip} is not installed; it is needed for "
                              f"{OPTIONAL_PACKAGES.get(name, 'this command')}. Install it with: pip install {pip} "
-                             f"(or pip install 'geoopt-stiefel-attention[experiments]').") from None
+                             f"(or, with everything the studies need: pip install "
+                             f"'geoopt-stiefel-attention[{STUDIES_EXTRA}]').") from None
 
 
 def runner_modules(args: argparse.Namespace) -> list[str]:

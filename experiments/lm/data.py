@@ -50,8 +50,12 @@ def stdlib_files(root: str | Path | None = None) -> list[Path]:
     """The ``*.py`` files of the standard library under ``root`` (default: this interpreter's), sorted by
     relative path, skipping ``site-packages``, ``__pycache__`` and test-suite folders."""
     base = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
+    if not base.exists():
+        raise FileNotFoundError(f"stdlib_files: root={str(base)!r}: the folder is missing (nothing exists at this "
+                                f"path); pass a folder holding *.py files.")
     if not base.is_dir():
-        raise FileNotFoundError(f"stdlib_files: root={str(base)!r} is not a folder.")
+        raise FileNotFoundError(f"stdlib_files: root={str(base)!r} is a file, not a folder; pass a folder holding "
+                                f"*.py files.")
     files = [p for p in base.rglob("*.py")
              if p.is_file() and not _EXCLUDED_DIRS.intersection(p.relative_to(base).parts[:-1])]
     return sorted(files, key=lambda p: p.relative_to(base).as_posix())
@@ -137,8 +141,10 @@ def load_corpus(name: str = "python-stdlib", *, val_fraction: float = 0.1,
     Raises
     ------
     ValueError
-        For an unknown ``name``, a ``val_fraction`` outside ``(0, 1)``, or a split that leaves either side
-        empty.
+        For an unknown ``name``, a ``val_fraction`` outside ``(0, 1)``, a ``root`` that holds no ``*.py`` file,
+        or a split that leaves either side empty.
+    FileNotFoundError
+        For a ``root`` that does not exist or is a file.
     """
     if name not in CORPORA:
         raise ValueError(f"load_corpus: name={name!r} is unknown; use one of {', '.join(CORPORA)}.")
@@ -146,6 +152,9 @@ def load_corpus(name: str = "python-stdlib", *, val_fraction: float = 0.1,
         raise ValueError(f"load_corpus: val_fraction={val_fraction!r} must be a number in (0, 1).")
     base = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
     files = stdlib_files(base)
+    if not files:
+        raise ValueError(f"load_corpus: the folder {str(base)!r} holds no *.py files (outside test and site-packages "
+                         f"folders); pass a folder holding *.py files.")
     digest = hashlib.sha256()
     streams: dict[bool, list[bytes]] = {True: [], False: []}
     for path in files:

@@ -54,7 +54,7 @@ from geoopt_stiefel_attention.argtypes import UsageError
 from geoopt_stiefel_attention.nn import param_groups
 
 from ..harness.arms import ARMS, Arm, build_stiefel, register_arm
-from ..harness.cli_args import check_distinct, check_seed_range
+from ..harness.cli_args import check_distinct, check_input_folder, check_seed_range
 from ..harness.command import StudyCommand
 from ..harness.config import OptimConfig, RunSpec, TrainConfig, config_from_dict, require, to_dict
 from ..harness.jobs import RunOptions
@@ -64,7 +64,7 @@ from ..harness.runner import Task
 from ..harness.schedules import warmup_cosine
 from ..harness.study import Cell, StudyOutputs
 from .controls_report import finalize as finalize_report
-from .data import CORPORA, EvalWindows, RandomWindows, bits_per_byte, corpus_licence, load_corpus
+from .data import CORPORA, EvalWindows, RandomWindows, bits_per_byte, corpus_licence, load_corpus, stdlib_files
 from .tuned import FINAL_DIR, GRID_PREFIX, find_config, is_tuned_folder, run_tuned
 
 __all__ = ["LMConfig", "build_model", "build_task", "gpt2_query_keys", "attention_logit_stats", "AttentionProbe",
@@ -1126,8 +1126,10 @@ class LMCommand(StudyCommand):
         if args.frame_lrs and args.arms is not None and "stiefel" not in args.arms:
             raise UsageError(f"--frame-lrs sweeps the stiefel arm's frame lr, but --arms {' '.join(args.arms)} has no "
                              f"stiefel arm; add stiefel to --arms or drop --frame-lrs.")
-        if args.corpus_root is not None and not Path(args.corpus_root).is_dir():
-            raise UsageError(f"--corpus-root {args.corpus_root}: no such folder; pass a folder holding *.py files.")
+        check_input_folder("--corpus-root", args.corpus_root, "*.py files")
+        if args.corpus_root is not None and not stdlib_files(args.corpus_root):
+            raise UsageError(f"--corpus-root {args.corpus_root}: the folder holds no *.py files (outside test and "
+                             f"site-packages folders); pass a folder holding *.py files.")
 
     def prepare(self, config: LMConfig, args: argparse.Namespace) -> LMConfig:
         """The sweep's (or the grid's) values and the corpus, checked before anything is written."""

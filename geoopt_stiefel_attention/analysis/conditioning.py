@@ -12,6 +12,7 @@ the actual iterate, every step also removes the rounding drift of the previous o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,8 @@ class DriftRun:
 
 @fill
 def run_drift(column: OptimizerColumn, *, steps: int = 10_000, dtype: torch.dtype = torch.float64, seed: int = 0,
-              lr: float = 1.0, trust_region: float | None = 0.1) -> DriftRun:
+              lr: float = 1.0, trust_region: float | None = 0.1,
+              progress: Callable[[int, int], None] | None = None) -> DriftRun:
     r"""Run ``column`` for ``steps`` steps on i.i.d. Gaussian gradients, 8 frames of St(16, 4), in ``dtype``.
 
     ``lr = 1`` is far above the trust radius 0.1, so a trust region is active on (nearly) every step: the
@@ -75,6 +77,9 @@ def run_drift(column: OptimizerColumn, *, steps: int = 10_000, dtype: torch.dtyp
         Learning rate.
     trust_region : float or None, default 0.1
         Trust radius :math:`\Delta` of the optimizer (ignored by columns without one).
+    progress : callable, optional
+        ``progress(done, steps)``, called after each chunk of 500 steps (and after the last step) with the steps
+        done so far.
 
     Returns
     -------
@@ -114,6 +119,8 @@ def run_drift(column: OptimizerColumn, *, steps: int = 10_000, dtype: torch.dtyp
             max_step = worst_figure([max_step, float(s.norm(dim=(-2, -1)).max())])
         prev = traj[-1]
         done += n
+        if progress is not None:
+            progress(done, steps)
     final = float((prev.transpose(-1, -2) @ prev - eye).abs().amax())
     return DriftRun(column.name, str(dtype).replace("torch.", ""), steps, lr, trust_region, max_cond, no_step,
                     max_err, final, max_step)
@@ -185,8 +192,7 @@ def certify_drift(column: OptimizerColumn, run: DriftRun) -> Certificate:
     label = "3b" if dtype == torch.float64 else "3c"
     name = f"{label} no drift, {run.dtype}"
     statement = (f"max |W_t^T W_t - I| over a long run in {run.dtype} (lr = 1, random gradients, no re-projection; "
-                 f"10,000 steps for StiefelAdam and 2,000 for the others by default, see details) stays at "
-                 f"rounding level, <= 16 r u")
+                 f"the run's length in details: steps) stays at rounding level, <= 16 r u")
     details = {"steps": run.steps, "final": run.final_orthonormality_error, "lr": run.lr}
     if not column.on_manifold:
         details["note"] = "unconstrained matrix: the iterates leave St(d, r) (off-manifold drift)"

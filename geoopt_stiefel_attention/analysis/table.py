@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from ._result import Certificate
 
 __all__ = ["format_cell", "format_text", "format_markdown", "to_records", "to_json", "conclusions",
-           "stiefel_adam_failures", "stiefel_muon_failures", "muon_labels", "muon_descriptions"]
+           "stiefel_adam_failures", "stiefel_muon_failures", "verdict", "muon_labels", "muon_descriptions"]
 
 OUR_COLUMN = "StiefelAdam"
 #: The column the Muon table's findings compare the others with.
@@ -247,6 +247,51 @@ def stiefel_muon_failures(certs: Iterable[Certificate]) -> list[Certificate]:
     from .muon import MUON_OURS
 
     return [c for c in certs if c.optimizer in MUON_OURS and c.passed is False and _is_muon_row(c.name)]
+
+
+def verdict(certs: Iterable[Certificate]) -> tuple[str, bool]:
+    """The closing line of ``stiefel-attention certify`` and whether it is a pass: every certificate of ours that
+    was computed passed.
+
+    Ours are the main table's ``StiefelAdam`` column (:func:`stiefel_adam_failures`) and the Muon table's
+    ``StiefelMuon`` columns (:data:`~.muon.MUON_OURS`, :func:`stiefel_muon_failures`); every other cell that
+    fails (a stock optimizer, a variant, the projected msign, StiefelAdam as a column of the Muon table) is a
+    baseline, shown for contrast. A table without a column of ours passes, and the line says that nothing of
+    ours was certified.
+
+    Parameters
+    ----------
+    certs : sequence of Certificate
+        The cells of both tables (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+
+    Returns
+    -------
+    tuple of (str, bool)
+        The line (``"Verdict: ..."``) and whether no certificate of ours failed.
+    """
+    from .muon import MUON_OURS
+
+    certs = list(certs)
+    adam = [c for c in certs if c.optimizer == OUR_COLUMN and not _is_muon_row(c.name) and c.applicable]
+    muon = [c for c in certs if c.optimizer in MUON_OURS and _is_muon_row(c.name) and c.applicable]
+    failed = stiefel_adam_failures(certs) + stiefel_muon_failures(certs)
+    ours = {id(c) for c in failed}
+    baselines = sum(1 for c in certs if c.applicable and not c.passed and id(c) not in ours)
+    names = " and ".join(name for name, cells in (("StiefelAdam", adam), ("StiefelMuon", muon)) if cells)
+    if baselines == 0:
+        contrast = "no baseline cell failed"
+    else:
+        are = "s are baselines" if baselines > 1 else " is a baseline"
+        contrast = f"{'the other ' if failed else ''}{baselines} FAIL cell{are}, shown for contrast"
+    if failed:
+        which = ", ".join(f"{c.name.split()[0]} ({c.optimizer})" for c in failed)
+        return (f"Verdict: FAILED: {len(failed)} of the {len(adam) + len(muon)} {names} certificates failed: "
+                f"{which}; {contrast}.", False)
+    if not names:
+        return (f"Verdict: no StiefelAdam or StiefelMuon certificate was computed (the selection leaves their "
+                f"columns out), so nothing of ours is certified here; {contrast}.", True)
+    count = len(adam) + len(muon)
+    return f"Verdict: every {names} certificate passed ({count} cell{'s' if count > 1 else ''}); {contrast}.", True
 
 
 def _column_key(cols: Sequence[str], labels: Mapping[str, str]) -> list[tuple[str, str]]:
