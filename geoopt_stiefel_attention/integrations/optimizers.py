@@ -1,27 +1,55 @@
-r"""Optimizers built before :func:`~geoopt_stiefel_attention.stiefelize` converted the weights they hold.
+r"""Optimizers that do not know the constraint, and optimizers built before
+:func:`~geoopt_stiefel_attention.stiefelize` converted the weights they hold.
 
-An optimizer holds tensors, not names. Built on a stock model and kept after its conversion, it holds the weights
-stiefelize parametrized (a fused ``in_proj_weight``'s Parameter lives on as the parametrization's ``original``, the
-rest of the weight; a pure ``q_proj.weight`` is left out of the model, emptied) but not the frames that now carry the
-query and key rows: it steps what it holds and the queries and keys never train, without a word.
+**What goes wrong silently without it.** An optimizer that does not know the constraint (torch's ``AdamW`` over
+``model.parameters()``, the HuggingFace ``Trainer``'s default) moves a frame's entries freely: the frames leave the
+Stiefel manifold and the model trains as an unconstrained one (one AdamW step at lr 1e-5 already leaves
+:math:`\max|W^\top W - I| = 6\cdot 10^{-5}`). An optimizer built on a stock model and kept after its conversion holds
+tensors, not names: it holds the weights stiefelize parametrized (a fused ``in_proj_weight``'s Parameter lives on as
+the parametrization's ``original``, the rest of the weight; a pure ``q_proj.weight`` is left out of the model,
+emptied) but not the frames that now carry the query and key rows, so it steps what it holds and the queries and keys
+never train.
 
-stiefelize registers each weight it converts with that weight's trainable frames and gains (:func:`watch`). One
-global ``torch.optim`` step pre-hook (:func:`_check`) then looks at every optimizer that steps: one that holds a
-converted weight but not all of its frames is a suspect; the frames' version counters are read at its first step
-and, if no optimizer has changed the frames by its step :data:`STALLED_STEPS` + 1 while they hold gradients (so a
-backward reached them), that step raises before anything changes. Two optimizers, one for the frames and one for the rest, are a legitimate
-setup: the frames' versions move between the other's steps, and the suspicion is dropped. A step of an optimizer
-that holds no converted weight costs one comparison of its parameter count.
+**How it is detected.**
+
+- *Frames moved off the manifold*: the frame check of every training forward
+  (:mod:`geoopt_stiefel_attention._guard`, one Gram product per frame), which cannot see the last step of a run;
+  that one is seen when the model is saved (:func:`warn_if_saved_off_manifold`, from the state-dict post hooks of the
+  converted owners and of :class:`~geoopt_stiefel_attention.StiefelMultiheadAttention`).
+- *Optimizers built before the conversion*: stiefelize registers each weight it converts with that weight's
+  trainable frames and gains (:func:`watch`). One global ``torch.optim`` step pre-hook (:func:`_check`, torch's
+  public ``register_optimizer_step_pre_hook``) then looks at every optimizer that steps: one that holds a converted
+  weight but not all of its frames is a suspect; the frames' version counters are read at its first step and, if no
+  optimizer has changed the frames by its step :data:`STALLED_STEPS` + 1 while they hold gradients (so a backward
+  reached them), that step raises before anything changes. Two optimizers, one for the frames and one for the rest,
+  are a legitimate setup: the frames' versions move between the other's steps, and the suspicion is dropped. A step
+  of an optimizer that holds no converted weight costs one comparison of its parameter count.
+
+**What the user is shown.** At a training forward, :class:`~geoopt_stiefel_attention.FrameOffManifoldError` naming
+the frame and the measured distance, with the fix: train frames with the library's optimizer
+(``StiefelAdam(param_groups(model), ...)``; with a HuggingFace Trainer ``optimizers=(opt, None)``), or re-project
+(``w.proj_()``) after a change made on purpose. At ``state_dict()``, the same words as a ``UserWarning``. At the step
+of an optimizer built before the conversion, a ``RuntimeError`` (the step not taken): build the optimizer after
+converting, or add the frames to an optimizer that trains them.
+
+Tests: ``tests/test_guard.py``, ``tests/test_convert.py`` (``-k "built_before or beside_one"``),
+``tests/test_training_stacks.py`` (``-k saving``: the last step, seen at save).
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .. import _guard
+
+__all__: list[str] = []
 
 #: id(a converted weight as it was) -> (weak reference to it, weak references to its trainable frames and gains, its
 #: path in the model)
@@ -96,3 +124,18 @@ def _check(optimizer: Any, args: Any, kwargs: Any) -> None:
             f"{STALLED_STEPS} steps, though they have gradients: it was built before the conversion, so the queries and keys would "
             f"never train. This step was not taken; build the optimizer after converting (e.g. "
             f"StiefelAdam(param_groups(model))), or add the frames to an optimizer that trains them.")
+
+
+def warn_if_saved_off_manifold(owner: str, frames: Iterable[tuple[str, Tensor]], *, where: str, consequence: str,
+                               stacklevel: int = 2) -> None:
+    """Warn when a frame of ``owner`` is off the manifold as its state dict is written.
+
+    The frame check of training forward passes (:mod:`.._guard`) cannot see the last step of an optimizer that does
+    not know the constraint (earlier steps are reported by the next forward): without this warning a run with a
+    single such step (a HuggingFace ``Trainer`` with its own AdamW and ``max_steps=1``) is saved off the manifold
+    without a word. ``where`` names the place in the message, ``consequence`` is added after it; ``stacklevel`` is
+    the caller's, as for :func:`warnings.warn`."""
+    try:
+        _guard.check_frame_tensors(owner, frames, where=where)
+    except _guard.FrameOffManifoldError as err:
+        warnings.warn(f"{err} {consequence}", UserWarning, stacklevel=stacklevel + 1)
