@@ -388,7 +388,7 @@ def _check_model_frames(model: nn.Module, args: Any) -> None:
             _averaging.check_written(p)
     scope[2] += 1
     scope[1].append(False)
-    if not torch.is_grad_enabled():  # an evaluation: checked when the frames changed, and warned (integrations/averaging.py)
+    if not torch.is_grad_enabled():  # an evaluation: checked when the frames changed, and warned (see averaging)
         if _averaging.evaluation_check_skipped():
             return
         changed = [p for p in weights if _averaging.changed_since_evaluation(p.frames(), p)]

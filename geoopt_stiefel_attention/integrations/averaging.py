@@ -19,8 +19,9 @@ keys stay where the copy began.
   by its ``__deepcopy__``), and the stock entries its ``state_dict()`` hands out are kept with their version counters
   (:func:`hand_out`) until the copy's next ``state_dict()`` or forward, where a moved counter means they were written
   in place (:func:`check_written`). The writer is named when the copy is a child module of another module (timm's
-  ``ModelEmaV2``/``ModelEmaV3``, ``AveragedModel``), seen by torch's global module-registration hook
-  (``torch.nn.modules.module.register_module_module_registration_hook``, installed at the first copy).
+  ``ModelEmaV2``/``ModelEmaV3``, ``AveragedModel``: ``self.module = deepcopy(model)``), seen by torch's global
+  module-registration hook (``torch.nn.modules.module.register_module_module_registration_hook``, installed at the
+  first copy) at the first registration after the copy.
   No walk of the Python stack is made.
 
 **Limits** (what is not detected). The caller's class is not known when the copy is held as a plain attribute
@@ -29,7 +30,7 @@ holding a deep copy". An update is seen at the copy's next ``state_dict()`` or f
 the first update of an EMA is reported at its second (or at the first evaluation of the average). An average that
 is not a deep copy of the converted model (built anew and filled by ``load_state_dict``), and writes through
 ``.data`` (which move no version counter), are not seen. A copy whose state dict was read keeps those entries (one
-query/key weight each) until its next ``state_dict()`` or forward.
+rebuilt tensor per converted weight) until its next ``state_dict()`` or forward.
 
 **What the user is shown.** At evaluation, a ``UserWarning`` from the frame check naming the frame, plus
 :data:`_AT_EVALUATION`: project the average after each update with
@@ -130,8 +131,9 @@ class _Copy:
 #: is never the id of an object being copied.
 _MEMO_KEY_OWNER = object()
 _MEMO_KEY = id(_MEMO_KEY_OWNER)
-#: Copies not yet taken as a child by a module (looked for by the registration hook while any is left).
-_PENDING: weakref.WeakSet = weakref.WeakSet()
+#: A weak reference to the latest copy's :class:`_Copy`, until the next module registration (which names its holder
+#: when it is that copy's: ``self.module = deepcopy(model)`` registers the copy right after making it).
+_LATEST: list[weakref.ref] = []
 _REGISTRATION_HOOK: list[Any] = []
 
 
@@ -142,7 +144,7 @@ def mark_copy(replica: nn.Module, memo: dict[int, Any]) -> None:
     token = memo.get(_MEMO_KEY)
     if token is None:
         token = memo[_MEMO_KEY] = _Copy()
-        _PENDING.add(token)
+        _LATEST[:] = [weakref.ref(token)]
         if not _REGISTRATION_HOOK:
             _REGISTRATION_HOOK.append(
                 torch.nn.modules.module.register_module_module_registration_hook(_note_holder))
@@ -150,17 +152,16 @@ def mark_copy(replica: nn.Module, memo: dict[int, Any]) -> None:
 
 
 def _note_holder(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
-    """Global module-registration hook: when a module takes a marked copy as a child (``self.module =
-    deepcopy(model)``), remember its class name on the copy's :class:`_Copy`. Costs nothing once every copy made in
-    the process has its holder (or is gone)."""
-    if not _PENDING or not isinstance(submodule, nn.Module):
+    """Global module-registration hook: when the first module registered after a copy was made is that copy
+    (``self.module = deepcopy(model)``), remember the class name of the module taking it on its :class:`_Copy`. One
+    walk of the registered module per copy made; nothing at other registrations."""
+    if not _LATEST:
         return
-    for m in submodule.modules():
-        token = vars(m).get("_averaged_copy")
-        if token is not None and token in _PENDING:
-            token.holder = type(module).__name__
-            _PENDING.discard(token)
-            return
+    token = _LATEST.pop()()
+    if token is None or not isinstance(submodule, nn.Module):
+        return
+    if any(vars(m).get("_averaged_copy") is token for m in submodule.modules()):
+        token.holder = type(module).__name__
 
 
 def hand_out(weight: nn.Module, key: str, entry: Tensor) -> None:

@@ -10,9 +10,9 @@ not used", which does not name the cause.
 :func:`active` reads the DDP whose forward is running (DDP's class attribute ``_active_ddp_module``, set around its
 forward) and :func:`check_synchronised` compares the weight's trainable frames with what that DDP registered
 (``_module_parameters``, plus ``_delay_all_reduce_params``, the parameters it was told to ignore and those marked
-``_ddp_ignored``). Each weight passes once per DDP. A DDP wrapped around the model before the conversion (``stiefelize(
-ddp)``) is refused by :func:`~geoopt_stiefel_attention.stiefelize` itself, before anything changes (the converter's
-refusal step, ``convert/__init__.py``).
+``_ddp_ignored``). Each weight passes once per DDP. A DDP wrapped around the model before the conversion
+(``stiefelize(ddp)``) is refused by :func:`~geoopt_stiefel_attention.stiefelize` itself, before anything changes (the
+converter's refusal step, ``convert/__init__.py``).
 
 These four names are private attributes of torch; ``tests/test_integrations_pins.py`` fails, in one sentence naming
 this module, when a torch release drops one of them. Where ``_module_parameters`` is missing the check passes (there

@@ -121,8 +121,8 @@ def _check(optimizer: Any, args: Any, kwargs: Any) -> None:
         raise RuntimeError(
             f"{type(optimizer).__name__} holds {names}, converted by stiefelize, but not the Stiefel frames (and "
             f"gains) that now carry their query/key rows, and no optimizer has stepped those frames in its last "
-            f"{STALLED_STEPS} steps, though they have gradients: it was built before the conversion, so the queries and keys would "
-            f"never train. This step was not taken; build the optimizer after converting (e.g. "
+            f"{STALLED_STEPS} steps, though they have gradients: it was built before the conversion, so the queries "
+            f"and keys would never train. This step was not taken; build the optimizer after converting (e.g. "
             f"StiefelAdam(param_groups(model))), or add the frames to an optimizer that trains them.")
 
 
