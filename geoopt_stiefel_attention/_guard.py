@@ -16,9 +16,9 @@ several times (``nn.MultiheadAttention``) is rebuilt, and checked, once per forw
 passes (forward passes with gradients enabled, whatever ``module.training`` says: a model trained in
 eval mode to switch dropout off is checked too). A forward without gradients (an evaluation) runs it only when
 the frames changed since its last check (their version counters, which writes through ``.data`` do not move) and
-warns instead of raising
-(:func:`check_at_evaluation`): an average of frames (an EMA, ``AveragedModel``) is evaluated, not trained. Under ``torch.compile`` a data-dependent ``raise`` cannot be
-part of a graph, so the check is traced into it as an assertion (``torch._assert_async``, the same Gram product
+warns instead of raising (:func:`~geoopt_stiefel_attention.integrations.averaging.check_at_evaluation`): an average
+of frames (an EMA, ``AveragedModel``) is evaluated, not trained. Under ``torch.compile`` a data-dependent ``raise``
+cannot be part of a graph, so the check is traced into it as an assertion (``torch._assert_async``, the same Gram product
 and distance per frame): a frame off the manifold stops the compiled forward with a ``RuntimeError`` carrying
 the same message (without the measured distance). On the CPU it is raised by the forward itself; on CUDA it is
 a device-side assert, reported at a later kernel launch, after which the process's CUDA context is unusable
@@ -26,12 +26,15 @@ a device-side assert, reported at a later kernel launch, after which the process
 records the same assertion (no host read is allowed during a capture), run at every replay. ``torch.export``, ``torch.jit.trace``
 and sharded (``DTensor``) frames under ``torch.compile`` skip it; :func:`check_frames` runs it on a whole
 model on demand (e.g. after each optimizer step).
+
+This is the check the guards share (``geoopt_stiefel_attention/integrations/``, indexed in ``docs/guarantees.md``):
+the one against optimizers that do not know the constraint (:mod:`~geoopt_stiefel_attention.integrations.optimizers`)
+runs it at every training forward and when a model is saved; the one for averaged models
+(:mod:`~geoopt_stiefel_attention.integrations.averaging`) at evaluation forwards.
 """
 
 from __future__ import annotations
 
-import warnings
-import weakref
 from collections.abc import Iterable
 
 import torch
@@ -182,61 +185,6 @@ def _message(owner: str, name: str, dtype: torch.dtype, tol: float, err: Tensor 
 def _report(owner: str, name: str, dtype: torch.dtype, tol: float, err: Tensor,
             where: str = "a training forward pass") -> None:
     raise FrameOffManifoldError(_message(owner, name, dtype, tol, err, where))
-
-
-#: What the warning of an evaluation forward adds to the check's message: the other common cause there.
-_AT_EVALUATION = ("At an evaluation forward (no gradients) this is a warning, given once each time the frames change. "
-                  "An average of frames (torch.optim.swa_utils.AveragedModel, an EMA of the parameters) is not "
-                  "orthonormal either: project the average after each update with "
-                  "geoopt_stiefel_attention.project_frames_(averaged_model).")
-
-
-#: holder module -> the identities and version counters of its frames at its last evaluation check (weakly: a copy
-#: or an unpickled module starts without one, whatever ids it reuses)
-_EVALUATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _evaluation_key(frames: list[tuple[str, Tensor]]) -> tuple | None:
-    """The identities and version counters of ``frames``; ``None`` for inference tensors, which keep no counter."""
-    try:
-        return tuple((id(w), w._version) for _, w in frames)
-    except RuntimeError:
-        return None
-
-
-def evaluation_check_skipped() -> bool:
-    """Whether a forward without gradients skips its check now: under ``torch.compile``, tracing or scripting, and
-    while a CUDA graph is captured (no host read is allowed there, and replays run no Python)."""
-    return (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling()
-            or capturing())
-
-
-def changed_since_evaluation(frames: list[tuple[str, Tensor]], holder: nn.Module) -> bool:
-    """Whether the frames of ``holder`` changed since its last evaluation check (inference tensors: always)."""
-    key = _evaluation_key(frames)
-    return key is None or _EVALUATED.get(holder) != key
-
-
-def mark_evaluated(frames: list[tuple[str, Tensor]], holder: nn.Module) -> None:
-    """Record the frames of ``holder`` as checked at evaluation (found on the manifold by a check of them all)."""
-    _EVALUATED[holder] = _evaluation_key(frames)
-
-
-def check_at_evaluation(owner: str, frames: list[tuple[str, Tensor]], holder: nn.Module) -> None:
-    """The frame check of a forward pass without gradients: run :func:`check_frame_tensors` when the frames of
-    ``holder`` changed since its last such check (their identities and version counters), and warn, not raise, when
-    one is off the manifold. An evaluation loop over unchanged frames pays one tuple of version counters per
-    forward; frames changed in place (an optimizer step, an average taken into them) are checked at the next one.
-    Writes through ``.data`` move no version counter, and FSDP2 keeps the unsharded parameters' counters as they were
-    on purpose, so frames sharded by it are checked at their first evaluation only. Skipped under ``torch.compile``,
-    tracing, scripting and while a CUDA graph is captured (:func:`evaluation_check_skipped`)."""
-    if evaluation_check_skipped() or not changed_since_evaluation(frames, holder):
-        return
-    mark_evaluated(frames, holder)
-    try:
-        check_frame_tensors(owner, frames, where="an evaluation forward pass")
-    except FrameOffManifoldError as err:
-        warnings.warn(f"{err} {_AT_EVALUATION}", UserWarning, stacklevel=4)
 
 
 def check_frames(model: nn.Module) -> None:

@@ -34,8 +34,11 @@ from ._linalg import ADJUST_LR_FNS, ORTHONORMALITY_TOLERANCE, orthonormality_err
 # The converter lives in .convert, which does not import this module (no cycle); its stiefelize is re-exported
 # here. The module-replacement helpers of from_euclidean/from_torch are at the end of this module.
 from .convert import converted_query_key_frames, stiefelize
-from .distributed import FSDP1_REFUSAL, flattened_by_fsdp1
-from .manifolds import PolarStiefel, _FrameOwner, has_manifold, is_frame
+from .integrations import averaging as _averaging
+from .integrations.casts import _FrameOwner
+from .integrations.fsdp import FSDP1_REFUSAL, flattened_by_fsdp1
+from .integrations.optimizers import warn_if_saved_off_manifold
+from .manifolds import PolarStiefel, has_manifold, is_frame
 
 __all__ = [
     "FRAME_GRANULARITIES",
@@ -136,15 +139,12 @@ class _NoOutProj:
 
 
 def _warn_off_manifold_on_save(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """A state-dict post hook: warn when ``w_q``/``w_k`` are off the manifold as they are saved. The training
-    forward's check (:mod:`._guard`) never sees the last step of an optimizer that does not know the constraint
-    (earlier steps are reported by the next forward, the last one by nothing else): without this warning a run with a
-    single such step saves its frames off the manifold silently."""
-    try:
-        _guard.check_frame_tensors(prefix.rstrip(".") or type(module).__name__,
-                                   (("w_q", module.w_q), ("w_k", module.w_k)), where="state_dict()")
-    except _guard.FrameOffManifoldError as err:
-        warnings.warn(f"{err} The state dict holds the frames as they are.", UserWarning, stacklevel=3)
+    """A state-dict post hook: warn when ``w_q``/``w_k`` are off the manifold as they are saved (the last step of an
+    optimizer that does not know the constraint, which no training forward sees: :mod:`.integrations.optimizers`).
+    Kept here by name: modules pickled whole refer to it."""
+    warn_if_saved_off_manifold(prefix.rstrip(".") or type(module).__name__,
+                               (("w_q", module.w_q), ("w_k", module.w_k)), where="state_dict()",
+                               consequence="The state dict holds the frames as they are.", stacklevel=3)
 
 
 class _MultiheadAttentionBase(nn.Module):
@@ -434,7 +434,7 @@ class _MultiheadAttentionBase(nn.Module):
         if self._checks_frames and torch.is_grad_enabled():
             _guard.check_frame_tensors(owner, (("w_q", self.w_q), ("w_k", self.w_k)))
         elif self._checks_frames:
-            _guard.check_at_evaluation(owner, [("w_q", self.w_q), ("w_k", self.w_k)], self)
+            _averaging.check_at_evaluation(owner, [("w_q", self.w_q), ("w_k", self.w_k)], self)
 
         w_q = self._flat(self.w_q)
         w_k = self._flat(self.w_k)
@@ -628,7 +628,7 @@ class StiefelMultiheadAttention(_FrameOwner, _MultiheadAttentionBase):
     to the new precision, keeping the parameter objects; a cast to a coarser one (``.half()``,
     ``.bfloat16()``) rounds them, which StiefelAdam's tolerance for that dtype accepts. A frame that was off
     the manifold before the cast is left as it is (see
-    ``geoopt_stiefel_attention.manifolds.reproject_after_cast_``).
+    ``geoopt_stiefel_attention.integrations.casts.reproject_after_cast_``).
 """ + _LAYOUT_DOC + _CONSTRUCTOR_DOC + r"""
     Examples
     --------

@@ -2,8 +2,8 @@
 ``.to(torch.bfloat16)``, ``.to(dtype)``, ``.to(device)``.
 
 Both owners of frames, the parametrization of ``stiefelize`` and ``StiefelMultiheadAttention``, re-project their
-frames after a cast to a more precise dtype (``manifolds.reproject_after_cast_``): a float32 frame is orthonormal
-to float32 rounding only, which StiefelAdam's float64 first-step check refuses. A cast to a coarser dtype rounds
+frames after a cast to a more precise dtype (``integrations.casts.reproject_after_cast_``): a float32 frame is
+orthonormal to float32 rounding only, which StiefelAdam's float64 first-step check refuses. A cast to a coarser dtype rounds
 the frames, which is the best that dtype holds.
 """
 
@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import geoopt_stiefel_attention.manifolds as manifolds_module  # where the frame owners' _apply reads its helpers
+import geoopt_stiefel_attention.integrations.casts as casts_module  # where the frame owners' _apply reads its helpers
 import geoopt_stiefel_attention.nn as nn_module
 from geoopt_stiefel_attention import StiefelAdam, TinyTransformer, frame_parameters, param_groups, stiefelize
 from geoopt_stiefel_attention._guard import FrameOffManifoldError
 from geoopt_stiefel_attention._linalg import orthonormality_error
-from geoopt_stiefel_attention.manifolds import reproject_after_cast_
+from geoopt_stiefel_attention.integrations.casts import reproject_after_cast_
 from geoopt_stiefel_attention.optim import ORTHONORMALITY_TOLERANCE
 
 #: Largest max|W^T W - I| of a frame after a cast from float32, and after a few steps in the new dtype: the
@@ -148,7 +148,7 @@ def test_a_converted_gpt2_trains_after_double():
 def test_companion_without_the_reprojection_a_double_model_is_refused(monkeypatch, kind):
     """The float64 tolerances see float32 rounding: with the re-projection switched off, the frames of a
     ``.double()`` model exceed them and StiefelAdam's first step raises, as it did before issue 23."""
-    monkeypatch.setattr(manifolds_module, "reproject_after_cast_", lambda module, before: ())
+    monkeypatch.setattr(casts_module, "reproject_after_cast_", lambda module, before: ())
     build, loss_of = MODELS[kind]
     model = build().double()
     assert all(float(orthonormality_error(p)) > ORTHONORMALITY_TOLERANCE[torch.float64] > CAST_TOL[torch.float64]
@@ -230,7 +230,7 @@ def test_to_empty_from_the_meta_device_keeps_the_frames_frames():
 
 @pytest.mark.parametrize("kind", ["converted", "own"])
 def test_companion_without_the_rewrap_to_empty_leaves_plain_parameters(monkeypatch, kind):
-    monkeypatch.setattr(manifolds_module, "_rewrap_frames_", lambda *args: None)
+    monkeypatch.setattr(casts_module, "_rewrap_frames_", lambda *args: None)
     encoder, own = _meta_models()
     model = encoder if kind == "converted" else own
     model.to_empty(device="cpu")

@@ -1618,7 +1618,7 @@ def test_an_optimizer_built_before_converting_raises_instead_of_never_training_t
     its Parameter lives on as the rest) but not the frames, so the queries and keys would never train. After
     STALLED_STEPS steps with the frames unchanged its next step raises, taking nothing. Companion: the optimizer
     built after the conversion trains the frames, never raising."""
-    from geoopt_stiefel_attention.convert._optimizers import STALLED_STEPS
+    from geoopt_stiefel_attention.integrations.optimizers import STALLED_STEPS
 
     torch.manual_seed(0)
     x = torch.randn(2, 5, 16)
@@ -1644,7 +1644,7 @@ def test_an_optimizer_built_before_converting_raises_instead_of_never_training_t
 
 def test_an_optimizer_built_before_converting_a_pure_q_proj_raises_too():
     """q_proj/k_proj Linears: their Parameters are left out of the model (emptied), held only by the old optimizer."""
-    from geoopt_stiefel_attention.convert._optimizers import STALLED_STEPS
+    from geoopt_stiefel_attention.integrations.optimizers import STALLED_STEPS
 
     torch.manual_seed(0)
     attn = _ProjWithQueryBias(query_bias=False)
@@ -1667,7 +1667,7 @@ def test_an_optimizer_for_the_rest_beside_one_for_the_frames_is_no_false_alarm()
     stepped in either order, the frame optimizer skipping steps as a GradScaler does on inf gradients (every third
     step), or the frames frozen: none raises. Companion: a frame optimizer that starts only after the other's
     first STALLED_STEPS steps is too late: that optimizer's next step raises."""
-    from geoopt_stiefel_attention.convert._optimizers import STALLED_STEPS
+    from geoopt_stiefel_attention.integrations.optimizers import STALLED_STEPS
 
     torch.manual_seed(0)
     x = torch.randn(2, 5, 16)

@@ -30,8 +30,8 @@ from numpydoc.docscrape import get_doc_object  # noqa: E402
 
 PACKAGE = "geoopt_stiefel_attention"
 #: The modules whose ``__all__`` is the public API.
-PUBLIC_MODULES = ("", ".analysis", ".argtypes", ".bench", ".cli", ".convert", ".distributed", ".manifolds", ".models",
-                  ".nn", ".optim")
+PUBLIC_MODULES = ("", ".analysis", ".argtypes", ".bench", ".cli", ".convert", ".distributed", ".integrations.casts",
+                  ".manifolds", ".models", ".nn", ".optim")
 #: numpydoc's checks that are run (see the module docstring).
 CHECKS = frozenset({"GL08", "SS01", "PR01", "PR02", "RT01", "YD01"})
 

@@ -272,7 +272,7 @@ def _late_conversion_worker(rank, world, init_method, out):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from geoopt_stiefel_attention.convert import parametrization
+    from geoopt_stiefel_attention.integrations import ddp as ddp_guard
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -304,14 +304,14 @@ def _late_conversion_worker(rank, world, init_method, out):
             train(ddp)
         except RuntimeError as err:
             result["late"] = str(err)
-        check = parametrization._check_synchronised
-        parametrization._check_synchronised = lambda *args: None  # the companion: what the refusal prevents
+        check = ddp_guard.check_synchronised
+        ddp_guard.check_synchronised = lambda *args: None  # the companion: what the refusal prevents
         try:
             ddp = DistributedDataParallel(_encoder(), find_unused_parameters=True)
             stiefelize(ddp.module)
             result["late_unchecked_diff"] = train(ddp)
         finally:
-            parametrization._check_synchronised = check
+            ddp_guard.check_synchronised = check
         model = _encoder()
         stiefelize(model)
         ddp = DistributedDataParallel(model, find_unused_parameters=True)

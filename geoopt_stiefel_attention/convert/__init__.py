@@ -44,8 +44,9 @@ from torch.nn.utils import parametrize
 
 from .. import distributed as _distributed
 from .._linalg import ORTHONORMALITY_TOLERANCE, orthonormality_error
+from ..integrations.adapters import _ADAPTER_REASON, _adapter_name
+from ..integrations.optimizers import watch
 from ..manifolds import is_frame
-from ._optimizers import watch
 from .checkpoints import (
     _hook_state_dicts,
     _stock_names,
@@ -69,9 +70,7 @@ from .layouts import (
     _not_token_attention,
 )
 from .parametrization import (
-    _ADAPTER_REASON,
     _MARK,
-    _adapter_name,
     _frames_from,
     _get,
     _owner,

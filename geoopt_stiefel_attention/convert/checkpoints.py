@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import contextvars
 import math
-import sys
 import warnings
-import weakref
-from typing import Any
 
 import geoopt
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from .. import _guard
 from .._linalg import ORTHONORMALITY_TOLERANCE, orthonormality_error
 from ..distributed import is_sharded
+from ..integrations import averaging as _averaging
+from ..integrations.optimizers import warn_if_saved_off_manifold
 from ..manifolds import PolarStiefel, is_frame
 from .parametrization import (
     _MARK,
@@ -138,68 +136,15 @@ def _is_sharded_owner(owner: nn.Module, attr: str) -> bool:
 
 
 def _warn_off_manifold(prefix: str, ours: list[tuple[str, nn.Module]]) -> None:
-    """Warn, once per weight, when a frame saved in this state dict is off the manifold.
-
-    The frame check of training forward passes (:mod:`.._guard`) cannot see the last step of an optimizer that
-    does not know the constraint (earlier steps are reported by the next forward): without this warning a run with
-    a single such step (a HuggingFace ``Trainer`` with its own AdamW and ``max_steps=1``) is saved, and later
-    converted again (which projects the blocks back), without a word."""
+    """Warn, once per weight, when a frame saved in this state dict is off the manifold (the last step of an optimizer
+    that does not know the constraint, which no training forward sees: :mod:`..integrations.optimizers`)."""
     for attr, p in ours:
-        if not isinstance(p, _QKWeight):
-            continue
-        try:
-            _guard.check_frame_tensors(f"{prefix}{attr}", p.frames(), where="state_dict() (save_pretrained, a Trainer checkpoint)")
-        except _guard.FrameOffManifoldError as err:
-            warnings.warn(f"{err} The state dict holds the weight as it is, with query/key blocks that are not "
-                          f"orthonormal: loaded into a converted model, or converted again, they are replaced by "
-                          f"their polar factors, which changes the model's outputs.", UserWarning, stacklevel=3)
-
-
-_EMA_WARNED: weakref.WeakSet = weakref.WeakSet()  # the averaging objects already warned about (once each)
-
-
-def _averaging_caller() -> Any:
-    """The object whose method asked for this state dict when it is a model-EMA class (its name holds "ModelEma",
-    any case, underscores ignored: timm's ModelEma/ModelEmaV2/ModelEmaV3, the YOLO and ultralytics ModelEMA), found
-    on the stack above the nested ``Module.state_dict`` calls; else ``None``."""
-    frame = sys._getframe(1)
-    for _ in range(256):  # the hook, then one state_dict frame per level of module nesting
-        if frame is None:
-            return None
-        if frame.f_code.co_name not in ("state_dict", "_state_dict_post_hook", "_warn_if_averaged_in_place"):
-            holder = frame.f_locals.get("self")
-            name = type(holder).__name__.replace("_", "").lower()
-            return holder if "modelema" in name else None
-        frame = frame.f_back
-    return None
-
-
-def _warn_if_averaged_in_place(owner: nn.Module, prefix: str, ours: list[tuple[str, nn.Module]]) -> None:
-    """Warn when a model-EMA class reads the state dict (:func:`_averaging_caller`): those classes average a model by
-    updating ``state_dict()`` values in place (``ema_v.lerp_(model_v, 1 - decay)``, ``ema_v.copy_(...)``), which
-    alias the parameters; a converted weight's entry is a tensor rebuilt from its frames, so the update is lost and
-    the average's queries and keys stay where the copy began, without a word."""
-    if not any(isinstance(p, _QKWeight) for _, p in ours):
-        return
-    caller = _averaging_caller()
-    if caller is None:
-        return
-    try:
-        if caller in _EMA_WARNED:
-            return
-        _EMA_WARNED.add(caller)
-    except TypeError:  # not weakly referable: warned at each state_dict() it reads
-        pass
-    name = type(caller).__name__
-    warnings.warn(f"{name} reads state_dict() of a model converted by stiefelize ({prefix}{ours[0][0]}, ...) and "
-                  f"updates its values in place; a converted weight's entry there is a copy rebuilt from its frames, "
-                  f"so the update never reaches the frames and the average's queries and keys stay where it began. "
-                  f"Average the parameters instead, then project the frames: "
-                  f"ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn="
-                  f"get_ema_multi_avg_fn(decay)) and after each ema.update_parameters(model), "
-                  f"geoopt_stiefel_attention.project_frames_(ema) (timm: ModelEmaV3(model, exclude_buffers=True), "
-                  f"then project_frames_(ema.module); its set(model) copies through state_dict() too: use "
-                  f"ema.module.load_state_dict(model.state_dict())).", UserWarning, stacklevel=2)
+        if isinstance(p, _QKWeight):
+            warn_if_saved_off_manifold(
+                f"{prefix}{attr}", p.frames(), where="state_dict() (save_pretrained, a Trainer checkpoint)",
+                consequence="The state dict holds the weight as it is, with query/key blocks that are not "
+                            "orthonormal: loaded into a converted model, or converted again, they are replaced by "
+                            "their polar factors, which changes the model's outputs.", stacklevel=3)
 
 
 def _state_dict_post_hook(owner: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
@@ -211,7 +156,9 @@ def _state_dict_post_hook(owner: nn.Module, state_dict: dict, prefix: str, local
     _warn_off_manifold(prefix, ours)
     if _FORM.get() != "stock":
         return
-    _warn_if_averaged_in_place(owner, prefix, ours)
+    for _attr, p in ours:  # an averaged copy whose entries were written in place (integrations/averaging.py)
+        if isinstance(p, _QKWeight):
+            _averaging.check_written(p)
     stock_names = vars(owner)[_HOOKS][0]
     values = {}
     for attr, p in ours:
@@ -223,6 +170,8 @@ def _state_dict_post_hook(owner: nn.Module, state_dict: dict, prefix: str, local
         with torch.set_grad_enabled(keep_vars and torch.is_grad_enabled()):
             value = getattr(owner, attr)
         values[attr] = (value if keep_vars else value.detach()).contiguous()
+        if not keep_vars and isinstance(p, _QKWeight):
+            _averaging.hand_out(p, f"{prefix}{attr}", values[attr])
     raw_prefixes = tuple(f"{prefix}parametrizations.{attr}." for attr in values)
     subtree = [k for k in state_dict if k.startswith(prefix)]
     entries = {k: state_dict.pop(k) for k in subtree}

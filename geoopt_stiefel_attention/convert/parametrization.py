@@ -16,9 +16,12 @@ from torch import Tensor, nn
 
 from .. import _guard
 from .._linalg import ORTHONORMALITY_TOLERANCE
-from ..manifolds import PolarStiefel, _FrameOwner
-
-_DDP = nn.parallel.DistributedDataParallel  # its class attribute ``_active_ddp_module`` names the DDP in a forward
+from ..integrations import activation_checkpointing as _activation_checkpointing
+from ..integrations import adapters as _adapters
+from ..integrations import averaging as _averaging
+from ..integrations import ddp as _ddp
+from ..integrations.casts import _FrameOwner
+from ..manifolds import PolarStiefel
 
 #: Marker attribute set on a converted attention module (read by :func:`converted_query_key_frames`).
 _MARK = "_stiefel_layout"
@@ -64,20 +67,6 @@ def _rest_of(weight: Tensor, dim: int, segments: tuple[tuple[str, int, int], ...
         rest = [grouped.narrow(dim + 1, s, n) for s, n in spans]
         return (torch.cat(rest, dim=dim + 1) if len(rest) > 1 else rest[0]).flatten(dim, dim + 1).contiguous()
     return torch.cat([weight.narrow(dim, s, n) for s, n in spans], dim=dim).contiguous()
-
-
-def _saved_tensor_hooks_active() -> bool:
-    """Whether default saved-tensor hooks are active (``torch.autograd.graph.saved_tensors_hooks``: activation
-    checkpointing without reentry, in its forward and its recomputation, ``save_on_cpu``); ``True`` where torch
-    cannot tell (then a weight is not reused while gradients are recorded)."""
-    try:
-        top = torch._C._autograd._top_saved_tensors_default_hooks
-    except AttributeError:  # pragma: no cover - every supported torch has it
-        return True
-    try:
-        return top(False) is not None
-    except TypeError:  # pragma: no cover - a torch whose function takes no argument
-        return top() is not None
 
 
 class _QKWeight(_FrameOwner):
@@ -134,12 +123,14 @@ class _QKWeight(_FrameOwner):
 
     def __getstate__(self) -> dict[str, Any]:
         """The module's state without what lives only in a live model: the weak references of ``_slot`` (set again
-        by :func:`_watch_model` and by the model's next forward, see :func:`_set_slots`) and a weight built in an
-        open forward."""
+        by :func:`_watch_model` and by the model's next forward, see :func:`~..integrations.adapters.set_slots`), a
+        weight built in an open forward, the DDP it passed, and the marks of an averaged copy."""
         state = dict(super().__getstate__())
         state.pop("_slot", None)
         state.pop("_built", None)
         state.pop("_ddp_checked", None)
+        state.pop("_handed_out", None)  # a state-dict entry kept for the check of an averaged copy
+        state.pop("_averaged_copy", None)
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _QKWeight:
@@ -156,6 +147,7 @@ class _QKWeight(_FrameOwner):
             parent, owner = memo.get(id(slot[0]())), memo.get(id(slot[2]()))
             if parent is not None and owner is not None and slot[0]() is not None and slot[2]() is not None:
                 replica.__dict__["_slot"] = (weakref.ref(parent), slot[1], weakref.ref(owner))
+        _averaging.mark_copy(replica, memo)  # an averaged model starts as a deep copy (integrations/averaging.py)
         return replica
 
     def _rows(self, role: str) -> Tensor:
@@ -205,16 +197,17 @@ class _QKWeight(_FrameOwner):
         # build as often (reusing a weight there shifts every later saved tensor: a metadata error, or, where the
         # shapes agree, the gradients of other tensors).
         reuse = (model is not None and model[2] > 0 and self.__dict__.get("_reread", False)
-                 and not (torch.is_grad_enabled() and _saved_tensor_hooks_active()))
+                 and not (torch.is_grad_enabled() and _activation_checkpointing.saved_tensor_hooks_active()))
         if reuse:  # read again in the same forward of the converted model: the same tensor, built once
             built = self.__dict__.get("_built")
             if built is not None and built[1] == torch.is_grad_enabled():
                 return built[0]
         slot = self.__dict__.get("_slot")
         if slot is not None and not torch.compiler.is_compiling():
-            _check_not_wrapped(self, slot)
-        if _DDP._active_ddp_module is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            _check_synchronised(self, _DDP._active_ddp_module)
+            _adapters.check_not_wrapped(self, slot)
+        ddp = _ddp.active()
+        if ddp is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            _ddp.check_synchronised(self, ddp)
         if torch.is_grad_enabled() and (model is None or model[0] <= 0):
             self.check()
         weight = self._build(rest)
@@ -358,84 +351,6 @@ _OURS = (_QKWeight, _ZeroQKBias)
 _MODEL_HOOKS = "_stiefel_model_check_hooks"
 
 
-def _adapter_name(wrapper: nn.Module) -> str:
-    """``lora.Linear`` for PEFT's ``peft.tuners.lora.layer.Linear`` (the name PEFT prints), else the class name."""
-    module, name = type(wrapper).__module__, type(wrapper).__name__
-    parts = module.split(".")
-    return f"{parts[2]}.{name}" if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else name
-
-
-#: Why an adapter layer (PEFT's LoRA, DoRA, IA3, ...: a module holding the projection as its ``base_layer``) cannot
-#: wrap a converted query/key projection; the first words name where, the fix follows.
-_ADAPTER_REASON = ("adds its update (LoRA: (lora_alpha/r) B A) to the weight outside the frames, so the query/key "
-                  "weight is no longer orthonormal, and merge_and_unload would write it into a weight rebuilt from the "
-                  "frames at every read, where it is lost")
-
-
-def _check_not_wrapped(p: _QKWeight, slot: tuple[Any, str, Any]) -> None:
-    """Refuse to build a converted weight whose module is now held by an adapter layer (its ``base_layer``): PEFT's
-    ``get_peft_model`` / ``PeftModel.from_pretrained`` / ``add_adapter`` with the query/key projections among the
-    targets. Raised at the first read after the wrapping (PEFT reads the weight while it injects the adapter)."""
-    parent, owner = slot[0](), slot[2]()
-    if parent is None or owner is None:
-        return
-    here = parent._modules.get(slot[1])
-    if here is owner or here is None or here._modules.get("base_layer") is not owner:
-        return
-    raise RuntimeError(f"{getattr(p, 'label', 'converted weight')}: its converted module is wrapped by an adapter "
-                       f"layer ({_adapter_name(here)}, e.g. PEFT's get_peft_model with this projection in "
-                       f"target_modules), which {_ADAPTER_REASON}; leave the query/key projections out of the "
-                       f"adapter's target_modules (the frames train with StiefelAdam), or call unstiefelize(model) "
-                       f"before adding the adapter to fine-tune the stock weights (to undo the wrapping: "
-                       f"peft_model.unload(), or build the model again).")
-
-
-def _check_synchronised(p: _QKWeight, ddp: nn.Module) -> None:
-    """Refuse to build a converted weight, inside the forward of ``DistributedDataParallel`` ``ddp``, whose trainable
-    frames ``ddp`` does not synchronise: they were made after it was built (``stiefelize(ddp.module)``), so it never
-    registered them and each rank would train its own frames (with ``find_unused_parameters=True`` DDP itself says
-    nothing; without, it fails at the second step on "parameters that were not used"). Only a weight inside
-    ``ddp.module`` is checked (DDP's marker of its forward is one class attribute, which another thread's model, or
-    a module called from the forward but held elsewhere, also sees); each passes once per DDP (``_ddp_checked``
-    holds a weak reference to the last DDP it passed). DDP's Python reducer (compiled autograd) does not set the
-    marker, so the check is off there."""
-    checked = p.__dict__.get("_ddp_checked")
-    if checked is not None and checked() is ddp:
-        return
-    inner = getattr(ddp, "module", None)
-    if not isinstance(inner, nn.Module) or not any(m is p for m in inner.modules()):
-        return  # read in that forward but not part of the wrapped model (another model, another thread): not its frames
-    registered = getattr(ddp, "_module_parameters", None)
-    if registered is None:  # a DDP that does not list what it registered (another torch): nothing to compare with
-        return
-    held = {id(q) for q in registered}
-    held.update(id(q) for q in getattr(ddp, "_delay_all_reduce_params", ()))
-    ignored = getattr(ddp, "parameters_to_ignore", ())
-    held.update(id(q) for name, q in ddp.module.named_parameters() if name in ignored)  # left out by the user
-    missing = [name for name, w in p.frames() if w.requires_grad and id(w) not in held
-               and not getattr(w, "_ddp_ignored", False)]
-    if missing:
-        raise RuntimeError(
-            f"{getattr(p, 'label', 'converted weight')}: DistributedDataParallel does not synchronise its frames "
-            f"({', '.join(missing)}): they were made by stiefelize after DDP wrapped the model, so DDP never "
-            f"registered them and each rank would train its own frames; convert first, then wrap: "
-            f"stiefelize(model); ddp = DistributedDataParallel(model).")
-    p.__dict__["_ddp_checked"] = weakref.ref(ddp)
-
-
-def _set_slots(model: nn.Module) -> None:
-    """Give every converted weight of ``model`` its ``_slot``: weak references to the module holding its module,
-    the attribute name, and its module, read by :func:`_check_not_wrapped`."""
-    for parent in model.modules():
-        for name, child in parent._modules.items():
-            plists = getattr(child, "parametrizations", None) if child is not None else None
-            if not isinstance(plists, nn.ModuleDict):
-                continue
-            for plist in plists.values():
-                if isinstance(plist[0], _QKWeight):
-                    plist[0].__dict__["_slot"] = (weakref.ref(parent), name, weakref.ref(child))
-
-
 def _frames_pass(weights: list[_QKWeight]) -> bool | None:
     """Whether every frame of ``weights`` is on the manifold, tested at once: same-shaped frame stacks concatenated,
     one product :math:`W^\top W - I` (a ``baddbmm``) and its largest absolute entry per shape and dtype, and one host
@@ -461,24 +376,28 @@ def _check_model_frames(model: nn.Module, args: Any) -> None:
     model's forward returns. A frame off the manifold is reported by the weight's own check, with the message it
     always had. Frames of another kind (sharded, meta) leave the weights' checks on. In a forward without gradients
     (an evaluation) the weights whose frames changed since their last evaluation check are tested at once the same
-    way, and only when that fails does each run its own check, which warns (:func:`~.._guard.check_at_evaluation`)."""
+    way, and only when that fails does each run its own check, which warns
+    (:func:`~..integrations.averaging.check_at_evaluation`)."""
     if torch.compiler.is_compiling():
         return
     scope, weights = vars(model)[_MODEL_HOOKS][:2]
     if weights and "_slot" not in weights[0].__dict__:  # a copy or an unpickled model: no slots yet
-        _set_slots(model)
+        _adapters.set_slots(model, _QKWeight)
+    if weights and "_averaged_copy" in weights[0].__dict__:  # entries of an averaged copy written in place?
+        for p in weights:
+            _averaging.check_written(p)
     scope[2] += 1
     scope[1].append(False)
-    if not torch.is_grad_enabled():  # an evaluation: checked when the frames changed, and warned (see _guard)
-        if _guard.evaluation_check_skipped():
+    if not torch.is_grad_enabled():  # an evaluation: checked when the frames changed, and warned (see averaging)
+        if _averaging.evaluation_check_skipped():
             return
-        changed = [p for p in weights if _guard.changed_since_evaluation(p.frames(), p)]
+        changed = [p for p in weights if _averaging.changed_since_evaluation(p.frames(), p)]
         if changed and _frames_pass(changed):
             for p in changed:
-                _guard.mark_evaluated(p.frames(), p)
+                _averaging.mark_evaluated(p.frames(), p)
             return
         for p in changed:
-            _guard.check_at_evaluation(getattr(p, "label", "converted weight"), p.frames(), p)
+            _averaging.check_at_evaluation(getattr(p, "label", "converted weight"), p.frames(), p)
         return
     if _guard.capturing():  # no host read in a CUDA graph's capture: each weight records its check as an assertion
         return
@@ -514,7 +433,7 @@ def _watch_model(model: nn.Module) -> None:
     conversion: the list of its converted weights is rebuilt). Not on a bare ``nn.TransformerEncoderLayer``:
     a hook on it would turn off torch's fused inference path (its weights keep their own checks)."""
     _unwatch_model(model)
-    _set_slots(model)
+    _adapters.set_slots(model, _QKWeight)
     weights = [m for m in model.modules() if isinstance(m, _QKWeight)]
     if not weights or isinstance(model, nn.TransformerEncoderLayer):
         return
