@@ -1004,7 +1004,8 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
               config_type: type | None = None, finalize: Callable | None = None) -> StudyOutputs:
     """Run (or resume) the grid (``lrs``: every arm of ``arms`` at every lr, on ``seeds``), then, with
     ``final_seeds``, the final cell (each arm at its selected lr), then, with ``time_steps``, the timing pass;
-    then the report unless ``skip_report``: ``finalize(out_dir, config_type)``, default :func:`finalize_tuned`.
+    then the report unless ``skip_report``: ``finalize(out_dir, config_type)``, default :func:`finalize_tuned` (a
+    report that fails raises :class:`~..harness.study.ReportNotWrittenError`; the records stay complete).
 
     Raises
     ------
@@ -1015,7 +1016,7 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
         ``allow_unbracketed``; ``final_seeds`` that include a seed of the grid's selection (those runs would
         repeat the grid runs that won it, and the test readout would depend on the selection).
     """
-    from ..harness.study import run_cells
+    from ..harness.study import run_cells, write_report
 
     out_dir = Path(out_dir)
     arms = list(arms)
@@ -1066,5 +1067,5 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
         (out_dir / TIMING_FILE).write_text(json.dumps(timing, indent=2) + "\n")
     if skip_report:
         return StudyOutputs(results=tuple(results))
-    outputs = (finalize or finalize_tuned)(out_dir, config_type or type(config))
+    outputs = write_report(finalize or finalize_tuned, out_dir, config_type or type(config))
     return dataclasses.replace(outputs, results=tuple(results))
