@@ -734,7 +734,7 @@ def _claim(comparisons: Mapping[str, Mapping[str, Any]], a: str, b: str, prefix:
     p = "–" if c.get("p_holm") is None else f"{c['p_holm']:.2g}"
     sp = "–" if c.get("sign_test_p_holm") is None else f"{c['sign_test_p_holm']:.2g}"
     side = (f"{direction} on {c['n_negative' if direction == 'lower' else 'n_positive']} of them" if direction != "equal"
-            else f"lower on {c['n_negative']} and higher on {c['n_positive']} of them")
+            else f"{c['n_negative']} negative and {c['n_positive']} positive differences")
     holm = f"Holm-adjusted p: paired t {p}, sign test {sp}"
     how = tuned.read_text(c)
     how = "" if not how else f", {how}"

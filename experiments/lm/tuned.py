@@ -101,7 +101,7 @@ TIMING_FILE = "timing.json"
 BASELINES = ("adamw", "muon")
 #: Evaluation sets of the test readout: the whole test split, then its categories.
 CATEGORY_SETS = ("test", "test_code", "test_prose", "test_data")
-#: Fewer paired seeds than this, or an unresolved difference: the report says "suggests", never "is".
+#: Fewer paired seeds than this, or an unresolved difference: the report never says "is" (:func:`reading`).
 MIN_SEEDS_FOR_CLAIM = 5
 #: Family-wise level of the Holm-adjusted statements.
 ALPHA = 0.05
@@ -686,7 +686,7 @@ def reading(c: Mapping[str, Any]) -> str:
     p = c.get("p_holm")
     if c["mean"] != 0 and c["n"] >= MIN_SEEDS_FOR_CLAIM and p is not None and p < ALPHA:
         return "resolved"
-    lo, hi = c.get("ci_low"), c.get("ci_high")
+    lo, hi = c["ci_low"], c["ci_high"]
     if c["mean"] != 0 and lo is not None and (lo > 0 or hi < 0):
         return "suggested"
     return "not resolved"
@@ -753,7 +753,7 @@ def _claim_sentence(name: str, c: Mapping[str, Any]) -> str:
     if kind == "resolved":
         return (f"- {name}: `{what}` has {direction} test bpb than `{base}`, by {abs(c['mean']):.4f} "
                 f"({c['n']} pairs, Holm-adjusted paired-t p {ptext}).")
-    ci = ("no interval" if c.get("ci_low") is None else
+    ci = ("no interval" if c["ci_low"] is None else
           f"95% CI {c['ci_low']:+.4f} to {c['ci_high']:+.4f}")
     if kind == "suggested":
         raw = "–" if c.get("p_value") is None else f"{c['p_value']:.2g}"
@@ -1094,8 +1094,12 @@ def _render(summary: Mapping[str, Any], config: Any, extra: Sequence[str] = ()) 
                      f"{info['train_hours']:.2f} h of training")
     pairs = max((len(v) for v in final["seeds"].values()), default=0) or MIN_SEEDS_FOR_CLAIM
     lines += ["", "## Notes", "",
-              f"- Statements say \"suggests\" unless at least {MIN_SEEDS_FOR_CLAIM} paired seeds give a Holm-adjusted "
-              f"paired-t p below {ALPHA}. With {pairs} pairs the smallest two-sided sign-test p is {2 * 0.5 ** pairs:.3g}.",
+              f"- A difference \"is\" lower or higher only where at least {MIN_SEEDS_FOR_CLAIM} paired seeds give a "
+              f"Holm-adjusted paired-t p below {ALPHA}; otherwise it is \"suggested\" where the unadjusted 95% "
+              f"interval excludes 0, and \"not resolved\" where it does not, stated with the smallest difference the "
+              f"pairs could have detected at {100 * POWER:g}% power (noncentral t; unadjusted and at the Holm level "
+              f"α/m, Holm's strictest step, m the comparisons of the section). A null is not sameness. With {pairs} "
+              f"pairs the smallest two-sided sign-test p is {2 * 0.5 ** pairs:.3g}.",
               "- bpb = loss / ln 2 (loss in nats per byte), on the fixed held-out windows of each split.",
               ""]
     return lines
@@ -1143,12 +1147,14 @@ def readme_table(summary: Mapping[str, Any]) -> list[str]:
                      f"{_ci_text(final['test'][a].get('test', {}))} | " + " | ".join(diffs) + " |")
     if final.get("diverged"):
         lines += ["", _diverged_text(final["diverged"], "final test bpb")]
-    lines += ["", "In words, by the report's rule (\"suggest\" unless the Holm-adjusted paired t says otherwise):", ""]
+    lines += ["", "In words, by the report's rule (\"is\" only where the Holm-adjusted paired t resolves it; "
+              "\"suggested\" where only the unadjusted interval excludes 0; otherwise \"not resolved\", with the "
+              "smallest difference the pairs could have detected):", ""]
     lines += [_sentence(k, c) for k, c in final["comparisons"].items() if k.startswith("test: ")]
     wall = summary.get("equal_wallclock") or {}
     if wall.get("comparisons"):
-        lines += ["", "At equal wall-clock (each arm read at the last evaluation within the fastest arm's full-run "
-                  "time; the report has the step times):", ""]
+        lines += ["", "At equal wall-clock (within the fastest arm's full-run time, each pair read by the report's "
+                  "rule, named per row; the report has the step times):", ""]
         lines += [_sentence(k, c) for k, c in wall["comparisons"].items() if k.startswith("test: ")]
     return lines
 
