@@ -304,6 +304,54 @@ def test_the_grokking_readme_on_start_constraint_or_step_matches_its_records():
     assert "Paper protocol" not in readme and "partly done" not in readme
 
 
+def test_the_grokking_readmes_say_what_the_decay_control_showed():
+    """Issue 57, item 6: the grokking README's paragraph after the contrasts and the top README's row say what
+    `adamw-qk-nodecay` showed, every figure from the committed summary.json (W_Q's median movement and largest
+    angle at the last epoch, the decay contrast and the frozen one, each with its interval): it moves W_Q less than
+    `adamw` yet groks later, so "only through how little it moves the frames" is gone; the top row names all the
+    arms, the decay control among them. Companion (assert_quoted): any of these phrases with one digit changed is
+    not in the text."""
+    from experiments.grokking.study import NODECAY
+
+    data = json.loads((ROOT / "experiments" / "grokking" / "records" / "p97_add_arms10" / "summary.json").read_text())
+    arms, mech = data["summary"]["arms"], data["summary"]["mechanism"]
+    w = mech["w_q"]
+    end = w["epochs"][-1]
+
+    def med(arm: str, key: str, fmt: str) -> str:
+        return format(w["arms"][arm][key][-1]["median"], fmt)
+
+    by = {c["question"]: c for c in mech["contrasts"]}
+    decay, frozen = by["weight decay on W_Q, W_K"], by["training W_Q, W_K without decay"]
+    assert decay["arm"] == NODECAY and decay["against"] == "adamw" and len(decay["machines"]) == 1
+    assert frozen["arm"] == "adamw-frozen" and frozen["against"] == NODECAY and len(frozen["machines"]) == 1
+    # what the paragraph states: less movement and a smaller angle than adamw, yet later grokking, resolved
+    assert w["arms"][NODECAY]["move"][-1]["median"] < w["arms"]["adamw"]["move"][-1]["median"]
+    assert w["arms"][NODECAY]["angle"][-1]["median"] < w["arms"]["adamw"]["angle"][-1]["median"]
+    assert decay["ci_low"] > 0 and frozen["ci_high"] < 0
+
+    def ci(c: dict) -> str:
+        return f"CI [{_signed(c['ci_low'], '+.0f')}, {_signed(c['ci_high'], '+.0f')}]"
+
+    readme = (ROOT / "experiments" / "grokking" / "README.md").read_text()
+    paragraph = readme[readme.index("So the data point to the **step**"):readme.index("## Earlier single-seed result")]
+    assert_quoted(paragraph, [
+        f"‖W_Q − W_Q0‖_F {med(NODECAY, 'move', '.2g')} against {med('adamw', 'move', '.3g')}",
+        f"largest principal angle to the start {med(NODECAY, 'angle', '.1f')}° against {med('adamw', 'angle', '.1f')}°",
+        f"medians at epoch {end:,}",
+        f"groks {decay['mean']:.0f} epochs *later* ({ci(decay)}, {decay['n']} pairs of one CPU kind)",
+        f"{-frozen['mean']:.0f} epochs after W_Q/W_K frozen at the same start ({ci(frozen)})"])
+    assert "only through how little it moves the frames" not in readme
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines()
+               if line.startswith("| grokking: why the Stiefel arm groks earlier |"))
+    words = {5: "five", 6: "six", 7: "seven", 8: "eight"}
+    assert f"ten paired seeds, {words[len(arms)]} arms (" in row
+    assert all(f"`{arm}`" in row for arm in arms) and f"the decay control `{NODECAY}`" in row
+    assert_quoted(row, [
+        f"largest angle to its start {med(NODECAY, 'angle', '.1f')}° vs {med('adamw', 'angle', '.1f')}°",
+        f"groks {decay['mean']:.0f} epochs later ({ci(decay)}, {decay['n']} pairs on one CPU kind)"])
+
+
 def test_the_grokking_contrasts_of_issue_38_pair_runs_of_one_cpu_kind_only():
     """Issue 38: the two contrasts with adamw-qk-nodecay pair, seed by seed, runs whose environment.json name the
     same CPU model, as many as the folders hold (runs/, repro/, same_cpu/); a stale summary fails here. Companion:
@@ -938,3 +986,82 @@ def test_the_grokking_readme_figures_across_its_studies_match_their_summaries():
         f"epochs) and `adamw-orthostart` with `adamw` ({seed0(arms10, 'adamw-orthostart')} and "
         f"{seed0(arms10, 'adamw')})",
         f"The {runs} runs took"])
+
+
+def _words(path: Path) -> str:
+    return " ".join(path.read_text().split())
+
+
+def test_the_readmes_say_what_the_lm_data_can_say():
+    """Issue 57, item 6: the READMEs' words on the tuned and controls studies claim no sameness from a null. Every
+    "not resolved" states the interval and the smallest difference detectable at 80% power (unadjusted, and at the
+    Holm level where quoted), every "suggested" an unadjusted interval that excludes 0, each built here from the
+    committed summary.json; the controls paragraph says the warm-up grid was the AdamW arms' only, from the grids
+    on record, and names the level-ground study. Companion (assert_quoted): a phrase with one digit changed is not
+    in the text; the old words are gone."""
+    from experiments.lm import tuned as tuned_study
+
+    top, lm = _words(ROOT / "README.md"), _words(ROOT / "experiments" / "lm" / "README.md")
+    for text in (top, lm):
+        for old in ("neither help nor hurt", "neither helps nor hurts", "what QK-norm also gives",
+                    "Equal wall-clock changes nothing", "match Muon without beating it"):
+            assert old not in text, old
+
+    def mde(c: dict, fmt: str = ".2g") -> tuple[str, str]:
+        d = c["detectable"]
+        assert d["method"] == "noncentral t" and d["power"] == 0.8 and d["alpha"] == 0.05
+        return format(d["difference"], fmt), format(d["holm_difference"], fmt)
+
+    # the tuned study (5 pairs): the null beside Muon, and equal wall-clock read at the same step
+    summary = json.loads((LM / "tuned" / "summary.json").read_text())
+    null = summary["final"]["comparisons"]["test: stiefel-muon - muon"]
+    assert tuned_study.reading(null) == "not resolved"
+    low, holm = mde(null)
+    family = null["detectable"]["family"]
+    prose = summary["final"]["comparisons"]["test_prose: stiefel-muon - muon"]
+    assert tuned_study.reading(prose) == "suggested"
+    wall = summary["equal_wallclock"]["comparisons"]
+    beside, frames = wall["test: stiefel-muon - muon"], wall["test: stiefel - adamw"]
+    assert {c["read"]["rule"] for c in wall.values()} == {"same step"}  # the rounds' noise covers every pair
+    assert tuned_study.reading(beside) == "suggested"
+    steps = sorted({s for c in wall.values() for v in c["read"]["steps"].values() for s in v}, reverse=True)
+    assert_quoted(lm, [
+        f"with {null['n']} pairs the smallest difference the study could detect at 80% power is {low} bpb ({holm} at "
+        f"the Holm level α/{family}; noncentral t)",
+        f"suggested (−{abs(prose['mean']):.4f}, unadjusted CI [{_signed(prose['ci_low'], '.4f')}, "
+        f"{_signed(prose['ci_high'], '.4f')}], p {prose['p_value']:.2g}; Holm p {prose['p_holm']:.2g})",
+        f"`stiefel` − `adamw` {_signed(frames['mean'], '.4f')} (Holm p {frames['p_holm']:.2g})",
+        f"`muon` {_signed(beside['mean'], '.4f')} at step {beside['read']['steps']['muon'][0]:,} (suggested: unadjusted "
+        f"CI [{_signed(beside['ci_low'], '.4f')}, {_signed(beside['ci_high'], '.4f')}], p {beside['p_value']:.2g}; "
+        f"Holm p {beside['p_holm']:.2g})"])
+    assert f"each pair is read at the same step, {' or '.join(f'{s:,}' for s in steps)} of 2,000" in lm
+    assert_quoted(top, [
+        f"and {null['n']} pairs could detect at 80% power only a difference of {low} bpb or more",
+        f"`stiefel` − `adamw` {_signed(frames['mean'], '.4f')}; `stiefel-muon` − `muon` "
+        f"{_signed(beside['mean'], '.4f')} is suggested (unadjusted CI [{_signed(beside['ci_low'], '.4f')}, "
+        f"{_signed(beside['ci_high'], '.4f')}]; Holm p {beside['p_holm']:.2g})"])
+
+    # the controls study (10 pairs, a family of 48): the null against QK-norm, the suggested cost beside Muon
+    summary = json.loads((LM / "controls" / "summary.json").read_text())
+    comps = summary["final"]["comparisons"]
+    gap, cost, other = (comps[k] for k in ("test: stiefel - adamw-qknorm", "test: stiefeladam-muon - muon",
+                                           "test: stiefelmuon-muon - muon"))
+    assert [tuned_study.reading(c) for c in (gap, cost, other)] == ["not resolved", "suggested", "not resolved"]
+    low, holm = mde(gap, ".3f")
+    assert_quoted(top, [
+        f"with these {gap['n']} pairs (sd of the differences {gap['std']:.2g}) the smallest difference the study "
+        f"could detect at 80% power is {low} bpb, {holm} at its Holm level α/{gap['detectable']['family']} "
+        "(noncentral t)",
+        f"`stiefeladam-muon` − `muon` {_signed(cost['mean'], '+.4f')} (CI [{_signed(cost['ci_low'], '+.4f')}, "
+        f"{_signed(cost['ci_high'], '+.4f')}], higher on {cost['n_positive']} of {cost['n']} pairs, unadjusted p "
+        f"{cost['p_value']:.2g}; Holm-adjusted p {cost['p_holm']:.2g}: suggested, not resolved)",
+        "not resolved; detectable at 80% power: {} bpb, {} at the Holm level)".format(*mde(other, ".3f"))])
+    # the warm-up grid on record holds the AdamW arms only; both READMEs say so, and name the level-ground study
+    grids = [g for g in summary["controls"]["stable_range"]
+             if g["warmup_steps"] != summary["controls"]["own_warmup_steps"]]
+    assert [sorted(g["arms"]) for g in grids] == [["adamw", "adamw-qknorm"]] and grids[0]["warmup_steps"] == 400
+    assert "warm-up 400 was offered to the AdamW arms only (`stiefel` and the Muon arms ran at warm-up 100)" in top
+    assert "warm-up 400 was offered to `adamw` and `adamw-qknorm` only" in lm
+    for text in (top, lm):
+        assert "level.args" in text and "`stiefel-gain`" in text and "under way" in text
+    assert (ROOT / "experiments" / "lm" / "configs" / "level.args").is_file()

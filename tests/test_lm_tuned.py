@@ -304,6 +304,41 @@ def test_equal_wallclock_reads_each_arm_at_the_steps_that_fit_the_budget(synthet
     assert one["keys"] == ["test_bpb"] and one["arms"]["b"]["test_bpb"] == {"0": 2.5}
 
 
+def test_equal_wallclock_reads_a_pair_at_the_same_step_when_its_step_times_are_within_the_noise(synthetic):
+    """Issue 57, item 5: stiefel (median 0.6 s, rounds 0.55-0.9) against adamw (0.5 s, rounds all 0.5) differ by
+    0.1 s, less than the timing noise (0.35 s, the larger range of rounds): both are read at the same step, the
+    last evaluation within the smaller of their steps that fit (16 -> step 10), where the budget rule read adamw at
+    step 20; companion: muon (1.0 s) against adamw differ by more than the noise (0), each read at its own steps."""
+    out, _ = synthetic
+    wall = tuned.finalize_tuned(out, LMConfig).summary["equal_wallclock"]
+    same = wall["comparisons"]["test: stiefel - adamw"]
+    assert same["read"]["rule"] == "same step" and same["read"]["steps"] == {"stiefel": [10], "adamw": [10]}
+    assert same["read"]["noise_seconds"] == pytest.approx(0.35, abs=STAT_TOL)
+    assert same["read"]["difference_seconds"] == pytest.approx(0.1, abs=STAT_TOL)
+    # at epoch 1 both arms' test bpb carry the same +0.1 of the synthetic schedule: it cancels in the pair
+    a, b = ([row[0] for row in FINAL[arm]] for arm in ("stiefel", "adamw"))
+    assert same["mean"] == pytest.approx(sum(x - y for x, y in zip(a, b, strict=True)) / len(a), abs=STAT_TOL)
+    budget = wall["comparisons"]["test: muon - adamw"]
+    assert budget["read"]["rule"] == "budget" and budget["read"]["steps"] == {"muon": [10], "adamw": [20]}
+    a, b = ([row[0] for row in FINAL[arm]] for arm in ("muon", "adamw"))
+    assert budget["mean"] == pytest.approx(sum(x - y for x, y in zip(a, b, strict=True)) / len(a) + 0.1,
+                                           abs=STAT_TOL)
+    # the budget rule alone would have read stiefel - adamw 0.1 higher (adamw at step 20)
+    per_arm = wall["arms"]
+    old = sum(per_arm["stiefel"]["test_bpb"][k] - per_arm["adamw"]["test_bpb"][k] for k in per_arm["adamw"]["test_bpb"])
+    assert old / 5 == pytest.approx(same["mean"] + 0.1, abs=STAT_TOL)
+    # the report names the rule of every row, and each sentence says how its pair was read
+    report = (out / tuned.REPORT_FILE).read_text()
+    assert "| stiefel - adamw | 600.0 / 500.0 | 100.0 | 350.0 | same step: both at the smaller of their steps that fit | " \
+        "10 / 10 |" in report
+    assert "| muon - adamw | 1000.0 / 500.0 | 500.0 | 0.0 | budget: each at its own steps that fit | 10 / 20 |" in report
+    assert "Both read at step 10, their median step times differing by less than the timing noise" in report
+    assert "each read within the budget, `muon` at step 10 and `adamw` at step 20" in report.replace("Each", "each")
+    # the rule on its own: equal times with no spread are not "within" a noise of 0
+    rule = tuned.wallclock_rule({"seconds_per_step": 0.5, "rounds": [0.5]}, {"seconds_per_step": 0.5, "rounds": [0.5]})
+    assert rule["rule"] == "budget" and rule["noise_seconds"] == 0.0
+
+
 def _rewrite_grid_records(out: Path, change: Callable[[dict], dict]) -> None:
     for metrics in out.glob(f"{tuned.GRID_PREFIX}*/runs/*/seed*/metrics.jsonl"):
         rows = [change(json.loads(line)) for line in metrics.read_text().splitlines()]
@@ -531,12 +566,52 @@ def test_a_diverged_final_run_is_listed_and_left_out_not_a_traceback(synthetic):
 
 
 def test_a_zero_difference_reads_equal_not_higher():
-    c = {"mean": 0.0, "n": 5, "p_holm": 1.0}
+    c = {"mean": 0.0, "n": 5, "p_holm": 1.0, "p_value": 1.0, "ci_low": -1e-3, "ci_high": 1e-3}
     text = tuned._sentence("test: a - b", c)
-    assert "equal" in text and "higher" not in text and "lower" not in text
-    # companions: a positive difference is higher, a negative one lower
-    assert "is higher than" in tuned._sentence("test: a - b", {**c, "mean": 1e-9})
-    assert "is lower than" in tuned._sentence("test: a - b", {**c, "mean": -1e-9})
+    assert "equal" in text and "higher" not in text and "lower" not in text and "not resolved" in text
+    # companions: a positive difference whose unadjusted interval excludes 0 is (suggested) higher, a negative one
+    # lower; one whose interval includes 0 has no direction
+    assert "is higher than" in tuned._sentence("test: a - b", {**c, "mean": 1e-9, "ci_low": 1e-10})
+    assert "is lower than" in tuned._sentence("test: a - b", {**c, "mean": -1e-9, "ci_high": -1e-10})
+    assert "than" not in tuned._sentence("test: a - b", {**c, "mean": -1e-9})
+
+
+def _comparison(mean: float, lo: float, hi: float, p_holm: float, n: int = 10, **more) -> dict:
+    return {"mean": mean, "ci_low": lo, "ci_high": hi, "p_value": p_holm / 10, "p_holm": p_holm, "n": n,
+            "std": 0.023, "n_positive": 8, "n_negative": 2, **more}
+
+
+def test_reading_says_what_the_data_can_say():
+    """Issue 57, item 5, on the issue's two figures: an interval that includes 0 is "not resolved" with the smallest
+    difference the pairs could detect (never sameness); an unadjusted interval that excludes 0 is "suggested";
+    only a Holm-adjusted p below ALPHA with enough pairs is "is"."""
+    from experiments.harness.stats import with_detectable
+
+    family = with_detectable({  # the Holm-adjusted p as the controls study's family gave them
+        "test: stiefel - adamw-qknorm": {**_comparison(-0.0044, -0.0208, 0.0119, 1.0), "p_value": 0.55,
+                                         "sign_test_p": 1.0, "std": 0.022816},
+        "test: stiefeladam-muon - muon": {**_comparison(0.0058, 0.0017, 0.0099, 0.12), "p_value": 0.011,
+                                          "sign_test_p": 0.11, "std": 0.0057},
+        **{f"test: x{k} - y": {**_comparison(-0.3, -0.31, -0.29, 0.0), "p_value": 1e-12, "sign_test_p": 0.002}
+           for k in range(46)}})  # 48 comparisons, as in the controls study
+    null = family["test: stiefel - adamw-qknorm"]
+    assert tuned.reading(null) == "not resolved"
+    text = tuned._sentence("test: stiefel - adamw-qknorm", null)
+    assert ("not resolved: mean difference -0.0044 (95% CI -0.0208 to +0.0119" in text
+            and "smallest difference detectable at 80% power is 0.023 bpb at α = 0.05 and 0.042 at the Holm level "
+            "α/48 (noncentral t)" in text)
+    assert "lower than" not in text and "equal" not in text and "neither" not in text
+    cost = family["test: stiefeladam-muon - muon"]
+    assert tuned.reading(cost) == "suggested"
+    text = tuned._sentence("test: stiefeladam-muon - muon", cost)
+    assert text.startswith("- test: stiefeladam-muon - muon: suggested, not resolved: `stiefeladam-muon`'s test bpb "
+                           "is higher than `muon`'s by 0.0058 (unadjusted 95% CI +0.0017 to +0.0099, paired-t p "
+                           "0.011; higher on 8 of 10 pairs; Holm-adjusted paired-t p 0.12)")
+    # companions: resolved only with a Holm p below ALPHA and enough pairs
+    assert tuned.reading({**cost, "p_holm": 0.01}) == "resolved"
+    assert tuned.reading({**cost, "p_holm": 0.01, "n": tuned.MIN_SEEDS_FOR_CLAIM - 1}) == "suggested"
+    assert tuned.reading({**null, "p_holm": 0.01}) == "resolved"  # (an interval and a p that disagree: p rules)
+    assert tuned.reading({"mean": None, "n": 0}) == "none"
 
 
 # ---------------------------------------------------------------------------------------------- CLI errors
@@ -592,7 +667,7 @@ def test_readme_table_of_the_synthetic_study_quotes_only_its_summary(synthetic):
     report = (out / tuned.REPORT_FILE).read_text()
     words = [ln for ln in table.splitlines() if ln.startswith("- test: ")]
     assert len(words) == 2 * 3 and all(w in report for w in words)
-    assert "- test: stiefel - adamw: the data suggest `stiefel`'s test bpb is" in table
+    assert "- test: stiefel - adamw: suggested, not resolved: `stiefel`'s test bpb is" in table
     assert tuned.numbers_not_in_summary(table, summary) == []
     good = f"{summary['final']['test']['adamw']['test']['mean']:.4f}"
     bad = f"{float(good) + 0.0071:.4f}"  # companion: a misquoted mean is found

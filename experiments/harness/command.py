@@ -21,7 +21,7 @@ from geoopt_stiefel_attention.argtypes import UsageError
 
 from .jobs import RunOptions
 from .runner import RunResult
-from .study import StudyOutputs
+from .study import ReportNotWrittenError, StudyOutputs
 
 __all__ = ["StudyCommand", "RUNNER_REPORT_ONLY_FLAGS", "ignored_by_report_only"]
 
@@ -168,7 +168,9 @@ class StudyCommand:
         return config_from_dict(self.config_type, recorded)
 
     def run(self, args: argparse.Namespace) -> int:
-        """Run the study command ``args`` (parsed by a parser of :meth:`add_arguments`); returns the exit status."""
+        """Run the study command ``args`` (parsed by a parser of :meth:`add_arguments`); returns the exit status:
+        0, or 1 when the runs trained but their report could not be written (:class:`~.study.ReportNotWrittenError`,
+        said in one line on stderr; the records stay complete)."""
         from .cli_args import (
             build_config,
             check_runner_args,
@@ -199,6 +201,9 @@ class StudyCommand:
                                      command=None if args.report_only else invoked_command())
         except self.errors as err:
             raise UsageError(str(err)) from None
+        except ReportNotWrittenError as err:  # trained, records complete: say why the report is missing, in one line
+            print(f"python -m experiments {self.name}: error: {err}.", file=sys.stderr)
+            return 1
         self.print_outputs(config, args, outputs, time.perf_counter() - t0)
         return 0
 

@@ -120,20 +120,29 @@ def fmt_p(p: float | None) -> str:
 def comparison_table(comparisons: Mapping[str, Mapping[str, Any]], *, unit: str = "pp") -> list[str]:
     """Markdown rows of paired comparisons (:meth:`~.stats.PairedStats.to_dict` dicts): pairs, mean difference,
     sd, confidence interval, paired t and two-sided p, positive pairs and the sign test, and where the comparisons
-    carry them (:func:`~.stats.with_holm`) both p-values adjusted by Holm's method over the table. ``unit="pp"`` shows
-    fractions as percentage points; any other unit shows the raw numbers with that unit."""
+    carry them (:func:`~.stats.with_holm`) both p-values adjusted by Holm's method over the table, and where they carry
+    it (:func:`~.stats.with_detectable`) the smallest difference detectable at the stated power, at the unadjusted
+    level and at the Holm level. ``unit="pp"`` shows fractions as percentage points; any other unit shows the raw
+    numbers with that unit."""
     def f(x: float | None, sign: bool = True) -> str:
         if unit == "pp":
             return fmt_pp(x, sign=sign)
         return "–" if x is None else (f"{x:+.4g}" if sign else f"{x:.4g}")
 
     holm = any("p_holm" in c for c in comparisons.values())
+    detectable = next((c["detectable"] for c in comparisons.values() if "detectable" in c), None)
     extra = (" | Holm p (t / sign)", "|---") if holm else ("", "")
+    if detectable is not None:
+        extra = (extra[0] + f" | detectable at {100 * detectable['power']:g}% power ({unit}; α {detectable['alpha']:g}"
+                 f" / Holm α/{detectable['family']})", extra[1] + "|---")
     lines = [f"| comparison | pairs | mean Δ ({unit}) | sd ({unit}) | 95% CI ({unit}) | paired t | p (two-sided) "
              f"| positive | sign-test p{extra[0]} |", "|---|---|---|---|---|---|---|---|---" + extra[1] + "|"]
     for name, c in comparisons.items():
         ci = "–" if c["ci_low"] is None else f"[{f(c['ci_low'])}, {f(c['ci_high'])}]"
         adjusted = f" | {fmt_p(c.get('p_holm'))} / {fmt_p(c.get('sign_test_p_holm'))}" if holm else ""
+        if detectable is not None:
+            d = c.get("detectable") or {}
+            adjusted += (f" | {f(d.get('difference'), sign=False)} / {f(d.get('holm_difference'), sign=False)}")
         lines.append(f"| {name} | {c['n']} | {f(c['mean'])} | {f(c['std'], sign=False)} | {ci} | {fmt_num(c['t'])} "
                      f"| {fmt_p(c['p_value'])} | {c['n_positive']}/{c['n']} | {fmt_p(c['sign_test_p'])}{adjusted} |")
     return lines

@@ -15,18 +15,40 @@ t distribution with :math:`n - 1` degrees of freedom: the two-sided p-value is
 :math:`\bar\delta \pm t_{1-\alpha/2,\,n-1}\, s_\delta/\sqrt n`. The sign test counts positive differences
 among the non-zero ones; its two-sided p-value is the binomial one with probability 1/2.
 
+**What a null can say** (:func:`paired_t_power`, :func:`min_detectable_difference`). A comparison that is not
+resolved is not evidence of sameness: the interval says which differences the data leave open, and the *minimum
+detectable difference* says how large a true difference must be for the study to resolve it. For a true mean
+difference :math:`\delta` and differences of standard deviation :math:`\sigma`, the statistic :math:`t` follows
+the noncentral t distribution with :math:`n - 1` degrees of freedom and noncentrality
+:math:`\lambda = \delta\sqrt n/\sigma`, so the power of the two-sided test at level :math:`\alpha` is
+
+.. math::
+
+    \pi(\delta) = P(T_{n-1,\lambda} > t_c) + P(T_{n-1,\lambda} < -t_c), \qquad t_c = t_{1-\alpha/2,\,n-1},
+
+and the minimum detectable difference at power :math:`\beta` is the :math:`\delta > 0` with
+:math:`\pi(\delta) = \beta`. The normal approximation replaces both t distributions by normal ones:
+:math:`\delta = (z_{1-\alpha/2} + z_\beta)\,\sigma/\sqrt n` (smaller: it ignores that :math:`\sigma` is
+estimated). Computed with the sample :math:`s_\delta` for :math:`\sigma`, it is the effect the study could have
+detected at the spread it found (a planning figure, not a bound on the true difference).
+
 scipy (for the t and binomial distributions) is imported inside the functions.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = ["PairedStats", "paired_stats", "paired_from_mapping", "mean_ci", "describe", "compare_arms", "holm",
-           "with_holm"]
+           "with_holm", "DETECTABLE_METHODS", "paired_t_power", "min_detectable_difference", "with_detectable"]
+
+#: How :func:`min_detectable_difference` computes the power: the noncentral t (exact for normal differences) or
+#: the normal approximation.
+DETECTABLE_METHODS = {"noncentral-t": "noncentral t", "normal": "normal approximation"}
 
 
 @dataclass(frozen=True)
@@ -202,3 +224,141 @@ def with_holm(comparisons: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[st
     s_adj = holm([comparisons[n].get("sign_test_p") for n in names])
     return {n: {**comparisons[n], "p_holm": t, "sign_test_p_holm": s}
             for n, t, s in zip(names, t_adj, s_adj, strict=True)}
+
+
+def _check_level(name: str, value: float, fix: str) -> float:
+    value = float(value)
+    if not 0 < value < 1:
+        raise ValueError(f"{name}={value!r} must be in (0, 1), {fix}.")
+    return value
+
+
+def paired_t_power(difference: float, sd: float, n: int, *, alpha: float = 0.05) -> float:
+    r"""Power of the two-sided paired t-test of ``n`` pairs at level ``alpha`` against a true mean difference.
+
+    Parameters
+    ----------
+    difference : float
+        The true mean difference :math:`\delta` (its sign does not matter: the test is two-sided).
+    sd : float
+        The standard deviation :math:`\sigma > 0` of the differences.
+    n : int
+        The number of pairs, at least 2.
+    alpha : float, default 0.05
+        The test's level.
+
+    Returns
+    -------
+    float
+        :math:`\pi(\delta) = P(T_{n-1,\lambda} > t_c) + P(T_{n-1,\lambda} < -t_c)` with
+        :math:`\lambda = |\delta|\sqrt n/\sigma` and :math:`t_c = t_{1-\alpha/2,\,n-1}` (module docstring);
+        the lower tail is computed as :math:`P(T_{n-1,-\lambda} > t_c)`, which scipy evaluates where its
+        ``cdf`` far in the tail does not.
+    """
+    import numpy as np
+    from scipy import stats
+
+    alpha = _check_level("alpha", alpha, "e.g. 0.05")
+    if int(n) != n or n < 2:
+        raise ValueError(f"paired_t_power: n={n!r} must be an int >= 2 (a t-test needs two pairs).")
+    if not (math.isfinite(sd) and sd > 0) or not math.isfinite(difference):
+        raise ValueError(f"paired_t_power: sd={sd!r} must be finite and > 0 and difference={difference!r} finite.")
+    df = int(n) - 1
+    crit = float(stats.t.ppf(1 - alpha / 2, df))
+    nc = abs(float(difference)) * math.sqrt(n) / float(sd)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # scipy's series warnings far in a tail: checked below
+        upper, lower = float(stats.nct.sf(crit, df, nc)), float(stats.nct.sf(crit, df, -nc))
+    if not (math.isfinite(upper) and math.isfinite(lower)):
+        raise ArithmeticError(f"paired_t_power: scipy's noncentral t gave no finite tail at df={df}, "
+                              f"noncentrality {nc:g}, critical value {crit:g}.")
+    return min(1.0, upper + lower)
+
+
+def min_detectable_difference(sd: float | None, n: int, *, alpha: float = 0.05, power: float = 0.8,
+                              method: str = "noncentral-t") -> float | None:
+    r"""The smallest true mean difference a two-sided paired t-test of ``n`` pairs resolves with probability
+    ``power`` at level ``alpha``, for differences of standard deviation ``sd``.
+
+    Parameters
+    ----------
+    sd : float or None
+        The standard deviation of the differences (the sample one, ``ddof=1``, for a study's figure).
+    n : int
+        The number of pairs.
+    alpha : float, default 0.05
+        The level (e.g. 0.05 unadjusted, or a Holm level such as 0.05 / m).
+    power : float, default 0.8
+        The power asked for, in (``alpha``, 1).
+    method : {"noncentral-t", "normal"}, default "noncentral-t"
+        :data:`DETECTABLE_METHODS`: solve :math:`\pi(\delta) = \beta` with :func:`paired_t_power` (Brent's
+        method on the noncentrality, to a relative tolerance of 1e-12), or the normal approximation
+        :math:`(z_{1-\alpha/2} + z_\beta)\,\sigma/\sqrt n`.
+
+    Returns
+    -------
+    float or None
+        The difference :math:`\delta > 0` (module docstring), in the units of ``sd``; ``None`` for fewer than two
+        pairs or an ``sd`` that is ``None``, zero or not finite (no spread: the t statistic is undefined).
+    """
+    from scipy import optimize, stats
+
+    if method not in DETECTABLE_METHODS:
+        raise ValueError(f"min_detectable_difference: method={method!r}; use one of {', '.join(DETECTABLE_METHODS)}.")
+    alpha = _check_level("alpha", alpha, "e.g. 0.05")
+    power = _check_level("power", power, "e.g. 0.8")
+    if power <= alpha:
+        raise ValueError(f"min_detectable_difference: power={power!r} must exceed alpha={alpha!r} (a test at "
+                         f"level alpha already rejects with probability alpha when there is no difference).")
+    if sd is None or not math.isfinite(sd) or sd <= 0 or n < 2:
+        return None
+    se = float(sd) / math.sqrt(n)
+    z = float(stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power))
+    if method == "normal":
+        return z * se
+    crit = float(stats.t.ppf(1 - alpha / 2, n - 1))
+
+    def short(nc: float) -> float:
+        return paired_t_power(nc * se, sd, n, alpha=alpha) - power
+
+    high = max(z, crit) + 1.0  # a first guess; doubled until the power there reaches the target (it rises with nc)
+    while short(high) < 0:
+        high *= 2
+    nc = optimize.brentq(short, 0.0, high, xtol=1e-14, rtol=1e-12)
+    return nc * se
+
+
+def with_detectable(comparisons: Mapping[str, Mapping[str, Any]], *, alpha: float = 0.05, power: float = 0.8,
+                    method: str = "noncentral-t") -> dict[str, dict[str, Any]]:
+    r"""``comparisons`` (:func:`with_holm`) with ``detectable`` added to each: the minimum detectable difference
+    (:func:`min_detectable_difference`, from the comparison's ``n`` and ``std``) at ``alpha`` and at the Holm
+    level :math:`\alpha/m`, :math:`m` the comparisons of the family with a p-value (Holm's first and strictest
+    step: a comparison whose p falls below it is resolved whatever the others show).
+
+    Parameters
+    ----------
+    comparisons : mapping
+        Name -> paired statistics (:meth:`PairedStats.to_dict`), the whole family.
+    alpha, power : float
+        The unadjusted level and the power.
+    method : str
+        :data:`DETECTABLE_METHODS`.
+
+    Returns
+    -------
+    dict
+        The comparisons, each with ``detectable = {"power", "method", "alpha", "difference", "holm_alpha",
+        "holm_difference", "family"}`` (``difference`` ``None`` where it is undefined).
+    """
+    m = sum(c.get("p_value") is not None for c in comparisons.values())
+    holm_alpha = alpha / m if m else None
+    out = {}
+    for name, c in comparisons.items():
+        sd, n = c.get("std"), int(c.get("n") or 0)
+        out[name] = {**c, "detectable": {
+            "power": power, "method": DETECTABLE_METHODS[method], "alpha": alpha,
+            "difference": min_detectable_difference(sd, n, alpha=alpha, power=power, method=method),
+            "holm_alpha": holm_alpha, "family": m,
+            "holm_difference": None if holm_alpha is None else min_detectable_difference(
+                sd, n, alpha=holm_alpha, power=power, method=method)}}
+    return out

@@ -29,7 +29,7 @@ from .runner import RunResult, TaskBuilder
 
 __all__ = ["Cell", "finished_runs", "StudyOutputs", "run_study", "run_cells", "finalize_study", "speed_from_environment",
            "record_command", "recorded_commands", "cell_records", "check_runs_alike", "check_study_folder",
-           "recorded_config", "run_info_from_records"]
+           "recorded_config", "run_info_from_records", "ReportNotWrittenError", "write_report"]
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"
@@ -89,6 +89,31 @@ class StudyOutputs:
     summary_path: Path | None = None
     report_path: Path | None = None
     figures: dict[str, Path] = dataclasses.field(default_factory=dict)
+
+
+class ReportNotWrittenError(RuntimeError):
+    """A study call trained its runs and their records are complete on disk, but its report could not be written.
+
+    The message is one sentence: the folder, the cause (the exception's type and message on one line) and how to
+    rebuild the report once the cause is fixed (``--report-only``, which trains nothing). The cause is chained
+    (``__cause__``) for a caller who wants its traceback; the command line prints the sentence alone (exit status
+    1)."""
+
+    def __init__(self, out_dir: str | os.PathLike, cause: BaseException):
+        why = " ".join(f"{type(cause).__name__}: {cause}".split())
+        super().__init__(f"the runs' records in {out_dir} are complete, but the report could not be written ({why}); "
+                         f"rebuild it with --report-only --out {out_dir} once that is fixed")
+        self.out_dir, self.cause = Path(out_dir), cause
+
+
+def write_report(finalize: Any, out_dir: str | os.PathLike, *args: Any, **kwargs: Any) -> StudyOutputs:
+    """``finalize(out_dir, *args, **kwargs)``, the report step after training: any error it raises (not an
+    interrupt) becomes a :class:`ReportNotWrittenError` naming ``out_dir`` and the cause. The records the runs
+    wrote are not touched by the report, so they stay complete whatever the report step does."""
+    try:
+        return finalize(out_dir, *args, **kwargs)
+    except Exception as err:
+        raise ReportNotWrittenError(out_dir, err) from err
 
 
 def record_command(out_dir: str | os.PathLike, command: str | None) -> None:
@@ -357,11 +382,12 @@ def run_study(config: Any, build_task: TaskBuilder, out_dir: str | os.PathLike, 
               seeds: Sequence[int], options: RunOptions | None = None, skip_report: bool = False,
               command: str | None = None, **kwargs: Any) -> StudyOutputs:
     """Run (or resume) every (arm, seed) of a single-cell study (:func:`run_cells`), then :func:`finalize_study`
-    unless ``skip_report``. Returns :class:`StudyOutputs` either way (without a summary when skipped). Keywords
+    unless ``skip_report`` (a report that fails raises :class:`ReportNotWrittenError`). Returns :class:`StudyOutputs`
+    either way (without a summary when skipped). Keywords
     naming a field of :class:`~.jobs.RunOptions` replace that option; the others go to :func:`finalize_study`."""
     run_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in RunOptions.__dataclass_fields__}
     results = run_cells([Cell(config)], build_task, out_dir, arms=arms, seeds=seeds, command=command,
                         options=RunOptions.of(options, **run_kwargs))
     if skip_report:
         return StudyOutputs(results=tuple(results))
-    return finalize_study(out_dir, config=config, arms=arms, seeds=seeds, results=results, **kwargs)
+    return write_report(finalize_study, out_dir, config=config, arms=arms, seeds=seeds, results=results, **kwargs)

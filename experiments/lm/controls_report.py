@@ -719,22 +719,40 @@ def _resolved(c: Mapping[str, Any]) -> bool:
 
 
 def _claim(comparisons: Mapping[str, Mapping[str, Any]], a: str, b: str, prefix: str = "test") -> str:
-    """``a`` against ``b`` in words, with the interval, the pairs and both Holm-adjusted p-values; "suggest" unless
-    :data:`~.tuned.MIN_SEEDS_FOR_CLAIM` pairs give a Holm-adjusted paired-t p below :data:`~.tuned.ALPHA`."""
+    """``a`` against ``b`` in words, by :func:`~.tuned.reading`: "is lower/higher" only when resolved
+    (:data:`~.tuned.MIN_SEEDS_FOR_CLAIM` pairs and a Holm-adjusted paired-t p below :data:`~.tuned.ALPHA`);
+    "suggested" where the unadjusted 95% interval excludes 0, with the unadjusted p; otherwise "not resolved", with
+    the interval and the smallest difference the pairs could have detected (:func:`~.tuned.detectable_text`), never
+    a direction or sameness. Each with its interval, pairs and both Holm-adjusted p-values; at equal wall-clock,
+    how the pair was read (:func:`~.tuned.read_text`)."""
     c = _comparison(comparisons, a, b, prefix)
-    if c is None or c["mean"] is None:
+    kind = "none" if c is None else tuned.reading(c)
+    if kind == "none":
         return f"`{a}` and `{b}` have no pairs yet"
     direction = tuned._direction(c["mean"])
     ci = "" if c["ci_low"] is None else f"95% CI of the difference {c['ci_low']:+.4f} to {c['ci_high']:+.4f}; "
     p = "–" if c.get("p_holm") is None else f"{c['p_holm']:.2g}"
     sp = "–" if c.get("sign_test_p_holm") is None else f"{c['sign_test_p_holm']:.2g}"
-    detail = (f"({ci}{c['n']} pairs, lower on {c['n_negative']} of them; Holm-adjusted p: paired t {p}, "
-              f"sign test {sp})")
-    if direction == "equal":  # a zero mean difference: never resolved (its paired t is 0 or undefined)
-        return f"`{a}`'s test bpb equals `{b}`'s on average (mean difference 0) {detail}"
-    if _resolved(c):
-        return f"`{a}`'s test bpb is {direction} than `{b}`'s by {abs(c['mean']):.4f} {detail}"
-    return f"the data suggest `{a}`'s test bpb is {direction} than `{b}`'s by {abs(c['mean']):.4f}, not resolved {detail}"
+    side = (f"{direction} on {c['n_negative' if direction == 'lower' else 'n_positive']} of them" if direction != "equal"
+            else f"{c['n_negative']} negative and {c['n_positive']} positive differences")
+    holm = f"Holm-adjusted p: paired t {p}, sign test {sp}"
+    how = tuned.read_text(c)
+    how = "" if not how else f", {how}"
+    if kind == "resolved":
+        return f"`{a}`'s test bpb is {direction} than `{b}`'s by {abs(c['mean']):.4f} ({ci}{c['n']} pairs, {side}; {holm}){how}"
+    if kind == "suggested":
+        raw = "–" if c.get("p_value") is None else f"{c['p_value']:.2g}"
+        return (f"suggested, not resolved: `{a}`'s test bpb is {direction} than `{b}`'s by {abs(c['mean']):.4f} "
+                f"(unadjusted {ci}{c['n']} pairs, {side}; unadjusted paired-t p {raw}; {holm}){how}")
+    mde = tuned.detectable_text(c)
+    head = (f"`{a}`'s test bpb equals `{b}`'s on average, not resolved (mean difference 0; " if direction == "equal"
+            else f"not resolved: `{a}` − `{b}` is {c['mean']:+.4f} bpb (")
+    return head + f"{ci}{c['n']} pairs, {side}; {holm})" + (f"; {mde}" if mde else "") + how
+
+
+def _lead(verdict: str, claim: str) -> str:
+    """``verdict`` then ``claim``: after a verdict that ends a sentence, the claim starts one."""
+    return verdict + (claim[0].upper() + claim[1:] if verdict.endswith(". ") else claim)
 
 
 def _verdict(c: Mapping[str, Any] | None, better: str, worse: str, unresolved: str) -> str:
@@ -764,6 +782,36 @@ def _logit_of(summary: Mapping[str, Any], arm: str) -> str:
     return f"`{arm}` –" if s is None or s["logit_max"] is None else f"`{arm}` {s['logit_max']:.1f}"
 
 
+def _and(arms: Sequence[str]) -> str:
+    """```a```, ```a`` and ``b```, ```a``, ``b`` and ``c```."""
+    names = [f"`{a}`" for a in arms]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _tuned_for_some(summary: Mapping[str, Any]) -> str:
+    """Which arms had a warm-up grid (``warmup-<n>/``) and which did not, in words (``""`` when every arm had the
+    same): a knob tuned for some compared arms only is said beside the comparison (DESIGN.md, "Controls")."""
+    c = summary["controls"]
+    arms = list(summary["selection"]["arms"])
+    parts = []
+    for g in c["stable_range"]:
+        if g["warmup_steps"] == c["own_warmup_steps"]:
+            continue
+        tried = [a for a in arms if a in g["arms"]]
+        others = [a for a in arms if a not in g["arms"]]
+        if tried and others:
+            chose = [a for a in tried if ((summary.get("recipes") or {}).get(a) or {}).get("warmup_steps")
+                     == g["warmup_steps"]]
+            which = ("none" if not chose else "both" if len(chose) == len(tried) == 2 else
+                     "all" if len(chose) == len(tried) else _and(chose))
+            parts.append(f"warm-up {g['warmup_steps']} was offered to {_and(tried)} only ({which} chose it); "
+                         f"{_and(others)} ran at warm-up {c['own_warmup_steps']} only")
+    if not parts:
+        return ""
+    return ("Not on level ground: " + "; ".join(parts) + ", so a comparison between the two groups was not tuned "
+            "alike. ")
+
+
 def readme_paragraph(summary: Mapping[str, Any]) -> list[str]:
     """The answers to the study's three questions, in plain words, from a controls ``summary.json`` (its final
     comparisons, stable ranges, warm-up comparisons and every-step records): each claim with its interval, its
@@ -780,10 +828,11 @@ def readme_paragraph(summary: Mapping[str, Any]) -> list[str]:
 
     geometry = _comparison(comps, "stiefel", "adamw-qknorm")
     q1 = ("**Geometry or logit control?** "
-          + _verdict(geometry, "The frames do more than bound the logits: ", "Bounding the logits is enough here, and "
-                     "QK-norm does better than the frames: ", "This study does not separate the geometry from logit "
-                     "control: ")
-          + _claim(comps, "stiefel", "adamw-qknorm") + ". QK-norm alone against AdamW: "
+          + _lead(_verdict(geometry, "The frames do more than bound the logits: ", "Bounding the logits is enough "
+                           "here, and QK-norm does better than the frames: ", "This study does not separate the "
+                           "geometry from logit control. "), _claim(comps, "stiefel", "adamw-qknorm"))
+          + ". " + _tuned_for_some(summary)
+          + "QK-norm alone against AdamW: "
           + _claim(comps, "adamw-qknorm", "adamw") + "; the frames against AdamW: " + _claim(comps, "stiefel", "adamw")
           + f". The largest attention logit of any training step (over the layers and the {n_seeds} final seeds) was "
           + ", ".join(_logit_of(summary, a) for a in ("stiefel", "adamw-qknorm", "adamw"))
@@ -825,15 +874,16 @@ def readme_paragraph(summary: Mapping[str, Any]) -> list[str]:
 
     frames = [_comparison(comps, a, "muon") for a in ("stiefeladam-muon", "stiefelmuon-muon")]
     helps = [f for f in frames if f is not None and f["mean"] is not None and _resolved(f)]
-    verdict = ("This study does not show the constraint helping beside Muon: " if not helps else
+    verdict = ("This study does not show the constraint helping beside Muon. " if not helps else
                "The constraint helps beside Muon: " if all(f["mean"] < 0 for f in helps) else
                "The constraint costs test bpb beside Muon: " if all(f["mean"] > 0 for f in helps) else
                "The two frame optimizers beside Muon disagree: ")
-    q3 = ("**Beside Muon, does the constraint help?** " + verdict
-          + _claim(comps, "stiefeladam-muon", "muon") + "; " + _claim(comps, "stiefelmuon-muon", "muon") + ".")
+    q3 = ("**Beside Muon, does the constraint help?** " + _lead(verdict, _claim(comps, "stiefeladam-muon", "muon"))
+          + "; " + _claim(comps, "stiefelmuon-muon", "muon") + ".")
     wall = (summary.get("equal_wallclock") or {}).get("comparisons") or {}
     if wall:
-        q3 += (" At equal wall-clock (each arm read within the fastest arm's full-run time): "
+        q3 += (" At equal wall-clock (within the fastest arm's full-run time, each pair read by the report's rule, "
+               "section 3): "
                + _claim(wall, "stiefeladam-muon", "muon") + "; " + _claim(wall, "stiefelmuon-muon", "muon") + ".")
     diverged = [] if not final.get("diverged") else ["", tuned._diverged_text(final["diverged"], "final test bpb")]
     return [q1, "", q2, "", q3, *diverged]

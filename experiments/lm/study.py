@@ -614,12 +614,24 @@ FINAL_KEYS = ("val_loss", "val_bpb", "train_bpb", "val_acc", "angle_max_deg/q", 
 
 
 def _corpus_paragraph(config: LMConfig) -> str:
+    """The report's corpus line, from the recorded identity: the two-way split's (training and validation files
+    and bytes) or, with a test split (``test_fraction > 0``, :func:`with_corpus_identity`), the three-way split's
+    (training, validation and test files, the training bytes, the held-out windows and the licence)."""
     c = config.corpus_identity or {}
     if not c:
         return f"**Corpus: {config.corpus}** (identity not recorded)."
-    return (f"**Corpus: {c['source']}** — corpus `{c['corpus']}`, version {c['version']}, SHA-256 `{c['sha256']}`; "
-            f"split {c['split']}: {c['train_files']} training files ({c['train_bytes']:,} bytes), {c['val_files']} "
-            f"validation files ({c['val_bytes']:,} bytes), val fraction {c['val_fraction']}. Tokens are bytes.")
+    head = f"**Corpus: {c['source']}** — corpus `{c['corpus']}`, version {c['version']}, SHA-256 `{c['sha256']}`; "
+    if "test_files" in c:  # the three-way held-out split: no validation bytes, windows instead
+        def files(n: int, kind: str) -> str:
+            return f"{n} {kind} file{'' if n == 1 else 's'}"
+
+        return (head + f"split {c['split']}: {files(c['train_files'], 'training')} ({c['train_bytes']:,} bytes), "
+                f"{files(c['val_files'], 'validation')} ({c['val_windows']} windows), "
+                f"{files(c['test_files'], 'test')} ({c['test_windows']} windows), val fraction {c['val_fraction']}, "
+                f"test fraction {c['test_fraction']}; licence: {c['licence']}. Tokens are bytes.")
+    return (head + f"split {c['split']}: {c['train_files']} training files ({c['train_bytes']:,} bytes), "
+            f"{c['val_files']} validation files ({c['val_bytes']:,} bytes), val fraction {c['val_fraction']}. "
+            "Tokens are bytes.")
 
 
 def _setup_paragraph(config: LMConfig, arms: Sequence[str]) -> str:
@@ -922,9 +934,10 @@ def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] 
 
     With ``lrs``, ``final_seeds`` or ``time_steps`` it is a tuned study instead (:func:`~.tuned.run_tuned`: the
     lr grid on ``seeds``, default 0 1; the final cell; the timing pass), which has no main cell; a folder holding
-    one is reported by :func:`~.controls_report.finalize` (the tuned report, or the controls study's)."""
+    one is reported by :func:`~.controls_report.finalize` (the tuned report, or the controls study's). A report that
+    fails after training raises :class:`~..harness.study.ReportNotWrittenError` (the records stay complete)."""
     from ..harness.arms import get_arm
-    from ..harness.study import run_cells
+    from ..harness.study import run_cells, write_report
 
     if report_only:
         if is_tuned_folder(out_dir):
@@ -961,7 +974,7 @@ def run_lm(config: LMConfig, out_dir: str | os.PathLike, *, arms: Sequence[str] 
                              options=options)
     if skip_report:
         return StudyOutputs(results=tuple(results))
-    return finalize_lm(out_dir, config, arms=arms, seeds=seeds, results=results)
+    return write_report(finalize_lm, out_dir, config, arms=arms, seeds=seeds, results=results)
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -51,7 +51,20 @@ run, :math:`T = N \min_a t_a` (the largest budget that every arm's records cover
 before step :math:`n_a` (records are written every ``eval_every`` epochs of ``steps_per_epoch`` steps), overall
 and per category, compared as in the final cell. A slower
 arm is read mid-schedule (its cosine decay has not finished), which favours the faster arms: an upper bound on
-what equal wall-clock costs the slower ones, not a run trained for that budget.
+what equal wall-clock costs the slower ones, not a run trained for that budget. The step times are measured with
+noise, so each pair :math:`(a, b)` is read by one of two rules (:func:`wallclock_rule`, named in the report per
+row): with :math:`r_a = \max - \min` of arm :math:`a`'s seconds per step over the timing rounds, the *timing
+noise* of the pair is :math:`\max(r_a, r_b)`; where :math:`|t_a - t_b|` is below it (the arms' speeds are not
+resolved), both are read at the same step, their last evaluation at or before :math:`\min(n_a, n_b)` ("same
+step"); otherwise each at its own :math:`n_a` ("budget"). A readout that moved by an evaluation interval on a
+step-time difference within the noise would otherwise turn timing noise into a bpb difference.
+
+**What a comparison may say** (:func:`reading`). "Is lower/higher" only when resolved: at least
+:data:`MIN_SEEDS_FOR_CLAIM` pairs and a Holm-adjusted paired-t p below :data:`ALPHA`. Otherwise "suggested"
+where the unadjusted 95% interval excludes 0, and "not resolved" where it does not, stated with the interval and
+the smallest difference the pairs could have detected at :data:`POWER`
+(:func:`~experiments.harness.stats.min_detectable_difference`, noncentral t) at :data:`ALPHA` and at the Holm
+level :data:`ALPHA` / m, m the comparisons of the family: a null is not sameness.
 """
 
 from __future__ import annotations
@@ -73,7 +86,8 @@ __all__ = ["GRID_PREFIX", "FINAL_DIR", "TIMING_FILE", "BASELINES", "CATEGORY_SET
            "IncompleteSelectionError", "grid_cells", "with_lr", "is_tuned_folder", "read_grid", "select_lrs",
            "WARMUP_PREFIX", "warmup_grids", "select_recipes", "with_recipe", "top_points", "confirm_recipes",
            "SELECTION_FILE",
-           "final_cell", "time_arms", "equal_wallclock", "tuned_comparisons", "run_tuned", "finalize_tuned",
+           "final_cell", "time_arms", "equal_wallclock", "wallclock_rule", "wallclock_comparisons", "POWER",
+           "tuned_comparisons", "run_tuned", "finalize_tuned",
            "readme_table", "numbers_not_in_summary", "find_config", "tuned_summary"]
 
 #: Folder prefix of the grid's cells (``lr-0.003``).
@@ -88,10 +102,13 @@ TIMING_FILE = "timing.json"
 BASELINES = ("adamw", "muon")
 #: Evaluation sets of the test readout: the whole test split, then its categories.
 CATEGORY_SETS = ("test", "test_code", "test_prose", "test_data")
-#: Fewer paired seeds than this, or an unresolved difference: the report says "suggests", never "is".
+#: Fewer paired seeds than this, or an unresolved difference: the report never says "is" (:func:`reading`).
 MIN_SEEDS_FOR_CLAIM = 5
 #: Family-wise level of the Holm-adjusted statements.
 ALPHA = 0.05
+#: The power at which a comparison that is not resolved states the smallest difference the study could detect
+#: (:func:`~experiments.harness.stats.min_detectable_difference`, noncentral t).
+POWER = 0.8
 #: Two learning rates closer than this (relative) are the same grid point. Learning rates travel as ``%g`` text
 #: (six significant digits: command lines, folder names), so a planned lr such as best / sqrt(3) = 0.0099999955 and
 #: its recorded run at 0.01 differ by up to 5e-6 relative; grid points differ by a factor of sqrt(3) or more.
@@ -542,18 +559,92 @@ def equal_wallclock(seconds_per_step: Mapping[str, float], *, total_steps: int, 
     for arm in arms:
         t = seconds_per_step[arm]
         fits = min(total_steps, int(math.floor(budget / t * (1 + 1e-12))))
-        values: dict[str, dict[str, float]] = {k: {} for k in keys}
-        epochs = set()
-        for seed, recs in records[arm].items():
-            within = [r for r in recs if r["epoch"] * steps_per_epoch <= fits and r.get(keys[0]) is not None]
-            if within:
-                for k in keys:
-                    if within[-1].get(k) is not None:
-                        values[k][str(seed)] = float(within[-1][k])
-                epochs.add(int(within[-1]["epoch"]))
-        out[arm] = {"seconds_per_step": t, "steps_fit": fits, "epoch_read": sorted(epochs),
-                    "steps_read": sorted(e * steps_per_epoch for e in epochs), **values}
+        out[arm] = {"seconds_per_step": t, "steps_fit": fits,
+                    **_read_at(records[arm], fits, steps_per_epoch=steps_per_epoch, keys=keys)}
     return {"budget_seconds": budget, "keys": keys, "arms": out}
+
+
+def _read_at(runs: Mapping[int, Sequence[Mapping[str, Any]]], steps: int, *, steps_per_epoch: int,
+             keys: Sequence[str]) -> dict[str, Any]:
+    """Each run's last record at or before step ``steps`` that holds ``keys[0]``: ``{"epoch_read", "steps_read",
+    key: {seed: value}}`` (``runs``: seed -> that run's records)."""
+    values: dict[str, dict[str, float]] = {k: {} for k in keys}
+    epochs = set()
+    for seed, recs in runs.items():
+        within = [r for r in recs if r["epoch"] * steps_per_epoch <= steps and r.get(keys[0]) is not None]
+        if within:
+            for k in keys:
+                if within[-1].get(k) is not None:
+                    values[k][str(seed)] = float(within[-1][k])
+            epochs.add(int(within[-1]["epoch"]))
+    return {"epoch_read": sorted(epochs), "steps_read": sorted(e * steps_per_epoch for e in epochs), **values}
+
+
+def wallclock_rule(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """How the equal-wall-clock row of two arms is read (module docstring), from their entries of the timing pass
+    (``{"seconds_per_step", "rounds"}``): ``"same step"`` when their median step times differ by less than the
+    timing noise, the larger of the two arms' ranges over the rounds (max - min), else ``"budget"``.
+
+    Returns ``{"rule", "difference_seconds", "noise_seconds"}``."""
+    diff = abs(float(a["seconds_per_step"]) - float(b["seconds_per_step"]))
+    noise = max(max(x["rounds"]) - min(x["rounds"]) for x in (a, b))
+    return {"rule": "same step" if diff < noise else "budget", "difference_seconds": diff, "noise_seconds": noise}
+
+
+def _pairs(present: Iterable[str], arms: Sequence[str], baselines: Sequence[str]) -> list[tuple[str, str]]:
+    """Every ``(arm, baseline)`` pair among the arms ``present``, each pair once, the earlier baseline
+    subtracted (:func:`tuned_comparisons`)."""
+    present = set(present)
+    done, out = set(), []
+    for base in baselines:
+        if base not in present:
+            continue
+        for arm in arms:
+            if arm == base or arm not in present or frozenset((arm, base)) in done:
+                continue
+            done.add(frozenset((arm, base)))
+            out.append((arm, base))
+    return out
+
+
+def wallclock_comparisons(wall: Mapping[str, Any], timing: Mapping[str, Mapping[str, Any]],
+                          records: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]], arms: Sequence[str],
+                          baselines: Sequence[str] = BASELINES, *, steps_per_epoch: int,
+                          diverged: Mapping[str, Sequence[int]] | None = None) -> dict[str, dict[str, Any]]:
+    """The equal-wall-clock comparisons (module docstring), one per set and pair of :func:`tuned_comparisons`,
+    each read by :func:`wallclock_rule`: at ``"budget"`` each arm's values of :func:`equal_wallclock` (``wall``,
+    without the diverged runs); at ``"same step"`` both arms at their last evaluation at or before the smaller of
+    their ``steps_fit``. ``timing``: arm -> ``{"seconds_per_step", "rounds"}``; ``records``: arm -> seed -> that
+    run's records; ``diverged``: arm -> seeds left out. Each comparison carries ``read = {"rule",
+    "difference_seconds", "noise_seconds", "steps": {arm: steps read}}``; Holm and the detectable differences
+    are over the whole family."""
+    from ..harness.stats import paired_from_mapping, with_detectable, with_holm
+
+    keys, per_arm = wall["keys"], wall["arms"]
+    diverged = diverged or {}
+    out = {}
+    pairs = _pairs(per_arm, arms, baselines)
+    reads = {}
+    for arm, base in pairs:
+        rule = wallclock_rule(timing[arm], timing[base])
+        if rule["rule"] == "same step":
+            step = min(per_arm[arm]["steps_fit"], per_arm[base]["steps_fit"])
+            got = {x: _read_at(records[x], step, steps_per_epoch=steps_per_epoch, keys=keys) for x in (arm, base)}
+            for x in (arm, base):
+                for k in keys:
+                    got[x][k] = {seed: v for seed, v in got[x][k].items()
+                                 if math.isfinite(v) and int(seed) not in diverged.get(x, ())}
+        else:
+            got = {x: per_arm[x] for x in (arm, base)}
+        reads[(arm, base)] = (rule, got)
+    for k in keys:
+        name = k.removesuffix("_bpb")
+        for arm, base in pairs:
+            rule, got = reads[(arm, base)]
+            stats = paired_from_mapping(got[arm][k], got[base][k]).to_dict()
+            out[f"{name}: {arm} - {base}"] = {**stats, "read": {**rule, "steps": {
+                arm: got[arm]["steps_read"], base: got[base]["steps_read"]}}}
+    return with_detectable(with_holm(out), alpha=ALPHA, power=POWER)
 
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -563,21 +654,16 @@ def tuned_comparisons(per_set: Mapping[str, Mapping[str, Mapping[str, float]]], 
     :data:`BASELINES`) that ran, each pair once (``muon - adamw``, not also ``adamw - muon``: the earlier baseline
     is subtracted), for every set of ``per_set`` (set -> arm -> seed -> value): mean difference with its 95%
     interval, paired t and sign test (:func:`~.stats.paired_from_mapping`), and both p-values adjusted by Holm
-    over the whole family (:func:`~.stats.with_holm`: every set and every pair)."""
-    from ..harness.stats import paired_from_mapping, with_holm
+    over the whole family (:func:`~.stats.with_holm`: every set and every pair), and the smallest difference each
+    could detect at :data:`POWER` (:func:`~.stats.with_detectable`: at :data:`ALPHA` and at the Holm level
+    :data:`ALPHA` / m, m the comparisons of the family)."""
+    from ..harness.stats import paired_from_mapping, with_detectable, with_holm
 
     out = {}
     for name, per_arm in per_set.items():
-        done = set()
-        for base in baselines:
-            if base not in per_arm:
-                continue
-            for arm in arms:
-                if arm == base or arm not in per_arm or frozenset((arm, base)) in done:
-                    continue
-                done.add(frozenset((arm, base)))
-                out[f"{name}: {arm} - {base}"] = paired_from_mapping(per_arm[arm], per_arm[base]).to_dict()
-    return with_holm(out)
+        for arm, base in _pairs(per_arm, arms, baselines):
+            out[f"{name}: {arm} - {base}"] = paired_from_mapping(per_arm[arm], per_arm[base]).to_dict()
+    return with_detectable(with_holm(out), alpha=ALPHA, power=POWER)
 
 
 def _mean_ci(values: Sequence[float]) -> dict[str, Any]:
@@ -651,23 +737,123 @@ def _direction(mean: float) -> str:
     return "lower" if mean < 0 else "higher" if mean > 0 else "equal"
 
 
+def reading(c: Mapping[str, Any]) -> str:
+    """How a comparison may be worded (:func:`_sentence`, and the controls study's README paragraph):
+
+    - ``"resolved"``: at least :data:`MIN_SEEDS_FOR_CLAIM` pairs and a Holm-adjusted paired-t p below
+      :data:`ALPHA`: "is lower/higher";
+    - ``"suggested"``: not resolved, but the unadjusted 95% interval excludes 0: "suggested", with that interval
+      and both p-values;
+    - ``"not resolved"``: the interval includes 0 (or there is none), or the mean difference is exactly 0: the
+      interval and the smallest difference the study could have detected (``detectable``,
+      :func:`~experiments.harness.stats.with_detectable`), never a direction or sameness;
+    - ``"none"``: no pairs."""
+    if c.get("mean") is None:
+        return "none"
+    p = c.get("p_holm")
+    if c["mean"] != 0 and c["n"] >= MIN_SEEDS_FOR_CLAIM and p is not None and p < ALPHA:
+        return "resolved"
+    lo, hi = c["ci_low"], c["ci_high"]
+    if c["mean"] != 0 and lo is not None and (lo > 0 or hi < 0):
+        return "suggested"
+    return "not resolved"
+
+
+def _g2(x: float) -> str:
+    return f"{x:.2g}"
+
+
+def detectable_text(c: Mapping[str, Any], unit: str = "bpb") -> str:
+    """The smallest difference a comparison's pairs could have detected, in words (``""`` where undefined: fewer
+    than two pairs, or no spread), e.g. "with 10 pairs (sd of the differences 0.023) the smallest difference
+    detectable at 80% power is 0.023 bpb at α = 0.05 and 0.042 at the Holm level α/48 (noncentral t)"."""
+    d = c.get("detectable") or {}
+    if d.get("difference") is None:
+        return ""
+    holm = ("" if d.get("holm_difference") is None or d["family"] < 2 else
+            f" and {_g2(d['holm_difference'])} at the Holm level α/{d['family']}")
+    return (f"with {c['n']} pairs (sd of the differences {_g2(c['std'])}) the smallest difference detectable at "
+            f"{100 * d['power']:g}% power is {_g2(d['difference'])} {unit} at α = {d['alpha']:g}{holm} "
+            f"({d['method']})")
+
+
+def _count(c: Mapping[str, Any], direction: str) -> str:
+    k = c.get("n_negative" if direction == "lower" else "n_positive")
+    return "" if k is None else f"{direction} on {k} of {c['n']} pairs; "
+
+
+def read_text(c: Mapping[str, Any]) -> str:
+    """How an equal-wall-clock comparison was read (its ``read``, :func:`wallclock_comparisons`), in words; ``""``
+    for a comparison without one (the final cell's)."""
+    r = c.get("read")
+    if r is None:
+        return ""
+    steps = list(r["steps"].values())
+    at = ", ".join(f"{x:,}" for x in steps[0]) or "–"
+    if r["rule"] == "same step":
+        return (f"both read at step {at}, their median step times differing by less than the timing noise (the "
+                f"larger range of their rounds)")
+    arm, base = r["steps"]
+    other = ", ".join(f"{x:,}" for x in steps[1]) or "–"
+    return (f"each read within the budget, `{arm}` at step {at} and `{base}` at step {other}, their median step "
+            f"times differing by more than the timing noise")
+
+
 def _sentence(name: str, c: Mapping[str, Any]) -> str:
-    """One comparison in words: "is" only with enough pairs and a Holm-adjusted paired t below :data:`ALPHA`; a
-    zero mean difference reads "equal"."""
-    if c["mean"] is None:
+    """One comparison in words (:func:`_claim_sentence`), then, at equal wall-clock, how it was read
+    (:func:`read_text`)."""
+    how = read_text(c)
+    return _claim_sentence(name, c) + (f" {how[0].upper()}{how[1:]}." if how else "")
+
+
+def _claim_sentence(name: str, c: Mapping[str, Any]) -> str:
+    """One comparison in words, by :func:`reading`: "is" only when resolved; "suggested" where the unadjusted
+    interval excludes 0; otherwise "not resolved" with the interval and :func:`detectable_text` (a zero mean
+    difference reads "equals ... on average", neither lower nor higher)."""
+    kind = reading(c)
+    if kind == "none":
         return f"- {name}: no pairs."
     what, base = name.split(": ", 1)[1].split(" - ")
     direction = _direction(c["mean"])
     p = c.get("p_holm")
     ptext = "–" if p is None else f"{p:.2g}"
-    if direction == "equal":  # never resolved: its paired t is 0 (p 1) or undefined
-        return (f"- {name}: `{what}`'s test bpb equals `{base}`'s on average (mean difference 0; {c['n']} pairs, "
-                f"Holm-adjusted paired-t p {ptext}).")
-    if c["n"] >= MIN_SEEDS_FOR_CLAIM and p is not None and p < ALPHA:
+    if kind == "resolved":
         return (f"- {name}: `{what}` has {direction} test bpb than `{base}`, by {abs(c['mean']):.4f} "
                 f"({c['n']} pairs, Holm-adjusted paired-t p {ptext}).")
-    return (f"- {name}: the data suggest `{what}`'s test bpb is {direction} than `{base}`'s by {abs(c['mean']):.4f}, "
-            f"not resolved ({c['n']} pairs, Holm-adjusted paired-t p {ptext}).")
+    ci = ("no interval" if c["ci_low"] is None else
+          f"95% CI {c['ci_low']:+.4f} to {c['ci_high']:+.4f}")
+    if kind == "suggested":
+        raw = "–" if c.get("p_value") is None else f"{c['p_value']:.2g}"
+        return (f"- {name}: suggested, not resolved: `{what}`'s test bpb is {direction} than `{base}`'s by "
+                f"{abs(c['mean']):.4f} (unadjusted {ci}, paired-t p {raw}; {_count(c, direction)}"
+                f"Holm-adjusted paired-t p {ptext}).")
+    head = (f"`{what}`'s test bpb equals `{base}`'s on average, not resolved (mean difference 0; "
+            if direction == "equal" else f"not resolved: mean difference {c['mean']:+.4f} (")
+    mde = detectable_text(c)
+    return f"- {name}: {head}{ci}; {c['n']} pairs, Holm-adjusted paired-t p {ptext})" + (f"; {mde}." if mde else ".")
+
+
+def _rule_lines(comparisons: Mapping[str, Mapping[str, Any]], timing: Mapping[str, Any]) -> list[str]:
+    """The equal-wall-clock rule of every pair (:func:`wallclock_rule`), one row per pair (every set of a pair is
+    read alike)."""
+    lines = ["How each pair is read (rule per row; every set of a pair is read alike):", "",
+             "| pair | median ms per step | difference (ms) | timing noise (ms) | rule | steps read |",
+             "|---|---|---|---|---|---|"]
+    seen = set()
+    for name, c in comparisons.items():
+        pair = name.split(": ", 1)[1]
+        r = c.get("read")
+        if r is None or pair in seen:
+            continue
+        seen.add(pair)
+        arms = list(r["steps"])
+        ms = " / ".join(f"{1000 * timing['arms'][a]['seconds_per_step']:.1f}" for a in arms)
+        steps = " / ".join(", ".join(f"{x:,}" for x in r["steps"][a]) or "–" for a in arms)
+        rule = ("same step: both at the smaller of their steps that fit" if r["rule"] == "same step" else
+                "budget: each at its own steps that fit")
+        lines.append(f"| {pair} | {ms} | {1000 * r['difference_seconds']:.1f} | {1000 * r['noise_seconds']:.1f} | "
+                     f"{rule} | {steps} |")
+    return lines + [""]
 
 
 def _comparison_sections(comparisons: Mapping[str, Mapping[str, Any]], sets: Sequence[str]) -> list[str]:
@@ -795,7 +981,9 @@ def tuned_summary(out_dir: str | os.PathLike, config_type: type, *, arms: Sequen
                 v[f"{s}_bpb"] = wall_sets[s][a]
         if wall_diverged:  # only when there is one: an older summary rebuilds byte for byte
             wall["diverged"] = wall_diverged
-        wall["comparisons"] = tuned_comparisons(wall_sets, final_arms, baselines)
+        wall["comparisons"] = wallclock_comparisons(wall, timing["arms"], {a: final_runs[a] for a in final_arms},
+                                                    final_arms, baselines, steps_per_epoch=config.steps_per_epoch,
+                                                    diverged=wall_diverged)
     trained = _trained_on(out_dir)
     identity = config.corpus_identity or {}
     licence = identity.get("licence")
@@ -957,12 +1145,16 @@ def _render(summary: Mapping[str, Any], config: Any, extra: Sequence[str] = ()) 
         lines += [f"Step times from the timing pass ({TIMING_FILE}): every arm's training step (no evaluation) timed in "
                   f"one process on {summary['timing_setup']}, {t['rounds']} interleaved rounds of "
                   f"{t['steps_per_round']} steps after a warm-up round, median over rounds. Budget: the fastest arm's "
-                  f"full run, {wall['budget_seconds']:.3g} s; each arm is read at its last evaluation within the "
-                  "steps that fit the budget (a slower arm mid-schedule, before its decay ends: this favours the "
-                  "faster arms). The rounds' range shows this machine's noise: step-time differences within it "
-                  "are not resolved.", ""]
+                  f"full run, {wall['budget_seconds']:.3g} s; each arm fits the steps below (a slower arm is read "
+                  "mid-schedule, before its decay ends: this favours the faster arms). The rounds' range shows this "
+                  "machine's noise, so each pair is read by one of two rules: where the two arms' median step times "
+                  "differ by less than the timing noise (the larger of their two ranges over the rounds), both are "
+                  "read at the same step, their last evaluation within the smaller of their steps that fit; "
+                  "otherwise each at its last evaluation within its own steps that fit.", ""]
         wall_sets = [k.removesuffix("_bpb") for k in wall["keys"]]
-        lines += ["| arm | ms per step | rounds (ms) | steps that fit | step read | "
+        lines += ["Per arm, read at its own steps that fit (the budget rule; a same-step row reads the pair as the next "
+                  "table says):", "",
+                  "| arm | ms per step | rounds (ms) | steps that fit | step read | "
                   + " | ".join(f"{s} bpb [95% CI]" for s in wall_sets) + " |",
                   "|---|---|---|---|---|" + "---|" * len(wall_sets)]
         for a, v in wall["arms"].items():
@@ -973,7 +1165,8 @@ def _render(summary: Mapping[str, Any], config: Any, extra: Sequence[str] = ()) 
                          + " | ".join(_ci_text(_mean_ci(list(v[f"{s}_bpb"].values()))) for s in wall_sets) + " |")
         if wall.get("diverged"):
             lines += ["", _diverged_text(wall["diverged"], "test bpb at the step read")]
-        lines += ["", "Paired differences at equal wall-clock, as in section 2; Holm over every row of this section.",
+        lines += ["", *_rule_lines(wall["comparisons"], t),
+                  "Paired differences at equal wall-clock, as in section 2; Holm over every row of this section.",
                   ""] + _comparison_sections(wall["comparisons"], wall_sets)
 
     lines += [*extra, "## Run", ""]
@@ -986,8 +1179,12 @@ def _render(summary: Mapping[str, Any], config: Any, extra: Sequence[str] = ()) 
                      f"{info['train_hours']:.2f} h of training")
     pairs = max((len(v) for v in final["seeds"].values()), default=0) or MIN_SEEDS_FOR_CLAIM
     lines += ["", "## Notes", "",
-              f"- Statements say \"suggests\" unless at least {MIN_SEEDS_FOR_CLAIM} paired seeds give a Holm-adjusted "
-              f"paired-t p below {ALPHA}. With {pairs} pairs the smallest two-sided sign-test p is {2 * 0.5 ** pairs:.3g}.",
+              f"- A difference \"is\" lower or higher only where at least {MIN_SEEDS_FOR_CLAIM} paired seeds give a "
+              f"Holm-adjusted paired-t p below {ALPHA}; otherwise it is \"suggested\" where the unadjusted 95% "
+              f"interval excludes 0, and \"not resolved\" where it does not, stated with the smallest difference the "
+              f"pairs could have detected at {100 * POWER:g}% power (noncentral t; unadjusted and at the Holm level "
+              f"α/m, Holm's strictest step, m the comparisons of the section). A null is not sameness. With {pairs} "
+              f"pairs the smallest two-sided sign-test p is {2 * 0.5 ** pairs:.3g}.",
               "- bpb = loss / ln 2 (loss in nats per byte), on the fixed held-out windows of each split.",
               ""]
     return lines
@@ -1035,12 +1232,14 @@ def readme_table(summary: Mapping[str, Any]) -> list[str]:
                      f"{_ci_text(final['test'][a].get('test', {}))} | " + " | ".join(diffs) + " |")
     if final.get("diverged"):
         lines += ["", _diverged_text(final["diverged"], "final test bpb")]
-    lines += ["", "In words, by the report's rule (\"suggest\" unless the Holm-adjusted paired t says otherwise):", ""]
+    lines += ["", "In words, by the report's rule (\"is\" only where the Holm-adjusted paired t resolves it; "
+              "\"suggested\" where only the unadjusted interval excludes 0; otherwise \"not resolved\", with the "
+              "smallest difference the pairs could have detected):", ""]
     lines += [_sentence(k, c) for k, c in final["comparisons"].items() if k.startswith("test: ")]
     wall = summary.get("equal_wallclock") or {}
     if wall.get("comparisons"):
-        lines += ["", "At equal wall-clock (each arm read at the last evaluation within the fastest arm's full-run "
-                  "time; the report has the step times):", ""]
+        lines += ["", "At equal wall-clock (within the fastest arm's full-run time, each pair read by the report's "
+                  "rule, named per row; the report has the step times):", ""]
         lines += [_sentence(k, c) for k, c in wall["comparisons"].items() if k.startswith("test: ")]
     return lines
 
@@ -1090,7 +1289,8 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
               confirm: tuple[int, int] | None = None) -> StudyOutputs:
     """Run (or resume) the grid (``lrs``: every arm of ``arms`` at every lr, on ``seeds``), then, with
     ``final_seeds``, the final cell (each arm at its selected lr), then, with ``time_steps``, the timing pass;
-    then the report unless ``skip_report``: ``finalize(out_dir, config_type)``, default :func:`finalize_tuned`.
+    then the report unless ``skip_report``: ``finalize(out_dir, config_type)``, default :func:`finalize_tuned` (a
+    report that fails raises :class:`~..harness.study.ReportNotWrittenError`; the records stay complete).
     With ``confirm = (second_seed, points)`` each arm's recipe is chosen on two seeds (:func:`confirm_recipes`: the
     first of ``seeds`` and ``second_seed``, over its ``points`` best grid points), recorded in
     :data:`SELECTION_FILE` for the report.
@@ -1104,7 +1304,7 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
         ``allow_unbracketed``; ``final_seeds`` that include a seed of the grid's selection (those runs would
         repeat the grid runs that won it, and the test readout would depend on the selection).
     """
-    from ..harness.study import run_cells
+    from ..harness.study import run_cells, write_report
 
     out_dir = Path(out_dir)
     arms = list(arms)
@@ -1165,5 +1365,5 @@ def run_tuned(config: Any, out_dir: str | os.PathLike, build_task: Callable, *, 
         (out_dir / TIMING_FILE).write_text(json.dumps(timing, indent=2) + "\n")
     if skip_report:
         return StudyOutputs(results=tuple(results))
-    outputs = (finalize or finalize_tuned)(out_dir, config_type or type(config))
+    outputs = write_report(finalize or finalize_tuned, out_dir, config_type or type(config))
     return dataclasses.replace(outputs, results=tuple(results))
