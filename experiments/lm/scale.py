@@ -23,6 +23,7 @@ another version. Usage errors are one line on stderr, exit status 2.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import shutil
@@ -106,17 +107,15 @@ def reference_recipes(summary: Mapping[str, Any]) -> dict[str, Recipe]:
 
 def _parse_config(flags: Sequence[str], where: str):
     """The ``LMConfig`` and seeds the study's own parser makes of ``flags`` (its defaults for flags not given)."""
-    from geoopt_stiefel_attention._argtypes import OneLineParser
-
     from .study import STUDY, config_from_args
 
-    parser = OneLineParser(prog=where, add_help=False)
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):  # one sentence naming the flag, raised rather than printed and exited
+            raise ValueError(f"{where}: {message} (the lm study's flags: python -m experiments lm --help)")
+
+    parser = Parser(prog=where, add_help=False)
     STUDY.add_arguments(parser)
-    try:
-        args = parser.parse_args(list(flags))
-    except SystemExit:
-        raise ValueError(f"{where}: its flags are not valid lm flags (run `python -m experiments lm "
-                         f"{' '.join(flags)}` to see which).") from None
+    args = parser.parse_args(list(flags))
     return config_from_args(args), tuple(args.seeds or (0,))
 
 
@@ -436,7 +435,7 @@ def summarize(out: str | Path, plan: ScalePlan) -> dict[str, Any]:
     identities = [run["config"].get("corpus_identity") or {} for per in runs.values() for run in per.values()]
     ref_corpus = reference.get("corpus") or {}
     pythons = sorted({c.get("python") for per in runs.values() for run in per.values() for c in run["calls"]} - {None})
-    return {"title": f"Scale point: four arms at their recipes, {size['param_ratio']:.0f}x the parameters (issue 57, "
+    return {"title": f"Scale point: four arms at their recipes, {size['param_ratio']:.1f}x the parameters (issue 57, "
                      f"item 8)",
             "args_file": str(plan.args_file), "reference": str(plan.reference), "frames": plan.frames,
             **size, "corpus": identities[0] if identities else None,
