@@ -68,7 +68,8 @@ def test_the_committed_config_trains_the_controls_selection_on_a_model_30x_large
     (("# frames stiefel", "# frames adamw"), "'# frames <arm>'"),
     (("--seeds 1", "--seeds 1\n--lr 1e-3"), "--lr are set per arm"),
     (("--seeds 1", "--seeds 1\n--no-such-flag 3"), "unrecognized arguments: --no-such-flag"),
-    (("--width 512", "--width 500"), "--width 500 must be divisible by --heads 16"),
+    (("--width 512", "--width 500"), "scale.args: --width 500 must be divisible by --heads 16"),
+    (("# recipe muon 0.0173205 100", "# recipe muon 0.0173205 1e2"), "a recipe line is .*an int"),
 ])
 def test_a_config_that_is_not_the_references_selection_is_refused(tmp_path, edit, fragment):
     """The companion of the test above: each edit makes the same file fail, naming what to fix."""

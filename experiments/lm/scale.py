@@ -116,7 +116,10 @@ def _parse_config(flags: Sequence[str], where: str):
     parser = Parser(prog=where, add_help=False)
     STUDY.add_arguments(parser)
     args = parser.parse_args(list(flags))
-    return config_from_args(args), tuple(args.seeds or (0,))
+    try:
+        return config_from_args(args), tuple(args.seeds or (0,))
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def read_plan(path: str | Path) -> ScalePlan:
@@ -141,9 +144,13 @@ def read_plan(path: str | Path) -> ScalePlan:
         elif words[:2] == ["#", "reference"] and len(words) == 3:
             reference = words[2]
         elif words[:2] == ["#", "recipe"]:
-            if len(words) != 5:
-                raise ValueError(f"{path}: '{line.strip()}': a recipe line is '# recipe <arm> <lr> <warm-up steps>'.")
-            recipes[words[2]] = Recipe(float(words[3]), int(words[4]))
+            try:
+                if len(words) != 5:
+                    raise ValueError
+                recipes[words[2]] = Recipe(float(words[3]), int(words[4]))
+            except ValueError:
+                raise ValueError(f"{path}: '{line.strip()}': a recipe line is '# recipe <arm> <lr> <warm-up steps>' "
+                                 f"(a float and an int).") from None
         elif words and not words[0].startswith("#"):
             flags += words
     given = sorted({f.split("=")[0] for f in flags} & set(PER_CALL_FLAGS))
