@@ -24,11 +24,11 @@ from .. import _guard
 from .._linalg import ORTHONORMALITY_TOLERANCE, orthonormality_error
 from ..distributed import is_sharded
 from ..manifolds import PolarStiefel, is_frame
+from .layouts import _owner
 from .parametrization import (
     _MARK,
     _OURS,
     _frames_from,
-    _owner,
     _QKWeight,
     _rest_of,
     _unwatch_model,

@@ -17,22 +17,13 @@ from torch import Tensor, nn
 from .. import _guard
 from .._linalg import ORTHONORMALITY_TOLERANCE
 from ..manifolds import PolarStiefel, _FrameOwner
+from .families import adapted_child
+from .families import adapter_name as _adapter_name
 
 _DDP = nn.parallel.DistributedDataParallel  # its class attribute ``_active_ddp_module`` names the DDP in a forward
 
 #: Marker attribute set on a converted attention module (read by :func:`converted_query_key_frames`).
 _MARK = "_stiefel_layout"
-
-def _get(module: nn.Module, dotted: str) -> Any:
-    owner_path, _, attr = dotted.rpartition(".")
-    owner = module.get_submodule(owner_path) if owner_path else module
-    return getattr(owner, attr)
-
-
-def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
-    owner_path, _, attr = dotted.rpartition(".")
-    return (module.get_submodule(owner_path) if owner_path else module), attr
-
 
 def _frames_from(w: Tensor, dim: int, start: int, length: int, r: int, groups: int = 1) -> Tensor:
     """The ``(heads, d, r)`` blocks of rows/columns ``start:start+length`` of ``w`` (head ``h``: ``h*r:(h+1)*r``).
@@ -358,13 +349,6 @@ _OURS = (_QKWeight, _ZeroQKBias)
 _MODEL_HOOKS = "_stiefel_model_check_hooks"
 
 
-def _adapter_name(wrapper: nn.Module) -> str:
-    """``lora.Linear`` for PEFT's ``peft.tuners.lora.layer.Linear`` (the name PEFT prints), else the class name."""
-    module, name = type(wrapper).__module__, type(wrapper).__name__
-    parts = module.split(".")
-    return f"{parts[2]}.{name}" if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else name
-
-
 #: Why an adapter layer (PEFT's LoRA, DoRA, IA3, ...: a module holding the projection as its ``base_layer``) cannot
 #: wrap a converted query/key projection; the first words name where, the fix follows.
 _ADAPTER_REASON = ("adds its update (LoRA: (lora_alpha/r) B A) to the weight outside the frames, so the query/key "
@@ -380,7 +364,7 @@ def _check_not_wrapped(p: _QKWeight, slot: tuple[Any, str, Any]) -> None:
     if parent is None or owner is None:
         return
     here = parent._modules.get(slot[1])
-    if here is owner or here is None or here._modules.get("base_layer") is not owner:
+    if here is owner or here is None or here._modules.get(adapted_child(here)) is not owner:
         return
     raise RuntimeError(f"{getattr(p, 'label', 'converted weight')}: its converted module is wrapped by an adapter "
                        f"layer ({_adapter_name(here)}, e.g. PEFT's get_peft_model with this projection in "
