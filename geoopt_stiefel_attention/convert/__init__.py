@@ -1,9 +1,10 @@
 r"""Put the query/key projections of an existing model on the Stiefel manifold, in place.
 
-Conversion is data: :data:`LAYOUTS` is one table of attention layouts, each entry (a :class:`Layout`) saying
-in which parameter the query rows and the key rows live, along which axis, and in which slice of a fused
-projection. :func:`stiefelize` walks the model, gives every module to the first layout that matches it, and
-registers a :mod:`torch.nn.utils.parametrize` parametrization on each weight that holds query or key rows.
+Conversion is data: one table of model families (:mod:`.families`) holds all that is known about any model,
+and :data:`LAYOUTS` is its attention layouts, each entry (a :class:`Layout`) saying in which parameter the query
+rows and the key rows live, along which axis, and in which slice of a fused projection. :func:`stiefelize`
+walks the model, gives every module to the first layout that matches it, and registers a
+:mod:`torch.nn.utils.parametrize` parametrization on each weight that holds query or key rows.
 The parametrization rebuilds that weight from ``(heads, d, r)`` frames, :class:`geoopt.ManifoldParameter` s
 on :class:`~geoopt_stiefel_attention.PolarStiefel`, plus the untouched rest of the tensor (the value block
 of a fused projection), so the host model's forward code runs unchanged: it reads ``module.weight`` as
