@@ -22,11 +22,11 @@ from ..distributed import is_sharded
 from ..integrations import averaging as _averaging
 from ..integrations.optimizers import warn_if_saved_off_manifold
 from ..manifolds import PolarStiefel, is_frame
+from .layouts import _owner
 from .parametrization import (
     _MARK,
     _OURS,
     _frames_from,
-    _owner,
     _QKWeight,
     _rest_of,
     _unwatch_model,

@@ -1,8 +1,11 @@
-r"""The table of attention layouts: where the query and key rows of an attention module live.
+r"""Attention layouts: where the query and key rows of an attention module live.
 
 A :class:`Layout` names, for one kind of attention module, the :class:`Block` holding its query rows and the one
-holding its key rows (a parameter, an axis, a slice); :data:`LAYOUTS` is the built-in table that
-:func:`~geoopt_stiefel_attention.stiefelize` tries in order. A layout nobody foresaw is one more entry.
+holding its key rows (a parameter, an axis, a slice). The built-in layouts belong to the model families of
+:mod:`~geoopt_stiefel_attention.convert.families` (:data:`~geoopt_stiefel_attention.LAYOUTS` is theirs, in table
+order), which :func:`~geoopt_stiefel_attention.stiefelize` tries in order; a layout nobody foresaw is one more
+entry. This module holds the mechanism only (the two dataclasses and the structural tests their ``when`` uses);
+what any model family looks like is in the families' table.
 """
 
 from __future__ import annotations
@@ -13,18 +16,18 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .parametrization import _get
 
-#: Attribute names read (in order) for a module's head size, then for its number of query heads.
-HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim")
-NUM_HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
-#: Attribute names read (in order) for a module's number of key/value heads (grouped-query attention), then
-#: for its number of query heads per key/value head.
-KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv")
-KV_GROUPS_ATTRS = ("num_key_value_groups",)
+def _get(module: nn.Module, dotted: str) -> Any:
+    owner_path, _, attr = dotted.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    return getattr(owner, attr)
 
 
-# ---------------------------------------------------------------------------------------------- the table
+def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    owner_path, _, attr = dotted.rpartition(".")
+    return (module.get_submodule(owner_path) if owner_path else module), attr
+
+
 @dataclass(frozen=True)
 class Block:
     r"""Where one projection (query or key) lives inside an attention module.
@@ -278,58 +281,6 @@ def _children_are(module: nn.Module, names: Sequence[str], kind: Callable[[Any],
     return all(kind(getattr(module, n, None)) for n in names)
 
 
-#: Attention over channels, not tokens: the forward reshapes the fused ``qkv`` rows per head like token attention
-#: but takes each head's logits between its q and k *channels* (a ``C_h x C_h`` matrix over the tokens):
-#: cross-covariance attention (timm XCiT's ``XCA``, EdgeNeXt's ``CrossCovarianceAttn``) and DaViT's channel
-#: attention (timm ``ChannelAttention``/``ChannelAttentionV2``, HF Florence-2's vision tower).
-CHANNEL_ATTENTION_CLASSES = ("XCA", "CrossCovarianceAttn", "ChannelAttention", "ChannelAttentionV2",
-                             "Florence2VisionChannelAttention")
-#: Factorized attention (timm CoaT): ``q @ (softmax(k over tokens)^T v)``, no query-key logits.
-FACTORIZED_ATTENTION_CLASSES = ("FactorAttnConvRelPosEnc",)
-
-
-def _not_token_attention(module: nn.Module, layout: Layout) -> str | None:
-    """Why ``module``, which the built-in ``layout`` matches by its parameter names, must not be converted by it
-    (``None`` when it may): attention over channels (:data:`CHANNEL_ATTENTION_CLASSES`), factorized attention
-    (:data:`FACTORIZED_ATTENTION_CLASSES`), or a fused weight the module splits per head into ``key_dim`` query,
-    ``key_dim`` key and ``val_dim`` value rows (timm EfficientFormer, TinyViT) rather than into equal slices.
-    Each reason says what to do instead."""
-    leave = "leave it Euclidean (strict=False, or a targets callable that returns None for it)"
-    if _is_class(module, CHANNEL_ATTENTION_CLASSES):
-        return (f"it attends over channels, not tokens (each head's logits are its q channels against its k channels "
-                f"across the tokens), so the rows of {layout.q.param} are no per-token query/key frames; {leave}")
-    if _is_class(module, FACTORIZED_ATTENTION_CLASSES):
-        return (f"it computes factorized attention, q (softmax over the tokens of k)^T v, which has no query-key "
-                f"logits for frames to shape; {leave}")
-    kd, vd, heads = (getattr(module, a, None) for a in ("key_dim", "val_dim", "num_heads"))
-    if layout.q.param == layout.k.param and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
-                                                for x in (kd, vd, heads)):
-        p = layout.q.param
-        split = (f"{p} is split per head into key_dim={kd} query, key_dim={kd} key and val_dim={vd} value rows "
-                 f"(view(..., num_heads, -1).split([key_dim, key_dim, val_dim])), not into the equal slices the "
-                 f"layout reads")
-        if vd % kd == 0:
-            n = 2 + vd // kd
-            return (f"{split}; pass targets=[Layout('q|k|v per head', Block({p!r}, 0, 0, {n}, interleaved=True), "
-                    f"Block({p!r}, 0, 1, {n}, interleaved=True), head_dim='key_dim')] (each head's value rows as "
-                    f"{n - 2} more slices of key_dim)")
-        return f"{split}; {leave}"
-    return None
-
-
-def _normalized_projection(module: nn.Module) -> str | None:
-    """Why ``module``, which looks like attention and matches no layout, cannot be converted by a layout naming its
-    weights (``None`` when a layout could): a query/key projection followed by BatchNorm (timm LeViT's
-    ``LinearNorm``/``ConvNorm``, EfficientFormerV2's ``ConvNorm``)."""
-    normed = [n for n in ("qkv", "kv", "qk", "q", "k") if isinstance(child := getattr(module, n, None), nn.Module)
-              and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in child.modules())]
-    if not normed:
-        return None
-    return (f"its query/key projection ({', '.join(normed)}) is a linear map followed by BatchNorm, whose "
-            f"per-feature scale acts on every query/key row after the weight, so frames on the weight would not be "
-            f"its query/key heads; leave it Euclidean (strict=False, or a targets callable that returns None for it)")
-
-
 @dataclass(frozen=True)
 class Layout:
     """One attention layout: where the query and key rows of a module live.
@@ -422,28 +373,6 @@ def _is_torch_mha(m: nn.Module) -> bool:
     return isinstance(m, nn.MultiheadAttention)
 
 
-#: HF transformers attention classes whose fused ``query_key_value`` Linear holds q|k|v interleaved per key/value
-#: head, as their forwards split it: ``view(..., H, 3 * r)`` then thirds of the last axis (GPT-NeoX,
-#: GPT-NeoX-Japanese), ``view(..., H, 3, r)`` (Bloom, Persimmon), and Falcon's three forms: ``unflatten(-2, (H, 3))``
-#: (original), ``view(..., H_kv, -1, r)`` with each group's query heads, then its key, then its value
-#: (``new_decoder_architecture``), ``split([H, 1, 1])`` (``multi_query``: one group). In every case group ``g`` of
-#: the module's own ``num_kv_heads`` (``H`` where it declares none) is ``[its H/H_kv query heads, k_g, v_g]``.
-INTERLEAVED_QKV_CLASSES = ("GPTNeoXAttention", "GPTNeoXJapaneseAttention", "BloomAttention", "PersimmonAttention",
-                           "FalconAttention")
-
-
-#: HF GPTBigCode (StarCoder, SantaCoder): ``c_attn`` is an ``nn.Linear`` (not GPT-2's ``Conv1D``) whose forward splits
-#: it per head, ``view(..., H, 3 r)`` then thirds of the last axis (``[q_h, k_h, v_h]`` at ``3 h r``), or, with
-#: ``multi_query``, as ``[q | k | v]`` with one key/value head (its ``num_key_value_groups`` is ``H``): the
-#: interleave of :data:`INTERLEAVED_QKV_CLASSES` with ``H_kv = H`` or one group.
-GPT_BIGCODE_CLASSES = ("GPTBigCodeAttention",)
-#: HF CodeGen: ``qkv_proj`` is ``mp_num`` (4) equal groups, each ``[q | v | k]``; its forward takes the query (key)
-#: features group by group, then heads of ``head_dim`` consecutive features.
-CODEGEN_CLASSES = ("CodeGenAttention",)
-#: HF DeBERTa (v1): ``in_proj`` (no bias) viewed ``(..., H, 3 r)`` and chunked: ``[q_h, k_h, v_h]`` per head.
-DEBERTA_V1_CLASSES = ("DisentangledSelfAttention",)
-
-
 def _is_attention(m: nn.Module) -> bool:
     """Whether ``m``'s class name says it is attention (for layouts keyed on short, common child names)."""
     return "attention" in type(m).__name__.lower()
@@ -453,76 +382,3 @@ def _is_class(m: nn.Module, names: Sequence[str]) -> bool:
     """Whether ``m``'s class, or a class it derives from, is named one of ``names`` (the libraries that define
     them are not imported)."""
     return any(c.__name__ in names for c in type(m).__mro__)
-
-
-#: The built-in layouts, tried in this order; the first that matches a module converts it.
-LAYOUTS: tuple[Layout, ...] = (
-    # vision models (timm, torchvision), each as its forward splits the rows:
-    # timm MaxViT/CoAtNet's AttentionCl with head_first (the default): view(..., H, 3 * dim_head).chunk(3), so the
-    # rows of head h are [q_h, k_h, v_h] at 3 h r (with head_first=False it is the plain q|k|v of "fused qkv Linear")
-    Layout("timm AttentionCl qkv (head_first)", Block("qkv.weight", 0, 0, 3, interleaved=True),
-           Block("qkv.weight", 0, 1, 3, interleaved=True), head_dim="dim_head",
-           when=lambda m: _is_class(m, ("AttentionCl",)) and getattr(m, "head_first", None) is True
-           and _children_are(m, ("qkv",), _is_linear)),
-    # a query Linear beside a fused key|value Linear, reshape(..., 2, H, r): timm PVTv2 and Twins (spatial-reduction
-    # attention, keys from the reduced sequence), VOLO's class attention, AttentionPoolLatent
-    Layout("q + kv Linear", Block("q.weight"), Block("kv.weight", 0, 0, 2),
-           when=lambda m: _children_are(m, ("q", "kv"), _is_linear) and m.kv.out_features == 2 * m.q.out_features),
-    # a fused query|key Linear beside a value Linear, reshape(..., 2, H, r): timm ConViT's GPSA, TNT's attention
-    Layout("qk + v Linear", Block("qk.weight", 0, 0, 2), Block("qk.weight", 0, 1, 2),
-           when=lambda m: _children_are(m, ("qk", "v"), _is_linear)),
-    # torchvision MaxViT: to_qkv(x).chunk(3), then (n_heads, head_dim) per chunk
-    Layout("torchvision MaxViT to_qkv Linear", Block("to_qkv.weight", 0, 0, 3), Block("to_qkv.weight", 0, 1, 3),
-           when=lambda m: _is_class(m, ("RelativePositionalMultiHeadAttention",))
-           and _children_are(m, ("to_qkv",), _is_linear)),
-    Layout("torch MultiheadAttention", Block("in_proj_weight", 0, 0, 3), Block("in_proj_weight", 0, 1, 3),
-           when=lambda m: _is_torch_mha(m) and m._qkv_same_embed_dim),
-    Layout("torch MultiheadAttention (kdim/vdim)", Block("q_proj_weight"), Block("k_proj_weight"),
-           when=lambda m: _is_torch_mha(m) and not m._qkv_same_embed_dim,
-           q_bias=Block("in_proj_bias", 0, 0, 3), k_bias=Block("in_proj_bias", 0, 1, 3)),
-    Layout("q_proj/k_proj Linear", Block("q_proj.weight"), Block("k_proj.weight"),
-           when=lambda m: _children_are(m, ("q_proj", "k_proj"), _is_linear)),
-    Layout("query/key Linear", Block("query.weight"), Block("key.weight"),
-           when=lambda m: _children_are(m, ("query", "key"), _is_linear)),
-    # short or model-specific child names: only on a module whose class says it is attention (T5, MPNet, LongT5,
-    # UMT5: q/k; DistilBERT, XLM, FlauBERT: q_lin/k_lin; DeBERTa-v2, SEW-D, ProphetNet: query_proj/key_proj)
-    Layout("q/k Linear", Block("q.weight"), Block("k.weight"),
-           when=lambda m: _is_attention(m) and _children_are(m, ("q", "k"), _is_linear)),
-    Layout("q_lin/k_lin Linear", Block("q_lin.weight"), Block("k_lin.weight"),
-           when=lambda m: _is_attention(m) and _children_are(m, ("q_lin", "k_lin"), _is_linear)),
-    Layout("query_proj/key_proj Linear", Block("query_proj.weight"), Block("key_proj.weight"),
-           when=lambda m: _is_attention(m) and _children_are(m, ("query_proj", "key_proj"), _is_linear)),
-    # timm BEiT, EVA: a bias-free qkv Linear, its query bias a parameter beside it (the key bias a zero buffer)
-    Layout("fused qkv Linear + q_bias", Block("qkv.weight", 0, 0, 3), Block("qkv.weight", 0, 1, 3),
-           when=lambda m: _children_are(m, ("qkv",), _is_linear) and m.qkv.bias is None
-           and isinstance(getattr(m, "q_bias", None), nn.Parameter), q_bias=Block("q_bias")),
-    Layout("fused qkv Linear", Block("qkv.weight", 0, 0, 3), Block("qkv.weight", 0, 1, 3),
-           when=lambda m: _children_are(m, ("qkv",), _is_linear)),
-    # MPT, ModernBERT: Wqkv rows [q | k | v] in equal thirds; DBRX: split by its declared key/value heads
-    Layout("fused Wqkv Linear", Block("Wqkv.weight", 0, 0, 3), Block("Wqkv.weight", 0, 1, 3),
-           when=lambda m: _is_attention(m) and _children_are(m, ("Wqkv",), _is_linear)),
-    Layout("GPT-2 c_attn Conv1D", Block("c_attn.weight", 1, 0, 3), Block("c_attn.weight", 1, 1, 3),
-           when=lambda m: _children_are(m, ("c_attn",), _is_conv1d) and getattr(m, "q_attn", None) is None),
-    Layout("GPT-2 cross-attention q_attn + c_attn Conv1D", Block("q_attn.weight", 1), Block("c_attn.weight", 1, 0, 2),
-           when=lambda m: _children_are(m, ("q_attn", "c_attn"), _is_conv1d)),
-    # q|k|v interleaved per key/value head (Block(..., interleaved=True)): H_kv = H, the rows of head h are
-    # [q_h, k_h, v_h]; Falcon's new decoder architecture: per key/value head g, its H/H_kv query heads, k_g, v_g;
-    # Falcon's multi-query: one group, [q_1..q_H, k, v]
-    Layout("interleaved query_key_value", Block("query_key_value.weight", 0, 0, 3, interleaved=True),
-           Block("query_key_value.weight", 0, 1, 3, interleaved=True),
-           when=lambda m: _is_class(m, INTERLEAVED_QKV_CLASSES) and _children_are(m, ("query_key_value",), _is_linear)),
-    Layout("GPTBigCode c_attn Linear", Block("c_attn.weight", 0, 0, 3, interleaved=True),
-           Block("c_attn.weight", 0, 1, 3, interleaved=True),
-           when=lambda m: _is_class(m, GPT_BIGCODE_CLASSES) and not getattr(m, "is_cross_attention", False)
-           and _children_are(m, ("c_attn",), _is_linear)),
-    # DeBERTa v1: in_proj(x).view(..., H, 3 r).chunk(3): [q_h, k_h, v_h] per head (DeBERTa-v2's class of the same
-    # name has query_proj/key_proj and no in_proj); its query bias is q_bias beside the bias-free in_proj
-    Layout("DeBERTa in_proj Linear", Block("in_proj.weight", 0, 0, 3, interleaved=True),
-           Block("in_proj.weight", 0, 1, 3, interleaved=True),
-           when=lambda m: _is_class(m, DEBERTA_V1_CLASSES) and _children_are(m, ("in_proj",), _is_linear),
-           q_bias=Block("q_bias")),
-    # CodeGen: mp_num groups of [q | v | k]: the query is slice 0 and the key slice 2 of every group
-    Layout("CodeGen qkv_proj", Block("qkv_proj.weight", 0, 0, 3, groups="mp_num"),
-           Block("qkv_proj.weight", 0, 2, 3, groups="mp_num"),
-           when=lambda m: _is_class(m, CODEGEN_CLASSES) and _children_are(m, ("qkv_proj",), _is_linear)),
-)

@@ -26,17 +26,6 @@ from ..manifolds import PolarStiefel
 #: Marker attribute set on a converted attention module (read by :func:`converted_query_key_frames`).
 _MARK = "_stiefel_layout"
 
-def _get(module: nn.Module, dotted: str) -> Any:
-    owner_path, _, attr = dotted.rpartition(".")
-    owner = module.get_submodule(owner_path) if owner_path else module
-    return getattr(owner, attr)
-
-
-def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
-    owner_path, _, attr = dotted.rpartition(".")
-    return (module.get_submodule(owner_path) if owner_path else module), attr
-
-
 def _frames_from(w: Tensor, dim: int, start: int, length: int, r: int, groups: int = 1) -> Tensor:
     """The ``(heads, d, r)`` blocks of rows/columns ``start:start+length`` of ``w`` (head ``h``: ``h*r:(h+1)*r``).
 

@@ -12,7 +12,8 @@ attribute name and its module (its slot, :func:`set_slots`); at each read of the
 converted one (what ``get_peft_model``, ``PeftModel.from_pretrained`` and ``add_adapter`` install; PEFT reads the
 weight while it injects the adapter, so the refusal comes at the wrapping). An adapter already in the model when it
 is converted is refused by :func:`~geoopt_stiefel_attention.stiefelize` itself, before anything changes (the
-converter's refusal step, ``convert/__init__.py``, with :data:`_ADAPTER_REASON` and :func:`_adapter_name` from here).
+converter's refusal step, ``convert/__init__.py``, with :data:`_ADAPTER_REASON` from here; which child an adapter holds and how it is named are the adapter entry of
+the converter's family table, ``convert/families.py``).
 
 **What the user is shown.** A ``RuntimeError`` naming the weight and the adapter (``lora.Linear``), and the two ways
 out: leave the query/key projections out of the adapter's ``target_modules`` (the frames train with StiefelAdam), or
@@ -28,14 +29,10 @@ from typing import Any
 
 from torch import nn
 
+from ..convert.families import adapted_child
+from ..convert.families import adapter_name as _adapter_name
+
 __all__: list[str] = []
-
-
-def _adapter_name(wrapper: nn.Module) -> str:
-    """``lora.Linear`` for PEFT's ``peft.tuners.lora.layer.Linear`` (the name PEFT prints), else the class name."""
-    module, name = type(wrapper).__module__, type(wrapper).__name__
-    parts = module.split(".")
-    return f"{parts[2]}.{name}" if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else name
 
 
 #: Why an adapter layer (PEFT's LoRA, DoRA, IA3, ...: a module holding the projection as its ``base_layer``) cannot
@@ -53,7 +50,7 @@ def check_not_wrapped(p: nn.Module, slot: tuple[Any, str, Any]) -> None:
     if parent is None or owner is None:
         return
     here = parent._modules.get(slot[1])
-    if here is owner or here is None or here._modules.get("base_layer") is not owner:
+    if here is owner or here is None or here._modules.get(adapted_child(here)) is not owner:
         return
     raise RuntimeError(f"{getattr(p, 'label', 'converted weight')}: its converted module is wrapped by an adapter "
                        f"layer ({_adapter_name(here)}, e.g. PEFT's get_peft_model with this projection in "
