@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import re
 
 import geoopt
 import pytest
@@ -766,6 +767,8 @@ def test_the_gpu_check_numbers_in_the_readmes_are_the_committed_results():
                                   + 64 * torch.finfo(torch.float32).eps, torch.float32)
     assert f"{n} in float32 at Δ = 1, against the 13 above" in words
     top = " ".join((root / "README.md").read_text().split())
+    width = next(s for s in after["step"] if s["dtype"] == "float32")["width"]
+    assert f"the step at width {width} takes {ms(after, 'float32', 'stiefel'):.3g} ms" in top
     assert (f"takes {ms(after, 'float32', 'stiefel'):.3g} ms against {ms(after, 'float32', 'adamw_fused'):.3g} ms "
             f"for fused AdamW and {ms(after, 'float32', 'geoopt-radam'):.3g} ms for stock geoopt; it took "
             f"{big(ms(before, 'float32', 'stiefel'))} ms") in top
@@ -824,7 +827,8 @@ def test_the_compiled_step_figures_in_the_benchmarks_readme_are_the_committed_re
 
 
 def test_the_compiled_cpu_plan_figures_in_the_readmes_are_the_committed_results():
-    """benchmarks/README.md and the top README quote results/paths_compiled_cpu_plan{,_run2}.json (issue 40)."""
+    """benchmarks/README.md (its section on the plan and its "In brief") quotes
+    results/paths_compiled_cpu_plan{,_run2}.json (issue 40)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -835,10 +839,9 @@ def test_the_compiled_cpu_plan_figures_in_the_readmes_are_the_committed_results(
     quoted = "; ".join(f"eager {r['eager']:.2f}, capturable {r['capturable']:.2f}, compiled **{r['compiled']:.2f}**"
                        for r in runs)
     assert quoted + " x floor" in para
-    top = " ".join((root / "README.md").read_text().split())
     first, second = runs
     assert (f"compiled {first['compiled']:.2f}× and {second['compiled']:.2f}×, eager {first['eager']:.2f}× and "
-            f"{second['eager']:.2f}× in the same two runs") in top
+            f"{second['eager']:.2f}× in the same two runs") in text
 
 
 @pytest.mark.parametrize("command", [["demo"], ["certify"], ["bench", "step"]])
@@ -982,6 +985,11 @@ def test_the_step_table_and_targets_in_the_readmes_are_the_committed_results():
         assert row in words, row
     assert max(floor[w] for w in (256, 512, 768)) <= 1.3 < floor[128] and min(euclid) < 4 and max(canon) < 40
     top = (root / "README.md").read_text().splitlines()
+    # the state of AdamW and geoopt per parameter, as the top README's first row gives it
+    others = {f"{by[128].state_ratio[o]:.0f}" for o in ("adamw_foreach", "geoopt-radam", "geoopt-radam-canonical")}
+    assert len(others) == 1
+    cell = f"(AdamW, geoopt: {others.pop()}) |"
+    assert any(line.startswith("| 128 |") and line.endswith(cell) for line in top), cell
     for w, ms in ((128, f"{by[128].timings['stiefel'].median_ms:.2f}"),
                   (768, f"{by[768].timings['stiefel'].median_ms:.0f}")):
         row = (f"| {w} | {ms} | {adamw[w]:.1f} | {1 / by[w].ratios['geoopt-radam']:.1f}× | "
@@ -1013,7 +1021,7 @@ def test_the_step_path_figures_in_the_benchmarks_readme_are_the_committed_result
     """benchmarks/README.md's step-path table, the post-merge runs, the grid and the run after the capturable masking
     change are results/paths_*1thread_cpuclock*.json's floor ratios (the protocol's: median over rounds of the
     per-round ratios), two decimals. The masking-change sentence quoted the ratio of the two medians instead
-    (capturable 1.37 where the file and the top README say 1.39)."""
+    (capturable 1.37 where the file and the README's "In brief", formerly the top README's, say 1.39)."""
     root, now = _committed("paths_1thread_cpuclock.json")
     _, before = _committed("paths_1thread_cpuclock_run1.json")
     text = (root / "benchmarks" / "README.md").read_text()
@@ -1036,8 +1044,7 @@ def test_the_step_path_figures_in_the_benchmarks_readme_are_the_committed_result
             f"capturable **{f['floor_ratio']['capturable']:.2f}**, eager column-major "
             f"{f['floor_ratio']['eager-colmajor']:.2f}, capturable column-major "
             f"{f['floor_ratio']['capturable-colmajor']:.2f}.") in words
-    top = " ".join((root / "README.md").read_text().split())
-    assert f"{f['floor_ratio']['capturable']:.2f}× after skipped frames were masked" in top
+    assert f"{f['floor_ratio']['capturable']:.2f}× after skipped frames were masked" in words  # its "In brief"
     _, grid = _committed("paths_full_1thread_cpuclock.json")
     generated = {f"| {g['frames']['d']} x {g['frames']['r']} | {g['timings']['matmul_floor']['median_ms']:.1f} | "
                  + " | ".join(f"{g['floor_ratio'][p]:.2f}" for p in ("eager", "capturable", "eager-colmajor")) + " |"
@@ -1157,13 +1164,15 @@ def test_the_benchmarks_readmes_derived_figures_and_targets_are_the_committed_re
 
 
 def test_the_top_readmes_other_speed_and_memory_figures_are_the_committed_results():
-    """The top README's "Speed and memory" and "Guarantees" figures the tests above do not check, from
+    """The figures of the top README's "Speed" and "Guarantees" and of benchmarks/README.md's "In brief" (where the
+    top README's speed paragraphs moved when it became a front page) that the tests above do not check, from
     benchmarks/results: the default step's ratio to its floor and the range of the six measurements of the bench
     shape in the five runs before the capturable masking change (the main run, its first run, the two post-merge runs
     and the grid, which holds the shape twice), the capturable step's range and the compiled step's ratio there, the
     column-major step's ratio and range, the matmul floor against AdamW's step (medians) and how close StiefelAdam
-    runs to it from width 256 up; the frame memory per rank of results/fsdp_memory.md. The README said "2–6×" where
-    the medians give 2.0–6.5. Companion (assert_quoted): each figure with one digit changed is caught."""
+    runs to it from width 256 up (both pages); the frame memory per rank and the width of results/fsdp_memory.md. The
+    README said "2–6×" where the medians give 2.0–6.5. Companion (assert_quoted): each figure with one digit changed is
+    caught."""
     root, now = _committed("paths_1thread_cpuclock.json")
     names = ("paths_1thread_cpuclock_run1", "paths_1thread_cpuclock_postmerge1", "paths_1thread_cpuclock_postmerge2",
              "paths_full_1thread_cpuclock")
@@ -1185,15 +1194,17 @@ def test_the_top_readmes_other_speed_and_memory_figures_are_the_committed_result
     rows = ([c.strip() for c in line.strip("|").split("|")] for line in table if line.startswith("| "))
     total = {(cells[0], cells[1]): float(cells[5]) for cells in rows if cells[0].isdigit()}
     assert total[("2", "replicated")] == total[("4", "replicated")]
-    assert_quoted((root / "README.md").read_text(), [
+    width = re.search(r"a width-(\d+),", table[0]).group(1)
+    floor = [f"{min(floor_vs_adamw):.1f}–{max(floor_vs_adamw):.1f}× a memory-bound AdamW step at one thread",
+             f"within {min(above_floor) * 100:.0f}–{max(above_floor) * 100:.0f}% of that floor from width 256 up"]
+    assert_quoted((root / "benchmarks" / "README.md").read_text(), [
         f"the default step costs {ratio['eager']:.2f}× its matmul floor ({span('eager')} in six measurements over "
         f"five runs)",
         f"{span('capturable')} before; target 1.45×), and `torch.compile(opt.step)` {ratio['compiled']:.2f}× before",
-        f"at {ratio['eager-colmajor']:.2f}× ({span('eager-colmajor')})",
-        f"{min(floor_vs_adamw):.1f}–{max(floor_vs_adamw):.1f}× a memory-bound AdamW step at one thread",
-        f"within {min(above_floor) * 100:.0f}–{max(above_floor) * 100:.0f}% of that floor from width 256 up",
-        f"{total[('2', 'replicated')]:g} MiB replicated, {total[('2', 'head-sharded')]:g} MiB on 2 ranks, "
-        f"{total[('4', 'head-sharded')]:g} MiB on 4"])
+        f"at {ratio['eager-colmajor']:.2f}× ({span('eager-colmajor')})", *floor])
+    assert_quoted((root / "README.md").read_text(), [
+        *floor, f"frame memory per rank at width {width}: {total[('2', 'replicated')]:g} MiB replicated, "
+        f"{total[('2', 'head-sharded')]:g} MiB on 2 ranks, {total[('4', 'head-sharded')]:g} MiB on 4"])
 
 @pytest.mark.parametrize("threads", [1, None])
 def test_the_accelerator_check_records_the_threads_its_parts_ran_on(monkeypatch, threads):

@@ -19,6 +19,21 @@ VISION = ROOT / "experiments" / "vision" / "records"
 #: committed vision studies: folder -> --study
 VISION_STUDIES = {"fashion-mnist-ablation": "ablation", "fashion-mnist-decay": "decay",
                   "fashion-mnist-scaling": "scaling", "fashion-mnist-paired": "paired"}
+#: The front page, the studies' index (the paper's figures next to ours) and the lm README.
+TOP, STUDIES_INDEX = ROOT / "README.md", ROOT / "experiments" / "README.md"
+LM_README = ROOT / "experiments" / "lm" / "README.md"
+
+
+def _lm_brief() -> str:
+    """experiments/lm/README.md's "The studies in brief": what the top README said of the lm studies before it
+    became a front page (moved there verbatim)."""
+    text = LM_README.read_text()
+    return text[text.index("## The studies in brief"):text.index("## What it shows")]
+
+
+def _index_row(start: str) -> str:
+    """The row of experiments/README.md's table of headline figures whose first cell is ``start``."""
+    return next(line for line in STUDIES_INDEX.read_text().splitlines() if line.startswith(f"| {start} |"))
 
 
 @pytest.mark.parametrize("name", sorted(VISION_STUDIES))
@@ -144,15 +159,15 @@ def test_the_lm_readme_words_on_the_frame_step_sweep_match_its_summary():
 
 
 def test_the_readme_table_and_words_on_the_default_frame_step_match_the_transfer_summary():
-    """The README's table of what the default gives is default_table(summary.json), line for line; its words and
-    the docs' (quickstart, optimizer) are checked against the same summary. To regenerate the table: replace the
-    lines between the README's frame-step-default-table markers by default_table(summary)."""
+    """experiments/lm/README.md's table of what the default gives is default_table(summary.json), line for line; its
+    words and the docs' (quickstart, optimizer) are checked against the same summary. To regenerate the table:
+    replace the lines between that README's frame-step-default-table markers by default_table(summary)."""
     import math
 
     from experiments.lm.transfer import default_table
 
     summary = json.loads((ROOT / "experiments" / "lm" / "records" / "frame-step" / "summary.json").read_text())
-    readme = (ROOT / "README.md").read_text()
+    readme = LM_README.read_text()
     block = readme.split("<!-- frame-step-default-table")[1].split("<!-- end frame-step-default-table -->")[0]
     assert block.splitlines()[1:] == default_table(summary)
     shapes, checks = summary["shapes"], {c["experiment"]: c for c in summary["checks"]}
@@ -195,15 +210,16 @@ def test_the_readme_table_and_words_on_the_default_frame_step_match_the_transfer
 
 
 def test_the_readmes_numbers_on_the_language_model_study_match_its_records():
-    """Issue 26, item 4: the words and numbers both READMEs state about runs/full and runs/lr-3e-3, rounded as
-    printed, recomputed from their summary.json and records (the angles from the runs' last records)."""
+    """Issue 26, item 4: the words and numbers the lm README states about runs/full and runs/lr-3e-3 (its sections
+    and "The studies in brief", the top README's paragraph before it became a front page), rounded as printed,
+    recomputed from their summary.json and records (the angles from the runs' last records)."""
     lm = ROOT / "experiments" / "lm" / "records"
     full = json.loads((lm / "full" / "summary.json").read_text())
     follow = json.loads((lm / "lr-3e-3" / "summary.json").read_text())
     comp = full["main"]["comparisons"]
     sweep = {r["frame_lr"]: r["vs_adamw"] for r in full["frame_lr_sweep"]}
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    lm_readme = (ROOT / "experiments" / "lm" / "README.md").read_text()
+    readme = " ".join(_lm_brief().split())
+    lm_readme = LM_README.read_text()
 
     def signed(x, digits=3):
         return f"{x:+.{digits}f}".replace("-", "−")
@@ -284,9 +300,8 @@ def test_the_grokking_readme_on_start_constraint_or_step_matches_its_records():
     minutes = sorted(v["seconds"] / 60 for v in data["speed"].values())
     assert (f"{sum(minutes):.0f} minutes of training in all (median {statistics.median(minutes):.1f} minutes a run, "
             f"from {minutes[0]:.1f} to {minutes[-1]:.1f}") in words
-    # the top README's row of the claims table says the same, from the same records
-    row = next(line for line in (ROOT / "README.md").read_text().splitlines()
-               if line.startswith("| grokking: why the Stiefel arm groks earlier |"))
+    # the row of experiments/README.md's table of headline figures says the same, from the same records
+    row = _index_row("grokking: why the Stiefel arm groks earlier")
     by_question = {c["question"]: c for c in contrasts}
     for question, text in (("training W_Q, W_K at all", "{neg:.0f} epochs before AdamW (CI [{lo}, {hi}], {n}/10"),
                            ("the step on the manifold", "({mean} epochs, CI [{lo}, {hi}])"),
@@ -305,7 +320,7 @@ def test_the_grokking_readme_on_start_constraint_or_step_matches_its_records():
 
 
 def test_the_grokking_readmes_say_what_the_decay_control_showed():
-    """Issue 57, item 6: the grokking README's paragraph after the contrasts and the top README's row say what
+    """Issue 57, item 6: the grokking README's paragraph after the contrasts and experiments/README.md's row say what
     `adamw-qk-nodecay` showed, every figure from the committed summary.json (W_Q's median movement and largest
     angle at the last epoch, the decay contrast and the frozen one, each with its interval): it moves W_Q less than
     `adamw` yet groks later, so "only through how little it moves the frames" is gone; the top row names all the
@@ -342,8 +357,7 @@ def test_the_grokking_readmes_say_what_the_decay_control_showed():
         f"groks {decay['mean']:.0f} epochs *later* ({ci(decay)}, {decay['n']} pairs of one CPU kind)",
         f"{-frozen['mean']:.0f} epochs after W_Q/W_K frozen at the same start ({ci(frozen)})"])
     assert "only through how little it moves the frames" not in readme
-    row = next(line for line in (ROOT / "README.md").read_text().splitlines()
-               if line.startswith("| grokking: why the Stiefel arm groks earlier |"))
+    row = _index_row("grokking: why the Stiefel arm groks earlier")
     words = {5: "five", 6: "six", 7: "seven", 8: "eight"}
     assert f"ten paired seeds, {words[len(arms)]} arms (" in row
     assert all(f"`{arm}`" in row for arm in arms) and f"the decay control `{NODECAY}`" in row
@@ -391,14 +405,15 @@ def test_the_grokking_contrasts_of_issue_38_pair_runs_of_one_cpu_kind_only():
 
 
 def _tuned_paragraphs() -> dict[str, str]:
-    """The words both READMEs say about the tuned study (issue 26): the top README's paragraph and the study
-    README's status, up to its generated results block."""
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("A comparison tuned against tuned")
-    lm_readme = (ROOT / "experiments" / "lm" / "README.md").read_text()
+    """The words the lm README says about the tuned study (issue 26): its paragraph in "The studies in brief" (the
+    top README's before it became a front page) and the study's status, up to its generated results block."""
+    brief = _lm_brief()
+    start = brief.index("A comparison tuned against tuned")
+    lm_readme = LM_README.read_text()
     section = lm_readme[lm_readme.index("## Tuned against tuned"):]
     status = section[section.index("**Status** ("):section.index("Results (this block is generated")]
-    return {"README.md": readme[start:readme.index("\n\n", start)], "experiments/lm/README.md status": status}
+    return {"experiments/lm/README.md in brief": brief[start:brief.index("\n\n", start)],
+            "experiments/lm/README.md status": status}
 
 
 def test_the_readmes_words_on_the_tuned_study_quote_only_its_summary():
@@ -493,8 +508,8 @@ def _lm_row(study: str, subdir: str, arm: str, frame_lr: str, vs: dict | None, a
 
 def test_the_lm_readme_on_the_full_study_and_its_lr_3e_3_follow_up_quotes_their_records():
     """experiments/lm/README.md, "What it shows" and "A stronger AdamW baseline": both tables row for row and every
-    figure of the words under them (and the top README's angles), from runs/full and runs/lr-3e-3 (summary.json and
-    the runs' last records). Companion: any of these phrases with one digit changed is caught."""
+    figure of the words under them (and the angles of "The studies in brief"), from runs/full and runs/lr-3e-3
+    (summary.json and the runs' last records). Companion: any of these phrases with one digit changed is caught."""
     import statistics
 
     full = json.loads((LM / "full" / "summary.json").read_text())
@@ -503,7 +518,7 @@ def test_the_lm_readme_on_the_full_study_and_its_lr_3e_3_follow_up_quotes_their_
     sweep = {r["frame_lr"]: r["vs_adamw"] for r in full["frame_lr_sweep"]}
     again = follow["frame_lr_sweep"][0]["vs_adamw"]
     readme = (ROOT / "experiments" / "lm" / "README.md").read_text()
-    top = (ROOT / "README.md").read_text()
+    top = _lm_brief()
     rows = [_lm_row("full", "", "adamw", "–", None, ".0f", ".2f")]
     rows += [_lm_row("full", "", arm, "1e-3", comp[f"{arm} - adamw"], ".0f", ".2f")
              for arm in ("stiefel", "geoopt-radam", "stiefel-gain")]
@@ -553,7 +568,7 @@ def test_the_lm_readme_settings_time_pilot_and_controls_figures_match_their_reco
     """experiments/lm/README.md: the corpus and budget figures of "Settings" (summary.json of runs/full), the uniform
     entropy (the report's), the seed-0 angles; the measured wall times of "Time" (the runs' environment.json as
     summary.json's speed sums them); the pilot's table and figures (runs/pilot); the frame-step seeds; the parameter
-    count (the model the study builds; the top README's too); the tuned study's run counts (its run folders); the
+    count (the model the study builds; "The studies in brief" too); the tuned study's run counts (its run folders); the
     controls study's split (its runs' config.json). Companion: any of these phrases with one digit changed is
     caught."""
     from datetime import datetime, timedelta
@@ -570,7 +585,7 @@ def test_the_lm_readme_settings_time_pilot_and_controls_figures_match_their_reco
               for arm in ("stiefel", "adamw")}
     model = build_model(SimpleNamespace(**{k: config[k] for k in ("context", "width", "depth", "heads")}), seed=0)
     parameters = f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters"
-    assert_quoted((ROOT / "README.md").read_text(), [f"a byte-level GPT-2, {parameters}"])
+    assert_quoted(_lm_brief(), [f"a byte-level GPT-2, {parameters}"])
     phrases = [
         f"{corpus['train_files']} training files ({corpus['train_bytes']:,} bytes), {corpus['val_files']} validation "
         f"files ({corpus['val_bytes']:,} bytes), corpus SHA-256 `{corpus['sha256'][:8]}…`",
@@ -662,7 +677,7 @@ def _pp(x: float, digits: int = 2, sign: bool = True) -> str:
 
 
 def test_the_readmes_numbers_on_the_vision_studies_match_their_summaries():
-    """Every figure the vision README's result sections and the top README's Fashion-MNIST rows state about the
+    """Every figure the vision README's result sections and experiments/README.md's Fashion-MNIST rows state about the
     committed paired, ablation, scaling and decay studies, rounded as printed, from their summary.json and records.
     Companion: a gap one hundredth of a point off is not in the text."""
     paired = json.loads((VISION / "fashion-mnist-paired" / "summary.json").read_text())["cells"][0]
@@ -670,10 +685,7 @@ def test_the_readmes_numbers_on_the_vision_studies_match_their_summaries():
     scaling = json.loads((VISION / "fashion-mnist-scaling" / "summary.json").read_text())["cells"]
     decay = json.loads((VISION / "fashion-mnist-decay" / "summary.json").read_text())["cells"]
     vision = " ".join((ROOT / "experiments" / "vision" / "README.md").read_text().split())
-    top = (ROOT / "README.md").read_text().splitlines()
-
-    def row(start):
-        return next(line for line in top if line.startswith(f"| {start} |"))
+    row = _index_row
 
     arms, comp = paired["arms"], paired["comparisons"]
     gap, frozen = comp["stiefel - adamw"], comp["stiefel - stiefel-frozen"]
@@ -703,7 +715,7 @@ def test_the_readmes_numbers_on_the_vision_studies_match_their_summaries():
     # 8 epochs of 10,000 images in batches of 128: the last record's step
     last = read_records(VISION / "fashion-mnist-paired" / "runs" / "adamw" / "seed0" / "metrics.jsonl")[-1]
     assert last["epoch"] == 8 and f"8 epochs ({last['step']} steps)" in vision and f"a {last['step']}-step" in vision
-    # the top README's rows
+    # experiments/README.md's rows
     t = f"{gap['t']:.2g}".replace("-", "−")
     assert (f"**Fashion-MNIST: {_pp(gap['mean'])} pp** ({ci}), t = {t}, {gap['n_positive']}/{gap['n']} positive") in row("ViT gap stiefel − adamw, 12 paired starts")
     assert f"Fashion-MNIST: {band} (median {ratio_q['median']:.0f}×)" in row("per-step movement, AdamW W_Q ÷ frames")
@@ -769,16 +781,15 @@ def test_the_vision_readme_run_figures_match_the_committed_records():
 
 
 def test_the_readme_row_on_the_five_seed_grokking_study_matches_its_summary():
-    """The top README's claims-table row on p97_add_5seeds: endpoints, tail means, grokking epochs, dips and angles,
-    rounded as printed, from its summary.json. It said "17 vs 21 drops", counting AdamW's evaluations below 95%
-    (21) against the Stiefel arm's dips (17); AdamW dipped 20 times."""
+    """experiments/README.md's claims-table row on p97_add_5seeds: endpoints, tail means, grokking epochs, dips and
+    angles, rounded as printed, from its summary.json. It said "17 vs 21 drops", counting AdamW's evaluations below
+    95% (21) against the Stiefel arm's dips (17); AdamW dipped 20 times."""
     import statistics
 
     s = json.loads((ROOT / "experiments" / "grokking" / "records" / "p97_add_5seeds" / "summary.json").read_text())
     s = s["summary"]
     arms = s["arms"]
-    row = next(line for line in (ROOT / "README.md").read_text().splitlines()
-               if line.startswith("| grokking, (a + b) mod 97, epoch 20,000 |"))
+    row = _index_row("grokking, (a + b) mod 97, epoch 20,000")
 
     def signed(x, fmt):
         return f"{x:{fmt}}".replace("-", "−")
@@ -993,7 +1004,8 @@ def _words(path: Path) -> str:
 
 
 def test_the_readmes_say_what_the_lm_data_can_say():
-    """Issue 57, item 6: the READMEs' words on the tuned and controls studies claim no sameness from a null. Every
+    """Issue 57, item 6: the READMEs' words on the tuned and controls studies (the lm README's sections and "The
+    studies in brief", where the top README's paragraphs moved) claim no sameness from a null. Every
     "not resolved" states the interval and the smallest difference detectable at 80% power (unadjusted, and at the
     Holm level where quoted), every "suggested" an unadjusted interval that excludes 0, each built here from the
     committed summary.json; the controls paragraph says the warm-up grid was the AdamW arms' only, from the grids
@@ -1001,8 +1013,8 @@ def test_the_readmes_say_what_the_lm_data_can_say():
     in the text; the old words are gone."""
     from experiments.lm import tuned as tuned_study
 
-    top, lm = _words(ROOT / "README.md"), _words(ROOT / "experiments" / "lm" / "README.md")
-    for text in (top, lm):
+    front, top, lm = _words(TOP), " ".join(_lm_brief().split()), _words(LM_README)  # top: the former top paragraphs
+    for text in (front, top, lm):
         for old in ("neither help nor hurt", "neither helps nor hurts", "what QK-norm also gives",
                     "Equal wall-clock changes nothing", "match Muon without beating it"):
             assert old not in text, old
@@ -1056,7 +1068,8 @@ def test_the_readmes_say_what_the_lm_data_can_say():
         f"{_signed(cost['ci_high'], '+.4f')}], higher on {cost['n_positive']} of {cost['n']} pairs, unadjusted p "
         f"{cost['p_value']:.2g}; Holm-adjusted p {cost['p_holm']:.2g}: suggested, not resolved)",
         "not resolved; detectable at 80% power: {} bpb, {} at the Holm level)".format(*mde(other, ".3f"))])
-    # the warm-up grid on record holds the AdamW arms only; both READMEs say so, and name the level-ground study
+    # the warm-up grid on record holds the AdamW arms only; the lm README says so (twice), and names the level-ground
+    # study (the front page's row on it: test_the_front_pages_findings_table_quotes_the_records)
     grids = [g for g in summary["controls"]["stable_range"]
              if g["warmup_steps"] != summary["controls"]["own_warmup_steps"]]
     assert [sorted(g["arms"]) for g in grids] == [["adamw", "adamw-qknorm"]] and grids[0]["warmup_steps"] == 400
@@ -1065,3 +1078,152 @@ def test_the_readmes_say_what_the_lm_data_can_say():
     for text in (top, lm):
         assert "level.args" in text and "`stiefel-gain`" in text and "under way" in text
     assert (ROOT / "experiments" / "lm" / "configs" / "level.args").is_file()
+
+
+# ---------------------------------------------------------------------------------------------- the front page
+def _unlinked(markdown: str) -> str:
+    """``markdown`` with every link ``[text](url)`` replaced by its text (a URL's digits are not figures)."""
+    import re
+
+    return re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", markdown)
+
+
+def _findings_rows(text: str) -> list[str]:
+    """The rows of the front page's findings table (between its markers), links replaced by their text."""
+    block = text.split("<!-- findings-table")[1].split("<!-- end findings-table -->")[0]
+    return [_unlinked(line) for line in block.splitlines()
+            if line.startswith("| ") and not line.startswith("| study |")]
+
+
+def _unchecked_numbers(row: str, checked: list[str]) -> list[str]:
+    """The numbers of ``row`` outside the ``checked`` phrases (whitespace folded): a figure no test derives."""
+    import re
+
+    rest = " ".join(row.split())
+    for phrase in sorted(checked, key=len, reverse=True):
+        rest = rest.replace(" ".join(phrase.split()), " ")
+    return re.findall(r"\d+(?:[.,]\d+)*", rest)
+
+
+def test_the_front_pages_findings_table_quotes_the_records():
+    """The front page's table "What the studies found", one row per study: every figure in it is built here from the
+    study's committed summary.json (and records), rounded as printed, and no other number is in the table (names
+    that hold digits, such as GPT-2, are checked too: a folder name exists, an issue number is the config's). The
+    level-ground study (issue 57) is "under way" exactly while its folder holds no summary, and the front page says
+    it is under way in that one place. Companions: a phrase with one digit changed is caught (assert_quoted), and so
+    is a number added to a row."""
+    import statistics
+    from types import SimpleNamespace
+
+    from experiments.lm.study import build_model
+    from experiments.lm.transfer import default_table
+
+    text = TOP.read_text()
+    rows = _findings_rows(text)
+    assert len(rows) == 8
+    grok5, arms10, vision, lm_full, frame_step, tuned, controls, level = rows
+    checked: dict[int, list[str]] = {}
+
+    def ci(c: dict, fmt: str = "+.0f", scale: float = 1.0) -> str:
+        return f"[{_signed(c['ci_low'] * scale, fmt)}, {_signed(c['ci_high'] * scale, fmt)}]"
+
+    # grokking, five seeds
+    g = json.loads((ROOT / "experiments" / "grokking" / "records" / "p97_add_5seeds" / "summary.json").read_text())
+    first, arms = g["summary"]["paired_first_epoch"]["stiefel - adamw"], g["summary"]["arms"]
+    tails = {f"{arms[a]['tail_mean']['mean'] * 100:.1f}" for a in ("stiefel", "adamw")}
+    assert len(tails) == 1 and first["n_negative"] == first["n"] and g["config"]["operation"] == "+"
+    checked[0] = [
+        f"(a + b) mod {g['config']['p']}, {first['n']} paired seeds",
+        f"groks earlier on {first['n_negative']}/{first['n']} seeds, by {-first['mean']:.0f} epochs "
+        f"(95% CI {ci(first)}, Holm p = {first['p_holm']:.2g})",
+        f"(tail means {tails.pop()}% both)",
+        f"the paper's single AdamW run at {g['paper']['values']['adamw'] * 100:.1f}%"]
+    # grokking, why: the contrasts of the six arms
+    a = json.loads((ROOT / "experiments" / "grokking" / "records" / "p97_add_arms10" / "summary.json").read_text())
+    by = {c["question"]: c for c in a["summary"]["mechanism"]["contrasts"]}
+    frozen, step, decay = (by[q] for q in ("training W_Q, W_K at all", "the step on the manifold",
+                                           "weight decay on W_Q, W_K"))
+    seeds = {c["n"] for c in by.values()}
+    assert len(seeds) == 1 and frozen["mean"] < 0 < decay["mean"] and step["verdict"] == "not seen"
+    checked[1] = [
+        f"{len(a['summary']['arms'])} arms, {seeds.pop()} paired seeds",
+        f"grok {-frozen['mean']:.0f} epochs before AdamW (CI {ci(frozen)})",
+        f"({_signed(step['mean'], '+.0f')} epochs, CI {ci(step)})",
+        f"groks {decay['mean']:.0f} epochs later (CI {ci(decay)})"]
+    # vision: Fashion-MNIST, substituted for the paper's CIFAR-10
+    v = json.loads((VISION / "fashion-mnist-paired" / "summary.json").read_text())
+    gap, paper = v["cells"][0]["comparisons"]["stiefel - adamw"], v["paper"]
+    ratio = v["cells"][0]["movement"]["adamw / stiefel"]["ratio_q"]
+    assert v["dataset_name"] == "Fashion-MNIST" and paper["protocol"]["dataset"] == "cifar10"
+    assert "**Fashion-MNIST (substituted for CIFAR-10)**" in vision
+    low, high = paper["extra"]["movement_ratio"]
+    checked[2] = [
+        f"{gap['n']} paired seeds",
+        f"stiefel − adamw is {_pp(gap['mean'])} pp (95% CI {ci(gap, '+.2f', 100)}), {gap['n_positive']}/{gap['n']} "
+        "pairs positive",
+        f"the paper reports {paper['extra']['paired_gap_pp']:+.2f} pp on CIFAR-10",
+        f"the frames move {ratio['min']:.0f}–{ratio['max']:.0f}× less per step than AdamW's W_Q; paper: "
+        f"{low:.0f}–{high:.0f}×"]
+    # language model: the paper's step at AdamW's lr, and the frame lr that closes the gap
+    full = json.loads((LM / "full" / "summary.json").read_text())
+    comp, sweep = full["main"]["comparisons"]["stiefel - adamw"], {r["frame_lr"]: r["vs_adamw"]
+                                                                   for r in full["frame_lr_sweep"]}
+    config = full["config"]
+    model = build_model(SimpleNamespace(**{k: config[k] for k in ("context", "width", "depth", "heads")}), seed=0)
+    angle = {arm: statistics.mean(r["angle_max_deg/q"] for r in _lm_last("full", "", arm))
+             for arm in ("stiefel", "adamw")}
+    top_lr = max(sweep)
+    checked[3] = [
+        f"GPT-2, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters",
+        f"the paper's step, {comp['n']} paired seeds",
+        f"({angle['stiefel']:.0f}° vs {angle['adamw']:.0f}°)",
+        f"{_signed(comp['mean'], '+.3f')} bpb (95% CI {ci(comp, '+.3f')})",
+        f"a frame lr {top_lr / config['optim']['lr']:.0f} times larger gives {_signed(sweep[top_lr]['mean'], '+.3f')} "
+        f"bpb (CI {ci(sweep[top_lr], '+.3f')})"]
+    # language model: the frame-step transfer study
+    fs = json.loads((LM / "frame-step" / "summary.json").read_text())
+    shapes, checks = fs["shapes"], {c["experiment"]: c for c in fs["checks"]}
+    near = [s for s in shapes if s["default_grid_distance"] == 1]
+    far = [s["width"] for s in shapes if s["default_grid_distance"] == 2]
+    assert len(near) + len(far) == len(shapes) and checks["vision"]["default_grid_distance"] == 2 and len(far) == 1
+    assert "default (μ = 1)" in default_table(fs)[0]
+    checked[4] = [f"{len(shapes)} shapes and {len(checks)} other models", "(μ = 1)",
+                  f"within one grid point of the best at {len(near)} of {len(shapes)} shapes and two at width {far[0]} "
+                  "and on the vision model"]
+    # language model: tuned against tuned
+    t = json.loads((LM / "tuned" / "summary.json").read_text())["final"]["comparisons"]
+    muon, frames, beside = t["test: muon - adamw"], t["test: stiefel - adamw"], t["test: stiefel-muon - muon"]
+    checked[5] = [
+        f"{frames['n']} paired seeds",
+        f"({_signed(muon['mean'], '.4f')} bpb against AdamW)",
+        f"by {_signed(frames['mean'], '.4f')} bpb (95% CI {ci(frames, '.4f')}, Holm p = {frames['p_holm']:.2g})",
+        f"({_signed(beside['mean'], '.4f')}, CI {ci(beside, '+.4f')})"]
+    # language model: controls
+    cs = json.loads((LM / "controls" / "summary.json").read_text())
+    c = cs["final"]["comparisons"]
+    qk, mu = c["test: stiefel - adamw-qknorm"], c["test: muon - adamw"]
+    warm = {arm: r["warmup_steps"] for arm, r in cs["recipes"].items() if r["warmup_steps"]}
+    assert sorted(warm) == ["adamw", "adamw-qknorm"] and len(set(warm.values())) == 1
+    assert qk["detectable"]["method"] == "noncentral t" and mu["mean"] < 0
+    checked[6] = [
+        f"{len(cs['final']['seeds'])} arms, {qk['n']} paired seeds",
+        f"(warm-up {warm['adamw']} offered to the AdamW arms only)",
+        f"is {_signed(qk['mean'], '.4f')} bpb (95% CI {ci(qk, '+.4f')}; detectable at "
+        f"{qk['detectable']['power'] * 100:.0f}% power: {qk['detectable']['difference']:.3f})",
+        f"Muon stays {-mu['mean']:.4f} bpb below a stabilised AdamW"]
+    # level ground: under way while its folder has no summary; its issue number is its config's
+    level_args = (ROOT / "experiments" / "lm" / "configs" / "level.args").read_text()
+    assert "Level ground (issue 57)" in level_args
+    checked[7] = ["(issue 57)"]
+    under_way = not (LM / "level" / "summary.json").is_file()
+    assert ("**Under way**" in level) == under_way, "the level-ground study's row: update it from its summary"
+    assert " ".join(text.lower().split()).count("under way") == (1 if under_way else 0)
+    # names holding digits: folders that exist, the model's family, the paper's data set
+    names = ["p97_add_5seeds", "p97_add_arms10"]
+    assert all((ROOT / "experiments" / "grokking" / "records" / n).is_dir() for n in names)
+    for i, row in enumerate(rows):
+        phrases = checked[i]
+        assert_quoted(row, phrases)
+        assert _unchecked_numbers(row, [*phrases, *names, "CIFAR-10"]) == [], (i, row)
+    # companion: a number added to a row is caught
+    assert _unchecked_numbers(tuned + " (at 0.01)", checked[5]) == ["0.01"]

@@ -604,14 +604,16 @@ def test_the_lm_readme_quotes_the_tuned_studys_steps_to_reach_from_its_records()
 
 
 def _controls_paragraph() -> str:
-    readme = (ROOT / "README.md").read_text()
+    """The controls paragraph of the lm README's "The studies in brief" (the top README's before it became a front
+    page)."""
+    readme = cr.README.read_text()
     start = readme.index("**Controls: what the frames' gain is**")
     return readme[start:readme.index("\n\n", start)]
 
 
-def test_the_top_readmes_words_on_the_controls_study_quote_only_its_summary():
-    """The top README's controls paragraph: every decimal number is one of records/controls/summary.json's at the
-    precision printed, and the counts it states are the summary's."""
+def test_the_lm_readmes_brief_words_on_the_controls_study_quote_only_its_summary():
+    """The controls paragraph of the lm README's "The studies in brief": every decimal number is one of
+    records/controls/summary.json's at the precision printed, and the counts it states are the summary's."""
     path = cr.RECORDS / tuned.SUMMARY_FILE
     if not path.is_file():
         pytest.skip("the controls study's summary is not in this checkout")

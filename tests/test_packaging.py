@@ -21,6 +21,7 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
+from conftest import assert_quoted
 
 try:
     import tomllib
@@ -254,6 +255,56 @@ def test_ci_runs_the_readme_test_command_in_a_fresh_virtual_environment():
     assert script.index("-m venv") < script.index(TEST_COMMAND)
     # companion: the comparison sees a changed command
     assert commands[-1] != TEST_COMMAND.replace("models", "")
+
+
+#: The front page's length (issue 58: what it is, the two commands, an example, the update, the guarantees in brief,
+#: what the studies found; each study's history lives in its own README).
+FRONT_PAGE_LINES = 200
+
+
+def _front_page_facts() -> list[str]:
+    """The phrases of the README that state the project's own facts outside the tables other tests check, built
+    from where each fact lives: the dependencies (pyproject), the pins of the set-up commands (the test command's),
+    the vendored MathJax (its file), the paper (CITATION.cff), the certificate rows named (the certify suite's) and
+    the step-size arithmetic of "The update" (the trust radii ``"auto"`` gives)."""
+    import calendar
+    import math
+
+    from geoopt_stiefel_attention._linalg import AUTO_TRUST_REGION
+    from geoopt_stiefel_attention.analysis.suite import ROWS
+
+    deps = {_requirement_name(d): d for d in PYPROJECT["project"]["dependencies"]}
+    pins = TEST_COMMAND.split(" -e ")[0]
+    mathjax = (ROOT / "docs" / "_static" / "mathjax" / "tex-chtml.js").read_text(encoding="utf-8")
+    version = re.search(r'VERSION="(\d+\.\d+\.\d+)"', mathjax).group(1)
+    paper = _yaml(ROOT / "CITATION.cff")["references"][0]
+    author = paper["authors"][0]
+    delta, paper_delta = AUTO_TRUST_REGION["match_rms_adamw"], AUTO_TRUST_REGION["original"]
+    labels = {row.split()[0]: row for row in ROWS}
+    assert "cond <= 1 + D^2" in labels["3a"] and "right O(r)-equivariance" in labels["4b"]  # the rows named
+    return [
+        f"needs `torch{deps['torch'][len('torch'):]}` and `geoopt{deps['geoopt'][len('geoopt'):]}`",
+        f'{pins} -e ".[experiments]" && stiefel-attention certify', f"`{pins.split()[2]}` is pinned",
+        f"a copy of MathJax {version}",
+        f'"{paper["title"]}", {author["given-names"]} {author["family-names"]}, {paper["journal"]}, '
+        f"{calendar.month_name[paper['month']]} {paper['year']}",
+        "it lacks the trust region (3a) and its QR retraction is not right O(r)-equivariant (4b)",
+        f"√(dr) times less: {math.sqrt(128 * 32):.0f}× at 128×32",
+        f"is Δ = {delta:g} under the default rule (condition ≤ {1 + delta ** 2:g}, ≤ "
+        f"{math.degrees(math.atan(delta)):.0f}° per step) and the paper's {paper_delta:g} under `\"original\"`"]
+
+
+def _yaml(path: Path):
+    yaml = pytest.importorskip("yaml")
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def test_the_front_page_is_short_and_states_the_projects_own_facts():
+    """The README is a front page of at most FRONT_PAGE_LINES lines, and the facts it states outside the tables
+    that other tests check are the project's (:func:`_front_page_facts`). Companion (assert_quoted): any of these
+    phrases with one digit changed is caught."""
+    assert len(README_TEXT.splitlines()) <= FRONT_PAGE_LINES
+    assert_quoted(README_TEXT, _front_page_facts())
 
 
 # ------------------------------------------------------------------------------------- ready to publish
