@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import geoopt
@@ -28,17 +27,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _guard
-from ._linalg import ADJUST_LR_FNS, ORTHONORMALITY_TOLERANCE, orthonormality_error
+from . import _attention_docs as _docs
+from . import _guard, _torch_mha
+
+# param_groups and its kin live in ._groups (which does not import this module), public here as they have always been
+from ._groups import GROUP_NAMES as GROUP_NAMES
+from ._groups import decays_matrices as decays_matrices
+from ._groups import frame_parameters, param_groups, project_frames_
+from ._linalg import ORTHONORMALITY_TOLERANCE, orthonormality_error
 
 # The converter lives in .convert, which does not import this module (no cycle); its stiefelize is re-exported
 # here. The module-replacement helpers of from_euclidean/from_torch are at the end of this module.
 from .convert import converted_query_key_frames, stiefelize
 from .integrations import averaging as _averaging
 from .integrations.casts import _FrameOwner
-from .integrations.fsdp import FSDP1_REFUSAL, flattened_by_fsdp1
 from .integrations.optimizers import warn_if_saved_off_manifold
-from .manifolds import PolarStiefel, has_manifold, is_frame
+from .manifolds import PolarStiefel
 
 __all__ = [
     "FRAME_GRANULARITIES",
@@ -55,9 +59,6 @@ __all__ = [
 #: projection is cut into: ``"head"``, one frame per head; ``"layer"``, one frame for all heads). Not to be
 #: confused with a :class:`~geoopt_stiefel_attention.Layout` (where a model stores its attention weights).
 FRAME_GRANULARITIES = ("head", "layer")
-
-#: Names of the three groups returned by :func:`param_groups`, in order.
-GROUP_NAMES = ("frames", "decay", "no_decay")
 
 
 # ---------------------------------------------------------------------------------------------- layout helpers
@@ -152,6 +153,9 @@ class _MultiheadAttentionBase(nn.Module):
 
     #: whether a training forward pass checks that ``w_q``/``w_k`` are on the manifold (:mod:`._guard`)
     _checks_frames = False
+    #: whether the module is the Euclidean arm of a paired experiment by design: :func:`param_groups` (which does not
+    #: import this module) expects no frame in a model that holds one
+    _euclidean_by_design = False
 
     #: ``None`` tells ``nn.TransformerEncoderLayer`` that there is no fused ``in_proj`` (so its fused
     #: inference fast path, which would read these tensors, is never taken).
@@ -386,17 +390,10 @@ class _MultiheadAttentionBase(nn.Module):
             merged = am if merged is None else merged + am
         return merged
 
-    def forward(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        key_padding_mask: Tensor | None = None,
-        need_weights: bool = True,
-        attn_mask: Tensor | None = None,
-        average_attn_weights: bool = True,
-        is_causal: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
+    def _batched(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, bool]:
+        """Check the inputs' ranks and bring them to ``(batch, seq, features)``: ``(query, key, value,
+        key_padding_mask, unbatched)``, an unbatched call getting a batch of one."""
         owner = type(self).__name__
         if query.is_nested or key.is_nested or value.is_nested:
             raise ValueError(f"{owner}: nested (jagged) tensors are not supported; pad the sequences to one "
@@ -419,7 +416,13 @@ class _MultiheadAttentionBase(nn.Module):
                              f"{key.dim()}, {value.dim()}.")
         elif not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        b, tq, e = query.shape
+        return query, key, value, key_padding_mask, unbatched
+
+    def _check_sizes(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        """Check the feature sizes against the module's and the batch and key lengths against each other (the
+        inputs batch-first)."""
+        owner = type(self).__name__
+        b, _, e = query.shape
         tk = key.shape[1]
         if e != self.embed_dim or key.shape[-1] != self.kdim or value.shape[-1] != self.vdim:
             raise ValueError(f"{owner}: feature sizes (query, key, value) = ({e}, {key.shape[-1]}, "
@@ -429,13 +432,12 @@ class _MultiheadAttentionBase(nn.Module):
             raise ValueError(f"{owner}: batch/sequence sizes disagree (batch_first={self.batch_first}): "
                              f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} "
                              f"as (batch, seq, features).")
-        h, dh = self.num_heads, self.head_dim
-        n = h * dh
-        if self._checks_frames and torch.is_grad_enabled():
-            _guard.check_frame_tensors(owner, (("w_q", self.w_q), ("w_k", self.w_k)))
-        elif self._checks_frames:
-            _averaging.check_at_evaluation(owner, [("w_q", self.w_q), ("w_k", self.w_k)], self)
 
+    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-head queries (times the logit gains), keys and values (plus ``b_v``), each ``(B, H, T, Dh)``."""
+        h, dh = self.num_heads, self.head_dim
+        b, tq = query.shape[:2]
+        tk = key.shape[1]
         w_q = self._flat(self.w_q)
         w_k = self._flat(self.w_k)
         w_v = _heads_to_flat(self.w_v)
@@ -447,7 +449,46 @@ class _MultiheadAttentionBase(nn.Module):
         v = v.reshape(b, tk, h, dh).transpose(1, 2)
         if self.logit_gain is not None:
             q = q * self.logit_gain.exp().to(q.dtype).view(1, h, 1, 1)
+        return q, k, v
 
+    def _attend_with_weights(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, *,
+                             average_attn_weights: bool) -> tuple[Tensor, Tensor]:
+        """The attention written out (``need_weights=True``): ``(heads, weights)``, the weights after dropout and
+        averaged over heads when ``average_attn_weights``."""
+        scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
+        if mask is not None:
+            scores = scores + mask
+        weights = torch.softmax(scores, dim=-1)
+        if dropout_p > 0.0:
+            weights = F.dropout(weights, p=dropout_p, training=True)
+        heads = weights @ v
+        if average_attn_weights:
+            weights = weights.mean(dim=1)
+        return heads, weights
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        owner = type(self).__name__
+        query, key, value, key_padding_mask, unbatched = self._batched(query, key, value, key_padding_mask)
+        self._check_sizes(query, key, value)
+        b, tq = query.shape[:2]
+        tk = key.shape[1]
+        # called here, not in a helper: the warning of check_at_evaluation names the caller of the module
+        if self._checks_frames and torch.is_grad_enabled():
+            _guard.check_frame_tensors(owner, (("w_q", self.w_q), ("w_k", self.w_k)))
+        elif self._checks_frames:
+            _averaging.check_at_evaluation(owner, [("w_q", self.w_q), ("w_k", self.w_k)], self)
+
+        q, k, v = self._project(query, key, value)
         if is_causal and attn_mask is None and (key_padding_mask is not None or need_weights):
             attn_mask = torch.ones(tq, tk, dtype=torch.bool, device=query.device).triu(diagonal=1)
         use_sdpa_causal = is_causal and attn_mask is None
@@ -456,21 +497,14 @@ class _MultiheadAttentionBase(nn.Module):
 
         weights = None
         if need_weights:
-            scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(dh))
-            if mask is not None:
-                scores = scores + mask
-            weights = torch.softmax(scores, dim=-1)
-            if dropout_p > 0.0:
-                weights = F.dropout(weights, p=dropout_p, training=True)
-            heads = weights @ v
-            if average_attn_weights:
-                weights = weights.mean(dim=1)
+            heads, weights = self._attend_with_weights(q, k, v, mask, dropout_p,
+                                                       average_attn_weights=average_attn_weights)
             if unbatched:
                 weights = weights.squeeze(0)
         else:
             heads = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                    is_causal=use_sdpa_causal)
-        out = heads.transpose(1, 2).reshape(b, tq, n) @ self.w_o
+        out = heads.transpose(1, 2).reshape(b, tq, self.num_heads * self.head_dim) @ self.w_o
         if self.b_o is not None:
             out = out + self.b_o.to(out.dtype)
         if unbatched:
@@ -478,129 +512,6 @@ class _MultiheadAttentionBase(nn.Module):
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
-
-
-_FORWARD_DOC = r"""
-    Forward pass, with the call interface of :class:`torch.nn.MultiheadAttention`. Inputs are
-    ``(L, N, features)`` (``batch_first=False``, torch's default), ``(N, L, features)`` (``batch_first=True``)
-    or unbatched ``(L, features)``; ``L`` is the query length, ``S`` the key length. For each head :math:`h`,
-
-    .. math::
-
-        Q_h = X_q W_{Q,h}\,e^{g_h}, \quad K_h = X_k W_{K,h}, \quad V_h = X_v W_{V,h} + b_{V,h}, \\
-        A_h = \operatorname{softmax}\!\Big(\frac{Q_h K_h^\top}{\sqrt{d_h}} + M\Big), \qquad
-        Y = [A_1 V_1, \dots, A_H V_H]\, W_O + b_O,
-
-    with :math:`e^{g_h} = 1` unless ``logit_gain=True``. Computed by
-    :func:`torch.nn.functional.scaled_dot_product_attention` when ``need_weights=False``, written out
-    otherwise (pass ``need_weights=False`` for speed, as torch recommends).
-
-    Parameters
-    ----------
-    query, key, value : Tensor
-        Query ``(L, N, embed_dim)``, key ``(S, N, kdim)``, value ``(S, N, vdim)`` (batch dimension first
-        when ``batch_first=True``), or unbatched ``(L, embed_dim)``, ``(S, kdim)``, ``(S, vdim)``.
-    key_padding_mask : Tensor, optional
-        ``(N, S)`` (``(S,)`` unbatched); bool ``True`` = that key is ignored, or a float mask added to the
-        logits.
-    need_weights : bool, default True
-        Also return the attention probabilities. As in :class:`torch.nn.MultiheadAttention` they are the
-        probabilities multiplied into ``V``, i.e. after attention dropout in training mode.
-    attn_mask : Tensor, optional
-        ``(L, S)`` or ``(N * num_heads, L, S)`` (``(num_heads, L, S)`` unbatched; entry ``n * num_heads + h``
-        for batch ``n``, head ``h``); bool ``True`` = not allowed to attend, or float added to the logits.
-        Combined with ``key_padding_mask`` by addition (bool masks become ``-inf``).
-    average_attn_weights : bool, default True
-        Return weights averaged over heads, ``(N, L, S)``, instead of per head, ``(N, num_heads, L, S)``
-        (``(L, S)`` / ``(num_heads, L, S)`` unbatched). Weights are batch-first whatever ``batch_first``
-        is, as in torch.
-    is_causal : bool, default False
-        With ``attn_mask``: a hint that ``attn_mask`` is the causal mask, as in torch; pass it only when that
-        is true (torch may then apply its own causal mask instead of ``attn_mask``, this module always applies
-        ``attn_mask``). Without ``attn_mask``: the causal mask is applied (query ``i`` sees keys ``j <= i``,
-        top-left aligned as in SDPA); ``nn.MultiheadAttention`` raises instead.
-
-    Returns
-    -------
-    output : Tensor
-        Shaped like ``query`` with ``embed_dim`` features.
-    weights : Tensor or None
-        Attention probabilities when ``need_weights``, else ``None``.
-
-    Raises
-    ------
-    ValueError
-        For inputs or masks of the wrong rank or shape (the message names the tensor and the expected shape).
-    TypeError
-        For a mask that is neither bool nor floating point.
-
-    Notes
-    -----
-    A query whose keys are all masked gets NaN with ``need_weights=True`` (output and weights); with
-    ``need_weights=False`` it gets what :func:`~torch.nn.functional.scaled_dot_product_attention` gives such a
-    row, zero attention on the CPU, so its output is ``b_O``. Both are what :class:`torch.nn.MultiheadAttention`
-    gives outside its inference fast path (which gives NaN with ``need_weights=False``); neither is a signal to
-    rely on: drop such queries, or keep one key unmasked.
-"""
-
-_LAYOUT_DOC = r"""
-    Parameters (the layout is the same in :class:`StiefelMultiheadAttention` and
-    :class:`EuclideanMultiheadAttention`; ``H = num_heads``, ``Dh = head_dim``):
-
-    - ``w_q``: ``(H, embed_dim, Dh)`` for ``frames="head"`` (head ``h`` computes ``q_h = x @ w_q[h]``), or
-      ``(1, embed_dim, H*Dh)`` for ``frames="layer"`` (head ``h`` uses columns ``h*Dh:(h+1)*Dh``);
-    - ``w_k``: the same with ``kdim`` rows;
-    - ``w_v``: ``(H, vdim, Dh)``; ``b_v``: ``(H*Dh,)`` (entries ``h*Dh:(h+1)*Dh`` for head ``h``) or ``None``;
-    - ``w_o``: ``(H*Dh, embed_dim)``, rows ``h*Dh:(h+1)*Dh`` belong to head ``h`` (``y = concat_h(o_h) @ w_o``);
-      ``b_o``: ``(embed_dim,)`` or ``None``;
-    - ``logit_gain``: ``(H,)`` log-gains :math:`g_h` (initialised to 0) when ``logit_gain=True``, else ``None``.
-
-    There are no query/key biases.
-"""
-
-_CONSTRUCTOR_DOC = r"""
-    The constructor takes the arguments of :class:`torch.nn.MultiheadAttention` in its order (positionally
-    too), then keyword-only ``head_dim``, ``frames``, ``logit_gain`` and ``generator``.
-
-    Parameters
-    ----------
-    embed_dim : int
-        Width of the query (and of the output).
-    num_heads : int
-        Number of heads ``H``.
-    dropout : float, default 0
-        Dropout on the attention probabilities (training mode only).
-    bias : bool, default True
-        Biases on the value and output projections (never on queries and keys: unlike torch's ``bias``,
-        which also adds query/key biases).
-    add_bias_kv, add_zero_attn : bool, default False
-        Accepted for torch's signature; ``True`` raises ``ValueError`` (not implemented: both append an
-        extra key/value row to every sequence).
-    kdim, vdim : int, optional
-        Feature sizes of ``key`` and ``value`` (cross-attention); default ``embed_dim``. Key frames lie in
-        :math:`\mathrm{St}(\text{kdim}, r)`.
-    batch_first : bool, default False
-        ``True``: inputs and output are ``(batch, seq, features)``; ``False`` (torch's default):
-        ``(seq, batch, features)``.
-    device, dtype
-        Where and in which dtype the parameters live (default: torch's defaults).
-    head_dim : int, optional
-        ``Dh``; default ``embed_dim // num_heads`` (which must then divide exactly).
-    frames : {"head", "layer"}, default "head"
-        The frame granularity (:data:`~geoopt_stiefel_attention.nn.FRAME_GRANULARITIES`). ``"head"``: each
-        head's ``(d, Dh)`` block is one frame (needs ``Dh <= embed_dim, kdim``). ``"layer"``: the whole ``(d, H*Dh)`` projection is one frame, so heads are also mutually orthogonal
-        (needs ``H*Dh <= embed_dim, kdim``).
-    logit_gain : bool, default False
-        Learn a per-head logit gain :math:`e^{g_h}`. Orthonormal frames cannot scale the logits:
-        :math:`|q_h^\top k_h| \le \|x_q\|\,\|x_k\|` for every frame, so with LayerNorm'd inputs the attention
-        cannot sharpen beyond what the input norms allow, whereas a Euclidean ``W_Q`` can grow its singular
-        values. The gain restores that one degree of freedom per head; it is off by default so that the
-        module is a pure Stiefel constraint.
-    generator : torch.Generator, optional
-        Source of the initialisation (torch's global RNG if ``None``). Q, K, V and O are drawn in that order
-        from the Xavier-uniform law :math:`U(\pm\sqrt{6/(\text{fan_in}+\text{fan_out})})` of each
-        ``(fan_in, fan_out)`` projection; biases and log-gains start at 0. Both classes draw the same numbers.
-"""
 
 
 class StiefelMultiheadAttention(_FrameOwner, _MultiheadAttentionBase):
@@ -629,7 +540,7 @@ class StiefelMultiheadAttention(_FrameOwner, _MultiheadAttentionBase):
     ``.bfloat16()``) rounds them, which StiefelAdam's tolerance for that dtype accepts. A frame that was off
     the manifold before the cast is left as it is (see
     ``geoopt_stiefel_attention.integrations.casts.reproject_after_cast_``).
-""" + _LAYOUT_DOC + _CONSTRUCTOR_DOC + r"""
+""" + _docs.LAYOUT_DOC + _docs.CONSTRUCTOR_DOC + r"""
     Examples
     --------
     >>> import torch
@@ -741,7 +652,7 @@ class StiefelMultiheadAttention(_FrameOwner, _MultiheadAttentionBase):
                         ignore_batch_first=ignore_batch_first)
 
 
-_MultiheadAttentionBase.forward.__doc__ = _FORWARD_DOC
+_MultiheadAttentionBase.forward.__doc__ = _docs.FORWARD_DOC
 
 
 class EuclideanMultiheadAttention(_MultiheadAttentionBase):
@@ -750,7 +661,7 @@ class EuclideanMultiheadAttention(_MultiheadAttentionBase):
 
     Built from the same ``generator`` seed, it holds exactly the same ``w_v``, ``w_o``, biases and gains as
     the Stiefel module, and ``w_q``/``w_k`` whose polar factors are the Stiefel frames.
-""" + _LAYOUT_DOC + _CONSTRUCTOR_DOC + r"""
+""" + _docs.LAYOUT_DOC + _docs.CONSTRUCTOR_DOC + r"""
     Examples
     --------
     >>> import torch
@@ -760,6 +671,8 @@ class EuclideanMultiheadAttention(_MultiheadAttentionBase):
     >>> torch.equal(e.w_v, s.w_v), torch.equal(e.w_o, s.w_o)
     (True, True)
 """
+
+    _euclidean_by_design = True
 
     def _wrap_frame(self, w: Tensor) -> nn.Parameter:
         return nn.Parameter(w.clone())
@@ -816,211 +729,6 @@ class EuclideanMultiheadAttention(_MultiheadAttentionBase):
         return cls._build(config, weights, training=source.training)
 
 
-
-# ---------------------------------------------------------------------------------------------- parameters
-def decays_matrices(name: str, p: Tensor) -> bool:
-    """The default weight-decay rule of :func:`param_groups`: a non-frame parameter is decayed when it is a
-    matrix or higher (``p.ndim >= 2``), whatever its ``name``."""
-    return p.dim() >= 2
-
-
-def param_groups(model: nn.Module, weight_decay: float = 0.01, *, no_decay_frames: bool = True,
-                 expect_frames: bool = True, adjust_lr_fn: str | None = None,
-                 decay: Callable[[str, Tensor], bool] = decays_matrices, drop_empty: bool = False) -> list[dict]:
-    r"""Split the trainable parameters of ``model`` into three optimizer groups.
-
-    The one function that groups parameters for the optimizer: the studies call it too, with their own
-    ``decay`` rule (the language-model study keeps its token and position embeddings out of decay).
-
-    1. ``"frames"``: every parameter for which :func:`~geoopt_stiefel_attention.is_frame` holds
-       (:class:`geoopt.ManifoldParameter` s on a Stiefel manifold: :class:`~geoopt_stiefel_attention.PolarStiefel`,
-       geoopt's ``EuclideanStiefel``, and geoopt's canonical-metric ``Stiefel()``, which
-       :class:`~geoopt_stiefel_attention.StiefelAdam` refuses, naming the fix), ``weight_decay=0`` (with
-       ``no_decay_frames=True``). For a Riemannian optimizer decay on a frame is a no-op anyway:
-       :math:`P_W(\lambda W) = \lambda (W - W\operatorname{sym}(W^\top W)) = 0`.
-    2. ``"decay"``: every other parameter for which ``decay(name, p)`` holds; by default
-       (:func:`decays_matrices`) those with ``ndim >= 2`` (linear/attention/convolution weights,
-       token and position embeddings, class tokens, the unembedding), ``weight_decay=weight_decay``. As in
-       nanoGPT, embeddings are decayed by default: the weight-decay-driven dynamics the experiments study act
-       on them.
-    3. ``"no_decay"``: the rest (by default parameters with ``ndim < 2``: biases, LayerNorm weights and biases,
-       logit gains), ``weight_decay=0``.
-
-    Each group is a dict with ``"name"``, ``"params"`` and ``"weight_decay"``; all three are present
-    (possibly with an empty ``params`` list, e.g. ``"frames"`` for a Euclidean model) unless ``drop_empty``. A model without
-    frames gets a ``UserWarning`` (``StiefelAdam`` would then train it as plain AdamW: call
-    :func:`~geoopt_stiefel_attention.stiefelize` first) unless ``expect_frames=False`` or the model is
-    built from :class:`EuclideanMultiheadAttention` (the Euclidean arm of a paired experiment, by design).
-    A trainable :class:`geoopt.ManifoldParameter` on another manifold (``geoopt.Sphere()``, ...) is grouped as a
-    Euclidean parameter, by ``decay``, with a ``UserWarning`` naming it and its manifold: ``StiefelAdam`` refuses
-    it, and a Euclidean optimizer such as :class:`torch.optim.AdamW` would move it off its manifold (train it
-    with ``geoopt.optim.RiemannianAdam``, or recreate it on
-    :class:`~geoopt_stiefel_attention.PolarStiefel` if it holds frames). Parameters with
-    ``requires_grad=False`` are left out; parameters shared between modules appear once. A model with no
-    trainable parameter at all raises ``ValueError`` (every group would be empty, and a stock optimizer such as
-    :class:`torch.optim.AdamW` accepts empty groups and trains nothing).
-
-    The groups suit :class:`~geoopt_stiefel_attention.StiefelAdam` (frames get the Riemannian update,
-    the rest AdamW) and stock optimizers such as :class:`torch.optim.AdamW`, which train the frames as plain
-    matrices: they leave the manifold, which is what a "Euclidean update of the same parameters" ablation
-    wants and otherwise is a mistake.
-
-    Parameters
-    ----------
-    model : nn.Module
-    weight_decay : float, default 0.01
-        Decoupled weight decay of the ``"decay"`` group (``>= 0``).
-    no_decay_frames : bool, default True
-        ``False`` gives the frames ``weight_decay`` too (a no-op under StiefelAdam, a real decay under AdamW).
-    expect_frames : bool, default True
-        Warn when the model holds no frame, trainable or frozen (and no
-        :class:`EuclideanMultiheadAttention`); pass ``False`` for another Euclidean baseline.
-    adjust_lr_fn : {"original", "match_rms_adamw"} or None, default None
-        Written into the ``"frames"`` group when given: what ``lr`` means for each ``d x r`` frame under
-        :class:`~geoopt_stiefel_attention.StiefelAdam`. ``"match_rms_adamw"`` multiplies the frame's step by
-        :math:`\sqrt{d r}`, so the model's AdamW learning rate moves a frame as much per step as AdamW would
-        move the same block; ``"original"`` is the paper's step, :math:`\|s\|_F \approx \mathrm{lr}` (see
-        :func:`~geoopt_stiefel_attention.frame_step_scale`). The trust radius :math:`\Delta` is not scaled:
-        under either rule it caps :math:`\|s\|_F \le \Delta` in the frame's own units, and only the value of
-        ``trust_region="auto"`` depends on the rule (1 under ``"match_rms_adamw"``, 0.1 under ``"original"``;
-        see :func:`~geoopt_stiefel_attention.optim.trust_radius`). ``None``: the optimizer's own default
-        (``"match_rms_adamw"`` for :class:`~geoopt_stiefel_attention.StiefelAdam`).
-    decay : callable ``(name, parameter) -> bool``, default :func:`decays_matrices`
-        Which non-frame parameters get ``weight_decay``; ``name`` is the parameter's name in
-        ``model.named_parameters()``.
-    drop_empty : bool, default False
-        Leave out groups without parameters.
-
-    Returns
-    -------
-    list of dict
-        ``[frames, decay, no_decay]`` in that order (without the empty ones if ``drop_empty``).
-
-    Examples
-    --------
-    >>> from geoopt_stiefel_attention import StiefelAdam, TinyTransformer, param_groups
-    >>> model = TinyTransformer(11, 4, width=16, heads=2, mlp=32, attention="stiefel")
-    >>> [(g["name"], len(g["params"])) for g in param_groups(model)]
-    [('frames', 2), ('decay', 7), ('no_decay', 10)]
-    >>> opt = StiefelAdam(param_groups(model, weight_decay=0.1), lr=1e-3)
-    """
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not (
-            weight_decay >= 0 and math.isfinite(weight_decay)):
-        raise ValueError(f"param_groups: weight_decay={weight_decay!r} is invalid; pass a finite float >= 0.")
-    if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"param_groups: adjust_lr_fn={adjust_lr_fn!r} is unknown; pass one of {ADJUST_LR_FNS} "
-                         f"or None (the optimizer's default).")
-    for flag, value in (("no_decay_frames", no_decay_frames), ("expect_frames", expect_frames),
-                        ("drop_empty", drop_empty)):
-        if not isinstance(value, bool):
-            raise TypeError(f"param_groups: {flag}={value!r} is invalid; pass True or False.")
-    if not callable(decay):
-        raise TypeError(f"param_groups: decay={decay!r} is not callable; pass a function (name, parameter) -> "
-                        f"bool, e.g. the default decays_matrices.")
-    frames, decayed, no_decay = [], [], []
-    frozen = 0
-    other_manifold = []  # (name, manifold, group) of trainable parameters on a manifold that is not Stiefel
-    for name, p in model.named_parameters():
-        if flattened_by_fsdp1(p):
-            raise NotImplementedError(f"param_groups: {name!r} {tuple(p.shape)} holds frames: {FSDP1_REFUSAL}.")
-        if not p.requires_grad:
-            frozen += 1
-            continue
-        if is_frame(p):
-            frames.append(p)
-            continue
-        group = "decay" if decay(name, p) else "no_decay"
-        (decayed if group == "decay" else no_decay).append(p)
-        if has_manifold(p):
-            other_manifold.append((name, p.manifold, group))
-    if not (frames or decayed or no_decay):
-        held = f"its {frozen} parameter(s) all have requires_grad=False" if frozen else "it holds no parameter"
-        raise ValueError(f"param_groups: {type(model).__name__} has no trainable parameter ({held}), so every group "
-                         f"would be empty and an optimizer built from them would train nothing; unfreeze what "
-                         f"should train (requires_grad_(True)) or build no optimizer.")
-    explicit_euclidean = any(isinstance(m, EuclideanMultiheadAttention) for m in model.modules())
-    holds_frames = bool(frames) or any(is_frame(p) for p in model.parameters())  # frozen frames are deliberate
-    if expect_frames and not holds_frames and not explicit_euclidean:
-        warnings.warn(f"param_groups: {type(model).__name__} has no Stiefel frame, so StiefelAdam "
-                      f"would train every parameter as plain AdamW. Call stiefelize(model) first (it raises when "
-                      f"it finds no attention), or pass expect_frames=False for a Euclidean baseline.",
-                      UserWarning, stacklevel=2)
-    if other_manifold:
-        listed = ", ".join(f"{name!r} (on {manifold!r}, in {group!r})" for name, manifold, group in other_manifold)
-        warnings.warn(f"param_groups: {listed}: geoopt.ManifoldParameter(s) on a manifold other than Stiefel, "
-                      f"grouped as Euclidean parameters, which torch.optim.AdamW would train off their manifold "
-                      f"without a word (StiefelAdam refuses them); train them with geoopt.optim.RiemannianAdam, "
-                      f"or recreate them on geoopt_stiefel_attention.PolarStiefel() if they are Stiefel frames "
-                      f"(a unit vector is a (d, 1) frame).", UserWarning, stacklevel=2)
-    wd = float(weight_decay)
-    frame_group = {"name": "frames", "params": frames, "weight_decay": 0.0 if no_decay_frames else wd}
-    if adjust_lr_fn is not None:
-        frame_group["adjust_lr_fn"] = adjust_lr_fn
-    groups = [
-        frame_group,
-        {"name": "decay", "params": decayed, "weight_decay": wd},
-        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
-    ]
-    return [g for g in groups if g["params"]] if drop_empty else groups
-
-
-def frame_parameters(model: nn.Module) -> list[geoopt.ManifoldParameter]:
-    """Every frame of ``model`` (:func:`~geoopt_stiefel_attention.is_frame`; frozen ones included), in
-    ``model.parameters()`` order: the library's own modules' ``w_q``/``w_k`` and the frames created by
-    :func:`~geoopt_stiefel_attention.stiefelize`.
-
-    Parameters
-    ----------
-    model : nn.Module
-        Any model.
-
-    Returns
-    -------
-    list of geoopt.ManifoldParameter
-        Its frames (empty when it has none).
-    """
-    return [p for p in model.parameters() if is_frame(p)]
-
-
-@torch.no_grad()
-def project_frames_(model: nn.Module) -> int:
-    r"""Replace every trainable or frozen frame of ``model`` by its polar factor, in place: the closest frame in
-    Frobenius norm,
-
-    .. math::
-
-        W \leftarrow U V^\top, \qquad W = U \Sigma V^\top \ \text{(thin SVD)},
-
-    computed in float64 and rounded to the frame's dtype. For frames that left the manifold on purpose, above all an
-    average of frames: an EMA or ``torch.optim.swa_utils.AveragedModel`` of a model's parameters averages each
-    frame's entries, and a mean of orthonormal frames is not orthonormal (the polar factor of the mean is the
-    usual extrinsic mean on the Stiefel manifold). Call it after each update of the average, e.g.
-    ``ema.update_parameters(model); project_frames_(ema)``. The parameter objects are kept; sharded (``DTensor``)
-    frames are projected shard by shard (each shard holds whole frames), meta and empty ones are skipped.
-
-    Parameters
-    ----------
-    model : nn.Module
-        Any model; its frames are :func:`frame_parameters`.
-
-    Returns
-    -------
-    int
-        The number of frame tensors projected.
-    """
-    from ._linalg import polar_svd
-    from .distributed import local_tensor
-
-    done = 0
-    for p in frame_parameters(model):
-        local = local_tensor(p)
-        if local.device.type == "meta" or local.numel() == 0:
-            continue
-        local.copy_(polar_svd(local.double()).to(local.dtype))
-        done += 1
-    return done
-
-
 def query_key_projections(model: nn.Module) -> list[tuple[str, Tensor, Tensor]]:
     """``(module path, w_q, w_k)`` for every attention module of ``model`` with separate query/key tensors,
     in ``named_modules()`` order: :class:`StiefelMultiheadAttention` and :class:`EuclideanMultiheadAttention`
@@ -1066,11 +774,6 @@ def _convert(cls: type, source: nn.Module, *, frames: str | None, logit_gain: bo
     return cls._build(config, weights, training=source.training)
 
 
-def _t(w: Tensor) -> Tensor:
-    """A contiguous copy of the transpose (``.t().clone()`` would keep the transposed strides)."""
-    return w.detach().t().clone(memory_format=torch.contiguous_format)
-
-
 def _source_parts(source: nn.Module, *, drop_qk_bias: bool, ignore_batch_first: bool,
                   path: str | None = None) -> tuple[dict[str, Any], dict[str, Tensor | None]]:
     """Configuration and flat weights of a module that can be converted; ``ValueError`` naming why not."""
@@ -1083,36 +786,5 @@ def _source_parts(source: nn.Module, *, drop_qk_bias: bool, ignore_batch_first: 
     if not isinstance(source, nn.MultiheadAttention):
         raise TypeError(f"{where}({type(source).__name__}) is not an nn.MultiheadAttention or an "
                         f"EuclideanMultiheadAttention; nothing to convert.")
-    name = f"{where}(nn.MultiheadAttention)"
-    if source.bias_k is not None or source.bias_v is not None:
-        raise ValueError(f"{name} has add_bias_kv=True (learned extra key/value rows), which the Stiefel "
-                         f"module does not implement; build the model without add_bias_kv, or keep the torch "
-                         f"module and use stiefelize(model).")
-    if source.add_zero_attn:
-        raise ValueError(f"{name} has add_zero_attn=True, which the Stiefel module does not implement; build "
-                         f"the model without add_zero_attn, or keep the torch module and use stiefelize(model).")
-    e, h = source.embed_dim, source.num_heads
-    with torch.no_grad():
-        if source._qkv_same_embed_dim:
-            wq, wk, wv = source.in_proj_weight.detach().chunk(3, dim=0)
-        else:
-            wq, wk, wv = (source.q_proj_weight.detach(), source.k_proj_weight.detach(),
-                          source.v_proj_weight.detach())
-        b_v = b_o = None
-        if source.in_proj_bias is not None:
-            b_q, _b_k, b_v = source.in_proj_bias.detach().chunk(3)
-            if not drop_qk_bias and bool((b_q != 0).any()):
-                raise ValueError(
-                    f"{name} has a non-zero query bias (max |b_Q| = {float(b_q.abs().max()):.3g}); the Stiefel "
-                    f"module has no query/key biases and dropping b_Q changes the attention. Pass "
-                    f"drop_qk_bias=True to drop it anyway (the key bias is always dropped: it is "
-                    f"softmax-invariant).")
-            b_v = b_v.clone()
-            b_o = source.out_proj.bias.detach().clone() if source.out_proj.bias is not None else torch.zeros_like(b_v)
-        weights = {"q": _t(wq), "k": _t(wk), "v": _t(wv), "o": _t(source.out_proj.weight), "b_v": b_v,
-                   "b_o": b_o, "gain": None}
-    config = dict(embed_dim=e, num_heads=h, head_dim=e // h, dropout=float(source.dropout),
-                  bias=source.in_proj_bias is not None, kdim=source.kdim, vdim=source.vdim,
-                  batch_first=bool(source.batch_first or ignore_batch_first), frames="head", logit_gain=False)
-    return config, weights
-
+    return _torch_mha.torch_mha_parts(source, name=f"{where}(nn.MultiheadAttention)", drop_qk_bias=drop_qk_bias,
+                                      ignore_batch_first=ignore_batch_first)
