@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -36,18 +35,15 @@ _local = _distributed.local_tensor  # a DTensor's local shard (whole frames; see
 __all__ = ["FrameOptimizer"]
 
 
-def _finite_flags(norms: list[torch.Tensor]) -> list[bool]:
-    """Whether each of ``norms`` (0-dim tensors) is finite, read on the host once per device."""
+def _nonfinite(norms: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """Whether the square of each gradient norm of ``norms`` (0-dim tensors) is not finite (a NaN or Inf entry, or an
+    overflow: what a frame's squared norm ``||xi||_F^2`` is held to): per device, the positions in ``norms`` and a
+    bool tensor of their flags, computed on the device (no host read)."""
     by_device: dict[torch.device, list[int]] = defaultdict(list)
     for i, n in enumerate(norms):
         by_device[n.device].append(i)
-    flags = [True] * len(norms)
-    for indices in by_device.values():
-        values = torch.stack([norms[i] for i in indices]).isfinite()
-        if not bool(values.all()):
-            for i, ok in zip(indices, values.tolist(), strict=True):
-                flags[i] = ok
-    return flags
+    return [(indices, torch.stack([norms[i] for i in indices]).square_().isfinite().logical_not_())
+            for indices in by_device.values()]
 
 
 class FrameOptimizer:
@@ -404,32 +400,36 @@ class FrameOptimizer:
             counters.append(counter)
         lists = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps]
         live = [i for i, g in enumerate(grads) if g.numel()]  # an empty tensor has no entry to be non-finite
-        norms = torch._foreach_norm([grads[i] for i in live], math.inf) if live else []  # max |g|: NaN stays NaN
+        flags = _nonfinite(torch._foreach_norm([grads[i] for i in live])) if live else []
         if not _capturable(group, params[0].device) and not torch.compiler.is_compiling():
-            finite = _finite_flags(norms)  # free on the CPU, one synchronisation elsewhere
-            if not all(finite):
-                bad = {live[j] for j, ok in enumerate(finite) if not ok}
-                for i in bad:
+            # one host read per device (free on the CPU, one synchronisation elsewhere), then AdamW on the others
+            skip = {live[indices[j]] for indices, bad in flags if bool(bad.any())
+                    for j, flag in enumerate(bad.tolist()) if flag}
+            if skip:
+                for i in skip:
                     counters[i].add_(1)
-                self.__dict__.setdefault("_skip_log", []).append([params[i] for i in sorted(bad)])
-                lists = [[t for i, t in enumerate(lst) if i not in bad] if lst else lst for lst in lists]
+                self.__dict__.setdefault("_skip_log", []).append([params[i] for i in sorted(skip)])
+                lists = [[t for i, t in enumerate(lst) if i not in skip] for lst in lists]
                 if not lists[0]:
                     return
             self._adamw(group, *lists)
             return
-        # on the device: no host read (capturable steps, CUDA graphs, torch.compile)
-        bad = [torch.isfinite(n).logical_not_() for n in norms]
+        # on the device, no host read (capturable steps, CUDA graphs, torch.compile): values and moments copied
+        # before the step and put back where the gradient was not finite; the step count taken back by one
+        bad = [None] * len(live)
+        for indices, stack in flags:
+            for j, flag in zip(indices, stack.unbind(0), strict=True):
+                bad[j] = flag
         restored = [lst for lst in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) if lst]
         saved = [[lst[i].clone() for i in live] for lst in restored]
         self._adamw(group, *lists)
         for lst, copies in zip(restored, saved, strict=True):
-            for i, old, b in zip(live, copies, bad, strict=True):
-                lst[i].copy_(torch.where(b, old, lst[i]))
+            for i, old, flag in zip(live, copies, bad, strict=True):
+                torch.where(flag, old, lst[i], out=lst[i])
         if live:
-            flags = [b.to(torch.int64) for b in bad]
-            torch._foreach_sub_([steps[i] for i in live], [f.to(steps[i].device, steps[i].dtype)
-                                                           for i, f in zip(live, flags, strict=True)])
-            torch._foreach_add_([counters[i] for i in live], flags)
+            torch._foreach_sub_([steps[i] for i in live],
+                                [flag.to(steps[i].device, steps[i].dtype) for i, flag in zip(live, bad, strict=True)])
+            torch._foreach_add_([counters[i] for i in live], [flag.to(torch.int64) for flag in bad])
 
     def _adamw(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
                exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor],
