@@ -373,10 +373,13 @@ class FrameOptimizer:
         that frames follow: a parameter whose gradient has a NaN or Inf entry is skipped as a whole (its value, its
         moments and its step count stay as they were) and counted in its ``state["skipped_frames"]``.
 
-        On a step that may read the host (not capturable, not traced by torch.compile) one flag per parameter is
-        read (free on the CPU, one synchronisation elsewhere) and torch's AdamW runs on the others; otherwise the
-        skip is made on the device: the values and moments are copied before the step and put back where the
-        gradient was not finite, with no host read."""
+        The criterion is the frames': the squared norm of the gradient is not finite (a NaN or Inf entry, or an
+        overflow). Outside torch.compile, on the CPU (where torch's AdamW reads its step counts on the host anyway)
+        or outside capturable mode, the flags are read on the host (free on the CPU, one synchronisation on an
+        accelerator) and torch's AdamW runs on the other parameters. On an accelerator in capturable mode, and
+        under torch.compile, the skip is made on the device with no host read: the values and moments are copied
+        before torch's AdamW runs and put back where the gradient was not finite, and the step counts taken back
+        by one (the copies cost one extra pass over those tensors and their memory during the step)."""
         grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, counters = [], [], [], [], [], []
         amsgrad = group["amsgrad"]
         for p in params:
@@ -401,14 +404,18 @@ class FrameOptimizer:
         lists = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps]
         live = [i for i, g in enumerate(grads) if g.numel()]  # an empty tensor has no entry to be non-finite
         flags = _nonfinite(torch._foreach_norm([grads[i] for i in live])) if live else []
-        if not _capturable(group, params[0].device) and not torch.compiler.is_compiling():
-            # one host read per device (free on the CPU, one synchronisation elsewhere), then AdamW on the others
+        device = params[0].device
+        capturable = _capturable(group, device)
+        if not torch.compiler.is_compiling() and (device.type in _linalg.HOST_READ_DEVICES or not capturable):
+            # the flags read on the host (free on the CPU, whose AdamW step reads its step counts anyway; one
+            # synchronisation on an accelerator outside capturable mode), then AdamW on the others
             skip = {live[indices[j]] for indices, bad in flags if bool(bad.any())
                     for j, flag in enumerate(bad.tolist()) if flag}
             if skip:
                 for i in skip:
                     counters[i].add_(1)
-                self.__dict__.setdefault("_skip_log", []).append([params[i] for i in sorted(skip)])
+                if not capturable:  # said where frames say it: the default step, not the capturable one
+                    self.__dict__.setdefault("_skip_log", []).append([params[i] for i in sorted(skip)])
                 lists = [[t for i, t in enumerate(lst) if i not in skip] for lst in lists]
                 if not lists[0]:
                     return

@@ -3,7 +3,8 @@ checks and casts of :meth:`StiefelAdam.load_state_dict <geoopt_stiefel_attention
 
 A frame parameter ``(..., d, r)`` has ``step`` (float32 scalar; on the CPU unless capturable), ``exp_avg``
 ``(..., d, r)``, ``exp_avg_sq`` at its true shape (``(..., 1, 1)`` for one second moment per frame),
-``skipped_frames`` (int64) and, with ``master_weights`` for bf16/fp16 frames, a float32 ``master``.
+``skipped_frames`` (int64) and, with ``master_weights`` for bf16/fp16 frames, a float32 ``master``. Every other
+parameter has torch's AdamW state and ``skipped_frames`` too, the steps it was skipped for a non-finite gradient.
 """
 
 from __future__ import annotations

@@ -166,7 +166,12 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
       sparse and complex gradients are refused before anything changes, with the same checks and messages as
       :class:`~geoopt_stiefel_attention.StiefelAdam`, whose base it shares.
     - A frame whose gradient has a NaN or Inf entry is skipped for that step and counted in
-      ``state["skipped_frames"]``.
+      ``state["skipped_frames"]``; so is, as a whole, any other parameter whose gradient has one (its value,
+      moments and step count unchanged). The default step warns once per parameter, naming it; the capturable
+      step counts on the device without a warning.
+    - The options both optimizers have are checked by one table, before anything moves: the same value gets
+      the same answer and words as in :class:`~geoopt_stiefel_attention.StiefelAdam` (a bool is not a number:
+      ``weight_decay=True`` is refused by both; a tensor ``lr`` with ``foreach=True`` too, as by torch's AdamW).
     - The direction is exact to the solver's tolerance, not to rounding, and the default setting
       (``dual_steps=10, ns_steps=8``) was chosen on Gaussian momenta, where it is within 1e-3 of the optimum
       (``geoopt_stiefel_attention.analysis`` certifies this against an independent solver). **Momenta whose
