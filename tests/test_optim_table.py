@@ -837,3 +837,39 @@ def test_stiefel_muon_update_refuses_a_bad_value_by_name(option, value):
     kw = dict(lr=0.05, momentum=0.95, nesterov=True, iterations=5) | {option: value}
     with pytest.raises(ValueError, match=f"stiefel_muon_update: {option}={value!r} is "):
         stiefel_muon_update(w0, torch.randn_like(w0), torch.zeros_like(w0), **kw)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("path", ["default", "device"])
+def test_a_sharded_parameter_that_is_not_a_frame_is_skipped_whole_like_a_plain_one(monkeypatch, one_rank_group, name,
+                                                                                   path):
+    """A sharded (DTensor) bias with a NaN in its gradient takes the decision of the whole parameter (its squared
+    norm summed over the mesh: one collective, so that every rank of a real mesh agrees) and is skipped like its
+    plain twin, on the default path and on the device path; the run then goes on like the twin's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from geoopt_stiefel_attention import _linalg
+    from geoopt_stiefel_attention.distributed import declare_sharded_euclidean
+
+    if path == "device":
+        monkeypatch.setattr(_linalg, "HOST_READ_DEVICES", frozenset())
+    mesh = init_device_mesh("cpu", (1,))
+    value = torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    sharded = torch.nn.Parameter(distribute_tensor(value.clone(), mesh, [Shard(0)]))
+    declare_sharded_euclidean([sharded])
+    plain = torch.nn.Parameter(value.clone())
+    w_s, w_p = _frame(), _frame()
+    opts = [_make(name, [w, b], capturable=path == "device") for w, b in ((w_s, sharded), (w_p, plain))]
+    grads = _grads((6,), 3, seed=5)
+    grads[1][4] = float("nan")
+    for t, g in enumerate(grads):
+        g_w = _grads(w_s.shape, 1, seed=20 + t)[0]
+        sharded.grad, plain.grad = distribute_tensor(g.clone(), mesh, [Shard(0)]), g.clone()
+        w_s.grad, w_p.grad = g_w.clone(), g_w.clone()
+        for opt in opts:
+            opt.step()
+        if t == 1:
+            assert torch.equal(sharded.full_tensor(), plain.detach()) and int(opts[0].state[sharded]["step"]) == 1
+    assert torch.equal(sharded.full_tensor(), plain.detach()) and not torch.equal(plain.detach(), value)
+    assert int(opts[0].state[sharded]["skipped_frames"]) == int(opts[1].state[plain]["skipped_frames"]) == 1

@@ -35,14 +35,33 @@ _local = _distributed.local_tensor  # a DTensor's local shard (whole frames; see
 __all__ = ["FrameOptimizer"]
 
 
-def _nonfinite(norms: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
-    """Whether the square of each gradient norm of ``norms`` (0-dim tensors) is not finite (a NaN or Inf entry, or an
-    overflow: what a frame's squared norm ``||xi||_F^2`` is held to): per device, the positions in ``norms`` and a
-    bool tensor of their flags, computed on the device (no host read)."""
+def _squared_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The squared Frobenius norm of each gradient, a plain 0-dim tensor on its device (no host read). A sharded
+    (``DTensor``) gradient's is summed over the ranks of its mesh, one collective per mesh for all of them, so that
+    every rank takes the same decision for the whole parameter (its value is exact for finiteness, which is what
+    it is read for: a replicated gradient's is counted once per rank)."""
+    squares = [n.square() for n in torch._foreach_norm([_local(g) for g in grads])]
+    meshes: dict[int, tuple[Any, list[int]]] = {}
+    for i, g in enumerate(grads):
+        if _distributed.is_sharded(g):
+            meshes.setdefault(id(g.device_mesh), (g.device_mesh, []))[1].append(i)
+    for mesh, indices in meshes.values():
+        summed = torch.stack([squares[i] for i in indices])
+        for dim in range(mesh.ndim):
+            torch.distributed.all_reduce(summed, group=mesh.get_group(dim))
+        for i, value in zip(indices, summed.unbind(0), strict=True):
+            squares[i] = value
+    return squares
+
+
+def _nonfinite(squares: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """Whether each of the gradients' squared norms ``squares`` (0-dim tensors) is not finite (a NaN or Inf entry,
+    or an overflow: what a frame's squared norm ``||xi||_F^2`` is held to): per device, the positions in ``squares``
+    and a bool tensor of their flags, computed on the device (no host read)."""
     by_device: dict[torch.device, list[int]] = defaultdict(list)
-    for i, n in enumerate(norms):
+    for i, n in enumerate(squares):
         by_device[n.device].append(i)
-    return [(indices, torch.stack([norms[i] for i in indices]).square_().isfinite().logical_not_())
+    return [(indices, torch.stack([squares[i] for i in indices]).isfinite().logical_not_())
             for indices in by_device.values()]
 
 
@@ -403,7 +422,7 @@ class FrameOptimizer:
             counters.append(counter)
         lists = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps]
         live = [i for i, g in enumerate(grads) if g.numel()]  # an empty tensor has no entry to be non-finite
-        flags = _nonfinite(torch._foreach_norm([grads[i] for i in live])) if live else []
+        flags = _nonfinite(_squared_norms([grads[i] for i in live])) if live else []
         device = params[0].device
         capturable = _capturable(group, device)
         if not torch.compiler.is_compiling() and (device.type in _linalg.HOST_READ_DEVICES or not capturable):
@@ -427,12 +446,13 @@ class FrameOptimizer:
         for indices, stack in flags:
             for j, flag in zip(indices, stack.unbind(0), strict=True):
                 bad[j] = flag
-        restored = [lst for lst in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) if lst]
-        saved = [[lst[i].clone() for i in live] for lst in restored]
+        restored = [[_local(lst[i]) for i in live] for lst in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
+                    if lst]  # a sharded parameter's shard (every rank took the same decision)
+        saved = [[t.clone() for t in lst] for lst in restored]
         self._adamw(group, *lists)
         for lst, copies in zip(restored, saved, strict=True):
-            for i, old, flag in zip(live, copies, bad, strict=True):
-                torch.where(flag, old, lst[i], out=lst[i])
+            for t, old, flag in zip(lst, copies, bad, strict=True):
+                torch.where(flag, old, t, out=t)
         if live:
             torch._foreach_sub_([steps[i] for i in live],
                                 [flag.to(steps[i].device, steps[i].dtype) for i, flag in zip(live, bad, strict=True)])
