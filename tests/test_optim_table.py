@@ -449,6 +449,8 @@ WRITTEN_LATER = {
     "differentiable": ({}, {"differentiable": True}, r"differentiable=True is not supported"),
     "L2 penalty": ({}, {"decoupled_weight_decay": False}, r"decoupled_weight_decay=False is not supported"),
     "bool weight decay": ({}, {"weight_decay": True}, r"weight_decay=True is invalid"),
+    "amsgrad switched on": ({}, {"amsgrad": True}, r"a parameter that is not a frame \(shape \(4,\), group 0\) has "
+                                                  r"optimizer state without \['max_exp_avg_sq'\]"),
 }
 
 

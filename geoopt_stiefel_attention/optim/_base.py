@@ -360,8 +360,10 @@ class FrameOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self._check_frames_still_held()
-        if _parametrize._cache_enabled and not torch.compiler.is_compiling():
-            self._warn_cached()
+        if not torch.compiler.is_compiling():
+            self.__dict__.pop("_skip_log", None)  # what a step that raised midway may have left
+            if _parametrize._cache_enabled:
+                self._warn_cached()
         split = _validation.validate_step(self.param_groups, self.state, self._NAME, self._validate_group,
                                           self._check_frame_state)
         for k, (group, (frames, _)) in enumerate(zip(self.param_groups, split, strict=True)):

@@ -201,10 +201,11 @@ def _validate_hyperparameters(group: dict[str, Any]) -> None:
 
 def check_euclidean_step(group: dict[str, Any], k: int, params: list[torch.Tensor], owner: str,
                          state: dict[torch.Tensor, Any] | None = None) -> None:
-    """Refuse, before anything changes, what torch's AdamW would refuse inside its step for group ``k``'s
-    parameters that are not frames (``params``): a tensor ``lr`` with ``foreach=True`` for a parameter on a device
-    where torch's AdamW has no capturable step (the CPU: its foreach step refuses the tensor), and a step count on
-    another device than its parameter where torch's AdamW runs capturable (it asserts both on one device)."""
+    """Refuse, before anything changes, what torch's AdamW would refuse or fail on inside its step for group
+    ``k``'s parameters that are not frames (``params``): a tensor ``lr`` with ``foreach=True`` for a parameter on a
+    device where torch's AdamW has no capturable step (the CPU: its foreach step refuses the tensor), state without
+    an entry it reads (``max_exp_avg_sq`` when ``amsgrad`` was switched on after the first step), and a step count
+    on another device than its parameter where torch's AdamW runs capturable (it asserts both on one device)."""
     lr = group.get("lr")
     tensor_lr_foreach = isinstance(lr, torch.Tensor) and group.get("foreach")
     for p in params:
@@ -214,6 +215,14 @@ def check_euclidean_step(group: dict[str, Any], k: int, params: list[torch.Tenso
                 f"frame (shape {tuple(p.shape)}) on {p.device.type}, where torch's AdamW has no capturable step, so "
                 f"its foreach step would refuse the tensor lr. Pass foreach=None (or False) or a float lr.")
         st = state.get(p) if state is not None else None
+        if st:
+            needed = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+            missing = [key for key in needed if not isinstance(st.get(key), torch.Tensor)]
+            if missing:
+                raise ValueError(
+                    f"{owner}: a parameter that is not a frame (shape {tuple(p.shape)}, group {k}) has optimizer "
+                    f"state without {missing}, which torch's AdamW reads (amsgrad switched on after its first "
+                    f"step?). Restore the option, or restart its moments with optimizer.state[p].clear().")
         step = st.get("step") if st else None
         if isinstance(step, torch.Tensor) and _torch_capturable(group, p.device) and step.device != p.device:
             raise ValueError(
