@@ -40,11 +40,11 @@ def _squared_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     (``DTensor``) gradient's is summed over the ranks of its mesh, one collective per mesh for all of them, so that
     every rank takes the same decision for the whole parameter (its value is exact for finiteness, which is what
     it is read for: a replicated gradient's is counted once per rank)."""
-    squares = [n.square() for n in torch._foreach_norm([_local(g) for g in grads])]
+    sharded = [i for i, g in enumerate(grads) if _distributed.is_sharded(g)]
+    squares = [n.square() for n in torch._foreach_norm([_local(g) for g in grads] if sharded else grads)]
     meshes: dict[int, tuple[Any, list[int]]] = {}
-    for i, g in enumerate(grads):
-        if _distributed.is_sharded(g):
-            meshes.setdefault(id(g.device_mesh), (g.device_mesh, []))[1].append(i)
+    for i in sharded:
+        meshes.setdefault(id(grads[i].device_mesh), (grads[i].device_mesh, []))[1].append(i)
     for mesh, indices in meshes.values():
         summed = torch.stack([squares[i] for i in indices])
         for dim in range(mesh.ndim):

@@ -208,6 +208,7 @@ def check_euclidean_step(group: dict[str, Any], k: int, params: list[torch.Tenso
     on another device than its parameter where torch's AdamW runs capturable (it asserts both on one device)."""
     lr = group.get("lr")
     tensor_lr_foreach = isinstance(lr, torch.Tensor) and group.get("foreach")
+    needed = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
     for p in params:
         if tensor_lr_foreach and not _torch_capturable(group, p.device):
             raise ValueError(
@@ -215,16 +216,16 @@ def check_euclidean_step(group: dict[str, Any], k: int, params: list[torch.Tenso
                 f"frame (shape {tuple(p.shape)}) on {p.device.type}, where torch's AdamW has no capturable step, so "
                 f"its foreach step would refuse the tensor lr. Pass foreach=None (or False) or a float lr.")
         st = state.get(p) if state is not None else None
-        if st:
-            needed = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
-            missing = [key for key in needed if not isinstance(st.get(key), torch.Tensor)]
-            if missing:
-                raise ValueError(
-                    f"{owner}: a parameter that is not a frame (shape {tuple(p.shape)}, group {k}) has optimizer "
-                    f"state without {missing}, which torch's AdamW reads (amsgrad switched on after its first "
-                    f"step?). Restore the option, or restart its moments with optimizer.state[p].clear().")
-        step = st.get("step") if st else None
-        if isinstance(step, torch.Tensor) and _torch_capturable(group, p.device) and step.device != p.device:
+        if not st:
+            continue
+        missing = [key for key in needed if not isinstance(st.get(key), torch.Tensor)]
+        if missing:
+            raise ValueError(
+                f"{owner}: a parameter that is not a frame (shape {tuple(p.shape)}, group {k}) has optimizer "
+                f"state without {missing}, which torch's AdamW reads (amsgrad switched on after its first "
+                f"step?). Restore the option, or restart its moments with optimizer.state[p].clear().")
+        step = st["step"]
+        if step.device != p.device and _torch_capturable(group, p.device):
             raise ValueError(
                 f"{owner}: a parameter that is not a frame (shape {tuple(p.shape)}, on {p.device}) has its step count "
                 f"on {step.device} while its group (group {k}) is capturable, where torch's AdamW needs both on one "
