@@ -517,12 +517,15 @@ def test_a_step_count_off_its_parameters_device_on_torchs_capturable_path_is_ref
     monkeypatch.setattr(_state, "TORCH_CAPTURABLE_DEVICES", ("cpu",))
     b = torch.nn.Parameter(torch.ones(3))
     group = {"params": [b], "lr": 0.1, "capturable": True}
+
+    def state(device):
+        return {b: {"step": torch.zeros((), device=device), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}}
+
     with pytest.raises(ValueError, match=r"StiefelMuon: a parameter that is not a frame.*step count on meta.*"
                                          r"optimizer.load_state_dict\(optimizer.state_dict\(\)\)"):
-        _validation.check_euclidean_step(group, 0, [b], "StiefelMuon", {b: {"step": torch.zeros((), device="meta")}})
-    _validation.check_euclidean_step(group, 0, [b], "StiefelMuon", {b: {"step": torch.zeros(())}})  # companion
-    _validation.check_euclidean_step({**group, "capturable": False}, 0, [b], "StiefelMuon",
-                                     {b: {"step": torch.zeros((), device="meta")}})  # not capturable: no check
+        _validation.check_euclidean_step(group, 0, [b], "StiefelMuon", state("meta"))
+    _validation.check_euclidean_step(group, 0, [b], "StiefelMuon", state("cpu"))  # companion
+    _validation.check_euclidean_step({**group, "capturable": False}, 0, [b], "StiefelMuon", state("meta"))  # no check
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's capturable AdamW)")
