@@ -4,6 +4,7 @@ Test modules import the named tolerances and helpers from here (``from conftest 
 a tolerance used by one file only stays in that file, next to the measurement that sets it.
 """
 
+import contextlib
 import math
 
 import geoopt
@@ -18,6 +19,32 @@ F64 = torch.float64
 ORTHO_TOL_F64 = 1e-12
 #: max |W^T W - I| of a float32 frame after training
 ORTHO_TOL_F32 = 1e-5
+
+
+class NoHostReads(torch.overrides.TorchFunctionMode):
+    """Raise on any read of a tensor's value on the host (what a GPU step must never do), except inside
+    :meth:`allowing`."""
+
+    READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
+             torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.numpy}
+
+    def __init__(self):
+        super().__init__()
+        self.allowed = 0
+
+    @contextlib.contextmanager
+    def allowing(self):
+        """Host reads pass inside this block (code that is not under test, e.g. torch's CPU AdamW)."""
+        self.allowed += 1
+        try:
+            yield
+        finally:
+            self.allowed -= 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS and not self.allowed:
+            raise AssertionError(f"host read: {func.__name__}")
+        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------------- conversion references (written out)

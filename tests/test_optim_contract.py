@@ -15,7 +15,7 @@ import warnings
 import geoopt
 import pytest
 import torch
-from conftest import ORTHO_TOL_F64, tiny_transformer
+from conftest import ORTHO_TOL_F64, NoHostReads, tiny_transformer
 
 from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, StiefelMuon, param_groups, stiefel_adam_update
 from geoopt_stiefel_attention import _linalg as _linalg_module
@@ -649,18 +649,6 @@ COMPILE_STEP_TOL = 1e-5  # float32: compiled opt.step vs eager after 100 steps (
 COMPILED_TRAIN_TOL = 1e-5  # float32: compiled forward + backward + opt.step vs eager after 5 steps
 
 
-class _NoHostReads(torch.overrides.TorchFunctionMode):
-    """Raise on any read of a tensor's value on the host (what a GPU step must never do)."""
-
-    READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
-             torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.numpy}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.READS:
-            raise AssertionError(f"host read: {func.__name__}")
-        return func(*args, **(kwargs or {}))
-
-
 def _capturable_setup(second_moment="frame", dtype=torch.float64, master_weights=False):
     """Same-shaped frame parameters (stacked), one of another shape, one column-major; with gradient streams."""
     shapes = [(2, 12, 4), (2, 12, 4), (1, 16, 5), (3, 9, 3)]
@@ -798,14 +786,14 @@ def test_capturable_step_reads_no_tensor_on_the_host():
     for gs in grads[1:4]:
         for p, g in zip(params, gs, strict=True):
             p.grad = g.clone()
-        with _NoHostReads():
+        with NoHostReads():
             opt.step()
     # companion: the default CPU path does read (the skip test, the series order, the step count), and is caught
     params, grads = _capturable_setup()
     opt = _run_frames(params, grads, 1, capturable=False)
     for p, g in zip(params, grads[1], strict=True):
         p.grad = g.clone()
-    with pytest.raises(AssertionError, match="host read"), _NoHostReads():
+    with pytest.raises(AssertionError, match="host read"), NoHostReads():
         opt.step()
 
 
@@ -826,14 +814,14 @@ def test_capturable_step_off_the_eigh_devices_reads_nothing_for_every_second_mom
     for gs in grads[1:3]:
         for p, g in zip(params, gs, strict=True):
             p.grad = g.clone()
-        with _NoHostReads():
+        with NoHostReads():
             opt.step()
     if trust_region is None:
         params, grads = _capturable_setup(second_moment=second_moment)
         opt = _run_frames(params, grads, 1, capturable=False, **options)
         for p, g in zip(params, grads[1], strict=True):
             p.grad = g.clone()
-        with pytest.raises(AssertionError, match="host read"), _NoHostReads():
+        with pytest.raises(AssertionError, match="host read"), NoHostReads():
             opt.step()
 
 

@@ -9,17 +9,23 @@ rule-specific contracts (each rule against its readable reference) live in ``tes
 (StiefelAdam) and ``test_muon.py`` (StiefelMuon).
 """
 
+import contextlib
 import copy
+import inspect
+import math
 import pickle
 import warnings
 
 import geoopt
 import pytest
 import torch
-from conftest import ORTHO_TOL_F32, ORTHO_TOL_F64
+import torch.optim.adamw as _torch_adamw
+from conftest import ORTHO_TOL_F32, ORTHO_TOL_F64, NoHostReads
 
-from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, StiefelMuon, param_groups
+from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, StiefelMuon, param_groups, stiefel_adam_update
 from geoopt_stiefel_attention._linalg import orthonormality_error
+from geoopt_stiefel_attention.optim import stiefel_muon_update
+from geoopt_stiefel_attention.optim._validation import SHARED_OPTIONS
 
 #: name -> (class, keyword arguments of a typical construction)
 OPTIMIZERS = {
@@ -382,3 +388,493 @@ def test_companion_a_frame_sharded_along_d_is_refused_naming_the_fix(one_rank_gr
     # (the message is distributed.check_parameter's, which names StiefelAdam whichever optimizer asks)
     with pytest.raises(NotImplementedError, match="splits every frame.*fully_shard_by_heads"):
         _make(name, [p])
+
+
+# ----------------------------------------------------------------------------- nothing moves before a refusal
+def _everything(opt, params):
+    """What a refusal must leave as it was: a deep copy of the state dict's state (moments, step counts, skip
+    counters) and of the parameters (the group options are what the test wrote into them)."""
+    return copy.deepcopy(opt.state_dict()["state"]), [p.detach().clone() for p in params]
+
+
+def _same(a, b):
+    """Recursive bit-equality of nested containers of tensors and plain values."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _frame_and_bias(seed=0):
+    w = _frame((2, 10, 4), seed=seed)
+    b = torch.nn.Parameter(torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 7)))
+    return w, b
+
+
+def _stepped(name, **options):
+    """An optimizer over a frame and a bias after one step, with the gradients of a second in place."""
+    w, b = _frame_and_bias()
+    opt = _make(name, [w, b], **options)
+    for g_w, g_b in zip(_grads(w.shape, 2), _grads(b.shape, 2, seed=3), strict=True):
+        w.grad, b.grad = g_w, g_b
+        if opt.state:
+            break
+        opt.step()
+    return opt, [w, b]
+
+
+def test_same_helper_detects_a_changed_step_count():
+    """Companion of every 'nothing changed' check below: one step count moved by one is seen."""
+    opt, params = _stepped("StiefelMuon")
+    before = _everything(opt, params)
+    opt.state[params[1]]["step"] += 1
+    assert not _same(before, _everything(opt, params))
+
+
+#: A value written into ``param_groups[0]`` after a first step, the options the optimizer was built with, and the
+#: refusal's words. Each would be refused by torch's functional AdamW inside the step, after the frames had moved
+#: (a tensor lr in a foreach group: StiefelAdam moved its frames by 2.1e-2 before torch raised), or is an option
+#: the shared table refuses.
+WRITTEN_LATER = {
+    "tensor lr, foreach": ({"foreach": True}, {"lr": torch.tensor(0.05)},
+                           r"lr is a tensor and foreach=True, with capturable=None: torch's AdamW"),
+    "tensor lr, foreach, capturable on the CPU": ({"foreach": True, "capturable": True}, {"lr": torch.tensor(0.05)},
+                                                  r"parameter group 0 has a tensor lr and foreach=True.*on cpu, where torch's "
+                                                  r"AdamW has no capturable step"),
+    "tensor betas": ({}, {"betas": (torch.tensor(0.9), torch.tensor(0.999))}, r"betas=\(tensor"),
+    "fused": ({}, {"fused": True}, r"fused=True is not supported"),
+    "differentiable": ({}, {"differentiable": True}, r"differentiable=True is not supported"),
+    "L2 penalty": ({}, {"decoupled_weight_decay": False}, r"decoupled_weight_decay=False is not supported"),
+    "bool weight decay": ({}, {"weight_decay": True}, r"weight_decay=True is invalid"),
+    "amsgrad switched on": ({}, {"amsgrad": True}, r"a parameter that is not a frame \(shape \(4,\), group 0\) has "
+                                                  r"optimizer state without \['max_exp_avg_sq'\]"),
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("case", list(WRITTEN_LATER))
+def test_an_option_written_after_construction_is_refused_before_anything_moves(name, case):
+    """Frames, bias, moments, step counts and skip counters are bit for bit as before the refused step (the frame
+    update runs first, so a refusal from inside torch's AdamW came after the frames had moved); a retry refuses
+    again, and with the option restored the same optimizer steps (and moves: the check has teeth)."""
+    options, written, words = WRITTEN_LATER[case]
+    opt, params = _stepped(name, **options)
+    before = _everything(opt, params)
+    saved = {key: opt.param_groups[0].get(key) for key in written}
+    opt.param_groups[0].update(written)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=f"{name}: {words}"):
+            opt.step()
+        assert _same(before, _everything(opt, params))
+    opt.param_groups[0].update(saved)
+    opt.step()
+    assert not torch.equal(params[0].detach(), before[1][0]) and not torch.equal(params[1].detach(), before[1][1])
+
+
+def test_a_tensor_lr_with_foreach_is_refused_at_construction_by_both_in_the_same_words_as_by_torch():
+    """``StiefelMuon([frames, bias], lr=torch.tensor(1e-2), foreach=True)`` was accepted and its first step moved
+    the frames before torch's AdamW raised for the bias; now both optimizers refuse it at construction, as
+    ``torch.optim.AdamW`` does (and StiefelAdam did, in torch's words), with one message. With capturable=True
+    the parameters decide: a bias on the CPU, where torch's AdamW has no capturable step, is refused too."""
+    messages = {}
+    for name in NAMES:
+        for options in ({"foreach": True}, {"foreach": True, "capturable": True}):
+            with pytest.raises(ValueError, match=f"{name}: ") as info:
+                _make(name, [*_frame_and_bias()], lr=torch.tensor(1e-2), **options)
+            messages.setdefault(str(options), set()).add(str(info.value).replace(name, "<optimizer>"))
+    assert all(len(words) == 1 for words in messages.values()), messages
+    with pytest.raises(ValueError, match="lr as a Tensor is not supported for capturable=False and foreach=True"):
+        torch.optim.AdamW([_frame_and_bias()[1]], lr=torch.tensor(1e-2), foreach=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_companion_a_tensor_lr_is_accepted_where_torchs_step_takes_it(name):
+    """A tensor lr with foreach left to torch (it takes the single-tensor step), and with foreach=True and
+    capturable=True for frames alone (no AdamW part), steps and moves."""
+    w, b = _frame_and_bias()
+    w0, b0 = w.detach().clone(), b.detach().clone()
+    opt = _make(name, [w, b], lr=torch.tensor(0.05))
+    w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+    opt.step()
+    assert not torch.equal(w.detach(), w0) and not torch.equal(b.detach(), b0)
+    w = _frame()
+    w0 = w.detach().clone()
+    opt = _make(name, [w], lr=torch.tensor(0.05), foreach=True, capturable=True)
+    w.grad = torch.ones_like(w)
+    opt.step()
+    assert not torch.equal(w.detach(), w0)
+
+
+def test_a_step_count_off_its_parameters_device_on_torchs_capturable_path_is_refused(monkeypatch):
+    """torch's capturable AdamW asserts each step count on its parameter's device (one left on the CPU when
+    capturable was switched on after the first step): refused before anything moves, naming the fix. Run on the
+    CPU by declaring it a device with a capturable AdamW; the CUDA test below does it for real."""
+    from geoopt_stiefel_attention.optim import _state, _validation
+
+    monkeypatch.setattr(_state, "TORCH_CAPTURABLE_DEVICES", ("cpu",))
+    b = torch.nn.Parameter(torch.ones(3))
+    group = {"params": [b], "lr": 0.1, "capturable": True}
+
+    def state(device):
+        return {b: {"step": torch.zeros((), device=device), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}}
+
+    with pytest.raises(ValueError, match=r"StiefelMuon: a parameter that is not a frame.*step count on meta.*"
+                                         r"optimizer.load_state_dict\(optimizer.state_dict\(\)\)"):
+        _validation.check_euclidean_step(group, 0, [b], "StiefelMuon", state("meta"))
+    _validation.check_euclidean_step(group, 0, [b], "StiefelMuon", state("cpu"))  # companion
+    _validation.check_euclidean_step({**group, "capturable": False}, 0, [b], "StiefelMuon", state("meta"))  # no check
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's capturable AdamW)")
+@pytest.mark.parametrize("name", NAMES)
+def test_capturable_switched_on_after_the_first_step_is_refused_before_anything_moves_on_cuda(name):
+    w, b = _frame_and_bias()
+    w, b = (type(t)(t.detach().cuda(), **({"manifold": t.manifold} if t is w else {})) for t in (w, b))
+    opt = _make(name, [w, b], capturable=False)
+    w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
+    opt.step()
+    opt.param_groups[0]["capturable"] = True
+    before = _everything(opt, [w, b])
+    with pytest.raises(ValueError, match="step count on cpu"):
+        opt.step()
+    assert _same(before, _everything(opt, [w, b]))
+    opt.load_state_dict(opt.state_dict())  # the fix the message names
+    opt.step()
+    assert not torch.equal(w.detach(), before[1][0])
+
+
+# ----------------------------------------------------------------------------- one check per option
+#: Values each shared option must refuse, and values it must accept (the test's own, not the table's).
+BAD_SHARED = {
+    "fused": [True], "differentiable": [True], "decoupled_weight_decay": [False],
+    "lr": [-1.0, float("nan"), float("inf"), True, "1e-3", None, torch.tensor(-1.0), torch.tensor([1e-3, 1e-3])],
+    "betas": [(0.9,), 0.9, (1.0, 0.999), (0.9, float("nan")), (True, 0.999), (torch.tensor(0.9), torch.tensor(0.99))],
+    "eps": [-1e-8, float("inf"), True, None],
+    "weight_decay": [True, False, -0.1, float("nan"), "0.1", None],
+    "adjust_lr_fn": ["rms", None, "Original"],
+    "master_weights": [1, "yes", None],
+    "capturable": ["yes", 1],
+    "foreach": [1, "yes"],
+    "amsgrad": [1, None],
+    "maximize": [0, "no"],
+}
+GOOD_SHARED = {
+    "fused": [None, False], "differentiable": [False], "decoupled_weight_decay": [True],
+    "lr": [0.0, 0.05, 1, torch.tensor(0.05)], "betas": [(0.0, 0.5), [0.9, 0.99]], "eps": [0.0, 1e-6],
+    "weight_decay": [0.0, 0.1, 1], "adjust_lr_fn": ["original", "match_rms_adamw"],
+    "master_weights": [True, False], "capturable": [None, False, True], "foreach": [None, False, True],
+    "amsgrad": [True, False], "maximize": [True, False],
+}
+
+
+def test_the_option_table_is_the_options_both_optimizers_have_and_the_test_covers_each():
+    shared = {option.name for option in SHARED_OPTIONS}
+    assert len(shared) == len(SHARED_OPTIONS)  # each option declared once
+    assert set(BAD_SHARED) == set(GOOD_SHARED) == shared
+    w, b = _frame_and_bias()
+    for name in NAMES:
+        assert shared <= set(_make(name, [w, b]).param_groups[0]), name
+
+
+def _refusal(name, construct):
+    with pytest.raises((ValueError, TypeError)) as info:
+        construct()
+    return info.type, str(info.value).replace(name, "<optimizer>")
+
+
+@pytest.mark.parametrize(("option", "value"), [(k, v) for k, values in BAD_SHARED.items() for v in values],
+                         ids=lambda x: repr(x)[:24])
+def test_both_optimizers_refuse_a_bad_shared_option_in_the_same_words(option, value):
+    """Same input, same answer, same words modulo the optimizer's name: given as a constructor argument (where both
+    constructors take it), in a group dict, or written into param_groups after a step (refused at the step, before
+    anything moves). ``StiefelAdam(weight_decay=True)`` was accepted while StiefelMuon refused it."""
+    answers = set()
+    for name in NAMES:
+        cls = OPTIMIZERS[name][0]
+        ways = [lambda name=name: _make(name, [{"params": [*_frame_and_bias()], option: value}])]
+        if all(option in inspect.signature(c).parameters for c, _ in OPTIMIZERS.values()):
+            ways.append(lambda name=name: _make(name, [*_frame_and_bias()], **{option: value}))
+        for way in ways:
+            exc, words = _refusal(name, way)
+            answers.add((exc, words))
+        opt, params = _stepped(name)
+        before = _everything(opt, params)
+        opt.param_groups[0][option] = value
+        answers.add(_refusal(name, opt.step))
+        assert _same(before, _everything(opt, params)), cls
+    assert len(answers) == 1, answers
+    ((_, words),) = answers
+    assert words.startswith("<optimizer>: ") and (f"{option}=" in words or "lr is a tensor" in words), words
+
+
+@pytest.mark.parametrize(("option", "value"), [(k, v) for k, values in GOOD_SHARED.items() for v in values],
+                         ids=lambda x: repr(x)[:24])
+def test_companion_both_optimizers_accept_a_good_shared_option(option, value):
+    for name in NAMES:
+        w, b = _frame_and_bias()
+        opt = _make(name, [{"params": [w, b], option: value}])
+        w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
+        opt.step()
+        assert opt.state[w] and opt.state[b]
+
+
+# ----------------------------------------------------------------------------- non-finite gradients, one policy
+BAD_ENTRIES = [float("nan"), float("inf"), -float("inf")]
+
+
+@contextlib.contextmanager
+def _no_host_reads_but_in_torchs_cpu_adamw():
+    """No tensor read on the host during the step, except inside torch's AdamW, which on the CPU has no capturable
+    step and reads its step counts (on an accelerator it reads nothing)."""
+    mode, real = NoHostReads(), _torch_adamw.adamw
+
+    def adamw(*args, **kwargs):
+        with mode.allowing():
+            return real(*args, **kwargs)
+
+    _torch_adamw.adamw = adamw
+    try:
+        with mode:
+            yield
+    finally:
+        _torch_adamw.adamw = real
+
+
+@pytest.mark.filterwarnings("ignore:StiefelAdam was constructed with no Stiefel frame:UserWarning")
+def test_companion_the_host_read_check_catches_the_default_cpu_step():
+    """The default CPU step reads its skip flags on the host (free there): the check above sees it."""
+    _, b = _frame_and_bias()
+    opt = _make("StiefelAdam", [b])
+    b.grad = torch.ones_like(b)
+    opt.step()
+    with pytest.raises(AssertionError, match="host read"), _no_host_reads_but_in_torchs_cpu_adamw():
+        opt.step()
+
+
+def _policy_run(name, skip, path, amsgrad, bad=float("nan")):
+    """Four steps of a frame, a bias and a weight; at the second, the bias's gradient has one bad entry (``skip``)
+    or the bias has no gradient at all (the reference: a parameter without a gradient takes no step). ``path``:
+    "default", "capturable" (on the CPU, whose AdamW reads its step counts: the flags are read there too) or
+    "device" (capturable off the CPU, run on the CPU by lifting its exemption: no host read at all)."""
+    w, b = _frame_and_bias()
+    c = torch.nn.Parameter(torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4)))
+    opt = _make(name, [w, b, c], capturable=path != "default", amsgrad=amsgrad, weight_decay=0.1)
+    gens = [_grads(t.shape, 4, seed=s) for t, s in ((w, 11), (b, 12), (c, 13))]
+    at_skip = None
+    for t in range(4):
+        for p, gs in zip((w, b, c), gens, strict=True):
+            p.grad = gs[t].clone()
+        if t == 1:
+            if skip:
+                b.grad[2] = bad
+            else:
+                b.grad = None
+            at_skip = _everything(opt, [w, b, c])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with _no_host_reads_but_in_torchs_cpu_adamw() if path == "device" else contextlib.nullcontext():
+                    opt.step()
+            after = _everything(opt, [w, b, c])
+        else:
+            opt.step()
+    return opt, (w, b, c), at_skip, after, [x for x in caught if "skipped the update" in str(x.message)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("path", ["default", "capturable", "device"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("bad", BAD_ENTRIES)
+def test_a_non_finite_gradient_skips_a_parameter_that_is_not_a_frame_whole_and_counts_it(monkeypatch, name, path,
+                                                                                           amsgrad, bad):
+    """The frames' policy for every parameter: a bias whose gradient has a NaN or Inf entry keeps its value, its
+    moments (amsgrad's maximum too) and its step count, bit for bit, and the skip is counted in its
+    ``state["skipped_frames"]``; the run then continues exactly like one in which the bias had no gradient at that
+    step, while the others train. Off the CPU in capturable mode the skip is made on the device: no host read.
+    The default step says it once; the capturable one counts only, as for frames."""
+    if path == "device":
+        from geoopt_stiefel_attention import _linalg
+
+        monkeypatch.setattr(_linalg, "HOST_READ_DEVICES", frozenset())
+    opt, params, at_skip, after, said = _policy_run(name, True, path, amsgrad, bad)
+    ref_opt, ref_params, _, _, _ = _policy_run(name, False, path, amsgrad)
+    b_key = 1  # the bias's number in the state dict
+    assert _same(at_skip[0][b_key] | {"skipped_frames": None}, after[0][b_key] | {"skipped_frames": None})
+    assert torch.equal(after[1][1], at_skip[1][1]) and not torch.equal(after[1][2], at_skip[1][2])
+    assert [int(opt.state[p]["skipped_frames"]) for p in params] == [0, 1, 0]
+    assert [int(ref_opt.state[p]["skipped_frames"]) for p in ref_params] == [0, 0, 0]
+    for p, q in zip(params, ref_params, strict=True):
+        assert torch.equal(p.detach(), q.detach())
+        assert _same({k: v for k, v in opt.state[p].items() if k != "skipped_frames"},
+                     {k: v for k, v in ref_opt.state[q].items() if k != "skipped_frames"})
+    assert len(said) == (1 if path == "default" else 0)
+
+
+def test_companion_torchs_adamw_turns_the_same_bias_into_nan():
+    """What the parameters that are not frames did before (torch's AdamW, which does not skip): the property above
+    fails for it."""
+    _, b = _frame_and_bias()
+    b.grad = torch.randn_like(b)
+    b.grad[2] = float("nan")
+    torch.optim.AdamW([b], lr=0.05).step()
+    assert not torch.isfinite(b).all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_skipped_parameter_is_named_once_in_one_warning(name):
+    """The first skip of each parameter, frame or not, gives one UserWarning naming it (its name when the groups
+    carry names); later skips of it are counted without a word; a finite step says nothing. The capturable path
+    counts without reading the host, so it does not warn."""
+    w, b = _frame_and_bias()
+    c = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    opt = _make(name, [("attn.w_q", w), ("head.bias", b), ("head.scale", c)])
+
+    def step(bad_w=False, bad_b=False):
+        w.grad, b.grad, c.grad = torch.randn_like(w), torch.randn_like(b), torch.randn_like(c)
+        if bad_w:
+            w.grad[1, 0, 0] = float("inf")
+        if bad_b:
+            b.grad[0] = float("nan")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        return [str(x.message) for x in caught if "skipped the update" in str(x.message)]
+
+    assert step() == []
+    (said,) = step(bad_b=True)
+    assert said.startswith(f"{name}.step(): a NaN or Inf gradient skipped the update of 1 parameter(s): parameter "
+                           f"'head.bias' (group 0, position 1, shape (4,))") and "attn.w_q" not in said
+    assert step(bad_b=True) == [] and int(opt.state[b]["skipped_frames"]) == 2
+    (said,) = step(bad_w=True, bad_b=True)
+    assert "frame 'attn.w_q' (group 0, position 0, shape (2, 10, 4))" in said and "head.bias" not in said
+    assert [int(opt.state[p]["skipped_frames"]) for p in (w, b, c)] == [1, 3, 0]
+    w2, b2 = _frame_and_bias()
+    opt = _make(name, [w2, b2], capturable=True)
+    w2.grad, b2.grad = torch.randn_like(w2), torch.randn_like(b2)
+    b2.grad[0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    assert int(opt.state[b2]["skipped_frames"]) == 1
+
+
+# ----------------------------------------------------------------------------- the references take the optimizers' values
+#: float64: one optimizer step vs its readable reference (measured 0 for StiefelAdam's kernel on these frames; the
+#: Muon solver against the SVD reference at dual_steps=30, ns_steps=40 on 10 x 4 frames, a few 1e-12).
+REFERENCE_TOL = 1e-9
+
+
+@pytest.mark.parametrize("fn", ["original", "match_rms_adamw"])
+def test_stiefel_adam_update_resolves_auto_as_the_optimizer_does(fn):
+    """``trust_region="auto"``, the value every group holds by default, failed inside the reference with a
+    TypeError; given the group's rule it is the rule's radius (written out here: 0.1 or 1), with lr read by the
+    rule (c = 1 or sqrt(dr)), and the reference then equals the optimizer's step. The radius bites at this lr
+    (companion: without it the step differs)."""
+    w0 = _frame((2, 10, 4), seed=3).detach()
+    g = _grads(w0.shape, 1, seed=8)[0]
+    m0, v0 = torch.zeros_like(w0), torch.zeros(2, 1, 1, dtype=torch.float64)
+    hyper = dict(step=1, beta1=0.9, beta2=0.999, eps=1e-8)
+    auto = stiefel_adam_update(w0, g, m0, v0, lr=0.5, trust_region="auto", adjust_lr_fn=fn, **hyper)
+    radius, c = {"original": (0.1, 1.0), "match_rms_adamw": (1.0, math.sqrt(10 * 4))}[fn]
+    number = stiefel_adam_update(w0, g, m0, v0, lr=0.5 * c, trust_region=radius, **hyper)
+    for x, y in zip(auto, number, strict=True):
+        assert torch.equal(x, y)
+    tensor_lr = stiefel_adam_update(w0, g, m0, v0, lr=torch.tensor(0.5, dtype=torch.float64), trust_region="auto",
+                                    adjust_lr_fn=fn, **hyper)
+    assert float((tensor_lr[0] - auto[0]).abs().max()) < REFERENCE_TOL
+    w = geoopt.ManifoldParameter(w0.clone(), manifold=PolarStiefel())
+    opt = StiefelAdam([w], lr=0.5, adjust_lr_fn=fn)
+    assert opt.param_groups[0]["trust_region"] == "auto"
+    w.grad = g.clone()
+    opt.step()
+    assert float((w.detach() - auto[0]).abs().max()) < REFERENCE_TOL
+    assert float((opt.state[w]["exp_avg"] - auto[1]).abs().max()) < REFERENCE_TOL
+    uncapped = stiefel_adam_update(w0, g, m0, v0, lr=0.5, trust_region=None, adjust_lr_fn=fn, **hyper)
+    assert float((uncapped[0] - auto[0]).abs().max()) > 1e3 * REFERENCE_TOL
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"trust_region": "auto"}, r"trust_region='auto' is the radius of a step rule, and no adjust_lr_fn was given"),
+    ({"trust_region": "automatic", "adjust_lr_fn": "original"}, r"trust_region='automatic' is invalid"),
+    ({"trust_region": -0.1}, r"trust_region=-0.1 is invalid"),
+    ({"trust_region": True}, r"trust_region=True is invalid"),
+    ({"trust_region": 0.1, "adjust_lr_fn": "rms"}, r"adjust_lr_fn='rms' is unknown"),
+    ({"trust_region": 0.1, "second_moment": "row"}, r"second_moment='row' is unknown"),
+])
+def test_stiefel_adam_update_refuses_a_bad_value_by_name_in_the_optimizers_words(options, words):
+    w0 = _frame((2, 10, 4)).detach()
+    args = (w0, torch.randn_like(w0), torch.zeros_like(w0), torch.zeros(2, 1, 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=f"stiefel_adam_update: {words}") as info:
+        stiefel_adam_update(*args, step=1, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, **options)
+    if "adjust_lr_fn" in options or options["trust_region"] != "auto":  # the optimizer's own words
+        _, b = _frame_and_bias()
+        with pytest.raises(ValueError) as optimizer_info:
+            StiefelAdam([b], **options)
+        assert str(optimizer_info.value).replace("StiefelAdam", "stiefel_adam_update") == str(info.value)
+
+
+@pytest.mark.parametrize("fn", ["original", "match_rms_adamw"])
+def test_stiefel_muon_update_reads_lr_by_the_rule_as_the_optimizer_does(fn):
+    """The Muon reference takes a group's lr and adjust_lr_fn as the optimizer does (eta = lr * s(d, r), written
+    out here: sqrt(d / r) or 0.2 sqrt(d)), and equals the optimizer's step."""
+    w0 = _frame((2, 10, 4), seed=3).detach()
+    g = _grads(w0.shape, 1, seed=8)[0]
+    kw = dict(momentum=0.95, nesterov=True, iterations=30)
+    by_rule = stiefel_muon_update(w0, g, torch.zeros_like(w0), lr=0.05, adjust_lr_fn=fn, **kw)
+    scale = {"original": math.sqrt(10 / 4), "match_rms_adamw": 0.2 * math.sqrt(10)}[fn]
+    scaled = stiefel_muon_update(w0, g, torch.zeros_like(w0), lr=0.05 * scale, **kw)
+    for x, y in zip(by_rule, scaled, strict=True):
+        assert torch.equal(x, y)
+    w = geoopt.ManifoldParameter(w0.clone(), manifold=PolarStiefel())
+    opt = StiefelMuon([w], lr=0.05, adjust_lr_fn=fn, dual_steps=30, ns_steps=40)
+    w.grad = g.clone()
+    opt.step()
+    assert float((w.detach() - by_rule[0]).abs().max()) < REFERENCE_TOL
+    assert float((w.detach() - w0).abs().max()) > 1e3 * REFERENCE_TOL  # the step moved the frames
+
+
+@pytest.mark.parametrize(("option", "value"), [("momentum", 1.0), ("nesterov", 1), ("iterations", -1),
+                                               ("adjust_lr_fn", "spectral")])
+def test_stiefel_muon_update_refuses_a_bad_value_by_name(option, value):
+    w0 = _frame((2, 10, 4)).detach()
+    kw = dict(lr=0.05, momentum=0.95, nesterov=True, iterations=5) | {option: value}
+    with pytest.raises(ValueError, match=f"stiefel_muon_update: {option}={value!r} is "):
+        stiefel_muon_update(w0, torch.randn_like(w0), torch.zeros_like(w0), **kw)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("path", ["default", "device"])
+def test_a_sharded_parameter_that_is_not_a_frame_is_skipped_whole_like_a_plain_one(monkeypatch, one_rank_group, name,
+                                                                                   path):
+    """A sharded (DTensor) bias with a NaN in its gradient takes the decision of the whole parameter (its squared
+    norm summed over the mesh: one collective, so that every rank of a real mesh agrees) and is skipped like its
+    plain twin, on the default path and on the device path; the run then goes on like the twin's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from geoopt_stiefel_attention import _linalg
+    from geoopt_stiefel_attention.distributed import declare_sharded_euclidean
+
+    if path == "device":
+        monkeypatch.setattr(_linalg, "HOST_READ_DEVICES", frozenset())
+    mesh = init_device_mesh("cpu", (1,))
+    value = torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    sharded = torch.nn.Parameter(distribute_tensor(value.clone(), mesh, [Shard(0)]))
+    declare_sharded_euclidean([sharded])
+    plain = torch.nn.Parameter(value.clone())
+    w_s, w_p = _frame(), _frame()
+    opts = [_make(name, [w, b], capturable=path == "device") for w, b in ((w_s, sharded), (w_p, plain))]
+    grads = _grads((6,), 3, seed=5)
+    grads[1][4] = float("nan")
+    for t, g in enumerate(grads):
+        g_w = _grads(w_s.shape, 1, seed=20 + t)[0]
+        sharded.grad, plain.grad = distribute_tensor(g.clone(), mesh, [Shard(0)]), g.clone()
+        w_s.grad, w_p.grad = g_w.clone(), g_w.clone()
+        for opt in opts:
+            opt.step()
+        if t == 1:
+            assert torch.equal(sharded.full_tensor(), plain.detach()) and int(opts[0].state[sharded]["step"]) == 1
+    assert torch.equal(sharded.full_tensor(), plain.detach()) and not torch.equal(plain.detach(), value)
+    assert int(opts[0].state[sharded]["skipped_frames"]) == int(opts[1].state[plain]["skipped_frames"]) == 1

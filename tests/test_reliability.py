@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_quoted, tiny_transformer
 
-from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, frame_parameters, param_groups
+from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, frame_parameters, is_frame, param_groups
 from geoopt_stiefel_attention._linalg import orthonormality_error
 
 DRIFT_TOL_F32 = 1e-5  # max |W^T W - I| after 100,000 float32 steps (issue 8)
@@ -242,19 +242,36 @@ def test_non_finite_frame_gradient_is_skipped_and_only_advances_t(bad, capturabl
     assert float((runs[0] - _frames(dtype=torch.float32)).abs().max()) > 1e-3  # the good steps moved it
 
 
-def test_nan_loss_in_a_model_leaves_every_frame_on_the_manifold(trained):
-    """A NaN anywhere in the forward pass makes every gradient NaN: all frames are skipped (Euclidean
-    parameters follow torch's AdamW, which does not skip, and become NaN)."""
+def test_nan_loss_in_a_model_skips_every_parameter_and_says_so_once(trained):
+    """A NaN anywhere in the forward pass makes every gradient NaN: every frame is skipped, and so is every other
+    parameter, as a whole (one policy for the model: values, moments and step counts unchanged, one skip counted
+    per parameter that is not a frame, one per frame of a frame stack), with one warning naming the parameters.
+    Companion: torch's AdamW, which the Euclidean part followed before, turns the same parameters into NaN."""
     model, opt = trained
-    frames_before = [p.detach().clone() for p in frame_parameters(model)]
+    before = _snapshot(model, opt)
+    counts = {id(p): int(opt.state[p]["skipped_frames"]) for p in model.parameters()}
     opt.zero_grad()
     (_loss(model, *_batches(1)[0]) * float("nan")).backward()
-    opt.step()
-    for p, before in zip(frame_parameters(model), frames_before, strict=True):
-        assert torch.equal(p.detach(), before)
-        assert torch.isfinite(opt.state[p]["exp_avg"]).all() and torch.isfinite(opt.state[p]["exp_avg_sq"]).all()
-        assert int(opt.state[p]["skipped_frames"]) == p.shape[0]
-    assert not torch.isfinite(model.unembed.weight).all()
+    with pytest.warns(UserWarning, match=r"StiefelAdam.step\(\): a NaN or Inf gradient skipped the update of 19 ") as rec:
+        opt.step()
+    assert len([r for r in rec if "skipped the update" in str(r.message)]) == 1
+    after = _snapshot(model, opt)
+    assert _same(before[0], after[0])  # every parameter, frames and the rest
+    state_before, state_after = before[1]["state"], after[1]["state"]
+    ordered = [p for group in opt.param_groups for p in group["params"]]  # the state dict's numbering
+    assert sorted(state_after) == list(range(len(ordered)))
+    for k, p in enumerate(ordered):
+        for key, value in state_after[k].items():
+            if key == "skipped_frames":
+                assert int(value) == counts[id(p)] + (p.shape[0] if is_frame(p) else 1)
+            elif key == "step" and is_frame(p):  # a frame stack's one count advances (its frames skip singly)
+                assert float(value) == float(state_before[k][key]) + 1
+            else:
+                assert _same(state_before[k][key], value), (k, key)
+    plain = torch.nn.Parameter(model.unembed.weight.detach().clone())
+    plain.grad = model.unembed.weight.grad.clone()
+    torch.optim.AdamW([plain], lr=1e-2).step()
+    assert not torch.isfinite(plain).all()
 
 
 def _scaler_run(*, inject: bool, steps: int = 4, record_at: int = 1, autocast=torch.bfloat16, capturable=None):

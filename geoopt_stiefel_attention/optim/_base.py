@@ -21,14 +21,13 @@ from typing import Any, ClassVar
 
 import torch
 import torch.optim.adamw as _torch_adamw
-import torch.optim.optimizer as _torch_optimizer
 from torch.nn.utils import parametrize as _parametrize
 
 from .. import _linalg
 from .. import distributed as _distributed
 from ..manifolds import is_frame as _is_frame
-from . import _state, _validation
-from ._state import _capturable
+from . import _batching, _state, _validation
+from ._state import _capturable, _torch_capturable
 from ._validation import _check_parameter
 
 _local = _distributed.local_tensor  # a DTensor's local shard (whole frames; see distributed), else the tensor
@@ -36,8 +35,34 @@ _local = _distributed.local_tensor  # a DTensor's local shard (whole frames; see
 __all__ = ["FrameOptimizer"]
 
 
-#: Device types on which torch's own AdamW supports ``capturable=True`` (its Euclidean part of the step).
-_TORCH_CAPTURABLE_DEVICES = tuple(_torch_optimizer._get_capturable_supported_devices())
+def _squared_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The squared Frobenius norm of each gradient, a plain 0-dim tensor on its device (no host read). A sharded
+    (``DTensor``) gradient's is summed over the ranks of its mesh, one collective per mesh for all of them, so that
+    every rank takes the same decision for the whole parameter (its value is exact for finiteness, which is what
+    it is read for: a replicated gradient's is counted once per rank)."""
+    sharded = [i for i, g in enumerate(grads) if _distributed.is_sharded(g)]
+    squares = [n.square() for n in torch._foreach_norm([_local(g) for g in grads] if sharded else grads)]
+    meshes: dict[int, tuple[Any, list[int]]] = {}
+    for i in sharded:
+        meshes.setdefault(id(grads[i].device_mesh), (grads[i].device_mesh, []))[1].append(i)
+    for mesh, indices in meshes.values():
+        summed = torch.stack([squares[i] for i in indices])
+        for dim in range(mesh.ndim):
+            torch.distributed.all_reduce(summed, group=mesh.get_group(dim))
+        for i, value in zip(indices, summed.unbind(0), strict=True):
+            squares[i] = value
+    return squares
+
+
+def _nonfinite(squares: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """Whether each of the gradients' squared norms ``squares`` (0-dim tensors) is not finite (a NaN or Inf entry,
+    or an overflow: what a frame's squared norm ``||xi||_F^2`` is held to): per device, the positions in ``squares``
+    and a bool tensor of their flags, computed on the device (no host read)."""
+    by_device: dict[torch.device, list[int]] = defaultdict(list)
+    for i, n in enumerate(squares):
+        by_device[n.device].append(i)
+    return [(indices, torch.stack([squares[i] for i in indices]).isfinite().logical_not_())
+            for indices in by_device.values()]
 
 
 class FrameOptimizer:
@@ -183,6 +208,10 @@ class FrameOptimizer:
         for key in group_defaults:
             param_group.setdefault(key, defaults[key])
         self._validate_group({**defaults, **param_group})
+        _validation.check_euclidean_step({**defaults, **param_group}, len(self.param_groups),
+                                         [t for t in (p[1] if isinstance(p, tuple) and len(p) == 2 else p
+                                                      for p in params)
+                                          if isinstance(t, torch.Tensor) and not _is_frame(t)], self._NAME)
         if not params and (not constructing or not isinstance(given, (list, tuple))):
             warnings.warn(f"{self._NAME}: parameter group {len(self.param_groups)} is empty and trains nothing "
                           f"(was its generator consumed before, e.g. model.parameters() passed twice?).",
@@ -331,8 +360,10 @@ class FrameOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self._check_frames_still_held()
-        if _parametrize._cache_enabled and not torch.compiler.is_compiling():
-            self._warn_cached()
+        if not torch.compiler.is_compiling():
+            self.__dict__.pop("_skip_log", None)  # what a step that raised midway may have left
+            if _parametrize._cache_enabled:
+                self._warn_cached()
         split = _validation.validate_step(self.param_groups, self.state, self._NAME, self._validate_group,
                                           self._check_frame_state)
         for k, (group, (frames, _)) in enumerate(zip(self.param_groups, split, strict=True)):
@@ -343,6 +374,8 @@ class FrameOptimizer:
                 self._step_frames(group, frames)
             if euclidean:
                 self._step_euclidean(group, euclidean)
+        if not torch.compiler.is_compiling():
+            self._report_skipped()
         return loss
 
     def _warn_cached(self) -> None:
@@ -357,7 +390,19 @@ class FrameOptimizer:
                           f"for inference, or for weights that do not change).", UserWarning, stacklevel=3)
 
     def _step_euclidean(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], []
+        """torch's AdamW on the group's parameters that are not frames, under the policy for non-finite gradients
+        that frames follow: a parameter whose gradient has a NaN or Inf entry is skipped as a whole (its value, its
+        moments and its step count stay as they were) and counted in its ``state["skipped_frames"]``.
+
+        The criterion is the frames': the squared norm of the gradient is not finite (a NaN or Inf entry, or an
+        overflow). Outside torch.compile, on the CPU (where torch's AdamW reads its step counts on the host anyway)
+        or outside capturable mode, the flags are read on the host (free on the CPU, one synchronisation on an
+        accelerator) and torch's AdamW runs on the other parameters. On an accelerator in capturable mode, and
+        under torch.compile, the skip is made on the device with no host read: the values and moments are copied
+        before torch's AdamW runs and put back where the gradient was not finite, and the step counts taken back
+        by one (the copies cost one extra pass over those tensors and their memory during the step)."""
+        grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, counters = [], [], [], [], [], []
+        amsgrad = group["amsgrad"]
         for p in params:
             state = self.state[p]
             if len(state) == 0:
@@ -365,26 +410,125 @@ class FrameOptimizer:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group["amsgrad"]:
+                if amsgrad:
                     state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            counter = state.get("skipped_frames")
+            if counter is None:  # a state made by torch's AdamW, or before the policy covered these parameters
+                counter = state["skipped_frames"] = torch.zeros((), dtype=torch.int64, device=p.device)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
-            if group["amsgrad"]:
+            if amsgrad:
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             steps.append(state["step"])
+            counters.append(counter)
+        lists = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps]
+        live = [i for i, g in enumerate(grads) if g.numel()]  # an empty tensor has no entry to be non-finite
+        flags = _nonfinite(_squared_norms([grads[i] for i in live])) if live else []
+        device = params[0].device
+        capturable = _capturable(group, device)
+        if not torch.compiler.is_compiling() and (device.type in _linalg.HOST_READ_DEVICES or not capturable):
+            # the flags read on the host (free on the CPU, whose AdamW step reads its step counts anyway; one
+            # synchronisation on an accelerator outside capturable mode), then AdamW on the others
+            skip = {live[indices[j]] for indices, bad in flags if bool(bad.any())
+                    for j, flag in enumerate(bad.tolist()) if flag}
+            if skip:
+                for i in skip:
+                    counters[i].add_(1)
+                if not capturable:  # said where frames say it: the default step, not the capturable one
+                    self.__dict__.setdefault("_skip_log", []).append([params[i] for i in sorted(skip)])
+                lists = [[t for i, t in enumerate(lst) if i not in skip] for lst in lists]
+                if not lists[0]:
+                    return
+            self._adamw(group, *lists)
+            return
+        # on the device, no host read (capturable steps, CUDA graphs, torch.compile): values and moments copied
+        # before the step and put back where the gradient was not finite; the step count taken back by one
+        bad = [None] * len(live)
+        for indices, stack in flags:
+            for j, flag in zip(indices, stack.unbind(0), strict=True):
+                bad[j] = flag
+        restored = [[_local(lst[i]) for i in live] for lst in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
+                    if lst]  # a sharded parameter's shard (every rank took the same decision)
+        saved = [[t.clone() for t in lst] for lst in restored]
+        self._adamw(group, *lists)
+        for lst, copies in zip(restored, saved, strict=True):
+            for t, old, flag in zip(lst, copies, bad, strict=True):
+                torch.where(flag, old, t, out=t)
+        if live:
+            torch._foreach_sub_([steps[i] for i in live],
+                                [flag.to(steps[i].device, steps[i].dtype) for i, flag in zip(live, bad, strict=True)])
+            torch._foreach_add_([counters[i] for i in live], [flag.to(torch.int64) for flag in bad])
+
+    def _adamw(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+               exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor],
+               steps: list[torch.Tensor]) -> None:
+        """torch's functional AdamW with the group's options."""
         beta1, beta2 = group["betas"]
         # torch's capturable AdamW runs on accelerators only; on the CPU its default path has no device to sync
         # with and is traced by torch.compile without graph breaks
-        device = params[0].device
-        capturable = _capturable(group, device) and device.type in _TORCH_CAPTURABLE_DEVICES
         _torch_adamw.adamw(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-            foreach=group["foreach"], capturable=capturable, differentiable=False, fused=None,
-            has_complex=any(torch.is_complex(p) for p in params),
+            foreach=group["foreach"], capturable=_torch_capturable(group, params[0].device), differentiable=False,
+            fused=None, has_complex=any(torch.is_complex(p) for p in params),
             amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
         )
+
+    # ------------------------------------------------------------------ skipped updates: counted, and said once
+    def _count_skipped(self, group: dict[str, Any], params: list[torch.Tensor], finite: torch.Tensor) -> None:
+        """Count the frames of one batch that were skipped (``finite`` False: one entry per frame, in order) in
+        their parameters' ``state["skipped_frames"]``; on a step that may read the host, remember the batch for the
+        warning :meth:`_report_skipped` gives at the end of the step."""
+        p0 = params[0]
+        if _capturable(group, p0.device) or torch.compiler.is_compiling():
+            _batching._count_skipped(self.state, params, finite)  # on the device, no host read
+            return
+        if p0.device.type in _linalg.HOST_READ_DEVICES and bool(finite.all()):
+            return  # the common case on the CPU: nothing skipped (a free host read), nothing to count
+        _batching._count_skipped(self.state, params, finite)
+        self.__dict__.setdefault("_skip_log", []).append((params, finite))
+
+    def _report_skipped(self) -> None:
+        """One ``UserWarning`` naming the parameters whose update this step skipped for the first time (a frame
+        with a NaN or Inf gradient, or a parameter that is not a frame whose gradient has such an entry); later
+        skips of the same parameters are only counted. Called at the end of a step that may read the host."""
+        log = self.__dict__.pop("_skip_log", None)
+        if not log:
+            return
+        skipped = []
+        for entry in log:
+            if isinstance(entry, list):  # parameters that are not frames, known on the host
+                skipped.extend(entry)
+                continue
+            params, finite = entry  # a batch of frames: the parameters with a skipped frame
+            counts = _batching._frame_counts([_local(p) for p in params])
+            flags = [bool(part.any()) for part in (~finite).reshape(-1).split(counts)]
+            skipped.extend(p for p, flag in zip(params, flags, strict=True) if flag)
+        warned = self.__dict__.setdefault("_skip_warned", set())
+        new = [p for p in skipped if id(p) not in warned]
+        if not new:
+            return
+        warned.update(id(p) for p in new)
+        labels = [self._label(p) for p in new]
+        shown = "; ".join(labels[:5]) + (f"; and {len(labels) - 5} more" if len(labels) > 5 else "")
+        warnings.warn(f"{self._NAME}.step(): a NaN or Inf gradient skipped the update of {len(new)} parameter(s): "
+                      f"{shown}. A skipped frame, and a skipped parameter that is not a frame as a whole, keep their "
+                      f"values and moments; each skip is counted in optimizer.state[p]['skipped_frames'], and later "
+                      f"skips of these parameters are counted without a warning. Check the loss and the inputs "
+                      f"(torch.amp.GradScaler skips such steps whole).", UserWarning, stacklevel=5)
+
+    def _label(self, p: torch.Tensor) -> str:
+        """A parameter as messages name it: its name when the groups carry ``param_names``, its group, position
+        and shape."""
+        for k, group in enumerate(self.param_groups):
+            for j, q in enumerate(group["params"]):
+                if q is p:
+                    names = group.get("param_names")
+                    name = f"{names[j]!r} " if names else ""
+                    what = "frame" if _is_frame(p) else "parameter"
+                    return f"{what} {name}(group {k}, position {j}, shape {tuple(p.shape)})"
+        return f"parameter of shape {tuple(p.shape)}"  # pragma: no cover - every stepped parameter is in a group
 
     @torch.no_grad()
     def stabilize_group(self, group: dict[str, Any]) -> None:

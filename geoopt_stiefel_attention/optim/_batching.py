@@ -346,9 +346,7 @@ def update_batch(optimizer: Any, group: dict[str, Any], params: list[torch.Tenso
         batch.w.copy_(_linalg.polar_svd(batch.w))
         batch.m.copy_(_linalg.proju(batch.w, batch.m))
     batch.write_back()
-    # on the CPU outside the capturable path, count only when a frame was skipped (a cheap host read)
-    if capturable or p0.device.type != "cpu" or not bool(finite.all()):
-        _count_skipped(optimizer.state, params, finite)
+    optimizer._count_skipped(group, params, finite)  # on the CPU's default step only when a frame was skipped
 
 
 def _count_skipped(states: dict[torch.Tensor, dict[str, Any]], params: list[torch.Tensor],

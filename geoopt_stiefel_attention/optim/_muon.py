@@ -237,15 +237,16 @@ def stiefel_muon_update(
     grad: torch.Tensor,
     momentum_buffer: torch.Tensor,
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     momentum: float,
     nesterov: bool,
     iterations: int,
+    adjust_lr_fn: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""One StiefelMuon update of a stack of frames, readable (the specification); pure.
 
-    For each frame :math:`W` with Euclidean gradient :math:`G` (``lr`` already multiplied by
-    :func:`muon_lr_scale`):
+    For each frame :math:`W` with Euclidean gradient :math:`G` (with ``adjust_lr_fn=None``, ``lr`` already
+    multiplied by :func:`muon_lr_scale`):
 
     1. :math:`\xi = G - W\operatorname{sym}(W^\top G)`
     2. :math:`B \leftarrow \mu B + (1 - \mu)\xi` (torch's ``Muon``: ``buf.lerp_(grad, 1 - momentum)``)
@@ -265,14 +266,24 @@ def stiefel_muon_update(
         Euclidean gradient :math:`G`, of ``w``'s shape.
     momentum_buffer : torch.Tensor
         Momentum :math:`B` (tangent at ``w``), of ``w``'s shape.
-    lr : float
-        Step size :math:`\eta`, already multiplied by :func:`muon_lr_scale`.
+    lr : float or torch.Tensor
+        Step size :math:`\eta`, already multiplied by :func:`muon_lr_scale`; with ``adjust_lr_fn``, a group's
+        ``lr``, multiplied here as the optimizer does.
     momentum : float
         :math:`\mu \in [0, 1)`.
     nesterov : bool
         Nesterov momentum (step 3).
     iterations : int
-        Iterations of the direction's solver in :func:`muon_direction_reference`.
+        Iterations of the direction's solver in :func:`muon_direction_reference` (a group's ``dual_steps``).
+    adjust_lr_fn : {"original", "match_rms_adamw"} or None, default None
+        A group's rule, as in :class:`StiefelMuon`: ``lr`` is then read by it (:math:`\eta = \mathrm{lr}\cdot
+        s(d, r)`), so a group's own ``lr`` and ``adjust_lr_fn`` give the optimizer's step.
+
+    Raises
+    ------
+    ValueError
+        For a value :class:`StiefelMuon` refuses (``momentum``, ``nesterov``, ``iterations`` as its ``dual_steps``,
+        ``adjust_lr_fn``), in its words.
 
     Returns
     -------
@@ -280,6 +291,9 @@ def stiefel_muon_update(
         The new frames and momentum (unchanged where the frame did not move), and the mask of frames whose
         gradient is finite, of shape ``(..., 1, 1)``.
     """
+    _check_reference_options(momentum=momentum, nesterov=nesterov, iterations=iterations, adjust_lr_fn=adjust_lr_fn)
+    if adjust_lr_fn is not None:
+        lr = lr * muon_lr_scale(adjust_lr_fn, *w.shape[-2:])
     xi = _linalg.proju(w, grad)
     finite = _linalg.frame_sq_norm(xi) < math.inf
     xi = torch.where(finite, xi, torch.zeros((), dtype=xi.dtype, device=xi.device))
@@ -290,3 +304,19 @@ def stiefel_muon_update(
     w_new = _linalg.polar_svd(w - lr * direction)
     buf_new = _linalg.proju(w_new, buf)
     return torch.where(moving, w_new, w), torch.where(moving, buf_new, buf), finite
+
+
+def _check_reference_options(*, momentum: float, nesterov: bool, iterations: int, adjust_lr_fn: str | None) -> None:
+    """Refuse what :class:`StiefelMuon` refuses, with its checks (``iterations`` is its ``dual_steps``)."""
+    import dataclasses
+
+    from . import _validation
+    from .muon import MUON_OPTIONS  # the optimizer's module imports this one
+
+    table = {option.name: option for option in _validation.SHARED_OPTIONS + MUON_OPTIONS}
+    options = (table["momentum"], table["nesterov"], dataclasses.replace(table["dual_steps"], name="iterations"),
+               table["adjust_lr_fn"])
+    given = {"momentum": momentum, "nesterov": nesterov, "iterations": iterations}
+    if adjust_lr_fn is not None:
+        given["adjust_lr_fn"] = adjust_lr_fn
+    _validation.check_group(given, "stiefel_muon_update", options)

@@ -13,11 +13,14 @@ import math
 import torch
 
 from .. import _linalg
+from . import _validation
+from ._validation import SECOND_MOMENTS
 
 __all__ = ["stiefel_adam_update", "SECOND_MOMENTS"]
 
-#: The accepted values of the ``second_moment`` option.
-SECOND_MOMENTS = ("frame", "column", "element", None)
+#: The optimizer's own checks of the options the reference takes: the same answers and words, named for the function.
+_REFERENCE_OPTIONS = tuple(option for option in _validation.SHARED_OPTIONS + _validation.ADAM_OPTIONS
+                           if option.name in ("trust_region", "second_moment", "adjust_lr_fn"))
 
 
 def stiefel_adam_update(
@@ -27,16 +30,17 @@ def stiefel_adam_update(
     exp_avg_sq: torch.Tensor | None,
     *,
     step: int,
-    lr: float,
+    lr: float | torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
-    trust_region: float | None,
+    trust_region: float | str | None,
     second_moment: str | None = "frame",
     series_order: int | None = None,
     constrained: bool = True,
     weight_decay: float = 0.0,
     capturable: bool = False,
+    adjust_lr_fn: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     r"""One StiefelAdam update of a stack of frames; pure (returns new tensors, changes none of its inputs).
 
@@ -75,8 +79,16 @@ def stiefel_adam_update(
         ``"element"``, ``None`` for ``second_moment=None``.
     step : int
         The step count ``t >= 1`` after this update (for the bias corrections).
-    lr, beta1, beta2, eps, trust_region : float
+    lr : float or torch.Tensor
+        The step size: with ``adjust_lr_fn=None`` the frame's own (:math:`c\,\mathrm{lr}` of
+        :class:`StiefelAdam`, what its kernel receives), else a group's ``lr``, multiplied here by
+        :math:`c` = :func:`frame_step_scale` ``(adjust_lr_fn, d, r)`` as the optimizer does.
+    beta1, beta2, eps : float
         Hyper-parameters as in :class:`StiefelAdam`.
+    trust_region : float, "auto" or None
+        The radius :math:`\Delta` in the frame's own units, or ``None`` for no cap; ``"auto"`` (every group's
+        default) is resolved as the optimizer resolves it (:func:`trust_radius`: 0.1 under ``"original"``, 1 under
+        ``"match_rms_adamw"``), so it needs ``adjust_lr_fn``; without one it is refused, naming the fix.
     second_moment : {"frame", "column", "element", None}
         Which second moment scales the step.
     series_order : int or None
@@ -91,12 +103,36 @@ def stiefel_adam_update(
     capturable : bool, default False
         ``True`` (the optimizer's capturable step): the retraction reads nothing on the host, so off the CPU it
         keeps the eigendecomposition instead of checked Newton–Schulz (``polar(..., synchronize=False)``).
+    adjust_lr_fn : {"original", "match_rms_adamw"} or None, default None
+        A group's rule, as in :class:`StiefelAdam`: ``lr`` is read by it (multiplied by :math:`c`) and
+        ``trust_region="auto"`` resolved by it, so a group's own ``lr``, ``trust_region`` and ``adjust_lr_fn`` give
+        the optimizer's step. ``None``: ``lr`` is the frame's step size as given and ``trust_region`` a number or
+        ``None``.
+
+    Raises
+    ------
+    ValueError
+        For a value :class:`StiefelAdam` refuses (``trust_region``, ``second_moment``, ``adjust_lr_fn``, in its
+        words), for ``trust_region="auto"`` without ``adjust_lr_fn``, and for ``weight_decay`` on frames.
 
     Returns
     -------
     w_new, exp_avg_new, exp_avg_sq_new, finite : torch.Tensor
         The updated frames and moments, and a boolean ``(..., 1, 1)`` mask of the frames that were updated.
     """
+    given = {"trust_region": trust_region, "second_moment": second_moment}
+    if adjust_lr_fn is not None:
+        given["adjust_lr_fn"] = adjust_lr_fn
+    _validation.check_group(given, "stiefel_adam_update", _REFERENCE_OPTIONS)
+    if adjust_lr_fn is not None:
+        lr = lr * _linalg.frame_step_scale(adjust_lr_fn, *w.shape[-2:])
+        trust_region = _linalg.trust_radius(trust_region, adjust_lr_fn)
+    elif trust_region == "auto":
+        raise ValueError(
+            f"stiefel_adam_update: trust_region='auto' is the radius of a step rule, and no adjust_lr_fn was given: "
+            f"pass the group's adjust_lr_fn ('auto' is {_linalg.AUTO_TRUST_REGION['original']} under 'original', "
+            f"{_linalg.AUTO_TRUST_REGION['match_rms_adamw']} under 'match_rms_adamw'; lr is then the group's lr, "
+            f"as the optimizer reads it), or the radius itself, trust_radius(trust_region, adjust_lr_fn).")
     if weight_decay and constrained:
         raise ValueError(f"stiefel_adam_update: weight_decay={weight_decay!r} applies to unconstrained matrices "
                          f"only (constrained=False); on St(d, r) weight decay has zero Riemannian gradient.")
@@ -117,7 +153,7 @@ def stiefel_adam_update(
             sq = xi.square().sum(dim=-2, keepdim=True)
         elif second_moment == "element":
             sq = xi.square()
-        else:
+        else:  # pragma: no cover - refused above
             raise ValueError(f"second_moment={second_moment!r} is unknown; use one of {SECOND_MOMENTS}.")
         v = torch.where(finite, beta2 * exp_avg_sq + (1.0 - beta2) * sq, exp_avg_sq)
         bias2 = 1.0 - beta2**step

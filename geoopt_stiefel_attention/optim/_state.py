@@ -3,7 +3,8 @@ checks and casts of :meth:`StiefelAdam.load_state_dict <geoopt_stiefel_attention
 
 A frame parameter ``(..., d, r)`` has ``step`` (float32 scalar; on the CPU unless capturable), ``exp_avg``
 ``(..., d, r)``, ``exp_avg_sq`` at its true shape (``(..., 1, 1)`` for one second moment per frame),
-``skipped_frames`` (int64) and, with ``master_weights`` for bf16/fp16 frames, a float32 ``master``.
+``skipped_frames`` (int64) and, with ``master_weights`` for bf16/fp16 frames, a float32 ``master``. Every other
+parameter has torch's AdamW state and ``skipped_frames`` too, the steps it was skipped for a non-finite gradient.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 
 from .. import _linalg
 from .. import distributed as _distributed
@@ -25,6 +27,17 @@ def _capturable(group: dict[str, Any], device: torch.device) -> bool:
     is ``None`` (the default), whether ``device`` is not the CPU."""
     cap = group.get("capturable")
     return device.type != "cpu" if cap is None else bool(cap)
+
+
+#: Device types on which torch's own AdamW supports ``capturable=True`` (the step of the parameters that are not
+#: frames); elsewhere (the CPU) it runs its default step, which reads its step counts on the host.
+TORCH_CAPTURABLE_DEVICES = tuple(_torch_optimizer._get_capturable_supported_devices())
+
+
+def _torch_capturable(group: dict[str, Any], device: torch.device) -> bool:
+    """Whether torch's AdamW, given the group's parameters that are not frames on ``device``, runs its capturable
+    step: the group is capturable there (:func:`_capturable`) and torch has a capturable step for the device."""
+    return _capturable(group, device) and device.type in TORCH_CAPTURABLE_DEVICES
 
 
 def _zeros_like_layout(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -115,8 +128,8 @@ def _loaded_state(p: torch.Tensor, saved: Any, group: dict[str, Any], label: str
             state[key] = _zeros_like_layout(p, dtype).to(device).copy_(value)
         else:
             state[key] = value.to(dtype=dtype, device=device, copy=True)
-    if frame:
-        state.setdefault("skipped_frames", torch.zeros((), dtype=torch.int64, device=p.device))
+    # the skip counter (see FrameOptimizer.step): frames and, since the non-finite policy covers them, the rest
+    state.setdefault("skipped_frames", torch.zeros((), dtype=torch.int64, device=p.device))
     return state
 
 

@@ -1,9 +1,12 @@
-"""Argument checks of :class:`~geoopt_stiefel_attention.StiefelAdam`: group options, parameters and, before
-each step, gradients and fresh frames. Each failure raises before anything changes, naming the fix."""
+"""Argument checks of the frame optimizers: group options (one table, :data:`SHARED_OPTIONS`, for the options
+both optimizers have, and each optimizer's own), parameters and, before each step, gradients, fresh frames and
+what torch's AdamW would refuse inside its step. Each failure raises before anything changes, naming the fix."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,14 +17,16 @@ from .. import distributed as _distributed
 from .._linalg import ADJUST_LR_FNS
 from ..manifolds import has_manifold as _has_manifold
 from ..manifolds import is_frame as _is_frame
-from ._reference import SECOND_MOMENTS
-from ._state import _capturable
+from ._state import _capturable, _torch_capturable
 
 _local = _distributed.local_tensor
 
 #: Largest ``max |W^T W - I|`` accepted for a frame at its first step, per parameter dtype (defined in
 #: ``_linalg``, where the re-projection of frames after a cast reads it too).
 ORTHONORMALITY_TOLERANCE = _linalg.ORTHONORMALITY_TOLERANCE
+
+#: The accepted values of the ``second_moment`` option (re-exported by ``_reference``, whose ablations they name).
+SECOND_MOMENTS = ("frame", "column", "element", None)
 
 #: The constructor's default: the radius :data:`~.._linalg.AUTO_TRUST_REGION` gives the group's ``adjust_lr_fn``.
 _DEFAULT_TRUST_REGION = "auto"
@@ -51,78 +56,182 @@ def check_tensor_lr(lr: torch.Tensor, name: str) -> None:
                  f"{name}: lr=tensor({value:g}) is invalid; pass a finite value >= 0 (e.g. torch.tensor(1e-3)).")
 
 
-def check_torch_flags(group: dict[str, Any], name: str) -> None:
-    """Refuse torch's Adam flags that a group may carry (a group dict, or written into ``param_groups`` later) but
-    that the frame optimizers do not implement: torch would honour them, so ignoring them would change the update
-    (``decoupled_weight_decay=False``: an L2 penalty instead of decoupled decay) or drop what they promise
-    (``differentiable=True``: a graph through the step; ``fused=True``: torch's fused kernel) without a word."""
-    fused = group.get("fused")
-    _require(not fused,
-             f"{name}: fused={fused!r} is not supported: frames always use their own fused in-place kernel and other "
-             f"parameters torch's AdamW implementation selected by `foreach`. Pass fused=None (the default), or "
-             f"leave 'fused' out of the parameter group.")
-    diff = group.get("differentiable", False)
-    _require(not diff,
-             f"{name}: differentiable={diff!r} is not supported: the frame update runs in place under "
-             f"torch.no_grad(), so no graph through the step exists. Pass differentiable=False (the default), or "
-             f"leave 'differentiable' out of the parameter group.")
-    decoupled = group.get("decoupled_weight_decay", True)
-    _require(bool(decoupled),
-             f"{name}: decoupled_weight_decay={decoupled!r} (torch.optim.Adam's L2 penalty, added to the gradient) "
-             f"is not supported: {name} applies decoupled (AdamW) weight decay to Euclidean parameters. Leave "
-             f"'decoupled_weight_decay' out of the parameter group (or set it to True), or train those parameters "
-             f"with torch.optim.Adam.")
+# ----------------------------------------------------------------------------- the option table
+def _real(x: Any) -> bool:
+    """A real number given as a Python int or float: a bool is not a number (``True`` is not a rate)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _finite_at_least(x: Any, low: float) -> bool:
+    return _real(x) and math.isfinite(x) and x >= low
+
+
+def _in_unit_interval(x: Any) -> bool:
+    """In ``[0, 1)``, as torch's ``betas`` and ``momentum``."""
+    return _real(x) and 0.0 <= x < 1.0
+
+
+@dataclass(frozen=True)
+class Option:
+    """A group option and its one check, shared by every optimizer that has the option.
+
+    ``valid(value)`` decides; a refusal raises ``exc`` with ``"{owner}: {name}={value!r} {verdict} {fix}"``, in which
+    ``{owner}`` in ``fix`` is the optimizer's name too, so the same value gets the same answer and the same words
+    in :class:`~geoopt_stiefel_attention.StiefelAdam` and :class:`~geoopt_stiefel_attention.StiefelMuon`.
+    ``refine(value, owner)``, when given, checks further a value ``valid`` let through (a tensor ``lr``).
+    """
+
+    name: str
+    valid: Callable[[Any], bool]
+    fix: str
+    verdict: str = "is invalid;"
+    exc: type[Exception] = ValueError
+    refine: Callable[[Any, str], None] | None = None
+
+    def check(self, group: dict[str, Any], owner: str) -> None:
+        """Refuse ``group[name]`` (an option a group lacks is not checked: torch fills it on load)."""
+        if self.name not in group:
+            return
+        value = group[self.name]
+        if not self.valid(value):
+            raise self.exc(f"{owner}: {self.name}={value!r} {self.verdict} {self.fix.format(owner=owner)}")
+        if self.refine is not None:
+            self.refine(value, owner)
+
+
+def _refine_lr(lr: Any, owner: str) -> None:
+    if isinstance(lr, torch.Tensor):
+        check_tensor_lr(lr, owner)
+
+
+#: The options both frame optimizers have, each declared once with its check: torch's Adam options (the AdamW
+#: step of the parameters that are not frames reads them) and the frame options the two rules share.
+#: ``StiefelAdam(weight_decay=True)`` and ``StiefelMuon(weight_decay=True)`` get one answer: refused, as a bool is
+#: not a number (torch's AdamW accepts it as 1.0).
+SHARED_OPTIONS: tuple[Option, ...] = (
+    Option("fused", lambda v: not v,
+           "frames always use their own fused in-place kernel and other parameters torch's AdamW implementation "
+           "selected by `foreach`. Pass fused=None (the default), or leave 'fused' out of the parameter group.",
+           verdict="is not supported:"),
+    Option("differentiable", lambda v: not v,
+           "the frame update runs in place under torch.no_grad(), so no graph through the step exists. Pass "
+           "differentiable=False (the default), or leave 'differentiable' out of the parameter group.",
+           verdict="is not supported:"),
+    Option("decoupled_weight_decay", bool,
+           "(torch.optim.Adam's L2 penalty, added to the gradient): {owner} applies decoupled (AdamW) weight decay to "
+           "Euclidean parameters. Leave 'decoupled_weight_decay' out of the parameter group (or set it to True), or "
+           "train those parameters with torch.optim.Adam.", verdict="is not supported"),
+    Option("lr", lambda v: isinstance(v, torch.Tensor) or _finite_at_least(v, 0.0),
+           "pass a finite float >= 0 (e.g. lr=1e-3; lr=0 moves nothing, as at the start of a warm-up) or a "
+           "one-element tensor.", refine=_refine_lr),
+    Option("betas", lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(map(_in_unit_interval, v)),
+           "pass two floats in [0, 1), e.g. betas=(0.9, 0.999)."),
+    Option("eps", lambda v: _finite_at_least(v, 0.0), "pass a finite float >= 0 (e.g. eps=1e-8)."),
+    Option("weight_decay", lambda v: _finite_at_least(v, 0.0),
+           "pass the decay rate as a finite float >= 0 (e.g. weight_decay=0.1; a bool is not a rate)."),
+    Option("adjust_lr_fn", lambda v: v in ADJUST_LR_FNS,
+           "use 'match_rms_adamw' (one lr for the frames and the AdamW parameters) or 'original' (the rule's own "
+           "scale: see the optimizer's adjust_lr_fn).", verdict="is unknown;"),
+    Option("master_weights", lambda v: isinstance(v, bool),
+           "pass True (keep a float32 master copy of bf16/fp16 frames) or False."),
+    Option("capturable", lambda v: v is None or isinstance(v, bool),
+           "pass True, False or None (True on accelerators)."),
+    Option("foreach", lambda v: v is None or isinstance(v, bool),
+           "pass True, False or None (torch's choice), as to torch.optim.AdamW."),
+    Option("amsgrad", lambda v: isinstance(v, bool), "pass True or False, as to torch.optim.AdamW."),
+    Option("maximize", lambda v: isinstance(v, bool), "pass True or False, as to torch.optim.AdamW."),
+)
+
+
+def _check_tensor_lr_with_foreach(group: dict[str, Any], owner: str) -> None:
+    """torch's AdamW takes a tensor ``lr`` with ``foreach=True`` only with ``capturable=True`` (its constructor
+    refuses the rest, and its foreach step raises for them): refused here whatever the parameters, in the same
+    words in both optimizers, before anything changes (StiefelMuon accepted it and moved its frames before torch
+    raised for the Euclidean part)."""
+    lr = group.get("lr")
+    if isinstance(lr, torch.Tensor) and group.get("foreach") and group.get("capturable") is not True:
+        raise ValueError(
+            f"{owner}: lr is a tensor and foreach=True, with capturable={group.get('capturable')!r}: torch's AdamW "
+            f"(the step of the parameters that are not frames) supports a tensor lr in its foreach step only with "
+            f"capturable=True on an accelerator, and torch.optim.AdamW refuses this combination too. Pass "
+            f"foreach=None (or False), a float lr, or capturable=True with the parameters on an accelerator.")
+
+
+#: Checks of combinations of options that both optimizers share.
+SHARED_RULES: tuple[Callable[[dict[str, Any], str], None], ...] = (_check_tensor_lr_with_foreach,)
+
+
+def check_group(group: dict[str, Any], owner: str, options: tuple[Option, ...],
+                rules: tuple[Callable[[dict[str, Any], str], None], ...] = ()) -> None:
+    """Check every option of ``group`` that ``options`` declares, then the combinations ``rules`` check; raise
+    naming the option (and ``owner``, the optimizer) and the fix."""
+    for option in options:
+        option.check(group, owner)
+    for rule in rules:
+        rule(group, owner)
+
+
+# ----------------------------------------------------------------------------- StiefelAdam's own options
+#: The options only StiefelAdam has.
+ADAM_OPTIONS: tuple[Option, ...] = (
+    Option("trust_region", lambda v: v is None or v == "auto" or (_real(v) and math.isfinite(v) and v > 0),
+           f"pass a finite float > 0 (a cap on each frame's ||s||_F), 'auto' (the default: "
+           f"{_linalg.AUTO_TRUST_REGION['original']} under adjust_lr_fn='original', "
+           f"{_linalg.AUTO_TRUST_REGION['match_rms_adamw']} under 'match_rms_adamw') or None to disable the cap."),
+    Option("second_moment", lambda v: v in SECOND_MOMENTS,
+           "use one of 'frame' (default), 'column', 'element', or None (fixed-step Riemannian SGD with momentum).",
+           verdict="is unknown;"),
+    Option("stabilize", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
+           "pass a positive int (re-project every that many steps) or None."),
+)
+
+
+def _check_stabilize_with_capturable(group: dict[str, Any], owner: str) -> None:
+    st = group.get("stabilize")
+    _require(not (group.get("capturable") and st is not None),
+             f"{owner}: stabilize={st!r} cannot be combined with capturable=True (re-projecting every k steps reads "
+             f"the step count on the host); pass stabilize=None or capturable=False.")
 
 
 def _validate_hyperparameters(group: dict[str, Any]) -> None:
-    """Raise a ``ValueError`` that names the option and the fix when a group option is out of range."""
-    check_torch_flags(group, "StiefelAdam")
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        check_tensor_lr(lr, "StiefelAdam")
-    else:
-        _require(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr >= 0 and math.isfinite(lr),
-                 f"StiefelAdam: lr={lr!r} is invalid; pass a finite float >= 0 (e.g. lr=1e-3; lr=0 moves "
-                 f"nothing, as at the start of a warm-up).")
-    eps = group["eps"]
-    _require(isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0 and math.isfinite(eps),
-             f"StiefelAdam: eps={eps!r} is invalid; pass a finite float >= 0 (e.g. eps=1e-8).")
-    betas = group["betas"]
-    _require(isinstance(betas, (tuple, list)) and len(betas) == 2
-             and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas),
-             f"StiefelAdam: betas={betas!r} is invalid; pass two floats in [0, 1), e.g. betas=(0.9, 0.999).")
-    wd = group["weight_decay"]
-    _require(isinstance(wd, (int, float)) and wd >= 0 and math.isfinite(wd),
-             f"StiefelAdam: weight_decay={wd!r} is invalid; pass a finite float >= 0.")
-    tr = group["trust_region"]
-    _require(tr is None or tr == "auto"
-             or (isinstance(tr, (int, float)) and not isinstance(tr, bool) and tr > 0 and math.isfinite(tr)),
-             f"StiefelAdam: trust_region={tr!r} is invalid; pass a finite float > 0 (a cap on each frame's "
-             f"||s||_F), 'auto' (the default: {_linalg.AUTO_TRUST_REGION['original']} under "
-             f"adjust_lr_fn='original', {_linalg.AUTO_TRUST_REGION['match_rms_adamw']} under 'match_rms_adamw') "
-             f"or None to disable the cap.")
-    sm = group["second_moment"]
-    _require(sm in SECOND_MOMENTS,
-             f"StiefelAdam: second_moment={sm!r} is unknown; use one of 'frame' (default), 'column', "
-             f"'element', or None (fixed-step Riemannian SGD with momentum).")
-    fn = group.get("adjust_lr_fn", "original")
-    _require(fn in ADJUST_LR_FNS,
-             f"StiefelAdam: adjust_lr_fn={fn!r} is unknown; use 'original' (lr is a frame's step norm, the "
-             f"paper's step) or 'match_rms_adamw' (lr is a per-entry step, as for AdamW).")
-    st = group["stabilize"]
-    _require(st is None or (isinstance(st, int) and not isinstance(st, bool) and st > 0),
-             f"StiefelAdam: stabilize={st!r} is invalid; pass a positive int (re-project every that many "
-             f"steps) or None.")
-    cap = group.get("capturable")
-    _require(cap is None or isinstance(cap, bool),
-             f"StiefelAdam: capturable={cap!r} is invalid; pass True, False or None (True on accelerators).")
-    _require(not (cap and st is not None),
-             f"StiefelAdam: stabilize={st!r} cannot be combined with capturable=True (re-projecting every k "
-             f"steps reads the step count on the host); pass stabilize=None or capturable=False.")
-    mw = group.get("master_weights", False)
-    _require(isinstance(mw, bool),
-             f"StiefelAdam: master_weights={mw!r} is invalid; pass True (keep a float32 master copy of bf16/fp16 "
-             f"frames) or False.")
+    """Raise a ``ValueError`` that names the option and the fix when a StiefelAdam group option is out of range."""
+    check_group(group, "StiefelAdam", SHARED_OPTIONS + ADAM_OPTIONS,
+                SHARED_RULES + (_check_stabilize_with_capturable,))
+
+
+def check_euclidean_step(group: dict[str, Any], k: int, params: list[torch.Tensor], owner: str,
+                         state: dict[torch.Tensor, Any] | None = None) -> None:
+    """Refuse, before anything changes, what torch's AdamW would refuse or fail on inside its step for group
+    ``k``'s parameters that are not frames (``params``): a tensor ``lr`` with ``foreach=True`` for a parameter on a
+    device where torch's AdamW has no capturable step (the CPU: its foreach step refuses the tensor), state without
+    an entry it reads (``max_exp_avg_sq`` when ``amsgrad`` was switched on after the first step), and a step count
+    on another device than its parameter where torch's AdamW runs capturable (it asserts both on one device)."""
+    lr = group.get("lr")
+    tensor_lr_foreach = isinstance(lr, torch.Tensor) and group.get("foreach")
+    needed = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+    for p in params:
+        if tensor_lr_foreach and not _torch_capturable(group, p.device):
+            raise ValueError(
+                f"{owner}: parameter group {k} has a tensor lr and foreach=True, and holds a parameter that is not a "
+                f"frame (shape {tuple(p.shape)}) on {p.device.type}, where torch's AdamW has no capturable step, so "
+                f"its foreach step would refuse the tensor lr. Pass foreach=None (or False) or a float lr.")
+        st = state.get(p) if state is not None else None
+        if not st:
+            continue
+        missing = [key for key in needed if not isinstance(st.get(key), torch.Tensor)]
+        if missing:
+            raise ValueError(
+                f"{owner}: a parameter that is not a frame (shape {tuple(p.shape)}, group {k}) has optimizer "
+                f"state without {missing}, which torch's AdamW reads (amsgrad switched on after its first "
+                f"step?). Restore the option, or restart its moments with optimizer.state[p].clear().")
+        step = st["step"]
+        if step.device != p.device and _torch_capturable(group, p.device):
+            raise ValueError(
+                f"{owner}: a parameter that is not a frame (shape {tuple(p.shape)}, on {p.device}) has its step count "
+                f"on {step.device} while its group (group {k}) is capturable, where torch's AdamW needs both on one "
+                f"device (capturable was switched on after its first step?). Set capturable back, or reload the "
+                f"state, which places step counts for the group's capturable: "
+                f"optimizer.load_state_dict(optimizer.state_dict()).")
 
 
 def _check_manifold(p: torch.Tensor, name: str = "StiefelAdam") -> None:
@@ -182,7 +291,7 @@ def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, 
     for group in param_groups:
         (validate_group or _validate_hyperparameters)(group)
     split = []
-    for group in param_groups:
+    for k, group in enumerate(param_groups):
         frames, euclidean = [], []
         split.append((frames, euclidean))
         for p in group["params"]:
@@ -224,4 +333,5 @@ def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, 
                         f"Stiefel manifold at its first step: max|W^T W - I| = {err:.3g} > {tol:g}. "
                         f"Project it first with `param.proj_()` (inside torch.no_grad())."
                     )
+        check_euclidean_step(group, k, euclidean, name, state)
     return split

@@ -100,7 +100,13 @@ class StiefelAdam(FrameOptimizer, geoopt.optim.RiemannianAdam):
       ``ValueError`` suggests ``.proj_()``; ``CanonicalStiefel`` and other manifolds, sparse gradients and
       complex frames are refused. Validation happens before anything changes.
     - A frame whose gradient has a NaN or Inf entry is skipped for that step and counted in
-      ``state["skipped_frames"]``; Euclidean parameters follow torch's AdamW, which does not skip.
+      ``state["skipped_frames"]``; so is, as a whole, any other parameter whose gradient has one (its value,
+      moments and step count unchanged, where torch's AdamW alone would turn it into NaN). The default step warns
+      once per parameter, naming it; the capturable step counts on the device without a warning.
+    - Options are checked before anything moves, at construction and at each step (for values written into
+      ``param_groups``), with the checks :class:`StiefelMuon` uses for the options both have; what torch's AdamW
+      would refuse inside its step (a tensor ``lr`` with ``foreach=True`` without a capturable AdamW) is refused
+      before the frames move.
     - bf16/fp16 frames compute and keep moments in float32; small steps are partly lost to rounding unless
       ``master_weights=True``.
     - Sharded (FSDP2/``DTensor``) frames are supported when sharded along a leading (head) dimension;
@@ -145,21 +151,16 @@ class StiefelAdam(FrameOptimizer, geoopt.optim.RiemannianAdam):
         fused: bool | None = None,
         capturable: bool | None = None,
     ) -> None:
-        if differentiable:
-            raise ValueError("StiefelAdam: differentiable=True is not supported: the frame update runs in place "
-                             "under torch.no_grad() (a polar retraction with a data-dependent series order), so "
-                             "no graph through the step exists. Pass differentiable=False (the default).")
-        if fused:
-            raise ValueError("StiefelAdam: fused=True is not supported: frames always use their own fused "
-                             "in-place kernel and other parameters torch's AdamW implementation selected by "
-                             "`foreach`. Pass fused=None (the default).")
         params = self._check_params_argument(params)
         self._pending_defaults = {"trust_region": trust_region, "second_moment": second_moment,
                                   "stabilize": stabilize, "master_weights": master_weights,
                                   "adjust_lr_fn": adjust_lr_fn}
         self._constructing = True
-        _validate_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                       capturable=capturable, **self._pending_defaults))
+        # every option checked here, by the shared table, before torch's Adam sees them (its own checks would
+        # answer some, e.g. a tensor lr with foreach=True, in other words than StiefelMuon's)
+        _validate_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                                       maximize=maximize, foreach=foreach, differentiable=differentiable,
+                                       fused=fused, capturable=capturable, **self._pending_defaults))
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize, foreach=foreach, stabilize=stabilize, capturable=capturable,
                          decoupled_weight_decay=True)

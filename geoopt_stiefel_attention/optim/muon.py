@@ -18,11 +18,11 @@ import torch
 from .. import _linalg
 from .. import distributed as _distributed
 from ._base import FrameOptimizer
-from ._batching import _cat_frames, _count_skipped, _frame_batches, _slices
+from ._batching import _cat_frames, _frame_batches, _slices
 from ._kernel import _rounding_margin
-from ._muon import MUON_ADJUST_LR_FNS, muon_direction, muon_lr_scale
+from ._muon import muon_direction, muon_lr_scale
 from ._state import _capturable, _zeros_like_layout, master_copies
-from ._validation import _require, check_tensor_lr, check_torch_flags
+from ._validation import SHARED_OPTIONS, SHARED_RULES, Option, _in_unit_interval, check_group
 
 _local = _distributed.local_tensor
 
@@ -41,51 +41,23 @@ _MUON_GROUP_DEFAULTS = {"momentum": 0.95, "nesterov": True, "adjust_lr_fn": "mat
                         "stabilize": None}
 
 
+#: The options only StiefelMuon has (those both optimizers have are :data:`~._validation.SHARED_OPTIONS`).
+MUON_OPTIONS: tuple[Option, ...] = (
+    Option("momentum", _in_unit_interval, "pass a float in [0, 1) (torch's Muon uses 0.95)."),
+    Option("nesterov", lambda v: isinstance(v, bool), "pass True or False."),
+    Option("dual_steps", lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 100,
+           f"pass an int in [0, 100) (default {DEFAULT_DUAL_STEPS}; dual_steps=0 takes the cheap projected msign "
+           f"direction)."),
+    Option("ns_steps", lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v < 100,
+           f"pass an int in [1, 100) (default {DEFAULT_NS_STEPS})."),
+    Option("stabilize", lambda v: v is None,
+           "(the polar retraction keeps frames on the manifold); pass stabilize=None.", verdict="is not supported"),
+)
+
+
 def _validate_muon_group(group: dict[str, Any]) -> None:
     """Raise a ``ValueError`` naming the option and the fix when a StiefelMuon group option is out of range."""
-    check_torch_flags(group, "StiefelMuon")
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        check_tensor_lr(lr, "StiefelMuon")
-    else:
-        _require(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr >= 0 and math.isfinite(lr),
-                 f"StiefelMuon: lr={lr!r} is invalid; pass a finite float >= 0 (e.g. lr=1e-3).")
-    mu = group["momentum"]
-    _require(isinstance(mu, (int, float)) and not isinstance(mu, bool) and 0.0 <= mu < 1.0,
-             f"StiefelMuon: momentum={mu!r} is invalid; pass a float in [0, 1) (torch's Muon uses 0.95).")
-    _require(isinstance(group["nesterov"], bool),
-             f"StiefelMuon: nesterov={group['nesterov']!r} is invalid; pass True or False.")
-    wd = group["weight_decay"]
-    _require(isinstance(wd, (int, float)) and not isinstance(wd, bool) and wd >= 0 and math.isfinite(wd),
-             f"StiefelMuon: weight_decay={wd!r} is invalid; pass a finite float >= 0.")
-    betas = group["betas"]
-    _require(isinstance(betas, (tuple, list)) and len(betas) == 2
-             and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas),
-             f"StiefelMuon: betas={betas!r} is invalid (AdamW's, for the Euclidean parameters); pass two floats "
-             f"in [0, 1), e.g. betas=(0.9, 0.999).")
-    eps = group["eps"]
-    _require(isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0 and math.isfinite(eps),
-             f"StiefelMuon: eps={eps!r} is invalid (AdamW's, for the Euclidean parameters); pass a finite float "
-             f">= 0 (e.g. eps=1e-8).")
-    fn = group["adjust_lr_fn"]
-    _require(fn in MUON_ADJUST_LR_FNS,
-             f"StiefelMuon: adjust_lr_fn={fn!r} is unknown; use 'match_rms_adamw' (0.2 * sqrt(max(d, r)) * lr, "
-             f"one lr for the whole model) or 'original' (sqrt(max(1, d / r)) * lr), as in torch's Muon.")
-    for key, low in (("dual_steps", 0), ("ns_steps", 1)):
-        value = group[key]
-        _require(isinstance(value, int) and not isinstance(value, bool) and low <= value < 100,
-                 f"StiefelMuon: {key}={value!r} is invalid; pass an int in [{low}, 100) (default "
-                 f"{_MUON_GROUP_DEFAULTS[key]}; dual_steps=0 takes the cheap projected msign direction).")
-    cap = group.get("capturable")
-    _require(cap is None or isinstance(cap, bool),
-             f"StiefelMuon: capturable={cap!r} is invalid; pass True, False or None (True on accelerators).")
-    mw = group.get("master_weights", False)
-    _require(isinstance(mw, bool),
-             f"StiefelMuon: master_weights={mw!r} is invalid; pass True (keep a float32 master copy of bf16/fp16 "
-             f"frames) or False.")
-    _require(group.get("stabilize") is None,
-             f"StiefelMuon: stabilize={group.get('stabilize')!r} is not supported (the polar retraction keeps "
-             f"frames on the manifold); pass stabilize=None.")
+    check_group(group, "StiefelMuon", SHARED_OPTIONS + MUON_OPTIONS, SHARED_RULES)
 
 
 def _muon_update_(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr: float | torch.Tensor,
@@ -194,7 +166,12 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
       sparse and complex gradients are refused before anything changes, with the same checks and messages as
       :class:`~geoopt_stiefel_attention.StiefelAdam`, whose base it shares.
     - A frame whose gradient has a NaN or Inf entry is skipped for that step and counted in
-      ``state["skipped_frames"]``.
+      ``state["skipped_frames"]``; so is, as a whole, any other parameter whose gradient has one (its value,
+      moments and step count unchanged). The default step warns once per parameter, naming it; the capturable
+      step counts on the device without a warning.
+    - The options both optimizers have are checked by one table, before anything moves: the same value gets
+      the same answer and words as in :class:`~geoopt_stiefel_attention.StiefelAdam` (a bool is not a number:
+      ``weight_decay=True`` is refused by both; a tensor ``lr`` with ``foreach=True`` too, as by torch's AdamW).
     - The direction is exact to the solver's tolerance, not to rounding, and the default setting
       (``dual_steps=10, ns_steps=8``) was chosen on Gaussian momenta, where it is within 1e-3 of the optimum
       (``geoopt_stiefel_attention.analysis`` certifies this against an independent solver). **Momenta whose
@@ -331,4 +308,4 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         if masters:
             torch._foreach_copy_(masters, new)
         torch._foreach_copy_(locals_, masters or new)
-        _count_skipped(self.state, params, finite)
+        self._count_skipped(group, params, finite)
