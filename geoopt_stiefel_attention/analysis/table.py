@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+from .._docfrag import fill
 from ._result import Certificate
 
 __all__ = ["format_cell", "format_text", "format_markdown", "to_records", "to_json", "conclusions",
@@ -241,14 +242,14 @@ def _gauge_finding(certs: Sequence[Certificate], prefix: Mapping[str, str], pass
             "the Stiefel constraint buys.")
 
 
+@fill
 def stiefel_adam_failures(certs: Iterable[Certificate]) -> list[Certificate]:
     """The certificates of the main table's ``StiefelAdam`` column that failed (the Muon table's rows, where
     StiefelAdam is a comparison column, are not counted).
 
     Parameters
     ----------
-    certs : sequence of Certificate
-        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+    {{certs_cells}}
 
     Returns
     -------
@@ -315,6 +316,7 @@ def _column_key(cols: Sequence[str], labels: Mapping[str, str]) -> list[tuple[st
     return [(labels.get(c, c), c) for c in cols]
 
 
+@fill
 def format_text(certs: Sequence[Certificate], labels: Mapping[str, str] | None = None, *,
                 legend: bool = True, notes: bool = True, descriptions: Mapping[str, str] | None = None,
                 ours: str = OUR_COLUMN) -> str:
@@ -325,18 +327,14 @@ def format_text(certs: Sequence[Certificate], labels: Mapping[str, str] | None =
 
     Parameters
     ----------
-    certs : sequence of Certificate
-        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+    {{certs_cells}}
     labels : mapping of str to str, optional
         Column headers by column name.
     legend : bool, default True
         Add the columns' descriptions and the certificates' statements.
     notes : bool, default True
         Add the findings.
-    descriptions : mapping of str to str, optional
-        Column descriptions by column name.
-    ours : str, default OUR_COLUMN
-        Name of the column the findings compare the others with.
+    {{descriptions_ours}}
 
     Returns
     -------
@@ -375,6 +373,7 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
 
 
+@fill
 def format_markdown(certs: Sequence[Certificate], labels: Mapping[str, str] | None = None, *,
                     descriptions: Mapping[str, str] | None = None, ours: str = OUR_COLUMN) -> str:
     """The table as GitHub Markdown, followed by the legend (columns with their ``descriptions``, when given)
@@ -382,14 +381,10 @@ def format_markdown(certs: Sequence[Certificate], labels: Mapping[str, str] | No
 
     Parameters
     ----------
-    certs : sequence of Certificate
-        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+    {{certs_cells}}
     labels : mapping of str to str, optional
         Column headers by column name.
-    descriptions : mapping of str to str, optional
-        Column descriptions by column name.
-    ours : str, default OUR_COLUMN
-        Name of the column the findings compare the others with.
+    {{descriptions_ours}}
 
     Returns
     -------
@@ -415,13 +410,13 @@ def format_markdown(certs: Sequence[Certificate], labels: Mapping[str, str] | No
     return "\n".join(lines) + "\n"
 
 
+@fill
 def to_records(certs: Iterable[Certificate]) -> list[dict]:
     """One JSON-ready dict per cell (keys ``certificate, optimizer, passed, measured, tolerance, details``, ...).
 
     Parameters
     ----------
-    certs : sequence of Certificate
-        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+    {{certs_cells}}
 
     Returns
     -------
@@ -431,13 +426,13 @@ def to_records(certs: Iterable[Certificate]) -> list[dict]:
     return [c.to_dict() for c in certs]
 
 
+@fill
 def to_json(certs: Iterable[Certificate], *, indent: int = 2) -> str:
     """:func:`to_records` serialised as a JSON list.
 
     Parameters
     ----------
-    certs : sequence of Certificate
-        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+    {{certs_cells}}
     indent : int, default 2
         JSON indentation.
 
