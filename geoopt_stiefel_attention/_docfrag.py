@@ -38,6 +38,26 @@ lr : float, default 0.05
     "lr_eta": """\
 lr : float, default 0.05
     Learning rate :math:`\\eta`.""",
+    "certs_cells": """\
+certs : sequence of Certificate
+    The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).""",
+    "descriptions_ours": """\
+descriptions : mapping of str to str, optional
+    Column descriptions by column name.
+ours : str, default OUR_COLUMN
+    Name of the column the findings compare the others with.""",
+    "returns_table": """\
+Returns
+-------
+str
+    The table, one row per entry of ``results``.""",
+    "timing_run": """\
+rounds : int
+    Interleaved rounds.
+clock : {"wall", "cpu"}
+    The clock of the timings.
+threads : int
+    Torch threads during the run.""",
     "gauge_point": """\
 loss_fn : callable
     ``loss_fn(w_q, w_k) -> torch.Tensor``, a scalar loss (e.g. :meth:`AttentionProblem.loss`,

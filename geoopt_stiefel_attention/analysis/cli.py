@@ -231,8 +231,94 @@ def _refuse_unread_lengths(given, rows, main_columns, muon_rows, muon_columns) -
                              f"or select what it is for")
 
 
-def run(args: argparse.Namespace) -> int:
+def _refuse_bad_outputs(args: argparse.Namespace) -> None:
+    """A :class:`UsageError` for a ``--json`` or ``--markdown`` path that cannot be written, or for both naming one
+    file; checked before the tables are computed."""
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
+        problem = None if path is None else output_path_problem(path, folder=False)
+        if problem is not None:
+            raise UsageError(f"{flag} {path}: {problem}")
+    if args.json is not None and args.markdown is not None and _same_file(args.json, args.markdown):
+        raise UsageError(f"--json {args.json} and --markdown {args.markdown} name the same file, so the Markdown "
+                         f"would overwrite the JSON; pass two different paths")
+
+
+def _select_rows(only):
+    """``(rows, muon_rows)`` that ``--only`` (``only``) selects: ``None`` for every row of a table when ``only`` is
+    None, ``()`` for a table none of whose rows it names."""
+    from . import muon as muon_certificates
+    from . import suite
+
+    if only is None:
+        return None, None
+    if len(set(only)) != len(only):
+        raise UsageError(f"--only {' '.join(only)}: names a row twice; list each once")
+    muon_rows = muon_certificates.select_muon_rows(only)
+    main_tokens = [t for t in only if not _is_muon_token(t)]
+    try:
+        rows = suite.select_rows(main_tokens) if main_tokens else ()
+    except ValueError as err:
+        raise UsageError(f"--only: {err}; M or M1-M8 for the Muon table") from None
+    return rows, muon_rows or ()
+
+
+def _reporters(quiet: bool):
+    """``(progress, detail)``: the callbacks that print a line of progress to stderr (none when ``quiet``), a
+    section's name when it starts and, within one, a line when the last is :data:`DETAIL_EVERY_S` old."""
     import sys
+    import time
+
+    last_line = [time.perf_counter()]
+
+    def progress(name: str) -> None:
+        if not quiet:
+            print(f"  certifying {name} ...", file=sys.stderr, flush=True)
+            last_line[0] = time.perf_counter()
+
+    def detail(text: str) -> None:  # within a column: a line when the last one is DETAIL_EVERY_S old
+        if not quiet and time.perf_counter() - last_line[0] >= DETAIL_EVERY_S:
+            print(f"    {text}", file=sys.stderr, flush=True)
+            last_line[0] = time.perf_counter()
+
+    return progress, detail
+
+
+def _drift_note(certs, main_columns, steps: int, other_steps: int) -> str:
+    """The heading's note on the main table's drift-run lengths; empty when no drift row was computed."""
+    from . import suite
+
+    if not (certs and any(c.name.split()[0] in suite.DRIFT_ROWS for c in certs)):
+        return ""
+    lengths = sorted({steps if c.name in suite.LONG_RUN_COLUMNS else other_steps for c in main_columns})
+    return (f"; drift runs 3a-3c of {steps:,} steps for StiefelAdam and {other_steps:,} for the others"
+            if len(lengths) > 1 else f"; drift runs 3a-3c of {lengths[0]:,} steps")
+
+
+def _tables(certs, muon_certs, main_columns, muon_columns, muon_steps: int, quiet: bool):
+    """``(blocks, markdown)``: the text of each computed table (legend and notes unless ``quiet``; the Muon table
+    under its heading) and its Markdown."""
+    from . import table
+
+    labels = {c.name: c.label for c in main_columns}
+    muon_labels = {c.name: c.short for c in muon_columns}
+    muon_described = {c.name: c.description for c in muon_columns}
+    ours_muon = table.OUR_MUON_COLUMN
+    blocks, markdown = [], []
+    if certs:
+        blocks.append(table.format_text(certs, labels, legend=not quiet, notes=not quiet))
+        markdown.append(table.format_markdown(certs, labels))
+    if muon_certs:
+        heading = (f"Manifold Muon (StiefelMuon): a stack of 3 frames of St(12, 4), float64 unless stated, drift runs "
+                   f"of {muon_steps:,} steps:")
+        blocks.append(("" if quiet else heading + "\n\n")
+                      + table.format_text(muon_certs, muon_labels, legend=not quiet, notes=not quiet,
+                                          descriptions=muon_described, ours=ours_muon))
+        markdown.append(f"**{heading}**\n\n" + table.format_markdown(muon_certs, muon_labels,
+                                                                       descriptions=muon_described, ours=ours_muon))
+    return blocks, markdown
+
+
+def run(args: argparse.Namespace) -> int:
     import time
     import warnings
     from pathlib import Path
@@ -244,24 +330,8 @@ def run(args: argparse.Namespace) -> int:
 
     main_columns, muon_columns = _select_columns(args.optimizers)
     muon_columns.sort(key=lambda c: c.name != table.OUR_MUON_COLUMN)  # ours first, the rest in their order
-    for flag, path in (("--json", args.json), ("--markdown", args.markdown)):  # before the table is computed
-        problem = None if path is None else output_path_problem(path, folder=False)
-        if problem is not None:
-            raise UsageError(f"{flag} {path}: {problem}")
-    if args.json is not None and args.markdown is not None and _same_file(args.json, args.markdown):
-        raise UsageError(f"--json {args.json} and --markdown {args.markdown} name the same file, so the Markdown "
-                         f"would overwrite the JSON; pass two different paths")
-    rows, muon_rows = None, None
-    if args.only is not None and len(set(args.only)) != len(args.only):
-        raise UsageError(f"--only {' '.join(args.only)}: names a row twice; list each once")
-    if args.only is not None:
-        muon_rows = muon_certificates.select_muon_rows(args.only)
-        main_tokens = [t for t in args.only if not _is_muon_token(t)]
-        try:
-            rows = suite.select_rows(main_tokens) if main_tokens else ()
-        except ValueError as err:
-            raise UsageError(f"--only: {err}; M or M1-M8 for the Muon table") from None
-        muon_rows = muon_rows or ()
+    _refuse_bad_outputs(args)  # before the table is computed
+    rows, muon_rows = _select_rows(args.only)
     if rows == ():
         main_columns = []
     if muon_rows == ():
@@ -275,18 +345,7 @@ def run(args: argparse.Namespace) -> int:
     steps, other_steps, muon_steps = run_lengths(args)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    last_line = [time.perf_counter()]
-
-    def progress(name: str) -> None:
-        if not args.quiet:
-            print(f"  certifying {name} ...", file=sys.stderr, flush=True)
-            last_line[0] = time.perf_counter()
-
-    def detail(text: str) -> None:  # within a column: a line when the last one is DETAIL_EVERY_S old
-        if not args.quiet and time.perf_counter() - last_line[0] >= DETAIL_EVERY_S:
-            print(f"    {text}", file=sys.stderr, flush=True)
-            last_line[0] = time.perf_counter()
-
+    progress, detail = _reporters(args.quiet)
     certs, muon_certs = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -299,30 +358,11 @@ def run(args: argparse.Namespace) -> int:
                                                                  rows=muon_rows, threads=args.threads,
                                                                  detail=detail)
     elapsed = time.perf_counter() - start
-    labels = {c.name: c.label for c in main_columns}
-    muon_labels = {c.name: c.short for c in muon_columns}
-    muon_described = {c.name: c.description for c in muon_columns}
-    ours_muon = table.OUR_MUON_COLUMN
     if not args.quiet:
-        drift = ""
-        if certs and any(c.name.split()[0] in suite.DRIFT_ROWS for c in certs):
-            lengths = sorted({steps if c.name in suite.LONG_RUN_COLUMNS else other_steps for c in main_columns})
-            drift = (f"; drift runs 3a-3c of {steps:,} steps for StiefelAdam and {other_steps:,} for the others"
-                     if len(lengths) > 1 else f"; drift runs 3a-3c of {lengths[0]:,} steps")
         print(f"Certificates, seed {args.seed}, float64 unless stated "
-              f"({len(certs) + len(muon_certs)} cells in {elapsed:.1f} s{drift}):\n")
-    blocks, markdown = [], []
-    if certs:
-        blocks.append(table.format_text(certs, labels, legend=not args.quiet, notes=not args.quiet))
-        markdown.append(table.format_markdown(certs, labels))
-    if muon_certs:
-        heading = (f"Manifold Muon (StiefelMuon): a stack of 3 frames of St(12, 4), float64 unless stated, drift runs "
-                   f"of {muon_steps:,} steps:")
-        blocks.append(("" if args.quiet else heading + "\n\n")
-                      + table.format_text(muon_certs, muon_labels, legend=not args.quiet, notes=not args.quiet,
-                                          descriptions=muon_described, ours=ours_muon))
-        markdown.append(f"**{heading}**\n\n" + table.format_markdown(muon_certs, muon_labels,
-                                                                       descriptions=muon_described, ours=ours_muon))
+              f"({len(certs) + len(muon_certs)} cells in {elapsed:.1f} s"
+              f"{_drift_note(certs, main_columns, steps, other_steps)}):\n")
+    blocks, markdown = _tables(certs, muon_certs, main_columns, muon_columns, muon_steps, args.quiet)
     print("\n\n".join(blocks))
     everything = certs + muon_certs
     for path, text in ((args.json, table.to_json(everything) + "\n"), (args.markdown, "\n".join(markdown))):

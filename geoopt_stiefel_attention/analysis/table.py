@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+from .._docfrag import fill
 from ._result import Certificate
 
 __all__ = ["format_cell", "format_text", "format_markdown", "to_records", "to_json", "conclusions",
@@ -139,59 +140,76 @@ def conclusions(certs: Sequence[Certificate], labels: Mapping[str, str] | None =
         return labels.get(column, column)
 
     if "4a" in prefix and "4b" in prefix and "1b" in prefix:
-        left, right = set(passing("4a")), set(passing("4b"))
-        text = ("Equivariance: left O(d) holds for " + _listing(sorted(left))
-                + "; right O(r) as well for " + _listing(sorted(left & right))
-                + ". Steepest descent in the embedded metric (1b) holds for " + _listing(passing("1b")) + ".")
-        needed = {(f"4a {label(PER_COLUMN_VARIANT)}", True): cell("4a", PER_COLUMN_VARIANT),
-                  (f"1b {label(PER_COLUMN_VARIANT)}", False): cell("1b", PER_COLUMN_VARIANT),
-                  (f"1b {label(ours)}", True): cell("1b", ours)}
-        absent = [what for (what, _), c in needed.items() if c is None or c.passed is None]
-        contrary = [f"{what} {'fails' if c.passed is False else 'passes'}" for (what, expected), c in needed.items()
-                    if c is not None and c.passed is not None and c.passed is not expected]
-        if not absent and not contrary:
-            text += (" Equivariance alone does not force the per-frame second moment (a per-column one is still "
-                     "left O(d)-equivariant); steepest descent does.")
-        else:
-            text += (" Whether equivariance alone leaves the second moment open and steepest descent fixes it is "
-                     "not established by this table ("
-                     + "; ".join(contrary + ([f"not computed: {', '.join(absent)}"] if absent else [])) + ").")
-        out.append(text)
+        out.append(_equivariance_finding(passing, cell, label, ours))
     if "2a" in prefix:
-        scale = [c for c in certs if c.name == prefix["2a"] and c.passed is not None]
-        adam = [c for c in scale if c.optimizer not in FIXED_STEP_COLUMNS]
-        fixed = [c for c in scale if c.optimizer in FIXED_STEP_COLUMNS]
-        text = "Scale-free steps (2a) hold for " + _listing(passing("2a"))
-        if any(c.passed is False for c in adam):
-            text += ("; they fail for " + _listing([label(c.optimizer) for c in adam if c.passed is False])
-                     + ", Adam-type, so the table does not show degree zero in the gradient shared by every "
-                       "Adam-type method")
-        elif adam:
-            text += ": degree zero in the gradient is shared by every Adam-type method"
-        else:
-            text += " (no Adam-type column is in this table)"
-        if fixed and all(c.passed is False for c in fixed):
-            text += "; a fixed-step (SGD-type) update is of degree one."
-        elif fixed:
-            text += ("; the fixed-step (SGD-type) " + _listing([label(c.optimizer) for c in fixed if c.passed])
-                     + " passes too, so the table does not show a fixed-step update to be of degree one.")
-        else:
-            text += " (no fixed-step, SGD-type, column is in this table)."
-        out.append(text)
+        out.append(_scale_finding(certs, prefix, passing, label))
     if "6a" in prefix or "6b" in prefix:
         out.append(_gauge_finding(certs, prefix, passing, failing))
     if ours in cols:
-        for col in cols:
-            if col == ours:
-                continue
-            differ = [row for (row, c), cert in cells.items() if c == col and cert.passed is False
-                      and cells.get((row, ours)) is not None and cells[(row, ours)].passed]
-            if differ:
-                out.append(f"{label(col)} fails where {label(ours)} passes: "
-                           + ", ".join(r.split(" ")[0] for r in differ) + ".")
-        own = [row for (row, c), cert in cells.items() if c == ours and cert.passed is False]
-        if own:
-            out.append(f"{label(ours)} itself fails: " + ", ".join(r.split(" ")[0] for r in own) + ".")
+        out.extend(_column_findings(cols, cells, label, ours))
+    return out
+
+
+def _equivariance_finding(passing, cell, label, ours: str) -> str:
+    """The equivariance sentence (rows 4a, 4b, 1b): who is left and right equivariant, who is steepest descent,
+    and whether the per-column variant's 4a and 1b cells and the 1b cell of ``ours`` show that equivariance alone
+    leaves the second moment open and steepest descent fixes it."""
+    left, right = set(passing("4a")), set(passing("4b"))
+    text = ("Equivariance: left O(d) holds for " + _listing(sorted(left))
+            + "; right O(r) as well for " + _listing(sorted(left & right))
+            + ". Steepest descent in the embedded metric (1b) holds for " + _listing(passing("1b")) + ".")
+    needed = {(f"4a {label(PER_COLUMN_VARIANT)}", True): cell("4a", PER_COLUMN_VARIANT),
+              (f"1b {label(PER_COLUMN_VARIANT)}", False): cell("1b", PER_COLUMN_VARIANT),
+              (f"1b {label(ours)}", True): cell("1b", ours)}
+    absent = [what for (what, _), c in needed.items() if c is None or c.passed is None]
+    contrary = [f"{what} {'fails' if c.passed is False else 'passes'}" for (what, expected), c in needed.items()
+                if c is not None and c.passed is not None and c.passed is not expected]
+    if not absent and not contrary:
+        return text + (" Equivariance alone does not force the per-frame second moment (a per-column one is still "
+                       "left O(d)-equivariant); steepest descent does.")
+    return text + (" Whether equivariance alone leaves the second moment open and steepest descent fixes it is "
+                   "not established by this table ("
+                   + "; ".join(contrary + ([f"not computed: {', '.join(absent)}"] if absent else [])) + ").")
+
+
+def _scale_finding(certs: Sequence[Certificate], prefix: Mapping[str, str], passing, label) -> str:
+    """The scale-freedom sentence (row 2a): whether every Adam-type column passes (degree zero in the gradient)
+    and every fixed-step column (:data:`FIXED_STEP_COLUMNS`) fails (degree one)."""
+    scale = [c for c in certs if c.name == prefix["2a"] and c.passed is not None]
+    adam = [c for c in scale if c.optimizer not in FIXED_STEP_COLUMNS]
+    fixed = [c for c in scale if c.optimizer in FIXED_STEP_COLUMNS]
+    text = "Scale-free steps (2a) hold for " + _listing(passing("2a"))
+    if any(c.passed is False for c in adam):
+        text += ("; they fail for " + _listing([label(c.optimizer) for c in adam if c.passed is False])
+                 + ", Adam-type, so the table does not show degree zero in the gradient shared by every "
+                   "Adam-type method")
+    elif adam:
+        text += ": degree zero in the gradient is shared by every Adam-type method"
+    else:
+        text += " (no Adam-type column is in this table)"
+    if fixed and all(c.passed is False for c in fixed):
+        return text + "; a fixed-step (SGD-type) update is of degree one."
+    if fixed:
+        return text + ("; the fixed-step (SGD-type) " + _listing([label(c.optimizer) for c in fixed if c.passed])
+                       + " passes too, so the table does not show a fixed-step update to be of degree one.")
+    return text + " (no fixed-step, SGD-type, column is in this table)."
+
+
+def _column_findings(cols: Sequence[str], cells: Mapping[tuple[str, str], Certificate], label, ours: str) -> list[str]:
+    """One sentence per column that fails where ``ours`` passes (the rows), in column order, then the rows in
+    which ``ours`` itself fails, if any."""
+    out = []
+    for col in cols:
+        if col == ours:
+            continue
+        differ = [row for (row, c), cert in cells.items() if c == col and cert.passed is False
+                  and cells.get((row, ours)) is not None and cells[(row, ours)].passed]
+        if differ:
+            out.append(f"{label(col)} fails where {label(ours)} passes: "
+                       + ", ".join(r.split(" ")[0] for r in differ) + ".")
+    own = [row for (row, c), cert in cells.items() if c == ours and cert.passed is False]
+    if own:
+        out.append(f"{label(ours)} itself fails: " + ", ".join(r.split(" ")[0] for r in own) + ".")
     return out
 
 
@@ -224,14 +242,14 @@ def _gauge_finding(certs: Sequence[Certificate], prefix: Mapping[str, str], pass
             "the Stiefel constraint buys.")
 
 
+@fill
 def stiefel_adam_failures(certs: Iterable[Certificate]) -> list[Certificate]:
     """The certificates of the main table's ``StiefelAdam`` column that failed (the Muon table's rows, where
     StiefelAdam is a comparison column, are not counted).
 
     Parameters
     ----------
-    certs : sequence of Certificate
-        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+    {{certs_cells}}
 
     Returns
     -------
@@ -298,6 +316,7 @@ def _column_key(cols: Sequence[str], labels: Mapping[str, str]) -> list[tuple[st
     return [(labels.get(c, c), c) for c in cols]
 
 
+@fill
 def format_text(certs: Sequence[Certificate], labels: Mapping[str, str] | None = None, *,
                 legend: bool = True, notes: bool = True, descriptions: Mapping[str, str] | None = None,
                 ours: str = OUR_COLUMN) -> str:
@@ -308,18 +327,14 @@ def format_text(certs: Sequence[Certificate], labels: Mapping[str, str] | None =
 
     Parameters
     ----------
-    certs : sequence of Certificate
-        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+    {{certs_cells}}
     labels : mapping of str to str, optional
         Column headers by column name.
     legend : bool, default True
         Add the columns' descriptions and the certificates' statements.
     notes : bool, default True
         Add the findings.
-    descriptions : mapping of str to str, optional
-        Column descriptions by column name.
-    ours : str, default OUR_COLUMN
-        Name of the column the findings compare the others with.
+    {{descriptions_ours}}
 
     Returns
     -------
@@ -358,6 +373,7 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
 
 
+@fill
 def format_markdown(certs: Sequence[Certificate], labels: Mapping[str, str] | None = None, *,
                     descriptions: Mapping[str, str] | None = None, ours: str = OUR_COLUMN) -> str:
     """The table as GitHub Markdown, followed by the legend (columns with their ``descriptions``, when given)
@@ -365,14 +381,10 @@ def format_markdown(certs: Sequence[Certificate], labels: Mapping[str, str] | No
 
     Parameters
     ----------
-    certs : sequence of Certificate
-        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+    {{certs_cells}}
     labels : mapping of str to str, optional
         Column headers by column name.
-    descriptions : mapping of str to str, optional
-        Column descriptions by column name.
-    ours : str, default OUR_COLUMN
-        Name of the column the findings compare the others with.
+    {{descriptions_ours}}
 
     Returns
     -------
@@ -398,13 +410,13 @@ def format_markdown(certs: Sequence[Certificate], labels: Mapping[str, str] | No
     return "\n".join(lines) + "\n"
 
 
+@fill
 def to_records(certs: Iterable[Certificate]) -> list[dict]:
     """One JSON-ready dict per cell (keys ``certificate, optimizer, passed, measured, tolerance, details``, ...).
 
     Parameters
     ----------
-    certs : sequence of Certificate
-        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+    {{certs_cells}}
 
     Returns
     -------
@@ -414,13 +426,13 @@ def to_records(certs: Iterable[Certificate]) -> list[dict]:
     return [c.to_dict() for c in certs]
 
 
+@fill
 def to_json(certs: Iterable[Certificate], *, indent: int = 2) -> str:
     """:func:`to_records` serialised as a JSON list.
 
     Parameters
     ----------
-    certs : sequence of Certificate
-        The cells (:func:`~.suite.run_certificates`, :func:`~.muon.run_muon_certificates`).
+    {{certs_cells}}
     indent : int, default 2
         JSON indentation.
 

@@ -161,6 +161,62 @@ def _refuse_unread(args: argparse.Namespace) -> None:
                                  f"drop {flag} or --scale tiny")
 
 
+def _refuse_repeated(args: argparse.Namespace) -> None:
+    """A :class:`UsageError` for a list flag that names one value twice (a width would be timed twice, a name
+    dropped)."""
+    for flag in ("--widths", "--optimizers", "--paths", "--models"):
+        values = getattr(args, flag[2:])
+        if values is not None and len(set(values)) != len(values):  # a width would be timed twice, a name dropped
+            raise UsageError(f"{flag} {' '.join(map(str, values))}: names one value twice; list each once")
+
+
+def _refuse_device(args: argparse.Namespace) -> None:
+    """A :class:`UsageError` for a ``--device`` that is not a torch device or not available here."""
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"--device {args.device!r} is not a torch device; use e.g. cpu or cuda") from None
+    backend = getattr(torch, device.type, None)
+    if device.type != "cpu" and not (backend is not None and backend.is_available()):
+        raise UsageError(f"--device {args.device!r} is not available on this machine; "
+                                               f"use --device cpu")
+
+
+def _refuse_missing_models(args: argparse.Namespace) -> None:
+    """A :class:`UsageError` for a ``train --models`` entry whose package (:data:`~.train.MODEL_PACKAGES`) is not
+    installed."""
+    if args.what != "train":
+        return
+    for model in args.models:
+        package = MODEL_PACKAGES.get(model)
+        if package is not None and importlib.util.find_spec(package) is None:
+            hint = ("HuggingFace transformers; install the models extra (pip install -e '.[models]')"
+                    if package == "transformers" else f"{package}; install it (pip install {package})")
+            raise UsageError(f"--models {model} needs {hint}")
+
+
+def _refuse_run_settings(args: argparse.Namespace) -> None:
+    """A :class:`UsageError` for an unknown ``--compile-backend``, ``--clock cpu`` on more than one thread, 'gpu'
+    without ``--out``, or an ``--out`` that cannot be written; checked before the benchmark runs, not after."""
+    import torch
+
+    if "--compile-backend" in BENCHMARK_READS[args.what] and \
+            args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise UsageError(f"--compile-backend {args.compile_backend!r} is not a torch.compile "
+                                               f"backend; use e.g. inductor or aot_eager")
+    if "--clock" in BENCHMARK_READS[args.what] and args.clock == "cpu" and args.threads != 1:
+        raise UsageError(f"--clock cpu with --threads {args.threads}: process CPU time sums the threads' times, so "
+                         f"a ratio between entries that parallelise differently is not a wall-time ratio; use "
+                         f"--threads 1 with --clock cpu, or --clock wall")
+    if args.what == "gpu" and args.out is None:
+        raise UsageError("'gpu' writes its results as JSON: pass --out PATH")
+    problem = None if args.out is None else output_path_problem(args.out, folder=False)
+    if problem is not None:  # checked before the benchmark runs, not after
+        raise UsageError(f"--out {args.out}: {problem}")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark and print a Markdown table (or JSON with ``--json``).
 
@@ -175,44 +231,14 @@ def run(args: argparse.Namespace) -> int:
         The exit status (0 on success).
     """
     _refuse_unread(args)  # before anything else: a flag the benchmark would ignore is a user error
-    for flag in ("--widths", "--optimizers", "--paths", "--models"):
-        values = getattr(args, flag[2:])
-        if values is not None and len(set(values)) != len(values):  # a width would be timed twice, a name dropped
-            raise UsageError(f"{flag} {' '.join(map(str, values))}: names one value twice; list each once")
-    import torch
-
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise UsageError(f"--device {args.device!r} is not a torch device; use e.g. cpu or cuda") from None
-    backend = getattr(torch, device.type, None)
-    if device.type != "cpu" and not (backend is not None and backend.is_available()):
-        raise UsageError(f"--device {args.device!r} is not available on this machine; "
-                                               f"use --device cpu")
-    if args.what == "train":
-        for model in args.models:
-            package = MODEL_PACKAGES.get(model)
-            if package is not None and importlib.util.find_spec(package) is None:
-                hint = ("HuggingFace transformers; install the models extra (pip install -e '.[models]')"
-                        if package == "transformers" else f"{package}; install it (pip install {package})")
-                raise UsageError(f"--models {model} needs {hint}")
+    _refuse_repeated(args)
+    _refuse_device(args)
+    _refuse_missing_models(args)
     if args.scale not in CHECK_SCALES and args.what != "train":
         raise UsageError(f"--scale {args.scale} is for 'train' only; '{args.what}' takes "
                          f"{' or '.join(CHECK_SCALES)}")
     timed = _timed(args)
-    if "--compile-backend" in BENCHMARK_READS[args.what] and \
-            args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise UsageError(f"--compile-backend {args.compile_backend!r} is not a torch.compile "
-                                               f"backend; use e.g. inductor or aot_eager")
-    if "--clock" in BENCHMARK_READS[args.what] and args.clock == "cpu" and args.threads != 1:
-        raise UsageError(f"--clock cpu with --threads {args.threads}: process CPU time sums the threads' times, so "
-                         f"a ratio between entries that parallelise differently is not a wall-time ratio; use "
-                         f"--threads 1 with --clock cpu, or --clock wall")
-    if args.what == "gpu" and args.out is None:
-        raise UsageError("'gpu' writes its results as JSON: pass --out PATH")
-    problem = None if args.out is None else output_path_problem(args.out, folder=False)
-    if problem is not None:  # checked before the benchmark runs, not after
-        raise UsageError(f"--out {args.out}: {problem}")
+    _refuse_run_settings(args)
     if args.what == "gpu":
         doc = accelerator_check(args.device, scale=args.scale, clock=args.clock, threads=args.threads,
                                 compile_backend=args.compile_backend, seed=args.seed)
@@ -222,6 +248,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.what == "muon":
         return _run_muon(args)
+    return _run_timed(args, timed)
+
+
+def _run_timed(args: argparse.Namespace, timed: tuple[str, ...] | None) -> int:
+    """``bench step``, ``bench paths`` or ``bench train`` with the settings of the command line (``timed``: what
+    'step' or 'paths' times, :func:`_timed`), as a table with a line on the machine and settings, or JSON."""
     defaults = BENCH_DEFAULTS[args.what]
     steps = defaults.steps_per_round if args.steps is None else args.steps
     settings = replace(defaults, rounds=args.rounds, steps_per_round=steps, lr=args.lr, device=args.device,

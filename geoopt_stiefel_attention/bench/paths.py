@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._docfrag import fill
 from .records import Timing
 from .settings import (
     DISAGREEMENT_NOTE,
@@ -95,6 +96,7 @@ def path_frame_sets(grid: str = "short") -> list[FrameSet]:
     return sets
 
 
+@fill
 @dataclass(frozen=True)
 class StepPathResult:
     """:func:`step_path_benchmark` for one :class:`FrameSet`.
@@ -117,12 +119,7 @@ class StepPathResult:
         As above.
     compile_backend : str or None
         ``torch.compile`` backend of the compiled path; ``None`` without that path.
-    rounds : int
-        Interleaved rounds.
-    clock : {"wall", "cpu"}
-        The clock of the timings.
-    threads : int
-        Torch threads during the run.
+    {{timing_run}}
     """
 
     frames: FrameSet
@@ -256,6 +253,7 @@ def step_path_benchmark(
         return results
 
 
+@fill
 def format_path_table(results: list[StepPathResult]) -> str:
     """A Markdown table: per frame set, each path's median step time and its ratio to the product floor.
 
@@ -264,10 +262,7 @@ def format_path_table(results: list[StepPathResult]) -> str:
     results : list of StepPathResult
         From :func:`step_path_benchmark`.
 
-    Returns
-    -------
-    str
-        The table, one row per frame set.
+    {{returns_table}}
     """
     timed = [a for a in STEP_PATHS if a != "matmul_floor" and any(a in r.timings for r in results)]
     head = ["frames (params x (heads, d, r))", "floor ms"] + [f"{a} ms (x floor)" for a in timed]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._docfrag import fill
 from .records import Timing
 from .settings import (
     DISAGREEMENT_NOTE,
@@ -32,6 +33,7 @@ CONFIGS: dict[int, tuple[int, int]] = {128: (2, 4), 256: (4, 4), 512: (8, 8), 76
 STEP_OPTIMIZERS = ("stiefel", "adamw_foreach", "adamw_fused", "geoopt-radam", "geoopt-radam-canonical", "matmul_floor")
 
 
+@fill
 @dataclass(frozen=True)
 class StepTimeResult:
     """:func:`step_time_benchmark` for one configuration.
@@ -55,12 +57,7 @@ class StepTimeResult:
         Per optimizer.
     ratios, state_ratio : dict of str to float
         As above.
-    rounds : int
-        Interleaved rounds.
-    clock : {"wall", "cpu"}
-        The clock of the timings.
-    threads : int
-        Torch threads during the run.
+    {{timing_run}}
     """
 
     width: int
@@ -270,6 +267,7 @@ _OPTIMIZER_LABELS = {
 }
 
 
+@fill
 def format_step_table(results: list[StepTimeResult]) -> str:
     """A Markdown table: StiefelAdam's median step time, and for each competitor its time and the ratio
     (StiefelAdam / competitor for AdamW and the floor; competitor / StiefelAdam, the speed-up, for geoopt).
@@ -279,10 +277,7 @@ def format_step_table(results: list[StepTimeResult]) -> str:
     results : list of StepTimeResult
         From :func:`step_time_benchmark`.
 
-    Returns
-    -------
-    str
-        The table, one row per configuration.
+    {{returns_table}}
     """
     competitors = [a for a in STEP_OPTIMIZERS if a != "stiefel" and any(a in r.timings for r in results)]
     head = ["width (layers x heads x head_dim)", "StiefelAdam ms"]

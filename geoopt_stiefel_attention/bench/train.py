@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._docfrag import fill
 from .records import Timing
 from .settings import (
     DISAGREEMENT_NOTE,
@@ -33,6 +34,7 @@ MODEL_PACKAGES: dict[str, str | None] = {"hf_gpt2": "transformers", "hf_llama": 
 TRAIN_SCALE_NAMES = ("default", "tiny", "w64")
 
 
+@fill
 @dataclass(frozen=True)
 class TrainStepResult:
     """:func:`train_step_benchmark` for one model: full-step, optimizer-only and forward-only times per arm, and the
@@ -51,12 +53,7 @@ class TrainStepResult:
         Per arm (``"adamw"``, ``"stiefel"``).
     ratio : float
         Stiefel arm's full step over the adamw arm's.
-    rounds : int
-        Interleaved rounds.
-    clock : {"wall", "cpu"}
-        The clock of the timings.
-    threads : int
-        Torch threads during the run.
+    {{timing_run}}
     autocast : str or None
         The ``torch.autocast`` dtype of forward and loss; ``None`` without autocast.
     min_ratio : float or None
@@ -82,40 +79,44 @@ class TrainStepResult:
     forward_step: dict[str, Timing] | None = None
 
 # ----------------------------------------------------------------------------------------------- train step
+#: The models given one family's settings alike: text models (token ids in) and image models (patches in).
+_TEXT_MODELS = ("hf_llama", "hf_bert", "torch_encoder")
+_IMAGE_MODELS = ("hf_vit", "timm_vit", "torchvision_vit")
+
+
+def _by_model(*, tiny_transformer: dict[str, Any], patch_vit: dict[str, Any], hf_gpt2: dict[str, Any],
+              text: dict[str, Any], image: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Model settings by model name: the three models with settings of their own, then a copy of ``text`` for
+    each of :data:`_TEXT_MODELS` and of ``image`` for each of :data:`_IMAGE_MODELS`."""
+    return {"tiny_transformer": tiny_transformer, "patch_vit": patch_vit, "hf_gpt2": hf_gpt2,
+            **{m: dict(text) for m in _TEXT_MODELS}, **{m: dict(image) for m in _IMAGE_MODELS}}
+
+
 #: Model settings of :func:`train_step_benchmark`: the defaults of the grokking and vision studies.
-TRAIN_SETTINGS: dict[str, dict[str, Any]] = {
-    "tiny_transformer": dict(vocab_size=99, seq_len=4, width=128, depth=1, heads=4, mlp=512, batch=512),
-    "patch_vit": dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, mlp=128, batch=128),
-    "hf_gpt2": dict(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4, batch=16),
-    **{m: dict(vocab_size=512, seq_len=64, width=128, depth=2, heads=4, batch=16)
-       for m in ("hf_llama", "hf_bert", "torch_encoder")},
-    **{m: dict(image_size=32, patch_size=4, width=128, depth=2, heads=4, batch=32)
-       for m in ("hf_vit", "timm_vit", "torchvision_vit")},
-}
+TRAIN_SETTINGS: dict[str, dict[str, Any]] = _by_model(
+    tiny_transformer=dict(vocab_size=99, seq_len=4, width=128, depth=1, heads=4, mlp=512, batch=512),
+    patch_vit=dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, mlp=128, batch=128),
+    hf_gpt2=dict(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4, batch=16),
+    text=dict(vocab_size=512, seq_len=64, width=128, depth=2, heads=4, batch=16),
+    image=dict(image_size=32, patch_size=4, width=128, depth=2, heads=4, batch=32))
 
 #: The same models shrunk to a smoke test (``scale="tiny"``).
-TINY_TRAIN_SETTINGS: dict[str, dict[str, Any]] = {
-    "tiny_transformer": dict(vocab_size=11, seq_len=4, width=16, depth=1, heads=2, mlp=32, batch=8),
-    "patch_vit": dict(image_size=8, patch_size=4, width=16, depth=1, heads=2, mlp=32, batch=4),
-    "hf_gpt2": dict(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, batch=2),
-    **{m: dict(vocab_size=32, seq_len=8, width=16, depth=1, heads=2, batch=2)
-       for m in ("hf_llama", "hf_bert", "torch_encoder")},
-    **{m: dict(image_size=8, patch_size=4, width=16, depth=1, heads=2, batch=2)
-       for m in ("hf_vit", "timm_vit", "torchvision_vit")},
-}
+TINY_TRAIN_SETTINGS: dict[str, dict[str, Any]] = _by_model(
+    tiny_transformer=dict(vocab_size=11, seq_len=4, width=16, depth=1, heads=2, mlp=32, batch=8),
+    patch_vit=dict(image_size=8, patch_size=4, width=16, depth=1, heads=2, mlp=32, batch=4),
+    hf_gpt2=dict(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, batch=2),
+    text=dict(vocab_size=32, seq_len=8, width=16, depth=1, heads=2, batch=2),
+    image=dict(image_size=8, patch_size=4, width=16, depth=1, heads=2, batch=2))
 
 #: Every model at width 64 (``scale="w64"``, issue #40): small models and batches (8 sequences of 32 tokens, 8
 #: images of 64 patches), where the converted weight's rebuild in each forward weighs most against the model's
 #: own work (4 heads of 16; Llama with 2 key/value heads).
-W64_TRAIN_SETTINGS: dict[str, dict[str, Any]] = {
-    "tiny_transformer": dict(vocab_size=99, seq_len=4, width=64, depth=1, heads=4, mlp=256, batch=512),
-    "patch_vit": dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, mlp=128, batch=128),
-    "hf_gpt2": dict(vocab_size=512, n_positions=32, n_embd=64, n_layer=2, n_head=4, batch=8),
-    **{m: dict(vocab_size=512, seq_len=32, width=64, depth=2, heads=4, batch=8)
-       for m in ("hf_llama", "hf_bert", "torch_encoder")},
-    **{m: dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, batch=8)
-       for m in ("hf_vit", "timm_vit", "torchvision_vit")},
-}
+W64_TRAIN_SETTINGS: dict[str, dict[str, Any]] = _by_model(
+    tiny_transformer=dict(vocab_size=99, seq_len=4, width=64, depth=1, heads=4, mlp=256, batch=512),
+    patch_vit=dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, mlp=128, batch=128),
+    hf_gpt2=dict(vocab_size=512, n_positions=32, n_embd=64, n_layer=2, n_head=4, batch=8),
+    text=dict(vocab_size=512, seq_len=32, width=64, depth=2, heads=4, batch=8),
+    image=dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, batch=8))
 
 #: scale -> model settings.
 TRAIN_SCALES: dict[str, dict[str, dict[str, Any]]] = {"default": TRAIN_SETTINGS, "tiny": TINY_TRAIN_SETTINGS,
@@ -412,6 +413,7 @@ def train_step_benchmark(
                 forward_step={arm: _timing(arm, forward_samples[arm]) for arm in forwards}))
         return results
 
+@fill
 def format_train_table(results: list[TrainStepResult]) -> str:
     """A Markdown table of full-step times per arm and the stiefel / adamw ratio (median over rounds, and of
     the fastest steps), with each arm's forward (and loss) alone where it was timed.
@@ -421,10 +423,7 @@ def format_train_table(results: list[TrainStepResult]) -> str:
     results : list of TrainStepResult
         From :func:`train_step_benchmark`.
 
-    Returns
-    -------
-    str
-        The table, one row per model.
+    {{returns_table}}
     """
     lines = ["| model | batch | adamw step ms (optimizer ms) | stiefel step ms (optimizer ms) | stiefel / adamw "
              "| of fastest | forward ms, adamw / stiefel |",
