@@ -33,7 +33,7 @@ from geoopt_stiefel_attention.optim._muon import (
 #: relative: cvxpy/Clarabel's dual optimum, re-evaluated with numpy's SVD at its multiplier (an upper bound by weak
 #: duality), above the closed-form optimum (measured 1e-10 to 2e-9 on these sizes)
 CVXPY_RTOL = 1e-7
-#: relative: the optimizer's first-step direction (float64, direction_tol 1e-8) below the cvxpy optimum
+#: relative: the optimizer's first-step direction (float64, direction_tol 1e-7) below the cvxpy optimum
 FIRST_STEP_RTOL = 2e-7
 #: the fixed-count rule of 38fe98e (dual_steps=10, ns_steps=8) on 10 x 9 and 12 x 11 frames: the issue measured
 #: 4-12 % short; the companion requires at least this much on some frame
@@ -251,11 +251,11 @@ def test_the_bound_derived_count_certifies_every_spectrum_without_reading_the_ho
 
 
 def test_companion_one_round_fewer_leaves_a_spectrum_uncertified_and_the_eager_path_reads_the_host(monkeypatch):
-    """float32: 63 of 64 singular values at 3e-6 of the largest are below one round's floor; one round fewer
+    """float32: 63 of 64 singular values at 3e-5 of the largest are below one round's floor; one round fewer
     than the bound-derived count leaves them unresolved and the frame uncertified. And the eager path
     (synchronize=True) does read the host: the check above can fail."""
     tol, dtype = DEFAULT_DIRECTION_TOL[torch.float32], torch.float32
-    c = _skew_with_singular_values(np.r_[1.0, np.full(63, 3e-6)], dtype=dtype)
+    c = _skew_with_singular_values(np.r_[1.0, np.full(63, 3e-5)], dtype=dtype)
     count = certified_direction_steps(tol, dtype, 128)
     _, _, _, done, _ = _msign_skew(c, tol=tol, extra=None, max_steps=count - direction_round_length(dtype),
                                    synchronize=False)
@@ -287,7 +287,7 @@ def test_a_cap_set_too_low_is_counted_and_warned_once_per_parameter():
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 2, messages
     assert "'attn.q'" in messages[0] and "3 of 3 frames" in messages[0] and "direction_steps=2" in messages[0]
-    assert "'attn.k'" in messages[1] and "relative duality gap" in messages[1] and "direction_tol=1e-08" in messages[1]
+    assert "'attn.k'" in messages[1] and "relative duality gap" in messages[1] and "direction_tol=1e-07" in messages[1]
     assert int(opt.state[wa]["uncertified_frames"]) == 6 and int(opt.state[wb]["uncertified_frames"]) == 4
 
 
@@ -568,7 +568,9 @@ def test_a_torch_muon_state_dict_is_refused_at_load_naming_the_missing_options()
     w.grad = torch.ones_like(w)
     opt = StiefelMuon([w], lr=0.05)
     with pytest.raises(ValueError, match=r"StiefelMuon.load_state_dict: parameter group 0 of the state dict lacks "
-                                         r"the options \['amsgrad', 'betas', 'foreach', 'maximize'\]"):
+                                         r"the options \['amsgrad', 'betas', 'foreach', 'maximize'\]"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # its ns_steps is torch's, not the retired option
         opt.load_state_dict(theirs.state_dict())
     assert opt.param_groups[0]["lr"] == 0.05 and not opt.state
     # companion: StiefelMuon's own state dict, and one saved before the options StiefelMuon adds existed, load

@@ -61,10 +61,13 @@ __all__ = ["muon_direction", "muon_direction_reference", "muon_lr_scale", "stief
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
 
 #: Relative duality-gap tolerance of the direction per compute dtype (``direction_tol=None``): the solver stops a
-#: frame once :math:`(U - \langle M, A\rangle) / U \le` this. Both are a few hundred times the worst certified gap
-#: measured at the bench widths and on square, near-square, rank-one and :math:`1/i`-spectrum momenta
-#: (``tests/test_muon.py``); bfloat16/float16 frames are computed in float32.
-DEFAULT_DIRECTION_TOL = {torch.float64: 1e-8, torch.float32: 1e-4}
+#: frame once :math:`(U - \langle M, A\rangle) / U \le` this. Typical certified gaps are far below (float64 about
+#: 1e-14, float32 about 1e-6 on Gaussian and :math:`1/i`-spectrum momenta); the tolerances leave room for what the
+#: dtype cannot resolve in the whitening of :math:`d > 2r` frames (:func:`muon_direction`'s notes): up to 2e-8 in
+#: float64 (a flat rest of singular values near :math:`10^{-10}` to :math:`10^{-13}` of the largest), and in
+#: float32 about :math:`r\sqrt d\,\epsilon` for rank-deficient momenta (2e-4 at 768 x 64) and 3e-4 for a rest near
+#: :math:`10^{-5}`. bfloat16/float16 frames are computed in float32.
+DEFAULT_DIRECTION_TOL = {torch.float64: 1e-7, torch.float32: 1e-3}
 
 def muon_lr_scale(adjust_lr_fn: str | None, d: int, r: int) -> float:
     r"""The factor torch's ``Muon`` multiplies ``lr`` by for a ``d x r`` matrix, read the same way for a frame.
@@ -342,12 +345,16 @@ def muon_direction(m: torch.Tensor, w: torch.Tensor, *, tol: float | None = None
 
     Notes
     -----
-    What float32 cannot resolve: the whitening works on Gram matrices, so singular values of :math:`M_\perp`
-    around :math:`\epsilon^{1/2}` to :math:`\epsilon^{1/4}` of the largest are not fully whitened; they stay in
-    :math:`E` and show in the certificate. Measured worst certified relative gaps (float32; ``tests/test_muon.py``):
-    4e-7 Gaussian, 1e-6 :math:`1/i` spectra, 4e-5 rank one, 2e-5 one singular value above a flat rest at
-    :math:`10^{-3}` of it, and 6e-4 (not certified at the default 1e-4: reported) with the rest at :math:`10^{-5}`.
-    Float64 certifies all of these below 1e-9.
+    What a dtype cannot resolve (:math:`d > 2r`): the whitening works on Gram matrices, so singular values of
+    :math:`M_\perp` around :math:`\epsilon^{1/2}` to :math:`\epsilon^{1/4}` of the largest are not fully
+    whitened, and the rounding of :math:`M_\perp = M - WP` itself leaves singular values near
+    :math:`\sqrt d\,\epsilon\,\sigma_{\max}` in the directions a rank-deficient momentum does not span; both stay in
+    :math:`E` and show in the certificate, not in the direction's feasibility. Measured worst certified relative
+    gaps, float32: 4e-7 Gaussian, 1e-6 :math:`1/i` spectra, 4e-5 rank one (128 x 32; about
+    :math:`r\sqrt d\,\epsilon` in general), 2e-5 one singular value above a flat rest at :math:`10^{-3}` of it,
+    3e-4 with the rest at :math:`10^{-5}`; float64: below 2e-8 for all of these. The frames must be orthonormal
+    (:math:`W^\top W = I` to the dtype's rounding): the optimizer makes its float32 copy of a bfloat16 frame so
+    before the solve.
     """
     n, d, r = m.shape
     ct = m.dtype

@@ -71,7 +71,7 @@ def _validate_muon_group(group: dict[str, Any]) -> None:
     tol = group["direction_tol"]
     _require(tol is None or (isinstance(tol, (int, float)) and not isinstance(tol, bool) and 0.0 < tol < 1.0),
              f"StiefelMuon: direction_tol={tol!r} is invalid; pass a float in (0, 1), the relative duality gap at "
-             f"which the direction solver stops, or None (1e-8 in float64, 1e-4 in float32).")
+             f"which the direction solver stops, or None (1e-7 in float64, 1e-3 in float32).")
     steps = group["direction_steps"]
     _require(steps is None or (isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps <= 1000),
              f"StiefelMuon: direction_steps={steps!r} is invalid; pass an int in [1, 1000], the cap on the "
@@ -101,8 +101,8 @@ def _warn_retired(given: dict[str, Any], where: str) -> None:
 
 def _muon_update_(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr: float | torch.Tensor,
                   momentum: float, nesterov: bool, direction_tol: float | None = None,
-                  direction_steps: int | None = None, maximize: bool = False, capturable: bool = False
-                  ) -> tuple[torch.Tensor, Any]:
+                  direction_steps: int | None = None, maximize: bool = False, capturable: bool = False,
+                  reproject: bool = False) -> tuple[torch.Tensor, Any]:
     r"""The update of :func:`~._muon.stiefel_muon_update` on a stack ``(n, d, r)``, with ``w`` and ``buf``
     overwritten in place (``grad`` is only read). The direction is :func:`~._muon.muon_direction`; the retraction
     :math:`\operatorname{polar}(W - \eta A)` inverts the square root of the Gram matrix of the actual
@@ -110,16 +110,21 @@ def _muon_update_(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr:
     certificates): :func:`~.._linalg.retraction_plan`'s Taylor series or Newton-Schulz, matrix products only; a
     tensor learning rate (no host read) takes the exact inverse square root of :func:`~.._linalg.inv_sqrt`.
 
+    ``reproject`` (frames stored in bfloat16/float16, whose float32 copy is about 1e-3 off the manifold): first
+    one Newton–Schulz step :math:`W \leftarrow W(3I - W^\top W)/2` (orthonormal to about 1e-5), so that the direction
+    is that of a frame (the solver's certificate assumes :math:`W^\top W = I`).
+
     Returns the boolean ``(n, 1, 1)`` mask of frames whose gradient was finite, and the solver's
     :class:`~._muon.DirectionSolve` (gap, bound, certified; see :func:`~._muon.muon_direction`).
     """
-    xi = _linalg.proju(w, -grad if maximize else grad)
+    frame = 1.5 * w - 0.5 * torch.bmm(w, torch.bmm(w.mT, w)) if reproject else w
+    xi = _linalg.proju(frame, -grad if maximize else grad)
     finite = _linalg.frame_sq_norm(xi) < math.inf
     xi = torch.where(finite, xi, torch.zeros((), dtype=xi.dtype, device=xi.device))
     buf.lerp_(xi, finite.to(xi.dtype) * (1.0 - momentum))
     u = xi.lerp(buf, momentum) if nesterov else buf
-    solve = muon_direction(u, w, tol=direction_tol, max_steps=direction_steps, synchronize=not capturable)
-    y = w - lr * solve.direction
+    solve = muon_direction(u, frame, tol=direction_tol, max_steps=direction_steps, synchronize=not capturable)
+    y = frame - lr * solve.direction
     gram = torch.bmm(y.mT, y)
     plan = bound = None
     if not isinstance(lr, torch.Tensor):  # ||lr * direction||_2 <= lr to rounding; 1.05 lr leaves room
@@ -193,8 +198,8 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         torch's ``Muon`` meanings (see above).
     direction_tol : float or None, default None
         Relative duality gap at which the direction solver stops a frame, in ``(0, 1)``; ``None`` takes
-        :data:`DEFAULT_DIRECTION_TOL` of the compute dtype (1e-8 in float64, 1e-4 in float32 and for
-        bf16/fp16 frames).
+        :data:`DEFAULT_DIRECTION_TOL` of the compute dtype (1e-7 in float64, 1e-3 in float32 and for
+        bf16/fp16 frames; typical certified gaps are far smaller, see the notes).
     direction_steps : int or None, default None
         Cap on the solver's iterations, in ``[1, 1000]``; ``None`` takes the count that suffices for every
         input (:func:`~geoopt_stiefel_attention.optim._muon.certified_direction_steps`: 42 in float64, 26 in
@@ -221,9 +226,12 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
       :math:`r = d - 1`, :math:`r \ll d`) and momentum (decaying spectra, rank-deficient momenta, zero): each
       frame's solve stops once its relative duality gap is at most ``direction_tol``, checked against the bound
       above (tested against an independent convex solver, cvxpy with Clarabel, in ``tests/test_muon.py``).
-      What float32 cannot resolve: singular values of the momentum's normal part below about
-      :math:`\sqrt{4r\epsilon}` of the largest are not fully whitened (they stay in the bound; measured worst
-      certified gaps, float32, bench widths: 3e-7 Gaussian, 6e-6 :math:`1/i` spectra, 4e-5 rank one).
+      Typical certified gaps are far below the default tolerances (float64 about 1e-14; float32 about 1e-6 on
+      Gaussian and :math:`1/i`-spectrum momenta, 4e-5 rank one at 128 x 32); the float32 default 1e-3 leaves room
+      for what float32 cannot resolve in the whitening of the momentum's normal part (about :math:`r\sqrt
+      d\,\epsilon` for rank-deficient momenta, 3e-4 for one singular value above a flat rest at 1e-5 of it; see
+      :func:`~geoopt_stiefel_attention.optim.muon_direction`). bfloat16/float16 frames are made orthonormal in
+      their float32 copy (one Newton–Schulz step) before the solve.
     - **A frame not certified within** ``direction_steps`` is not silent: it is counted in
       ``state["uncertified_frames"]`` (int64, per parameter, every step it happens), and the eager step warns
       once per parameter, naming it and the gap reached. The capturable step (``capturable=True``: no host
@@ -298,7 +306,13 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """:meth:`torch.optim.Optimizer.add_param_group`, with the options of the earlier solver (``dual_steps``,
-        ``ns_steps``) dropped from ``param_group`` with a ``FutureWarning``."""
+        ``ns_steps``) dropped from ``param_group`` with a ``FutureWarning``.
+
+        Parameters
+        ----------
+        param_group : dict
+            The group: ``"params"`` and any options (the constructor's defaults fill the rest).
+        """
         if any(key in param_group for key in _RETIRED_OPTIONS):
             _warn_retired({key: param_group[key] for key in _RETIRED_OPTIONS if key in param_group},
                           "StiefelMuon.add_param_group")
@@ -308,13 +322,23 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """:meth:`FrameOptimizer.load_state_dict`; a state dict saved before issue 56 (whose groups hold the earlier
         solver's ``dual_steps`` and ``ns_steps``) loads with a ``FutureWarning`` that they are dropped, and its
-        groups take ``direction_tol=None, direction_steps=None``."""
+        groups take ``direction_tol=None, direction_steps=None``.
+
+        Parameters
+        ----------
+        state_dict : dict
+            As returned by :meth:`state_dict`, with the entries ``"state"`` and ``"param_groups"`` (the argument is
+            not modified).
+        """
         groups = state_dict.get("param_groups") or []
-        retired = {key: group[key] for group in groups for key in _RETIRED_OPTIONS if key in group}
+        # (a group without AdamW's betas is another optimizer's, e.g. torch's Muon, whose ns_steps means something
+        # else: the base refuses it, naming what it lacks)
+        retired = {key: group[key] for group in groups if "betas" in group for key in _RETIRED_OPTIONS if key in group}
         if retired:
             _warn_retired(retired, "StiefelMuon.load_state_dict")
             state_dict = {**state_dict, "param_groups": [
-                {key: value for key, value in group.items() if key not in _RETIRED_OPTIONS} for group in groups]}
+                {key: value for key, value in group.items() if "betas" not in group or key not in _RETIRED_OPTIONS}
+                for group in groups]}
         super().load_state_dict(state_dict)
 
     def _check_frames_group(self, k: int, group: dict[str, Any]) -> None:
@@ -384,7 +408,7 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         tol = DEFAULT_DIRECTION_TOL[ct] if tol is None else tol
         finite, solve = _muon_update_(w, g, buf, lr=lr, momentum=group["momentum"], nesterov=group["nesterov"],
                                       direction_tol=tol, direction_steps=group["direction_steps"],
-                                      maximize=group["maximize"], capturable=capturable)
+                                      maximize=group["maximize"], capturable=capturable, reproject=p0.dtype != ct)
         torch._foreach_copy_(bufs, _slices(buf, bufs))
         torch._foreach_copy_(gaps, _slices(solve.gap, gaps))
         new = _slices(w, locals_)
