@@ -250,8 +250,11 @@ def run(args: argparse.Namespace) -> int:
         blocks.append(table.format_text(certs, labels, legend=not args.quiet, notes=not args.quiet))
         markdown.append(table.format_markdown(certs, labels))
     if muon_certs:
-        heading = (f"Manifold Muon (StiefelMuon): a stack of 3 frames of St(12, 4), float64 unless stated, drift runs "
-                   f"of {args.muon_steps} steps:")
+        from .muon import DIRECTION_SHAPES
+
+        also = ", ".join(f"{d}x{r}" for _, d, r in DIRECTION_SHAPES[1:])
+        heading = (f"Manifold Muon (StiefelMuon): a stack of 3 frames of St(12, 4) (rows M1-M3 also {also}), float64 "
+                   f"unless stated, drift runs of {args.muon_steps} steps:")
         blocks.append(("" if args.quiet else heading + "\n\n")
                       + table.format_text(muon_certs, muon_labels, legend=not args.quiet, notes=not args.quiet,
                                           descriptions=muon_described, ours=ours_muon))
