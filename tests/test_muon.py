@@ -224,7 +224,8 @@ def _spectra(half):
     """Spectra with values at every scale: down to 1e-20 of the largest (across the rounds' floors), exact zeros,
     a cluster just below one round's floor."""
     return [np.logspace(0, -20, half), np.r_[1.0, np.zeros(half - 1)], np.r_[1.0, np.full(half - 1, 0.5e-4)],
-            np.r_[1.0, np.full(half - 1, 0.5 * ROUND_FLOOR ** 2)], np.r_[np.ones(half // 2), np.zeros(half - half // 2)]]
+            np.r_[1.0, np.full(half - 1, 0.5 * ROUND_FLOOR ** 2)],
+            np.r_[np.ones(half // 2), np.zeros(half - half // 2)]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -606,3 +607,13 @@ def test_companion_the_fixed_count_rule_falls_short_on_a_decaying_spectrum():
     m = _momentum(w, "1/i", seed=6)
     _, opt = muon_direction_reference(m, w)
     assert (1 - _value(m, fixed_count_direction(m, w)) / opt.flatten()).max() > FIXED_COUNT_DECAY_SHORTFALL_MIN
+
+
+def test_muon_direction_refuses_a_low_precision_or_mismatched_stack_naming_the_fix():
+    w = _frames(2, 12, 4, dtype=torch.float32)
+    m = _tangent(w)
+    with pytest.raises(ValueError, match="muon_direction: .*cast bfloat16/float16 stacks to float32"):
+        muon_direction(m.bfloat16(), w.bfloat16())
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        muon_direction(m, w.double())
+    assert bool(muon_direction(m, w).certified.all())  # companion: the float32 stack itself is solved

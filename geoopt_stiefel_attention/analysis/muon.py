@@ -82,8 +82,8 @@ DIRECTION_SHAPES = ((3, 12, 4), (2, 12, 12), (2, 9, 9), (2, 10, 9), (2, 12, 11),
 FEASIBILITY_TOL = 1e-6
 #: ``max |W^T W - I|`` after the long runs.
 DRIFT_TOL_F64, DRIFT_TOL_F32 = 1e-12, 1e-5
-#: Largest entry difference of the equivariance and scale comparisons (float64; the dual descent's accept
-#: decisions compare nuclear norms that rounding may order differently in the last bits).
+#: Largest entry difference of the equivariance and scale comparisons (float64; a frame's solve may stop a round
+#: earlier or later when its certificate sits at the tolerance, which rounding decides differently in the last bits).
 EQUIVARIANCE_TOL = SCALE_TOL = 1e-8
 #: Frames trained with and without weight decay (rounding of a decay gradient projected to zero may remain).
 DECAY_TOL = 1e-12

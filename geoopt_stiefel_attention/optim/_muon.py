@@ -343,6 +343,11 @@ def muon_direction(m: torch.Tensor, w: torch.Tensor, *, tol: float | None = None
     DirectionSolve
         ``(direction, gap, bound, certified, steps)``.
 
+    Raises
+    ------
+    ValueError
+        For stacks that are not 3-d, of different shapes or dtypes, or not float32/float64.
+
     Notes
     -----
     What a dtype cannot resolve (:math:`d > 2r`): the whitening works on Gram matrices, so singular values of
@@ -356,12 +361,15 @@ def muon_direction(m: torch.Tensor, w: torch.Tensor, *, tol: float | None = None
     (:math:`W^\top W = I` to the dtype's rounding): the optimizer makes its float32 copy of a bfloat16 frame so
     before the solve.
     """
+    if m.dtype not in DEFAULT_DIRECTION_TOL or w.dtype != m.dtype or m.dim() != 3 or m.shape != w.shape:
+        raise ValueError(f"muon_direction: m and w must be (n, d, r) stacks of one shape and dtype, float32 or float64 "
+                         f"(got {tuple(m.shape)} {m.dtype} and {tuple(w.shape)} {w.dtype}); cast bfloat16/float16 "
+                         f"stacks to float32, as StiefelMuon does.")
     n, d, r = m.shape
     ct = m.dtype
     tol = DEFAULT_DIRECTION_TOL[ct] if tol is None else tol
     k = d if d <= 2 * r else 2 * r
     cap = certified_direction_steps(tol, ct, k) if max_steps is None else max_steps
-    wtm = torch.bmm(w.mT, m)
     if d <= 2 * r:
         x = torch.bmm(m, w.mT)
         omega, t1, bound, _, steps = _msign_skew(x - x.mT, tol=tol, extra=None, max_steps=cap,
@@ -370,6 +378,7 @@ def muon_direction(m: torch.Tensor, w: torch.Tensor, *, tol: float | None = None
         upper = 0.5 * (t1 + bound)
     else:
         eps = torch.finfo(ct).eps
+        wtm = torch.bmm(w.mT, m)
         normal = m - torch.bmm(w, wtm)
         q = normal
         for shift in (_WHITEN_SHIFT * r * eps, math.sqrt(eps)):  # the Gram matrix of M_perp, then that of Q

@@ -243,8 +243,9 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
       momenta whose singular values span less than four decades, plus about ten ``d x r x r`` products (the
       whitening of the normal part, for :math:`d > 2r`); ``stiefel-attention bench`` measures the step beside
       torch's ``Muon``. Against the earlier fixed-count solver (``dual_steps=10, ns_steps=8``, which was not
-      optimal: 4-12 % short on 10 x 9 frames), the direction costs {COST_RATIO} at the bench widths (float32, one
-      thread, measured in one run).
+      optimal: 4-12 % short on 10 x 9 frames, 8-17 % on :math:`1/i` spectra), the StiefelMuon step takes
+      0.94-1.35x its time at the bench widths and the direction alone 0.93-2.0x (float32, one thread, one
+      interleaved run: ``benchmarks/muon_solver_before_after.py``, ``benchmarks/README.md``).
     - Sharded frames (FSDP2 by heads) take the same copy path as bf16 frames (``DTensor`` local shards).
 
     Examples
