@@ -286,3 +286,46 @@ def assert_quoted(text: str, expected: list[str]) -> None:
     assert missing_phrases(text, expected) == []
     for phrase in expected:
         assert missing_phrases(one_digit_changed(text, phrase), [phrase]) == [phrase], phrase
+
+
+# ---------------------------------------------------------------------- StiefelMuon's earlier solver (written out)
+def fixed_count_direction(m: torch.Tensor, w: torch.Tensor, dual_steps: int = 10, ns_steps: int = 8) -> torch.Tensor:
+    """The direction StiefelMuon took before issue 56 (commit 38fe98e, ``muon_direction``), written out as the
+    reference of what a fixed-count stopping rule gives: ``dual_steps`` trial steps of a backtracking gradient
+    descent on the dual ``min_L ||M - 2WL||_*`` (step 0.3 ||P_W M||_F / sqrt(r), grown 1.5x on acceptance, halved on
+    refusal), every r x r inverse square root by ``ns_steps`` coupled Newton-Schulz iterations, from
+    ``L = sym(W^T M) / 2``; the direction is ``P_W(Z (Z^T Z)^{-1/2})`` at the last accepted ``L``."""
+    def sym(a):
+        return 0.5 * (a + a.mT)
+
+    def inv_sqrt_and_trace(gram):
+        r = gram.shape[-1]
+        c = torch.linalg.matrix_norm(gram).clamp_min(torch.finfo(gram.dtype).tiny)[..., None, None]
+        eye = torch.eye(r, dtype=gram.dtype)
+        y, z = gram / c, eye.expand_as(gram)
+        for _ in range(ns_steps):
+            t = 1.5 * eye - 0.5 * z @ y
+            y, z = y @ t, t @ z
+        return sym(z) / c.sqrt(), y.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None] * c.sqrt()
+
+    wtm, mtm = w.mT @ m, m.mT @ m
+    scale = (mtm.diagonal(dim1=-2, dim2=-1).sum(-1) - sym(wtm).square().sum((-2, -1))).clamp_min(0).sqrt()
+    scale = scale[..., None, None] / math.sqrt(m.shape[-1])
+
+    def evaluate(lam):
+        cross = wtm.mT @ lam
+        inv_root, nuclear = inv_sqrt_and_trace(sym(mtm - 2 * (cross + cross.mT) + 4 * lam @ lam))
+        return inv_root, nuclear, sym((wtm - 2 * lam) @ inv_root)
+
+    lam = 0.5 * sym(wtm)
+    inv_root, g, grad = evaluate(lam)
+    step = torch.full_like(g, 0.3)
+    for _ in range(dual_steps):
+        trial = lam + step * scale * grad
+        inv_t, g_t, grad_t = evaluate(trial)
+        ok = g_t <= g
+        lam, inv_root = torch.where(ok, trial, lam), torch.where(ok, inv_t, inv_root)
+        g, grad = torch.where(ok, g_t, g), torch.where(ok, grad_t, grad)
+        step = torch.where(ok, step * 1.5, step * 0.5)
+    a = (m - 2 * w @ lam) @ inv_root
+    return a - w @ sym(w.mT @ a)

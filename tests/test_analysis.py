@@ -520,12 +520,12 @@ def test_cli_certify_prints_the_stiefel_muon_column_beside_adam_geoopt_and_torch
     monkeypatch.setattr(muon, "run_muon_certificates", fake_muon)
     assert main(["certify", "--muon-steps", "7"]) == 0
     out = capsys.readouterr().out
-    assert {"StiefelMuon", "StiefelMuon (solved)", "torch Muon", "StiefelAdam", "geoopt RiemannianAdam"} \
+    assert {"StiefelMuon", "StiefelMuon (projected msign)", "torch Muon", "StiefelAdam", "geoopt RiemannianAdam"} \
         <= set(seen["columns"])
     assert seen["kwargs"]["drift_steps"] == 7
     muon_part = out[out.index("Manifold Muon"):]
     header = next(line for line in muon_part.splitlines() if line.startswith("certificate"))
-    for label in ("StiefelMuon", "SM solved", "torch Muon", "StiefelAdam", "geoopt-radam-polar"):
+    for label in ("StiefelMuon", "SM msign", "torch Muon", "StiefelAdam", "geoopt-radam-polar"):
         assert label in header, header
     assert all(row in muon_part for row in analysis.MUON_ROWS)
     assert "1a x" in out[:out.index("Manifold Muon")]  # the main table comes first
@@ -593,7 +593,7 @@ def test_cli_certify_muon_table_for_real_writes_json_and_markdown(tmp_path, caps
 def test_table_failures_keep_the_two_tables_apart():
     adam_m7 = _muon_cell(analysis.MUON_ROWS[6], "StiefelAdam", 1.0)  # StiefelAdam's eps: not scale-free in M7
     adam_1a = _muon_cell("1a x", "StiefelAdam", 1.0)
-    solved = _muon_cell(analysis.MUON_ROWS[0], "StiefelMuon (solved)", 1.0)
+    solved = _muon_cell(analysis.MUON_ROWS[0], "StiefelMuon", 1.0)
     assert table.stiefel_adam_failures([adam_m7, adam_1a, solved]) == [adam_1a]
     assert table.stiefel_muon_failures([adam_m7, adam_1a, solved]) == [solved]
 

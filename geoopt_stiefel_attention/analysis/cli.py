@@ -308,8 +308,11 @@ def _tables(certs, muon_certs, main_columns, muon_columns, muon_steps: int, quie
         blocks.append(table.format_text(certs, labels, legend=not quiet, notes=not quiet))
         markdown.append(table.format_markdown(certs, labels))
     if muon_certs:
-        heading = (f"Manifold Muon (StiefelMuon): a stack of 3 frames of St(12, 4), float64 unless stated, drift runs "
-                   f"of {muon_steps:,} steps:")
+        from .muon import DIRECTION_SHAPES
+
+        also = ", ".join(f"{d}x{r}" for _, d, r in DIRECTION_SHAPES[1:])
+        heading = (f"Manifold Muon (StiefelMuon): a stack of 3 frames of St(12, 4) (rows M1-M3 also {also}), float64 "
+                   f"unless stated, drift runs of {muon_steps:,} steps:")
         blocks.append(("" if quiet else heading + "\n\n")
                       + table.format_text(muon_certs, muon_labels, legend=not quiet, notes=not quiet,
                                           descriptions=muon_described, ours=ours_muon))

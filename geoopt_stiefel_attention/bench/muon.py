@@ -1,6 +1,8 @@
 """The manifold-Muon benchmarks (``stiefel-attention bench muon``): StiefelMuon's step beside StiefelAdam, torch's
-``Muon`` on the same frames and AdamW, and the table of the direction solver's optimality gap against step time
-per solver setting, from which the default setting is chosen.
+``Muon`` on the same frames and AdamW; and the formatting of the issue-41 table of the earlier fixed-count solver's
+optimality gap against step time per setting (:class:`SolverRow`, committed in ``benchmarks/results``; that solver
+was replaced in issue 56 by one that stops on a certified gap, and ``benchmarks/muon_solver_before_after.py``
+times the two in one run).
 
 Timings are the minimum over interleaved rounds (each round runs every entry once, in a rotated order), on the
 threads given, so that a machine busy with other work inflates every entry alike and the minimum is the least
@@ -17,20 +19,16 @@ from dataclasses import dataclass
 #: width // heads)``, two per layer (W_Q, W_K).
 MUON_CONFIGS: dict[int, tuple[int, int]] = {128: (2, 4), 256: (4, 4), 512: (8, 8), 768: (12, 12)}
 
-#: The solver settings of the gap/time table: (dual_steps, ns_steps).
-SOLVER_SETTINGS: tuple[tuple[int, int], ...] = ((0, 8), (2, 8), (4, 8), (6, 8), (8, 8), (10, 8), (12, 8),
-                                                (16, 8), (8, 6), (10, 6), (10, 12), (16, 12))
-
-#: The optimality gap (relative to the optimum) a default solver setting must stay below.
+#: The optimality gap (relative to the optimum) the issue-41 default solver setting had to stay below.
 GAP_TARGET = 1e-3
 
 
 @dataclass(frozen=True)
 class MuonStepResult:
     """Step times (ms, minimum over ``rounds`` interleaved rounds) of one configuration, per optimizer, and the
-    ratios of StiefelMuon's time to each other entry's; ``dual_steps``/``ns_steps`` are StiefelMuon's solver
-    setting (inner iterations: ``dual_steps + 1`` inverse square roots of ``ns_steps`` Newton–Schulz steps each,
-    on ``r x r`` matrices)."""
+    ratios of StiefelMuon's time to each other entry's. StiefelMuon's solver: ``direction_tol`` (the certified
+    solver of issue 56, at its float32 default), or, in results committed before it, the earlier fixed-count
+    setting ``dual_steps``/``ns_steps`` (``None`` in new results)."""
 
     width: int
     depth: int
@@ -38,18 +36,19 @@ class MuonStepResult:
     head_dim: int
     times_ms: dict[str, float]
     ratios: dict[str, float]
-    dual_steps: int
-    ns_steps: int
+    dual_steps: int | None
+    ns_steps: int | None
     rounds: int
     threads: int
+    direction_tol: float | None = None
 
 
 @dataclass(frozen=True)
 class SolverRow:
-    """One row of the gap/time table: a solver setting at one width; the worst and median relative optimality
-    gap ``(OPT - <M, A>) / OPT`` of the float32 direction over the frames (``OPT`` from a float64 solve of 150
-    dual steps, an upper bound, so the gaps are upper bounds too), and the StiefelMuon step time (ms, minimum
-    over interleaved rounds) of the whole configuration."""
+    """One row of the issue-41 gap/time table of the earlier fixed-count solver: a setting at one width; the worst
+    and median relative optimality gap ``(OPT - <M, A>) / OPT`` of the float32 direction over the frames (``OPT``
+    from a float64 solve of 150 dual steps), and the StiefelMuon step time (ms, minimum over interleaved rounds)
+    of the whole configuration."""
 
     width: int
     d: int
@@ -109,8 +108,7 @@ def _stepper(opt, params, grads) -> Callable[[], None]:
 
 
 def muon_step_benchmark(widths: Sequence[int] = (128, 512), *, rounds: int = 7, threads: int = 1,
-                        dual_steps: int | None = None, ns_steps: int | None = None,
-                        device: str = "cpu") -> list[MuonStepResult]:
+                        direction_tol: float | None = None, device: str = "cpu") -> list[MuonStepResult]:
     """Time one step of StiefelMuon, StiefelAdam, torch's ``Muon`` on the same frames (one 2-D ``d x r``
     parameter per head, as torch's Muon requires) and AdamW (foreach) on the query/key frames of each width, in
     float32 on ``device`` (synchronised around every timed step off the CPU).
@@ -123,10 +121,9 @@ def muon_step_benchmark(widths: Sequence[int] = (128, 512), *, rounds: int = 7, 
     import torch
 
     from ..optim import StiefelAdam, StiefelMuon
-    from ..optim.muon import DEFAULT_DUAL_STEPS, DEFAULT_NS_STEPS
+    from ..optim._muon import DEFAULT_DIRECTION_TOL
 
-    dual_steps = DEFAULT_DUAL_STEPS if dual_steps is None else dual_steps
-    ns_steps = DEFAULT_NS_STEPS if ns_steps is None else ns_steps
+    tol = DEFAULT_DIRECTION_TOL[torch.float32] if direction_tol is None else direction_tol
     results = []
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -135,8 +132,7 @@ def muon_step_benchmark(widths: Sequence[int] = (128, 512), *, rounds: int = 7, 
             depth, heads = MUON_CONFIGS[width]
             steps = {}
             params, grads = _frames(width, depth, heads, device=device)
-            steps["stiefel-muon"] = _stepper(StiefelMuon(params, lr=1e-3, dual_steps=dual_steps,
-                                                         ns_steps=ns_steps), params, grads)
+            steps["stiefel-muon"] = _stepper(StiefelMuon(params, lr=1e-3, direction_tol=tol), params, grads)
             params, grads = _frames(width, depth, heads, device=device)
             steps["stiefel-adam"] = _stepper(StiefelAdam(params, lr=1e-3), params, grads)
             flat = [torch.nn.Parameter(h.detach().clone()) for p in _frames(width, depth, heads, device=device)[0]
@@ -149,70 +145,11 @@ def muon_step_benchmark(widths: Sequence[int] = (128, 512), *, rounds: int = 7, 
             steps["adamw"] = _stepper(torch.optim.AdamW(plain, lr=1e-3, foreach=True), plain, plain_grads)
             times = _interleaved_min(steps, rounds, device=device)
             ratios = {name: times["stiefel-muon"] / t for name, t in times.items() if name != "stiefel-muon"}
-            results.append(MuonStepResult(width, depth, heads, width // heads, times, ratios, dual_steps, ns_steps,
-                                          rounds, threads))
+            results.append(MuonStepResult(width, depth, heads, width // heads, times, ratios, None, None, rounds,
+                                          threads, tol))
     finally:
         torch.set_num_threads(previous)
     return results
-
-
-def _gap_problem(width: int, heads: int, frames: int, seed: int):
-    """``frames`` random frames ``W`` of the width's shape with tangent Gaussian momenta ``M`` (float64) and the
-    optimum's upper bound from a float64 reference solve of 150 dual steps."""
-    import torch
-
-    from .._linalg import proju
-    from ..optim._muon import muon_direction_reference
-
-    d, r = width, width // heads
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.linalg.qr(torch.randn(frames, d, r, generator=gen, dtype=torch.float64)).Q
-    m = proju(w, torch.randn(frames, d, r, generator=gen, dtype=torch.float64))
-    _, upper, _ = muon_direction_reference(m, w, iterations=150)
-    return w, m, upper.flatten()
-
-
-def _relative_gaps(problem, dual_steps: int, ns_steps: int):
-    """Relative optimality gaps ``(OPT - <M, A>) / OPT`` of the float32 direction on the frames of ``problem``."""
-    import torch
-
-    from .._linalg import proju
-    from ..optim._muon import muon_direction
-
-    w, m, upper = problem
-    a, _ = muon_direction(m.float(), w.float(), iterations=dual_steps, ns_steps=ns_steps)
-    a = proju(w, a.double())
-    value = (m * a).sum((-2, -1)) / torch.linalg.matrix_norm(a, ord=2).clamp_min(1.0)
-    return ((upper - value) / upper).clamp_min(0.0)
-
-
-def solver_table(widths: Sequence[int] = (128, 512), settings: Sequence[tuple[int, int]] = SOLVER_SETTINGS, *,
-                 frames: int = 32, rounds: int = 5, threads: int = 1, seed: int = 0) -> list[SolverRow]:
-    """The optimality gap and StiefelMuon step time of each solver setting at each width (see :class:`SolverRow`)."""
-    import torch
-
-    from ..optim import StiefelMuon
-
-    rows = []
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for width in widths:
-            depth, heads = MUON_CONFIGS[width]
-            steps, gaps = {}, {}
-            problem = _gap_problem(width, heads, frames, seed)
-            for dual, ns in settings:
-                params, grads = _frames(width, depth, heads)
-                steps[(dual, ns)] = _stepper(StiefelMuon(params, lr=1e-3, dual_steps=dual, ns_steps=ns), params,
-                                             grads)
-                gaps[(dual, ns)] = _relative_gaps(problem, dual, ns)
-            times = _interleaved_min(steps, rounds)
-            for (dual, ns), t in times.items():
-                g = gaps[(dual, ns)]
-                rows.append(SolverRow(width, width, width // heads, dual, ns, float(g.max()), float(g.median()), t))
-    finally:
-        torch.set_num_threads(previous)
-    return rows
 
 
 def cheapest_setting(rows: Sequence[SolverRow], target: float = GAP_TARGET) -> tuple[int, int] | None:
@@ -234,9 +171,14 @@ def format_muon_table(results: Sequence[MuonStepResult]) -> str:
         t, q = res.times_ms, res.ratios
         lines.append(f"| {res.width} | {res.heads} x {res.width} x {res.head_dim} | {t['stiefel-muon']:.2f} | "
                      f"{t['stiefel-adam']:.2f} | {t['torch-muon']:.2f} | {t['adamw']:.2f} | {q['stiefel-adam']:.1f}x "
-                     f"| {q['torch-muon']:.2f}x | {q['adamw']:.1f}x | dual_steps={res.dual_steps}, "
-                     f"ns_steps={res.ns_steps} |")
+                     f"| {q['torch-muon']:.2f}x | {q['adamw']:.1f}x | {_solver_label(res)} |")
     return "\n".join(lines)
+
+
+def _solver_label(res: MuonStepResult) -> str:
+    if res.dual_steps is not None:  # committed before issue 56
+        return f"dual_steps={res.dual_steps}, ns_steps={res.ns_steps}"
+    return f"certified, direction_tol={res.direction_tol:g}"
 
 
 def format_solver_table(rows: Sequence[SolverRow]) -> str:

@@ -24,10 +24,18 @@ from .._linalg import ADJUST_LR_FNS, AUTO_TRUST_REGION, frame_step_scale, trust_
 from . import _reference, _validation
 from ._base import FrameOptimizer
 from ._batching import ACCELERATOR_STACK_NUMEL, STACK_NUMEL
-from ._muon import MUON_ADJUST_LR_FNS, muon_direction, muon_direction_reference, muon_lr_scale, stiefel_muon_update
+from ._muon import (
+    DEFAULT_DIRECTION_TOL,
+    MUON_ADJUST_LR_FNS,
+    DirectionSolve,
+    muon_direction,
+    muon_direction_reference,
+    muon_lr_scale,
+    stiefel_muon_update,
+)
 from ._reference import stiefel_adam_update
 from .adam import StiefelAdam
-from .muon import DEFAULT_DUAL_STEPS, DEFAULT_NS_STEPS, StiefelMuon
+from .muon import StiefelMuon
 
 __all__ = ["StiefelAdam", "StiefelMuon", "FrameOptimizer", "stiefel_adam_update", "stiefel_muon_update",
            "muon_direction", "muon_direction_reference", "muon_lr_scale", "frame_step_scale", "trust_radius",

@@ -353,9 +353,16 @@ def _count_skipped(states: dict[torch.Tensor, dict[str, Any]], params: list[torc
                    finite: torch.Tensor) -> None:
     """Add each parameter's frames that were skipped (``finite`` False, one entry per frame of the batch, in
     order) to its ``state["skipped_frames"]``."""
+    _count_frames(states, params, ~finite, "skipped_frames")
+
+
+def _count_frames(states: dict[torch.Tensor, dict[str, Any]], params: list[torch.Tensor], flagged: torch.Tensor,
+                  key: str) -> None:
+    """Add each parameter's frames where ``flagged`` is True (one entry per frame of the batch, in order) to its
+    int64 counter ``state[key]``, on the device (no host read)."""
     counts = _frame_counts([_local(p) for p in params])
     if len(set(counts)) == 1:
-        skipped = list((~finite).reshape(len(params), -1).sum(dim=1).unbind(0))
+        added = list(flagged.reshape(len(params), -1).sum(dim=1).unbind(0))
     else:
-        skipped = [part.sum() for part in (~finite).reshape(-1).split(counts)]
-    torch._foreach_add_([states[p]["skipped_frames"] for p in params], skipped)
+        added = [part.sum() for part in flagged.reshape(-1).split(counts)]
+    torch._foreach_add_([states[p][key] for p in params], added)

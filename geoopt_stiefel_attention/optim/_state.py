@@ -122,7 +122,7 @@ def _loaded_state(p: torch.Tensor, saved: Any, group: dict[str, Any], label: str
             dtype = compute
         else:
             dtype = value.dtype
-        if _distributed.is_sharded(p) and key not in ("step", "skipped_frames"):  # sharded like the parameter
+        if _distributed.is_sharded(p) and key not in ("step", "skipped_frames", "uncertified_frames"):  # sharded like p
             state[key] = _distributed.to_placements_of(p, value, dtype)
         elif tuple(value.shape) == tuple(p.shape):  # the parameter's memory layout (e.g. column-major frames)
             state[key] = _zeros_like_layout(p, dtype).to(device).copy_(value)

@@ -9,6 +9,7 @@ specification) and fast in :func:`_muon_update_` below (batched, matrix products
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,38 +19,37 @@ import torch
 from .. import _linalg
 from .. import distributed as _distributed
 from ._base import FrameOptimizer
-from ._batching import _cat_frames, _frame_batches, _slices
+from ._batching import _cat_frames, _count_frames, _frame_batches, _frame_counts, _slices
 from ._kernel import _rounding_margin
-from ._muon import muon_direction, muon_lr_scale
+from ._muon import DEFAULT_DIRECTION_TOL, muon_direction, muon_lr_scale
 from ._state import _capturable, _zeros_like_layout, master_copies
 from ._validation import SHARED_OPTIONS, SHARED_RULES, Option, _in_unit_interval, check_group
 
 _local = _distributed.local_tensor
 
-__all__ = ["StiefelMuon", "DEFAULT_DUAL_STEPS", "DEFAULT_NS_STEPS"]
-
-#: Trial steps of the dual descent per optimizer step: the cheapest setting of the table in
-#: ``benchmarks/README.md`` whose worst relative optimality gap stays below 1e-3 at the bench widths, on
-#: Gaussian momenta. Momenta with a decaying spectrum need more (see :class:`StiefelMuon`'s notes).
-DEFAULT_DUAL_STEPS = 10
-#: Newton–Schulz iterations per ``r x r`` inverse square root inside the direction solver.
-DEFAULT_NS_STEPS = 8
+__all__ = ["StiefelMuon", "DEFAULT_DIRECTION_TOL"]
 
 #: The group options StiefelMuon adds to AdamW's, with the values a state dict saved without them loads with.
 _MUON_GROUP_DEFAULTS = {"momentum": 0.95, "nesterov": True, "adjust_lr_fn": "match_rms_adamw",
-                        "dual_steps": DEFAULT_DUAL_STEPS, "ns_steps": DEFAULT_NS_STEPS, "master_weights": False,
+                        "direction_tol": None, "direction_steps": None, "master_weights": False,
                         "stabilize": None}
+
+#: Options of the earlier fixed-count solver (issue 56): accepted with a ``FutureWarning`` and ignored.
+_RETIRED_OPTIONS = ("dual_steps", "ns_steps")
 
 
 #: The options only StiefelMuon has (those both optimizers have are :data:`~._validation.SHARED_OPTIONS`).
 MUON_OPTIONS: tuple[Option, ...] = (
     Option("momentum", _in_unit_interval, "pass a float in [0, 1) (torch's Muon uses 0.95)."),
     Option("nesterov", lambda v: isinstance(v, bool), "pass True or False."),
-    Option("dual_steps", lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 100,
-           f"pass an int in [0, 100) (default {DEFAULT_DUAL_STEPS}; dual_steps=0 takes the cheap projected msign "
-           f"direction)."),
-    Option("ns_steps", lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v < 100,
-           f"pass an int in [1, 100) (default {DEFAULT_NS_STEPS})."),
+    Option("direction_tol", lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                    and 0.0 < v < 1.0),
+           "pass a float in (0, 1), the relative duality gap at which the direction solver stops, or None (1e-7 in "
+           "float64, 1e-3 in float32)."),
+    Option("direction_steps", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
+                                                      and 1 <= v <= 1000),
+           "pass an int in [1, 1000], the cap on the direction solver's iterations, or None (the count that "
+           "suffices for every input)."),
     Option("stabilize", lambda v: v is None,
            "(the polar retraction keeps frames on the manifold); pass stabilize=None.", verdict="is not supported"),
 )
@@ -60,9 +60,21 @@ def _validate_muon_group(group: dict[str, Any]) -> None:
     check_group(group, "StiefelMuon", SHARED_OPTIONS + MUON_OPTIONS, SHARED_RULES)
 
 
+def _warn_retired(given: dict[str, Any], where: str) -> None:
+    """A ``FutureWarning`` naming the options of the earlier solver that ``given`` sets (not ``None``)."""
+    given = {key: value for key, value in given.items() if value is not None}
+    if given:
+        settings = ", ".join(f"{key}={value!r}" for key, value in given.items())
+        warnings.warn(f"{where}: {settings} is ignored: the fixed-count dual descent these options set was replaced "
+                      f"by a solver that stops on a certified duality gap (issue 56); use direction_tol (relative "
+                      f"gap) and direction_steps (cap on its iterations) instead. The options will be removed.",
+                      FutureWarning, stacklevel=3)
+
+
 def _muon_update_(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr: float | torch.Tensor,
-                  momentum: float, nesterov: bool, dual_steps: int, ns_steps: int, maximize: bool = False,
-                  capturable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  momentum: float, nesterov: bool, direction_tol: float | None = None,
+                  direction_steps: int | None = None, maximize: bool = False, capturable: bool = False,
+                  reproject: bool = False) -> tuple[torch.Tensor, Any]:
     r"""The update of :func:`~._muon.stiefel_muon_update` on a stack ``(n, d, r)``, with ``w`` and ``buf``
     overwritten in place (``grad`` is only read). The direction is :func:`~._muon.muon_direction`; the retraction
     :math:`\operatorname{polar}(W - \eta A)` inverts the square root of the Gram matrix of the actual
@@ -70,19 +82,24 @@ def _muon_update_(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr:
     certificates): :func:`~.._linalg.retraction_plan`'s Taylor series or Newton-Schulz, matrix products only; a
     tensor learning rate (no host read) takes the exact inverse square root of :func:`~.._linalg.inv_sqrt`.
 
-    Returns the boolean ``(n, 1, 1)`` mask of frames whose gradient was finite, and the solver's gap
-    ``(n, 1, 1)`` (see :func:`~._muon.muon_direction`).
+    ``reproject`` (frames stored in bfloat16/float16, whose float32 copy is about 1e-3 off the manifold): first
+    one Newton–Schulz step :math:`W \leftarrow W(3I - W^\top W)/2` (orthonormal to about 1e-5), so that the direction
+    is that of a frame (the solver's certificate assumes :math:`W^\top W = I`).
+
+    Returns the boolean ``(n, 1, 1)`` mask of frames whose gradient was finite, and the solver's
+    :class:`~._muon.DirectionSolve` (gap, bound, certified; see :func:`~._muon.muon_direction`).
     """
-    xi = _linalg.proju(w, -grad if maximize else grad)
+    frame = 1.5 * w - 0.5 * torch.bmm(w, torch.bmm(w.mT, w)) if reproject else w
+    xi = _linalg.proju(frame, -grad if maximize else grad)
     finite = _linalg.frame_sq_norm(xi) < math.inf
     xi = torch.where(finite, xi, torch.zeros((), dtype=xi.dtype, device=xi.device))
     buf.lerp_(xi, finite.to(xi.dtype) * (1.0 - momentum))
     u = xi.lerp(buf, momentum) if nesterov else buf
-    direction, gap = muon_direction(u, w, iterations=dual_steps, ns_steps=ns_steps)
-    y = w - lr * direction
+    solve = muon_direction(u, frame, tol=direction_tol, max_steps=direction_steps, synchronize=not capturable)
+    y = frame - lr * solve.direction
     gram = torch.bmm(y.mT, y)
     plan = bound = None
-    if not isinstance(lr, torch.Tensor):  # ||lr * direction||_2 <= 1.05 lr (the solver's stated slack)
+    if not isinstance(lr, torch.Tensor):  # ||lr * direction||_2 <= lr to rounding; 1.05 lr leaves room
         bound = (1.05 * lr) ** 2 + _rounding_margin(w.dtype)
         plan = _linalg.retraction_plan(bound, w.dtype)
     if plan is not None:
@@ -96,7 +113,7 @@ def _muon_update_(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr:
     w.copy_(torch.where(moving, w_new, w))
     transported = buf - torch.bmm(w, _linalg.sym(torch.bmm(w.mT, buf)))
     buf.copy_(torch.where(moving, transported, buf))
-    return finite, gap
+    return finite, solve
 
 
 class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Optimizer):
@@ -114,8 +131,7 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         B &\leftarrow \mu B + (1 - \mu)\,\xi \\
         U &= (1 - \mu)\,\xi + \mu B \quad\text{(Nesterov; } U = B \text{ without)} \\
         A^\star &= \operatorname*{argmax}_{W^\top A + A^\top W = 0,\ \|A\|_2 \le 1} \langle U, A \rangle
-                 = P_W\big(\operatorname{msign}(U - 2 W \Lambda^\star)\big),
-                 \quad \Lambda^\star = \operatorname*{argmin}_{\Lambda = \Lambda^\top} \|U - 2W\Lambda\|_* \\
+                 = \operatorname{msign}(U W^\top - W U^\top)\, W \\
         W &\leftarrow \operatorname{polar}(W - \eta A^\star), \qquad \eta = \mathrm{lr}\cdot s(d, r) \\
         B &\leftarrow B - W \operatorname{sym}(W^\top B) \qquad \text{(transport by projection)}
 
@@ -123,13 +139,17 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
     :math:`0.2\sqrt{\max(d, r)}` for ``"match_rms_adamw"`` (the default here, so that one lr serves the frames
     and the AdamW parameters), :math:`\sqrt{\max(1, d/r)}` for ``"original"`` (torch's default). The momentum
     recursion is torch's (``buf.lerp_(grad, 1 - momentum)``, ``grad.lerp(buf, momentum)``) applied to the
-    Riemannian gradient. :math:`\Lambda^\star` is found by ``dual_steps`` steps of gradient descent on the dual
-    :math:`\|U - 2W\Lambda\|_*` with a per-frame step that adapts itself, entirely on ``r x r`` matrices
-    (:func:`~geoopt_stiefel_attention.optim._muon.muon_direction`, matrix products only, no SVD or
-    eigendecomposition); ``dual_steps=0`` is the cheap approximation :math:`P_W \operatorname{msign}(P_W U)`,
-    2-8 % below the optimum. The duality gap :math:`\|U - 2W\Lambda\|_* - \langle U, A\rangle` of the last step,
-    as the solver's Newton–Schulz iterations estimate it (see the notes: not a bound where they have not
-    converged), is kept per frame in ``state["dual_gap"]`` (``(..., 1, 1)``, no host read).
+    Riemannian gradient.
+
+    :math:`A^\star` has a closed form (proved in :mod:`geoopt_stiefel_attention.optim._muon`: every feasible
+    :math:`A` is :math:`\Omega W` for a skew :math:`\Omega` with :math:`\|\Omega\|_2 \le 1`, so
+    :math:`\max\langle U, A\rangle = \tfrac12\|UW^\top - WU^\top\|_*`), computed by
+    :func:`~geoopt_stiefel_attention.optim.muon_direction`: matrix products only (no SVD, eigendecomposition or
+    solve), batched over frames, on a ``d x d`` skew matrix for :math:`d \le 2r` and a ``2r x 2r`` one otherwise,
+    and stopped per frame on a **certificate**: an upper bound :math:`\bar U \ge \max\langle U, A\rangle`
+    computed from the iterate, so that a relative duality gap :math:`(\bar U - \langle U, A\rangle)/\bar U \le`
+    ``direction_tol`` proves the direction optimal to that tolerance. The gap :math:`\bar U - \langle U,
+    A\rangle` of the last step is kept per frame in ``state["dual_gap"]`` (``(..., 1, 1)``, no host read).
 
     Parameters
     ----------
@@ -148,10 +168,17 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         AdamW's, for the Euclidean parameters only.
     adjust_lr_fn : {"match_rms_adamw", "original"}, default "match_rms_adamw"
         torch's ``Muon`` meanings (see above).
-    dual_steps : int, default :data:`DEFAULT_DUAL_STEPS`
-        Trial steps of the dual descent (``0``: the projected msign).
-    ns_steps : int, default :data:`DEFAULT_NS_STEPS`
-        Newton–Schulz iterations per ``r x r`` inverse square root.
+    direction_tol : float or None, default None
+        Relative duality gap at which the direction solver stops a frame, in ``(0, 1)``; ``None`` takes
+        :data:`DEFAULT_DIRECTION_TOL` of the compute dtype (1e-7 in float64, 1e-3 in float32 and for
+        bf16/fp16 frames; typical certified gaps are far smaller, see the notes).
+    direction_steps : int or None, default None
+        Cap on the solver's iterations, in ``[1, 1000]``; ``None`` takes the count that suffices for every
+        input (:func:`~geoopt_stiefel_attention.optim._muon.certified_direction_steps`: 42 in float64, 26 in
+        float32). The eager step stops earlier, once every frame of a batch is certified (one round, 14 or 13
+        iterations, for most momenta); the capturable step always runs the count.
+    dual_steps, ns_steps : optional
+        Options of the earlier fixed-count solver: accepted with a ``FutureWarning`` and ignored.
     master_weights : bool, default False
         Keep and update a float32 master copy of bf16/fp16 frames in ``state["master"]``.
     amsgrad, maximize, foreach : bool
@@ -172,20 +199,30 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
     - The options both optimizers have are checked by one table, before anything moves: the same value gets
       the same answer and words as in :class:`~geoopt_stiefel_attention.StiefelAdam` (a bool is not a number:
       ``weight_decay=True`` is refused by both; a tensor ``lr`` with ``foreach=True`` too, as by torch's AdamW).
-    - The direction is exact to the solver's tolerance, not to rounding, and the default setting
-      (``dual_steps=10, ns_steps=8``) was chosen on Gaussian momenta, where it is within 1e-3 of the optimum
-      (``geoopt_stiefel_attention.analysis`` certifies this against an independent solver). **Momenta whose
-      singular values span a wide range are not resolved by it**: with singular values falling off as
-      :math:`1/i` the default direction is about 10 % short of the optimum (measured at 128 x 32 and 512 x 64,
-      float64; ``tests/test_muon.py``), because 8 Newton–Schulz iterations do not resolve eigenvalues of
-      :math:`Z^\top Z` far below the largest, and the dual descent then decides on wrong values.
-      ``ns_steps=16, dual_steps=60`` brings it within 1e-3 there (``dual_steps=99``: 4e-5), at several times
-      the cost. ``state["dual_gap"]`` is computed from the same Newton–Schulz estimates, so it is **not** an
-      upper bound when they have not converged: it can be near zero, or negative, for a direction 10 % short.
-      Read a negative gap as an unresolved solve.
-    - Cost: four ``d x r x r`` products for the direction whatever ``dual_steps`` is (the descent runs on
-      ``r x r`` matrices), plus the projection, retraction and transport; ``stiefel-attention bench`` measures it
-      beside torch's ``Muon`` on the same frames.
+    - **The direction is certified optimal**, for every frame shape (square :math:`r = d`, near-square
+      :math:`r = d - 1`, :math:`r \ll d`) and momentum (decaying spectra, rank-deficient momenta, zero): each
+      frame's solve stops once its relative duality gap is at most ``direction_tol``, checked against the bound
+      above (tested against an independent convex solver, cvxpy with Clarabel, in ``tests/test_muon.py``).
+      Typical certified gaps are far below the default tolerances (float64 about 1e-14; float32 about 1e-6 on
+      Gaussian and :math:`1/i`-spectrum momenta, 4e-5 rank one at 128 x 32); the float32 default 1e-3 leaves room
+      for what float32 cannot resolve in the whitening of the momentum's normal part (about :math:`r\sqrt
+      d\,\epsilon` for rank-deficient momenta, 3e-4 for one singular value above a flat rest at 1e-5 of it; see
+      :func:`~geoopt_stiefel_attention.optim.muon_direction`). bfloat16/float16 frames are made orthonormal in
+      their float32 copy (one Newton–Schulz step) before the solve.
+    - **A frame not certified within** ``direction_steps`` is not silent: it is counted in
+      ``state["uncertified_frames"]`` (int64, per parameter, every step it happens), and the eager step warns
+      once per parameter, naming it and the gap reached. The capturable step (``capturable=True``: no host
+      read, for CUDA graphs and ``torch.compile``) runs the bound-derived count, which suffices in exact
+      arithmetic for every input (the proof is in
+      :func:`~geoopt_stiefel_attention.optim._muon.certified_direction_steps`), and keeps the counter on the
+      device without reading it.
+    - Cost: the solve is one round (13-14 iterations of two ``k x k`` products, :math:`k = \min(d, 2r)`) for
+      momenta whose singular values span less than four decades, plus about ten ``d x r x r`` products (the
+      whitening of the normal part, for :math:`d > 2r`); ``stiefel-attention bench`` measures the step beside
+      torch's ``Muon``. Against the earlier fixed-count solver (``dual_steps=10, ns_steps=8``, which was not
+      optimal: 4-12 % short on 10 x 9 frames, 8-17 % on :math:`1/i` spectra), the StiefelMuon step takes
+      0.94-1.35x its time at the bench widths and the direction alone 0.93-2.0x (float32, one thread, one
+      interleaved run: ``benchmarks/muon_solver_before_after.py``, ``benchmarks/README.md``).
     - Sharded frames (FSDP2 by heads) take the same copy path as bf16 frames (``DTensor`` local shards).
 
     Examples
@@ -217,18 +254,22 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         adjust_lr_fn: str = "match_rms_adamw",
-        dual_steps: int = DEFAULT_DUAL_STEPS,
-        ns_steps: int = DEFAULT_NS_STEPS,
+        direction_tol: float | None = None,
+        direction_steps: int | None = None,
         master_weights: bool = False,
         amsgrad: bool = False,
         maximize: bool = False,
         foreach: bool | None = None,
         capturable: bool | None = None,
+        dual_steps: int | None = None,
+        ns_steps: int | None = None,
     ) -> None:
         params = self._check_params_argument(params)
+        _warn_retired({"dual_steps": dual_steps, "ns_steps": ns_steps}, "StiefelMuon")
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, betas=betas,
-                        eps=eps, adjust_lr_fn=adjust_lr_fn, dual_steps=dual_steps, ns_steps=ns_steps,
-                        master_weights=master_weights, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
+                        eps=eps, adjust_lr_fn=adjust_lr_fn, direction_tol=direction_tol,
+                        direction_steps=direction_steps, master_weights=master_weights, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach,
                         capturable=capturable, stabilize=None, differentiable=False, fused=None,
                         decoupled_weight_decay=True)
         _validate_muon_group(defaults)
@@ -240,6 +281,43 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         _validate_muon_group(group)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """:meth:`torch.optim.Optimizer.add_param_group`, with the options of the earlier solver (``dual_steps``,
+        ``ns_steps``) dropped from ``param_group`` with a ``FutureWarning``.
+
+        Parameters
+        ----------
+        param_group : dict
+            The group: ``"params"`` and any options (the constructor's defaults fill the rest).
+        """
+        if any(key in param_group for key in _RETIRED_OPTIONS):
+            _warn_retired({key: param_group[key] for key in _RETIRED_OPTIONS if key in param_group},
+                          "StiefelMuon.add_param_group")
+            param_group = {key: value for key, value in param_group.items() if key not in _RETIRED_OPTIONS}
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`FrameOptimizer.load_state_dict`; a state dict saved before issue 56 (whose groups hold the earlier
+        solver's ``dual_steps`` and ``ns_steps``) loads with a ``FutureWarning`` that they are dropped, and its
+        groups take ``direction_tol=None, direction_steps=None``.
+
+        Parameters
+        ----------
+        state_dict : dict
+            As returned by :meth:`state_dict`, with the entries ``"state"`` and ``"param_groups"`` (the argument is
+            not modified).
+        """
+        groups = state_dict.get("param_groups") or []
+        # (a group without AdamW's betas is another optimizer's, e.g. torch's Muon, whose ns_steps means something
+        # else: the base refuses it, naming what it lacks)
+        retired = {key: group[key] for group in groups if "betas" in group for key in _RETIRED_OPTIONS if key in group}
+        if retired:
+            _warn_retired(retired, "StiefelMuon.load_state_dict")
+            state_dict = {**state_dict, "param_groups": [
+                {key: value for key, value in group.items() if "betas" not in group or key not in _RETIRED_OPTIONS}
+                for group in groups]}
+        super().load_state_dict(state_dict)
 
     def _check_frames_group(self, k: int, group: dict[str, Any]) -> None:
         """Refuse a group of frames whose momentum a scheduler meant to cycle: ``OneCycleLR`` and ``CyclicLR`` with
@@ -270,11 +348,15 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         state["dual_gap"] = _distributed.like_parameter(
             p, torch.zeros(local.shape[:-2] + (1, 1), dtype=ct, device=p.device), tuple(p.shape[:-2]) + (1, 1))
         state["skipped_frames"] = torch.zeros((), dtype=torch.int64, device=p.device)
+        state["uncertified_frames"] = torch.zeros((), dtype=torch.int64, device=p.device)
         return state
 
     def _step_frames(self, group: dict[str, Any], frames: list[torch.Tensor]) -> None:
         states = [self.state[p] if self.state[p] else self._init_frame_state(self.state[p], p, group)
                   for p in frames]
+        for p, state in zip(frames, states, strict=True):  # state saved before the counter existed
+            if "uncertified_frames" not in state:
+                state["uncertified_frames"] = torch.zeros((), dtype=torch.int64, device=p.device)
         torch._foreach_add_([state["step"] for state in states], 1.0)
         for _, params in _frame_batches(frames, None, self.__dict__.get("_stack_numel")):
             if _local(params[0]).numel():
@@ -282,7 +364,8 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
 
     def _update_batch(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """Stack the frames of one shape (or their float32 master copies) in the compute dtype, update them with
-        :func:`_muon_update_`, write frames, moments and gaps back, count skipped frames."""
+        :func:`_muon_update_`, write frames, moments and gaps back, count skipped frames and frames whose
+        direction was not certified (and warn once per parameter about those, on the eager path)."""
         p0 = params[0]
         d, r = p0.shape[-2:]
         ct = _linalg.compute_dtype(p0.dtype)
@@ -299,13 +382,43 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         if isinstance(lr, torch.Tensor):
             lr = lr.to(device=p0.device, dtype=ct) if capturable else float(lr)
         lr = lr * muon_lr_scale(group["adjust_lr_fn"], d, r)
-        finite, gap = _muon_update_(w, g, buf, lr=lr, momentum=group["momentum"], nesterov=group["nesterov"],
-                                    dual_steps=group["dual_steps"], ns_steps=group["ns_steps"],
-                                    maximize=group["maximize"], capturable=capturable)
+        tol = group["direction_tol"]
+        tol = DEFAULT_DIRECTION_TOL[ct] if tol is None else tol
+        finite, solve = _muon_update_(w, g, buf, lr=lr, momentum=group["momentum"], nesterov=group["nesterov"],
+                                      direction_tol=tol, direction_steps=group["direction_steps"],
+                                      maximize=group["maximize"], capturable=capturable, reproject=p0.dtype != ct)
         torch._foreach_copy_(bufs, _slices(buf, bufs))
-        torch._foreach_copy_(gaps, _slices(gap, gaps))
+        torch._foreach_copy_(gaps, _slices(solve.gap, gaps))
         new = _slices(w, locals_)
         if masters:
             torch._foreach_copy_(masters, new)
         torch._foreach_copy_(locals_, masters or new)
         self._count_skipped(group, params, finite)
+        uncertified = finite & ~solve.certified
+        _count_frames(self.state, params, uncertified, "uncertified_frames")
+        if not capturable and bool(uncertified.any()):  # the eager path reads the host
+            self._warn_uncertified(group, params, uncertified, solve, tol)
+
+    def _warn_uncertified(self, group: dict[str, Any], params: list[torch.Tensor], uncertified: torch.Tensor,
+                          solve: Any, tol: float) -> None:
+        """One ``RuntimeWarning`` per parameter (the first step it happens) whose frames' directions were not
+        certified: its name, how many frames, the largest relative gap reached and the options to change."""
+        warned = self.__dict__.setdefault("_warned_uncertified", set())
+        relative = (solve.gap / solve.bound.clamp_min(torch.finfo(solve.bound.dtype).tiny)).flatten()
+        names = group.get("param_names") or [None] * len(group["params"])
+        where = {id(p): j for j, p in enumerate(group["params"])}
+        counts = _frame_counts([_local(p) for p in params])
+        for p, mask, rel in zip(params, uncertified.flatten().split(counts), relative.split(counts), strict=True):
+            if id(p) in warned or not bool(mask.any()):
+                continue
+            warned.add(id(p))
+            j = where.get(id(p))
+            name = f"{names[j]!r} " if j is not None and names[j] is not None else ""
+            steps = group["direction_steps"]
+            warnings.warn(
+                f"StiefelMuon: the direction of {int(mask.sum())} of {mask.numel()} frames of parameter {name}"
+                f"(shape {tuple(p.shape)}) was not certified within direction_steps="
+                f"{steps if steps is not None else solve.steps} iterations: relative duality gap "
+                f"{float(rel[mask].max()):.2e} > direction_tol={tol:g}. The step was taken with that direction; "
+                f"it is counted in state['uncertified_frames'] (this warning is shown once per parameter). Raise "
+                f"direction_steps (or pass None), or direction_tol.", RuntimeWarning, stacklevel=4)
