@@ -315,46 +315,32 @@ def test_the_capturable_step_counts_uncertified_frames_on_the_device_without_a_w
     assert int(opt.state[w]["uncertified_frames"]) == 3
 
 
-def test_the_options_of_the_earlier_solver_warn_and_change_nothing():
-    """dual_steps / ns_steps (constructor, a group, a state dict saved before issue 56) give a FutureWarning naming
-    the options that replace them, and the trajectory is the one without them."""
+def test_the_options_of_the_earlier_solver_are_refused_and_an_old_checkpoint_loads_with_a_warning():
+    """dual_steps / ns_steps were removed (issue 56; no alias before the first release): the constructor and
+    add_param_group refuse them before anything changes, naming direction_tol and direction_steps; a state dict
+    saved before issue 56 loads with a warning that they are dropped. Companion: without them nothing is said."""
     w0 = _frames(2, 12, 4)
-    g = torch.randn(2, 12, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    runs = {}
-    for options in ({}, {"dual_steps": 10, "ns_steps": 8}):
-        w = geoopt.ManifoldParameter(w0.clone(), manifold=PolarStiefel())
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            opt = StiefelMuon([w], lr=0.05, **options)
-        retired = [str(c.message) for c in caught if issubclass(c.category, FutureWarning)
-                   and "dual_steps" in str(c.message)]
-        assert len(retired) == (1 if options else 0)  # companion: none without them
-        w.grad = g.clone()
-        opt.step()
-        runs[bool(options)] = w.detach().clone()
-    assert "direction_tol" in retired[0] and "ns_steps=8" in retired[0]
-    assert torch.equal(runs[True], runs[False])
+    w = geoopt.ManifoldParameter(w0.clone(), manifold=PolarStiefel())
+    with pytest.raises(ValueError, match=r"StiefelMuon: dual_steps=10, ns_steps=8: .* use direction_tol"):
+        StiefelMuon([w], lr=0.05, dual_steps=10, ns_steps=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = StiefelMuon([w], lr=0.05)  # companion: no warning
+    w.grad = torch.randn(2, 12, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    opt.step()
     saved = opt.state_dict()
     saved["param_groups"][0].update(dual_steps=10, ns_steps=8)
     saved["param_groups"][0].pop("direction_tol")
     fresh = StiefelMuon([geoopt.ManifoldParameter(w0.clone(), manifold=PolarStiefel())], lr=0.05)
-    with pytest.warns(FutureWarning, match=r"StiefelMuon.load_state_dict: dual_steps=10, ns_steps=8 is ignored"):
+    with pytest.warns(UserWarning, match=r"StiefelMuon.load_state_dict: dual_steps=10, ns_steps=8: .* dropped"):
         fresh.load_state_dict(saved)
     group = fresh.param_groups[0]
     assert "dual_steps" not in group and group["direction_tol"] is None and group["direction_steps"] is None
-    with pytest.warns(FutureWarning, match="StiefelMuon.add_param_group: dual_steps=0 is ignored"):
+    before = len(fresh.param_groups)
+    with pytest.raises(ValueError, match="StiefelMuon.add_param_group: dual_steps=0: .* direction_steps"):
         fresh.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))],
                                "dual_steps": 0})
-    assert "dual_steps" not in fresh.param_groups[1]
-
-
-# ------------------------------------------------------------------------------- torch's Muon conventions
-@pytest.mark.parametrize("fn", ["original", "match_rms_adamw"])
-@pytest.mark.parametrize(("d", "r"), [(64, 16), (16, 16), (768, 64)])
-def test_lr_adjustment_is_torch_muons(fn, d, r):
-    from torch.optim._muon import _adjust_lr
-
-    assert muon_lr_scale(fn, d, r) == pytest.approx(_adjust_lr(1.0, fn, torch.Size((d, r))), rel=1e-15)
+    assert len(fresh.param_groups) == before  # nothing added
 
 
 def test_companion_lr_adjustment_depends_on_the_orientation():

@@ -110,7 +110,7 @@ def test_a_second_run_in_the_same_process_is_bitwise_equal():
     ("adam-f64-capturable", {"lr": math.nextafter(1e-2, 0.0)}, 1),
     ("adam-bf16-master", {"lr": 1e-2 * (1 + 2.0 ** -23)}, 1),  # one float32 ulp
     ("muon-f64", {"lr": math.nextafter(1e-2, 1.0)}, 1),
-    ("muon-f64", {"dual_steps": 11}, 1),  # another solver setting
+    ("muon-f64", {"direction_steps": 2}, 1),  # another solver setting
     ("gpt2-qk-bias-drop", {"lr": 1e-2 * (1 + 2.0 ** -23)}, 1),
     ("llama-gqa-gain", {"lr": 1e-2 * (1 + 2.0 ** -23)}, 1),
 ])
@@ -182,8 +182,8 @@ def test_the_bfloat16_tolerance_is_one_ulp():
 # ------------------------------------------------------------------------------ another kernel set
 #: Scenarios replayed by a subprocess with ``ATEN_CPU_CAPABILITY=default`` (torch's kernels without SIMD: other
 #: reductions, so other rounding) and ``MKL_CBWR=COMPATIBLE`` (MKL's code path for any x86 CPU): one per dtype and
-#: optimizer, and those that measured the largest differences (muon-dual-ns, muon-f32-capturable, the encoder).
-OTHER_KERNELS = ["adam-f64", "adam-f32", "adam-bf16-master", "adam-bf16", "muon-f64", "muon-dual-ns",
+#: optimizer, and those that measured the largest differences (muon-direction-capped, muon-f32-capturable, the encoder).
+OTHER_KERNELS = ["adam-f64", "adam-f32", "adam-bf16-master", "adam-bf16", "muon-f64", "muon-direction-capped",
                  "muon-f32-capturable", "muon-bf16-master", "transformer-encoder"]
 
 _REPLAY_ELSEWHERE = """

@@ -88,10 +88,9 @@ FORMAT = 1
 #: entry, one bfloat16 ulp (2**-7 of the larger magnitude): a bf16 frame is the rounding of a float32 value, which
 #: on another CPU may fall on the other side of a rounding boundary.
 REPLAY_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2.0 ** -7}
-#: float64 tolerance of the StiefelMuon scenario with a long dual descent (20 steps, 12 Newton-Schulz iterations):
-#: each trial step is accepted or not by comparing two nearly equal duals, so rounding moves the direction by more
-#: than elsewhere. Measured 2.1e-11 with ``ATEN_CPU_CAPABILITY=default`` and 1.2e-10 with ``MKL_CBWR=COMPATIBLE``
-#: added (every other float64 scenario: below 1.1e-15).
+#: float64 tolerance of the StiefelMuon scenario whose direction solve is capped short of its certificate (issue
+#: 56): an uncertified direction follows rounding more closely than a converged one. Set when the scenario used the
+#: earlier dual descent (measured 1.2e-10 across kernel sets there); not re-measured for the capped solve.
 REPLAY_RTOL_LONG_DUAL = 1e-8
 #: Absolute floor of the bfloat16 entrywise comparison: entries of a frame are O(1/sqrt(d)) >= 1e-3 or rounding
 #: noise around zero, for which one ulp of the larger magnitude is below 1e-7.
@@ -465,7 +464,7 @@ SHAPES_LARGE = (*SHAPES, (8, 64, 16))
 #: Smaller stacks for bfloat16 and compiled scenarios.
 SHAPES_SMALL = ((4, 16, 4), (3, 10, 9))
 #: StiefelMuon's solver options in its compiled scenarios.
-MUON_COMPILED = {"dual_steps": 2, "ns_steps": 3}
+MUON_COMPILED = {"direction_steps": 6}
 
 
 def _scenarios() -> dict[str, Scenario]:
@@ -514,9 +513,9 @@ def _scenarios() -> dict[str, Scenario]:
         "muon-bf16-master": FrameRun(M, SHAPES_SMALL, bf16, options={"master_weights": True}),
         "muon-bf16": FrameRun(M, SHAPES_SMALL, bf16),
         "muon-no-nesterov": FrameRun(M, SHAPES, options={"nesterov": False}),
-        "muon-dual-0": FrameRun(M, SHAPES, options={"dual_steps": 0}),
-        "muon-dual-ns": FrameRun(M, SHAPES, options={"dual_steps": 20, "ns_steps": 12},
-                                 rtol={torch.float64: REPLAY_RTOL_LONG_DUAL}),
+        "muon-direction-loose": FrameRun(M, SHAPES, options={"direction_tol": 1e-3}),
+        "muon-direction-capped": FrameRun(M, SHAPES, options={"direction_steps": 3},
+                                          rtol={torch.float64: REPLAY_RTOL_LONG_DUAL}),
         "muon-original": FrameRun(M, SHAPES, options={"adjust_lr_fn": "original"}),
         "muon-original-capturable": FrameRun(M, SHAPES, options={"adjust_lr_fn": "original", "capturable": True}),
         "muon-momentum": FrameRun(M, SHAPES, options={"momentum": 0.8, "weight_decay": 0.0}),

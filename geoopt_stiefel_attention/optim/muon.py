@@ -34,7 +34,7 @@ _MUON_GROUP_DEFAULTS = {"momentum": 0.95, "nesterov": True, "adjust_lr_fn": "mat
                         "direction_tol": None, "direction_steps": None, "master_weights": False,
                         "stabilize": None}
 
-#: Options of the earlier fixed-count solver (issue 56): accepted with a ``FutureWarning`` and ignored.
+#: Options of the earlier fixed-count solver (issue 56): refused, and dropped with a warning from an old state dict.
 _RETIRED_OPTIONS = ("dual_steps", "ns_steps")
 
 
@@ -60,15 +60,22 @@ def _validate_muon_group(group: dict[str, Any]) -> None:
     check_group(group, "StiefelMuon", SHARED_OPTIONS + MUON_OPTIONS, SHARED_RULES)
 
 
-def _warn_retired(given: dict[str, Any], where: str) -> None:
-    """A ``FutureWarning`` naming the options of the earlier solver that ``given`` sets (not ``None``)."""
+def _retired(given: dict[str, Any], where: str) -> str | None:
+    """What to say of the options of the earlier solver that ``given`` sets (not ``None``), or ``None``."""
     given = {key: value for key, value in given.items() if value is not None}
-    if given:
-        settings = ", ".join(f"{key}={value!r}" for key, value in given.items())
-        warnings.warn(f"{where}: {settings} is ignored: the fixed-count dual descent these options set was replaced "
-                      f"by a solver that stops on a certified duality gap (issue 56); use direction_tol (relative "
-                      f"gap) and direction_steps (cap on its iterations) instead. The options will be removed.",
-                      FutureWarning, stacklevel=3)
+    if not given:
+        return None
+    settings = ", ".join(f"{key}={value!r}" for key, value in given.items())
+    return (f"{where}: {settings}: the fixed-count dual descent these options set was removed (issue 56); the direction "
+            f"is now solved until a certified duality gap: use direction_tol (relative gap) and direction_steps (cap "
+            f"on its iterations) instead")
+
+
+def _refuse_retired(given: dict[str, Any], where: str) -> None:
+    """Refuse, before anything changes, the options of the earlier solver (no alias for a version never released)."""
+    message = _retired(given, where)
+    if message is not None:
+        raise ValueError(message + ".")
 
 
 def _muon_update_(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr: float | torch.Tensor,
@@ -178,7 +185,7 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         float32). The eager step stops earlier, once every frame of a batch is certified (one round, 14 or 13
         iterations, for most momenta); the capturable step always runs the count.
     dual_steps, ns_steps : optional
-        Options of the earlier fixed-count solver: accepted with a ``FutureWarning`` and ignored.
+        Removed (issue 56): passing either raises, naming ``direction_tol`` and ``direction_steps``.
     master_weights : bool, default False
         Keep and update a float32 master copy of bf16/fp16 frames in ``state["master"]``.
     amsgrad, maximize, foreach : bool
@@ -265,7 +272,7 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         ns_steps: int | None = None,
     ) -> None:
         params = self._check_params_argument(params)
-        _warn_retired({"dual_steps": dual_steps, "ns_steps": ns_steps}, "StiefelMuon")
+        _refuse_retired({"dual_steps": dual_steps, "ns_steps": ns_steps}, "StiefelMuon")
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, betas=betas,
                         eps=eps, adjust_lr_fn=adjust_lr_fn, direction_tol=direction_tol,
                         direction_steps=direction_steps, master_weights=master_weights, amsgrad=amsgrad,
@@ -283,23 +290,21 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         _validate_muon_group(group)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """:meth:`torch.optim.Optimizer.add_param_group`, with the options of the earlier solver (``dual_steps``,
-        ``ns_steps``) dropped from ``param_group`` with a ``FutureWarning``.
+        """:meth:`torch.optim.Optimizer.add_param_group`; a group that sets the options of the earlier solver
+        (``dual_steps``, ``ns_steps``) is refused, naming the options that replace them.
 
         Parameters
         ----------
         param_group : dict
             The group: ``"params"`` and any options (the constructor's defaults fill the rest).
         """
-        if any(key in param_group for key in _RETIRED_OPTIONS):
-            _warn_retired({key: param_group[key] for key in _RETIRED_OPTIONS if key in param_group},
-                          "StiefelMuon.add_param_group")
-            param_group = {key: value for key, value in param_group.items() if key not in _RETIRED_OPTIONS}
+        _refuse_retired({key: param_group[key] for key in _RETIRED_OPTIONS if key in param_group},
+                        "StiefelMuon.add_param_group")
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """:meth:`FrameOptimizer.load_state_dict`; a state dict saved before issue 56 (whose groups hold the earlier
-        solver's ``dual_steps`` and ``ns_steps``) loads with a ``FutureWarning`` that they are dropped, and its
+        solver's ``dual_steps`` and ``ns_steps``) loads with a ``UserWarning`` that they are dropped, and its
         groups take ``direction_tol=None, direction_steps=None``.
 
         Parameters
@@ -313,7 +318,8 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         # else: the base refuses it, naming what it lacks)
         retired = {key: group[key] for group in groups if "betas" in group for key in _RETIRED_OPTIONS if key in group}
         if retired:
-            _warn_retired(retired, "StiefelMuon.load_state_dict")
+            warnings.warn(_retired(retired, "StiefelMuon.load_state_dict") + "; they are dropped from the loaded "
+                          "groups, which take direction_tol=None, direction_steps=None.", UserWarning, stacklevel=2)
             state_dict = {**state_dict, "param_groups": [
                 {key: value for key, value in group.items() if "betas" not in group or key not in _RETIRED_OPTIONS}
                 for group in groups]}
