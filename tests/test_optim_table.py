@@ -762,7 +762,7 @@ def test_a_skipped_parameter_is_named_once_in_one_warning(name):
 
 # ----------------------------------------------------------------------------- the references take the optimizers' values
 #: float64: one optimizer step vs its readable reference (measured 0 for StiefelAdam's kernel on these frames; the
-#: Muon solver against the SVD reference at dual_steps=30, ns_steps=40 on 10 x 4 frames, a few 1e-12).
+#: certified Muon solver against the SVD reference on 10 x 4 frames, float64, well below it).
 REFERENCE_TOL = 1e-9
 
 
@@ -821,25 +821,24 @@ def test_stiefel_muon_update_reads_lr_by_the_rule_as_the_optimizer_does(fn):
     out here: sqrt(d / r) or 0.2 sqrt(d)), and equals the optimizer's step."""
     w0 = _frame((2, 10, 4), seed=3).detach()
     g = _grads(w0.shape, 1, seed=8)[0]
-    kw = dict(momentum=0.95, nesterov=True, iterations=30)
+    kw = dict(momentum=0.95, nesterov=True)
     by_rule = stiefel_muon_update(w0, g, torch.zeros_like(w0), lr=0.05, adjust_lr_fn=fn, **kw)
     scale = {"original": math.sqrt(10 / 4), "match_rms_adamw": 0.2 * math.sqrt(10)}[fn]
     scaled = stiefel_muon_update(w0, g, torch.zeros_like(w0), lr=0.05 * scale, **kw)
     for x, y in zip(by_rule, scaled, strict=True):
         assert torch.equal(x, y)
     w = geoopt.ManifoldParameter(w0.clone(), manifold=PolarStiefel())
-    opt = StiefelMuon([w], lr=0.05, adjust_lr_fn=fn, dual_steps=30, ns_steps=40)
+    opt = StiefelMuon([w], lr=0.05, adjust_lr_fn=fn)
     w.grad = g.clone()
     opt.step()
     assert float((w.detach() - by_rule[0]).abs().max()) < REFERENCE_TOL
     assert float((w.detach() - w0).abs().max()) > 1e3 * REFERENCE_TOL  # the step moved the frames
 
 
-@pytest.mark.parametrize(("option", "value"), [("momentum", 1.0), ("nesterov", 1), ("iterations", -1),
-                                               ("adjust_lr_fn", "spectral")])
+@pytest.mark.parametrize(("option", "value"), [("momentum", 1.0), ("nesterov", 1), ("adjust_lr_fn", "spectral")])
 def test_stiefel_muon_update_refuses_a_bad_value_by_name(option, value):
     w0 = _frame((2, 10, 4)).detach()
-    kw = dict(lr=0.05, momentum=0.95, nesterov=True, iterations=5) | {option: value}
+    kw = dict(lr=0.05, momentum=0.95, nesterov=True) | {option: value}
     with pytest.raises(ValueError, match=f"stiefel_muon_update: {option}={value!r} is "):
         stiefel_muon_update(w0, torch.randn_like(w0), torch.zeros_like(w0), **kw)
 
