@@ -1041,7 +1041,6 @@ def _verdict_cells():
             ok("1a x", "s", 1.0, 1e-12, optimizer="geoopt-rsgd"),
             analysis.Certificate.not_applicable("1a x", "s", "why", optimizer="torch AdamW (unconstrained)"),
             ok(MUON_ROWS[0], "s", 0.0, 1e-12, optimizer="StiefelMuon"),
-            ok(MUON_ROWS[0], "s", 0.0, 1e-12, optimizer="StiefelMuon (solved)"),
             ok(MUON_ROWS[6], "s", 1.0, 1e-12, optimizer="StiefelAdam"),  # StiefelAdam in the Muon table: a baseline
             ok(MUON_ROWS[0], "s", 1.0, 1e-12, optimizer="torch Muon")]
 
@@ -1049,7 +1048,7 @@ def _verdict_cells():
 def test_verdict_passes_when_every_cell_of_ours_passes_and_counts_the_baselines():
     line, passed = table.verdict(_verdict_cells())
     assert passed is True
-    assert line == ("Verdict: every StiefelAdam and StiefelMuon certificate passed (3 cells); 3 FAIL cells are "
+    assert line == ("Verdict: every StiefelAdam and StiefelMuon certificate passed (2 cells); 3 FAIL cells are "
                     "baselines, shown for contrast.")
     only_main = table.verdict(_verdict_cells()[:3])
     assert only_main == ("Verdict: every StiefelAdam certificate passed (1 cell); 1 FAIL cell is a baseline, shown "
@@ -1063,14 +1062,14 @@ def test_verdict_fails_when_a_cell_of_ours_fails():
     from geoopt_stiefel_attention.analysis.muon import MUON_ROWS
 
     cells = _verdict_cells()
-    cells[4] = analysis.Certificate.check(MUON_ROWS[0], "s", 1.0, 1e-12, optimizer="StiefelMuon (solved)")
+    cells[3] = analysis.Certificate.check(MUON_ROWS[0], "s", 1.0, 1e-12, optimizer="StiefelMuon")
     line, passed = table.verdict(cells)
     assert passed is False
-    assert line == ("Verdict: FAILED: 1 of the 3 StiefelAdam and StiefelMuon certificates failed: M1 (StiefelMuon "
-                    "(solved)); the other 3 FAIL cells are baselines, shown for contrast.")
+    assert line == ("Verdict: FAILED: 1 of the 2 StiefelAdam and StiefelMuon certificates failed: M1 (StiefelMuon); "
+                    "the other 3 FAIL cells are baselines, shown for contrast.")
     cells[0] = analysis.Certificate.check("1a x", "s", 1.0, 1e-12, optimizer="StiefelAdam")
     line, passed = table.verdict(cells)
-    assert passed is False and "2 of the 3" in line and "1a (StiefelAdam), M1 (StiefelMuon (solved))" in line
+    assert passed is False and "2 of the 2" in line and "1a (StiefelAdam), M1 (StiefelMuon)" in line
 
 
 def test_the_drift_runs_report_their_progress_chunk_by_chunk(sa):
