@@ -96,6 +96,10 @@ PINS = [
         "stage and write back stacked frames", _module(torch)),
     Pin("torch._foreach_add_", "_foreach_add_", "optim/ (_batching.py, adam.py, muon.py)",
         "advance the step counts of a batch", _module(torch)),
+    Pin("torch._foreach_sub_", "_foreach_sub_", "optim/_base.py",
+        "take back the step counts of non-frame parameters skipped for a non-finite gradient", _module(torch)),
+    Pin("torch._foreach_norm", "_foreach_norm", "optim/_base.py",
+        "find the non-frame parameters whose gradient is not finite, one fused norm per group", _module(torch)),
     Pin("Module._parameters", "_parameters", "integrations/casts.py, convert/",
         "read and rewrap the frames a module holds itself", lambda o: o["module"]),
     Pin("Module._buffers", "_buffers", "convert/checkpoints.py", "write state dicts in the stock order",
@@ -121,7 +125,7 @@ PINS = [
 #: ``_``-prefixed names the package reads on objects other than ``self`` that are not torch's: its own methods and
 #: attributes (of its modules, optimizers, argparse namespaces), and argparse's ``_actions``.
 NOT_TORCH = {"_config", "_configure", "_export", "_install", "_run", "_stack_numel", "_workspaces", "_given",
-             "_parser", "_actions"}
+             "_parser", "_actions", "_count_skipped", "_euclidean_by_design"}
 #: torch's private submodules on the way to a pinned attribute (``torch._C._autograd._top_saved_tensors_...``):
 #: covered by the pin of the attribute they lead to.
 ON_THE_WAY = {"_autograd", "_functorch", "_dynamo"}

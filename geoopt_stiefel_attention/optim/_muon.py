@@ -499,9 +499,8 @@ def stiefel_muon_update(
 def _check_reference_options(*, momentum: float, nesterov: bool, adjust_lr_fn: str | None) -> None:
     """Refuse what :class:`StiefelMuon` refuses, with its checks."""
     from . import _validation
-    from .muon import MUON_OPTIONS  # the optimizer's module imports this one
 
-    table = {option.name: option for option in _validation.SHARED_OPTIONS + MUON_OPTIONS}
+    table = {option.name: option for option in _validation.SHARED_OPTIONS + _validation.MUON_OPTIONS}
     options = (table["momentum"], table["nesterov"], table["adjust_lr_fn"])
     given = {"momentum": momentum, "nesterov": nesterov}
     if adjust_lr_fn is not None:

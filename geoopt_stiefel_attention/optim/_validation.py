@@ -335,3 +335,20 @@ def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, 
                     )
         check_euclidean_step(group, k, euclidean, name, state)
     return split
+
+
+#: The options only StiefelMuon has (those both optimizers have are :data:`~._validation.SHARED_OPTIONS`).
+MUON_OPTIONS: tuple[Option, ...] = (
+    Option("momentum", _in_unit_interval, "pass a float in [0, 1) (torch's Muon uses 0.95)."),
+    Option("nesterov", lambda v: isinstance(v, bool), "pass True or False."),
+    Option("direction_tol", lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                    and 0.0 < v < 1.0),
+           "pass a float in (0, 1), the relative duality gap at which the direction solver stops, or None (1e-7 in "
+           "float64, 1e-3 in float32)."),
+    Option("direction_steps", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
+                                                      and 1 <= v <= 1000),
+           "pass an int in [1, 1000], the cap on the direction solver's iterations, or None (the count that "
+           "suffices for every input)."),
+    Option("stabilize", lambda v: v is None,
+           "(the polar retraction keeps frames on the manifold); pass stabilize=None.", verdict="is not supported"),
+)

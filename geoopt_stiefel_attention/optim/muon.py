@@ -23,7 +23,7 @@ from ._batching import _cat_frames, _count_frames, _frame_batches, _frame_counts
 from ._kernel import _rounding_margin
 from ._muon import DEFAULT_DIRECTION_TOL, muon_direction, muon_lr_scale
 from ._state import _capturable, _zeros_like_layout, master_copies
-from ._validation import SHARED_OPTIONS, SHARED_RULES, Option, _in_unit_interval, check_group
+from ._validation import MUON_OPTIONS, SHARED_OPTIONS, SHARED_RULES, check_group
 
 _local = _distributed.local_tensor
 
@@ -36,23 +36,6 @@ _MUON_GROUP_DEFAULTS = {"momentum": 0.95, "nesterov": True, "adjust_lr_fn": "mat
 
 #: Options of the earlier fixed-count solver (issue 56): refused, and dropped with a warning from an old state dict.
 _RETIRED_OPTIONS = ("dual_steps", "ns_steps")
-
-
-#: The options only StiefelMuon has (those both optimizers have are :data:`~._validation.SHARED_OPTIONS`).
-MUON_OPTIONS: tuple[Option, ...] = (
-    Option("momentum", _in_unit_interval, "pass a float in [0, 1) (torch's Muon uses 0.95)."),
-    Option("nesterov", lambda v: isinstance(v, bool), "pass True or False."),
-    Option("direction_tol", lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                    and 0.0 < v < 1.0),
-           "pass a float in (0, 1), the relative duality gap at which the direction solver stops, or None (1e-7 in "
-           "float64, 1e-3 in float32)."),
-    Option("direction_steps", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
-                                                      and 1 <= v <= 1000),
-           "pass an int in [1, 1000], the cap on the direction solver's iterations, or None (the count that "
-           "suffices for every input)."),
-    Option("stabilize", lambda v: v is None,
-           "(the polar retraction keeps frames on the manifold); pass stabilize=None.", verdict="is not supported"),
-)
 
 
 def _validate_muon_group(group: dict[str, Any]) -> None:
