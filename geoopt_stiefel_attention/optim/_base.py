@@ -1,18 +1,22 @@
 """The base of the frame optimizers: everything but the update rule, written once.
 
-:class:`FrameOptimizer` holds the bookkeeping that :class:`~geoopt_stiefel_attention.StiefelAdam` and
-:class:`~geoopt_stiefel_attention.StiefelMuon` share: parameter groups in every form torch accepts, validated before
-anything changes; AdamW (torch's own implementation) for every parameter that is not a frame; state created lazily
-at its true shapes; ``state_dict``/``load_state_dict`` checked completely before anything changes; the step loop
-(closure, checks of every gradient and fresh frame, frames and Euclidean parameters split per group); re-projection
-(``stabilize``); and the refusal of a wrapper that replaced the frames in ``param_groups``. A subclass adds its
-update rule (:meth:`FrameOptimizer._step_frames`), its group options (``_GROUP_DEFAULTS``) and their checks
-(``_validate_group``), the state a frame keeps (``_init_frame_state``, ``_frame_spec``) and its name in messages.
+:class:`FrameOptimizer` owns what :class:`~geoopt_stiefel_attention.StiefelAdam` and
+:class:`~geoopt_stiefel_attention.StiefelMuon` share: construction (:meth:`FrameOptimizer._construct`); parameter
+groups in every form torch accepts, validated before anything changes; the options, each declared once with its
+check (:mod:`._validation`) and checked when a group is added or its options change; AdamW (torch's own
+implementation) for every parameter that is not a frame; state created lazily at its true shapes;
+``state_dict``/``load_state_dict`` checked completely before anything changes; the step loop (closure, checks of
+every gradient and fresh frame, frames and Euclidean parameters split per group, frames batched by shape); the
+staging of a batch (:func:`~._batching.stage`: workspace, state stacked per batch); re-projection (``stabilize``);
+and the refusal of a wrapper that replaced the frames in ``param_groups``. A subclass is its rule: its options and
+their checks (``_OPTIONS``, ``_RULES``, ``_GROUP_DEFAULTS``), the state a frame keeps (``_init_frame_state``,
+``_frame_spec``, ``_COUNTERS``), its update of one staged batch (``_update_batch``) and its name in messages.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import warnings
 from collections import defaultdict
@@ -68,25 +72,51 @@ def _nonfinite(squares: list[torch.Tensor]) -> list[tuple[list[int], torch.Tenso
 class FrameOptimizer:
     """Mixin base of the frame optimizers (placed before a :class:`torch.optim.Optimizer` in the bases).
 
-    Subclasses set ``_NAME`` (the class name, for messages), ``_GROUP_DEFAULTS`` (their group options with the
-    values a state dict saved without them loads with) and ``_MOMENT_KEY`` (the frame's first-moment state entry,
-    re-projected by :meth:`stabilize_group`), and implement ``_validate_group(group)``,
-    ``_step_frames(group, frames)`` and ``_frame_spec(p, group)`` (``None``, or the required state keys of a frame
-    and their shapes, checked by :meth:`load_state_dict`).
+    A subclass sets ``_NAME`` (the class name, for messages), ``_OPTIONS`` and ``_RULES`` (its options, each with
+    its one check, and the checks of their combinations: :mod:`._validation`), ``_GROUP_DEFAULTS`` (the values a
+    state dict saved without an option loads with), ``_MOMENT_KEY`` (the frame's first-moment state entry,
+    re-projected by :meth:`stabilize_group`), ``_COUNTERS`` (the int64 counters a frame's state keeps) and
+    ``_STEP_ON_HOST`` (whether its update reads the step count as a number, so that batches are split by it), calls
+    :meth:`_construct` from its constructor, and implements ``_init_frame_state(state, p, group)``,
+    ``_frame_spec(p, group)`` (the required state keys of a frame and the shapes of its state, checked by
+    :meth:`load_state_dict`) and ``_update_batch(group, params, step)`` (its update of one batch of frames of one
+    shape, staged by :func:`~._batching.stage`).
     """
 
     _NAME: ClassVar[str] = "FrameOptimizer"
+    _OPTIONS: ClassVar[tuple[_validation.Option, ...]] = ()
+    _RULES: ClassVar[tuple[Callable[[dict[str, Any], str], None], ...]] = ()
     _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {}
     _MOMENT_KEY: ClassVar[str] = "exp_avg"
+    _COUNTERS: ClassVar[tuple[str, ...]] = ("skipped_frames",)
+    _STEP_ON_HOST: ClassVar[bool] = False
 
-    def _validate_group(self, group: dict[str, Any]) -> None:  # pragma: no cover - every subclass overrides
+    def _init_frame_state(self, state: dict[str, Any], p: torch.Tensor,
+                          group: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover - every subclass overrides
         raise NotImplementedError
 
-    def _frame_spec(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[list[str], dict[str, tuple]] | None:
-        return None
-
-    def _step_frames(self, group: dict[str, Any], frames: list[torch.Tensor]) -> None:  # pragma: no cover
+    def _frame_spec(self, p: torch.Tensor,
+                    group: dict[str, Any]) -> tuple[list[str], dict[str, tuple]]:  # pragma: no cover - as above
         raise NotImplementedError
+
+    def _update_batch(self, group: dict[str, Any], params: list[torch.Tensor],
+                      step: int | None) -> None:  # pragma: no cover - every subclass overrides
+        raise NotImplementedError
+
+    #: ``convert(p, group, state, where)``: converts, in place, a frame's loaded ``state`` saved in another form
+    #: (another optimizer's checkpoint) before it is checked against :meth:`_frame_spec` (``where`` starts its
+    #: messages); ``None``: nothing to convert.
+    _CONVERT_LOADED: ClassVar[Callable[[torch.Tensor, dict[str, Any], dict[str, Any], str], None] | None] = None
+
+    def _frame_rule(self, p: torch.Tensor, group: dict[str, Any]) -> _state.FrameRule | None:
+        """What :func:`~._state._loaded_state` checks a loaded state of ``p`` against: the rule's
+        :class:`~._state.FrameRule` for a frame, ``None`` (torch's AdamW state) for any other parameter."""
+        if not _is_frame(p):
+            return None
+        required, shapes = self._frame_spec(p, group)
+        convert = type(self)._CONVERT_LOADED
+        return _state.FrameRule(required, shapes, self._COUNTERS,
+                                functools.partial(convert, p, group) if convert is not None else None)
 
     def _check_frame_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
         """Refuse, before anything changes, a frame whose state no longer fits its group's options (an option that
@@ -96,12 +126,43 @@ class FrameOptimizer:
         """Refuse, before anything changes, group ``k`` whose frames take a step now, when something written into it
         (by a scheduler) would not reach the frame update. Nothing to check by default."""
 
+    # ------------------------------------------------------------------ options: declared once, checked on change
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        """Check every option of ``group`` that ``_OPTIONS`` declares and the combinations ``_RULES`` check; raise
+        naming the option and the fix."""
+        _validation.check_group(group, self._NAME, self._OPTIONS, self._RULES)
+
+    def _check_options(self, k: int, group: dict[str, Any]) -> None:
+        """Check group ``k``'s options before a step when they changed since they were last found valid (a
+        scheduler or a user wrote into ``param_groups``); a tensor ``lr`` is checked every time."""
+        valid = self.__dict__.setdefault("_valid_options", {})
+        snapshot = _validation.option_snapshot(group, self._OPTIONS)
+        if valid.get(k) == snapshot:
+            return
+        self._validate_group(group)
+        valid[k] = snapshot
+
     #: Group options a state dict may lack because torch's base class fills them when it loads (``__setstate__``)
     #: or :meth:`load_state_dict` sets them; every other option of ``defaults`` must be in a saved group.
     _FILLED_ON_LOAD: ClassVar[frozenset[str]] = frozenset({"differentiable", "fused", "capturable",
                                                            "decoupled_weight_decay"})
 
     # ------------------------------------------------------------------ construction
+    def _construct(self, params: list[Any], defaults: dict[str, Any]) -> None:
+        """Build the optimizer from ``params`` (a list, see :meth:`_check_params_argument`) and the constructor's
+        options ``defaults`` (every option of the rule): the options are checked once, then torch's
+        :class:`~torch.optim.Optimizer` adds the groups (:meth:`add_param_group` checks each), and the result is
+        checked as a whole (:meth:`_check_constructed`). geoopt's ``stabilize`` default is set for its
+        ``add_param_group``."""
+        self._validate_group(defaults)
+        self._stabilize = defaults["stabilize"]
+        self._constructing = True  # explicit empty lists among the constructor's groups are accepted silently
+        try:
+            torch.optim.Optimizer.__init__(self, params, defaults)
+        finally:
+            del self._constructing
+        self._check_constructed()
+
     def _check_constructed(self) -> None:
         """After the constructor: refuse all-empty groups; warn once when no parameter is a frame."""
         if not any(group["params"] for group in self.param_groups):
@@ -115,7 +176,7 @@ class FrameOptimizer:
             warnings.warn(f"{self._NAME} was constructed with no Stiefel frame among its parameters, so it trains "
                           f"them all as plain AdamW. Convert the model first (stiefelize(model)) or build it with "
                           f"attention='stiefel', then pass param_groups(model); for a Euclidean model use "
-                          f"torch.optim.AdamW.", UserWarning, stacklevel=3)
+                          f"torch.optim.AdamW.", UserWarning, stacklevel=4)
 
     def _check_params_argument(self, params: Any) -> list[Any]:
         """``params`` as a list, refusing a lone tensor and an empty list (torch's messages, naming the fix)."""
@@ -203,9 +264,8 @@ class FrameOptimizer:
                 _distributed.check_parameter(tensor, self._NAME)  # sharded parameters, named by this class
                 _check_parameter(tensor, self._NAME)
         constructing = self.__dict__.get("_constructing", False)
-        group_defaults = self._GROUP_DEFAULTS
-        defaults = {**group_defaults, **self.__dict__.get("_pending_defaults", {}), **self.defaults}
-        for key in group_defaults:
+        defaults = {**self._GROUP_DEFAULTS, **self.defaults}
+        for key in self._GROUP_DEFAULTS:
             param_group.setdefault(key, defaults[key])
         self._validate_group({**defaults, **param_group})
         _validation.check_euclidean_step({**defaults, **param_group}, len(self.param_groups),
@@ -324,8 +384,7 @@ class FrameOptimizer:
         for key, value in state_dict["state"].items():
             if key in located:
                 p, group, label = located[key]
-                state[p] = _state._loaded_state(p, value, group, label, self._NAME,
-                                                self._frame_spec(p, group) if _is_frame(p) else None)
+                state[p] = _state._loaded_state(p, value, group, label, self._NAME, self._frame_rule(p, group))
             else:
                 state[key] = value  # state of no parameter is kept as is, as torch does
         if rule_changed:  # not silent: the frames' step size changes with the rule
@@ -364,7 +423,7 @@ class FrameOptimizer:
             self.__dict__.pop("_skip_log", None)  # what a step that raised midway may have left
             if _parametrize._cache_enabled:
                 self._warn_cached()
-        split = _validation.validate_step(self.param_groups, self.state, self._NAME, self._validate_group,
+        split = _validation.validate_step(self.param_groups, self.state, self._NAME, self._check_options,
                                           self._check_frame_state)
         for k, (group, (frames, _)) in enumerate(zip(self.param_groups, split, strict=True)):
             if frames:
@@ -389,18 +448,50 @@ class FrameOptimizer:
                           f"step in the block still use the frames as they were; step outside the block (it is meant "
                           f"for inference, or for weights that do not change).", UserWarning, stacklevel=3)
 
+    def _step_frames(self, group: dict[str, Any], frames: list[torch.Tensor]) -> None:
+        """The group's frames (those with a gradient): their state created at the first step
+        (:meth:`_init_frame_state`), the step counts advanced, then the rule's update (:meth:`_update_batch`) on
+        each batch of one frame shape, dtype and device (:func:`~._batching._frame_batches`; and one step count,
+        for a rule that reads it on the host, outside the capturable path)."""
+        states = []
+        for p in frames:
+            state = self.state[p]
+            states.append(state if state else self._init_frame_state(state, p, group))
+        torch._foreach_add_([state["step"] for state in states], 1.0)
+        steps = None
+        if self._STEP_ON_HOST:  # the step count is read on the host only outside the capturable path
+            steps = [None if _capturable(group, p.device) else int(state["step"])
+                     for p, state in zip(frames, states, strict=True)]
+        for step, params in _batching._frame_batches(frames, steps, self.__dict__.get("_stack_numel")):
+            if _local(params[0]).numel():  # a rank may hold no head of a sharded frame stack
+                self._update_batch(group, params, step)
+
     def _step_euclidean(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """torch's AdamW on the group's parameters that are not frames, under the policy for non-finite gradients
-        that frames follow: a parameter whose gradient has a NaN or Inf entry is skipped as a whole (its value, its
-        moments and its step count stay as they were) and counted in its ``state["skipped_frames"]``.
+        that frames follow: a parameter whose gradient has a NaN or Inf entry is skipped as a whole (its value,
+        its moments and its step count stay as they were) and counted in its ``state["skipped_frames"]``.
 
         The criterion is the frames': the squared norm of the gradient is not finite (a NaN or Inf entry, or an
         overflow). Outside torch.compile, on the CPU (where torch's AdamW reads its step counts on the host anyway)
-        or outside capturable mode, the flags are read on the host (free on the CPU, one synchronisation on an
-        accelerator) and torch's AdamW runs on the other parameters. On an accelerator in capturable mode, and
-        under torch.compile, the skip is made on the device with no host read: the values and moments are copied
-        before torch's AdamW runs and put back where the gradient was not finite, and the step counts taken back
-        by one (the copies cost one extra pass over those tensors and their memory during the step)."""
+        or outside capturable mode, the flags are read on the host (:meth:`_adamw_skipping_on_host`); on an
+        accelerator in capturable mode, and under torch.compile, the skip is made on the device with no host read
+        (:meth:`_adamw_restoring_on_device`)."""
+        lists, counters = self._adamw_lists(group, params)
+        grads = lists[1]
+        live = [i for i, g in enumerate(grads) if g.numel()]  # an empty tensor has no entry to be non-finite
+        flags = _nonfinite(_squared_norms([grads[i] for i in live])) if live else []
+        device = params[0].device
+        capturable = _capturable(group, device)
+        if not torch.compiler.is_compiling() and (device.type in _linalg.HOST_READ_DEVICES or not capturable):
+            self._adamw_skipping_on_host(group, lists, counters, live, flags, warn=not capturable)
+        else:
+            self._adamw_restoring_on_device(group, lists, counters, live, flags)
+
+    def _adamw_lists(self, group: dict[str, Any],
+                     params: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+        """torch's functional AdamW's lists for ``params`` (parameters, gradients, first and second moments, AMSGrad
+        maxima, step counts), their state created at the first step, and each parameter's ``skipped_frames``
+        counter (created for a state made by torch's AdamW, or before the policy covered these parameters)."""
         grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, counters = [], [], [], [], [], []
         amsgrad = group["amsgrad"]
         for p in params:
@@ -413,7 +504,7 @@ class FrameOptimizer:
                 if amsgrad:
                     state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             counter = state.get("skipped_frames")
-            if counter is None:  # a state made by torch's AdamW, or before the policy covered these parameters
+            if counter is None:
                 counter = state["skipped_frames"] = torch.zeros((), dtype=torch.int64, device=p.device)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
@@ -422,28 +513,34 @@ class FrameOptimizer:
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             steps.append(state["step"])
             counters.append(counter)
-        lists = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps]
-        live = [i for i, g in enumerate(grads) if g.numel()]  # an empty tensor has no entry to be non-finite
-        flags = _nonfinite(_squared_norms([grads[i] for i in live])) if live else []
-        device = params[0].device
-        capturable = _capturable(group, device)
-        if not torch.compiler.is_compiling() and (device.type in _linalg.HOST_READ_DEVICES or not capturable):
-            # the flags read on the host (free on the CPU, whose AdamW step reads its step counts anyway; one
-            # synchronisation on an accelerator outside capturable mode), then AdamW on the others
-            skip = {live[indices[j]] for indices, bad in flags if bool(bad.any())
-                    for j, flag in enumerate(bad.tolist()) if flag}
-            if skip:
-                for i in skip:
-                    counters[i].add_(1)
-                if not capturable:  # said where frames say it: the default step, not the capturable one
-                    self.__dict__.setdefault("_skip_log", []).append([params[i] for i in sorted(skip)])
-                lists = [[t for i, t in enumerate(lst) if i not in skip] for lst in lists]
-                if not lists[0]:
-                    return
-            self._adamw(group, *lists)
-            return
-        # on the device, no host read (capturable steps, CUDA graphs, torch.compile): values and moments copied
-        # before the step and put back where the gradient was not finite; the step count taken back by one
+        return [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps], counters
+
+    def _adamw_skipping_on_host(self, group: dict[str, Any], lists: list[list[torch.Tensor]],
+                                counters: list[torch.Tensor], live: list[int],
+                                flags: list[tuple[list[int], torch.Tensor]], warn: bool) -> None:
+        """The flags read on the host (free on the CPU, whose AdamW step reads its step counts anyway; one
+        synchronisation on an accelerator outside capturable mode): the parameters flagged are counted (and, with
+        ``warn``, remembered for the step's warning, where frames say it: the default step, not the capturable
+        one), then AdamW runs on the others."""
+        skip = {live[indices[j]] for indices, bad in flags if bool(bad.any())
+                for j, flag in enumerate(bad.tolist()) if flag}
+        if skip:
+            for i in skip:
+                counters[i].add_(1)
+            if warn:
+                self.__dict__.setdefault("_skip_log", []).append([lists[0][i] for i in sorted(skip)])
+            lists = [[t for i, t in enumerate(lst) if i not in skip] for lst in lists]
+            if not lists[0]:
+                return
+        self._adamw(group, *lists)
+
+    def _adamw_restoring_on_device(self, group: dict[str, Any], lists: list[list[torch.Tensor]],
+                                   counters: list[torch.Tensor], live: list[int],
+                                   flags: list[tuple[list[int], torch.Tensor]]) -> None:
+        """No host read (capturable steps, CUDA graphs, torch.compile): values and moments are copied before torch's
+        AdamW runs and put back where the gradient was not finite, and the step counts taken back by one (the
+        copies cost one extra pass over those tensors and their memory during the step)."""
+        params, _, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists
         bad = [None] * len(live)
         for indices, stack in flags:
             for j, flag in zip(indices, stack.unbind(0), strict=True):

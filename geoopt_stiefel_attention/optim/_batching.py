@@ -180,28 +180,29 @@ def _slices(stack: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]
 
 @dataclass
 class _Staged:
-    """A batch of ``n`` frames as the update reads and writes them, in the compute dtype: frames ``w``,
-    gradients ``g`` and first moments ``m`` ``(n, d, r)``, second moments ``v`` ``(n, 1, 1)``, ``(n, 1, r)`` or
-    ``(n, d, r)`` (or ``None``), a ``scratch`` laid out like ``w``; ``write_back()`` copies ``w``, ``m``, ``v``
-    to wherever they did not already live (parameters, master copies, state)."""
+    """A batch of ``n`` frames as an update rule reads and writes them, in the compute dtype: frames ``w`` and
+    gradients ``g`` ``(n, d, r)``; ``state``, the rule's state tensors of the batch by key, each ``(n, a, b)`` (the
+    first moment ``(n, d, r)``, a second moment or a gap per frame ``(n, 1, 1)``, ...); a ``scratch`` laid out like
+    ``w`` (or ``None`` when the rule asked for none); ``write_back()`` copies ``w`` and the state to wherever they
+    did not already live (parameters, master copies, state)."""
 
     w: torch.Tensor
     g: torch.Tensor
-    m: torch.Tensor
-    v: torch.Tensor | None
-    scratch: torch.Tensor
+    state: dict[str, torch.Tensor]
+    scratch: torch.Tensor | None
     write_back: Callable[[], None]
 
 
-def _stage(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor],
-           masters: list[torch.Tensor] | None, capturable: bool) -> _Staged:
-    """Stage frames of one shape, dtype and device for the update.
+def stage(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor], keys: list[str],
+          masters: list[torch.Tensor] | None, capturable: bool, scratch: bool = True) -> _Staged:
+    """Stage frames of one shape, dtype and device for an update rule that reads and writes the state entries
+    ``keys`` of each frame (the first, the first moment, shaped like the frame; the others any ``(..., a, b)``).
 
     Several plain (unsharded) parameters, outside a region torch.compile traces (where reading storage
     pointers would break the graph), are updated as one stack (:func:`_stage_stacked`). A lone parameter whose
     frames (or float32 master copy) are dense in the compute dtype, row-major or column-major like its first
     moment, is updated in place, with its state (:func:`_stage_in_place`). Anything else is copied into the
-    workspace and back (:func:`_stage_copied`).
+    workspace and back (:func:`_stage_copied`). ``scratch`` asks for a scratch stack like the frames.
     """
     # local shards of sharded frames (whole frames, updated independently), else the tensors themselves
     locals_ = [_local(p).detach() for p in params]
@@ -209,47 +210,43 @@ def _stage(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor],
     ct = _linalg.compute_dtype(params[0].dtype)
     ws = functools.partial(workspace, optimizer, dtype=ct, device=params[0].device, reuse=not capturable)
     if len(params) > 1 and all(_local(p) is p for p in params) and not torch.compiler.is_compiling():
-        return _stage_stacked(optimizer, group, params, masters, locals_, grads, ws)
+        return _stage_stacked(optimizer, group, params, keys, masters, locals_, grads, ws, scratch)
     states = [optimizer.state[p] for p in params]
-    exp_avgs = [_local(state["exp_avg"]) for state in states]
-    exp_avg_sqs = [_local(state["exp_avg_sq"]) for state in states] if group["second_moment"] is not None else None
-    src, m0 = (masters or locals_)[0], exp_avgs[0]  # what the update reads: the master copy if any
+    tensors = {key: [_local(state[key]) for state in states] for key in keys}
+    src, m0 = (masters or locals_)[0], tensors[keys[0]][0]  # what the update reads: the master copy if any
     if len(params) == 1 and src.dtype == ct and src.stride() == m0.stride() and (
             src.is_contiguous() or src.mT.is_contiguous()):
-        return _stage_in_place(src, grads[0], m0, exp_avg_sqs, masters, locals_, ws)
-    return _stage_copied(masters or locals_, grads, exp_avgs, exp_avg_sqs, masters, locals_, ws)
+        return _stage_in_place(src, grads[0], tensors, masters, locals_, ws, scratch)
+    return _stage_copied(masters or locals_, grads, tensors, masters, locals_, ws, scratch)
 
 
-def _stage_stacked(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor],
+def _stage_stacked(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor], keys: list[str],
                    masters: list[torch.Tensor] | None, locals_: list[torch.Tensor], grads: list[torch.Tensor],
-                   ws: Callable[[int], torch.Tensor]) -> _Staged:
-    """Several parameters as one stack: their state tensors (first and second moments, master copies) are kept
-    as consecutive slices of one buffer per batch (:func:`_stacked_state`), which the update reads and writes
-    in place; frames (unless a master stack stands for them) and gradients are staged in the workspace, and
-    the frames copied back."""
+                   ws: Callable[[int], torch.Tensor], scratch: bool) -> _Staged:
+    """Several parameters as one stack: their state tensors (``keys``, and master copies) are kept as consecutive
+    slices of one buffer per batch (:func:`_stacked_state`), which the update reads and writes in place; frames
+    (unless a master stack stands for them) and gradients are staged in the workspace, and the frames copied
+    back."""
     d, r = locals_[0].shape[-2:]
     n = sum(_frame_counts(locals_))
     size = n * d * r
     states = [optimizer.state[p] for p in params]
-    keys = ["exp_avg"] + (["exp_avg_sq"] if group["second_moment"] is not None else []) + (
-        ["master"] if masters else [])
 
     def others() -> list[dict[str, Any]]:  # only asked for when a batch is stacked anew
         members = set(params)
         return [optimizer.state[q] for q in group["params"] if q not in members and q in optimizer.state]
 
-    stacks = {key: _stacked_state(states, key, others) for key in keys}
-    m, v = stacks["exp_avg"].view(n, d, r), stacks.get("exp_avg_sq")
-    v = v.view(n, *v.shape[-2:]) if v is not None else None
-    master = stacks.get("master")  # the stacked master copies are the frames the update reads
-    buf = ws((2 if master is not None else 3) * size)
-    scratch = buf[:size].view(n, d, r)
-    # gradients, then frames (unless a master stack stands for them), each parameter a slice of the workspace:
-    # one copy in for both, and the frames' slices are the sources of the copy back
-    g = buf[size:2 * size].view(n, d, r)
+    stacks = {key: _stacked_state(states, key, others) for key in keys + (["master"] if masters else [])}
+    master = stacks.pop("master", None)  # the stacked master copies are the frames the update reads
+    state = {key: stack.view(n, *stack.shape[-2:]) for key, stack in stacks.items()}
+    first = int(scratch)
+    buf = ws((first + (1 if master is not None else 2)) * size)
+    # [scratch] gradients, then frames (unless a master stack stands for them), each parameter a slice of the
+    # workspace: one copy in for both, and the frames' slices are the sources of the copy back
+    g = buf[first * size:(first + 1) * size].view(n, d, r)
     g_k = _slices(g, locals_)
     if master is None:
-        w = buf[2 * size:].view(n, d, r)
+        w = buf[(first + 1) * size:].view(n, d, r)
         w_k = _slices(w, locals_)
         torch._foreach_copy_(g_k + w_k, grads + locals_)
     else:
@@ -257,64 +254,68 @@ def _stage_stacked(optimizer: Any, group: dict[str, Any], params: list[torch.Ten
         w_k = _slices(w, locals_)
         torch._foreach_copy_(g_k, grads)
 
-    def write_back() -> None:  # moments and masters were updated in place; the frames come back from w
+    def write_back() -> None:  # the state and masters were updated in place; the frames come back from w
         torch._foreach_copy_(locals_, w_k)
 
-    return _Staged(w, g, m, v, scratch, write_back)
+    return _Staged(w, g, state, buf[:size].view(n, d, r) if scratch else None, write_back)
 
 
-def _stage_in_place(src: torch.Tensor, grad: torch.Tensor, m0: torch.Tensor,
-                    exp_avg_sqs: list[torch.Tensor] | None, masters: list[torch.Tensor] | None,
-                    locals_: list[torch.Tensor], ws: Callable[[int], torch.Tensor]) -> _Staged:
-    """A lone parameter (or its master copy) ``src``, laid out like its first moment ``m0``, updated in place;
-    only the scratch comes from the workspace (column-major like ``src`` if it is)."""
+def _stage_in_place(src: torch.Tensor, grad: torch.Tensor, tensors: dict[str, list[torch.Tensor]],
+                    masters: list[torch.Tensor] | None, locals_: list[torch.Tensor],
+                    ws: Callable[[int], torch.Tensor], scratch: bool) -> _Staged:
+    """A lone parameter (or its master copy) ``src``, laid out like its first moment, updated in place with its
+    state ``tensors`` (one tensor per key); only the scratch comes from the workspace (column-major like ``src``
+    if it is)."""
     d, r = src.shape[-2:]
     n = src.numel() // (d * r)
-    size = n * d * r
-    buf = ws(size)
-    scratch = buf.view(n, d, r) if src.is_contiguous() else buf.view(n, r, d).mT
-    v = exp_avg_sqs[0].view(n, *exp_avg_sqs[0].shape[-2:]) if exp_avg_sqs else None
+    state = {key: values[0].view(n, *values[0].shape[-2:]) for key, values in tensors.items()}
+    work = None
+    if scratch:
+        buf = ws(n * d * r)
+        work = buf.view(n, d, r) if src.is_contiguous() else buf.view(n, r, d).mT
 
-    def write_back() -> None:  # frames (or their master copy) and moments were updated in place
+    def write_back() -> None:  # frames (or their master copy) and state were updated in place
         if masters:
             torch._foreach_copy_(locals_, masters)
 
-    return _Staged(src.view(n, d, r), grad.reshape(n, d, r).to(src.dtype), m0.view(n, d, r), v, scratch,
-                   write_back)
+    return _Staged(src.view(n, d, r), grad.reshape(n, d, r).to(src.dtype), state, work, write_back)
 
 
-def _stage_copied(sources: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                  exp_avg_sqs: list[torch.Tensor] | None, masters: list[torch.Tensor] | None,
-                  locals_: list[torch.Tensor], ws: Callable[[int], torch.Tensor]) -> _Staged:
+def _stage_copied(sources: list[torch.Tensor], grads: list[torch.Tensor], tensors: dict[str, list[torch.Tensor]],
+                  masters: list[torch.Tensor] | None, locals_: list[torch.Tensor],
+                  ws: Callable[[int], torch.Tensor], scratch: bool) -> _Staged:
     """Frames whose dtype or layout differs from their first moment's, or sharded/compiled stacks: frames,
-    gradients and first moments copied into the workspace, everything copied back."""
+    gradients and first moments copied into the workspace, the other state entries stacked, everything copied
+    back."""
     d, r = locals_[0].shape[-2:]
     n = sum(_frame_counts(locals_))
     size = n * d * r
-    buf = ws(4 * size)
-    w, g, m = buf[size:].view(3, n, d, r).unbind(0)
+    first = int(scratch)
+    buf = ws((first + 3) * size)
+    w, g, m = buf[first * size:].view(3, n, d, r).unbind(0)
     w_k, g_k, m_k = (_slices(t, locals_) for t in (w, g, m))
+    key0, *rest = tensors
     torch._foreach_copy_(w_k, sources)
     torch._foreach_copy_(g_k, grads)
-    torch._foreach_copy_(m_k, exp_avgs)
-    v = _cat_frames(exp_avg_sqs) if exp_avg_sqs else None
+    torch._foreach_copy_(m_k, tensors[key0])
+    state = {key0: m, **{key: _cat_frames(tensors[key]) for key in rest}}
 
     def write_back() -> None:
-        torch._foreach_copy_(exp_avgs, m_k)
-        if exp_avg_sqs:
-            torch._foreach_copy_(exp_avg_sqs, _slices(v, exp_avg_sqs))
+        torch._foreach_copy_(tensors[key0], m_k)
+        for key in rest:
+            torch._foreach_copy_(tensors[key], _slices(state[key], tensors[key]))
         if masters:
             torch._foreach_copy_(masters, w_k)
         torch._foreach_copy_(locals_, masters or w_k)
 
-    return _Staged(w, g, m, v, buf[:size].view(n, d, r), write_back)
+    return _Staged(w, g, state, buf[:size].view(n, d, r) if scratch else None, write_back)
 
 
 def update_batch(optimizer: Any, group: dict[str, Any], params: list[torch.Tensor], step: int | None) -> None:
     """Update frames of one shape, dtype, device and step count (``step=None``: the capturable path, any
     step counts, read from the state as tensors), in place, with their state.
 
-    The batch is staged (:func:`_stage`), updated by the fused kernel (:func:`~._kernel.frame_update_`; second moment
+    The batch is staged (:func:`stage`), updated by the fused kernel (:func:`~._kernel.frame_update_`; second moment
     ``"frame"`` or ``None``) or by the readable :func:`stiefel_adam_update` (``"column"``, ``"element"``), then
     optionally re-projected (``stabilize``), written back, and its skipped frames counted in
     ``state["skipped_frames"]``.
@@ -326,25 +327,27 @@ def update_batch(optimizer: Any, group: dict[str, Any], params: list[torch.Tenso
     capturable = step is None
     masters = (master_copies(optimizer.state, params) if group["master_weights"] and p0.dtype != ct
                else None)
-    batch = _stage(optimizer, group, params, masters, capturable)
+    keys = ["exp_avg"] + (["exp_avg_sq"] if group["second_moment"] is not None else [])
+    batch = stage(optimizer, group, params, keys, masters, capturable)
+    m, v = batch.state["exp_avg"], batch.state.get("exp_avg_sq")
     lr, radius = _frame_lr(group, d, r, p0.device, ct, capturable)
     hyper = dict(step=step_tensor(optimizer.state, params, ct) if capturable else step, lr=lr, beta1=beta1,
                  beta2=beta2, eps=group["eps"], trust_region=radius)
     if group["second_moment"] in _FAST_MODES:
-        finite = frame_update_(batch.w, batch.g, batch.m, batch.v, batch.scratch, maximize=group["maximize"],
+        finite = frame_update_(batch.w, batch.g, m, v, batch.scratch, maximize=group["maximize"],
                                 capturable=capturable, **hyper)
     else:
         order = None if radius is None else _linalg.series_order(float(radius) ** 2, ct)
-        w, m, v, finite = stiefel_adam_update(batch.w, -batch.g if group["maximize"] else batch.g, batch.m,
-                                              batch.v, second_moment=group["second_moment"],
-                                              series_order=order, capturable=capturable, **hyper)
-        batch.w.copy_(w)
-        batch.m.copy_(m)
-        batch.v.copy_(v)
+        w_new, m_new, v_new, finite = stiefel_adam_update(
+            batch.w, -batch.g if group["maximize"] else batch.g, m, v, second_moment=group["second_moment"],
+            series_order=order, capturable=capturable, **hyper)
+        batch.w.copy_(w_new)
+        m.copy_(m_new)
+        v.copy_(v_new)
     stabilize = group["stabilize"]  # None in capturable mode (refused by the validation)
     if stabilize is not None and step % stabilize == 0:
         batch.w.copy_(_linalg.polar_svd(batch.w))
-        batch.m.copy_(_linalg.proju(batch.w, batch.m))
+        m.copy_(_linalg.proju(batch.w, m))
     batch.write_back()
     optimizer._count_skipped(group, params, finite)  # on the CPU's default step only when a frame was skipped
 

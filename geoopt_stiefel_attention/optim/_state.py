@@ -10,6 +10,8 @@ parameter has torch's AdamW state and ``skipped_frames`` too, the steps it was s
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,12 +60,25 @@ def _frame_state_shapes(p: torch.Tensor, second_moment: str | None) -> dict[str,
     return shapes
 
 
-def _loaded_state(p: torch.Tensor, saved: Any, group: dict[str, Any], label: str, name: str = "StiefelAdam",
-                  frame_spec: tuple[list[str], dict[str, tuple[int, ...]]] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class FrameRule:
+    """What a frame optimizer's rule asks of a frame's loaded state: the keys it ``required``, the ``shapes`` of
+    the state tensors it may hold, its int64 ``counters`` (created at zero when a state dict lacks them), and
+    ``convert(state, where)``, which converts a state saved in another form (another optimizer's) in place
+    before it is checked."""
+
+    required: list[str]
+    shapes: dict[str, tuple[int, ...]]
+    counters: tuple[str, ...] = ("skipped_frames",)
+    convert: Callable[[dict[str, Any], str], None] | None = None
+
+
+def _loaded_state(p: torch.Tensor, saved: Any, group: dict[str, Any], label: str, name: str,
+                  rule: FrameRule | None) -> dict[str, Any]:
     """The state of ``p`` from a state dict, checked against ``p`` and its group, converted and cast (see
-    :meth:`StiefelAdam.load_state_dict`); raises before anything changes. ``frame_spec`` (another frame
-    optimizer's rule) gives a frame's required state keys and their shapes; by default StiefelAdam's, with the
-    conversion of geoopt checkpoints."""
+    :meth:`FrameOptimizer.load_state_dict <geoopt_stiefel_attention.optim._base.FrameOptimizer.load_state_dict>`);
+    raises before anything changes. ``rule`` is the frame optimizer's :class:`FrameRule` for a frame, ``None`` for
+    a parameter that is not a frame (torch's AdamW state)."""
     where = f"{name}.load_state_dict: {label}"
     if not isinstance(saved, dict):
         raise ValueError(f"{where}: its state is a {type(saved).__name__}, not a dict of state entries.")
@@ -72,65 +87,87 @@ def _loaded_state(p: torch.Tensor, saved: Any, group: dict[str, Any], label: str
         return state
     if "step" in state and not isinstance(state["step"], torch.Tensor):  # geoopt stores a Python int
         state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-    frame = _is_frame(p)
+    if rule is None:
+        rule = _euclidean_rule(p, group)
+    elif rule.convert is not None:
+        rule.convert(state, where)
+    _check_loaded(state, rule, group, where)
+    compute = _linalg.compute_dtype(p.dtype) if _is_frame(p) else p.dtype
+    unsharded = ("step",) + rule.counters
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            state[key] = _placed(p, key, value, group, compute, sharded=key not in unsharded)
+    for key in rule.counters:  # the skip counter (see FrameOptimizer.step) covers every parameter
+        state.setdefault(key, torch.zeros((), dtype=torch.int64, device=p.device))
+    return state
+
+
+def _euclidean_rule(p: torch.Tensor, group: dict[str, Any]) -> FrameRule:
+    """torch's AdamW state of a parameter that is not a frame, as a :class:`FrameRule`."""
+    return FrameRule(["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else []),
+                     {key: tuple(p.shape) for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")})
+
+
+def _check_loaded(state: dict[str, Any], rule: FrameRule, group: dict[str, Any], where: str) -> None:
+    """Refuse a loaded state that lacks a key ``rule`` requires or holds a tensor of another shape."""
     sm = group.get("second_moment")
-    if frame and frame_spec is not None:
-        required, shapes = frame_spec
-    elif frame:
-        required = ["step", "exp_avg"] + (["exp_avg_sq"] if sm is not None else [])
-        shapes = _frame_state_shapes(p, sm)
-        if "max_exp_avg_sq" in state:
-            del state["max_exp_avg_sq"]
-            warnings.warn(f"{where}: dropped the frame's AMSGrad buffer 'max_exp_avg_sq' (a geoopt checkpoint?); "
-                          f"StiefelAdam's amsgrad applies to Euclidean parameters only.", UserWarning, stacklevel=3)
-        v = state.get("exp_avg_sq")
-        if sm == "frame" and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) \
-                and tuple(p.shape[-2:]) != (1, 1):
-            head = v[..., :1, :1]
-            if not torch.equal(v, head.expand_as(v)):
-                raise ValueError(
-                    f"{where}: its full-size exp_avg_sq {tuple(v.shape)} is not constant on each frame, so it is "
-                    f"not one second moment per frame (geoopt's RiemannianAdam on EuclideanStiefel stores one "
-                    f"scalar per frame at every entry; this state is not of that kind). Load it into an "
-                    f"optimizer with second_moment='element', or drop this parameter's state in a "
-                    f"register_load_state_dict_pre_hook to restart its moments.")
-            state["exp_avg_sq"] = head
-    else:
-        required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-        shapes = {key: tuple(p.shape) for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
-    missing = [key for key in required if key not in state]
+    missing = [key for key in rule.required if key not in state]
     if missing:
         raise ValueError(f"{where}: its state lacks {missing} (has {sorted(state)}); the state dict does not "
                          f"belong to this parameter and group (second_moment={sm!r}, amsgrad={group.get('amsgrad')}).")
-    for key, shape in shapes.items():
+    for key, shape in rule.shapes.items():
         value = state.get(key)
         if value is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != shape):
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"{where}: its state {key!r} has shape {got}, expected {shape} "
                              f"(second_moment={sm!r}); the state dict does not belong to this parameter.")
-    compute = _linalg.compute_dtype(p.dtype) if frame else p.dtype
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        device = p.device
-        if key == "step":  # float32, on the parameter's device in capturable mode (torch's rule), else on the CPU
-            dtype = torch.float32
-            device = p.device if _capturable(group, p.device) else torch.device("cpu")
-        elif key == "master":
-            dtype = torch.float32
-        elif value.is_floating_point() and (frame or p.is_floating_point()):
-            dtype = compute
-        else:
-            dtype = value.dtype
-        if _distributed.is_sharded(p) and key not in ("step", "skipped_frames", "uncertified_frames"):  # sharded like p
-            state[key] = _distributed.to_placements_of(p, value, dtype)
-        elif tuple(value.shape) == tuple(p.shape):  # the parameter's memory layout (e.g. column-major frames)
-            state[key] = _zeros_like_layout(p, dtype).to(device).copy_(value)
-        else:
-            state[key] = value.to(dtype=dtype, device=device, copy=True)
-    # the skip counter (see FrameOptimizer.step): frames and, since the non-finite policy covers them, the rest
-    state.setdefault("skipped_frames", torch.zeros((), dtype=torch.int64, device=p.device))
-    return state
+
+
+def _placed(p: torch.Tensor, key: str, value: torch.Tensor, group: dict[str, Any], compute: torch.dtype,
+            sharded: bool) -> torch.Tensor:
+    """A loaded state tensor ``value`` (entry ``key`` of ``p``'s state) in the dtype, device and layout it is kept
+    in: ``step`` float32, on the parameter's device in capturable mode (torch's rule), else on the CPU; a
+    ``master`` copy float32; other floating-point state in ``compute`` (the frame arithmetic's dtype, or a
+    Euclidean parameter's own); a sharded parameter's state (``sharded``: not a step count or counter) sharded
+    like it; state of the parameter's shape in its memory layout (e.g. column-major frames)."""
+    device = p.device
+    if key == "step":
+        dtype = torch.float32
+        device = p.device if _capturable(group, p.device) else torch.device("cpu")
+    elif key == "master":
+        dtype = torch.float32
+    elif value.is_floating_point() and (_is_frame(p) or p.is_floating_point()):
+        dtype = compute
+    else:
+        dtype = value.dtype
+    if _distributed.is_sharded(p) and sharded:
+        return _distributed.to_placements_of(p, value, dtype)
+    if tuple(value.shape) == tuple(p.shape):
+        return _zeros_like_layout(p, dtype).to(device).copy_(value)
+    return value.to(dtype=dtype, device=device, copy=True)
+
+
+def convert_geoopt_frame_state(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], where: str) -> None:
+    """StiefelAdam's conversion of a frame's state saved by geoopt's ``RiemannianAdam``: its AMSGrad buffer is
+    dropped with a warning (AMSGrad applies to Euclidean parameters only here), and its full-size
+    ``exp_avg_sq`` (one scalar per frame stored at every entry) reduced to the ``(..., 1, 1)`` scalar it
+    broadcasts, refused when it is not constant on each frame."""
+    if "max_exp_avg_sq" in state:
+        del state["max_exp_avg_sq"]
+        warnings.warn(f"{where}: dropped the frame's AMSGrad buffer 'max_exp_avg_sq' (a geoopt checkpoint?); "
+                      f"StiefelAdam's amsgrad applies to Euclidean parameters only.", UserWarning, stacklevel=4)
+    v = state.get("exp_avg_sq")
+    if group.get("second_moment") == "frame" and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) \
+            and tuple(p.shape[-2:]) != (1, 1):
+        head = v[..., :1, :1]
+        if not torch.equal(v, head.expand_as(v)):
+            raise ValueError(
+                f"{where}: its full-size exp_avg_sq {tuple(v.shape)} is not constant on each frame, so it is "
+                f"not one second moment per frame (geoopt's RiemannianAdam on EuclideanStiefel stores one "
+                f"scalar per frame at every entry; this state is not of that kind). Load it into an "
+                f"optimizer with second_moment='element', or drop this parameter's state in a "
+                f"register_load_state_dict_pre_hook to restart its moments.")
+        state["exp_avg_sq"] = head
 
 
 def init_frame_state(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:

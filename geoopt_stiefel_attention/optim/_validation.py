@@ -193,10 +193,36 @@ def _check_stabilize_with_capturable(group: dict[str, Any], owner: str) -> None:
              f"the step count on the host); pass stabilize=None or capturable=False.")
 
 
-def _validate_hyperparameters(group: dict[str, Any]) -> None:
-    """Raise a ``ValueError`` that names the option and the fix when a StiefelAdam group option is out of range."""
-    check_group(group, "StiefelAdam", SHARED_OPTIONS + ADAM_OPTIONS,
-                SHARED_RULES + (_check_stabilize_with_capturable,))
+#: The checks of combinations of StiefelAdam's options.
+ADAM_RULES: tuple[Callable[[dict[str, Any], str], None], ...] = SHARED_RULES + (_check_stabilize_with_capturable,)
+
+
+class _Unchecked:
+    """A value no snapshot of options can equal (:func:`option_snapshot`)."""
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` as a snapshot holds it: with its type (``1``, ``1.0`` and ``True`` are equal in Python, not as
+    options), sequences as tuples; a tensor (its value can change in place) never equals a later snapshot."""
+    if isinstance(value, torch.Tensor):
+        return _Unchecked()
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_frozen(v) for v in value))
+    return (type(value), value)
+
+
+def option_snapshot(group: dict[str, Any], options: tuple[Option, ...]) -> tuple:
+    """The values of the options ``options`` declares in ``group`` (absent ones as absent), comparable with
+    ``==`` to a later snapshot: equal snapshots hold equal options, which the checks (functions of these values
+    alone) answer alike. A tensor value (a scheduled ``lr``) makes every comparison unequal, so it is checked at
+    every step."""
+    return tuple((option.name, _frozen(group[option.name])) if option.name in group else (option.name,)
+                 for option in options)
 
 
 def check_euclidean_step(group: dict[str, Any], k: int, params: list[torch.Tensor], owner: str,
@@ -279,17 +305,18 @@ def _can_read_host() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, Any], name: str = "StiefelAdam",
-                  validate_group: Any = None,
+def validate_step(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, Any], name: str,
+                  check_options: Callable[[int, dict[str, Any]], None],
                   check_frame_state: Any = None) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """Check every group's options (a scheduler or a user may have rewritten ``param_groups`` since the
-    constructor checked them), every gradient, every fresh frame and (``check_frame_state(p, group, state)``)
-    the state of every frame that has one against its group's options, before anything is changed.
+    """Check every group's options with ``check_options(k, group)`` (a scheduler or a user may have rewritten
+    ``param_groups`` since they were checked), every gradient, every fresh frame and
+    (``check_frame_state(p, group, state)``) the state of every frame that has one against its group's options,
+    before anything is changed.
 
     Returns, per group, its parameters with a gradient split into frames and the rest (the step's two updates),
     found on the way."""
-    for group in param_groups:
-        (validate_group or _validate_hyperparameters)(group)
+    for k, group in enumerate(param_groups):
+        check_options(k, group)
     split = []
     for k, group in enumerate(param_groups):
         frames, euclidean = [], []

@@ -14,13 +14,9 @@ from typing import Any
 import geoopt
 import torch
 
-from .. import distributed as _distributed
 from . import _batching, _state
 from ._base import FrameOptimizer
-from ._state import _capturable
-from ._validation import _DEFAULT_TRUST_REGION, _GROUP_DEFAULTS, _validate_hyperparameters
-
-_local = _distributed.local_tensor  # a DTensor's local shard (whole frames; see distributed), else the tensor
+from ._validation import _DEFAULT_TRUST_REGION, _GROUP_DEFAULTS, ADAM_OPTIONS, ADAM_RULES, SHARED_OPTIONS
 
 __all__ = ["StiefelAdam"]
 
@@ -152,31 +148,37 @@ class StiefelAdam(FrameOptimizer, geoopt.optim.RiemannianAdam):
         capturable: bool | None = None,
     ) -> None:
         params = self._check_params_argument(params)
-        self._pending_defaults = {"trust_region": trust_region, "second_moment": second_moment,
-                                  "stabilize": stabilize, "master_weights": master_weights,
-                                  "adjust_lr_fn": adjust_lr_fn}
-        self._constructing = True
-        # every option checked here, by the shared table, before torch's Adam sees them (its own checks would
-        # answer some, e.g. a tensor lr with foreach=True, in other words than StiefelMuon's)
-        _validate_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                                       maximize=maximize, foreach=foreach, differentiable=differentiable,
-                                       fused=fused, capturable=capturable, **self._pending_defaults))
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         maximize=maximize, foreach=foreach, stabilize=stabilize, capturable=capturable,
-                         decoupled_weight_decay=True)
-        self.defaults.update(self._pending_defaults)
-        del self._pending_defaults, self._constructing
-        self._check_constructed()
+        # every option checked by the shared table (torch's Adam's own checks would answer some, e.g. a tensor lr
+        # with foreach=True, in other words than StiefelMuon's); the keys in torch's Adam's order, then the frames'
+        self._construct(params, dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps, weight_decay=weight_decay,
+            amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+            differentiable=differentiable, fused=fused, decoupled_weight_decay=True, trust_region=trust_region,
+            second_moment=second_moment, stabilize=stabilize, master_weights=master_weights,
+            adjust_lr_fn=adjust_lr_fn))
 
-    # ------------------------------------------------------------------ what the base asks of the rule
+    # ------------------------------------------------------------------ the rule: options, state, update
     _NAME = "StiefelAdam"
+    _OPTIONS = SHARED_OPTIONS + ADAM_OPTIONS
+    _RULES = ADAM_RULES
     _GROUP_DEFAULTS = _GROUP_DEFAULTS
     _MOMENT_KEY = "exp_avg"
+    _STEP_ON_HOST = True  # bias corrections and stabilize read the step count as a number outside capturable mode
     # torch's Adam fills these when a state dict of an older torch version lacks them
     _FILLED_ON_LOAD = FrameOptimizer._FILLED_ON_LOAD | {"amsgrad", "maximize", "foreach"}
+    # checkpoints of geoopt's RiemannianAdam: integer steps (converted for every rule), AMSGrad buffers of frames and
+    # full-size per-frame second moments
+    _CONVERT_LOADED = staticmethod(_state.convert_geoopt_frame_state)
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        _validate_hyperparameters(group)
+    def _frame_spec(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[list[str], dict[str, tuple]]:
+        sm = group.get("second_moment")
+        return ["step", "exp_avg"] + (["exp_avg_sq"] if sm is not None else []), _state._frame_state_shapes(p, sm)
+
+    def _init_frame_state(self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        return _state.init_frame_state(state, p, group)
+
+    def _update_batch(self, group: dict[str, Any], params: list[torch.Tensor], step: int | None) -> None:
+        _batching.update_batch(self, group, params, step)
 
     def _check_frame_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
         """The second moment a frame keeps must be the one its group's ``second_moment`` asks for: changed after
@@ -192,18 +194,3 @@ class StiefelAdam(FrameOptimizer, geoopt.optim.RiemannianAdam):
                              f"has second_moment={mode!r}, which keeps one of shape {want}: the option was changed "
                              f"after the frame's first step. Restore it, or restart the frame's moments with "
                              f"optimizer.state[p].clear().")
-
-    # ------------------------------------------------------------------ the step
-    def _step_frames(self, group: dict[str, Any], frames: list[torch.Tensor]) -> None:
-        states = []
-        for p in frames:
-            state = self.state[p]
-            states.append(state if state else _state.init_frame_state(state, p, group))
-        torch._foreach_add_([state["step"] for state in states], 1.0)
-        # the step count is read on the host only outside the capturable path
-        steps = [None if _capturable(group, p.device) else int(state["step"])
-                 for p, state in zip(frames, states, strict=True)]
-        for step, params in _batching._frame_batches(frames, steps, self.__dict__.get("_stack_numel")):
-            if _local(params[0]).numel():  # a rank may hold no head of a sharded frame stack
-                _batching.update_batch(self, group, params, step)
-

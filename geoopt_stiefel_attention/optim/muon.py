@@ -19,11 +19,11 @@ import torch
 from .. import _linalg
 from .. import distributed as _distributed
 from ._base import FrameOptimizer
-from ._batching import _cat_frames, _count_frames, _frame_batches, _frame_counts, _slices
+from ._batching import _count_frames, _frame_counts, stage
 from ._kernel import _rounding_margin
 from ._muon import DEFAULT_DIRECTION_TOL, muon_direction, muon_lr_scale
 from ._state import _capturable, _zeros_like_layout, master_copies
-from ._validation import MUON_OPTIONS, SHARED_OPTIONS, SHARED_RULES, check_group
+from ._validation import MUON_OPTIONS, SHARED_OPTIONS, SHARED_RULES
 
 _local = _distributed.local_tensor
 
@@ -36,11 +36,6 @@ _MUON_GROUP_DEFAULTS = {"momentum": 0.95, "nesterov": True, "adjust_lr_fn": "mat
 
 #: Options of the earlier fixed-count solver (issue 56): refused, and dropped with a warning from an old state dict.
 _RETIRED_OPTIONS = ("dual_steps", "ns_steps")
-
-
-def _validate_muon_group(group: dict[str, Any]) -> None:
-    """Raise a ``ValueError`` naming the option and the fix when a StiefelMuon group option is out of range."""
-    check_group(group, "StiefelMuon", SHARED_OPTIONS + MUON_OPTIONS, SHARED_RULES)
 
 
 def _retired(given: dict[str, Any], where: str) -> str | None:
@@ -230,8 +225,11 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
     """
 
     _NAME = "StiefelMuon"
+    _OPTIONS = SHARED_OPTIONS + MUON_OPTIONS
+    _RULES = SHARED_RULES
     _GROUP_DEFAULTS = _MUON_GROUP_DEFAULTS
     _MOMENT_KEY = "momentum_buffer"
+    _COUNTERS = ("skipped_frames", "uncertified_frames")
 
     def __init__(
         self,
@@ -256,21 +254,11 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
     ) -> None:
         params = self._check_params_argument(params)
         _refuse_retired({"dual_steps": dual_steps, "ns_steps": ns_steps}, "StiefelMuon")
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, betas=betas,
-                        eps=eps, adjust_lr_fn=adjust_lr_fn, direction_tol=direction_tol,
-                        direction_steps=direction_steps, master_weights=master_weights, amsgrad=amsgrad,
-                        maximize=maximize, foreach=foreach,
-                        capturable=capturable, stabilize=None, differentiable=False, fused=None,
-                        decoupled_weight_decay=True)
-        _validate_muon_group(defaults)
-        self._pending_defaults = {}
-        self._constructing = True
-        super().__init__(params, defaults, stabilize=None)
-        del self._pending_defaults, self._constructing
-        self._check_constructed()
-
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        _validate_muon_group(group)
+        self._construct(params, dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, betas=betas, eps=eps,
+            adjust_lr_fn=adjust_lr_fn, direction_tol=direction_tol, direction_steps=direction_steps,
+            master_weights=master_weights, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
+            capturable=capturable, stabilize=None, differentiable=False, fused=None, decoupled_weight_decay=True))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """:meth:`torch.optim.Optimizer.add_param_group`; a group that sets the options of the earlier solver
@@ -340,48 +328,29 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
         state["uncertified_frames"] = torch.zeros((), dtype=torch.int64, device=p.device)
         return state
 
-    def _step_frames(self, group: dict[str, Any], frames: list[torch.Tensor]) -> None:
-        states = [self.state[p] if self.state[p] else self._init_frame_state(self.state[p], p, group)
-                  for p in frames]
-        for p, state in zip(frames, states, strict=True):  # state saved before the counter existed
-            if "uncertified_frames" not in state:
-                state["uncertified_frames"] = torch.zeros((), dtype=torch.int64, device=p.device)
-        torch._foreach_add_([state["step"] for state in states], 1.0)
-        for _, params in _frame_batches(frames, None, self.__dict__.get("_stack_numel")):
-            if _local(params[0]).numel():
-                self._update_batch(group, params)
-
-    def _update_batch(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        """Stack the frames of one shape (or their float32 master copies) in the compute dtype, update them with
-        :func:`_muon_update_`, write frames, moments and gaps back, count skipped frames and frames whose
+    def _update_batch(self, group: dict[str, Any], params: list[torch.Tensor], step: int | None) -> None:
+        """Update frames of one shape, dtype and device on the shared staging (:func:`~._batching.stage`: frames and
+        gradients in the workspace or in place, the momentum buffers and gaps stacked in the state, as
+        StiefelAdam's moments) by :func:`_muon_update_`, write them back, count skipped frames and frames whose
         direction was not certified (and warn once per parameter about those, on the eager path)."""
         p0 = params[0]
         d, r = p0.shape[-2:]
         ct = _linalg.compute_dtype(p0.dtype)
         capturable = _capturable(group, p0.device)
         masters = master_copies(self.state, params) if group["master_weights"] and p0.dtype != ct else None
-        locals_ = [_local(p).detach() for p in params]
-        sources = masters or locals_
-        bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
-        gaps = [_local(self.state[p]["dual_gap"]) for p in params]
-        w = _cat_frames([s.to(ct) for s in sources])
-        g = _cat_frames([_distributed.local_grad(p).to(ct) for p in params])
-        buf = _cat_frames(bufs)
+        batch = stage(self, group, params, ["momentum_buffer", "dual_gap"], masters, capturable, scratch=False)
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
             lr = lr.to(device=p0.device, dtype=ct) if capturable else float(lr)
         lr = lr * muon_lr_scale(group["adjust_lr_fn"], d, r)
         tol = group["direction_tol"]
         tol = DEFAULT_DIRECTION_TOL[ct] if tol is None else tol
-        finite, solve = _muon_update_(w, g, buf, lr=lr, momentum=group["momentum"], nesterov=group["nesterov"],
-                                      direction_tol=tol, direction_steps=group["direction_steps"],
-                                      maximize=group["maximize"], capturable=capturable, reproject=p0.dtype != ct)
-        torch._foreach_copy_(bufs, _slices(buf, bufs))
-        torch._foreach_copy_(gaps, _slices(solve.gap, gaps))
-        new = _slices(w, locals_)
-        if masters:
-            torch._foreach_copy_(masters, new)
-        torch._foreach_copy_(locals_, masters or new)
+        finite, solve = _muon_update_(batch.w, batch.g, batch.state["momentum_buffer"], lr=lr,
+                                      momentum=group["momentum"], nesterov=group["nesterov"], direction_tol=tol,
+                                      direction_steps=group["direction_steps"], maximize=group["maximize"],
+                                      capturable=capturable, reproject=p0.dtype != ct)
+        batch.state["dual_gap"].copy_(solve.gap)
+        batch.write_back()
         self._count_skipped(group, params, finite)
         uncertified = finite & ~solve.certified
         _count_frames(self.state, params, uncertified, "uncertified_frames")
