@@ -64,6 +64,27 @@ clock : {"wall", "cpu"}
     The clock of the timings.
 threads : int
     Torch threads during the run.""",
+    "parameters_p": """\
+Parameters
+----------
+p : torch.Tensor
+    Any tensor or parameter.""",
+    "parameters_model": """\
+Parameters
+----------
+model : nn.Module
+    Any model.""",
+    "point_x": """\
+x : torch.Tensor
+    Point :math:`X`, a stack of frames of shape ``(..., d, r)``.""",
+    "width_dim": """\
+width : int
+    Size of the parameter along ``dim``.""",
+    "returns_groups": """\
+Returns
+-------
+tuple of int
+    ``(start, length, groups)``.""",
     "gauge_point": """\
 loss_fn : callable
     ``loss_fn(w_q, w_k) -> torch.Tensor``, a scalar loss (e.g. :meth:`AttentionProblem.loss`,
