@@ -74,6 +74,11 @@ Parameters
 ----------
 model : nn.Module
     Any model.""",
+    "parameters_args": """\
+Parameters
+----------
+args : argparse.Namespace
+    Parsed by a parser of :func:`add_arguments`.""",
     "point_x": """\
 x : torch.Tensor
     Point :math:`X`, a stack of frames of shape ``(..., d, r)``.""",
