@@ -6,6 +6,7 @@ a tolerance used by one file only stays in that file, next to the measurement th
 
 import contextlib
 import math
+import warnings
 
 import geoopt
 import pytest
@@ -89,6 +90,23 @@ def move_every_parameter_(model: torch.nn.Module, euclidean: float = 0.05) -> No
         else:
             p.add_(euclidean * torch.randn_like(p))
 
+
+def seeded_f64(make, *, biases, std: float = 1.0):
+    """``make`` (a model factory) wrapped for a conversion test: the model built after ``torch.manual_seed(0)``
+    (the warnings of a toy vocabulary's config silenced), in float64 and eval mode, then each bias that
+    ``biases(name, p)`` picks, zero at init, redrawn normal with ``std`` so that it matters."""
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # configs of a toy vocabulary warn about their token ids
+            model = make().to(F64).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if biases(name, p):
+                    p.normal_(0, std)
+        return model
+    return build
 
 # The tests use small tensors, for which intra-op threading only adds overhead; on a loaded 2-core machine
 # two threads made a 16x10 optimizer step 10-70x slower. One thread also makes timings reproducible.
