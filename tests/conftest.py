@@ -20,6 +20,8 @@ F64 = torch.float64
 ORTHO_TOL_F64 = 1e-12
 #: max |W^T W - I| of a float32 frame after training
 ORTHO_TOL_F32 = 1e-5
+#: symmetry of U^T A for a float64 polar factor U of A
+POLAR_SYM_TOL = 1e-12
 
 
 class NoHostReads(torch.overrides.TorchFunctionMode):
@@ -53,6 +55,15 @@ def polar64(a: torch.Tensor) -> torch.Tensor:
     """The polar factor ``U V^T`` of ``a = U S V^T``, by SVD in float64: the independent reference of a frame."""
     u, _, vh = torch.linalg.svd(a.double(), full_matrices=False)
     return u @ vh
+
+
+def assert_polar_factor(u: torch.Tensor, a: torch.Tensor) -> None:
+    """``u`` is the polar factor of ``a``: U^T U = I and U^T A symmetric positive definite (per frame)."""
+    eye = torch.eye(u.shape[-1], dtype=u.dtype)
+    assert (u.transpose(-1, -2) @ u - eye).abs().max() < ORTHO_TOL_F64
+    m = u.transpose(-1, -2) @ a
+    assert (m - m.transpose(-1, -2)).abs().max() < POLAR_SYM_TOL
+    assert torch.linalg.eigvalsh(0.5 * (m + m.transpose(-1, -2))).min() > 0
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
