@@ -29,6 +29,12 @@ Returns
 -------
 Certificate
     The certificate of this row for ``column``.""",
+    "decay_lambda": """\
+decay : float, default 1.0
+    The weight decay :math:`\\lambda`.""",
+    "scales_c": """\
+scales : tuple of float, default SCALES
+    The factors :math:`c`.""",
     "steps_each": """\
 steps : int, default 50
     Steps of each run.""",
@@ -58,6 +64,32 @@ clock : {"wall", "cpu"}
     The clock of the timings.
 threads : int
     Torch threads during the run.""",
+    "parameters_p": """\
+Parameters
+----------
+p : torch.Tensor
+    Any tensor or parameter.""",
+    "parameters_model": """\
+Parameters
+----------
+model : nn.Module
+    Any model.""",
+    "parameters_args": """\
+Parameters
+----------
+args : argparse.Namespace
+    Parsed by a parser of :func:`add_arguments`.""",
+    "point_x": """\
+x : torch.Tensor
+    Point :math:`X`, a stack of frames of shape ``(..., d, r)``.""",
+    "width_dim": """\
+width : int
+    Size of the parameter along ``dim``.""",
+    "returns_groups": """\
+Returns
+-------
+tuple of int
+    ``(start, length, groups)``.""",
     "gauge_point": """\
 loss_fn : callable
     ``loss_fn(w_q, w_k) -> torch.Tensor``, a scalar loss (e.g. :meth:`AttentionProblem.loss`,
@@ -70,6 +102,11 @@ frames : bool
 head_dim : int, optional
     Columns per head block, dividing ``C``; default ``C`` (one head per frame).""",
 }
+
+#: ``column`` and ``seed``, the two parameters most certificates of a column take first, in one fragment.
+FRAGMENTS["column_seed"] = f"{FRAGMENTS['column']}\n{FRAGMENTS['seed_random']}"
+#: The parameters of the weight-decay certificates that compare a run with decay to the run without it (5a, 5b).
+FRAGMENTS["decay_run"] = "\n".join(FRAGMENTS[name] for name in ("column_seed", "steps_each", "lr_eta", "decay_lambda"))
 
 _PLACEHOLDER = re.compile(r"^(?P<indent>[ \t]*)\{\{(?P<name>[a-z_]+)\}\}[ \t]*$", re.M)
 

@@ -17,6 +17,7 @@ import geoopt
 import torch
 from torch import Tensor, nn
 
+from ._docfrag import fill
 from ._linalg import ADJUST_LR_FNS
 from .integrations.fsdp import FSDP1_REFUSAL, flattened_by_fsdp1
 from .manifolds import has_manifold, is_frame
@@ -188,15 +189,13 @@ def _split(model: nn.Module, decay: Callable[[str, Tensor], bool]) -> tuple[list
     return frames, decayed, no_decay, other_manifold
 
 
+@fill
 def frame_parameters(model: nn.Module) -> list[geoopt.ManifoldParameter]:
     """Every frame of ``model`` (:func:`~geoopt_stiefel_attention.is_frame`; frozen ones included), in
     ``model.parameters()`` order: the library's own modules' ``w_q``/``w_k`` and the frames created by
     :func:`~geoopt_stiefel_attention.stiefelize`.
 
-    Parameters
-    ----------
-    model : nn.Module
-        Any model.
+    {{parameters_model}}
 
     Returns
     -------

@@ -9,6 +9,7 @@ from geoopt.manifolds import Euclidean, EuclideanStiefel
 from geoopt.manifolds.stiefel import Stiefel
 
 from . import _linalg
+from ._docfrag import fill
 
 __all__ = ["PolarStiefel", "is_frame", "has_manifold"]
 
@@ -132,6 +133,7 @@ class PolarStiefel(EuclideanStiefel):
                     f"vector at {point} has {point}'s dtype (mixed, the result would be rounded to one of the two "
                     f"without a word), so cast one to the other first, e.g. {name}.to({point}.dtype).")
 
+    @fill
     def proju(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         r"""Projection onto the tangent space at ``x``: :math:`P_X(U) = U - X \operatorname{sym}(X^\top U)`,
         :math:`\operatorname{sym}(A) = \tfrac12 (A + A^\top)` (geoopt's ``EuclideanStiefel.proju``).
@@ -142,8 +144,7 @@ class PolarStiefel(EuclideanStiefel):
 
         Parameters
         ----------
-        x : torch.Tensor
-            Point :math:`X`, a stack of frames of shape ``(..., d, r)``.
+        {{point_x}}
         u : torch.Tensor
             Ambient vector :math:`U`, of ``x``'s dtype; its last two dimensions are ``x``'s (leading ones broadcast).
 
@@ -178,14 +179,14 @@ class PolarStiefel(EuclideanStiefel):
         self._check_args("transp", y, point="y", v=v)
         return super().proju(y, v)
 
+    @fill
     def inner(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None, *,
               keepdim: bool = False) -> torch.Tensor:
         r"""The embedded metric :math:`\langle U, V \rangle_X = \operatorname{tr}(U^\top V)`, one value per frame.
 
         Parameters
         ----------
-        x : torch.Tensor
-            Point :math:`X`, a stack of frames of shape ``(..., d, r)``.
+        {{point_x}}
         u : torch.Tensor
             Tangent vector :math:`U` at ``x``.
         v : torch.Tensor, optional
@@ -201,14 +202,14 @@ class PolarStiefel(EuclideanStiefel):
         self._check_args("inner", x, u=u, v=v)
         return super().inner(x, u, v, keepdim=keepdim)
 
+    @fill
     def expmap(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         r"""The exponential map of the embedded metric (geoopt's ``EuclideanStiefel.expmap``, a
         :math:`2r \times 2r` matrix exponential; not the retraction, which is :meth:`retr`).
 
         Parameters
         ----------
-        x : torch.Tensor
-            Point :math:`X`, a stack of frames of shape ``(..., d, r)``.
+        {{point_x}}
         u : torch.Tensor
             Tangent vector :math:`U` at ``x``, of ``x``'s dtype.
 
@@ -220,6 +221,7 @@ class PolarStiefel(EuclideanStiefel):
         self._check_args("expmap", x, u=u)
         return super().expmap(x, u)
 
+    @fill
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         r"""The polar retraction :math:`R_X(U) = (X + U)\big((X + U)^\top (X + U)\big)^{-1/2}`.
 
@@ -229,8 +231,7 @@ class PolarStiefel(EuclideanStiefel):
 
         Parameters
         ----------
-        x : torch.Tensor
-            Point :math:`X`, a stack of frames of shape ``(..., d, r)``.
+        {{point_x}}
         u : torch.Tensor
             Step :math:`U` (tangent at ``x`` for the formula to be a retraction), of ``x``'s dtype.
 
@@ -245,13 +246,13 @@ class PolarStiefel(EuclideanStiefel):
         _check_finite(y, "PolarStiefel.retr: x + u")
         return _polar_factor(y, _linalg.polar_any_rank).to(x.dtype)
 
+    @fill
     def retr_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r""":meth:`retr` and :meth:`transp` at once: :math:`(Y, P_Y(V))` with :math:`Y = R_X(U)`.
 
         Parameters
         ----------
-        x : torch.Tensor
-            Point :math:`X`, a stack of frames of shape ``(..., d, r)``.
+        {{point_x}}
         u : torch.Tensor
             Step :math:`U`, as for :meth:`retr`.
         v : torch.Tensor
@@ -438,14 +439,12 @@ def _shape_message(shape: tuple[int, ...], reason: str | None) -> str:
             f"shape (..., d, r) with r <= d.")
 
 
+@fill
 def has_manifold(p: torch.Tensor) -> bool:
     """Whether ``p`` is a geoopt tensor on a non-Euclidean manifold (whose points a Euclidean update, or a
     sharding that splits the tensor, would move off the manifold).
 
-    Parameters
-    ----------
-    p : torch.Tensor
-        Any tensor or parameter.
+    {{parameters_p}}
 
     Returns
     -------
@@ -456,6 +455,7 @@ def has_manifold(p: torch.Tensor) -> bool:
     return manifold is not None and not isinstance(manifold, Euclidean)
 
 
+@fill
 def is_frame(p: torch.Tensor) -> bool:
     """Whether ``p`` is a stack of Stiefel frames: a geoopt tensor on any Stiefel manifold.
 
@@ -464,10 +464,7 @@ def is_frame(p: torch.Tensor) -> bool:
     :mod:`~geoopt_stiefel_attention.distributed`. It includes geoopt's canonical-metric ``Stiefel()``, which
     ``StiefelAdam`` refuses with a message saying how to move it to :class:`PolarStiefel`.
 
-    Parameters
-    ----------
-    p : torch.Tensor
-        Any tensor or parameter.
+    {{parameters_p}}
 
     Returns
     -------

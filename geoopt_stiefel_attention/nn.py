@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from . import _attention_docs as _docs
 from . import _guard, _torch_mha
+from ._docfrag import fill
 
 # param_groups and its kin live in ._groups (which does not import this module), public here as they have always been
 from ._groups import GROUP_NAMES as GROUP_NAMES
@@ -729,6 +730,7 @@ class EuclideanMultiheadAttention(_MultiheadAttentionBase):
         return cls._build(config, weights, training=source.training)
 
 
+@fill
 def query_key_projections(model: nn.Module) -> list[tuple[str, Tensor, Tensor]]:
     """``(module path, w_q, w_k)`` for every attention module of ``model`` with separate query/key tensors,
     in ``named_modules()`` order: :class:`StiefelMultiheadAttention` and :class:`EuclideanMultiheadAttention`
@@ -740,10 +742,7 @@ def query_key_projections(model: nn.Module) -> list[tuple[str, Tensor, Tensor]]:
     ``start = [w.detach().clone() for _, w, _ in query_key_projections(model)]``. Unconverted
     ``nn.MultiheadAttention`` modules are not listed (their projections are fused into ``in_proj_weight``).
 
-    Parameters
-    ----------
-    model : nn.Module
-        Any model.
+    {{parameters_model}}
 
     Returns
     -------

@@ -6,6 +6,7 @@ a tolerance used by one file only stays in that file, next to the measurement th
 
 import contextlib
 import math
+import warnings
 
 import geoopt
 import pytest
@@ -19,6 +20,8 @@ F64 = torch.float64
 ORTHO_TOL_F64 = 1e-12
 #: max |W^T W - I| of a float32 frame after training
 ORTHO_TOL_F32 = 1e-5
+#: symmetry of U^T A for a float64 polar factor U of A
+POLAR_SYM_TOL = 1e-12
 
 
 class NoHostReads(torch.overrides.TorchFunctionMode):
@@ -52,6 +55,15 @@ def polar64(a: torch.Tensor) -> torch.Tensor:
     """The polar factor ``U V^T`` of ``a = U S V^T``, by SVD in float64: the independent reference of a frame."""
     u, _, vh = torch.linalg.svd(a.double(), full_matrices=False)
     return u @ vh
+
+
+def assert_polar_factor(u: torch.Tensor, a: torch.Tensor) -> None:
+    """``u`` is the polar factor of ``a``: U^T U = I and U^T A symmetric positive definite (per frame)."""
+    eye = torch.eye(u.shape[-1], dtype=u.dtype)
+    assert (u.transpose(-1, -2) @ u - eye).abs().max() < ORTHO_TOL_F64
+    m = u.transpose(-1, -2) @ a
+    assert (m - m.transpose(-1, -2)).abs().max() < POLAR_SYM_TOL
+    assert torch.linalg.eigvalsh(0.5 * (m + m.transpose(-1, -2))).min() > 0
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -89,6 +101,23 @@ def move_every_parameter_(model: torch.nn.Module, euclidean: float = 0.05) -> No
         else:
             p.add_(euclidean * torch.randn_like(p))
 
+
+def seeded_f64(make, *, biases, std: float = 1.0):
+    """``make`` (a model factory) wrapped for a conversion test: the model built after ``torch.manual_seed(0)``
+    (the warnings of a toy vocabulary's config silenced), in float64 and eval mode, then each bias that
+    ``biases(name, p)`` picks, zero at init, redrawn normal with ``std`` so that it matters."""
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # configs of a toy vocabulary warn about their token ids
+            model = make().to(F64).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if biases(name, p):
+                    p.normal_(0, std)
+        return model
+    return build
 
 # The tests use small tensors, for which intra-op threading only adds overhead; on a loaded 2-core machine
 # two threads made a 16x10 optimizer step 10-70x slower. One thread also makes timings reproducible.

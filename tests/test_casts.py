@@ -144,6 +144,18 @@ def test_a_converted_gpt2_trains_after_double():
     assert all(float(orthonormality_error(p)) <= CAST_TOL[torch.float64] for p in frames)
 
 
+def _assert_reported_at_forward_then_at_step(model, loss_of, step_match: str) -> None:
+    """A float64 training forward pass of ``model`` reports its frame off the manifold; without one,
+    StiefelAdam's first step does, with a message matching ``step_match``."""
+    opt = StiefelAdam(param_groups(model), lr=1e-2)
+    with pytest.raises(FrameOffManifoldError, match="off the Stiefel manifold at a training forward pass"):
+        loss_of(model, torch.float64, 0)  # a training forward pass reports it first ...
+    for p in model.parameters():  # ... and without one, the optimizer's first step does
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(ValueError, match=step_match):
+        opt.step()
+
+
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_companion_without_the_reprojection_a_double_model_is_refused(monkeypatch, kind):
     """The float64 tolerances see float32 rounding: with the re-projection switched off, the frames of a
@@ -153,13 +165,7 @@ def test_companion_without_the_reprojection_a_double_model_is_refused(monkeypatc
     model = build().double()
     assert all(float(orthonormality_error(p)) > ORTHONORMALITY_TOLERANCE[torch.float64] > CAST_TOL[torch.float64]
                for p in frame_parameters(model))
-    opt = StiefelAdam(param_groups(model), lr=1e-2)
-    with pytest.raises(FrameOffManifoldError, match="off the Stiefel manifold at a training forward pass"):
-        loss_of(model, torch.float64, 0)  # a training forward pass reports it first ...
-    for p in model.parameters():  # ... and without one, the optimizer's first step does
-        p.grad = torch.zeros_like(p)
-    with pytest.raises(ValueError, match=r"off the Stiefel manifold at its first step.*proj_\(\)"):
-        opt.step()
+    _assert_reported_at_forward_then_at_step(model, loss_of, r"off the Stiefel manifold at its first step.*proj_\(\)")
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
@@ -175,13 +181,7 @@ def test_a_frame_off_the_manifold_before_the_cast_is_left_for_the_optimizer_to_r
     model.double()
     assert torch.equal(bad, off.double())  # left as it is
     assert float(orthonormality_error(good)) <= CAST_TOL[torch.float64]  # its neighbour was re-projected
-    opt = StiefelAdam(param_groups(model), lr=1e-2)
-    with pytest.raises(FrameOffManifoldError, match="off the Stiefel manifold at a training forward pass"):
-        loss_of(model, torch.float64, 0)  # a training forward pass reports it first ...
-    for p in model.parameters():  # ... and without one, the optimizer's first step does
-        p.grad = torch.zeros_like(p)
-    with pytest.raises(ValueError, match=r"\(torch.float64\) is off the Stiefel manifold.*proj_\(\)"):
-        opt.step()
+    _assert_reported_at_forward_then_at_step(model, loss_of, r"\(torch.float64\) is off the Stiefel manifold.*proj_\(\)")
 
 
 @pytest.mark.parametrize("dtype", list(CAST_TOL))

@@ -25,7 +25,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import F64, ORTHO_TOL_F64, move_every_parameter_, polar64, state_snapshot, unconverted_and_unchanged
+from conftest import (
+    F64,
+    ORTHO_TOL_F64,
+    move_every_parameter_,
+    polar64,
+    seeded_f64,
+    state_snapshot,
+    unconverted_and_unchanged,
+)
 from torch import nn
 
 import geoopt_stiefel_attention.convert as convert_module
@@ -100,17 +108,7 @@ class Case:
 
 
 def _seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # configs of a toy vocabulary warn about their token ids
-            model = make().to(F64).eval()
-        with torch.no_grad():  # biases are zero at init: make them matter
-            for name, p in model.named_parameters():
-                if name.endswith("bias") and p.dim() == 1:
-                    p.normal_(0, 0.1)
-        return model
-    return build
+    return seeded_f64(make, biases=lambda name, p: name.endswith("bias") and p.dim() == 1, std=0.1)
 
 
 def _ids(shape=(2, 7)):

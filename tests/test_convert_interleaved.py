@@ -19,7 +19,16 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import F64, ORTHO_TOL_F64, move_every_parameter_, polar64, rel, state_snapshot, unconverted_and_unchanged
+from conftest import (
+    F64,
+    ORTHO_TOL_F64,
+    move_every_parameter_,
+    polar64,
+    rel,
+    seeded_f64,
+    state_snapshot,
+    unconverted_and_unchanged,
+)
 from torch import nn
 
 from geoopt_stiefel_attention import (
@@ -101,17 +110,7 @@ class Case:
 
 
 def _seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # configs of a toy vocabulary warn about their token ids
-            model = make().to(F64).eval()
-        with torch.no_grad():  # biases are zero at init: make them matter
-            for p_name, p in model.named_parameters():
-                if p_name.endswith("query_key_value.bias"):
-                    p.normal_()
-        return model
-    return build
+    return seeded_f64(make, biases=lambda name, p: name.endswith("query_key_value.bias"))
 
 
 def _falcon(**kw):

@@ -109,6 +109,16 @@ MODES = {
 LAYOUTS = ("batch_first", "seq_first", "unbatched")
 
 
+def assert_matches_torch_in_every_mode(module: nn.Module, source: nn.MultiheadAttention, qkv, kw: dict) -> None:
+    """``module`` gives ``source``'s output, and its weights where torch returns them, in each of :data:`MODES`."""
+    for mode in MODES.values():
+        ref, ref_w = source(*qkv, **kw, **mode)
+        out, w = module(*qkv, **kw, **mode)
+        torch.testing.assert_close(out, ref, rtol=0, atol=TORCH_TOL)
+        if ref_w is not None:
+            torch.testing.assert_close(w, ref_w, rtol=0, atol=TORCH_TOL)
+
+
 def make_inputs(layout: str, cross: bool, mask_name: str):
     """Query, key, value and masks in the layout torch expects, plus the keyword arguments of the call."""
     g = gen(1)
@@ -181,12 +191,7 @@ def test_without_biases_matches_torch(kind):
     module = library_module(kind, source)
     assert module.b_v is None and module.b_o is None
     (q, k, v), kw = make_inputs("seq_first", True, "kpm_float_attn_float_2d")
-    for mode in MODES.values():
-        ref, ref_w = source(q, k, v, **kw, **mode)
-        out, w = module(q, k, v, **kw, **mode)
-        torch.testing.assert_close(out, ref, rtol=0, atol=TORCH_TOL)
-        if ref_w is not None:
-            torch.testing.assert_close(w, ref_w, rtol=0, atol=TORCH_TOL)
+    assert_matches_torch_in_every_mode(module, source, (q, k, v), kw)
 
 
 def test_comparison_can_fail():
@@ -207,12 +212,7 @@ def test_training_mode_without_dropout_matches_torch():
     (q, k, v), kw = make_inputs("batch_first", True, "kpm_bool")
     for module in (EuclideanMultiheadAttention.from_torch(source), StiefelMultiheadAttention.from_euclidean(source)):
         assert module.training
-        for mode in MODES.values():
-            ref, ref_w = source(q, k, v, **kw, **mode)
-            out, w = module(q, k, v, **kw, **mode)
-            torch.testing.assert_close(out, ref, rtol=0, atol=TORCH_TOL)
-            if ref_w is not None:
-                torch.testing.assert_close(w, ref_w, rtol=0, atol=TORCH_TOL)
+        assert_matches_torch_in_every_mode(module, source, (q, k, v), kw)
 
 
 def test_training_mode_dropout_drops_weights_like_torch():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import F64, ORTHO_TOL_F64
+from conftest import F64, ORTHO_TOL_F64, assert_polar_factor
 
 from geoopt_stiefel_attention import (
     PatchViT,
@@ -16,8 +16,6 @@ from geoopt_stiefel_attention import (
     query_key_projections,
 )
 
-#: symmetry of U^T A for a float64 polar factor U of A
-POLAR_SYM_TOL = 1e-12
 #: logits that must not depend on an input agree to this (float64)
 CAUSAL_TOL = 1e-12
 #: a difference that a real dependence must exceed
@@ -37,15 +35,6 @@ def batch(name: str, seed: int = 0) -> torch.Tensor:
     if name == "tiny":
         return torch.randint(0, TINY["vocab_size"], (3, TINY["seq_len"]), generator=g)
     return torch.randn(3, 3, 8, 8, generator=g, dtype=F64)
-
-
-def assert_polar_factor(u: torch.Tensor, a: torch.Tensor) -> None:
-    """``u`` is the polar factor of ``a``: U^T U = I and U^T A symmetric positive definite (per frame)."""
-    eye = torch.eye(u.shape[-1], dtype=u.dtype)
-    assert (u.transpose(-1, -2) @ u - eye).abs().max() < ORTHO_TOL_F64
-    m = u.transpose(-1, -2) @ a
-    assert (m - m.transpose(-1, -2)).abs().max() < POLAR_SYM_TOL
-    assert torch.linalg.eigvalsh(0.5 * (m + m.transpose(-1, -2))).min() > 0
 
 
 @pytest.mark.parametrize("attention", ["euclidean", "stiefel"])

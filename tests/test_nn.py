@@ -13,7 +13,7 @@ import warnings
 import geoopt
 import pytest
 import torch
-from conftest import F64, ORTHO_TOL_F64
+from conftest import F64, ORTHO_TOL_F64, assert_polar_factor
 from torch import nn
 
 from geoopt_stiefel_attention import (
@@ -29,8 +29,6 @@ from geoopt_stiefel_attention import (
 
 #: agreement of two float64 computations of the same attention (different association orders)
 REF_TOL = 1e-12
-#: symmetry of U^T A for a float64 polar factor U of A
-POLAR_SYM_TOL = 1e-12
 #: a difference that a real change of the function must exceed
 DIFFER_MIN = 1e-4
 #: relative agreement of a bfloat16-autocast forward with the float32 one
@@ -284,15 +282,6 @@ def test_from_euclidean_changes_non_orthonormal_blocks():
     s = StiefelMultiheadAttention.from_euclidean(mha)
     x, _, _ = inputs()
     assert (s(x, x, x)[0] - mha(x, x, x)[0]).abs().max() > DIFFER_MIN
-
-
-def assert_polar_factor(u: torch.Tensor, a: torch.Tensor) -> None:
-    """``u`` is the polar factor of ``a``: U^T U = I and U^T A symmetric positive definite (per frame)."""
-    eye = torch.eye(u.shape[-1], dtype=u.dtype)
-    assert (u.transpose(-1, -2) @ u - eye).abs().max() < ORTHO_TOL_F64
-    m = u.transpose(-1, -2) @ a
-    assert (m - m.transpose(-1, -2)).abs().max() < POLAR_SYM_TOL
-    assert torch.linalg.eigvalsh(0.5 * (m + m.transpose(-1, -2))).min() > 0
 
 
 def test_polar_characterisation_can_fail():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from .._docfrag import fill
 from ..argtypes import UsageError, add_threads_argument, output_path_problem, positive_int, seed_int
 
 HELP = ("Certify the five propositions and the gauge negative result numerically (float64) for StiefelAdam "
@@ -78,14 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_threads_argument(parser, help=THREADS_HELP)
 
 
+@fill
 def run_lengths(args: argparse.Namespace) -> tuple[int, int, int]:
     """``(steps, other_steps, muon_steps)`` of a parsed ``certify`` command line: each length flag given wins;
     the others are the defaults, or the full-table lengths with ``--full``.
 
-    Parameters
-    ----------
-    args : argparse.Namespace
-        Parsed by a parser of :func:`add_arguments`.
+    {{parameters_args}}
 
     Returns
     -------

@@ -370,8 +370,7 @@ def certify_gauge(column: OptimizerColumn, *, seed: int = 0, use_library_module:
 
     Parameters
     ----------
-    {{column}}
-    {{seed_random}}
+    {{column_seed}}
     use_library_module : bool, default True
         Certify the library's attention module (else :func:`multihead_attention`).
 

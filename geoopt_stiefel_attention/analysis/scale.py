@@ -87,12 +87,10 @@ def certify_scale_invariance(column: OptimizerColumn, *, seed: int = 0, steps: i
 
     Parameters
     ----------
-    {{column}}
-    {{seed_random}}
+    {{column_seed}}
     {{steps_each}}
     {{lr_plain}}
-    scales : tuple of float, default SCALES
-        The factors :math:`c`.
+    {{scales_c}}
 
     {{returns_certificate}}
     """
@@ -133,14 +131,12 @@ def certify_scale_with_eps(column: OptimizerColumn, *, seed: int = 0, steps: int
 
     Parameters
     ----------
-    {{column}}
-    {{seed_random}}
+    {{column_seed}}
     {{steps_each}}
     {{lr_plain}}
     eps : float, default 1e-8
         The optimizer's :math:`\epsilon`.
-    scales : tuple of float, default SCALES
-        The factors :math:`c`.
+    {{scales_c}}
 
     {{returns_certificate}}
     """

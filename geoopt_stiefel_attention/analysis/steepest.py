@@ -76,8 +76,7 @@ def certify_projection(column: OptimizerColumn, *, seed: int = 0, n_random: int 
 
     Parameters
     ----------
-    {{column}}
-    {{seed_random}}
+    {{column_seed}}
     n_random : int, default 4000
         Random unit tangents compared with :math:`-\xi/\|\xi\|`.
 
@@ -143,8 +142,7 @@ def certify_step_direction(column: OptimizerColumn, *, seed: int = 0, lr: float 
 
     Parameters
     ----------
-    {{column}}
-    {{seed_random}}
+    {{column_seed}}
     lr : float, default 1e-6
         Learning rate of the step (small, so the step is read to first order).
 
@@ -185,8 +183,7 @@ def certify_first_step(column: OptimizerColumn, *, seed: int = 0, lr: float = 1e
 
     Parameters
     ----------
-    {{column}}
-    {{seed_random}}
+    {{column_seed}}
     lr : float, default 1e-2
         Learning rate of the step.
     eps : float, default 1e-8
@@ -227,8 +224,7 @@ def certify_retraction_order(column: OptimizerColumn, *, seed: int = 0,
 
     Parameters
     ----------
-    {{column}}
-    {{seed_random}}
+    {{column_seed}}
     ts : tuple of float
         Step lengths :math:`t` of the fit (default :math:`10^{-5}` to :math:`10^{-1}`, two per decade).
     retr : callable, optional

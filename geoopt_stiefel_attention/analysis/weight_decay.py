@@ -50,8 +50,7 @@ def certify_decay_gradient(column: OptimizerColumn, *, seed: int = 0, stack: int
 
     Parameters
     ----------
-    {{column}}
-    {{seed_random}}
+    {{column_seed}}
     stack : int, default 3
         Frames drawn per shape.
 
@@ -87,12 +86,7 @@ def certify_coupled_decay(column: OptimizerColumn, *, seed: int = 0, steps: int 
 
     Parameters
     ----------
-    {{column}}
-    {{seed_random}}
-    {{steps_each}}
-    {{lr_eta}}
-    decay : float, default 1.0
-        The weight decay :math:`\lambda`.
+    {{decay_run}}
 
     {{returns_certificate}}
     """
@@ -118,12 +112,7 @@ def certify_point_decay(column: OptimizerColumn, *, seed: int = 0, steps: int = 
 
     Parameters
     ----------
-    {{column}}
-    {{seed_random}}
-    {{steps_each}}
-    {{lr_eta}}
-    decay : float, default 1.0
-        The weight decay :math:`\lambda`.
+    {{decay_run}}
     project : callable, default polar_factor
         Maps the decayed point back to the manifold.
 
@@ -162,11 +151,9 @@ def certify_decay_in_retraction(column: OptimizerColumn, *, seed: int = 0, lr: f
 
     Parameters
     ----------
-    {{column}}
-    {{seed_random}}
+    {{column_seed}}
     {{lr_eta}}
-    decay : float, default 1.0
-        The weight decay :math:`\lambda`.
+    {{decay_lambda}}
 
     {{returns_certificate}}
     """
@@ -218,14 +205,12 @@ def certify_decay_training(column: OptimizerColumn, *, seed: int = 0, steps: int
 
     Parameters
     ----------
-    {{column}}
-    {{seed_random}}
+    {{column_seed}}
     steps : int, default 100
         Steps of each run.
     lr : float, default 0.01
         Learning rate.
-    decay : float, default 1.0
-        The weight decay :math:`\lambda`.
+    {{decay_lambda}}
 
     {{returns_certificate}}
     """

@@ -8,6 +8,7 @@ import importlib.util
 import json
 from dataclasses import replace
 
+from .._docfrag import fill
 from ..argtypes import (
     UsageError,
     add_threads_argument,
@@ -217,13 +218,11 @@ def _refuse_run_settings(args: argparse.Namespace) -> None:
         raise UsageError(f"--out {args.out}: {problem}")
 
 
+@fill
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark and print a Markdown table (or JSON with ``--json``).
 
-    Parameters
-    ----------
-    args : argparse.Namespace
-        Parsed by a parser given :func:`add_arguments`.
+    {{parameters_args}}
 
     Returns
     -------

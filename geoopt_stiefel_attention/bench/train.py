@@ -83,40 +83,50 @@ class TrainStepResult:
 _TEXT_MODELS = ("hf_llama", "hf_bert", "torch_encoder")
 _IMAGE_MODELS = ("hf_vit", "timm_vit", "torchvision_vit")
 
+#: The settings each model (or family of models, ``text`` and ``image``) takes, in the order of its values in
+#: :data:`_SETTING_VALUES`.
+_SETTING_KEYS: dict[str, tuple[str, ...]] = {
+    "tiny_transformer": ("vocab_size", "seq_len", "width", "depth", "heads", "mlp", "batch"),
+    "patch_vit": ("image_size", "patch_size", "width", "depth", "heads", "mlp", "batch"),
+    "hf_gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "batch"),
+    "text": ("vocab_size", "seq_len", "width", "depth", "heads", "batch"),
+    "image": ("image_size", "patch_size", "width", "depth", "heads", "batch"),
+}
 
-def _by_model(*, tiny_transformer: dict[str, Any], patch_vit: dict[str, Any], hf_gpt2: dict[str, Any],
-              text: dict[str, Any], image: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Model settings by model name: the three models with settings of their own, then a copy of ``text`` for
-    each of :data:`_TEXT_MODELS` and of ``image`` for each of :data:`_IMAGE_MODELS`."""
-    return {"tiny_transformer": tiny_transformer, "patch_vit": patch_vit, "hf_gpt2": hf_gpt2,
-            **{m: dict(text) for m in _TEXT_MODELS}, **{m: dict(image) for m in _IMAGE_MODELS}}
+#: Each model's (or family's) values, in the order of its keys, at each scale of :data:`_SCALE_COLUMNS`: one tuple
+#: per scale (``default``, ``tiny``, ``w64``; :data:`TRAIN_SETTINGS`, :data:`TINY_TRAIN_SETTINGS`,
+#: :data:`W64_TRAIN_SETTINGS` say what each scale is for).
+_SETTING_VALUES: dict[str, tuple[tuple[int, ...], ...]] = {
+    "tiny_transformer": ((99, 4, 128, 1, 4, 512, 512), (11, 4, 16, 1, 2, 32, 8), (99, 4, 64, 1, 4, 256, 512)),
+    "patch_vit": ((32, 4, 64, 2, 4, 128, 128), (8, 4, 16, 1, 2, 32, 4), (32, 4, 64, 2, 4, 128, 128)),
+    "hf_gpt2": ((512, 64, 128, 2, 4, 16), (32, 8, 16, 1, 2, 2), (512, 32, 64, 2, 4, 8)),
+    "text": ((512, 64, 128, 2, 4, 16), (32, 8, 16, 1, 2, 2), (512, 32, 64, 2, 4, 8)),
+    "image": ((32, 4, 128, 2, 4, 32), (8, 4, 16, 1, 2, 2), (32, 4, 64, 2, 4, 8)),
+}
+_SCALE_COLUMNS = ("default", "tiny", "w64")
+
+
+def _by_model(scale: str) -> dict[str, dict[str, Any]]:
+    """Model settings by model name at ``scale`` (a column of :data:`_SETTING_VALUES`): the three models with
+    settings of their own, then a copy of the ``text`` settings for each of :data:`_TEXT_MODELS` and of the
+    ``image`` settings for each of :data:`_IMAGE_MODELS`."""
+    column = _SCALE_COLUMNS.index(scale)
+    own = {name: dict(zip(_SETTING_KEYS[name], values[column], strict=True))
+           for name, values in _SETTING_VALUES.items()}
+    text, image = own.pop("text"), own.pop("image")
+    return {**own, **{m: dict(text) for m in _TEXT_MODELS}, **{m: dict(image) for m in _IMAGE_MODELS}}
 
 
 #: Model settings of :func:`train_step_benchmark`: the defaults of the grokking and vision studies.
-TRAIN_SETTINGS: dict[str, dict[str, Any]] = _by_model(
-    tiny_transformer=dict(vocab_size=99, seq_len=4, width=128, depth=1, heads=4, mlp=512, batch=512),
-    patch_vit=dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, mlp=128, batch=128),
-    hf_gpt2=dict(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4, batch=16),
-    text=dict(vocab_size=512, seq_len=64, width=128, depth=2, heads=4, batch=16),
-    image=dict(image_size=32, patch_size=4, width=128, depth=2, heads=4, batch=32))
+TRAIN_SETTINGS: dict[str, dict[str, Any]] = _by_model("default")
 
 #: The same models shrunk to a smoke test (``scale="tiny"``).
-TINY_TRAIN_SETTINGS: dict[str, dict[str, Any]] = _by_model(
-    tiny_transformer=dict(vocab_size=11, seq_len=4, width=16, depth=1, heads=2, mlp=32, batch=8),
-    patch_vit=dict(image_size=8, patch_size=4, width=16, depth=1, heads=2, mlp=32, batch=4),
-    hf_gpt2=dict(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, batch=2),
-    text=dict(vocab_size=32, seq_len=8, width=16, depth=1, heads=2, batch=2),
-    image=dict(image_size=8, patch_size=4, width=16, depth=1, heads=2, batch=2))
+TINY_TRAIN_SETTINGS: dict[str, dict[str, Any]] = _by_model("tiny")
 
 #: Every model at width 64 (``scale="w64"``, issue #40): small models and batches (8 sequences of 32 tokens, 8
 #: images of 64 patches), where the converted weight's rebuild in each forward weighs most against the model's
 #: own work (4 heads of 16; Llama with 2 key/value heads).
-W64_TRAIN_SETTINGS: dict[str, dict[str, Any]] = _by_model(
-    tiny_transformer=dict(vocab_size=99, seq_len=4, width=64, depth=1, heads=4, mlp=256, batch=512),
-    patch_vit=dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, mlp=128, batch=128),
-    hf_gpt2=dict(vocab_size=512, n_positions=32, n_embd=64, n_layer=2, n_head=4, batch=8),
-    text=dict(vocab_size=512, seq_len=32, width=64, depth=2, heads=4, batch=8),
-    image=dict(image_size=32, patch_size=4, width=64, depth=2, heads=4, batch=8))
+W64_TRAIN_SETTINGS: dict[str, dict[str, Any]] = _by_model("w64")
 
 #: scale -> model settings.
 TRAIN_SCALES: dict[str, dict[str, dict[str, Any]]] = {"default": TRAIN_SETTINGS, "tiny": TINY_TRAIN_SETTINGS,

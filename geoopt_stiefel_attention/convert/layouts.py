@@ -16,6 +16,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from .._docfrag import fill
+
 
 def _get(module: nn.Module, dotted: str) -> Any:
     owner_path, _, attr = dotted.rpartition(".")
@@ -124,13 +126,13 @@ class Block:
                                  f"part={self.part!r}, parts={self.parts!r}, span={self.span!r}, "
                                  f"interleaved={self.interleaved!r}.")
 
+    @fill
     def locate(self, width: int) -> tuple[int, int]:
         """``(start, length)`` of this block in a tensor with ``width`` entries along ``dim``.
 
         Parameters
         ----------
-        width : int
-            Size of the parameter along ``dim``.
+        {{width_dim}}
 
         Returns
         -------
@@ -158,6 +160,7 @@ class Block:
         length = width // self.parts
         return self.part * length, length
 
+    @fill
     def locate_interleaved(self, width: int, heads: int, kv_heads: int, r: int) -> tuple[int, int, int]:
         r"""``(start, length, groups)`` of an interleaved block (``interleaved=True``) in a tensor with ``width``
         entries along ``dim``, for ``heads`` query heads, ``kv_heads`` key/value heads of size ``r``: the
@@ -167,8 +170,7 @@ class Block:
 
         Parameters
         ----------
-        width : int
-            Size of the parameter along ``dim``.
+        {{width_dim}}
         heads : int
             Query heads :math:`H`.
         kv_heads : int
@@ -176,10 +178,7 @@ class Block:
         r : int
             Head size.
 
-        Returns
-        -------
-        tuple of int
-            ``(start, length, groups)``.
+        {{returns_groups}}
 
         Raises
         ------
@@ -199,21 +198,18 @@ class Block:
             return 0, n * r, kv_heads
         return (n + self.part - 1) * r, r, kv_heads
 
+    @fill
     def locate_grouped(self, width: int, groups: int) -> tuple[int, int, int]:
         """``(start, length, groups)`` of a block of every group (``groups=``) in a tensor with ``width`` entries
         along ``dim`` split into ``groups`` equal groups: entries ``start : start + length`` of each group.
 
         Parameters
         ----------
-        width : int
-            Size of the parameter along ``dim``.
+        {{width_dim}}
         groups : int
             Number of equal groups the parameter is split into.
 
-        Returns
-        -------
-        tuple of int
-            ``(start, length, groups)``.
+        {{returns_groups}}
 
         Raises
         ------

@@ -40,6 +40,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .._docfrag import fill
 from ..manifolds import has_manifold, is_frame
 
 # the public names, exported by geoopt_stiefel_attention.distributed
@@ -73,15 +74,13 @@ def flattened_by_fsdp1(p: torch.Tensor) -> bool:
                for info in getattr(p, "_param_infos", None) or ())
 
 
+@fill
 def is_sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is a :class:`torch.distributed.tensor.DTensor` (e.g. a parameter sharded by FSDP2).
 
     Costs nothing when ``torch.distributed.tensor`` was never imported (then no ``DTensor`` can exist).
 
-    Parameters
-    ----------
-    p : torch.Tensor
-        Any tensor or parameter.
+    {{parameters_p}}
 
     Returns
     -------
