@@ -1,0 +1,186 @@
+"""The frame-optimizer base (issue 58, item 3): one construction (no side channel), options checked when a group is
+added or its options change (not again at every step), and StiefelMuon staged as StiefelAdam is (the momentum
+buffers and gaps of same-shaped frames kept stacked in one buffer, frames and gradients in the workspace).
+Float64; every property has a companion case where it must fail."""
+
+import io
+
+import geoopt
+import pytest
+import torch
+
+from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, StiefelMuon
+from geoopt_stiefel_attention.optim import _validation
+
+#: float64: a stacked batch against one update call per parameter (the same arithmetic on other batch sizes; the
+#: products may be blocked differently)
+STACKED_VS_SEPARATE_TOL = 1e-12
+
+OPTIMIZERS = {"StiefelAdam": StiefelAdam, "StiefelMuon": StiefelMuon}
+
+
+def _frame(shape, seed):
+    w = PolarStiefel().random(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return geoopt.ManifoldParameter(w, manifold=PolarStiefel())
+
+
+def _grad(p, t, k):
+    return torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(1000 * k + t))
+
+
+def _step(opt, params, t):
+    for k, p in enumerate(params):
+        p.grad = _grad(p, t, k)
+    opt.step()
+
+
+class _CountingChecks:
+    """Counts the calls of ``_validation.check_group`` (the one check of a group's options)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = _validation.check_group
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(_validation, "check_group", counted)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_options_are_checked_when_they_change_not_at_every_step(name, monkeypatch):
+    params = [_frame((2, 8, 3), 0), torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))]
+    opt = OPTIMIZERS[name](params, lr=1e-2)
+    checks = _CountingChecks(monkeypatch)
+    _step(opt, params, 1)  # the first step checks the group once (nothing was recorded yet)
+    first = checks.calls
+    for t in range(2, 6):
+        _step(opt, params, t)
+    assert first == 1 and checks.calls == first  # four more steps, options unchanged: no further check
+    opt.param_groups[0]["lr"] = 5e-3  # a scheduler's write: checked once at the next step
+    _step(opt, params, 6)
+    _step(opt, params, 7)
+    assert checks.calls == first + 1
+    # companion: a tensor lr (its value can change in place) is checked at every step
+    opt.param_groups[0]["lr"] = torch.tensor(1e-3)
+    _step(opt, params, 8)
+    _step(opt, params, 9)
+    assert checks.calls == first + 3
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_an_invalid_value_written_later_is_refused_before_anything_moves(name):
+    """The snapshot keeps the type: weight_decay=1 is valid, True (equal to 1 in Python) is refused, and a negative
+    tensor lr written in place is caught at the next step."""
+    params = [_frame((2, 8, 3), 0), torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))]
+    opt = OPTIMIZERS[name](params, lr=1e-2, weight_decay=1)
+    _step(opt, params, 1)
+    before = [p.detach().clone() for p in params]
+    opt.param_groups[0]["weight_decay"] = True
+    with pytest.raises(ValueError, match="weight_decay=True"):
+        _step(opt, params, 2)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    opt.param_groups[0]["weight_decay"] = 1
+    lr = torch.tensor(1e-2)
+    opt.param_groups[0]["lr"] = lr
+    _step(opt, params, 3)
+    lr.fill_(-1.0)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"lr=tensor\(-1\) is invalid"):
+        _step(opt, params, 4)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
+def test_option_snapshots_tell_types_and_tensors_apart():
+    options = _validation.SHARED_OPTIONS
+    group = {"lr": 1e-3, "weight_decay": 1, "betas": (0.9, 0.999)}
+    snap = _validation.option_snapshot(group, options)
+    assert snap == _validation.option_snapshot(dict(group), options)
+    # companions: every kind of change makes the snapshots differ
+    assert snap != _validation.option_snapshot({**group, "weight_decay": True}, options)
+    assert snap != _validation.option_snapshot({**group, "betas": [0.9, 0.999]}, options)
+    assert snap != _validation.option_snapshot({**group, "lr": 2e-3}, options)
+    assert snap != _validation.option_snapshot({k: v for k, v in group.items() if k != "lr"}, options)
+    tensor = {**group, "lr": torch.tensor(1e-3)}
+    assert _validation.option_snapshot(tensor, options) != _validation.option_snapshot(tensor, options)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_construction_leaves_no_side_channel_and_checks_the_defaults_once(name, monkeypatch):
+    checks = _CountingChecks(monkeypatch)
+    opt = OPTIMIZERS[name]([_frame((2, 8, 3), 0)], lr=1e-2)
+    assert checks.calls == 2  # the constructor's options, then the one group (merged with them)
+    assert not {"_pending_defaults", "_constructing"} & set(vars(opt))
+    # companion: a bad default is refused even when every group overrides it (torch's optimizers do the same)
+    with pytest.raises(ValueError, match="lr=-1"):
+        OPTIMIZERS[name]([{"params": [_frame((2, 8, 3), 0)], "lr": 1e-2}], lr=-1)
+
+
+def _muon_run(steps, stack_numel=None, resume_at=None):
+    params = [_frame((2, 10, 3), 30 + k) for k in range(3)] + [_frame((1, 16, 5), 33)]
+
+    def build():
+        opt = StiefelMuon(params, lr=0.02)
+        if stack_numel is not None:
+            opt._stack_numel = stack_numel
+        return opt
+
+    opt = build()
+    for t in range(1, steps + 1):
+        _step(opt, params, t)
+        if t == resume_at:
+            buffer = io.BytesIO()
+            torch.save(opt.state_dict(), buffer)
+            buffer.seek(0)
+            opt = build()
+            opt.load_state_dict(torch.load(buffer))
+    return params, opt
+
+
+def _shares_one_buffer(tensors):
+    """Written out from pointers and sizes: dense, one after the other, in order, in one storage."""
+    storage, offset = tensors[0].untyped_storage().data_ptr(), tensors[0].data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.data_ptr() != offset:
+            return False
+        offset += t.numel() * t.element_size()
+    return True
+
+
+def test_stiefel_muon_keeps_a_batchs_state_stacked_like_stiefel_adam():
+    params, opt = _muon_run(5)
+    for key in ("momentum_buffer", "dual_gap"):
+        assert _shares_one_buffer([opt.state[p][key] for p in params[:3]])
+        # companion: the lone larger parameter is its own batch, updated in place with its own tensors
+        assert not _shares_one_buffer([opt.state[p][key] for p in params[2:]])
+    separate, opt_sep = _muon_run(5, stack_numel=1)  # one update call per parameter: nothing stacked
+    assert not _shares_one_buffer([opt_sep.state[p]["momentum_buffer"] for p in separate[:3]])
+    for p, q in zip(params, separate, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=STACKED_VS_SEPARATE_TOL)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], opt_sep.state[q]["momentum_buffer"], rtol=0,
+                                   atol=STACKED_VS_SEPARATE_TOL)
+    # the parameters really differ (a mix-up of stacked slots would be caught)
+    assert (params[0].detach() - params[1].detach()).abs().max() > 0.1
+
+
+def test_stiefel_muon_resumes_its_stacked_state_bit_identically():
+    params, _ = _muon_run(6)
+    resumed, opt = _muon_run(6, resume_at=3)  # loaded as separate tensors, stacked again at the next step
+    assert _shares_one_buffer([opt.state[p]["momentum_buffer"] for p in resumed[:3]])
+    for p, q in zip(params, resumed, strict=True):
+        assert torch.equal(p.detach(), q.detach())
+
+
+def test_a_muon_state_saved_without_the_uncertified_counter_loads_with_one_at_zero():
+    params, opt = _muon_run(2)
+    opt.state[params[0]]["uncertified_frames"].fill_(3)
+    saved = opt.state_dict()
+    old = {**saved, "state": {k: {key: v for key, v in s.items() if key != "uncertified_frames"}
+                              for k, s in saved["state"].items()}}
+    fresh = StiefelMuon(params, lr=0.02)
+    fresh.load_state_dict(old)
+    assert all(int(fresh.state[p]["uncertified_frames"]) == 0 for p in params)
+    # companion: a state dict that has the counter keeps its count
+    fresh.load_state_dict(saved)
+    assert int(fresh.state[params[0]]["uncertified_frames"]) == 3
