@@ -208,7 +208,10 @@ class StiefelMuon(FrameOptimizer, geoopt.optim.mixin.OptimMixin, torch.optim.Opt
       optimal: 4-12 % short on 10 x 9 frames, 8-17 % on :math:`1/i` spectra), the StiefelMuon step takes
       0.94-1.35x its time at the bench widths and the direction alone 0.93-2.0x (float32, one thread, one
       interleaved run: ``benchmarks/muon_solver_before_after.py``, ``benchmarks/README.md``).
-    - Sharded frames (FSDP2 by heads) take the same copy path as bf16 frames (``DTensor`` local shards).
+    - Frames are staged as :class:`~geoopt_stiefel_attention.StiefelAdam`'s are: the momentum buffers and gaps of a
+      batch of same-shaped frames kept stacked in one buffer, frames and gradients in a reusable workspace, a lone
+      parameter updated in place; sharded frames (FSDP2 by heads) take the copy path, as bf16 frames without
+      master copies do.
 
     Examples
     --------
