@@ -82,6 +82,12 @@ def test_an_invalid_value_written_later_is_refused_before_anything_moves(name):
         _step(opt, params, 2)
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
     opt.param_groups[0]["weight_decay"] = 1
+    opt.param_groups[0]["betas"] = [0.9, 0.99]
+    _step(opt, params, 2)
+    opt.param_groups[0]["betas"][1] = 1.5  # changed in place: the same list object
+    with pytest.raises(ValueError, match="betas="):
+        _step(opt, params, 3)
+    opt.param_groups[0]["betas"][1] = 0.99
     lr = torch.tensor(1e-2)
     opt.param_groups[0]["lr"] = lr
     _step(opt, params, 3)
@@ -92,18 +98,22 @@ def test_an_invalid_value_written_later_is_refused_before_anything_moves(name):
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
 
 
-def test_option_snapshots_tell_types_and_tensors_apart():
-    options = _validation.SHARED_OPTIONS
-    group = {"lr": 1e-3, "weight_decay": 1, "betas": (0.9, 0.999)}
-    snap = _validation.option_snapshot(group, options)
-    assert snap == _validation.option_snapshot(dict(group), options)
-    # companions: every kind of change makes the snapshots differ
-    assert snap != _validation.option_snapshot({**group, "weight_decay": True}, options)
-    assert snap != _validation.option_snapshot({**group, "betas": [0.9, 0.999]}, options)
-    assert snap != _validation.option_snapshot({**group, "lr": 2e-3}, options)
-    assert snap != _validation.option_snapshot({k: v for k, v in group.items() if k != "lr"}, options)
+def test_option_snapshots_tell_types_tensors_and_in_place_changes_apart():
+    names = tuple(option.name for option in _validation.SHARED_OPTIONS)
+    betas = [0.9, 0.999]
+    group = {"lr": 1e-3, "weight_decay": 1, "betas": betas}
+    snap = _validation.option_snapshot(group, names)
+    assert _validation.options_unchanged(snap, group, names)
+    assert _validation.options_unchanged(snap, dict(group), names)  # the same objects in another dict
+    # companions: every kind of change is seen
+    assert not _validation.options_unchanged(snap, {**group, "weight_decay": True}, names)  # True == 1 in Python
+    assert not _validation.options_unchanged(snap, {**group, "lr": 2e-3}, names)
+    assert not _validation.options_unchanged(snap, {k: v for k, v in group.items() if k != "lr"}, names)
+    assert not _validation.options_unchanged(snap, {**group, "eps": 1e-8}, names)  # an option added
+    betas[1] = 1.5  # changed in place
+    assert not _validation.options_unchanged(snap, group, names)
     tensor = {**group, "lr": torch.tensor(1e-3)}
-    assert _validation.option_snapshot(tensor, options) != _validation.option_snapshot(tensor, options)
+    assert not _validation.options_unchanged(_validation.option_snapshot(tensor, names), tensor, names)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

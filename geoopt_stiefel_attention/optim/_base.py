@@ -39,13 +39,12 @@ _local = _distributed.local_tensor  # a DTensor's local shard (whole frames; see
 __all__ = ["FrameOptimizer"]
 
 
-def _squared_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The squared Frobenius norm of each gradient, a plain 0-dim tensor on its device (no host read). A sharded
-    (``DTensor``) gradient's is summed over the ranks of its mesh, one collective per mesh for all of them, so that
-    every rank takes the same decision for the whole parameter (its value is exact for finiteness, which is what
-    it is read for: a replicated gradient's is counted once per rank)."""
-    sharded = [i for i, g in enumerate(grads) if _distributed.is_sharded(g)]
-    squares = [n.square() for n in torch._foreach_norm([_local(g) for g in grads] if sharded else grads)]
+def _sharded_squared_norms(grads: list[torch.Tensor], sharded: list[int]) -> list[torch.Tensor]:
+    """The squared Frobenius norm of each gradient, a plain 0-dim tensor on its device (no host read); a sharded
+    (``DTensor``) gradient's (positions ``sharded``) summed over the ranks of its mesh, one collective per mesh
+    for all of them, so that every rank takes the same decision for the whole parameter (its value is exact for
+    finiteness, which is what it is read for: a replicated gradient's is counted once per rank)."""
+    squares = [n.square() for n in torch._foreach_norm([_local(g) for g in grads])]
     meshes: dict[int, tuple[Any, list[int]]] = {}
     for i in sharded:
         meshes.setdefault(id(grads[i].device_mesh), (grads[i].device_mesh, []))[1].append(i)
@@ -58,14 +57,21 @@ def _squared_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return squares
 
 
-def _nonfinite(squares: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
-    """Whether each of the gradients' squared norms ``squares`` (0-dim tensors) is not finite (a NaN or Inf entry,
-    or an overflow: what a frame's squared norm ``||xi||_F^2`` is held to): per device, the positions in ``squares``
-    and a bool tensor of their flags, computed on the device (no host read)."""
+def _nonfinite(grads: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """Whether the squared norm of each of ``grads`` is not finite (a NaN or Inf entry, or an overflow: what a
+    frame's squared norm ``||xi||_F^2`` is held to): per device, the positions in ``grads`` and a bool tensor of
+    their flags, computed on the device (no host read; without sharded gradients, one stack and one square per
+    device)."""
     by_device: dict[torch.device, list[int]] = defaultdict(list)
-    for i, n in enumerate(squares):
-        by_device[n.device].append(i)
-    return [(indices, torch.stack([squares[i] for i in indices]).isfinite().logical_not_())
+    for i, g in enumerate(grads):
+        by_device[g.device].append(i)
+    sharded = [i for i, g in enumerate(grads) if _distributed.is_sharded(g)]
+    if sharded:
+        squares = _sharded_squared_norms(grads, sharded)
+        return [(indices, torch.stack([squares[i] for i in indices]).isfinite().logical_not_())
+                for indices in by_device.values()]
+    norms = torch._foreach_norm(grads)
+    return [(indices, torch.stack([norms[i] for i in indices]).square_().isfinite().logical_not_())
             for indices in by_device.values()]
 
 
@@ -136,11 +142,20 @@ class FrameOptimizer:
         """Check group ``k``'s options before a step when they changed since they were last found valid (a
         scheduler or a user wrote into ``param_groups``); a tensor ``lr`` is checked every time."""
         valid = self.__dict__.setdefault("_valid_options", {})
-        snapshot = _validation.option_snapshot(group, self._OPTIONS)
-        if valid.get(k) == snapshot:
+        names = self._option_names()
+        if k in valid and _validation.options_unchanged(valid[k], group, names):
             return
         self._validate_group(group)
-        valid[k] = snapshot
+        valid[k] = _validation.option_snapshot(group, names)
+
+    @classmethod
+    def _option_names(cls) -> tuple[str, ...]:
+        """The names of the options ``_OPTIONS`` declares."""
+        names = cls.__dict__.get("_names")
+        if names is None:
+            names = tuple(option.name for option in cls._OPTIONS)
+            cls._names = names
+        return names
 
     #: Group options a state dict may lack because torch's base class fills them when it loads (``__setstate__``)
     #: or :meth:`load_state_dict` sets them; every other option of ``defaults`` must be in a saved group.
@@ -479,7 +494,7 @@ class FrameOptimizer:
         lists, counters = self._adamw_lists(group, params)
         grads = lists[1]
         live = [i for i, g in enumerate(grads) if g.numel()]  # an empty tensor has no entry to be non-finite
-        flags = _nonfinite(_squared_norms([grads[i] for i in live])) if live else []
+        flags = _nonfinite([grads[i] for i in live]) if live else []
         device = params[0].device
         capturable = _capturable(group, device)
         if not torch.compiler.is_compiling() and (device.type in _linalg.HOST_READ_DEVICES or not capturable):

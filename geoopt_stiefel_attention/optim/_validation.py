@@ -197,32 +197,30 @@ def _check_stabilize_with_capturable(group: dict[str, Any], owner: str) -> None:
 ADAM_RULES: tuple[Callable[[dict[str, Any], str], None], ...] = SHARED_RULES + (_check_stabilize_with_capturable,)
 
 
-class _Unchecked:
-    """A value no snapshot of options can equal (:func:`option_snapshot`)."""
-
-    def __eq__(self, other: object) -> bool:
-        return False
-
-    __hash__ = None  # type: ignore[assignment]
+_ABSENT = object()  # an option a group lacks
 
 
-def _frozen(value: Any) -> Any:
-    """``value`` as a snapshot holds it: with its type (``1``, ``1.0`` and ``True`` are equal in Python, not as
-    options), sequences as tuples; a tensor (its value can change in place) never equals a later snapshot."""
-    if isinstance(value, torch.Tensor):
-        return _Unchecked()
-    if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_frozen(v) for v in value))
-    return (type(value), value)
+def option_snapshot(group: dict[str, Any], names: tuple[str, ...]) -> tuple:
+    """The values of the options ``names`` in ``group``, as :func:`options_unchanged` compares them later (a list,
+    e.g. ``betas``, copied into a tuple of its items, since it can be changed in place)."""
+    return tuple(tuple(value) if isinstance(value, list) else value
+                 for value in (group.get(name, _ABSENT) for name in names))
 
 
-def option_snapshot(group: dict[str, Any], options: tuple[Option, ...]) -> tuple:
-    """The values of the options ``options`` declares in ``group`` (absent ones as absent), comparable with
-    ``==`` to a later snapshot: equal snapshots hold equal options, which the checks (functions of these values
-    alone) answer alike. A tensor value (a scheduled ``lr``) makes every comparison unequal, so it is checked at
-    every step."""
-    return tuple((option.name, _frozen(group[option.name])) if option.name in group else (option.name,)
-                 for option in options)
+def options_unchanged(snapshot: tuple, group: dict[str, Any], names: tuple[str, ...]) -> bool:
+    """Whether every option ``names`` of ``group`` is the very object :func:`option_snapshot` held (the items
+    of a list, each the same object): an option written since (a scheduler's new float, ``True`` for ``1``, an item
+    of ``betas`` replaced) makes it ``False``, and so does a tensor (a scheduled ``lr``: its value can change in
+    place), which is therefore checked at every step. Identity, not equality: ``1 == True`` in Python, not as an
+    option."""
+    for name, was in zip(names, snapshot, strict=True):
+        now = group.get(name, _ABSENT)
+        if now is was and not isinstance(now, (torch.Tensor, list)):
+            continue
+        if not (isinstance(now, list) and isinstance(was, tuple) and len(now) == len(was)
+                and all(a is b for a, b in zip(now, was, strict=True))):
+            return False
+    return True
 
 
 def check_euclidean_step(group: dict[str, Any], k: int, params: list[torch.Tensor], owner: str,
