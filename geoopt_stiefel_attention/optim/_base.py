@@ -91,6 +91,7 @@ class FrameOptimizer:
 
     _NAME: ClassVar[str] = "FrameOptimizer"
     _OPTIONS: ClassVar[tuple[_validation.Option, ...]] = ()
+    _OPTION_NAMES: ClassVar[tuple[str, ...]] = ()
     _RULES: ClassVar[tuple[Callable[[dict[str, Any], str], None], ...]] = ()
     _GROUP_DEFAULTS: ClassVar[dict[str, Any]] = {}
     _MOMENT_KEY: ClassVar[str] = "exp_avg"
@@ -141,21 +142,19 @@ class FrameOptimizer:
     def _check_options(self, k: int, group: dict[str, Any]) -> None:
         """Check group ``k``'s options before a step when they changed since they were last found valid (a
         scheduler or a user wrote into ``param_groups``); a tensor ``lr`` is checked every time."""
+        if torch.compiler.is_compiling():  # traced: the checks become the graph's guards on the options
+            self._validate_group(group)
+            return
         valid = self.__dict__.setdefault("_valid_options", {})
-        names = self._option_names()
+        names = self._OPTION_NAMES
         if k in valid and _validation.options_unchanged(valid[k], group, names):
             return
         self._validate_group(group)
         valid[k] = _validation.option_snapshot(group, names)
 
-    @classmethod
-    def _option_names(cls) -> tuple[str, ...]:
-        """The names of the options ``_OPTIONS`` declares."""
-        names = cls.__dict__.get("_names")
-        if names is None:
-            names = tuple(option.name for option in cls._OPTIONS)
-            cls._names = names
-        return names
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._OPTION_NAMES = tuple(option.name for option in cls._OPTIONS)  # what _check_options compares
 
     #: Group options a state dict may lack because torch's base class fills them when it loads (``__setstate__``)
     #: or :meth:`load_state_dict` sets them; every other option of ``defaults`` must be in a saved group.
