@@ -5,6 +5,7 @@ a tolerance used by one file only stays in that file, next to the measurement th
 """
 
 import contextlib
+import io
 import math
 import warnings
 
@@ -64,6 +65,29 @@ def assert_polar_factor(u: torch.Tensor, a: torch.Tensor) -> None:
     m = u.transpose(-1, -2) @ a
     assert (m - m.transpose(-1, -2)).abs().max() < POLAR_SYM_TOL
     assert torch.linalg.eigvalsh(0.5 * (m + m.transpose(-1, -2))).min() > 0
+
+
+def reloaded(opt, build):
+    """A fresh optimizer from ``build()`` that loaded ``opt``'s state dict through ``torch.save``/``torch.load``
+    (a checkpoint round trip)."""
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = build()
+    fresh.load_state_dict(torch.load(buffer))
+    return fresh
+
+
+def shares_one_buffer(tensors: list[torch.Tensor]) -> bool:
+    """Whether the tensors are dense and lie one after the other, in order, in one storage (written out from
+    pointers and sizes; the tensors may differ in shape): the optimizers' state stacked per batch."""
+    storage = tensors[0].untyped_storage().data_ptr()
+    offset = tensors[0].data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.data_ptr() != offset:
+            return False
+        offset += t.numel() * t.element_size()
+    return True
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -7,7 +7,7 @@ import geoopt
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_transformer
+from conftest import reloaded, shares_one_buffer, tiny_transformer
 
 from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, optim
 from geoopt_stiefel_attention.optim._batching import _stacked_view
@@ -470,18 +470,6 @@ def test_several_parameters_in_one_group_match_the_reference(mode, batching):
     assert np.abs(references[0] - references[1]).max() > 0.1
 
 
-def _shares_one_buffer(tensors):
-    """Whether the tensors are dense and lie one after the other, in order, in one storage (written out from
-    pointers and sizes; the tensors may differ in shape)."""
-    storage = tensors[0].untyped_storage().data_ptr()
-    offset = tensors[0].data_ptr()
-    for t in tensors:
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.data_ptr() != offset:
-            return False
-        offset += t.numel() * t.element_size()
-    return True
-
-
 def test_stacked_view_only_for_consecutive_slices_of_one_buffer():
     buf = torch.arange(24.0).view(4, 2, 3)
     stacked = _stacked_view(list(buf[1:4].unbind(0)))
@@ -519,11 +507,7 @@ def _stacked_run(steps, *, edit=None, stack_numel=None, resume_at=None, idle=Non
         if t == 3 and edit is not None:
             edit(opt, params)
         if t == resume_at:
-            buffer = io.BytesIO()
-            torch.save(opt.state_dict(), buffer)
-            buffer.seek(0)
-            opt = build()
-            opt.load_state_dict(torch.load(buffer))
+            opt = reloaded(opt, build)
     return params, opt
 
 
@@ -531,12 +515,12 @@ def test_moments_of_a_batch_are_kept_stacked_and_behave_as_separate_tensors():
     params, opt = _stacked_run(6)
     batch = params[:3]
     for key in ("exp_avg", "exp_avg_sq"):
-        assert _shares_one_buffer([opt.state[p][key] for p in batch])
+        assert shares_one_buffer([opt.state[p][key] for p in batch])
         # companion: the lone parameter is its own batch, in place, and its moment is its own tensor
-        assert not _shares_one_buffer([opt.state[p][key] for p in params[2:]])
+        assert not shares_one_buffer([opt.state[p][key] for p in params[2:]])
     # one update call per parameter (nothing stacked) gives the same frames and moments to rounding
     separate, opt_sep = _stacked_run(6, stack_numel=1)
-    assert not _shares_one_buffer([opt_sep.state[p]["exp_avg"] for p in separate[:3]])
+    assert not shares_one_buffer([opt_sep.state[p]["exp_avg"] for p in separate[:3]])
     for p, q in zip(params, separate, strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-13)
         torch.testing.assert_close(opt.state[p]["exp_avg"], opt_sep.state[q]["exp_avg"], rtol=0, atol=1e-13)
@@ -545,7 +529,7 @@ def test_moments_of_a_batch_are_kept_stacked_and_behave_as_separate_tensors():
 def test_stacked_moments_resume_from_a_state_dict_bit_identically():
     params, _ = _stacked_run(8)
     resumed, opt = _stacked_run(8, resume_at=4)  # loaded as separate tensors, stacked again at the next step
-    assert _shares_one_buffer([opt.state[p]["exp_avg"] for p in resumed[:3]])
+    assert shares_one_buffer([opt.state[p]["exp_avg"] for p in resumed[:3]])
     for p, q in zip(params, resumed, strict=True):
         assert torch.equal(p.detach(), q.detach())
 
@@ -557,7 +541,7 @@ def test_a_moment_replaced_by_the_user_is_the_one_the_next_step_uses():
     edited, opt = _stacked_run(5, edit=reset)
     reference, _ = _stacked_run(5, edit=reset, stack_numel=1)
     untouched, _ = _stacked_run(5)
-    assert _shares_one_buffer([opt.state[p]["exp_avg"] for p in edited[:3]])  # stacked again
+    assert shares_one_buffer([opt.state[p]["exp_avg"] for p in edited[:3]])  # stacked again
     for p, q in zip(edited, reference, strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-13)
     # companion: the reset does change the trajectory of that parameter (and only that one)
@@ -605,7 +589,7 @@ def test_a_batch_whose_members_change_keeps_no_old_buffer_alive(capturable):
     for p, q in zip(params, separate, strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-13)
     if not capturable:  # parameters 0 and 2 share a step count and a buffer; parameter 1 has its own
-        assert _shares_one_buffer([opt.state[params[k]]["exp_avg"] for k in (0, 2)])
+        assert shares_one_buffer([opt.state[params[k]]["exp_avg"] for k in (0, 2)])
         m1 = opt.state[params[1]]["exp_avg"]
         assert m1.untyped_storage().nbytes() == m1.numel() * m1.element_size()
     # companion: parameter 1 really sat out (its trajectory differs from a run where it always had a gradient)
@@ -632,8 +616,8 @@ def test_bf16_frames_with_master_copies_update_the_stacked_masters(capturable):
     stacked, opt = run(None)
     separate, opt_sep = run(1)
     masters = [opt.state[p]["master"] for p in stacked]
-    assert masters[0].dtype == torch.float32 and _shares_one_buffer(masters)
-    assert not _shares_one_buffer([opt_sep.state[p]["master"] for p in separate])  # companion
+    assert masters[0].dtype == torch.float32 and shares_one_buffer(masters)
+    assert not shares_one_buffer([opt_sep.state[p]["master"] for p in separate])  # companion
     for p, q in zip(stacked, separate, strict=True):
         torch.testing.assert_close(opt.state[p]["master"], opt_sep.state[q]["master"], rtol=0, atol=1e-6)
         assert torch.equal(p.detach(), opt.state[p]["master"].to(torch.bfloat16))
@@ -813,10 +797,10 @@ def test_grouped_query_frames_stacked_follow_one_call_per_parameter(capturable, 
     separate, opt_sep = _gqa_run(6, capturable=capturable, nan_at=3, optimizer=optimizer, stack_numel=1)
     key = "exp_avg" if optimizer == "adam" else "momentum_buffer"
     if optimizer == "adam":
-        assert _shares_one_buffer([opt.state[p][key] for p in params[:3]])
-        assert _shares_one_buffer([opt.state[p]["exp_avg_sq"] for p in params[:3]])
+        assert shares_one_buffer([opt.state[p][key] for p in params[:3]])
+        assert shares_one_buffer([opt.state[p]["exp_avg_sq"] for p in params[:3]])
     # companion: one call per parameter keeps them apart
-    assert not _shares_one_buffer([opt_sep.state[p][key] for p in separate[:3]])
+    assert not shares_one_buffer([opt_sep.state[p][key] for p in separate[:3]])
     for p, q in zip(params, separate, strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-13)
         torch.testing.assert_close(opt.state[p][key], opt_sep.state[q][key], rtol=0, atol=1e-13)
@@ -863,13 +847,13 @@ def test_grouped_query_moments_resume_from_a_state_dict():
     buffer.seek(0)
     fresh = StiefelAdam(params, lr=0.05, betas=(0.9, 0.99), trust_region=0.1)
     fresh.load_state_dict(torch.load(buffer))
-    assert not _shares_one_buffer([fresh.state[p]["exp_avg"] for p in params[:3]])
+    assert not shares_one_buffer([fresh.state[p]["exp_avg"] for p in params[:3]])
     for p, fn in zip(params, [_grad_fn_factory(s, seed=80 + k) for k, s in enumerate(
             [(4, 10, 3), (2, 10, 3), (3, 10, 3), (2, 16, 5)])], strict=True):
         p.grad = torch.from_numpy(fn(p.detach().numpy(), 5))
     before = [p.detach().clone() for p in params]
     fresh.step()
-    assert _shares_one_buffer([fresh.state[p]["exp_avg"] for p in params[:3]])
+    assert shares_one_buffer([fresh.state[p]["exp_avg"] for p in params[:3]])
     again, _ = _gqa_run(5)
     for p, q, b in zip(params, again, before, strict=True):
         assert torch.equal(p.detach(), q.detach())

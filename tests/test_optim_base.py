@@ -3,11 +3,10 @@ added or its options change (not again at every step), and StiefelMuon staged as
 buffers and gaps of same-shaped frames kept stacked in one buffer, frames and gradients in the workspace).
 Float64; every property has a companion case where it must fail."""
 
-import io
-
 import geoopt
 import pytest
 import torch
+from conftest import reloaded, shares_one_buffer
 
 from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, StiefelMuon
 from geoopt_stiefel_attention.optim import _validation
@@ -140,46 +139,28 @@ def _muon_run(steps, stack_numel=None, resume_at=None):
     for t in range(1, steps + 1):
         _step(opt, params, t)
         if t == resume_at:
-            buffer = io.BytesIO()
-            torch.save(opt.state_dict(), buffer)
-            buffer.seek(0)
-            opt = build()
-            opt.load_state_dict(torch.load(buffer))
+            opt = reloaded(opt, build)
     return params, opt
 
 
-def _shares_one_buffer(tensors):
-    """Written out from pointers and sizes: dense, one after the other, in order, in one storage."""
-    storage, offset = tensors[0].untyped_storage().data_ptr(), tensors[0].data_ptr()
-    for t in tensors:
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.data_ptr() != offset:
-            return False
-        offset += t.numel() * t.element_size()
-    return True
-
-
-def test_stiefel_muon_keeps_a_batchs_state_stacked_like_stiefel_adam():
+def test_stiefel_muon_keeps_a_batchs_state_stacked_like_stiefel_adam_and_resumes_it():
     params, opt = _muon_run(5)
     for key in ("momentum_buffer", "dual_gap"):
-        assert _shares_one_buffer([opt.state[p][key] for p in params[:3]])
+        assert shares_one_buffer([opt.state[p][key] for p in params[:3]])
         # companion: the lone larger parameter is its own batch, updated in place with its own tensors
-        assert not _shares_one_buffer([opt.state[p][key] for p in params[2:]])
+        assert not shares_one_buffer([opt.state[p][key] for p in params[2:]])
     separate, opt_sep = _muon_run(5, stack_numel=1)  # one update call per parameter: nothing stacked
-    assert not _shares_one_buffer([opt_sep.state[p]["momentum_buffer"] for p in separate[:3]])
+    assert not shares_one_buffer([opt_sep.state[p]["momentum_buffer"] for p in separate[:3]])
     for p, q in zip(params, separate, strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=STACKED_VS_SEPARATE_TOL)
         torch.testing.assert_close(opt.state[p]["momentum_buffer"], opt_sep.state[q]["momentum_buffer"], rtol=0,
                                    atol=STACKED_VS_SEPARATE_TOL)
     # the parameters really differ (a mix-up of stacked slots would be caught)
     assert (params[0].detach() - params[1].detach()).abs().max() > 0.1
-
-
-def test_stiefel_muon_resumes_its_stacked_state_bit_identically():
-    params, _ = _muon_run(6)
-    resumed, opt = _muon_run(6, resume_at=3)  # loaded as separate tensors, stacked again at the next step
-    assert _shares_one_buffer([opt.state[p]["momentum_buffer"] for p in resumed[:3]])
-    for p, q in zip(params, resumed, strict=True):
-        assert torch.equal(p.detach(), q.detach())
+    # a resumed run (its state loaded as separate tensors, stacked again at the next step) is bit-identical
+    resumed, opt_res = _muon_run(5, resume_at=3)
+    assert shares_one_buffer([opt_res.state[p]["momentum_buffer"] for p in resumed[:3]])
+    assert all(torch.equal(p.detach(), q.detach()) for p, q in zip(params, resumed, strict=True))
 
 
 def test_a_muon_state_saved_without_the_uncertified_counter_loads_with_one_at_zero():

@@ -99,10 +99,11 @@ class StiefelAdam(FrameOptimizer, geoopt.optim.RiemannianAdam):
       ``state["skipped_frames"]``; so is, as a whole, any other parameter whose gradient has one (its value,
       moments and step count unchanged, where torch's AdamW alone would turn it into NaN). The default step warns
       once per parameter, naming it; the capturable step counts on the device without a warning.
-    - Options are checked before anything moves, at construction and at each step (for values written into
-      ``param_groups``), with the checks :class:`StiefelMuon` uses for the options both have; what torch's AdamW
-      would refuse inside its step (a tensor ``lr`` with ``foreach=True`` without a capturable AdamW) is refused
-      before the frames move.
+    - Options are checked before anything moves: at construction, when a group is added, and before a step
+      whose group options were written since (by a scheduler or by hand: a new value, an item of ``betas``
+      replaced, a tensor ``lr`` every time), with the checks :class:`StiefelMuon` uses for the options both have;
+      what torch's AdamW would refuse inside its step (a tensor ``lr`` with ``foreach=True`` without a capturable
+      AdamW) is refused before the frames move.
     - bf16/fp16 frames compute and keep moments in float32; small steps are partly lost to rounding unless
       ``master_weights=True``.
     - Sharded (FSDP2/``DTensor``) frames are supported when sharded along a leading (head) dimension;
