@@ -382,3 +382,27 @@ def fixed_count_direction(m: torch.Tensor, w: torch.Tensor, dual_steps: int = 10
         step = torch.where(ok, step * 1.5, step * 0.5)
     a = (m - 2 * w @ lam) @ inv_root
     return a - w @ sym(w.mT @ a)
+
+
+# ----------------------------------------------------------------------------- one-rank process groups (FSDP2/DTensor)
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of one rank (world size 1) for the test, destroyed after it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def dtensor_frame(placement):
+    """A stack of four float64 8 x 3 frames as a ``DTensor`` parameter on a one-rank CPU mesh with ``placement``
+    (the manifold set), and the frames it was made from (a geoopt ``ManifoldTensor``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    frames = PolarStiefel().random(4, 8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    p = torch.nn.Parameter(distribute_tensor(frames.detach().clone(), mesh, [placement]))
+    p.manifold = PolarStiefel()
+    return p, frames

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import ORTHO_TOL_F64
+from conftest import ORTHO_TOL_F64, dtensor_frame
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from geoopt_stiefel_attention import (
@@ -279,30 +279,11 @@ def test_head_sharding_halves_the_frame_memory_per_rank(parallel_runs, name):
 
 
 # ----------------------------------------------------------------------------- refusals, one rank
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _dtensor_frame(placement):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from geoopt_stiefel_attention import PolarStiefel
-
-    mesh = init_device_mesh("cpu", (1,))
-    frames = PolarStiefel().random(4, 8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    p = torch.nn.Parameter(distribute_tensor(frames.detach().clone(), mesh, [placement]))
-    p.manifold = PolarStiefel()
-    return p, frames
-
-
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dim, axis", [(1, "d"), (2, "r"), (-1, "r")])
 def test_frame_sharded_along_d_or_r_is_refused_with_the_fix(one_rank_group, dim, axis, name):
     """The refusal names the optimizer that refuses (not StiefelAdam for every one)."""
-    p, _ = _dtensor_frame(Shard(dim))
+    p, _ = dtensor_frame(Shard(dim))
     with pytest.raises(NotImplementedError, match=rf"^{name}: frame parameter .*the {axis} .*fully_shard_by_heads"):
         OPTIMIZERS[name][0]([p])
 
@@ -366,7 +347,7 @@ def test_frame_sharded_by_heads_or_replicated_is_updated_like_a_plain_frame(one_
     name, options, dtype = OPTION_CASES[case]
     cls = OPTIMIZERS[name][0]
     buffer, scalar = FRAME_STATE[name]
-    p, frames = _dtensor_frame(placement)
+    p, frames = dtensor_frame(placement)
     p = torch.nn.Parameter(p.detach().to(dtype))
     p.manifold = frames.manifold
     plain = geoopt.ManifoldParameter(frames.detach().to(dtype, copy=True), manifold=p.manifold)

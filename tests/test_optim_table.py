@@ -20,7 +20,7 @@ import geoopt
 import pytest
 import torch
 import torch.optim.adamw as _torch_adamw
-from conftest import ORTHO_TOL_F32, ORTHO_TOL_F64, NoHostReads
+from conftest import ORTHO_TOL_F32, ORTHO_TOL_F64, NoHostReads, dtensor_frame
 
 from geoopt_stiefel_attention import PolarStiefel, StiefelAdam, StiefelMuon, param_groups, stiefel_adam_update
 from geoopt_stiefel_attention._linalg import orthonormality_error
@@ -336,31 +336,12 @@ def test_dynamo_traces_the_capturable_step_without_a_graph_break(name):
 
 
 # ----------------------------------------------------------------------------- FSDP2 by heads (one rank)
-@pytest.fixture
-def one_rank_group(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _dtensor_frame(placement):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
-
-    mesh = init_device_mesh("cpu", (1,))
-    frames = PolarStiefel().random(4, 8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    p = torch.nn.Parameter(distribute_tensor(frames.detach().clone(), mesh, [placement]))
-    p.manifold = PolarStiefel()
-    return p, frames.as_subclass(torch.Tensor)
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_a_frame_sharded_by_heads_is_updated_like_a_plain_frame_and_resumes(one_rank_group, name):
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    p, frames = _dtensor_frame(Shard(0))
+    p, frames = dtensor_frame(Shard(0))
+    frames = frames.as_subclass(torch.Tensor)
     plain = geoopt.ManifoldParameter(frames.clone(), manifold=PolarStiefel())
     grads = _grads((4, 8, 3), 5, seed=2)
     opt_sharded, opt_plain = _make(name, [p]), _make(name, [plain])
@@ -384,7 +365,7 @@ def test_a_frame_sharded_by_heads_is_updated_like_a_plain_frame_and_resumes(one_
 def test_companion_a_frame_sharded_along_d_is_refused_naming_the_fix(one_rank_group, name):
     from torch.distributed.tensor import Shard
 
-    p, _ = _dtensor_frame(Shard(1))
+    p, _ = dtensor_frame(Shard(1))
     # (the message is distributed.check_parameter's, which names StiefelAdam whichever optimizer asks)
     with pytest.raises(NotImplementedError, match="splits every frame.*fully_shard_by_heads"):
         _make(name, [p])
