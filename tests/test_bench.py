@@ -1334,3 +1334,34 @@ def test_the_w64_train_ratios_in_the_benchmarks_readme_are_the_committed_results
     # companion: a ratio misquoted by 0.01 is a different quote
     first = doc["results"][0]
     assert f"{round(first['ratio'], 2) + 0.01:.2f} ({first['model']})" not in sentence
+
+
+def test_the_issue58_table_of_benchmarks_readme_is_the_committed_outputs():
+    """benchmarks/README.md's before/after table of issue 58 quotes every round of the raw outputs in
+    results/issue58_base_cpu, cell for cell; a digit changed in a file would fail it."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    results = root / "benchmarks" / "results" / "issue58_base_cpu"
+
+    def column(name, col):  # first word of the first cell -> the cell ``col`` of each table row of a raw output
+        out = {}
+        for line in (results / name).read_text().splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("| ") and cells[0].split()[0] not in ("model", "width"):
+                out[cells[0].split()[0]] = cells[col]
+        return out
+
+    def row(label, name, col, key, rounds):
+        sides = [", ".join(column(f"{name}_{side}_{r}.txt", col)[key] for r in range(1, rounds + 1))
+                 for side in ("before", "after")]
+        return f"| {label} | {sides[0]} | {sides[1]} |"
+
+    expected = [row(f"`bench step` width {w}: StiefelAdam / AdamW foreach", "step", 3, w, 2) for w in ("128", "256", "512")]
+    expected += [row(f"`bench train --scale w64` {m}: stiefel / adamw", "train", 4, m, 2)
+                 for m in ("hf_gpt2", "hf_llama", "torch_encoder", "timm_vit")]
+    expected += [row(f"`bench muon` width {w}: StiefelMuon ms", "muon", 2, w, 3) for w in ("128", "256", "512")]
+    text = (root / "benchmarks" / "README.md").read_text()
+    block = text.split("<!-- issue58-table -->")[1].split("<!-- end issue58-table -->")[0]
+    quoted = [line for line in block.strip().splitlines()[2:]]
+    assert quoted == expected
