@@ -669,3 +669,13 @@ def test_the_committed_controls_report_reads_out_what_the_data_can_say():
     # companion: the same medians with rounds that do not spread would be read by the budget rule
     still = [{**x, "rounds": [x["seconds_per_step"]] * 3} for x in (a, b)]
     assert tuned.wallclock_rule(*still)["rule"] == "budget"
+
+
+def test_a_folder_with_the_stiefel_gain_arm_is_reported_as_the_level_ground_study(controls):
+    """The title comes from the records: a run of ``stiefel-gain`` marks the level-ground study (issue 57), and the
+    controls study keeps its own title (the companion: the same folder without that run)."""
+    assert cr.report_title(controls) == cr.TITLE
+    assert _finalize(controls).report_path.read_text().startswith(f"# {cr.TITLE}\n")
+    shutil.copytree(controls / "lr-0.01" / "runs" / "stiefel", controls / "lr-0.01" / "runs" / "stiefel-gain")
+    assert cr.report_title(controls) == cr.LEVEL_TITLE
+    assert "issue 57" in cr.LEVEL_TITLE and "issue 57" not in cr.TITLE

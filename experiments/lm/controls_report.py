@@ -91,6 +91,12 @@ SPIKE_FACTOR = 1.5
 GRAD_SPIKE_FACTOR = 5.0
 
 TITLE = "Controls: QK-norm, a stabilised AdamW, manifold Muon, ten seeds (issue 42)"
+#: The title of the level-ground study (issue 57): the controls protocol with every knob offered to every arm and the
+#: ``stiefel-gain`` arm, whose presence among a folder's runs marks it (:func:`report_title`).
+LEVEL_TITLE = ("Level ground: the frames against QK-norm with every knob offered to every arm, a learned gain for the "
+               "frames, selection on two seeds (issue 57)")
+#: The arm only the level-ground study has.
+LEVEL_ARM = "stiefel-gain"
 STEPS_FIGURE = "steps.png"
 LAYERS_FIGURE = "steps_layers.png"
 STEPS_FILE = "steps.jsonl"
@@ -120,6 +126,16 @@ def is_controls_folder(out_dir: str | os.PathLike) -> bool:
     return any(run_paths(out_dir, "config.json", parent=f"{cells}/runs/{arm}")
                for cells in (f"{tuned.GRID_PREFIX}*", tuned.FINAL_DIR, f"{tuned.WARMUP_PREFIX}*/{tuned.GRID_PREFIX}*")
                for arm in CONTROL_ONLY_ARMS)
+
+
+def report_title(out_dir: str | os.PathLike) -> str:
+    """The title of a controls folder's report, read from its records (a copy of the folder gets the same title):
+    :data:`LEVEL_TITLE` when it holds a run of :data:`LEVEL_ARM` (grid, warm-up grid or final cell), else
+    :data:`TITLE`."""
+    out_dir = Path(out_dir)
+    level = any(run_paths(out_dir, "config.json", parent=f"{cells}/runs/{LEVEL_ARM}")
+                for cells in (f"{tuned.GRID_PREFIX}*", tuned.FINAL_DIR, f"{tuned.WARMUP_PREFIX}*/{tuned.GRID_PREFIX}*"))
+    return LEVEL_TITLE if level else TITLE
 
 
 def finalize(out_dir: str | os.PathLike, config_type: type, *, arms: Sequence[str] | None = None) -> StudyOutputs:
@@ -573,7 +589,7 @@ def finalize_controls(out_dir: str | os.PathLike, config_type: type, *, arms: Se
 
     out_dir = Path(out_dir)
     summary, config, figure = tuned.tuned_summary(out_dir, config_type, arms=arms, baselines=CONTROL_BASELINES,
-                                                  title=TITLE)
+                                                  title=report_title(out_dir))
     summary["controls"] = controls_summary(out_dir, summary, config, arms, figures=figures)
     lines = tuned._render(summary, config, extra=controls_lines(summary))
     summary_path = out_dir / tuned.SUMMARY_FILE
