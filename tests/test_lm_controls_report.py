@@ -679,3 +679,16 @@ def test_a_folder_with_the_stiefel_gain_arm_is_reported_as_the_level_ground_stud
     shutil.copytree(controls / "lr-0.01" / "runs" / "stiefel", controls / "lr-0.01" / "runs" / "stiefel-gain")
     assert cr.report_title(controls) == cr.LEVEL_TITLE
     assert "issue 57" in cr.LEVEL_TITLE and "issue 57" not in cr.TITLE
+
+
+def test_runs_copied_from_another_study_are_named_in_the_report(controls):
+    """A folder's ``carried_over.json`` (the level study copied the controls grid) is quoted: how many runs, from
+    where, why and on which commit; the companion (no such file, as in the controls study) says nothing of it."""
+    assert "copied unchanged" not in _finalize(controls).report_path.read_text()
+    (controls / cr.CARRIED_FILE).write_text(json.dumps({
+        "from": "experiments/lm/records/controls", "why": "the same flags", "trained_on": ["c" * 40],
+        "runs": ["lr-0.01/runs/stiefel/seed0", "lr-0.01/runs/adamw/seed0"]}))
+    outputs = _finalize(controls)
+    assert outputs.summary["controls"]["carried_over"]["runs"] == 2
+    assert ("**2 runs copied unchanged from `experiments/lm/records/controls`** (the same flags; trained on "
+            + "c" * 12) in outputs.report_path.read_text()
