@@ -692,3 +692,28 @@ def test_runs_copied_from_another_study_are_named_in_the_report(controls):
     assert outputs.summary["controls"]["carried_over"]["runs"] == 2
     assert ("**2 runs copied unchanged from `experiments/lm/records/controls`** (the same flags; trained on "
             + "c" * 12) in outputs.report_path.read_text()
+
+
+def test_the_level_study_answers_geometry_or_logit_control_with_the_gain_arm(controls):
+    """With ``stiefel-gain`` in the final cell (the level-ground study), the answer adds its comparison with
+    ``adamw-qknorm`` and with ``adamw``, its largest logit and its stable range; the controls study's answer (the
+    companion: no such arm) has none of it."""
+    plain = cr.readme_paragraph(_finalize(controls).summary)[0]
+    assert "stiefel-gain" not in plain and "learned logit gain" not in plain
+    base = json.loads((controls / "final" / "runs" / "stiefel" / "seed1" / "config.json").read_text())
+    lr = base["config"]["optim"]["lr"]
+    for arm_dir in (controls / "final" / "runs" / "stiefel").iterdir():
+        shutil.copytree(arm_dir, controls / "final" / "runs" / "stiefel-gain" / arm_dir.name)
+    for lr_dir in controls.glob("lr-*"):
+        if (lr_dir / "runs" / "stiefel").exists():
+            shutil.copytree(lr_dir / "runs" / "stiefel", lr_dir / "runs" / "stiefel-gain")
+    for path in controls.glob("**/runs/stiefel-gain/seed*/*"):
+        if path.name in ("config.json", "metrics.jsonl"):
+            path.write_text(path.read_text().replace('"arm": "stiefel"', '"arm": "stiefel-gain"'))
+    summary = _finalize(controls).summary
+    assert "stiefel-gain" in summary["final"]["seeds"] and lr > 0
+    level = cr.readme_paragraph(summary)[0]
+    assert "With a learned logit gain per head, the scale QK-norm learns too: " in level
+    for phrase in ("`stiefel-gain` and `adamw-qknorm`", "`stiefel-gain` and `adamw`"):
+        assert phrase not in level  # both comparisons have pairs
+    assert level.count("`stiefel-gain`") >= 4  # the two claims, its largest logit and its stable range

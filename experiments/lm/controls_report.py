@@ -863,17 +863,23 @@ def readme_paragraph(summary: Mapping[str, Any]) -> list[str]:
     n_seeds = len(next(iter(final["seeds"].values())))
 
     geometry = _comparison(comps, "stiefel", "adamw-qknorm")
+    # the level-ground study (issue 57) adds the frames with a learned logit gain, the scale QK-norm has
+    gain = LEVEL_ARM in final["seeds"]
+    shown = ("stiefel", LEVEL_ARM, "adamw-qknorm", "adamw") if gain else ("stiefel", "adamw-qknorm", "adamw")
     q1 = ("**Geometry or logit control?** "
           + _lead(_verdict(geometry, "The frames do more than bound the logits: ", "Bounding the logits is enough "
                            "here, and QK-norm does better than the frames: ", "This study does not separate the "
                            "geometry from logit control. "), _claim(comps, "stiefel", "adamw-qknorm"))
           + ". " + _tuned_for_some(summary)
+          + ("" if not gain else "With a learned logit gain per head, the scale QK-norm learns too: "
+             + _claim(comps, LEVEL_ARM, "adamw-qknorm") + ". ")
           + "QK-norm alone against AdamW: "
           + _claim(comps, "adamw-qknorm", "adamw") + "; the frames against AdamW: " + _claim(comps, "stiefel", "adamw")
+          + ("" if not gain else "; the frames with the gain against AdamW: " + _claim(comps, LEVEL_ARM, "adamw"))
           + f". The largest attention logit of any training step (over the layers and the {n_seeds} final seeds) was "
-          + ", ".join(_logit_of(summary, a) for a in ("stiefel", "adamw-qknorm", "adamw"))
+          + ", ".join(_logit_of(summary, a) for a in shown)
           + f". Stable lr range (grid lrs within {rules['stable_bpb']:g} bpb of the best, validation): "
-          + "; ".join(_range_of(summary, a) for a in ("stiefel", "adamw-qknorm", "adamw")) + ".")
+          + "; ".join(_range_of(summary, a) for a in shown) + ".")
 
     recipe = (summary.get("recipes") or {}).get("adamw")
     own = c["own_warmup_steps"]
