@@ -717,3 +717,36 @@ def test_the_level_study_answers_geometry_or_logit_control_with_the_gain_arm(con
     for phrase in ("`stiefel-gain` and `adamw-qknorm`", "`stiefel-gain` and `adamw`"):
         assert phrase not in level  # both comparisons have pairs
     assert level.count("`stiefel-gain`") >= 4  # the two claims, its largest logit and its stable range
+
+
+def test_the_level_block_of_the_lm_readme_agrees_with_the_level_records():
+    """experiments/lm/README.md quotes the level-ground study's answers in a block of its own, generated from
+    records/level/summary.json (its placeholder while there is none); the controls block is checked alike above.
+    Companions: the controls placeholder in the level block, and no level markers, are both refused."""
+    text = (ROOT / "experiments" / "lm" / "README.md").read_text()
+    begin, end, placeholder, records = cr.study_block("level")
+    path = records / tuned.SUMMARY_FILE
+    summary = cr._located(json.loads(path.read_text())) if path.exists() else None
+    assert cr.readme_problems(text, summary, "level") == []
+    if summary is None:
+        assert cr._readme_block(text, "level") == placeholder
+        assert cr.readme_problems(text.replace(placeholder, cr.README_PLACEHOLDER), None, "level")
+    assert cr.readme_problems(text.replace(begin, ""), summary, "level")[0].startswith("the README lacks the markers")
+    with pytest.raises(ValueError, match="not one of"):
+        cr.study_block("tuned")
+
+
+def test_the_readme_command_writes_the_level_block_alone(controls, tmp_path):
+    """``readme --study level`` fills the level block from the given summary and leaves the controls block as it
+    was (and the default, the controls study, the level block)."""
+    summary_path = _finalize(controls).summary_path
+    begin, end, placeholder, _ = cr.study_block("level")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{cr.README_BEGIN}\n{cr.README_PLACEHOLDER}\n{cr.README_END}\n\n{begin}\n{placeholder}\n{end}\n")
+    assert cr.main(["readme", "--study", "level", "--summary", str(summary_path), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert cr._readme_block(text) == cr.README_PLACEHOLDER
+    assert cr._readme_block(text, "level").startswith("**Geometry or logit control?**")
+    assert cr.main(["readme", "--check", "--study", "level", "--summary", str(summary_path),
+                    "--readme", str(readme)]) == 0
+    assert cr.main(["readme", "--check", "--summary", str(summary_path), "--readme", str(readme)]) == 1  # companion
