@@ -608,8 +608,20 @@ def _carried_over(out_dir: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     data = json.loads(path.read_text())
-    return {"from": data["from"], "why": data["why"], "trained_on": list(data["trained_on"]),
-            "runs": len(data["runs"])}
+    out = {"from": data["from"], "why": data["why"], "trained_on": list(data["trained_on"]), "runs": len(data["runs"])}
+    final = data.get("final")
+    if final is not None:  # final runs carried by experiments.lm.carry
+        out["final"] = {"from": final["from"], "why": final["why"], "trained_on": list(final["trained_on"]),
+                        "runs": len(final["runs"]),
+                        "arms": sorted({run.split("/")[2] for run in final["runs"]})}
+        code = out_dir / "code_path.json"  # experiments.lm.carry.CODE_PATH_FILE (that module imports this one)
+        if code.exists():
+            checked = json.loads(code.read_text())
+            out["final"]["against_record"] = {arm: checked["arms"][arm]["against_source_record"]
+                                              for arm in out["final"]["arms"] if arm in checked["arms"]}
+            out["final"]["check"] = {"epochs": checked["epochs"], "seed": checked["seed"],
+                                     "machine": checked["machine"].get("cpu_model")}
+    return out
 
 
 def finalize_controls(out_dir: str | os.PathLike, config_type: type, *, arms: Sequence[str] | None = None,
@@ -737,7 +749,30 @@ def controls_lines(summary: Mapping[str, Any]) -> list[str]:
         lines += [f"**{carried['runs']} runs copied unchanged from `{carried['from']}`** ({carried['why']}; trained on "
                   f"{', '.join(sha[:12] for sha in carried['trained_on'])}; listed in `{CARRIED_FILE}`): the Run "
                   "section below names their commit beside this study's own.", ""]
+        final = carried.get("final")
+        if final is not None:
+            lines += [f"**{final['runs']} final runs copied unchanged from `{final['from']}`** (arms "
+                      f"{', '.join(f'`{a}`' for a in final['arms'])}: {final['why']}; trained on "
+                      f"{', '.join(sha[:12] for sha in final['trained_on'])}; listed under `final` in `{CARRIED_FILE}`, "
+                      f"the check in `code_path.json`).", ""]
+            if final.get("check"):
+                lines += [_against_record_text(final), ""]
     return lines
+
+
+def _against_record_text(final: Mapping[str, Any]) -> str:
+    """Whether the code-path check's run on this study's commit reproduced the carried records (another machine
+    may round differently), arm by arm."""
+    check = final["check"]
+    same = [a for a, d in final["against_record"].items() if d is None]
+    parts = [f"`{a}` first differs at {d['file']} record {d['record']} `{d['key']}` ({d['a']!r} here, {d['b']!r} on "
+             "record)" for a, d in final["against_record"].items() if d is not None]
+    if same:
+        parts.append(f"{', '.join(f'`{a}`' for a in same)} reproduce{'s' if len(same) == 1 else ''} it bit for bit")
+    return (f"Retrained for {check['epochs']} epochs of seed {check['seed']} on this study's commit and machine "
+            f"({check['machine'] or 'CPU unrecorded'}), against the carried record of that seed: {'; '.join(parts)}. "
+            "A difference here, with the code path unchanged, is the rounding of another CPU's kernels: the carried "
+            "runs are what their recipe gives on the machine that trained them.")
 
 
 def _reuse_text(r: Mapping[str, Any] | None) -> str:

@@ -13,6 +13,8 @@
 #   checkout. Resumable: rerun it and it skips the runs already recorded and continues. The plan (which runs are
 #   missing) and the report are made by this checkout's code, which reads records and trains nothing, so a fix to
 #   the planner or the report applies without a new training commit; every run records the commit that trained it.
+#   Before each plan, `python -m experiments.lm.carry final` copies the final runs of another study that may join this
+#   one's (the args file's '# carry-final <study>' line; experiments/lm/carry.py says when they may).
 # DRY_RUN=1 lists the stages and the runs each would train now (stages that wait on results say so); trains nothing.
 # Never start two copies on one folder.
 set -euo pipefail
@@ -45,7 +47,14 @@ lm() {
   python -m experiments lm $flags --workers "$jobs" --threads 1 --quiet "$@" 2>&1 | tee -a "$out/log.txt"
 }
 last=
-while calls=$(cd "$repo" && python -m experiments.lm.controls next "$out" "$tree/$args") && [[ -n $calls ]]; do
+# before each plan: the final runs of another study that may join this one's final cell (a '# carry-final' line in
+# this checkout's args file; experiments/lm/carry.py), copied once the plan reaches the final cell
+carry() { (cd "$repo" && python -m experiments.lm.carry final "$out" "experiments/lm/configs/$study.args") | tee -a "$out/log.txt"; }
+while true; do
+  carry || { echo "run_controls.sh: the carry step failed (above); nothing more is trained" >&2; exit 1; }
+  calls=$(cd "$repo" && python -m experiments.lm.controls next "$out" "$tree/$args") \
+    || { echo "run_controls.sh: the planner failed (above); nothing more is trained" >&2; exit 1; }
+  [[ -n $calls ]] || break
   if [[ $calls == "$last" ]]; then
     echo "run_controls.sh: the same calls again after training them; see $out/log.txt" >&2
     exit 1
