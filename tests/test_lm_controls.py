@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -547,3 +549,100 @@ def test_lm_confirm_flag_usage_errors_are_one_line_exit_2():
                               "0", *extra], capture_output=True, text=True, cwd=ROOT)
         assert res.returncode == 2, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1 and words in res.stderr and "--confirm" in res.stderr
+
+
+def test_planner_splits_a_call_into_one_call_per_run_in_training_order():
+    """``next --per-run``: a grid call becomes one call per seed, arm and lr, a final call one per final seed and arm
+    (seed by seed: whole pairs first), every other flag in place; the timing pass stays one call. Companion: the
+    split calls train exactly the runs of the call (the cross product), none twice."""
+    from experiments.lm import controls
+
+    grid = ("--out", "/s/warmup-400", "--warmup-fraction", "0.2", "--arms", "a", "b", "--lrs", "0.01", "0.03",
+            "--seeds", "0", "--skip-report")
+    calls = controls.per_run(grid)
+    assert calls[0] == ("--out", "/s/warmup-400", "--warmup-fraction", "0.2", "--arms", "a", "--lrs", "0.01",
+                        "--seeds", "0", "--skip-report")
+    assert [(c[5], c[7]) for c in calls] == [("a", "0.01"), ("a", "0.03"), ("b", "0.01"), ("b", "0.03")]
+    final = ("--out", "/s", "--arms", "a", "b", "--seeds", "0", "--confirm", "11", "3", "--final-seeds", "1", "2",
+             "--skip-report")
+    calls = controls.per_run(final)
+    assert [(c[3], c[c.index("--final-seeds") + 1]) for c in calls] == [("a", "1"), ("b", "1"), ("a", "2"), ("b", "2")]
+    assert all(c[c.index("--confirm"):c.index("--confirm") + 3] == ("--confirm", "11", "3") and len(c) == 12
+               for c in calls)
+    timing = ("--out", "/s", "--arms", "a", "b", "--seeds", "0", "--time-steps", "20", "--skip-report")
+    assert controls.per_run(timing) == [timing]
+
+
+def _stub_python(bin_dir: Path, fail_arm: str = "") -> Path:
+    """A ``python`` for run_controls.sh: the planner hands out three single-run calls once, each ``lm`` call logs its
+    start and end (and appends itself to its folder's study.json, as the harness does), ``fail_arm`` fails."""
+    log = bin_dir / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
+case "$2" in
+  experiments.lm.carry) exit 0 ;;
+  experiments.lm.controls)
+    out=$5
+    [[ -e $out/.planned ]] && exit 0
+    touch "$out/.planned"
+    for arm in a b c; do echo "--out $out/g --arms $arm --lrs 0.01 --seeds 0 --skip-report"; done
+    exit 0 ;;
+esac
+[[ " $* " == *" --report-only "* ]] && exit 0
+args="$*"; folder=${{args#*--out }}; folder=${{folder%% *}}; arm=${{args#*--arms }}; arm=${{arm%% *}}
+mkdir -p "$folder"; echo "python -m experiments lm $*" >> "$folder/study.json"
+echo "start $arm $*" >> {log}
+sleep 3
+echo "end $arm" >> {log}
+[[ $arm != "{fail_arm}" ]]
+""")
+    (bin_dir / "python").chmod(0o755)
+    return log
+
+
+def _run_controls_in_a_scratch_repo(tmp_path: Path, jobs: str, fail_arm: str = ""):
+    repo = tmp_path / "repo"
+    (repo / "experiments/lm/configs").mkdir(parents=True)
+    shutil.copy(ROOT / "experiments/lm/run_controls.sh", repo / "experiments/lm/run_controls.sh")
+    (repo / "experiments/lm/configs/t.args").write_text("# grid a 0.01\n--epochs 1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q", str(repo)], check=True)
+    subprocess.run(git + ["-C", str(repo), "add", "."], check=True)
+    subprocess.run(git + ["-C", str(repo), "commit", "-qm", "t"], check=True)
+    log = _stub_python(tmp_path / "bin", fail_arm)
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "STUDY": "t"}
+    res = subprocess.run(["bash", "experiments/lm/run_controls.sh", "HEAD", str(tmp_path / "wt"), jobs], cwd=repo,
+                         env=env, capture_output=True, text=True, timeout=120)
+    events = log.read_text().splitlines() if log.exists() else []
+    return res, events
+
+
+def _most_at_once(events: list[str]) -> int:
+    running = most = 0
+    for e in events:
+        running += 1 if e.startswith("start") else -1
+        most = max(most, running)
+    return most
+
+
+def test_run_controls_keeps_jobs_single_run_calls_running_at_once(tmp_path):
+    """Three single-run calls with JOBS 2: two run at once, never three, each with one worker, each recorded once in
+    study.json; companion: with JOBS 1 they run one after the other."""
+    res, events = _run_controls_in_a_scratch_repo(tmp_path / "two", "2")
+    assert res.returncode == 0, res.stderr
+    starts = [e for e in events if e.startswith("start")]
+    assert len(starts) == 3 and all("--workers 1 " in e for e in starts)
+    assert _most_at_once(events) == 2
+    study = (tmp_path / "two/repo/experiments/lm/records/t/g/study.json").read_text().splitlines()
+    assert len(study) == 3 and len(set(study)) == 3
+    res, events = _run_controls_in_a_scratch_repo(tmp_path / "one", "1")
+    assert res.returncode == 0 and len(events) == 6 and _most_at_once(events) == 1
+
+
+def test_run_controls_stops_when_a_training_call_fails(tmp_path):
+    """A failed call does not stop the calls already running, but the script then exits 1, naming the log, and
+    writes no report."""
+    res, events = _run_controls_in_a_scratch_repo(tmp_path, "2", fail_arm="b")
+    assert res.returncode == 1 and "a training call failed" in res.stderr
+    assert sum(e.startswith("end") for e in events) == 3  # every started call ran to its end
+    assert "=== done" not in (tmp_path / "repo/experiments/lm/records/t/log.txt").read_text()

@@ -36,9 +36,10 @@ Selection uses validation only (:func:`~.tuned.read_grid` never reads the grid's
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +56,7 @@ from .tuned import (
 )
 
 __all__ = ["GRID_SEEDS", "FINAL_SEEDS", "REFINE_RATIO", "Protocol", "read_protocol", "Stage", "stages", "confirm_points",
-           "main"]
+           "per_run", "main"]
 
 #: Seeds of every grid point: one, so that the budget goes to the final cell's ten pairs. In the tuned study two seeds
 #: of one grid point differed by 0.018 bpb (median; 0.001-0.026 at the arms' optima), about the size of the gaps
@@ -285,13 +286,52 @@ def stages(out: str | Path, protocol: Protocol) -> list[Stage]:
     return plan + [Stage("timing", timing, ("timing pass",) if timing else ())]
 
 
+def _values(call: Sequence[str], flag: str) -> tuple[int, int]:
+    """The span ``(start, end)`` of the values of ``flag`` in ``call`` (``start`` the flag's index)."""
+    start = call.index(flag)
+    end = next((i for i in range(start + 1, len(call)) if call[i].startswith("--")), len(call))
+    return start, end
+
+
+def per_run(call: Sequence[str]) -> list[tuple[str, ...]]:
+    """A planned call split into one call per run, in the order the call trains them: a grid call (``--arms``,
+    ``--lrs``, ``--seeds``) into one per seed, arm and lr; a final call (``--final-seeds``) into one per final seed
+    and arm (seed by seed: a cell stopped part-way still holds whole pairs); the timing pass (``--time-steps``,
+    which times the arms together) as it is. Every other flag is kept in place."""
+    call = tuple(call)
+    if "--time-steps" in call:
+        return [call]
+    final = "--final-seeds" in call
+    axes = ["--final-seeds", "--arms"] if final else ["--seeds", "--arms", "--lrs"]
+    spans = {flag: _values(call, flag) for flag in axes}
+    values = {flag: call[start + 1:end] for flag, (start, end) in spans.items()}
+
+    def one(choice: Mapping[str, str]) -> tuple[str, ...]:
+        out: list[str] = []
+        i = 0
+        while i < len(call):
+            flag = call[i]
+            if flag in spans:
+                out += [flag, choice[flag]]
+                i = spans[flag][1]
+            else:
+                out.append(flag)
+                i += 1
+        return tuple(out)
+
+    return [one(dict(zip(axes, combo, strict=True))) for combo in itertools.product(*(values[f] for f in axes))]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``next OUT ARGS``: the calls of the first stage that misses runs, one line of flags each (none: the study
-    is trained); ``plan OUT ARGS``: every stage with its runs. A usage error is one line on stderr, exit 2."""
+    is trained; ``--per-run``: one call per run, :func:`per_run`); ``plan OUT ARGS``: every stage with its runs. A
+    usage error is one line on stderr, exit 2."""
     parser = argparse.ArgumentParser(prog="python -m experiments.lm.controls", description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=("next", "plan"))
     parser.add_argument("out", help="the study folder, e.g. experiments/lm/records/controls")
     parser.add_argument("args", help="the args file, e.g. experiments/lm/configs/controls.args")
+    parser.add_argument("--per-run", action="store_true",
+                        help="next: one call per run (run_controls.sh keeps JOBS of them running at once)")
     a = parser.parse_args(argv)
     try:
         protocol = read_protocol(a.args)
@@ -302,7 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.command == "next":
         first = next((st for st in plan if st.calls), None)
         for call in first.calls if first else ():
-            print(" ".join(call))
+            for one in per_run(call) if a.per_run else [call]:
+                print(" ".join(one))
         return 0
     for st in plan:
         if st.waiting:

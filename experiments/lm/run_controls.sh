@@ -9,7 +9,7 @@
 #   experiments/lm/records/$STUDY/: "level" is the level-ground study of issue 57 (its successor; the planner
 #   refuses controls.args now, whose warm-up variant left out four arms).
 #   Trains on COMMIT (must be clean) checked out in WORKTREE (created with `git worktree add` when missing), JOBS
-#   runs side by side (one torch thread each; default 1); records go to experiments/lm/records/controls/ of this
+#   runs side by side (one call per run, one torch thread each; default 1); records go to experiments/lm/records/controls/ of this
 #   checkout. Resumable: rerun it and it skips the runs already recorded and continues. The plan (which runs are
 #   missing) and the report are made by this checkout's code, which reads records and trains nothing, so a fix to
 #   the planner or the report applies without a new training commit; every run records the commit that trained it.
@@ -44,7 +44,17 @@ mkdir -p "$out"
 lm() {
   echo "=== lm $* at $(date -u +%FT%TZ) on ${sha:0:12}" | tee -a "$out/log.txt"
   # shellcheck disable=SC2086
-  python -m experiments lm $flags --workers "$jobs" --threads 1 --quiet "$@" 2>&1 | tee -a "$out/log.txt"
+  python -m experiments lm $flags --workers 1 --threads 1 --quiet "$@" 2>&1 | tee -a "$out/log.txt"
+}
+# until the call just started has appended itself to its folder's study.json (at most 2 minutes), so that no two
+# calls read and rewrite that file at once
+recorded() {
+  local folder=${1#--out }
+  folder=${folder%% *}
+  for _ in $(seq 600); do
+    grep -qF -- "$1" "$folder/study.json" 2>/dev/null && return 0
+    sleep 0.2
+  done
 }
 last=
 # before each plan: the final runs of another study that may join this one's final cell (a '# carry-final' line in
@@ -52,17 +62,24 @@ last=
 carry() { (cd "$repo" && python -m experiments.lm.carry final "$out" "experiments/lm/configs/$study.args") | tee -a "$out/log.txt"; }
 while true; do
   carry || { echo "run_controls.sh: the carry step failed (above); nothing more is trained" >&2; exit 1; }
-  calls=$(cd "$repo" && python -m experiments.lm.controls next "$out" "$tree/$args") \
+  calls=$(cd "$repo" && python -m experiments.lm.controls next --per-run "$out" "$tree/$args") \
     || { echo "run_controls.sh: the planner failed (above); nothing more is trained" >&2; exit 1; }
   [[ -n $calls ]] || break
   if [[ $calls == "$last" ]]; then
     echo "run_controls.sh: the same calls again after training them; see $out/log.txt" >&2
     exit 1
   fi
+  # one call per run, JOBS of them at once: a stage whose calls hold different numbers of runs leaves no worker idle
+  failed=$(mktemp)
+  rm -f "$failed"
   while IFS= read -r call; do
+    while (( $(jobs -rp | wc -l) >= jobs )); do wait -n || true; done
     # shellcheck disable=SC2086
-    lm $call
+    { lm $call || touch "$failed"; } &
+    recorded "$call"
   done <<< "$calls"
+  wait
+  [[ ! -e $failed ]] || { rm -f "$failed"; echo "run_controls.sh: a training call failed; see $out/log.txt" >&2; exit 1; }
   last=$calls
 done
 (cd "$repo" && python -m experiments lm --report-only --out "$out")
