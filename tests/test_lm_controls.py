@@ -590,7 +590,7 @@ case "$2" in
 esac
 [[ " $* " == *" --report-only "* ]] && exit 0
 args="$*"; folder=${{args#*--out }}; folder=${{folder%% *}}; arm=${{args#*--arms }}; arm=${{arm%% *}}
-mkdir -p "$folder"; echo "python -m experiments lm $*" >> "$folder/study.json"
+mkdir -p "$folder"; echo "\\"python -m experiments lm ${{*:4}}\\"," >> "$folder/study.json"
 echo "start $arm $*" >> {log}
 sleep 3
 echo "end $arm" >> {log}

@@ -46,13 +46,15 @@ lm() {
   # shellcheck disable=SC2086
   python -m experiments lm $flags --workers 1 --threads 1 --quiet "$@" 2>&1 | tee -a "$out/log.txt"
 }
-# until the call just started has appended itself to its folder's study.json (at most 2 minutes), so that no two
-# calls read and rewrite that file at once
+# until the call just started has appended its command line (as the harness records it) to its folder's study.json
+# (at most 2 minutes), so that no two calls read and rewrite that file at once
 recorded() {
-  local folder=${1#--out }
+  local folder=${1#--out } want
   folder=${folder%% *}
+  # shellcheck disable=SC2086
+  want="python -m experiments lm $(echo $flags) --workers 1 --threads 1 --quiet $1"
   for _ in $(seq 600); do
-    grep -qF -- "$1" "$folder/study.json" 2>/dev/null && return 0
+    grep -qF -- "\"$want\"" "$folder/study.json" 2>/dev/null && return 0
     sleep 0.2
   done
 }
