@@ -255,10 +255,13 @@ def stages(out: str | Path, protocol: Protocol) -> list[Stage]:
     if protocol.confirm is not None:
         seed, points = protocol.confirm
         missing_by_folder = confirm_points(out, protocol, grid)
-        confirm = [_grid_stage(f"second seed {seed}, {folder.name}", folder, missing, [seed], flags)
-                   for folder, (flags, missing) in missing_by_folder.items()]
-        plan += confirm or [Stage(f"second seed {seed}")]
-        if confirm:
+        # one stage over every folder (its runs named with their folder): the points are independent, so a call of
+        # one folder never waits for another's to finish
+        parts = [_grid_stage("", folder, missing, [seed], flags) for folder, (flags, missing) in missing_by_folder.items()]
+        confirm = Stage(f"second seed {seed}", tuple(c for p in parts for c in p.calls),
+                        tuple(r for p in parts for r in p.runs))
+        plan.append(confirm)
+        if confirm.calls:
             return plan + [Stage("final, timing", waiting=f"the second seed {seed}")]
         extra = ("--confirm", str(seed), str(points))  # the final cell and the timing pass select on both seeds
     done, _ = _finished(out / FINAL_DIR)
