@@ -293,10 +293,11 @@ def carry_runs(out: str | os.PathLike, source: str | os.PathLike, recipes: Mappi
     """
     from .controls import GRID_SEEDS
     from .controls_report import CARRIED_FILE
-    from .tuned import FINAL_DIR
+    from .tuned import FINAL_DIR, _finished
 
     out, source = Path(out), Path(source)
     final = _source_final(source)
+    finished, _ = _finished(source / FINAL_DIR)  # the runs that reached their epochs, as the final cell counts them
     path = out / CODE_PATH_FILE
     code = json.loads(path.read_text()) if path.is_file() else None
     lines, carried = [], []
@@ -309,7 +310,7 @@ def carry_runs(out: str | os.PathLike, source: str | os.PathLike, recipes: Mappi
         runs = []
         for run in sorted(arm_dir.glob("seed*"), key=lambda p: int(p.name[4:])):
             target = out / FINAL_DIR / "runs" / arm / run.name
-            if target.exists() or not _finished(run):
+            if target.exists() or int(run.name[4:]) not in finished.get(arm, {}):
                 continue
             target.mkdir(parents=True)
             for f in CARRIED_FILES:
@@ -321,13 +322,6 @@ def carry_runs(out: str | os.PathLike, source: str | os.PathLike, recipes: Mappi
     if carried:
         _record(out / CARRIED_FILE, source.name, code, carried)
     return lines
-
-
-def _finished(run: Path) -> bool:
-    """Whether the run in folder ``run`` reached its configured epochs."""
-    config = json.loads((run / "config.json").read_text())
-    records = _lines(run / "metrics.jsonl")
-    return bool(records) and records[-1]["epoch"] >= config["config"]["train"]["epochs"]
 
 
 def _refusal(out: Path, arm: str, arm_dir: Path, recipes: Mapping[str, Any], code: Mapping[str, Any] | None,
